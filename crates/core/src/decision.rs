@@ -1,0 +1,443 @@
+//! The decision table of DESIGN.md §2, as pure functions, and the settlement machine that
+//! carries one delivery from its plan to a terminal [`Outcome`].
+//!
+//! [`decide_at_gate`] covers the rows before the pipeline, [`decide`] the rows after it.
+//! [`Settlement`] then sequences the actions of a plan (handoff publish, ACK, NACK, reject)
+//! and takes the evidence of each back through `handle_*`; every action is handed out at most
+//! once, so no delivery is settled twice by construction.
+
+use std::time::{Duration, Instant};
+
+use crate::{Budget, FailureKind, GateRejection, Policy};
+
+/// What the pipeline (dispatch, extractors, hooks, handler) produced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PipelineResult {
+    /// The handler returned `Ok(())`.
+    Succeeded,
+    /// Dispatch, an extractor, a hook or the handler returned an error of this kind.
+    Failed {
+        /// Kind of the failure.
+        kind: FailureKind,
+        /// The handler's delay hint.
+        retry_after: Option<Duration>,
+    },
+    /// The handler panicked: retryable.
+    Panicked,
+    /// The handler ran past its timeout: retryable.
+    TimedOut,
+    /// Work could not start for an infrastructure reason (a lease held elsewhere).
+    Deferred,
+    /// The inbox shows this message was already handled with the same fingerprint.
+    Duplicate,
+}
+
+/// Whether the scope's cleanup succeeded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CleanupResult {
+    /// Every cleanup step succeeded.
+    Succeeded,
+    /// A cleanup step failed: a success becomes a retryable failure.
+    Failed,
+}
+
+/// Outcome of the scope's transaction, when one is required.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransactionOutcome {
+    /// The scope has no transaction.
+    NotRequired,
+    /// The commit completed.
+    Committed,
+    /// The transaction was aborted (or the commit failed definitively): retryable.
+    Aborted,
+    /// The commit outcome is still unknown after bounded retries: deferral.
+    CommitAmbiguous,
+}
+
+/// Whether Lily may still settle the delivery.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Authority {
+    /// The channel is open and authority was not revoked.
+    Held,
+    /// The channel closed or authority was revoked: nothing may be sent.
+    Lost,
+}
+
+/// Everything [`decide`] looks at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Situation {
+    /// Result of the pipeline.
+    pub pipeline: PipelineResult,
+    /// Result of the scope cleanup.
+    pub cleanup: CleanupResult,
+    /// Outcome of the transaction.
+    pub transaction: TransactionOutcome,
+    /// Application attempt of this delivery, starting at 1.
+    pub attempt: u32,
+    /// Requeues this message has already had.
+    pub requeues: u32,
+    /// Whether settlement is still possible.
+    pub authority: Authority,
+}
+
+/// Where a handoff publishes the failed message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Lane {
+    /// A retry bucket; the copy carries `next_attempt`.
+    Retry {
+        /// Index into [`Policy::retry_delays`].
+        bucket: usize,
+        /// Attempt number written on the copy.
+        next_attempt: u32,
+    },
+    /// The dead-letter queue.
+    DeadLetter,
+    /// The parking lane: never replayed automatically.
+    Parking,
+}
+
+/// Why a failure takes the path it takes; written to headers and logs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Cause {
+    /// The gate refused the envelope.
+    InvalidEnvelope,
+    /// The handler, an extractor, a hook or dispatch failed.
+    Handler,
+    /// The handler panicked.
+    Panic,
+    /// The handler timed out.
+    Timeout,
+    /// Cleanup failed after a successful handler.
+    Cleanup,
+    /// The transaction was aborted.
+    TransactionAborted,
+    /// Retryable failure on the last attempt.
+    AttemptsExhausted,
+    /// The message reached the requeue limit.
+    RequeueLimit,
+}
+
+impl Cause {
+    /// The name used in headers and logs.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::InvalidEnvelope => "invalid envelope",
+            Self::Handler => "handler failure",
+            Self::Panic => "handler panicked",
+            Self::Timeout => "handler timed out",
+            Self::Cleanup => "scope cleanup failed",
+            Self::TransactionAborted => "transaction aborted",
+            Self::AttemptsExhausted => "attempts exhausted",
+            Self::RequeueLimit => "requeue limit reached",
+        }
+    }
+}
+
+/// A handoff to publish: mandatory, persistent, confirmed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Handoff {
+    /// Destination.
+    pub lane: Lane,
+    /// Kind of the failure, written to the copy's headers (`None` for gate rejections).
+    pub kind: Option<FailureKind>,
+    /// Why.
+    pub cause: Cause,
+}
+
+/// Why an original was requeued with NACK.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RequeueCause {
+    /// The handoff publish failed (returned, nacked, channel error, timeout).
+    HandoffFailed,
+    /// An infrastructure deferral (lease held, commit ambiguous).
+    Deferred,
+}
+
+/// Why a delivery ends without settlement evidence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Unresolved {
+    /// The handoff was confirmed but the original ACK failed or was not possible: the copy is
+    /// kept, the original will be redelivered (a duplicate in the retry/DLQ path is possible).
+    HandoffConfirmedAckFailed(Lane),
+    /// The handoff failed and the budget left no time for the NACK.
+    BudgetExhausted,
+    /// The handoff failed and the message had reached the requeue limit: it stays unsettled on
+    /// its channel (no hot loop) until the channel closes.
+    HandoffFailedAtRequeueLimit,
+}
+
+/// A plan for the original delivery, chosen by the decision table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Plan {
+    /// ACK the original.
+    Ack,
+    /// Publish a copy, wait for its confirm, then ACK the original.
+    Handoff(Handoff),
+    /// NACK the original with requeue.
+    Requeue(RequeueCause),
+    /// `basic.reject(requeue=false)`: the queue's dead-letter exchange takes it.
+    Reject,
+    /// Send nothing: authority is lost; the broker will redeliver.
+    Abandon,
+}
+
+/// The rows before the pipeline.
+pub fn decide_at_gate(rejection: &GateRejection) -> Plan {
+    match rejection {
+        GateRejection::Oversized { .. } => Plan::Reject,
+        GateRejection::Invalid(_) => Plan::Handoff(Handoff {
+            lane: Lane::DeadLetter,
+            kind: None,
+            cause: Cause::InvalidEnvelope,
+        }),
+    }
+}
+
+/// The rows after the pipeline.
+pub fn decide(s: &Situation, policy: &Policy) -> Plan {
+    if s.authority == Authority::Lost {
+        return Plan::Abandon;
+    }
+    let at_limit = s.requeues >= policy.max_requeues;
+    let to_dead_letter = |kind, cause| {
+        Plan::Handoff(Handoff {
+            lane: Lane::DeadLetter,
+            kind: Some(kind),
+            cause,
+        })
+    };
+    let (kind, retry_after, cause) = match (s.pipeline, s.cleanup, s.transaction) {
+        (PipelineResult::Duplicate, _, _) => return Plan::Ack,
+        (PipelineResult::Deferred, _, _)
+        | (PipelineResult::Succeeded, CleanupResult::Succeeded, TransactionOutcome::CommitAmbiguous) => {
+            return if at_limit {
+                to_dead_letter(FailureKind::Retryable, Cause::RequeueLimit)
+            } else {
+                Plan::Requeue(RequeueCause::Deferred)
+            };
+        }
+        (
+            PipelineResult::Succeeded,
+            CleanupResult::Succeeded,
+            TransactionOutcome::NotRequired | TransactionOutcome::Committed,
+        ) => return Plan::Ack,
+        (PipelineResult::Succeeded, CleanupResult::Failed, _) => {
+            (FailureKind::Retryable, None, Cause::Cleanup)
+        }
+        (PipelineResult::Succeeded, CleanupResult::Succeeded, TransactionOutcome::Aborted) => {
+            (FailureKind::Retryable, None, Cause::TransactionAborted)
+        }
+        (PipelineResult::Failed { kind, retry_after }, _, _) => (kind, retry_after, Cause::Handler),
+        (PipelineResult::Panicked, _, _) => (FailureKind::Retryable, None, Cause::Panic),
+        (PipelineResult::TimedOut, _, _) => (FailureKind::Retryable, None, Cause::Timeout),
+    };
+    if at_limit {
+        return to_dead_letter(kind, Cause::RequeueLimit);
+    }
+    match kind {
+        FailureKind::Retryable if s.attempt < policy.max_attempts => Plan::Handoff(Handoff {
+            lane: Lane::Retry {
+                bucket: policy.bucket_for(s.attempt, retry_after),
+                next_attempt: s.attempt + 1,
+            },
+            kind: Some(kind),
+            cause,
+        }),
+        FailureKind::Retryable => to_dead_letter(kind, Cause::AttemptsExhausted),
+        FailureKind::Permanent => to_dead_letter(kind, cause),
+        FailureKind::Indeterminate => Plan::Handoff(Handoff {
+            lane: Lane::Parking,
+            kind: Some(kind),
+            cause,
+        }),
+    }
+}
+
+/// Evidence from a handoff publish.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HandoffResult {
+    /// The broker confirmed the publish and did not return it.
+    Confirmed,
+    /// The broker returned the message as unroutable (even if it then confirmed it).
+    Returned,
+    /// The broker nacked the publish.
+    Nacked,
+    /// The publish or its confirm failed on the channel, or the adapter failed or panicked.
+    Failed,
+    /// No confirm arrived within the budget.
+    TimedOut,
+}
+
+/// Evidence from writing an ACK, NACK or reject.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SettleResult {
+    /// The frame was written to the channel.
+    Written,
+    /// The channel refused it (closed, poisoned, or the delivery already settled).
+    Refused,
+}
+
+/// What to do next for a delivery.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Publish the handoff within `deadline`, then report through [`Settlement::handle_handoff`].
+    Publish {
+        /// The handoff to publish.
+        handoff: Handoff,
+        /// Time allowed for publish and confirm.
+        deadline: Duration,
+    },
+    /// ACK the original, then report through [`Settlement::handle_settled`].
+    Ack,
+    /// NACK the original with requeue, then report through [`Settlement::handle_settled`].
+    Requeue,
+    /// Reject the original without requeue, then report through [`Settlement::handle_settled`].
+    Reject,
+}
+
+/// The terminal result of one delivery, counted in totals.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// The original was ACKed after success (or duplicate suppression).
+    Acked,
+    /// A retry copy was confirmed and the original ACKed.
+    Retried,
+    /// A dead-letter copy was confirmed and the original ACKed.
+    DeadLettered,
+    /// A parking copy was confirmed and the original ACKed.
+    Parked,
+    /// The original was NACKed with requeue.
+    Requeued(RequeueCause),
+    /// The original was rejected to the broker's dead-letter exchange (broker-native, weaker
+    /// evidence than a confirmed handoff).
+    RejectedToDlx,
+    /// Nothing was sent because authority was lost; the broker will redeliver.
+    AuthorityLost,
+    /// Settlement is unresolved.
+    Unresolved(Unresolved),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// The action is ready to be handed out.
+    Ready(Action),
+    /// The action was handed out; waiting for its evidence.
+    Waiting(Action),
+    Done(Outcome),
+}
+
+/// Carries one delivery from its [`Plan`] to an [`Outcome`].
+///
+/// Drive it with [`poll_action`](Self::poll_action) and the `handle_*` methods. Each action is
+/// returned once; evidence for an action that was not handed out is ignored.
+#[derive(Clone, Debug)]
+pub struct Settlement {
+    stage: Stage,
+    budget: Budget,
+    handoff: Option<Lane>,
+    may_requeue: bool,
+    requeue_cause: RequeueCause,
+}
+
+impl Settlement {
+    /// Starts settlement of `plan` at `now`. `requeues` is how many times the message has been
+    /// requeued already.
+    pub fn start(plan: Plan, requeues: u32, policy: &Policy, now: Instant) -> Self {
+        let budget = Budget::start(now, policy.settlement_budget, policy.nack_reserve);
+        let mut requeue_cause = RequeueCause::HandoffFailed;
+        let stage = match plan {
+            Plan::Ack => Stage::Ready(Action::Ack),
+            Plan::Handoff(handoff) => Stage::Ready(Action::Publish {
+                handoff,
+                deadline: budget.for_handoff(now),
+            }),
+            Plan::Requeue(cause) => {
+                requeue_cause = cause;
+                Stage::Ready(Action::Requeue)
+            }
+            Plan::Reject => Stage::Ready(Action::Reject),
+            Plan::Abandon => Stage::Done(Outcome::AuthorityLost),
+        };
+        Self {
+            stage,
+            budget,
+            handoff: None,
+            may_requeue: requeues < policy.max_requeues,
+            requeue_cause,
+        }
+    }
+
+    /// The next action, handed out once.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        match self.stage {
+            Stage::Ready(action) => {
+                self.stage = Stage::Waiting(action);
+                Some(action)
+            }
+            Stage::Waiting(_) | Stage::Done(_) => None,
+        }
+    }
+
+    /// Takes the evidence of the handoff publish.
+    pub fn handle_handoff(&mut self, result: HandoffResult, authority: Authority, now: Instant) {
+        let Stage::Waiting(Action::Publish { handoff, .. }) = self.stage else {
+            return;
+        };
+        self.stage = match (result, authority) {
+            (HandoffResult::Confirmed, Authority::Held) => {
+                self.handoff = Some(handoff.lane);
+                Stage::Ready(Action::Ack)
+            }
+            (HandoffResult::Confirmed, Authority::Lost) => Stage::Done(Outcome::Unresolved(
+                Unresolved::HandoffConfirmedAckFailed(handoff.lane),
+            )),
+            (_, Authority::Lost) => Stage::Done(Outcome::AuthorityLost),
+            _ if self.budget.remaining(now).is_zero() => {
+                Stage::Done(Outcome::Unresolved(Unresolved::BudgetExhausted))
+            }
+            _ if !self.may_requeue => {
+                Stage::Done(Outcome::Unresolved(Unresolved::HandoffFailedAtRequeueLimit))
+            }
+            _ => Stage::Ready(Action::Requeue),
+        };
+    }
+
+    /// Takes the evidence of an ACK, NACK or reject.
+    pub fn handle_settled(&mut self, result: SettleResult) {
+        let Stage::Waiting(action) = self.stage else {
+            return;
+        };
+        let outcome = match (action, result, self.handoff) {
+            (Action::Publish { .. }, ..) => return,
+            (_, SettleResult::Refused, Some(lane)) => {
+                Outcome::Unresolved(Unresolved::HandoffConfirmedAckFailed(lane))
+            }
+            (_, SettleResult::Refused, None) => Outcome::AuthorityLost,
+            (Action::Ack, SettleResult::Written, Some(Lane::Retry { .. })) => Outcome::Retried,
+            (Action::Ack, SettleResult::Written, Some(Lane::DeadLetter)) => Outcome::DeadLettered,
+            (Action::Ack, SettleResult::Written, Some(Lane::Parking)) => Outcome::Parked,
+            (Action::Ack, SettleResult::Written, None) => Outcome::Acked,
+            (Action::Requeue, SettleResult::Written, _) => Outcome::Requeued(self.requeue_cause),
+            (Action::Reject, SettleResult::Written, _) => Outcome::RejectedToDlx,
+        };
+        self.stage = Stage::Done(outcome);
+    }
+
+    /// The terminal outcome, once reached.
+    pub fn outcome(&self) -> Option<Outcome> {
+        match self.stage {
+            Stage::Done(outcome) => Some(outcome),
+            _ => None,
+        }
+    }
+
+    /// The confirmed handoff lane, kept even when the ACK that follows fails.
+    pub fn confirmed_handoff(&self) -> Option<Lane> {
+        self.handoff
+    }
+
+    /// The settlement budget.
+    pub fn budget(&self) -> &Budget {
+        &self.budget
+    }
+}

@@ -1,0 +1,347 @@
+//! The gate: envelope validation and metadata bounds, checked before any application code.
+//!
+//! Headers and properties come from strangers. [`inspect`] walks what the client library already
+//! parsed, stops at the first bound it breaks and allocates nothing; its verdict decides between
+//! a broker-native reject (oversized body), a dead-letter handoff with sanitized metadata
+//! (invalid envelope) and dispatch.
+
+use amq_protocol_types::{AMQPValue, FieldTable};
+
+use crate::{Reason, headers};
+
+/// Bounds on what a delivery may carry. The defaults suit typical JSON commands and events.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Limits {
+    /// Largest body accepted, in bytes. Larger bodies are rejected to the broker's DLX.
+    pub max_body_bytes: usize,
+    /// Most header entries, counting entries of nested tables and arrays.
+    pub max_headers: usize,
+    /// Longest header key, in bytes.
+    pub max_header_key_len: usize,
+    /// Longest string or byte-array header value, in bytes.
+    pub max_header_value_len: usize,
+    /// Deepest nesting of tables and arrays (`x-death` needs 3).
+    pub max_header_depth: usize,
+    /// Most bytes across all header keys and values.
+    pub max_header_bytes: usize,
+    /// Longest message id, in bytes.
+    pub max_message_id_len: usize,
+    /// Longest message type, in bytes.
+    pub max_type_len: usize,
+    /// Highest attempt number accepted in [`headers::ATTEMPT`].
+    pub max_attempt: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 1024 * 1024,
+            max_headers: 64,
+            max_header_key_len: 128,
+            max_header_value_len: 4096,
+            max_header_depth: 4,
+            max_header_bytes: 16 * 1024,
+            max_message_id_len: 128,
+            max_type_len: 128,
+            max_attempt: 1000,
+        }
+    }
+}
+
+/// Borrowed view of the properties the gate reads.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PropertiesView<'a> {
+    /// The `message_id` property.
+    pub message_id: Option<&'a str>,
+    /// The `type` property.
+    pub kind: Option<&'a str>,
+    /// The `content_type` property.
+    pub content_type: Option<&'a str>,
+    /// The headers table.
+    pub headers: Option<&'a FieldTable>,
+}
+
+/// A delivery that passed the gate: identity and routing facts, borrowed from the delivery.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Envelope<'a> {
+    /// Operation identity: the `message_id` property.
+    pub message_id: &'a str,
+    /// Message type used for routing, such as `order.placed`.
+    pub kind: &'a str,
+    /// Schema version of the payload (header [`headers::SCHEMA_VERSION`], default 1).
+    pub schema_version: u32,
+    /// Content type without parameters, if set.
+    pub content_type: Option<&'a str>,
+    /// Application attempt, starting at 1.
+    pub attempt: u32,
+    /// Earlier deliveries counted by the broker (quorum queues only).
+    pub delivery_count: Option<u32>,
+}
+
+/// Why the gate refused a delivery.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GateRejection {
+    /// The body is larger than [`Limits::max_body_bytes`]: reject without requeue.
+    Oversized {
+        /// Body length in bytes.
+        len: usize,
+    },
+    /// The envelope or its metadata breaks a rule: dead-letter with sanitized metadata.
+    Invalid(Reason),
+}
+
+/// Checks a delivery against `limits` before any application code runs.
+///
+/// # Errors
+/// Returns the first rule the delivery breaks.
+pub fn inspect<'a>(
+    properties: &PropertiesView<'a>,
+    body_len: usize,
+    limits: &Limits,
+) -> Result<Envelope<'a>, GateRejection> {
+    if body_len > limits.max_body_bytes {
+        return Err(GateRejection::Oversized { len: body_len });
+    }
+    let invalid = |reason: &'static str| GateRejection::Invalid(Reason::new(reason));
+    let message_id = properties
+        .message_id
+        .ok_or_else(|| invalid("message_id property missing"))?;
+    if !is_token(message_id, limits.max_message_id_len) {
+        return Err(invalid("message_id empty, too long or not printable ASCII"));
+    }
+    let kind = properties
+        .kind
+        .ok_or_else(|| invalid("type property missing"))?;
+    if !is_token(kind, limits.max_type_len) {
+        return Err(invalid("type empty, too long or not printable ASCII"));
+    }
+    let mut attempt = 1;
+    let mut schema_version = 1;
+    let mut delivery_count = None;
+    if let Some(table) = properties.headers {
+        let mut walk = Walk::default();
+        walk.table(table, 1, limits).map_err(GateRejection::Invalid)?;
+        if let Some(value) = table.inner().get(headers::ATTEMPT) {
+            attempt = as_u32(value)
+                .filter(|n| (1..=limits.max_attempt).contains(n))
+                .ok_or_else(|| invalid("x-lily-attempt is not an attempt number"))?;
+        }
+        if let Some(value) = table.inner().get(headers::SCHEMA_VERSION) {
+            schema_version = as_u32(value)
+                .filter(|n| *n >= 1)
+                .ok_or_else(|| invalid("schema-version is not a positive integer"))?;
+        }
+        delivery_count = table.inner().get(headers::DELIVERY_COUNT).and_then(as_u32);
+    }
+    let content_type = properties
+        .content_type
+        .map(|ct| ct.split(';').next().unwrap_or(ct).trim());
+    Ok(Envelope {
+        message_id,
+        kind,
+        schema_version,
+        content_type,
+        attempt,
+        delivery_count,
+    })
+}
+
+/// True when `text` is 1..=`max` bytes of printable, non-space ASCII.
+pub fn is_token(text: &str, max: usize) -> bool {
+    !text.is_empty() && text.len() <= max && text.bytes().all(|b| b.is_ascii_graphic())
+}
+
+/// Reads a non-negative integer header that fits in `u32`; decimal strings are accepted.
+pub fn as_u32(value: &AMQPValue) -> Option<u32> {
+    let wide: i128 = match value {
+        AMQPValue::ShortShortInt(n) => (*n).into(),
+        AMQPValue::ShortShortUInt(n) => (*n).into(),
+        AMQPValue::ShortInt(n) => (*n).into(),
+        AMQPValue::ShortUInt(n) => (*n).into(),
+        AMQPValue::LongInt(n) => (*n).into(),
+        AMQPValue::LongUInt(n) => (*n).into(),
+        AMQPValue::LongLongInt(n) => (*n).into(),
+        AMQPValue::ShortString(s) => s.as_str().parse().ok()?,
+        AMQPValue::LongString(s) if s.len() <= 10 => std::str::from_utf8(s.as_bytes()).ok()?.parse().ok()?,
+        _ => return None,
+    };
+    u32::try_from(wide).ok()
+}
+
+#[derive(Default)]
+struct Walk {
+    entries: usize,
+    bytes: usize,
+}
+
+impl Walk {
+    fn table(&mut self, table: &FieldTable, depth: usize, limits: &Limits) -> Result<(), Reason> {
+        if depth > limits.max_header_depth {
+            return Err(Reason::new("headers nested too deeply"));
+        }
+        for (key, value) in table.inner() {
+            if key.as_str().len() > limits.max_header_key_len {
+                return Err(Reason::new("header key too long"));
+            }
+            self.bytes += key.as_str().len();
+            self.value(value, depth, limits)?;
+        }
+        Ok(())
+    }
+
+    fn value(&mut self, value: &AMQPValue, depth: usize, limits: &Limits) -> Result<(), Reason> {
+        self.entries += 1;
+        if self.entries > limits.max_headers {
+            return Err(Reason::new("too many headers"));
+        }
+        let len = match value {
+            AMQPValue::ShortString(s) => s.as_str().len(),
+            AMQPValue::LongString(s) => s.len(),
+            AMQPValue::ByteArray(b) => b.len(),
+            AMQPValue::FieldTable(t) => return self.table(t, depth + 1, limits),
+            AMQPValue::FieldArray(a) => {
+                if depth + 1 > limits.max_header_depth {
+                    return Err(Reason::new("headers nested too deeply"));
+                }
+                for item in a.as_slice() {
+                    self.value(item, depth + 1, limits)?;
+                }
+                return Ok(());
+            }
+            _ => 8,
+        };
+        if len > limits.max_header_value_len {
+            return Err(Reason::new("header value too long"));
+        }
+        self.bytes += len;
+        if self.bytes > limits.max_header_bytes {
+            return Err(Reason::new("headers too large in total"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use amq_protocol_types::{FieldArray, LongString, ShortString};
+
+    fn view<'a>(headers: Option<&'a FieldTable>) -> PropertiesView<'a> {
+        PropertiesView {
+            message_id: Some("m-1"),
+            kind: Some("order.placed"),
+            content_type: Some("application/json; charset=utf-8"),
+            headers,
+        }
+    }
+
+    fn rejection(props: &PropertiesView<'_>) -> String {
+        match inspect(props, 10, &Limits::default()) {
+            Err(GateRejection::Invalid(reason)) => reason.to_string(),
+            other => panic!("expected invalid, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn valid_envelope_passes_with_defaults() {
+        let env = inspect(&view(None), 10, &Limits::default()).expect("valid");
+        assert_eq!(env.message_id, "m-1");
+        assert_eq!(env.kind, "order.placed");
+        assert_eq!(env.content_type, Some("application/json"));
+        assert_eq!((env.attempt, env.schema_version, env.delivery_count), (1, 1, None));
+    }
+
+    #[test]
+    fn oversized_body_is_refused_before_anything_else() {
+        let props = PropertiesView::default();
+        let limits = Limits { max_body_bytes: 4, ..Limits::default() };
+        assert_eq!(inspect(&props, 5, &limits), Err(GateRejection::Oversized { len: 5 }));
+    }
+
+    #[test]
+    fn missing_or_hostile_identity_is_invalid() {
+        let mut props = view(None);
+        props.message_id = None;
+        assert_eq!(rejection(&props), "message_id property missing");
+        props.message_id = Some("has space");
+        assert!(rejection(&props).starts_with("message_id"));
+        let long = "x".repeat(129);
+        props.message_id = Some(&long);
+        assert!(rejection(&props).starts_with("message_id"));
+        props.message_id = Some("ok");
+        props.kind = None;
+        assert_eq!(rejection(&props), "type property missing");
+    }
+
+    #[test]
+    fn header_bounds_are_enforced() {
+        let mut many = FieldTable::default();
+        for i in 0..65 {
+            many.insert(ShortString::from(format!("h{i}")), AMQPValue::Boolean(true));
+        }
+        assert_eq!(rejection(&view(Some(&many))), "too many headers");
+
+        let mut long_value = FieldTable::default();
+        long_value.insert("k".into(), AMQPValue::LongString(LongString::from(vec![b'a'; 4097])));
+        assert_eq!(rejection(&view(Some(&long_value))), "header value too long");
+
+        let mut deep = FieldTable::default();
+        for _ in 0..5 {
+            let mut outer = FieldTable::default();
+            outer.insert("n".into(), AMQPValue::FieldTable(deep));
+            deep = outer;
+        }
+        assert_eq!(rejection(&view(Some(&deep))), "headers nested too deeply");
+
+        let mut arrays = FieldTable::default();
+        let mut nested = AMQPValue::Boolean(true);
+        for _ in 0..5 {
+            nested = AMQPValue::FieldArray(FieldArray::from(vec![nested]));
+        }
+        arrays.insert("a".into(), nested);
+        assert_eq!(rejection(&view(Some(&arrays))), "headers nested too deeply");
+
+        let mut wide = FieldTable::default();
+        for i in 0..5 {
+            wide.insert(
+                ShortString::from(format!("k{i}")),
+                AMQPValue::LongString(LongString::from(vec![b'a'; 4000])),
+            );
+        }
+        assert_eq!(rejection(&view(Some(&wide))), "headers too large in total");
+    }
+
+    #[test]
+    fn lily_headers_are_read_and_checked() {
+        let mut table = FieldTable::default();
+        table.insert(headers::ATTEMPT.into(), AMQPValue::LongInt(3));
+        table.insert(headers::SCHEMA_VERSION.into(), AMQPValue::LongString("2".into()));
+        table.insert(headers::DELIVERY_COUNT.into(), AMQPValue::LongLongInt(4));
+        let env = inspect(&view(Some(&table)), 1, &Limits::default()).expect("valid");
+        assert_eq!((env.attempt, env.schema_version, env.delivery_count), (3, 2, Some(4)));
+
+        table.insert(headers::ATTEMPT.into(), AMQPValue::LongInt(0));
+        assert!(rejection(&view(Some(&table))).starts_with("x-lily-attempt"));
+        table.insert(headers::ATTEMPT.into(), AMQPValue::LongInt(1));
+        table.insert(headers::SCHEMA_VERSION.into(), AMQPValue::LongLongInt(-1));
+        assert!(rejection(&view(Some(&table))).starts_with("schema-version"));
+    }
+
+    #[test]
+    fn x_death_from_the_broker_fits_the_default_bounds() {
+        let mut death = FieldTable::default();
+        death.insert("count".into(), AMQPValue::LongLongInt(1));
+        death.insert("reason".into(), AMQPValue::LongString("expired".into()));
+        death.insert("queue".into(), AMQPValue::LongString("orders.retry.5s".into()));
+        let mut rk = FieldArray::default();
+        rk.push(AMQPValue::LongString("orders".into()));
+        death.insert("routing-keys".into(), AMQPValue::FieldArray(rk));
+        let mut table = FieldTable::default();
+        table.insert(
+            "x-death".into(),
+            AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(death)])),
+        );
+        assert!(inspect(&view(Some(&table)), 1, &Limits::default()).is_ok());
+    }
+}

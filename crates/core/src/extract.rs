@@ -1,0 +1,220 @@
+//! Extractors: the arguments a handler may take.
+//!
+//! Each handler argument implements [`FromDelivery`]. An extractor that cannot produce its value
+//! fails the delivery as a permanent failure with a clear reason; the handler does not run.
+//! None of them can settle the delivery.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use amq_protocol::protocol::BasicProperties;
+use amq_protocol_types::{AMQPValue, FieldTable};
+use serde::de::DeserializeOwned;
+use tokio_util::sync::CancellationToken;
+
+use crate::{Codec, Incoming, JsonCodec, QueueHandlerError};
+
+/// What extractors read from: the delivery and its cancellation token.
+#[derive(Clone, Copy, Debug)]
+pub struct Context<'a> {
+    /// The delivery.
+    pub incoming: &'a Arc<Incoming>,
+    /// Fires when the handler should stop (shutdown, timeout).
+    pub cancel: &'a CancellationToken,
+}
+
+/// A value a handler can take as an argument.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be a Lily handler argument",
+    label = "not an extractor",
+    note = "handler arguments implement `FromDelivery`: Json<T>, Payload<T, C>, Meta, Headers, \
+            Attempt, Cancellation or RawDelivery"
+)]
+pub trait FromDelivery: Sized + Send + 'static {
+    /// Extracts the value.
+    ///
+    /// # Errors
+    /// A permanent failure saying why the value is not there.
+    fn from_delivery(cx: &Context<'_>) -> Result<Self, QueueHandlerError>;
+}
+
+/// A payload decoded by codec `C`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Payload<T, C = JsonCodec>(pub T, PhantomData<fn() -> C>);
+
+/// A JSON payload.
+pub type Json<T> = Payload<T, JsonCodec>;
+
+impl<T, C> Payload<T, C> {
+    /// Wraps a value.
+    pub fn new(value: T) -> Self {
+        Self(value, PhantomData)
+    }
+
+    /// The decoded value.
+    pub fn into_inner(self) -> T {
+        self.0
+    }
+}
+
+impl<T, C> std::ops::Deref for Payload<T, C> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T: DeserializeOwned + Send + 'static, C: Codec> FromDelivery for Payload<T, C> {
+    fn from_delivery(cx: &Context<'_>) -> Result<Self, QueueHandlerError> {
+        C::decode(cx.incoming.body())
+            .map(Self::new)
+            .map_err(QueueHandlerError::permanent)
+    }
+}
+
+/// Message metadata: id, type, attempt, redelivered flag, schema version, queue.
+#[derive(Debug, Clone)]
+pub struct Meta(Arc<Incoming>);
+
+impl Meta {
+    /// Metadata of a delivery.
+    pub fn new(incoming: Arc<Incoming>) -> Self {
+        Self(incoming)
+    }
+
+    /// The `message_id` property: the operation identity.
+    pub fn message_id(&self) -> &str {
+        self.0.message_id()
+    }
+
+    /// The `type` property.
+    pub fn kind(&self) -> &str {
+        self.0.kind()
+    }
+
+    /// Application attempt, starting at 1.
+    pub fn attempt(&self) -> u32 {
+        self.0.attempt()
+    }
+
+    /// The broker's `redelivered` flag. It does not say whether earlier work committed.
+    pub fn redelivered(&self) -> bool {
+        self.0.redelivered()
+    }
+
+    /// Schema version of the payload.
+    pub fn schema_version(&self) -> u32 {
+        self.0.schema_version()
+    }
+
+    /// Queue the message was consumed from.
+    pub fn queue(&self) -> &str {
+        self.0.queue()
+    }
+
+    /// Delivery tag on the consuming channel.
+    pub fn delivery_tag(&self) -> u64 {
+        self.0.delivery_tag()
+    }
+}
+
+impl FromDelivery for Meta {
+    fn from_delivery(cx: &Context<'_>) -> Result<Self, QueueHandlerError> {
+        Ok(Self(Arc::clone(cx.incoming)))
+    }
+}
+
+/// Read-only view of the headers. They passed the gate's bounds (count, key and value length,
+/// nesting depth, total bytes).
+#[derive(Debug, Clone)]
+pub struct Headers(Arc<Incoming>);
+
+impl Headers {
+    /// A header value.
+    pub fn get(&self, key: &str) -> Option<&AMQPValue> {
+        self.0.header(key)
+    }
+
+    /// A string header (short or long string, valid UTF-8).
+    pub fn get_str(&self, key: &str) -> Option<&str> {
+        match self.get(key)? {
+            AMQPValue::ShortString(s) => Some(s.as_str()),
+            AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
+            _ => None,
+        }
+    }
+
+    /// All headers, in key order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &AMQPValue)> {
+        self.0
+            .headers()
+            .into_iter()
+            .flat_map(|t: &FieldTable| t.inner().iter())
+            .map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// Number of top-level headers.
+    pub fn len(&self) -> usize {
+        self.0.headers().map_or(0, |t| t.inner().len())
+    }
+
+    /// True when there are no headers.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl FromDelivery for Headers {
+    fn from_delivery(cx: &Context<'_>) -> Result<Self, QueueHandlerError> {
+        Ok(Self(Arc::clone(cx.incoming)))
+    }
+}
+
+/// The application attempt, starting at 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attempt(pub u32);
+
+impl FromDelivery for Attempt {
+    fn from_delivery(cx: &Context<'_>) -> Result<Self, QueueHandlerError> {
+        Ok(Self(cx.incoming.attempt()))
+    }
+}
+
+/// The per-delivery cancellation token. It fires at shutdown (the force notification) and when
+/// the handler's timeout expires; a handler doing long work should watch it.
+#[derive(Debug, Clone)]
+pub struct Cancellation(pub CancellationToken);
+
+impl FromDelivery for Cancellation {
+    fn from_delivery(cx: &Context<'_>) -> Result<Self, QueueHandlerError> {
+        Ok(Self(cx.cancel.clone()))
+    }
+}
+
+/// Body and properties, as bytes, for handlers that decode themselves. It has no way to settle.
+#[derive(Debug, Clone)]
+pub struct RawDelivery(Arc<Incoming>);
+
+impl RawDelivery {
+    /// The body.
+    pub fn body(&self) -> &[u8] {
+        self.0.body()
+    }
+
+    /// The properties, headers included.
+    pub fn properties(&self) -> &BasicProperties {
+        self.0.properties()
+    }
+
+    /// Metadata of the delivery.
+    pub fn meta(&self) -> Meta {
+        Meta(Arc::clone(&self.0))
+    }
+}
+
+impl FromDelivery for RawDelivery {
+    fn from_delivery(cx: &Context<'_>) -> Result<Self, QueueHandlerError> {
+        Ok(Self(Arc::clone(cx.incoming)))
+    }
+}

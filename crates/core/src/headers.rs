@@ -1,0 +1,25 @@
+//! Names of the headers Lily reads and writes.
+//!
+//! Lily owns every header starting with `x-lily-`. Producers set `schema-version`; the broker sets
+//! `x-delivery-count` on quorum queues and `x-death` when it dead-letters.
+
+/// Attempt number of this delivery, starting at 1. Absent means 1.
+pub const ATTEMPT: &str = "x-lily-attempt";
+/// Milliseconds since the Unix epoch of the first failure.
+pub const FIRST_FAILURE_AT: &str = "x-lily-first-failure-at";
+/// Milliseconds since the Unix epoch of the latest failure.
+pub const LAST_FAILURE_AT: &str = "x-lily-last-failure-at";
+/// `retryable`, `permanent`, `indeterminate` or `rejected` (the gate refused the envelope).
+pub const FAILURE_KIND: &str = "x-lily-failure-kind";
+/// Bounded, sanitized reason of the latest failure.
+pub const REASON: &str = "x-lily-reason";
+/// Exchange the message was first published to.
+pub const ORIGINAL_EXCHANGE: &str = "x-lily-original-exchange";
+/// Routing key the message was first published with.
+pub const ORIGINAL_ROUTING_KEY: &str = "x-lily-original-routing-key";
+/// Work queue the message was consumed from when it failed.
+pub const SOURCE_QUEUE: &str = "x-lily-source-queue";
+/// Schema version of the payload, set by producers. Absent means 1.
+pub const SCHEMA_VERSION: &str = "schema-version";
+/// Set by RabbitMQ on quorum queues: how many times the message was delivered before.
+pub const DELIVERY_COUNT: &str = "x-delivery-count";

@@ -1,0 +1,46 @@
+//! The sans-IO core of Lily.
+//!
+//! Everything here takes inputs (time included) and returns decisions; nothing touches a socket,
+//! a clock or a runtime. The transport crate drives it.
+//!
+//! - [`inspect`]: the gate, envelope validation and metadata bounds.
+//! - [`Handler`], [`FromDelivery`] and the extractors, [`Router`], [`Hook`]: the application side.
+//! - [`decide_at_gate`], [`decide`] and [`Settlement`]: the decision table of the design and the
+//!   machine that carries a plan to its [`Outcome`].
+//! - [`Budget`], [`Policy`]: deadlines and retry policy.
+//! - [`Ledger`]: evidence per delivery and totals.
+
+mod budget;
+mod codec;
+mod decision;
+mod envelope;
+mod error;
+mod extract;
+mod handler;
+pub mod headers;
+mod ledger;
+mod message;
+mod policy;
+mod reason;
+mod router;
+mod scope;
+
+pub use budget::Budget;
+pub use codec::{Codec, JsonCodec};
+pub use decision::{
+    Action, Authority, Cause, CleanupResult, Handoff, HandoffResult, Lane, Outcome,
+    PipelineResult, Plan, RequeueCause, SettleResult, Settlement, Situation, TransactionOutcome,
+    Unresolved, decide, decide_at_gate,
+};
+pub use envelope::{Envelope, GateRejection, Limits, PropertiesView, as_u32, inspect, is_token};
+pub use error::{FailureKind, QueueHandlerError};
+pub use extract::{
+    Attempt, Cancellation, Context, FromDelivery, Headers, Json, Meta, Payload, RawDelivery,
+};
+pub use handler::{BoxFuture, BoxedHandler, Handler, HandlerResult};
+pub use ledger::{EntryId, Evidence, Identity, Ledger, Totals, UnresolvedEntry};
+pub use message::{Incoming, IncomingParts};
+pub use policy::{Policy, PolicyError};
+pub use reason::Reason;
+pub use router::Router;
+pub use scope::{CleanupError, DynHook, Hook};

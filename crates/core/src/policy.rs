@@ -1,0 +1,134 @@
+//! Retry and requeue policy: plain data, checked and testable alone.
+
+use std::time::Duration;
+
+/// How failures are retried and how often an original may be requeued.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Policy {
+    /// Application attempts per message, counting the first. Attempt `max_attempts` failing
+    /// retryably goes to the dead-letter queue.
+    pub max_attempts: u32,
+    /// Delays of the retry buckets, shortest first. Retry `n` (1-based) waits
+    /// `retry_delays[min(n, len) - 1]` unless the handler asks for longer.
+    pub retry_delays: Vec<Duration>,
+    /// How many times one message may be NACKed with requeue (failed handoffs and deferrals)
+    /// before it goes to the dead-letter queue instead.
+    pub max_requeues: u32,
+    /// Time a delivery may spend in settlement: handoff publish and confirm, then the ACK or
+    /// the fallback NACK.
+    pub settlement_budget: Duration,
+    /// Part of the budget kept for the fallback NACK when a handoff fails or times out.
+    pub nack_reserve: Duration,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 5,
+            retry_delays: vec![
+                Duration::from_secs(5),
+                Duration::from_secs(60),
+                Duration::from_secs(600),
+            ],
+            max_requeues: 5,
+            settlement_budget: Duration::from_secs(10),
+            nack_reserve: Duration::from_secs(1),
+        }
+    }
+}
+
+/// A policy that cannot work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PolicyError {
+    /// `max_attempts` is zero.
+    #[error("max_attempts must be at least 1")]
+    NoAttempts,
+    /// Attempts above one need at least one retry bucket.
+    #[error("retries need at least one retry delay")]
+    NoRetryDelays,
+    /// Retry delays must be increasing, non-zero and fit a queue TTL.
+    #[error("retry delays must be increasing, above zero and at most 2^32-1 ms")]
+    BadRetryDelays,
+    /// The NACK reserve must leave time for the handoff.
+    #[error("nack_reserve must be shorter than settlement_budget")]
+    BadReserve,
+}
+
+impl Policy {
+    /// Checks the policy.
+    ///
+    /// # Errors
+    /// Returns the first rule the policy breaks.
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        if self.max_attempts == 0 {
+            return Err(PolicyError::NoAttempts);
+        }
+        if self.max_attempts > 1 && self.retry_delays.is_empty() {
+            return Err(PolicyError::NoRetryDelays);
+        }
+        let ttl_ok = |d: &Duration| !d.is_zero() && d.as_millis() <= u128::from(u32::MAX);
+        if !self.retry_delays.iter().all(ttl_ok)
+            || self.retry_delays.windows(2).any(|w| w[0] >= w[1])
+        {
+            return Err(PolicyError::BadRetryDelays);
+        }
+        if self.nack_reserve >= self.settlement_budget {
+            return Err(PolicyError::BadReserve);
+        }
+        Ok(())
+    }
+
+    /// Index of the retry bucket for the retry that follows `attempt`, honouring the handler's
+    /// `retry_after` hint by picking the shortest bucket at least that long.
+    pub fn bucket_for(&self, attempt: u32, retry_after: Option<Duration>) -> usize {
+        let last = self.retry_delays.len().saturating_sub(1);
+        let by_attempt = (attempt.max(1) as usize - 1).min(last);
+        match retry_after {
+            Some(hint) => self
+                .retry_delays
+                .iter()
+                .position(|d| *d >= hint)
+                .unwrap_or(last)
+                .max(by_attempt),
+            None => by_attempt,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_policy_is_valid() {
+        assert_eq!(Policy::default().validate(), Ok(()));
+    }
+
+    #[test]
+    fn invalid_policies_are_named() {
+        let p = Policy { max_attempts: 0, ..Policy::default() };
+        assert_eq!(p.validate(), Err(PolicyError::NoAttempts));
+        let p = Policy { retry_delays: vec![], ..Policy::default() };
+        assert_eq!(p.validate(), Err(PolicyError::NoRetryDelays));
+        let p = Policy {
+            retry_delays: vec![Duration::from_secs(5), Duration::from_secs(5)],
+            ..Policy::default()
+        };
+        assert_eq!(p.validate(), Err(PolicyError::BadRetryDelays));
+        let p = Policy { nack_reserve: Duration::from_secs(10), ..Policy::default() };
+        assert_eq!(p.validate(), Err(PolicyError::BadReserve));
+    }
+
+    #[test]
+    fn buckets_follow_attempts_and_hints() {
+        let p = Policy::default();
+        assert_eq!(p.bucket_for(1, None), 0);
+        assert_eq!(p.bucket_for(2, None), 1);
+        assert_eq!(p.bucket_for(9, None), 2);
+        assert_eq!(p.bucket_for(1, Some(Duration::from_secs(30))), 1);
+        assert_eq!(p.bucket_for(1, Some(Duration::from_secs(3600))), 2);
+        assert_eq!(p.bucket_for(3, Some(Duration::from_secs(1))), 2);
+    }
+}
