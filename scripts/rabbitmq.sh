@@ -3,6 +3,8 @@
 #
 #   scripts/rabbitmq.sh install          install Debian's rabbitmq-server when missing
 #   scripts/rabbitmq.sh start DIR PORT   start a node with its data in DIR, AMQP on 127.0.0.1:PORT
+#                                        (PORT+1 and PORT+2 serve Erlang distribution and epmd;
+#                                        pick PORT below 32768, outside the ephemeral range)
 #   scripts/rabbitmq.sh stop DIR         stop the node started with DIR (by its PID)
 #   scripts/rabbitmq.sh ctl DIR ARGS...  run rabbitmqctl against that node
 #
@@ -29,9 +31,9 @@ node_env() {
   export RABBITMQ_NODENAME="lily$port@localhost"
   export RABBITMQ_NODE_IP_ADDRESS=127.0.0.1
   export RABBITMQ_NODE_PORT="$port"
-  export RABBITMQ_DIST_PORT=$((port + 20000))
+  export RABBITMQ_DIST_PORT=$((port + 1))
   export ERL_EPMD_ADDRESS=127.0.0.1
-  export ERL_EPMD_PORT=$((port + 10000))
+  export ERL_EPMD_PORT=$((port + 2))
   export RABBITMQ_MNESIA_BASE="$dir/mnesia"
   export RABBITMQ_LOG_BASE="$dir/log"
   export RABBITMQ_PID_FILE="$dir/rabbit.pid"

@@ -43,8 +43,14 @@ mod tests {
         let t0 = Instant::now();
         let b = Budget::start(t0, Duration::from_secs(10), Duration::from_secs(1));
         assert_eq!(b.for_handoff(t0), Duration::from_secs(9));
-        assert_eq!(b.for_handoff(t0 + Duration::from_millis(9500)), Duration::ZERO);
-        assert_eq!(b.remaining(t0 + Duration::from_millis(9500)), Duration::from_millis(500));
+        assert_eq!(
+            b.for_handoff(t0 + Duration::from_millis(9500)),
+            Duration::ZERO
+        );
+        assert_eq!(
+            b.remaining(t0 + Duration::from_millis(9500)),
+            Duration::from_millis(500)
+        );
         assert_eq!(b.remaining(t0 + Duration::from_secs(11)), Duration::ZERO);
     }
 }

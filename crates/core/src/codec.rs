@@ -55,8 +55,15 @@ mod tests {
     fn decode_errors_never_quote_the_body() {
         let err = JsonCodec::decode::<Order>(br#"{"qty":"secret-card-4111"}"#).unwrap_err();
         assert!(!err.as_str().contains("secret"), "{err}");
-        assert!(err.as_str().starts_with("payload is JSON of the wrong shape"), "{err}");
+        assert!(
+            err.as_str()
+                .starts_with("payload is JSON of the wrong shape"),
+            "{err}"
+        );
         let err = JsonCodec::decode::<Order>(b"{\"qty\":").unwrap_err();
-        assert!(err.as_str().starts_with("payload is truncated JSON"), "{err}");
+        assert!(
+            err.as_str().starts_with("payload is truncated JSON"),
+            "{err}"
+        );
     }
 }

@@ -209,7 +209,11 @@ pub fn decide(s: &Situation, policy: &Policy) -> Plan {
     let (kind, retry_after, cause) = match (s.pipeline, s.cleanup, s.transaction) {
         (PipelineResult::Duplicate, _, _) => return Plan::Ack,
         (PipelineResult::Deferred, _, _)
-        | (PipelineResult::Succeeded, CleanupResult::Succeeded, TransactionOutcome::CommitAmbiguous) => {
+        | (
+            PipelineResult::Succeeded,
+            CleanupResult::Succeeded,
+            TransactionOutcome::CommitAmbiguous,
+        ) => {
             return if at_limit {
                 to_dead_letter(FailureKind::Retryable, Cause::RequeueLimit)
             } else {
@@ -231,7 +235,7 @@ pub fn decide(s: &Situation, policy: &Policy) -> Plan {
         (PipelineResult::Panicked, _, _) => (FailureKind::Retryable, None, Cause::Panic),
         (PipelineResult::TimedOut, _, _) => (FailureKind::Retryable, None, Cause::Timeout),
     };
-    if at_limit {
+    if at_limit && kind != FailureKind::Indeterminate {
         return to_dead_letter(kind, Cause::RequeueLimit);
     }
     match kind {
@@ -388,9 +392,12 @@ impl Settlement {
                 self.handoff = Some(handoff.lane);
                 Stage::Ready(Action::Ack)
             }
-            (HandoffResult::Confirmed, Authority::Lost) => Stage::Done(Outcome::Unresolved(
-                Unresolved::HandoffConfirmedAckFailed(handoff.lane),
-            )),
+            (HandoffResult::Confirmed, Authority::Lost) => {
+                self.handoff = Some(handoff.lane);
+                Stage::Done(Outcome::Unresolved(Unresolved::HandoffConfirmedAckFailed(
+                    handoff.lane,
+                )))
+            }
             (_, Authority::Lost) => Stage::Done(Outcome::AuthorityLost),
             _ if self.budget.remaining(now).is_zero() => {
                 Stage::Done(Outcome::Unresolved(Unresolved::BudgetExhausted))

@@ -121,7 +121,8 @@ pub fn inspect<'a>(
     let mut delivery_count = None;
     if let Some(table) = properties.headers {
         let mut walk = Walk::default();
-        walk.table(table, 1, limits).map_err(GateRejection::Invalid)?;
+        walk.table(table, 1, limits)
+            .map_err(GateRejection::Invalid)?;
         if let Some(value) = table.inner().get(headers::ATTEMPT) {
             attempt = as_u32(value)
                 .filter(|n| (1..=limits.max_attempt).contains(n))
@@ -163,7 +164,9 @@ pub fn as_u32(value: &AMQPValue) -> Option<u32> {
         AMQPValue::LongUInt(n) => (*n).into(),
         AMQPValue::LongLongInt(n) => (*n).into(),
         AMQPValue::ShortString(s) => s.as_str().parse().ok()?,
-        AMQPValue::LongString(s) if s.len() <= 10 => std::str::from_utf8(s.as_bytes()).ok()?.parse().ok()?,
+        AMQPValue::LongString(s) if s.len() <= 10 => {
+            std::str::from_utf8(s.as_bytes()).ok()?.parse().ok()?
+        }
         _ => return None,
     };
     u32::try_from(wide).ok()
@@ -249,14 +252,23 @@ mod tests {
         assert_eq!(env.message_id, "m-1");
         assert_eq!(env.kind, "order.placed");
         assert_eq!(env.content_type, Some("application/json"));
-        assert_eq!((env.attempt, env.schema_version, env.delivery_count), (1, 1, None));
+        assert_eq!(
+            (env.attempt, env.schema_version, env.delivery_count),
+            (1, 1, None)
+        );
     }
 
     #[test]
     fn oversized_body_is_refused_before_anything_else() {
         let props = PropertiesView::default();
-        let limits = Limits { max_body_bytes: 4, ..Limits::default() };
-        assert_eq!(inspect(&props, 5, &limits), Err(GateRejection::Oversized { len: 5 }));
+        let limits = Limits {
+            max_body_bytes: 4,
+            ..Limits::default()
+        };
+        assert_eq!(
+            inspect(&props, 5, &limits),
+            Err(GateRejection::Oversized { len: 5 })
+        );
     }
 
     #[test]
@@ -283,7 +295,10 @@ mod tests {
         assert_eq!(rejection(&view(Some(&many))), "too many headers");
 
         let mut long_value = FieldTable::default();
-        long_value.insert("k".into(), AMQPValue::LongString(LongString::from(vec![b'a'; 4097])));
+        long_value.insert(
+            "k".into(),
+            AMQPValue::LongString(LongString::from(vec![b'a'; 4097])),
+        );
         assert_eq!(rejection(&view(Some(&long_value))), "header value too long");
 
         let mut deep = FieldTable::default();
@@ -316,10 +331,16 @@ mod tests {
     fn lily_headers_are_read_and_checked() {
         let mut table = FieldTable::default();
         table.insert(headers::ATTEMPT.into(), AMQPValue::LongInt(3));
-        table.insert(headers::SCHEMA_VERSION.into(), AMQPValue::LongString("2".into()));
+        table.insert(
+            headers::SCHEMA_VERSION.into(),
+            AMQPValue::LongString("2".into()),
+        );
         table.insert(headers::DELIVERY_COUNT.into(), AMQPValue::LongLongInt(4));
         let env = inspect(&view(Some(&table)), 1, &Limits::default()).expect("valid");
-        assert_eq!((env.attempt, env.schema_version, env.delivery_count), (3, 2, Some(4)));
+        assert_eq!(
+            (env.attempt, env.schema_version, env.delivery_count),
+            (3, 2, Some(4))
+        );
 
         table.insert(headers::ATTEMPT.into(), AMQPValue::LongInt(0));
         assert!(rejection(&view(Some(&table))).starts_with("x-lily-attempt"));
@@ -333,7 +354,10 @@ mod tests {
         let mut death = FieldTable::default();
         death.insert("count".into(), AMQPValue::LongLongInt(1));
         death.insert("reason".into(), AMQPValue::LongString("expired".into()));
-        death.insert("queue".into(), AMQPValue::LongString("orders.retry.5s".into()));
+        death.insert(
+            "queue".into(),
+            AMQPValue::LongString("orders.retry.5s".into()),
+        );
         let mut rk = FieldArray::default();
         rk.push(AMQPValue::LongString("orders".into()));
         death.insert("routing-keys".into(), AMQPValue::FieldArray(rk));

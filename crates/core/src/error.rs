@@ -123,6 +123,9 @@ mod tests {
         let io = std::io::Error::other("socket reset");
         let err = QueueHandlerError::retryable("call failed").with_source(io);
         assert_eq!(err.to_string(), "retryable failure: call failed");
-        assert_eq!(err.source().map(ToString::to_string).as_deref(), Some("socket reset"));
+        assert_eq!(
+            err.source().map(ToString::to_string).as_deref(),
+            Some("socket reset")
+        );
     }
 }

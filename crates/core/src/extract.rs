@@ -38,12 +38,21 @@ pub trait FromDelivery: Sized + Send + 'static {
     fn from_delivery(cx: &Context<'_>) -> Result<Self, QueueHandlerError>;
 }
 
-/// A payload decoded by codec `C`.
+/// A payload decoded by codec `C` (see [`Codec`]); `Payload(value, _)` destructures it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Payload<T, C = JsonCodec>(pub T, PhantomData<fn() -> C>);
 
-/// A JSON payload.
-pub type Json<T> = Payload<T, JsonCodec>;
+/// A JSON payload: `async fn handle(Json(order): Json<Order>) -> ...`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Json<T>(pub T);
+
+impl<T: DeserializeOwned + Send + 'static> FromDelivery for Json<T> {
+    fn from_delivery(cx: &Context<'_>) -> Result<Self, QueueHandlerError> {
+        JsonCodec::decode(cx.incoming.body())
+            .map(Self)
+            .map_err(QueueHandlerError::permanent)
+    }
+}
 
 impl<T, C> Payload<T, C> {
     /// Wraps a value.

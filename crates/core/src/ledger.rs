@@ -215,11 +215,18 @@ mod tests {
                 Reason::new("ack failed")
             });
         }
-        let tags: Vec<u64> = ledger.unresolved().map(|e| e.identity.delivery_tag).collect();
+        let tags: Vec<u64> = ledger
+            .unresolved()
+            .map(|e| e.identity.delivery_tag)
+            .collect();
         assert_eq!(tags, vec![3, 4]);
         assert_eq!(ledger.overflow(), 3);
         assert_eq!(ledger.totals().unresolved, 5);
-        assert!(ledger.unresolved().all(|e| e.last == Evidence::HandoffConfirmed));
+        assert!(
+            ledger
+                .unresolved()
+                .all(|e| e.last == Evidence::HandoffConfirmed)
+        );
     }
 
     #[test]

@@ -28,9 +28,9 @@ mod scope;
 pub use budget::Budget;
 pub use codec::{Codec, JsonCodec};
 pub use decision::{
-    Action, Authority, Cause, CleanupResult, Handoff, HandoffResult, Lane, Outcome,
-    PipelineResult, Plan, RequeueCause, SettleResult, Settlement, Situation, TransactionOutcome,
-    Unresolved, decide, decide_at_gate,
+    Action, Authority, Cause, CleanupResult, Handoff, HandoffResult, Lane, Outcome, PipelineResult,
+    Plan, RequeueCause, SettleResult, Settlement, Situation, TransactionOutcome, Unresolved,
+    decide, decide_at_gate,
 };
 pub use envelope::{Envelope, GateRejection, Limits, PropertiesView, as_u32, inspect, is_token};
 pub use error::{FailureKind, QueueHandlerError};

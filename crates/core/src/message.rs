@@ -76,12 +76,18 @@ impl Incoming {
 
     /// The `message_id` property (validated by the gate).
     pub fn message_id(&self) -> &str {
-        self.properties.message_id().as_ref().map_or("", ShortString::as_str)
+        self.properties
+            .message_id()
+            .as_ref()
+            .map_or("", ShortString::as_str)
     }
 
     /// The `type` property (validated by the gate).
     pub fn kind(&self) -> &str {
-        self.properties.kind().as_ref().map_or("", ShortString::as_str)
+        self.properties
+            .kind()
+            .as_ref()
+            .map_or("", ShortString::as_str)
     }
 
     /// A header value.

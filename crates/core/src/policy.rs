@@ -108,16 +108,25 @@ mod tests {
 
     #[test]
     fn invalid_policies_are_named() {
-        let p = Policy { max_attempts: 0, ..Policy::default() };
+        let p = Policy {
+            max_attempts: 0,
+            ..Policy::default()
+        };
         assert_eq!(p.validate(), Err(PolicyError::NoAttempts));
-        let p = Policy { retry_delays: vec![], ..Policy::default() };
+        let p = Policy {
+            retry_delays: vec![],
+            ..Policy::default()
+        };
         assert_eq!(p.validate(), Err(PolicyError::NoRetryDelays));
         let p = Policy {
             retry_delays: vec![Duration::from_secs(5), Duration::from_secs(5)],
             ..Policy::default()
         };
         assert_eq!(p.validate(), Err(PolicyError::BadRetryDelays));
-        let p = Policy { nack_reserve: Duration::from_secs(10), ..Policy::default() };
+        let p = Policy {
+            nack_reserve: Duration::from_secs(10),
+            ..Policy::default()
+        };
         assert_eq!(p.validate(), Err(PolicyError::BadReserve));
     }
 

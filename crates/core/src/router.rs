@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use crate::{BoxedHandler, Handler, JsonCodec, Codec, QueueHandlerError};
+use crate::{BoxedHandler, Codec, Handler, JsonCodec, QueueHandlerError};
 
 /// Maps `(type, schema version)` to a handler and checks the content type.
 ///
@@ -70,7 +70,10 @@ impl Router {
         content_type: Option<&str>,
     ) -> Result<&BoxedHandler, QueueHandlerError> {
         if let Some(ct) = content_type
-            && !self.content_types.iter().any(|a| a.eq_ignore_ascii_case(ct))
+            && !self
+                .content_types
+                .iter()
+                .any(|a| a.eq_ignore_ascii_case(ct))
         {
             return Err(QueueHandlerError::permanent("unsupported content type"));
         }

@@ -1,1 +1,20 @@
-//! placeholder
+//! The RabbitMQ transport of Lily, built on lapin.
+//!
+//! [`Consumer`] drives the sans-IO core of `lily-mq-core`: it declares or verifies the
+//! [`Topology`], consumes with prefetch and a concurrency limit, gates every delivery, runs the
+//! handler under a timeout and panic guard, and carries out the plan the decision table chose:
+//! ACK, a confirmed handoff (mandatory publish → publisher confirm → original ACK), one bounded
+//! NACK with requeue, or a reject to the dead-letter exchange. Nothing is sent for a delivery
+//! whose channel is gone; that is recorded as lost authority.
+
+mod config;
+mod consumer;
+mod error;
+mod handoff;
+mod pipeline;
+mod topology;
+
+pub use config::ConsumerConfig;
+pub use consumer::{Consumer, Stats, Summary};
+pub use error::Error;
+pub use topology::{QueueKind, Topology, TopologyMode};

@@ -1,0 +1,113 @@
+//! Consumer configuration.
+
+use std::time::Duration;
+
+use lily_mq_core::{Limits, Policy};
+
+use crate::{QueueKind, TopologyMode};
+
+/// How one work queue is consumed.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ConsumerConfig {
+    /// The work queue.
+    pub queue: String,
+    /// Classic or quorum.
+    pub queue_kind: QueueKind,
+    /// Declare the topology, or only verify it.
+    pub topology: TopologyMode,
+    /// Unacknowledged deliveries the broker may send ahead (`basic.qos`).
+    pub prefetch: u16,
+    /// Handlers running at once.
+    pub concurrency: usize,
+    /// Time a handler may run; past it the handler is cancelled and the failure is retryable.
+    pub handler_timeout: Duration,
+    /// Gate bounds.
+    pub limits: Limits,
+    /// Retry, requeue and settlement budget policy.
+    pub policy: Policy,
+    /// Unresolved deliveries kept in the ledger before counting them as overflow.
+    pub unresolved_cap: usize,
+    /// First reconnect delay; doubles up to `reconnect_max`.
+    pub reconnect_min: Duration,
+    /// Longest reconnect delay.
+    pub reconnect_max: Duration,
+    /// Time in-flight deliveries get to finish after the consumer is cancelled.
+    pub drain_timeout: Duration,
+}
+
+impl ConsumerConfig {
+    /// Defaults for consuming `queue`.
+    pub fn new(queue: impl Into<String>) -> Self {
+        Self {
+            queue: queue.into(),
+            queue_kind: QueueKind::Classic,
+            topology: TopologyMode::Declare,
+            prefetch: 50,
+            concurrency: 50,
+            handler_timeout: Duration::from_secs(30),
+            limits: Limits::default(),
+            policy: Policy::default(),
+            unresolved_cap: 1000,
+            reconnect_min: Duration::from_millis(100),
+            reconnect_max: Duration::from_secs(5),
+            drain_timeout: Duration::from_secs(20),
+        }
+    }
+
+    /// Sets the queue type.
+    #[must_use]
+    pub fn queue_kind(mut self, kind: QueueKind) -> Self {
+        self.queue_kind = kind;
+        self
+    }
+
+    /// Declares or verifies the topology.
+    #[must_use]
+    pub fn topology(mut self, mode: TopologyMode) -> Self {
+        self.topology = mode;
+        self
+    }
+
+    /// Sets the prefetch count.
+    #[must_use]
+    pub fn prefetch(mut self, prefetch: u16) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// Sets how many handlers run at once.
+    #[must_use]
+    pub fn concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency.max(1);
+        self
+    }
+
+    /// Sets the handler timeout.
+    #[must_use]
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.handler_timeout = timeout;
+        self
+    }
+
+    /// Sets the gate bounds.
+    #[must_use]
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Sets the retry policy.
+    #[must_use]
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Sets the drain timeout used when the consumer stops.
+    #[must_use]
+    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
+        self.drain_timeout = timeout;
+        self
+    }
+}

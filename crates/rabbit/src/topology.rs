@@ -1,0 +1,208 @@
+//! Queue topology: the work queue, its retry buckets, the dead-letter queue, the parking queue
+//! and the dead-letter exchange for broker-native rejects.
+
+use std::time::Duration;
+
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{Channel, ExchangeKind};
+
+/// The RabbitMQ queue type of the work queue and its companions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QueueKind {
+    /// Classic queues.
+    #[default]
+    Classic,
+    /// Quorum queues (replicated; `x-delivery-count` counts redeliveries).
+    Quorum,
+}
+
+/// Whether Lily declares the topology or only checks that it exists.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TopologyMode {
+    /// Declare every queue and exchange (idempotent when the arguments match).
+    #[default]
+    Declare,
+    /// Check with passive declares; fail if anything is missing.
+    Verify,
+}
+
+/// Names and arguments of one work queue's topology.
+///
+/// For a work queue `orders` with delays 5 s and 1 min:
+/// `orders` (dead-letter exchange `orders.dlx`), `orders.retry.5s` and `orders.retry.1m`
+/// (per-queue TTL, dead-lettering back to `orders`), `orders.dlq` (bound to `orders.dlx`) and
+/// `orders.parking`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Topology {
+    queue: String,
+    kind: QueueKind,
+    buckets: Vec<(String, Duration)>,
+}
+
+impl Topology {
+    /// The topology of `queue` with one bucket per delay.
+    pub fn new(queue: &str, kind: QueueKind, retry_delays: &[Duration]) -> Self {
+        let buckets = retry_delays
+            .iter()
+            .map(|d| (format!("{queue}.retry.{}", delay_label(*d)), *d))
+            .collect();
+        Self {
+            queue: queue.to_owned(),
+            kind,
+            buckets,
+        }
+    }
+
+    /// The work queue.
+    pub fn queue(&self) -> &str {
+        &self.queue
+    }
+
+    /// The retry bucket for a delay index.
+    pub fn bucket(&self, index: usize) -> Option<&str> {
+        self.buckets.get(index).map(|(name, _)| name.as_str())
+    }
+
+    /// All retry buckets with their delays.
+    pub fn buckets(&self) -> impl Iterator<Item = (&str, Duration)> {
+        self.buckets.iter().map(|(n, d)| (n.as_str(), *d))
+    }
+
+    /// The dead-letter queue.
+    pub fn dead_letter_queue(&self) -> String {
+        format!("{}.dlq", self.queue)
+    }
+
+    /// The parking queue.
+    pub fn parking_queue(&self) -> String {
+        format!("{}.parking", self.queue)
+    }
+
+    /// The work queue's dead-letter exchange (broker-native rejects land in the DLQ through it).
+    pub fn dead_letter_exchange(&self) -> String {
+        format!("{}.dlx", self.queue)
+    }
+
+    /// Declares or verifies everything.
+    ///
+    /// # Errors
+    /// The broker refused a declaration (for example, a queue exists with other arguments) or,
+    /// in [`TopologyMode::Verify`], something is missing. The channel is closed by the broker.
+    pub async fn apply(&self, channel: &Channel, mode: TopologyMode) -> lapin::Result<()> {
+        let passive = mode == TopologyMode::Verify;
+        let opts = QueueDeclareOptions {
+            durable: true,
+            passive,
+            ..QueueDeclareOptions::default()
+        };
+        let dlx = self.dead_letter_exchange();
+        if !passive {
+            channel
+                .exchange_declare(
+                    dlx.as_str().into(),
+                    ExchangeKind::Fanout,
+                    ExchangeDeclareOptions {
+                        durable: true,
+                        ..ExchangeDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await?;
+        }
+        let dlq = self.dead_letter_queue();
+        channel
+            .queue_declare(dlq.as_str().into(), opts, self.args())
+            .await?;
+        if !passive {
+            channel
+                .queue_bind(
+                    dlq.as_str().into(),
+                    dlx.as_str().into(),
+                    "".into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+        }
+        channel
+            .queue_declare(self.parking_queue().as_str().into(), opts, self.args())
+            .await?;
+        let mut work = self.args();
+        work.insert("x-dead-letter-exchange".into(), long(&dlx));
+        channel
+            .queue_declare(self.queue.as_str().into(), opts, work)
+            .await?;
+        for (name, delay) in &self.buckets {
+            let mut args = self.args();
+            let ttl = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+            args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ttl));
+            args.insert("x-dead-letter-exchange".into(), long(""));
+            args.insert("x-dead-letter-routing-key".into(), long(&self.queue));
+            if self.kind == QueueKind::Quorum {
+                // Quorum dead-lettering is at-most-once unless asked otherwise.
+                args.insert("x-dead-letter-strategy".into(), long("at-least-once"));
+                args.insert("x-overflow".into(), long("reject-publish"));
+            }
+            channel
+                .queue_declare(name.as_str().into(), opts, args)
+                .await?;
+        }
+        Ok(())
+    }
+
+    fn args(&self) -> FieldTable {
+        let mut args = FieldTable::default();
+        if self.kind == QueueKind::Quorum {
+            args.insert(ShortString::from("x-queue-type"), long("quorum"));
+        }
+        args
+    }
+}
+
+fn long(text: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(text.as_bytes().to_vec()))
+}
+
+/// `5s`, `1m`, `10m`, `1h`, `1500ms`.
+fn delay_label(delay: Duration) -> String {
+    let ms = delay.as_millis();
+    match ms {
+        ms if ms % 3_600_000 == 0 => format!("{}h", ms / 3_600_000),
+        ms if ms % 60_000 == 0 => format!("{}m", ms / 60_000),
+        ms if ms % 1000 == 0 => format!("{}s", ms / 1000),
+        ms => format!("{ms}ms"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_queue_and_delays() {
+        let t = Topology::new(
+            "orders",
+            QueueKind::Classic,
+            &[
+                Duration::from_millis(1500),
+                Duration::from_secs(5),
+                Duration::from_secs(60),
+                Duration::from_secs(7200),
+            ],
+        );
+        let names: Vec<_> = t.buckets().map(|(n, _)| n).collect();
+        assert_eq!(
+            names,
+            [
+                "orders.retry.1500ms",
+                "orders.retry.5s",
+                "orders.retry.1m",
+                "orders.retry.2h"
+            ]
+        );
+        assert_eq!(t.dead_letter_queue(), "orders.dlq");
+        assert_eq!(t.parking_queue(), "orders.parking");
+        assert_eq!(t.dead_letter_exchange(), "orders.dlx");
+    }
+}

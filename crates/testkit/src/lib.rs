@@ -1,0 +1,221 @@
+//! Fixtures for Lily's tests against the real local RabbitMQ node.
+//!
+//! `scripts/test.sh` starts a private node on loopback and exports `LILY_AMQP_URL` and
+//! `LILY_RABBIT_DIR`. [`Broker::from_env`] fails loudly when they are missing: a test that cannot
+//! reach its broker never passes.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use lapin::message::BasicGetMessage;
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+
+/// The private RabbitMQ node the test command started.
+#[derive(Clone, Debug)]
+pub struct Broker {
+    url: String,
+    dir: PathBuf,
+}
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+impl Broker {
+    /// The node named by `LILY_AMQP_URL` and `LILY_RABBIT_DIR`.
+    ///
+    /// # Panics
+    /// When they are not set: run the tests through `scripts/test.sh`.
+    pub fn from_env() -> Self {
+        let (Ok(url), Ok(dir)) = (
+            std::env::var("LILY_AMQP_URL"),
+            std::env::var("LILY_RABBIT_DIR"),
+        ) else {
+            panic!(
+                "no RabbitMQ node for tests: LILY_AMQP_URL and LILY_RABBIT_DIR are unset. \
+                 Run the suite with scripts/test.sh, which starts a private node on loopback \
+                 (or start one with scripts/rabbitmq.sh start DIR PORT and export both)"
+            );
+        };
+        Self {
+            url,
+            dir: dir.into(),
+        }
+    }
+
+    /// URL of the default vhost.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// A name no other test uses.
+    pub fn unique(prefix: &str) -> String {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        format!("{prefix}-{}-{n}-{nanos}", std::process::id())
+    }
+
+    /// Runs `rabbitmqctl` against the node.
+    ///
+    /// # Panics
+    /// When the command fails.
+    pub fn ctl(&self, args: &[&str]) -> String {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/rabbitmq.sh");
+        let out = Command::new(script)
+            .arg("ctl")
+            .arg(&self.dir)
+            .args(args)
+            .output()
+            .expect("run scripts/rabbitmq.sh ctl");
+        assert!(
+            out.status.success(),
+            "rabbitmqctl {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// A fresh vhost with full permissions for the URL's user; returns its URL. Tests that
+    /// close connections use one so they never touch other tests.
+    pub fn vhost(&self, name: &str) -> String {
+        self.ctl(&["add_vhost", name]);
+        self.ctl(&["set_permissions", "-p", name, "guest", ".*", ".*", ".*"]);
+        let base = self
+            .url
+            .rsplit_once('/')
+            .map_or(self.url.as_str(), |(b, _)| b);
+        format!("{base}/{name}")
+    }
+
+    /// Closes every client connection in `vhost`, as an operator or a network fault would.
+    pub fn close_connections(&self, vhost: &str) {
+        self.ctl(&[
+            "close_all_connections",
+            "-p",
+            vhost,
+            "lily test: connection killed",
+        ]);
+    }
+}
+
+/// A plain lapin client for publishing and inspecting queues.
+pub struct Client {
+    _connection: Connection,
+    channel: Channel,
+}
+
+impl Client {
+    /// Connects to `url` with a confirm-mode channel.
+    ///
+    /// # Panics
+    /// When the broker cannot be reached.
+    pub async fn connect(url: &str) -> Self {
+        let connection = Connection::connect(url, ConnectionProperties::default())
+            .await
+            .unwrap_or_else(|e| panic!("cannot reach the test broker: {e}"));
+        let channel = connection.create_channel().await.expect("channel");
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirm_select");
+        Self {
+            _connection: connection,
+            channel,
+        }
+    }
+
+    /// Publishes to `queue` through the default exchange and waits for the confirm.
+    pub async fn publish(&self, queue: &str, body: &[u8], properties: BasicProperties) {
+        let confirm = self
+            .channel
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                body,
+                properties,
+            )
+            .await
+            .expect("publish")
+            .await
+            .expect("confirm");
+        assert_eq!(
+            confirm,
+            Confirmation::Ack(None),
+            "test publish to {queue} not routed"
+        );
+    }
+
+    /// Ready messages in `queue` (unacknowledged ones are not counted).
+    pub async fn depth(&self, queue: &str) -> u32 {
+        self.channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("queue {queue} missing: {e}"))
+            .message_count()
+    }
+
+    /// Takes one message from `queue` (acknowledging it), waiting up to `timeout`.
+    pub async fn take(&self, queue: &str, timeout: Duration) -> Option<BasicGetMessage> {
+        let start = Instant::now();
+        loop {
+            let got = self
+                .channel
+                .basic_get(queue.into(), BasicGetOptions::default())
+                .await
+                .expect("basic_get");
+            if let Some(message) = got {
+                message
+                    .delivery
+                    .acker
+                    .ack(BasicAckOptions::default())
+                    .await
+                    .expect("ack");
+                return Some(message);
+            }
+            if start.elapsed() > timeout {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Deletes `queue`.
+    pub async fn delete(&self, queue: &str) {
+        self.channel
+            .queue_delete(queue.into(), QueueDeleteOptions::default())
+            .await
+            .expect("queue_delete");
+    }
+}
+
+/// Polls `check` every 50 ms until it is true or `timeout` passes; returns the last value.
+pub async fn eventually<F: FnMut() -> bool>(timeout: Duration, mut check: F) -> bool {
+    let start = Instant::now();
+    loop {
+        if check() {
+            return true;
+        }
+        if start.elapsed() > timeout {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

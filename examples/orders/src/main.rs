@@ -1,0 +1,593 @@
+//! `orders`: a typed Lily handler for `order.placed` messages.
+//!
+//! The handler never sees ACK or NACK. What it returns picks the path Lily settles the delivery
+//! on:
+//!
+//! | message                         | handler returns                   | path                          |
+//! |---------------------------------|-----------------------------------|-------------------------------|
+//! | a normal order                  | `Ok(())`                          | ACK                           |
+//! | `quantity: 0`                   | permanent failure                 | dead-letter queue             |
+//! | sku `FLAKY`                     | retryable on attempt 1, then `Ok` | retry bucket, then ACK        |
+//! | sku `DOOMED`                    | always retryable                  | 2 retries, then the DLQ       |
+//! | body that is not JSON           | (the `Json` extractor fails)      | dead-letter queue             |
+//! | unknown type `order.cancelled`  | (no route; the handler never runs)| dead-letter queue             |
+//!
+//! Modes:
+//!
+//! - `orders serve` consumes `LILY_QUEUE` (default `orders`) at `LILY_AMQP_URL` until Ctrl-C or
+//!   SIGTERM, then prints the summary. A second signal exits at once.
+//! - `orders demo` (the default) purges the queue and its companions, starts the consumer,
+//!   publishes a sample set with publisher confirms, waits until every message is settled,
+//!   stops the consumer and prints a report of the outcomes and of the dead-letter queue.
+
+use std::collections::BTreeSet;
+use std::error::Error as StdError;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueuePurgeOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use lily::core::{Totals, headers};
+use lily::prelude::*;
+use lily::rabbit::Topology;
+use serde::Deserialize;
+use serde_json::json;
+
+/// Work queue consumed when `LILY_QUEUE` is not set.
+const DEFAULT_QUEUE: &str = "orders";
+/// The message type the handler is routed to.
+const ORDER_PLACED: &str = "order.placed";
+/// How long the demo waits for every message to settle.
+const DEMO_CAP: Duration = Duration::from_secs(60);
+
+type BoxError = Box<dyn StdError + Send + Sync>;
+
+/// The payload of `order.placed`.
+#[derive(Debug, Deserialize)]
+struct OrderPlaced {
+    order_id: String,
+    sku: String,
+    quantity: u32,
+}
+
+/// Places an order. Reasons are static text: they end up in headers and logs, bodies never do.
+async fn place_order(
+    Json(order): Json<OrderPlaced>,
+    Attempt(attempt): Attempt,
+) -> Result<(), QueueHandlerError> {
+    if order.quantity == 0 {
+        return Err(QueueHandlerError::permanent("quantity must be at least 1"));
+    }
+    match order.sku.as_str() {
+        "FLAKY" if attempt == 1 => Err(QueueHandlerError::retryable(
+            "inventory service busy on the first attempt",
+        )),
+        "DOOMED" => Err(QueueHandlerError::retryable(
+            "inventory service unreachable",
+        )),
+        _ => {
+            // A real service would reserve stock for `order.order_id` here.
+            let _ = order.order_id;
+            Ok(())
+        }
+    }
+}
+
+/// A short policy for the demo: 3 attempts, retry buckets of 1 s and 2 s, default budget.
+fn policy() -> Policy {
+    let mut policy = Policy::default();
+    policy.max_attempts = 3;
+    policy.retry_delays = vec![Duration::from_secs(1), Duration::from_secs(2)];
+    policy
+}
+
+fn router() -> Router {
+    Router::new().route(ORDER_PLACED, place_order)
+}
+
+fn config(queue: &str) -> ConsumerConfig {
+    ConsumerConfig::new(queue).policy(policy())
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,lily_mq_rabbit=info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+
+    let mode = std::env::args().nth(1).unwrap_or_else(|| "demo".to_owned());
+    if matches!(mode.as_str(), "-h" | "--help" | "help") {
+        println!("{}", usage());
+        return ExitCode::SUCCESS;
+    }
+    if mode != "serve" && mode != "demo" {
+        eprintln!("orders: unknown mode {mode:?}\n{}", usage());
+        return ExitCode::from(2);
+    }
+    let Ok(url) = std::env::var("LILY_AMQP_URL") else {
+        eprintln!(
+            "orders: set LILY_AMQP_URL (for example amqp://guest:guest@127.0.0.1:5672/%2f), \
+             or run scripts/demo.sh to start a private broker"
+        );
+        return ExitCode::from(2);
+    };
+    let queue = std::env::var("LILY_QUEUE").unwrap_or_else(|_| DEFAULT_QUEUE.to_owned());
+    let result = if mode == "serve" {
+        serve(&url, &queue).await
+    } else {
+        demo(&url, &queue).await
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("orders {mode}: FAILED: {}", chain(err.as_ref()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn usage() -> &'static str {
+    "usage: orders [demo|serve]\n\
+     \n  demo   publish a sample set, wait for every outcome, print a report (default)\
+     \n  serve  consume until Ctrl-C or SIGTERM, then print the summary\
+     \n\nenvironment: LILY_AMQP_URL (required), LILY_QUEUE (default orders), RUST_LOG"
+}
+
+// ---------------------------------------------------------------------------------------------
+// serve
+
+async fn serve(url: &str, queue: &str) -> Result<ExitCode, BoxError> {
+    let shutdown = CancellationToken::new();
+    tokio::spawn(watch_signals(shutdown.clone()));
+    println!("orders: consuming {queue}; Ctrl-C or SIGTERM stops");
+    let consumer = Consumer::new(url, config(queue), router());
+    let summary = consumer.run(shutdown).await?;
+    print_summary(&summary);
+    Ok(if summary.unresolved.is_empty() && summary.overflow == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// Fires `shutdown` on the first Ctrl-C or SIGTERM; a second signal exits at once.
+async fn watch_signals(shutdown: CancellationToken) {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(term) => Some(term),
+        Err(err) => {
+            eprintln!("orders: cannot watch SIGTERM ({err}); Ctrl-C still works");
+            None
+        }
+    };
+    let mut signal = async || {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => "Ctrl-C",
+            Some(()) = async {
+                match term.as_mut() {
+                    Some(term) => term.recv().await,
+                    None => std::future::pending().await,
+                }
+            } => "SIGTERM",
+        }
+    };
+    let first = signal().await;
+    eprintln!("orders: {first}: draining (a second signal exits at once)");
+    shutdown.cancel();
+    let second = signal().await;
+    eprintln!("orders: {second} again: exiting without waiting for in-flight deliveries");
+    std::process::exit(130);
+}
+
+fn print_summary(summary: &Summary) {
+    println!();
+    println!("summary");
+    print_totals(&summary.totals);
+    if summary.unresolved.is_empty() && summary.overflow == 0 {
+        println!("  every delivery's settlement is known");
+        return;
+    }
+    println!("  unresolved deliveries:");
+    for entry in &summary.unresolved {
+        println!(
+            "    message_id {:<20} attempt {} delivery_tag {} last evidence {:?}: {}",
+            entry.identity.message_id.as_deref().unwrap_or("-"),
+            entry.identity.attempt,
+            entry.identity.delivery_tag,
+            entry.last,
+            entry.reason,
+        );
+    }
+    if summary.overflow > 0 {
+        println!("    ... and {} more not listed", summary.overflow);
+    }
+}
+
+fn print_totals(t: &Totals) {
+    println!("  acked            {:>4}", t.acked);
+    println!("  retried          {:>4}", t.retried);
+    println!("  dead-lettered    {:>4}", t.dead_lettered);
+    println!("  unresolved       {:>4}", t.unresolved);
+    // Paths this example does not exercise, shown only when they happened.
+    for (name, n) in [
+        ("parked", t.parked),
+        ("requeued", t.requeued),
+        ("deferred", t.deferred),
+        ("rejected at gate", t.rejected_at_gate),
+        ("authority lost", t.authority_lost),
+        ("duplicates", t.duplicates_suppressed),
+    ] {
+        if n > 0 {
+            println!("  {name:<16} {n:>4}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// demo
+
+/// One message of the sample set.
+struct Sample {
+    message_id: &'static str,
+    kind: &'static str,
+    body: Vec<u8>,
+    expect: &'static str,
+}
+
+fn samples() -> Vec<Sample> {
+    let order = |id: &str, sku: &str, quantity: u32| {
+        json!({ "order_id": id, "sku": sku, "quantity": quantity })
+            .to_string()
+            .into_bytes()
+    };
+    let mut set: Vec<Sample> = (1..=5)
+        .map(|n| Sample {
+            message_id: ["order-1", "order-2", "order-3", "order-4", "order-5"][n - 1],
+            kind: ORDER_PLACED,
+            body: order(
+                &format!("A-100{n}"),
+                "BOOK-42",
+                u32::try_from(n).unwrap_or(1),
+            ),
+            expect: "acked",
+        })
+        .collect();
+    set.extend([
+        Sample {
+            message_id: "order-flaky",
+            kind: ORDER_PLACED,
+            body: order("A-2001", "FLAKY", 1),
+            expect: "retried once, then acked",
+        },
+        Sample {
+            message_id: "order-doomed",
+            kind: ORDER_PLACED,
+            body: order("A-2002", "DOOMED", 1),
+            expect: "retried twice, then dead-lettered",
+        },
+        Sample {
+            message_id: "order-zero-qty",
+            kind: ORDER_PLACED,
+            body: order("A-2003", "BOOK-42", 0),
+            expect: "dead-lettered (permanent)",
+        },
+        Sample {
+            message_id: "order-bad-json",
+            kind: ORDER_PLACED,
+            body: b"{\"order_id\": \"A-2004\", \"sku\": ".to_vec(),
+            expect: "dead-lettered (body is not JSON)",
+        },
+        Sample {
+            message_id: "order-cancelled",
+            kind: "order.cancelled",
+            body: order("A-2005", "BOOK-42", 1),
+            expect: "dead-lettered (no route for the type)",
+        },
+    ]);
+    set
+}
+
+/// What the sample set must end as.
+const EXPECT_ACKED: u64 = 6;
+const EXPECT_RETRIED: u64 = 3;
+const EXPECT_DEAD_LETTERED: u64 = 4;
+const EXPECT_DLQ: [&str; 4] = [
+    "order-bad-json",
+    "order-cancelled",
+    "order-doomed",
+    "order-zero-qty",
+];
+
+async fn demo(url: &str, queue: &str) -> Result<ExitCode, BoxError> {
+    let policy = policy();
+    let topology = Topology::new(queue, QueueKind::Classic, &policy.retry_delays);
+    println!("Lily orders demo");
+    println!(
+        "  queue {queue}, policy: {} attempts, retry buckets {}",
+        policy.max_attempts,
+        topology
+            .buckets()
+            .map(|(name, _)| name)
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .map_err(|e| format!("cannot connect to the broker in LILY_AMQP_URL: {e}"))?;
+
+    // Declare exactly what the consumer declares, then empty it so reruns start clean.
+    let setup = connection.create_channel().await?;
+    topology
+        .apply(&setup, TopologyMode::Declare)
+        .await
+        .map_err(|e| format!("the broker refused the topology of {queue}: {e}"))?;
+    let mut stale = 0;
+    let mut names = vec![
+        queue.to_owned(),
+        topology.dead_letter_queue(),
+        topology.parking_queue(),
+    ];
+    names.extend(topology.buckets().map(|(name, _)| name.to_owned()));
+    for name in &names {
+        stale += setup
+            .queue_purge(name.as_str().into(), QueuePurgeOptions::default())
+            .await?;
+    }
+    let _ = setup.close(200, "setup done".into()).await;
+    if stale > 0 {
+        println!("  purged {stale} message(s) left by an earlier run");
+    }
+
+    // The consumer runs in its own task until `shutdown` fires.
+    let consumer = Consumer::new(url, config(queue), router());
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let mut task = tokio::spawn(consumer.run(shutdown.clone()));
+
+    let samples = samples();
+    let publisher = connection.create_channel().await?;
+    publisher
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let mut confirms = Vec::with_capacity(samples.len());
+    for sample in &samples {
+        let properties = BasicProperties::default()
+            .with_message_id(sample.message_id.into())
+            .with_type(sample.kind.into())
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2);
+        let confirm = publisher
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                &sample.body,
+                properties,
+            )
+            .await?;
+        confirms.push((sample.message_id, confirm));
+    }
+    for (id, confirm) in confirms {
+        match confirm.await? {
+            Confirmation::Ack(None) => {}
+            other => return Err(format!("publish of {id} not confirmed: {other:?}").into()),
+        }
+    }
+    println!();
+    println!(
+        "published {} messages (persistent, publisher-confirmed):",
+        samples.len()
+    );
+    for sample in &samples {
+        println!(
+            "  {:<16} {:<16} expect: {}",
+            sample.message_id, sample.kind, sample.expect
+        );
+    }
+
+    // Wait for every outcome.
+    println!();
+    println!("waiting for settlement (cap {}s)", DEMO_CAP.as_secs());
+    let started = Instant::now();
+    let mut last = Totals::default();
+    loop {
+        let t = stats.totals();
+        if t != last {
+            println!(
+                "  +{:>4.1}s  acked {} retried {} dead-lettered {} unresolved {}",
+                started.elapsed().as_secs_f64(),
+                t.acked,
+                t.retried,
+                t.dead_lettered,
+                t.unresolved
+            );
+            last = t;
+        }
+        if t.acked == EXPECT_ACKED
+            && t.retried == EXPECT_RETRIED
+            && t.dead_lettered == EXPECT_DEAD_LETTERED
+        {
+            break;
+        }
+        if t.acked > EXPECT_ACKED
+            || t.retried > EXPECT_RETRIED
+            || t.dead_lettered > EXPECT_DEAD_LETTERED
+            || t.unresolved > 0
+        {
+            shutdown.cancel();
+            return Err(format!(
+                "unexpected outcomes: {}; expected acked {EXPECT_ACKED}, retried \
+                 {EXPECT_RETRIED}, dead-lettered {EXPECT_DEAD_LETTERED}",
+                brief(&t)
+            )
+            .into());
+        }
+        if task.is_finished() {
+            let err = match (&mut task).await {
+                Ok(Ok(_)) => "it stopped on its own".to_owned(),
+                Ok(Err(err)) => chain(&err),
+                Err(join) => join.to_string(),
+            };
+            return Err(format!("the consumer stopped before the demo finished: {err}").into());
+        }
+        if started.elapsed() > DEMO_CAP {
+            shutdown.cancel();
+            return Err(format!(
+                "gave up after {}s waiting for outcomes; have {}, expected acked \
+                 {EXPECT_ACKED}, retried {EXPECT_RETRIED}, dead-lettered {EXPECT_DEAD_LETTERED}",
+                DEMO_CAP.as_secs(),
+                brief(&t)
+            )
+            .into());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    shutdown.cancel();
+    let summary = task
+        .await
+        .map_err(|e| format!("consumer task failed: {e}"))??;
+    let dead = drain(&connection, &topology.dead_letter_queue()).await?;
+    let _ = connection.close(200, "demo done".into()).await;
+
+    // The report.
+    println!();
+    println!(
+        "report (consumer stopped after {:.1}s)",
+        started.elapsed().as_secs_f64()
+    );
+    print_totals(&summary.totals);
+    println!();
+    println!(
+        "dead-letter queue {} ({} message(s), bodies not shown)",
+        topology.dead_letter_queue(),
+        dead.len()
+    );
+    println!(
+        "  {:<16} {:<13} {:<7} reason",
+        "message_id", "failure-kind", "attempt"
+    );
+    for m in &dead {
+        println!(
+            "  {:<16} {:<13} {:<7} {}",
+            m.message_id, m.failure_kind, m.attempt, m.reason
+        );
+    }
+
+    let mut problems = Vec::new();
+    if !summary.unresolved.is_empty() || summary.overflow > 0 {
+        problems.push(format!(
+            "{} unresolved deliveries",
+            summary.unresolved.len() as u64 + summary.overflow
+        ));
+    }
+    let got: BTreeSet<&str> = dead.iter().map(|m| m.message_id.as_str()).collect();
+    let want: BTreeSet<&str> = EXPECT_DLQ.into_iter().collect();
+    if got != want || dead.len() != EXPECT_DLQ.len() {
+        problems.push(format!(
+            "dead-letter queue holds {got:?}, expected exactly {want:?}"
+        ));
+    }
+    println!();
+    if problems.is_empty() {
+        println!(
+            "OK: {} acked, {} retried, {} dead-lettered, nothing unresolved",
+            summary.totals.acked, summary.totals.retried, summary.totals.dead_lettered
+        );
+        Ok(ExitCode::SUCCESS)
+    } else {
+        print_summary(&summary);
+        Err(problems.join("; ").into())
+    }
+}
+
+/// A dead-lettered message as the report shows it: identity and Lily's headers, no body.
+struct DeadLetter {
+    message_id: String,
+    failure_kind: String,
+    reason: String,
+    attempt: String,
+}
+
+/// Takes every message off `queue` (basic.get, then ack).
+async fn drain(connection: &Connection, queue: &str) -> Result<Vec<DeadLetter>, BoxError> {
+    let channel: Channel = connection.create_channel().await?;
+    let mut out = Vec::new();
+    // Bounded: a demo DLQ holds a handful of messages.
+    while out.len() < 1000 {
+        let Some(message) = channel
+            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+            .await?
+        else {
+            break;
+        };
+        let props = &message.delivery.properties;
+        let header = |key: &str| {
+            props
+                .headers()
+                .as_ref()
+                .and_then(|h: &FieldTable| h.inner().get(key))
+                .map_or_else(|| "-".to_owned(), show)
+        };
+        out.push(DeadLetter {
+            message_id: props
+                .message_id()
+                .as_ref()
+                .map_or_else(|| "-".to_owned(), |id| id.as_str().to_owned()),
+            failure_kind: header(headers::FAILURE_KIND),
+            reason: header(headers::REASON),
+            attempt: header(headers::ATTEMPT),
+        });
+        message
+            .delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await?;
+    }
+    let _ = channel.close(200, "drained".into()).await;
+    Ok(out)
+}
+
+/// A header value as text.
+fn show(value: &AMQPValue) -> String {
+    match value {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::ShortString(s) => s.as_str().to_owned(),
+        AMQPValue::ShortShortUInt(n) => n.to_string(),
+        AMQPValue::ShortUInt(n) => n.to_string(),
+        AMQPValue::LongUInt(n) => n.to_string(),
+        AMQPValue::ShortShortInt(n) => n.to_string(),
+        AMQPValue::ShortInt(n) => n.to_string(),
+        AMQPValue::LongInt(n) => n.to_string(),
+        AMQPValue::LongLongInt(n) => n.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+fn brief(t: &Totals) -> String {
+    format!(
+        "acked {} retried {} dead-lettered {} unresolved {} parked {} requeued {}",
+        t.acked, t.retried, t.dead_lettered, t.unresolved, t.parked, t.requeued
+    )
+}
+
+/// An error and its sources on one line.
+fn chain(err: &(dyn StdError + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

@@ -1,0 +1,130 @@
+//! Shared fixtures of the end-to-end tests.
+#![allow(dead_code, unreachable_pub)]
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lily::prelude::*;
+use lily::rabbit::Stats;
+use lily_mq_testkit::eventually;
+use tokio::task::JoinHandle;
+
+/// A policy with short delays so tests run in seconds.
+pub fn fast_policy() -> Policy {
+    let mut policy = Policy::default();
+    policy.max_attempts = 3;
+    policy.retry_delays = vec![Duration::from_secs(1), Duration::from_secs(2)];
+    policy.max_requeues = 3;
+    policy.settlement_budget = Duration::from_secs(5);
+    policy.nack_reserve = Duration::from_millis(500);
+    policy
+}
+
+pub fn config(queue: &str, kind: QueueKind) -> ConsumerConfig {
+    let mut config = ConsumerConfig::new(queue)
+        .queue_kind(kind)
+        .policy(fast_policy())
+        .prefetch(20)
+        .concurrency(20)
+        .handler_timeout(Duration::from_secs(5))
+        .drain_timeout(Duration::from_secs(5));
+    config.reconnect_min = Duration::from_millis(100);
+    config.reconnect_max = Duration::from_millis(500);
+    config
+}
+
+pub fn props(message_id: &str, kind: &str) -> BasicProperties {
+    BasicProperties::default()
+        .with_message_id(ShortString::from(message_id))
+        .with_type(ShortString::from(kind))
+        .with_content_type(ShortString::from("application/json"))
+        .with_delivery_mode(2)
+}
+
+/// A consumer running in the background.
+pub struct Running {
+    shutdown: CancellationToken,
+    join: JoinHandle<Result<Summary, lily::rabbit::Error>>,
+    pub stats: Stats,
+}
+
+pub fn start(url: &str, config: ConsumerConfig, router: Router) -> Running {
+    let consumer = Consumer::new(url, config, router);
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let join = tokio::spawn(consumer.run(shutdown.clone()));
+    Running {
+        shutdown,
+        join,
+        stats,
+    }
+}
+
+impl Running {
+    /// Waits until the totals satisfy `check`, failing the test after `timeout`.
+    pub async fn wait_for(
+        &self,
+        what: &str,
+        timeout: Duration,
+        check: impl Fn(&lily::core::Totals) -> bool,
+    ) {
+        let stats = self.stats.clone();
+        let seen = eventually(timeout, || check(&stats.totals())).await;
+        assert!(
+            seen,
+            "timed out waiting for {what}; totals: {:?}",
+            self.stats.totals()
+        );
+    }
+
+    pub async fn stop(self) -> Summary {
+        self.shutdown.cancel();
+        self.join
+            .await
+            .expect("consumer task panicked")
+            .expect("consumer failed")
+    }
+}
+
+/// Records what a handler saw.
+#[derive(Clone, Default)]
+pub struct Calls(Arc<Mutex<Vec<(String, u32, bool)>>>);
+
+impl Calls {
+    pub fn record(&self, meta: &Meta) {
+        self.0.lock().unwrap().push((
+            meta.message_id().to_owned(),
+            meta.attempt(),
+            meta.redelivered(),
+        ));
+    }
+
+    pub fn all(&self) -> Vec<(String, u32, bool)> {
+        self.0.lock().unwrap().clone()
+    }
+
+    pub fn count(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+}
+
+pub fn header<'a>(props: &'a BasicProperties, key: &str) -> Option<&'a AMQPValue> {
+    props
+        .headers()
+        .as_ref()
+        .and_then(|h: &FieldTable| h.inner().get(key))
+}
+
+pub fn header_str(props: &BasicProperties, key: &str) -> Option<String> {
+    match header(props, key)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+pub fn header_u32(props: &BasicProperties, key: &str) -> Option<u32> {
+    lily::core::as_u32(header(props, key)?)
+}

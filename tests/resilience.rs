@@ -1,0 +1,153 @@
+//! Failure-shaped tests: unroutable handoffs and a killed connection, against the real node.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use common::{Calls, config, header_str, props, start};
+use lily::prelude::*;
+use lily_mq_testkit::{Broker, Client, eventually};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+async fn declared(url: &str, queue: &str) -> bool {
+    let (url, queue) = (url.to_owned(), queue.to_owned());
+    // A passive declare of a missing queue closes its channel: probe from a throwaway client.
+    tokio::spawn(async move { Client::connect(&url).await.depth(&queue).await })
+        .await
+        .is_ok()
+}
+
+async fn wait_declared(url: &str, queue: &str) {
+    for _ in 0..300 {
+        if declared(url, queue).await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("queue {queue} was never declared");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unroutable_handoff_nacks_original_once_per_delivery_and_never_loses_it() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("unroutable");
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let router = Router::new().route("order.placed", move |meta: Meta| {
+        let seen = seen.clone();
+        async move {
+            seen.record(&meta);
+            Err(QueueHandlerError::retryable("downstream down"))
+        }
+    });
+    let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
+    let client = Client::connect(broker.url()).await;
+    wait_declared(broker.url(), &format!("{queue}.retry.1s")).await;
+    // The bucket disappears: the mandatory retry publish comes back unroutable.
+    client.delete(&format!("{queue}.retry.1s")).await;
+    client
+        .publish(&queue, b"{}", props("lost-bucket", "order.placed"))
+        .await;
+
+    let max_requeues = common::fast_policy().max_requeues;
+    running
+        .wait_for("dead-lettered after the requeue limit", WAIT, |t| {
+            t.dead_lettered == 1
+        })
+        .await;
+    let summary = running.stop().await;
+    assert_eq!(
+        summary.totals.requeued,
+        u64::from(max_requeues),
+        "one NACK per failed handoff"
+    );
+    assert_eq!(summary.totals.retried, 0);
+    let calls = calls.all();
+    assert_eq!(
+        calls.len(),
+        max_requeues as usize + 1,
+        "bounded: no requeue hot loop"
+    );
+    assert!(
+        !calls[0].2 && calls[1..].iter().all(|c| c.2),
+        "later deliveries are redeliveries"
+    );
+    assert!(
+        calls.iter().all(|c| c.1 == 1),
+        "a failed handoff does not consume an attempt"
+    );
+    let dead = client
+        .take(&format!("{queue}.dlq"), Duration::from_secs(2))
+        .await
+        .expect("never lost: the message ends in the DLQ");
+    assert_eq!(
+        header_str(&dead.delivery.properties, "x-lily-reason").as_deref(),
+        Some("requeue limit reached: downstream down")
+    );
+    assert_eq!(client.depth(&queue).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_killed_mid_flight_loses_nothing_and_consumer_resumes() {
+    let broker = Broker::from_env();
+    let vhost = Broker::unique("kill");
+    let url = broker.vhost(&vhost);
+    let queue = "orders";
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let router = Router::new().route("order.placed", move |meta: Meta| {
+        let seen = seen.clone();
+        async move {
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            seen.record(&meta);
+            Ok(())
+        }
+    });
+    let running = start(&url, config(queue, QueueKind::Classic), router);
+    let client = Client::connect(&url).await;
+    wait_declared(&url, queue).await;
+    let ids: BTreeSet<String> = (0..30).map(|i| format!("k-{i}")).collect();
+    for id in &ids {
+        client
+            .publish(queue, b"{}", props(id, "order.placed"))
+            .await;
+    }
+    // Let a batch be in flight, then kill every connection of the vhost.
+    let stats = running.stats.clone();
+    assert!(
+        eventually(WAIT, || stats.in_flight() >= 5).await,
+        "deliveries in flight"
+    );
+    broker.close_connections(&vhost);
+
+    let done = calls.clone();
+    let expected = ids.clone();
+    let all_acked = eventually(WAIT, || {
+        stats.totals().acked as usize >= expected.len()
+            && done
+                .all()
+                .iter()
+                .map(|c| c.0.clone())
+                .collect::<BTreeSet<_>>()
+                == expected
+    })
+    .await;
+    assert!(
+        all_acked,
+        "every message handled after the reconnect; totals {:?}",
+        stats.totals()
+    );
+    let summary = running.stop().await;
+    assert!(
+        summary.totals.authority_lost >= 1,
+        "deliveries in flight when the connection died are recorded as authority lost: {:?}",
+        summary.totals
+    );
+    let handled: BTreeSet<String> = calls.all().into_iter().map(|c| c.0).collect();
+    assert_eq!(handled, ids, "no message lost");
+    let verify = Client::connect(&url).await;
+    assert_eq!(verify.depth(queue).await, 0);
+    assert_eq!(verify.depth("orders.dlq").await, 0);
+}

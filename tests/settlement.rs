@@ -1,0 +1,577 @@
+//! Settlement paths against the real local RabbitMQ node (see DESIGN.md §2).
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Calls, config, header, header_str, header_u32, props, start};
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lily::prelude::*;
+use lily_mq_testkit::{Broker, Client};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+#[derive(serde::Deserialize)]
+struct Order {
+    quantity: u32,
+}
+
+fn order(quantity: u32) -> Vec<u8> {
+    serde_json::json!({ "order_id": "o-1", "quantity": quantity })
+        .to_string()
+        .into_bytes()
+}
+
+async fn success_path(kind: QueueKind) {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("success");
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let router = Router::new().route("order.placed", move |Json(o): Json<Order>, meta: Meta| {
+        let seen = seen.clone();
+        async move {
+            assert_eq!(o.quantity, 2);
+            seen.record(&meta);
+            Ok(())
+        }
+    });
+    let running = start(broker.url(), config(&queue, kind), router);
+    let client = Client::connect(broker.url()).await;
+    wait_for_queue(&client, &queue).await;
+    for i in 0..20 {
+        client
+            .publish(&queue, &order(2), props(&format!("m-{i}"), "order.placed"))
+            .await;
+    }
+    running.wait_for("20 acks", WAIT, |t| t.acked == 20).await;
+    let summary = running.stop().await;
+    assert_eq!(summary.totals.acked, 20);
+    assert!(summary.unresolved.is_empty(), "{:?}", summary.unresolved);
+    assert_eq!(calls.count(), 20);
+    // After the consumer's connection closed, an unacked message would be ready again.
+    assert_eq!(client.depth(&queue).await, 0);
+    assert_eq!(client.depth(&format!("{queue}.dlq")).await, 0);
+}
+
+/// The consumer declares the topology on connect; wait until the work queue exists.
+async fn wait_for_queue(_client: &Client, queue: &str) {
+    for _ in 0..300 {
+        if exists(queue).await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("queue {queue} was never declared");
+}
+
+async fn exists(queue: &str) -> bool {
+    let url = Broker::from_env().url().to_owned();
+    let queue = queue.to_owned();
+    // A passive declare of a missing queue closes the channel: use a throwaway client.
+    tokio::spawn(async move {
+        let client = Client::connect(&url).await;
+        client.depth(&queue).await
+    })
+    .await
+    .is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn success_acks_and_leaves_classic_queue_empty() {
+    success_path(QueueKind::Classic).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn success_acks_and_leaves_quorum_queue_empty() {
+    success_path(QueueKind::Quorum).await;
+}
+
+async fn retry_then_success(kind: QueueKind) {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("retry");
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let router = Router::new().route("order.placed", move |meta: Meta| {
+        let seen = seen.clone();
+        async move {
+            seen.record(&meta);
+            if meta.attempt() < 3 {
+                Err(QueueHandlerError::retryable("stock service busy"))
+            } else {
+                Ok(())
+            }
+        }
+    });
+    let running = start(broker.url(), config(&queue, kind), router);
+    let client = Client::connect(broker.url()).await;
+    wait_for_queue(&client, &queue).await;
+    client
+        .publish(&queue, &order(1), props("retry-1", "order.placed"))
+        .await;
+
+    // First failure: the copy waits in the 1 s bucket with attempt 2.
+    running
+        .wait_for("first retry", WAIT, |t| t.retried == 1)
+        .await;
+    let first_bucket = format!("{queue}.retry.1s");
+    running
+        .wait_for("second retry", WAIT, |t| t.retried == 2)
+        .await;
+    running.wait_for("final ack", WAIT, |t| t.acked == 1).await;
+    let summary = running.stop().await;
+
+    let attempts: Vec<u32> = calls.all().iter().map(|c| c.1).collect();
+    assert_eq!(
+        attempts,
+        vec![1, 2, 3],
+        "each retry comes back with attempt + 1"
+    );
+    assert!(
+        calls.all().iter().all(|c| c.0 == "retry-1"),
+        "message id is preserved"
+    );
+    assert_eq!((summary.totals.retried, summary.totals.acked), (2, 1));
+    assert_eq!(client.depth(&first_bucket).await, 0);
+    assert_eq!(client.depth(&format!("{queue}.retry.2s")).await, 0);
+    assert_eq!(client.depth(&format!("{queue}.dlq")).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retryable_failure_waits_in_bucket_and_comes_back_with_next_attempt() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("bucket");
+    let router = Router::new().route("order.placed", |_: Meta| async {
+        Err(QueueHandlerError::retryable("later"))
+    });
+    let mut cfg = config(&queue, QueueKind::Classic);
+    cfg.policy.retry_delays = vec![Duration::from_secs(30)];
+    let running = start(broker.url(), cfg, router);
+    let client = Client::connect(broker.url()).await;
+    wait_for_queue(&client, &queue).await;
+    client
+        .publish(&queue, &order(1), props("bucketed", "order.placed"))
+        .await;
+    running
+        .wait_for("retry handoff", WAIT, |t| t.retried == 1)
+        .await;
+    let summary = running.stop().await;
+    assert_eq!(summary.totals.retried, 1);
+    let copy = client
+        .take(&format!("{queue}.retry.30s"), Duration::from_secs(2))
+        .await
+        .expect("copy in the 30 s bucket");
+    let p = &copy.delivery.properties;
+    assert_eq!(
+        p.message_id().as_ref().map(ShortString::as_str),
+        Some("bucketed")
+    );
+    assert_eq!(header_u32(p, "x-lily-attempt"), Some(2));
+    assert_eq!(
+        header_str(p, "x-lily-failure-kind").as_deref(),
+        Some("retryable")
+    );
+    assert_eq!(
+        header_str(p, "x-lily-reason").as_deref(),
+        Some("handler failure: later")
+    );
+    assert_eq!(
+        header_str(p, "x-lily-source-queue").as_deref(),
+        Some(queue.as_str())
+    );
+    assert_eq!(p.delivery_mode(), &Some(2));
+    assert_eq!(copy.delivery.data, order(1), "body is carried unchanged");
+    assert_eq!(client.depth(&queue).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retryable_failure_retries_then_succeeds_on_classic() {
+    retry_then_success(QueueKind::Classic).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retryable_failure_retries_then_succeeds_on_quorum() {
+    retry_then_success(QueueKind::Quorum).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempts_exhausted_goes_to_dlq_with_failure_headers_and_message_id() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("exhaust");
+    let router = Router::new().route("order.placed", |_: Meta| async {
+        Err(QueueHandlerError::retryable("warehouse closed"))
+    });
+    let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
+    let client = Client::connect(broker.url()).await;
+    wait_for_queue(&client, &queue).await;
+    let mut original = props("doomed-1", "order.placed");
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "tenant".into(),
+        AMQPValue::LongString(LongString::from(b"acme".to_vec())),
+    );
+    original = original
+        .with_headers(headers)
+        .with_correlation_id("corr-9".into());
+    client.publish(&queue, &order(1), original).await;
+    running
+        .wait_for("dead-lettered", WAIT, |t| t.dead_lettered == 1)
+        .await;
+    let summary = running.stop().await;
+    assert_eq!(
+        (summary.totals.retried, summary.totals.dead_lettered),
+        (2, 1)
+    );
+
+    let dead = client
+        .take(&format!("{queue}.dlq"), Duration::from_secs(2))
+        .await
+        .expect("message in the DLQ");
+    let p = &dead.delivery.properties;
+    assert_eq!(
+        p.message_id().as_ref().map(ShortString::as_str),
+        Some("doomed-1")
+    );
+    assert_eq!(
+        p.correlation_id().as_ref().map(ShortString::as_str),
+        Some("corr-9")
+    );
+    assert_eq!(
+        header_str(p, "tenant").as_deref(),
+        Some("acme"),
+        "original headers kept"
+    );
+    assert_eq!(header_u32(p, "x-lily-attempt"), Some(3));
+    assert_eq!(
+        header_str(p, "x-lily-failure-kind").as_deref(),
+        Some("retryable")
+    );
+    assert_eq!(
+        header_str(p, "x-lily-reason").as_deref(),
+        Some("attempts exhausted: warehouse closed")
+    );
+    assert!(header(p, "x-lily-first-failure-at").is_some());
+    assert!(header(p, "x-lily-last-failure-at").is_some());
+    assert_eq!(
+        header_str(p, "x-lily-original-routing-key").as_deref(),
+        Some(queue.as_str())
+    );
+    assert_eq!(client.depth(&queue).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permanent_failure_and_unknown_type_go_straight_to_dlq() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("permanent");
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let router = Router::new().route("order.placed", move |Json(o): Json<Order>, meta: Meta| {
+        let seen = seen.clone();
+        async move {
+            seen.record(&meta);
+            if o.quantity == 0 {
+                return Err(QueueHandlerError::permanent("quantity must be positive"));
+            }
+            Ok(())
+        }
+    });
+    let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
+    let client = Client::connect(broker.url()).await;
+    wait_for_queue(&client, &queue).await;
+    client
+        .publish(&queue, &order(0), props("zero", "order.placed"))
+        .await;
+    client
+        .publish(&queue, &order(1), props("unknown", "order.cancelled"))
+        .await;
+    client
+        .publish(&queue, b"{not json", props("garbled", "order.placed"))
+        .await;
+    let v2 = props("v2", "order.placed").with_headers({
+        let mut h = FieldTable::default();
+        h.insert("schema-version".into(), AMQPValue::LongInt(2));
+        h
+    });
+    client.publish(&queue, &order(1), v2).await;
+    client
+        .publish(
+            &queue,
+            &order(1),
+            props("xml", "order.placed").with_content_type("application/xml".into()),
+        )
+        .await;
+    running
+        .wait_for("five dead letters", WAIT, |t| t.dead_lettered == 5)
+        .await;
+    let summary = running.stop().await;
+    assert_eq!(summary.totals.retried, 0);
+    assert_eq!(
+        calls.count(),
+        1,
+        "only the well-formed order reached the handler"
+    );
+    let mut reasons = Vec::new();
+    while let Some(m) = client
+        .take(&format!("{queue}.dlq"), Duration::from_millis(500))
+        .await
+    {
+        let p = &m.delivery.properties;
+        let id = p
+            .message_id()
+            .as_ref()
+            .map(|s| s.as_str().to_owned())
+            .unwrap_or_default();
+        reasons.push((id, header_str(p, "x-lily-reason").unwrap_or_default()));
+    }
+    reasons.sort();
+    assert_eq!(
+        reasons,
+        vec![
+            (
+                "garbled".into(),
+                "handler failure: payload is not valid JSON (line 1, column 2)".into()
+            ),
+            (
+                "unknown".into(),
+                "handler failure: no handler for this message type".into()
+            ),
+            (
+                "v2".into(),
+                "handler failure: unsupported schema version".into()
+            ),
+            (
+                "xml".into(),
+                "handler failure: unsupported content type".into()
+            ),
+            (
+                "zero".into(),
+                "handler failure: quantity must be positive".into()
+            ),
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_body_is_rejected_to_broker_dlx_without_calling_handler() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("oversized");
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let router = Router::new().route("order.placed", move |meta: Meta| {
+        let seen = seen.clone();
+        async move {
+            seen.record(&meta);
+            Ok(())
+        }
+    });
+    let mut cfg = config(&queue, QueueKind::Classic);
+    cfg.limits.max_body_bytes = 1024;
+    let running = start(broker.url(), cfg, router);
+    let client = Client::connect(broker.url()).await;
+    wait_for_queue(&client, &queue).await;
+    client
+        .publish(&queue, &vec![b'x'; 4096], props("big", "order.placed"))
+        .await;
+    client
+        .publish(&queue, &order(1), props("small", "order.placed"))
+        .await;
+    running
+        .wait_for("reject and ack", WAIT, |t| {
+            t.rejected_at_gate == 1 && t.acked == 1
+        })
+        .await;
+    let summary = running.stop().await;
+    assert_eq!(
+        summary.totals.dead_lettered, 0,
+        "no Lily handoff for oversized bodies"
+    );
+    let ids: Vec<String> = calls.all().into_iter().map(|c| c.0).collect();
+    assert_eq!(
+        ids,
+        vec!["small".to_owned()],
+        "handler never saw the oversized body"
+    );
+    let dead = client
+        .take(&format!("{queue}.dlq"), Duration::from_secs(2))
+        .await
+        .expect("rejected message dead-lettered by the broker");
+    assert_eq!(dead.delivery.data.len(), 4096);
+    let death = header(&dead.delivery.properties, "x-death").expect("broker x-death header");
+    let AMQPValue::FieldArray(deaths) = death else {
+        panic!("x-death is an array")
+    };
+    let AMQPValue::FieldTable(first) = &deaths.as_slice()[0] else {
+        panic!("x-death entry is a table")
+    };
+    let reason = first.inner().get("reason").expect("x-death reason");
+    assert_eq!(
+        reason,
+        &AMQPValue::LongString(LongString::from(b"rejected".to_vec()))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_envelope_goes_to_dlq_with_sanitized_reason_without_calling_handler() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("invalid");
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let router = Router::new().route("order.placed", move |meta: Meta| {
+        let seen = seen.clone();
+        async move {
+            seen.record(&meta);
+            Ok(())
+        }
+    });
+    let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
+    let client = Client::connect(broker.url()).await;
+    wait_for_queue(&client, &queue).await;
+    // No type property.
+    let untyped = BasicProperties::default().with_message_id("no-type".into());
+    client.publish(&queue, &order(1), untyped).await;
+    // Too many headers, one of them carrying something that must not be copied.
+    let mut hostile = FieldTable::default();
+    for i in 0..100 {
+        hostile.insert(
+            ShortString::from(format!("h{i}")),
+            AMQPValue::LongString(LongString::from(b"secret-token-value".to_vec())),
+        );
+    }
+    client
+        .publish(
+            &queue,
+            &order(1),
+            props("crowded", "order.placed").with_headers(hostile),
+        )
+        .await;
+    running
+        .wait_for("two dead letters", WAIT, |t| t.dead_lettered == 2)
+        .await;
+    let summary = running.stop().await;
+    assert_eq!(calls.count(), 0, "handler never called");
+    assert_eq!(summary.totals.acked, 0);
+    let mut seen = Vec::new();
+    while let Some(m) = client
+        .take(&format!("{queue}.dlq"), Duration::from_millis(500))
+        .await
+    {
+        let p = &m.delivery.properties;
+        let table = p.headers().clone().unwrap_or_default();
+        assert!(
+            table
+                .inner()
+                .keys()
+                .all(|k| k.as_str().starts_with("x-lily-")),
+            "only Lily's bounded headers are carried: {:?}",
+            table.inner().keys().collect::<Vec<_>>()
+        );
+        assert_eq!(
+            header_str(p, "x-lily-failure-kind").as_deref(),
+            Some("rejected")
+        );
+        seen.push((
+            p.message_id()
+                .as_ref()
+                .map(|s| s.as_str().to_owned())
+                .unwrap_or_default(),
+            header_str(p, "x-lily-reason").unwrap_or_default(),
+        ));
+    }
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![
+            (
+                "crowded".into(),
+                "invalid envelope: too many headers".into()
+            ),
+            (
+                "no-type".into(),
+                "invalid envelope: type property missing".into()
+            ),
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_panic_is_retried_and_consumer_stays_alive() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("panic");
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let router = Router::new().route("order.placed", move |meta: Meta| {
+        let seen = seen.clone();
+        async move {
+            seen.record(&meta);
+            if meta.message_id() == "boom" && meta.attempt() == 1 {
+                panic!("handler bug");
+            }
+            Ok(())
+        }
+    });
+    let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
+    let client = Client::connect(broker.url()).await;
+    wait_for_queue(&client, &queue).await;
+    client
+        .publish(&queue, &order(1), props("boom", "order.placed"))
+        .await;
+    running
+        .wait_for("panic retried", WAIT, |t| t.retried == 1)
+        .await;
+    client
+        .publish(&queue, &order(1), props("after", "order.placed"))
+        .await;
+    running.wait_for("both acked", WAIT, |t| t.acked == 2).await;
+    let summary = running.stop().await;
+    assert_eq!(summary.totals.retried, 1);
+    let mut ids: Vec<(String, u32)> = calls.all().into_iter().map(|c| (c.0, c.1)).collect();
+    ids.sort();
+    assert_eq!(
+        ids,
+        vec![("after".into(), 1), ("boom".into(), 1), ("boom".into(), 2)]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_timeout_is_retried_and_fires_the_cancellation_token() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("timeout");
+    let cancelled = Calls::default();
+    let seen = cancelled.clone();
+    let router = Router::new().route(
+        "order.placed",
+        move |meta: Meta, Cancellation(token): Cancellation| {
+            let seen = seen.clone();
+            async move {
+                if meta.attempt() == 1 {
+                    let watcher = token.clone();
+                    let meta2 = meta.clone();
+                    tokio::spawn(async move {
+                        watcher.cancelled().await;
+                        seen.record(&meta2);
+                    });
+                    tokio::time::sleep(Duration::from_secs(60)).await;
+                }
+                Ok(())
+            }
+        },
+    );
+    let cfg = config(&queue, QueueKind::Classic).handler_timeout(Duration::from_millis(300));
+    let running = start(broker.url(), cfg, router);
+    let client = Client::connect(broker.url()).await;
+    wait_for_queue(&client, &queue).await;
+    client
+        .publish(&queue, &order(1), props("slow", "order.placed"))
+        .await;
+    running
+        .wait_for("retried then acked", WAIT, |t| {
+            t.retried == 1 && t.acked == 1
+        })
+        .await;
+    running.stop().await;
+    assert_eq!(
+        cancelled.count(),
+        1,
+        "the token fired when the timeout expired"
+    );
+}
