@@ -3,7 +3,7 @@
 #
 #   scripts/demo.sh
 #
-# Starts a node on 127.0.0.1:35673 with its data under target/lily-rabbit-demo (installing
+# Starts a node on 127.0.0.1:25682 with its data under target/lily-rabbit-demo (installing
 # rabbitmq-server from Debian packages when missing), runs `orders demo` against it, and stops
 # the node on exit. The exit code is the demo's: 0 when every expected outcome was seen.
 set -euo pipefail
@@ -16,7 +16,7 @@ if ! command -v cargo >/dev/null 2>&1; then
 fi
 
 DATA_DIR="$PWD/target/lily-rabbit-demo"
-PORT=35673
+PORT=25682
 
 cleanup() {
   scripts/rabbitmq.sh stop "$DATA_DIR" || true

@@ -867,9 +867,13 @@ fn failing_pipeline() -> impl Strategy<Value = PipelineResult> {
     ]
 }
 
+/// A delivery's actions: one publish and one settling action at most.
+const MAX_ACTIONS_PER_DELIVERY: usize = 2;
+
 /// What one delivery of a message whose every handoff fails ends in.
 struct Delivery {
     plan: Plan,
+    actions: usize,
     outcome: Outcome,
 }
 
@@ -883,7 +887,14 @@ fn deliver_with_failing_handoffs(
 ) -> Delivery {
     let plan = decide(s, p);
     let mut settlement = Settlement::start(plan, s.requeues, p, t0);
-    while let Some(action) = settlement.poll_action() {
+    let mut actions = 0;
+    // A plan takes at most two actions (publish, then ack or nack); more would be a bug, and a
+    // bounded loop reports it instead of hanging.
+    for _ in 0..MAX_ACTIONS_PER_DELIVERY + 1 {
+        let Some(action) = settlement.poll_action() else {
+            break;
+        };
+        actions += 1;
         match action {
             Action::Publish { .. } => {
                 settlement.handle_handoff(failure, Authority::Held, within_budget(t0));
@@ -896,7 +907,11 @@ fn deliver_with_failing_handoffs(
     let outcome = settlement
         .outcome()
         .expect("a delivery always reaches an outcome");
-    Delivery { plan, outcome }
+    Delivery {
+        plan,
+        actions,
+        outcome,
+    }
 }
 
 proptest! {
@@ -972,6 +987,7 @@ proptest! {
             prop_assert!(deliveries <= max_requeues + 1, "delivery {} of a hot loop", deliveries);
             let s = Situation { requeues, attempt, ..situation(pipeline) };
             let delivery = deliver_with_failing_handoffs(&s, &p, failure, t0);
+            prop_assert!(delivery.actions <= MAX_ACTIONS_PER_DELIVERY);
             match delivery.outcome {
                 Outcome::Requeued(_) => requeues += 1,
                 _ => break delivery,

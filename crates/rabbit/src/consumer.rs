@@ -13,7 +13,7 @@ use lapin::options::{
     BasicRejectOptions,
 };
 use lapin::types::{FieldTable, LongString};
-use lapin::{Acker, BasicProperties, Connection, ConnectionProperties};
+use lapin::{Acker, BasicProperties, Channel, Connection, ConnectionProperties};
 use lily_mq_core::{
     Action, Authority, BoxedHandler, CleanupResult, DynHook, EntryId, Evidence, GateRejection,
     Handoff, HandoffResult, Hook, Identity, Incoming, IncomingParts, Ledger, Outcome,
@@ -101,7 +101,26 @@ struct Shared {
 /// One connection and its channels.
 struct Session {
     connection: Connection,
+    consuming: Channel,
     publisher: Publisher,
+}
+
+impl Session {
+    /// Closes the session after draining. A `basic.qos` round trip on the consuming channel
+    /// first proves the broker processed every ACK written before it (frames on a channel are
+    /// handled in order).
+    async fn close(&self, prefetch: u16) {
+        match self
+            .consuming
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await
+        {
+            Ok(()) => debug!("acks confirmed by a basic.qos round trip"),
+            Err(err) => warn!(error = %err, "acks written before close are unconfirmed"),
+        }
+        let _ = self.consuming.close(200, "lily shutdown".into()).await;
+        let _ = self.connection.close(200, "lily shutdown".into()).await;
+    }
 }
 
 enum SessionEnd {
@@ -208,7 +227,7 @@ impl Consumer {
             let _ = tokio::time::timeout(Duration::from_secs(1), tracker.wait()).await;
         }
         if let Some(session) = last_session {
-            let _ = session.connection.close(200, "lily shutdown".into()).await;
+            session.close(shared.config.prefetch).await;
         }
         let ledger = lock(&shared.ledger);
         Ok(Summary {
@@ -274,6 +293,7 @@ async fn consume(
     info!(queue = %shared.queue, host = %redact(&shared.url), "consuming");
     let session = Arc::new(Session {
         connection,
+        consuming: channel,
         publisher,
     });
     loop {
@@ -298,7 +318,8 @@ async fn consume(
             None => return Ok(SessionEnd::Lost),
         }
     }
-    let _ = channel
+    let _ = session
+        .consuming
         .basic_cancel(consumer.tag(), BasicCancelOptions::default())
         .await;
     Ok(SessionEnd::Shutdown(session))

@@ -114,7 +114,6 @@ pub(crate) struct FailureNote<'a> {
 /// expire in the DLQ; the broker's `x-delivery-count` is not carried over.
 pub(crate) fn copy_properties(incoming: &Incoming, note: &FailureNote<'_>) -> BasicProperties {
     let original = incoming.properties();
-    let mut table = original.headers().clone().unwrap_or_default();
     let now = epoch_millis();
     let first = incoming
         .header(headers::FIRST_FAILURE_AT)
@@ -123,7 +122,11 @@ pub(crate) fn copy_properties(incoming: &Incoming, note: &FailureNote<'_>) -> Ba
             _ => None,
         })
         .unwrap_or(now);
-    let mut map = std::mem::take(&mut table).inner().clone();
+    let mut map = original
+        .headers()
+        .as_ref()
+        .map(|t| t.inner().clone())
+        .unwrap_or_default();
     map.remove(headers::DELIVERY_COUNT);
     let mut table = FieldTable::from(map);
     let attempt = match note.lane {

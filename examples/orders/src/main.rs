@@ -22,6 +22,7 @@
 
 use std::collections::BTreeSet;
 use std::error::Error as StdError;
+use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -99,6 +100,7 @@ async fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
 
     let mode = std::env::args().nth(1).unwrap_or_else(|| "demo".to_owned());
