@@ -333,15 +333,15 @@ async fn permanent_failure_and_unknown_type_go_straight_to_dlq() {
             ),
             (
                 "unknown".into(),
-                "handler failure: no handler for this message type".into()
+                "dispatch failure: no handler for this message type".into()
             ),
             (
                 "v2".into(),
-                "handler failure: unsupported schema version".into()
+                "dispatch failure: unsupported schema version".into()
             ),
             (
                 "xml".into(),
-                "handler failure: unsupported content type".into()
+                "dispatch failure: unsupported content type".into()
             ),
             (
                 "zero".into(),
@@ -574,4 +574,39 @@ async fn handler_timeout_is_retried_and_fires_the_cancellation_token() {
         1,
         "the token fired when the timeout expired"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_mode_refuses_a_missing_topology_and_consumes_a_declared_one() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("verify");
+    let router = || Router::new().route("order.placed", |_: Meta| async { Ok(()) });
+    let cfg = || config(&queue, QueueKind::Quorum).topology(TopologyMode::Verify);
+
+    let refused = Consumer::new(broker.url(), cfg(), router())
+        .run(CancellationToken::new())
+        .await;
+    assert!(
+        matches!(refused, Err(lily::rabbit::Error::Topology { .. })),
+        "missing topology is a startup error, not a retry loop"
+    );
+
+    let connection = lapin::Connection::connect(broker.url(), Default::default())
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    let policy = common::fast_policy();
+    lily::rabbit::Topology::new(&queue, QueueKind::Quorum, &policy.retry_delays)
+        .apply(&channel, TopologyMode::Declare)
+        .await
+        .expect("declare topology");
+
+    let running = start(broker.url(), cfg(), router());
+    let client = Client::connect(broker.url()).await;
+    client
+        .publish(&queue, &order(1), props("verified", "order.placed"))
+        .await;
+    running.wait_for("ack", WAIT, |t| t.acked == 1).await;
+    running.stop().await;
+    assert_eq!(client.depth(&queue).await, 0);
 }

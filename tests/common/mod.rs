@@ -13,13 +13,11 @@ use tokio::task::JoinHandle;
 
 /// A policy with short delays so tests run in seconds.
 pub fn fast_policy() -> Policy {
-    let mut policy = Policy::default();
-    policy.max_attempts = 3;
-    policy.retry_delays = vec![Duration::from_secs(1), Duration::from_secs(2)];
-    policy.max_requeues = 3;
-    policy.settlement_budget = Duration::from_secs(5);
-    policy.nack_reserve = Duration::from_millis(500);
-    policy
+    Policy::default()
+        .max_attempts(3)
+        .retry_delays([Duration::from_secs(1), Duration::from_secs(2)])
+        .max_requeues(3)
+        .settlement_budget(Duration::from_secs(5), Duration::from_millis(500))
 }
 
 pub fn config(queue: &str, kind: QueueKind) -> ConsumerConfig {

@@ -15,13 +15,16 @@ use crate::{Budget, FailureKind, GateRejection, Policy};
 pub enum PipelineResult {
     /// The handler returned `Ok(())`.
     Succeeded,
-    /// Dispatch, an extractor, a hook or the handler returned an error of this kind.
+    /// An extractor, a hook or the handler returned an error of this kind.
     Failed {
         /// Kind of the failure.
         kind: FailureKind,
         /// The handler's delay hint.
         retry_after: Option<Duration>,
     },
+    /// Dispatch found no handler for the type, schema version or content type: permanent,
+    /// decided before any scope opened.
+    NotDispatched,
     /// The handler panicked: retryable.
     Panicked,
     /// The handler ran past its timeout: retryable.
@@ -101,7 +104,9 @@ pub enum Lane {
 pub enum Cause {
     /// The gate refused the envelope.
     InvalidEnvelope,
-    /// The handler, an extractor, a hook or dispatch failed.
+    /// No handler for the type, schema version or content type.
+    Dispatch,
+    /// The handler, an extractor or a hook failed.
     Handler,
     /// The handler panicked.
     Panic,
@@ -122,6 +127,7 @@ impl Cause {
     pub const fn as_str(self) -> &'static str {
         match self {
             Self::InvalidEnvelope => "invalid envelope",
+            Self::Dispatch => "dispatch failure",
             Self::Handler => "handler failure",
             Self::Panic => "handler panicked",
             Self::Timeout => "handler timed out",
@@ -232,6 +238,7 @@ pub fn decide(s: &Situation, policy: &Policy) -> Plan {
             (FailureKind::Retryable, None, Cause::TransactionAborted)
         }
         (PipelineResult::Failed { kind, retry_after }, _, _) => (kind, retry_after, Cause::Handler),
+        (PipelineResult::NotDispatched, _, _) => (FailureKind::Permanent, None, Cause::Dispatch),
         (PipelineResult::Panicked, _, _) => (FailureKind::Retryable, None, Cause::Panic),
         (PipelineResult::TimedOut, _, _) => (FailureKind::Retryable, None, Cause::Timeout),
     };

@@ -57,6 +57,35 @@ pub enum PolicyError {
 }
 
 impl Policy {
+    /// Sets [`Policy::max_attempts`].
+    #[must_use]
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts;
+        self
+    }
+
+    /// Sets [`Policy::retry_delays`], shortest first.
+    #[must_use]
+    pub fn retry_delays(mut self, delays: impl IntoIterator<Item = Duration>) -> Self {
+        self.retry_delays = delays.into_iter().collect();
+        self
+    }
+
+    /// Sets [`Policy::max_requeues`].
+    #[must_use]
+    pub fn max_requeues(mut self, requeues: u32) -> Self {
+        self.max_requeues = requeues;
+        self
+    }
+
+    /// Sets [`Policy::settlement_budget`] and [`Policy::nack_reserve`].
+    #[must_use]
+    pub fn settlement_budget(mut self, budget: Duration, nack_reserve: Duration) -> Self {
+        self.settlement_budget = budget;
+        self.nack_reserve = nack_reserve;
+        self
+    }
+
     /// Checks the policy.
     ///
     /// # Errors

@@ -171,8 +171,8 @@ fn invalid_envelope_is_dead_lettered_with_invalid_envelope_cause() {
 fn unsupported_message_type_is_a_permanent_failure_dead_lettered() {
     // Dispatch reports an unsupported type, schema version or content type as a permanent
     // failure before any scope opens.
-    let plan = decide(&situation(failed(FailureKind::Permanent)), &policy());
-    assert_eq!(plan, dead_letter(FailureKind::Permanent, Cause::Handler));
+    let plan = decide(&situation(PipelineResult::NotDispatched), &policy());
+    assert_eq!(plan, dead_letter(FailureKind::Permanent, Cause::Dispatch));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -747,6 +747,7 @@ fn pipeline_result() -> impl Strategy<Value = PipelineResult> {
         Just(PipelineResult::Succeeded),
         (failure_kind(), hint)
             .prop_map(|(kind, retry_after)| PipelineResult::Failed { kind, retry_after }),
+        Just(PipelineResult::NotDispatched),
         Just(PipelineResult::Panicked),
         Just(PipelineResult::TimedOut),
         Just(PipelineResult::Deferred),
@@ -861,6 +862,7 @@ fn handoff_failure() -> impl Strategy<Value = HandoffResult> {
 fn failing_pipeline() -> impl Strategy<Value = PipelineResult> {
     prop_oneof![
         failure_kind().prop_map(failed),
+        Just(PipelineResult::NotDispatched),
         Just(PipelineResult::Panicked),
         Just(PipelineResult::TimedOut),
         Just(PipelineResult::Deferred),

@@ -415,9 +415,9 @@ async fn handle(
                 routing_key: routing_key.as_str(),
             };
             async {
-                let outcome = work.settle(plan, requeues, &reason, copy).await;
-                if let Some(id) = message_id {
-                    work.remember_requeue(id, outcome, redelivered);
+                let outcome = work.settle(plan, requeues, &reason, copy, message_id).await;
+                if let (Some(id), true) = (message_id, redelivered) {
+                    work.forget_requeues(id, outcome);
                 }
                 work.finish(outcome, &reason);
             }
@@ -485,10 +485,7 @@ impl Work<'_> {
     ) {
         let (pipeline, cleanup, reason) = match route {
             Err(err) => (
-                PipelineResult::Failed {
-                    kind: err.kind(),
-                    retry_after: None,
-                },
+                PipelineResult::NotDispatched,
                 CleanupResult::Succeeded,
                 Some(err.reason().clone()),
             ),
@@ -524,13 +521,29 @@ impl Work<'_> {
         let plan = decide(&situation, &self.shared.config.policy);
         let reason = reason.unwrap_or_else(|| Reason::new("ok"));
         let outcome = self
-            .settle(plan, requeues, &reason, Copy::Original(&incoming))
+            .settle(
+                plan,
+                requeues,
+                &reason,
+                Copy::Original(&incoming),
+                Some(incoming.message_id()),
+            )
             .await;
-        self.remember_requeue(incoming.message_id(), outcome, redelivered);
+        if redelivered {
+            self.forget_requeues(incoming.message_id(), outcome);
+        }
         self.finish(outcome, &reason);
     }
 
-    async fn settle(&self, plan: Plan, requeues: u32, reason: &Reason, copy: Copy<'_>) -> Outcome {
+    /// Carries `plan` out. `requeue_key` names the message in the classic-queue requeue count.
+    async fn settle(
+        &self,
+        plan: Plan,
+        requeues: u32,
+        reason: &Reason,
+        copy: Copy<'_>,
+        requeue_key: Option<&str>,
+    ) -> Outcome {
         self.note(Evidence::Planned);
         let policy = &self.shared.config.policy;
         let mut settlement = Settlement::start(plan, requeues, policy, Instant::now());
@@ -556,6 +569,11 @@ impl Work<'_> {
                     settlement.handle_handoff(result, self.authority(), Instant::now());
                 }
                 Action::Ack | Action::Requeue | Action::Reject => {
+                    if let (Action::Requeue, Some(key)) = (action, requeue_key) {
+                        // Counted before the NACK is written: the redelivery can arrive before
+                        // this task runs again.
+                        self.count_requeue(key);
+                    }
                     let left = settlement.budget().remaining(Instant::now());
                     let result = self.write(action, left).await;
                     if result == SettleResult::Written {
@@ -645,17 +663,20 @@ impl Work<'_> {
             .unwrap_or(0)
     }
 
-    fn remember_requeue(&self, message_id: &str, outcome: Outcome, redelivered: bool) {
-        if let Outcome::Requeued(_) = outcome {
-            let mut counts = lock(&self.shared.requeues);
-            if counts.len() >= REQUEUE_MEMORY && !counts.contains_key(message_id) {
-                let evict = counts.keys().next().cloned();
-                if let Some(key) = evict {
-                    counts.remove(&key);
-                }
+    fn count_requeue(&self, message_id: &str) {
+        let mut counts = lock(&self.shared.requeues);
+        if counts.len() >= REQUEUE_MEMORY && !counts.contains_key(message_id) {
+            let evict = counts.keys().next().cloned();
+            if let Some(key) = evict {
+                counts.remove(&key);
             }
-            *counts.entry(message_id.into()).or_insert(0) += 1;
-        } else if redelivered {
+        }
+        *counts.entry(message_id.into()).or_insert(0) += 1;
+    }
+
+    /// Drops the requeue count of a message that left the queue for good.
+    fn forget_requeues(&self, message_id: &str, outcome: Outcome) {
+        if !matches!(outcome, Outcome::Requeued(_)) {
             lock(&self.shared.requeues).remove(message_id);
         }
     }
