@@ -47,7 +47,12 @@ async fn success_path(kind: QueueKind) {
     running.wait_for("20 acks", WAIT, |t| t.acked == 20).await;
     let summary = running.stop().await;
     assert_eq!(summary.totals.acked, 20);
-    assert!(summary.unresolved.is_empty(), "{:?}", summary.unresolved);
+    assert_eq!(
+        summary.totals.acks_confirmed, 20,
+        "every ack proven by a round trip"
+    );
+    assert_eq!(summary.totals.acks_uncertain, 0);
+    assert!(summary.clean, "{:?}", summary.unresolved);
     assert_eq!(calls.count(), 20);
     // After the consumer's connection closed, an unacked message would be ready again.
     assert_eq!(client.depth(&queue).await, 0);
@@ -584,7 +589,7 @@ async fn verify_mode_refuses_a_missing_topology_and_consumes_a_declared_one() {
     let cfg = || config(&queue, QueueKind::Quorum).topology(TopologyMode::Verify);
 
     let refused = Consumer::new(broker.url(), cfg(), router())
-        .run(CancellationToken::new())
+        .run(Shutdown::default())
         .await;
     assert!(
         matches!(refused, Err(lily::rabbit::Error::Topology { .. })),

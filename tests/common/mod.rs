@@ -26,8 +26,7 @@ pub fn config(queue: &str, kind: QueueKind) -> ConsumerConfig {
         .policy(fast_policy())
         .prefetch(20)
         .concurrency(20)
-        .handler_timeout(Duration::from_secs(5))
-        .drain_timeout(Duration::from_secs(5));
+        .handler_timeout(Duration::from_secs(5));
     config.reconnect_min = Duration::from_millis(100);
     config.reconnect_max = Duration::from_millis(500);
     config
@@ -43,15 +42,15 @@ pub fn props(message_id: &str, kind: &str) -> BasicProperties {
 
 /// A consumer running in the background.
 pub struct Running {
-    shutdown: CancellationToken,
-    join: JoinHandle<Result<Summary, lily::rabbit::Error>>,
+    pub shutdown: Shutdown,
+    join: JoinHandle<Result<ShutdownReport, lily::rabbit::Error>>,
     pub stats: Stats,
 }
 
 pub fn start(url: &str, config: ConsumerConfig, router: Router) -> Running {
     let consumer = Consumer::new(url, config, router);
     let stats = consumer.stats();
-    let shutdown = CancellationToken::new();
+    let shutdown = Shutdown::new(ShutdownBudget::new(Duration::from_secs(10)));
     let join = tokio::spawn(consumer.run(shutdown.clone()));
     Running {
         shutdown,
@@ -77,8 +76,8 @@ impl Running {
         );
     }
 
-    pub async fn stop(self) -> Summary {
-        self.shutdown.cancel();
+    pub async fn stop(self) -> ShutdownReport {
+        self.shutdown.trigger(Trigger::Api);
         self.join
             .await
             .expect("consumer task panicked")

@@ -7,10 +7,13 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
+
 use crate::{Outcome, Reason, RequeueCause};
 
 /// The latest evidence seen for a delivery.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum Evidence {
     /// `basic.deliver` received.
@@ -31,6 +34,8 @@ pub enum Evidence {
     SettleWritten,
     /// The channel closed before settlement.
     AuthorityLost,
+    /// The task was aborted at shutdown before it finished.
+    Aborted,
 }
 
 /// Who a delivery is: enough to find it in the broker and the logs.
@@ -55,12 +60,17 @@ pub struct UnresolvedEntry {
     pub identity: Identity,
     /// The last evidence observed.
     pub last: Evidence,
+    /// Queue holding a confirmed handoff copy, kept even though the original is unresolved.
+    pub handoff: Option<Box<str>>,
     /// Why it is unresolved.
     pub reason: Reason,
 }
 
 /// Counts of terminal outcomes over the ledger's lifetime.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+///
+/// `acked`, `retried`, `dead_lettered` and `parked` count ACK frames written; `acks_confirmed`
+/// and `acks_uncertain` say what a later round trip on the same channel proved.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[allow(missing_docs)]
 pub struct Totals {
     pub acked: u64,
@@ -73,6 +83,8 @@ pub struct Totals {
     pub duplicates_suppressed: u64,
     pub authority_lost: u64,
     pub unresolved: u64,
+    pub acks_confirmed: u64,
+    pub acks_uncertain: u64,
 }
 
 impl Totals {
@@ -106,6 +118,16 @@ pub struct Ledger {
     unresolved_cap: usize,
     overflow: u64,
     totals: Totals,
+    awaiting: VecDeque<Awaiting>,
+}
+
+/// An ACK written but not yet proven processed by a later round trip on its channel.
+#[derive(Debug)]
+struct Awaiting {
+    channel: u64,
+    seq: u64,
+    identity: Identity,
+    handoff: Option<Box<str>>,
 }
 
 impl Ledger {
@@ -118,6 +140,7 @@ impl Ledger {
             unresolved_cap,
             overflow: 0,
             totals: Totals::default(),
+            awaiting: VecDeque::new(),
         }
     }
 
@@ -136,27 +159,97 @@ impl Ledger {
         }
     }
 
-    /// Closes an entry with its outcome. Unresolved outcomes are kept with `reason`.
+    /// Closes an entry with its outcome. Unresolved and authority-lost outcomes are listed with
+    /// `reason`.
     pub fn close(&mut self, id: EntryId, outcome: Outcome, reason: impl FnOnce() -> Reason) {
         let Some((identity, last)) = self.open.remove(&id) else {
             return;
         };
         self.totals.count(outcome);
-        if let Outcome::Unresolved(_) = outcome {
-            if self.unresolved.len() == self.unresolved_cap {
-                self.unresolved.pop_front();
-                self.overflow += 1;
-            }
-            if self.unresolved_cap > 0 {
-                self.unresolved.push_back(UnresolvedEntry {
-                    identity,
-                    last,
-                    reason: reason(),
-                });
-            } else {
-                self.overflow += 1;
+        if matches!(outcome, Outcome::Unresolved(_) | Outcome::AuthorityLost) {
+            self.list(UnresolvedEntry {
+                identity,
+                last,
+                handoff: None,
+                reason: reason(),
+            });
+        }
+    }
+
+    /// Closes an entry whose ACK frame was written on `channel`; it waits for a round trip on
+    /// that channel to confirm it. `handoff` names the queue of a confirmed copy, if any.
+    pub fn close_acked(
+        &mut self,
+        id: EntryId,
+        outcome: Outcome,
+        channel: u64,
+        handoff: Option<Box<str>>,
+    ) {
+        let Some((identity, _)) = self.open.remove(&id) else {
+            return;
+        };
+        self.totals.count(outcome);
+        self.next += 1;
+        self.awaiting.push_back(Awaiting {
+            channel,
+            seq: self.next,
+            identity,
+            handoff,
+        });
+    }
+
+    /// A mark to pass to [`confirm_acks`](Self::confirm_acks) after a round trip started now.
+    pub fn ack_mark(&self) -> u64 {
+        self.next
+    }
+
+    /// A round trip on `channel`, started at `mark`, completed: every ACK written there before
+    /// it is confirmed.
+    pub fn confirm_acks(&mut self, channel: u64, mark: u64) {
+        let before = self.awaiting.len();
+        self.awaiting
+            .retain(|a| a.channel != channel || a.seq > mark);
+        self.totals.acks_confirmed += (before - self.awaiting.len()) as u64;
+    }
+
+    /// `channel` closed (or, with `None`, every channel): its unconfirmed ACKs are uncertain and
+    /// their deliveries unresolved.
+    pub fn acks_uncertain(&mut self, channel: Option<u64>) {
+        let (lost, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.awaiting)
+            .into_iter()
+            .partition(|a| channel.is_none_or(|c| a.channel == c));
+        self.awaiting = kept.into();
+        for a in lost {
+            self.totals.acks_uncertain += 1;
+            self.totals.unresolved += 1;
+            self.list(UnresolvedEntry {
+                identity: a.identity,
+                last: Evidence::SettleWritten,
+                handoff: a.handoff,
+                reason: Reason::new("ack written; channel closed before a round trip confirmed it"),
+            });
+        }
+    }
+
+    /// Records that an open delivery's task was aborted at shutdown.
+    pub fn abort_open(&mut self) {
+        for (_, last) in self.open.values_mut() {
+            if *last != Evidence::AuthorityLost {
+                *last = Evidence::Aborted;
             }
         }
+    }
+
+    fn list(&mut self, entry: UnresolvedEntry) {
+        if self.unresolved_cap == 0 {
+            self.overflow += 1;
+            return;
+        }
+        if self.unresolved.len() == self.unresolved_cap {
+            self.unresolved.pop_front();
+            self.overflow += 1;
+        }
+        self.unresolved.push_back(entry);
     }
 
     /// Counts a suppressed duplicate.
@@ -174,12 +267,26 @@ impl Ledger {
         self.open.len()
     }
 
+    /// ACKs written and not yet confirmed by a round trip.
+    pub fn acks_awaiting(&self) -> usize {
+        self.awaiting.len()
+    }
+
+    /// How many unresolved deliveries there are, listed or overflowed, open ones included.
+    pub fn unresolved_count(&self) -> u64 {
+        self.unresolved.len() as u64 + self.overflow + self.open.len() as u64
+    }
+
     /// Unresolved deliveries: those closed as unresolved, then those still open.
     pub fn unresolved(&self) -> impl Iterator<Item = UnresolvedEntry> + '_ {
         let open = self.open.values().map(|(identity, last)| UnresolvedEntry {
             identity: identity.clone(),
             last: *last,
-            reason: Reason::new("still in flight"),
+            handoff: None,
+            reason: Reason::new(match last {
+                Evidence::Aborted => "aborted at shutdown; the broker will redeliver",
+                _ => "still in flight",
+            }),
         });
         self.unresolved.iter().cloned().chain(open)
     }
@@ -241,5 +348,38 @@ mod tests {
         assert_eq!(listed.len(), 1);
         assert_eq!(listed[0].identity.delivery_tag, 2);
         assert_eq!(listed[0].reason.as_str(), "still in flight");
+    }
+
+    #[test]
+    fn acks_are_confirmed_by_a_round_trip_or_become_uncertain_with_their_handoff() {
+        let mut ledger = Ledger::new(10);
+        let a = ledger.open(identity(1));
+        let b = ledger.open(identity(2));
+        ledger.close_acked(a, Outcome::Acked, 7, None);
+        let mark = ledger.ack_mark();
+        ledger.close_acked(b, Outcome::Retried, 7, Some("orders.retry.5s".into()));
+        ledger.confirm_acks(7, mark);
+        assert_eq!(ledger.totals().acks_confirmed, 1);
+        assert_eq!(ledger.acks_awaiting(), 1);
+        ledger.acks_uncertain(Some(7));
+        let listed: Vec<_> = ledger.unresolved().collect();
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].identity.delivery_tag, 2);
+        assert_eq!(listed[0].handoff.as_deref(), Some("orders.retry.5s"));
+        assert_eq!(listed[0].last, Evidence::SettleWritten);
+        assert_eq!(
+            (ledger.totals().acks_uncertain, ledger.totals().retried),
+            (1, 1)
+        );
+    }
+
+    #[test]
+    fn authority_lost_deliveries_are_listed() {
+        let mut ledger = Ledger::new(10);
+        let a = ledger.open(identity(1));
+        ledger.note(a, Evidence::AuthorityLost);
+        ledger.close(a, Outcome::AuthorityLost, || Reason::new("authority lost"));
+        assert_eq!(ledger.unresolved().count(), 1);
+        assert_eq!(ledger.totals().authority_lost, 1);
     }
 }

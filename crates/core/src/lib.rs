@@ -9,6 +9,7 @@
 //!   machine that carries a plan to its [`Outcome`].
 //! - [`Budget`], [`Policy`]: deadlines and retry policy.
 //! - [`Ledger`]: evidence per delivery and totals.
+//! - [`PhaseClock`] and [`ShutdownReport`]: shutdown phases and the report.
 
 mod budget;
 mod codec;
@@ -22,8 +23,10 @@ mod ledger;
 mod message;
 mod policy;
 mod reason;
+mod report;
 mod router;
 mod scope;
+mod shutdown;
 
 pub use budget::Budget;
 pub use codec::{Codec, JsonCodec};
@@ -42,5 +45,9 @@ pub use ledger::{EntryId, Evidence, Identity, Ledger, Totals, UnresolvedEntry};
 pub use message::{Incoming, IncomingParts};
 pub use policy::{Policy, PolicyError};
 pub use reason::Reason;
+pub use report::{
+    EXIT_UNRESOLVED, SCHEMA, ShutdownReport, TERMINATION_MESSAGE_MAX, UnresolvedDelivery,
+};
 pub use router::Router;
 pub use scope::{CleanupError, DynHook, Hook};
+pub use shutdown::{Phase, PhaseClock, PhaseTiming, ShutdownBudget, Trigger};

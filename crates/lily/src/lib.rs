@@ -22,9 +22,11 @@
 //! # async fn run() -> Result<(), lily::rabbit::Error> {
 //! let router = Router::new().route("order.placed", place);
 //! let consumer = Consumer::new("amqp://127.0.0.1:5672/%2f", ConsumerConfig::new("orders"), router);
-//! let shutdown = CancellationToken::new();
-//! let summary = consumer.run(shutdown).await?;
-//! assert!(summary.unresolved.is_empty());
+//! let shutdown = Shutdown::default(); // 25 s budget: fits Kubernetes' 30 s grace period
+//! shutdown.listen_for_signals().expect("signal handlers"); // SIGTERM drains, a second forces
+//! let report = consumer.run(shutdown).await?;
+//! emit(&report, &ReportSinks::default()).expect("report written");
+//! std::process::exit(report.exit_code()); // 0 clean, 3 unresolved
 //! # Ok(()) }
 //! ```
 
@@ -37,6 +39,8 @@ pub mod prelude {
         Attempt, Cancellation, CleanupError, FailureKind, Headers, Hook, Json, Meta, Payload,
         Policy, QueueHandlerError, RawDelivery, Router,
     };
-    pub use lily_mq_rabbit::{Consumer, ConsumerConfig, QueueKind, Summary, TopologyMode};
-    pub use tokio_util::sync::CancellationToken;
+    pub use lily_mq_core::{ShutdownBudget, ShutdownReport, Trigger};
+    pub use lily_mq_rabbit::{
+        Consumer, ConsumerConfig, QueueKind, ReportSinks, Shutdown, TopologyMode, emit,
+    };
 }

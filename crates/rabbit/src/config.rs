@@ -32,8 +32,6 @@ pub struct ConsumerConfig {
     pub reconnect_min: Duration,
     /// Longest reconnect delay.
     pub reconnect_max: Duration,
-    /// Time in-flight deliveries get to finish after the consumer is cancelled.
-    pub drain_timeout: Duration,
 }
 
 impl ConsumerConfig {
@@ -51,7 +49,6 @@ impl ConsumerConfig {
             unresolved_cap: 1000,
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(5),
-            drain_timeout: Duration::from_secs(20),
         }
     }
 
@@ -101,13 +98,6 @@ impl ConsumerConfig {
     #[must_use]
     pub fn policy(mut self, policy: Policy) -> Self {
         self.policy = policy;
-        self
-    }
-
-    /// Sets the drain timeout used when the consumer stops.
-    #[must_use]
-    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
-        self.drain_timeout = timeout;
         self
     }
 }

@@ -5,16 +5,26 @@
 //! handler under a timeout and panic guard, and carries out the plan the decision table chose:
 //! ACK, a confirmed handoff (mandatory publish → publisher confirm → original ACK), one bounded
 //! NACK with requeue, or a reject to the dead-letter exchange. Nothing is sent for a delivery
-//! whose channel is gone; that is recorded as lost authority.
+//! whose channel is gone; that is recorded as lost authority. [`Shutdown`] starts the phased
+//! shutdown whose [`ShutdownReport`](lily_mq_core::ShutdownReport) lists every delivery whose
+//! settlement is unresolved; [`emit`] writes it out.
 
 mod config;
 mod consumer;
+mod delivery;
 mod error;
 mod handoff;
+#[cfg(feature = "health")]
+pub mod health;
 mod pipeline;
+mod report;
+mod session;
+mod shutdown;
 mod topology;
 
 pub use config::ConsumerConfig;
-pub use consumer::{Consumer, Stats, Summary};
+pub use consumer::{Consumer, Stats};
 pub use error::Error;
+pub use report::{ReportSinks, emit};
+pub use shutdown::Shutdown;
 pub use topology::{QueueKind, Topology, TopologyMode};

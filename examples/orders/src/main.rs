@@ -15,7 +15,8 @@
 //! Modes:
 //!
 //! - `orders serve` consumes `LILY_QUEUE` (default `orders`) at `LILY_AMQP_URL` until Ctrl-C or
-//!   SIGTERM, then prints the summary. A second signal exits at once.
+//!   SIGTERM, then shuts down in phases and writes the shutdown report (JSON on stdout). A
+//!   second signal forces the shutdown.
 //! - `orders demo` (the default) purges the queue and its companions, starts the consumer,
 //!   publishes a sample set with publisher confirms, waits until every message is settled,
 //!   stops the consumer and prints a report of the outcomes and of the dead-letter queue.
@@ -137,7 +138,7 @@ async fn main() -> ExitCode {
 fn usage() -> &'static str {
     "usage: orders [demo|serve]\n\
      \n  demo   publish a sample set, wait for every outcome, print a report (default)\
-     \n  serve  consume until Ctrl-C or SIGTERM, then print the summary\
+     \n  serve  consume until Ctrl-C or SIGTERM, then print the shutdown report\
      \n\nenvironment: LILY_AMQP_URL (required), LILY_QUEUE (default orders), RUST_LOG"
 }
 
@@ -145,68 +146,35 @@ fn usage() -> &'static str {
 // serve
 
 async fn serve(url: &str, queue: &str) -> Result<ExitCode, BoxError> {
-    let shutdown = CancellationToken::new();
-    tokio::spawn(watch_signals(shutdown.clone()));
-    println!("orders: consuming {queue}; Ctrl-C or SIGTERM stops");
+    let shutdown = Shutdown::default();
+    shutdown.listen_for_signals()?;
+    eprintln!("orders: consuming {queue}; SIGTERM or Ctrl-C drains, a second one forces");
     let consumer = Consumer::new(url, config(queue), router());
-    let summary = consumer.run(shutdown).await?;
-    print_summary(&summary);
-    Ok(if summary.unresolved.is_empty() && summary.overflow == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    let report = consumer.run(shutdown).await?;
+    emit(&report, &ReportSinks::default())?;
+    Ok(ExitCode::from(
+        u8::try_from(report.exit_code()).unwrap_or(1),
+    ))
 }
 
-/// Fires `shutdown` on the first Ctrl-C or SIGTERM; a second signal exits at once.
-async fn watch_signals(shutdown: CancellationToken) {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(term) => Some(term),
-        Err(err) => {
-            eprintln!("orders: cannot watch SIGTERM ({err}); Ctrl-C still works");
-            None
-        }
-    };
-    let mut signal = async || {
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => "Ctrl-C",
-            Some(()) = async {
-                match term.as_mut() {
-                    Some(term) => term.recv().await,
-                    None => std::future::pending().await,
-                }
-            } => "SIGTERM",
-        }
-    };
-    let first = signal().await;
-    eprintln!("orders: {first}: draining (a second signal exits at once)");
-    shutdown.cancel();
-    let second = signal().await;
-    eprintln!("orders: {second} again: exiting without waiting for in-flight deliveries");
-    std::process::exit(130);
-}
-
-fn print_summary(summary: &Summary) {
-    println!();
-    println!("summary");
-    print_totals(&summary.totals);
-    if summary.unresolved.is_empty() && summary.overflow == 0 {
+fn print_unresolved(report: &ShutdownReport) {
+    if report.clean {
         println!("  every delivery's settlement is known");
         return;
     }
     println!("  unresolved deliveries:");
-    for entry in &summary.unresolved {
+    for d in &report.unresolved {
         println!(
             "    message_id {:<20} attempt {} delivery_tag {} last evidence {:?}: {}",
-            entry.identity.message_id.as_deref().unwrap_or("-"),
-            entry.identity.attempt,
-            entry.identity.delivery_tag,
-            entry.last,
-            entry.reason,
+            d.message_id.as_deref().unwrap_or("-"),
+            d.attempt,
+            d.delivery_tag,
+            d.last_evidence,
+            d.reason,
         );
     }
-    if summary.overflow > 0 {
-        println!("    ... and {} more not listed", summary.overflow);
+    if report.unresolved_overflow > 0 {
+        println!("    ... and {} more not listed", report.unresolved_overflow);
     }
 }
 
@@ -349,7 +317,7 @@ async fn demo(url: &str, queue: &str) -> Result<ExitCode, BoxError> {
     // The consumer runs in its own task until `shutdown` fires.
     let consumer = Consumer::new(url, config(queue), router());
     let stats = consumer.stats();
-    let shutdown = CancellationToken::new();
+    let shutdown = Shutdown::default();
     let mut task = tokio::spawn(consumer.run(shutdown.clone()));
 
     let samples = samples();
@@ -425,7 +393,7 @@ async fn demo(url: &str, queue: &str) -> Result<ExitCode, BoxError> {
             || t.dead_lettered > EXPECT_DEAD_LETTERED
             || t.unresolved > 0
         {
-            shutdown.cancel();
+            shutdown.trigger(Trigger::Api);
             return Err(format!(
                 "unexpected outcomes: {}; expected acked {EXPECT_ACKED}, retried \
                  {EXPECT_RETRIED}, dead-lettered {EXPECT_DEAD_LETTERED}",
@@ -442,7 +410,7 @@ async fn demo(url: &str, queue: &str) -> Result<ExitCode, BoxError> {
             return Err(format!("the consumer stopped before the demo finished: {err}").into());
         }
         if started.elapsed() > DEMO_CAP {
-            shutdown.cancel();
+            shutdown.trigger(Trigger::Api);
             return Err(format!(
                 "gave up after {}s waiting for outcomes; have {}, expected acked \
                  {EXPECT_ACKED}, retried {EXPECT_RETRIED}, dead-lettered {EXPECT_DEAD_LETTERED}",
@@ -454,8 +422,8 @@ async fn demo(url: &str, queue: &str) -> Result<ExitCode, BoxError> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    shutdown.cancel();
-    let summary = task
+    shutdown.trigger(Trigger::Api);
+    let report = task
         .await
         .map_err(|e| format!("consumer task failed: {e}"))??;
     let dead = drain(&connection, &topology.dead_letter_queue()).await?;
@@ -467,7 +435,7 @@ async fn demo(url: &str, queue: &str) -> Result<ExitCode, BoxError> {
         "report (consumer stopped after {:.1}s)",
         started.elapsed().as_secs_f64()
     );
-    print_totals(&summary.totals);
+    print_totals(&report.totals);
     println!();
     println!(
         "dead-letter queue {} ({} message(s), bodies not shown)",
@@ -486,10 +454,10 @@ async fn demo(url: &str, queue: &str) -> Result<ExitCode, BoxError> {
     }
 
     let mut problems = Vec::new();
-    if !summary.unresolved.is_empty() || summary.overflow > 0 {
+    if !report.clean {
         problems.push(format!(
             "{} unresolved deliveries",
-            summary.unresolved.len() as u64 + summary.overflow
+            report.unresolved.len() as u64 + report.unresolved_overflow
         ));
     }
     let got: BTreeSet<&str> = dead.iter().map(|m| m.message_id.as_str()).collect();
@@ -503,11 +471,11 @@ async fn demo(url: &str, queue: &str) -> Result<ExitCode, BoxError> {
     if problems.is_empty() {
         println!(
             "OK: {} acked, {} retried, {} dead-lettered, nothing unresolved",
-            summary.totals.acked, summary.totals.retried, summary.totals.dead_lettered
+            report.totals.acked, report.totals.retried, report.totals.dead_lettered
         );
         Ok(ExitCode::SUCCESS)
     } else {
-        print_summary(&summary);
+        print_unresolved(&report);
         Err(problems.join("; ").into())
     }
 }

@@ -1,0 +1,436 @@
+//! One delivery: gate, dispatch, pipeline, decision and settlement.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
+use lapin::{Acker, BasicProperties};
+use lily_mq_core::{
+    Action, Authority, BoxedHandler, CleanupResult, EntryId, Evidence, GateRejection, Handoff,
+    HandoffResult, Identity, Incoming, IncomingParts, Lane, Outcome, PipelineResult, Plan,
+    PropertiesView, QueueHandlerError, Reason, SettleResult, Settlement, Situation,
+    TransactionOutcome, as_u32, decide, decide_at_gate, headers, inspect, is_token,
+};
+use tokio::sync::OwnedSemaphorePermit;
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use crate::consumer::{Shared, lock};
+use crate::handoff::{FailureNote, copy_properties, destination, sanitized_properties};
+use crate::pipeline;
+use crate::session::Session;
+
+const REQUEUE_MEMORY: usize = 10_000;
+
+/// Settles one delivery. At shutdown's abort the work is dropped wherever it is; its ledger
+/// entry stays open and is reported as aborted.
+pub(crate) async fn handle(
+    shared: Arc<Shared>,
+    session: Arc<Session>,
+    delivery: Delivery,
+    permit: OwnedSemaphorePermit,
+) {
+    let abort = shared.abort.clone();
+    let in_flight = shared.metrics.in_flight.clone();
+    in_flight.increment(1.0);
+    tokio::select! {
+        biased;
+        () = abort.cancelled() => {}
+        () = settle_delivery(shared, session, delivery) => {}
+    }
+    in_flight.decrement(1.0);
+    drop(permit);
+}
+
+async fn settle_delivery(shared: Arc<Shared>, session: Arc<Session>, delivery: Delivery) {
+    let Delivery {
+        delivery_tag,
+        exchange,
+        routing_key,
+        redelivered,
+        properties,
+        data,
+        acker,
+    } = delivery;
+    let view = PropertiesView {
+        message_id: properties.message_id().as_ref().map(|s| s.as_str()),
+        kind: properties.kind().as_ref().map(|s| s.as_str()),
+        content_type: properties.content_type().as_ref().map(|s| s.as_str()),
+        headers: properties.headers().as_ref(),
+    };
+    let limits = &shared.config.limits;
+    let (verdict, attempt, route) = match inspect(&view, data.len(), limits) {
+        Ok(env) => {
+            let route = shared
+                .router
+                .dispatch(env.kind, env.schema_version, env.content_type)
+                .cloned();
+            (
+                Ok((env.schema_version, env.delivery_count)),
+                env.attempt,
+                Some(route),
+            )
+        }
+        Err(rejection) => (Err(rejection), 1, None),
+    };
+    let message_id = view
+        .message_id
+        .filter(|id| is_token(id, limits.max_message_id_len))
+        .map(Box::<str>::from);
+    let message_id = message_id.as_deref();
+    let identity = Identity {
+        queue: Arc::clone(&shared.queue),
+        message_id: message_id.map(Box::from),
+        delivery_tag,
+        attempt,
+        redelivered,
+    };
+    let span = info_span!(
+        "delivery",
+        queue = %shared.queue,
+        message_id = message_id.unwrap_or("-"),
+        attempt,
+        delivery_tag,
+        outcome = tracing::field::Empty,
+    );
+    let entry = lock(&shared.ledger).open(identity);
+    let work = Work {
+        shared: &shared,
+        session: &session,
+        acker: &acker,
+        entry,
+    };
+    match (verdict, route) {
+        (Err(rejection), _) => {
+            let plan = decide_at_gate(&rejection);
+            let reason = match rejection {
+                GateRejection::Oversized { len } => Reason::new(format!(
+                    "body of {len} bytes is over the {} byte limit",
+                    limits.max_body_bytes
+                )),
+                GateRejection::Invalid(reason) => reason,
+            };
+            // Without a valid id the message cannot be counted across requeues: no requeue.
+            let delivery_count = properties
+                .headers()
+                .as_ref()
+                .and_then(|h| h.inner().get(headers::DELIVERY_COUNT))
+                .and_then(as_u32);
+            let requeues = match message_id {
+                Some(id) => work.local_requeues(id).max(delivery_count.unwrap_or(0)),
+                None => shared.config.policy.max_requeues,
+            };
+            let copy = Copy::Sanitized {
+                body: &data,
+                properties: &properties,
+                exchange: exchange.as_str(),
+                routing_key: routing_key.as_str(),
+            };
+            async {
+                let (outcome, lane) = work.settle(plan, requeues, &reason, copy, message_id).await;
+                if let (Some(id), true) = (message_id, redelivered) {
+                    work.forget_requeues(id, outcome);
+                }
+                work.finish(outcome, lane, &reason);
+            }
+            .instrument(span)
+            .await;
+        }
+        (Ok((schema_version, delivery_count)), route) => {
+            let incoming = Arc::new(Incoming::from_parts(IncomingParts {
+                body: data,
+                properties,
+                exchange,
+                routing_key,
+                queue: Arc::clone(&shared.queue),
+                delivery_tag,
+                redelivered,
+                attempt,
+                schema_version,
+            }));
+            let route =
+                route.unwrap_or_else(|| Err(QueueHandlerError::permanent("not dispatched")));
+            work.process(incoming, delivery_count, route, redelivered)
+                .instrument(span)
+                .await;
+        }
+    }
+}
+
+struct Work<'a> {
+    shared: &'a Arc<Shared>,
+    session: &'a Arc<Session>,
+    acker: &'a Acker,
+    entry: EntryId,
+}
+
+/// The copy a handoff publishes.
+enum Copy<'a> {
+    Original(&'a Incoming),
+    Sanitized {
+        body: &'a [u8],
+        properties: &'a BasicProperties,
+        exchange: &'a str,
+        routing_key: &'a str,
+    },
+}
+
+impl Work<'_> {
+    fn note(&self, evidence: Evidence) {
+        lock(&self.shared.ledger).note(self.entry, evidence);
+    }
+
+    fn authority(&self) -> Authority {
+        if self.acker.usable()
+            && self.session.connection.status().connected()
+            && !self.shared.revoked.is_cancelled()
+        {
+            Authority::Held
+        } else {
+            Authority::Lost
+        }
+    }
+
+    async fn process(
+        self,
+        incoming: Arc<Incoming>,
+        delivery_count: Option<u32>,
+        route: Result<BoxedHandler, QueueHandlerError>,
+        redelivered: bool,
+    ) {
+        let (pipeline, cleanup, reason) = match route {
+            Err(err) => (
+                PipelineResult::NotDispatched,
+                CleanupResult::Succeeded,
+                Some(err.reason().clone()),
+            ),
+            Ok(handler) => {
+                self.note(Evidence::Dispatched);
+                let cancel = self.shared.handlers_cancel.child_token();
+                let started = Instant::now();
+                let out = pipeline::run(
+                    &handler,
+                    &self.shared.hooks,
+                    &incoming,
+                    &cancel,
+                    self.shared.config.handler_timeout,
+                )
+                .await;
+                self.shared
+                    .metrics
+                    .handler_duration
+                    .record(started.elapsed().as_secs_f64());
+                self.note(Evidence::HandlerReturned);
+                (out.result, out.cleanup, out.reason)
+            }
+        };
+        let local = if redelivered {
+            self.local_requeues(incoming.message_id())
+        } else {
+            0
+        };
+        let requeues = delivery_count.unwrap_or(0).max(local);
+        let situation = Situation {
+            pipeline,
+            cleanup,
+            transaction: TransactionOutcome::NotRequired,
+            attempt: incoming.attempt(),
+            requeues,
+            authority: self.authority(),
+        };
+        let plan = decide(&situation, &self.shared.config.policy);
+        let reason = reason.unwrap_or_else(|| Reason::new("ok"));
+        let (outcome, lane) = self
+            .settle(
+                plan,
+                requeues,
+                &reason,
+                Copy::Original(&incoming),
+                Some(incoming.message_id()),
+            )
+            .await;
+        if redelivered {
+            self.forget_requeues(incoming.message_id(), outcome);
+        }
+        self.finish(outcome, lane, &reason);
+    }
+
+    /// Carries `plan` out. `requeue_key` names the message in the classic-queue requeue count.
+    async fn settle(
+        &self,
+        plan: Plan,
+        requeues: u32,
+        reason: &Reason,
+        copy: Copy<'_>,
+        requeue_key: Option<&str>,
+    ) -> (Outcome, Option<Lane>) {
+        let started = Instant::now();
+        self.note(Evidence::Planned);
+        let policy = &self.shared.config.policy;
+        let mut settlement = Settlement::start(plan, requeues, policy, Instant::now());
+        while let Some(action) = settlement.poll_action() {
+            match action {
+                Action::Publish { handoff, deadline } => {
+                    let authority = self.authority();
+                    let result = if authority == Authority::Lost {
+                        HandoffResult::Failed
+                    } else {
+                        self.note(Evidence::HandoffPublished);
+                        self.publish(handoff, reason, &copy, deadline).await
+                    };
+                    let confirmed = result == HandoffResult::Confirmed;
+                    self.note(if confirmed {
+                        Evidence::HandoffConfirmed
+                    } else {
+                        Evidence::HandoffFailed
+                    });
+                    if !confirmed {
+                        warn!(handoff = ?handoff.lane, ?result, "handoff failed");
+                    }
+                    settlement.handle_handoff(result, self.authority(), Instant::now());
+                }
+                Action::Ack | Action::Requeue | Action::Reject => {
+                    if let (Action::Requeue, Some(key)) = (action, requeue_key) {
+                        // Counted before the NACK is written: the redelivery can arrive before
+                        // this task runs again.
+                        self.count_requeue(key);
+                    }
+                    let left = settlement.budget().remaining(Instant::now());
+                    let result = self.write(action, left).await;
+                    if result == SettleResult::Written {
+                        self.note(Evidence::SettleWritten);
+                    }
+                    settlement.handle_settled(result);
+                }
+            }
+        }
+        let outcome = settlement.outcome().unwrap_or(Outcome::AuthorityLost);
+        self.shared
+            .metrics
+            .settlement_latency
+            .record(started.elapsed().as_secs_f64());
+        (outcome, settlement.confirmed_handoff())
+    }
+
+    async fn publish(
+        &self,
+        handoff: Handoff,
+        reason: &Reason,
+        copy: &Copy<'_>,
+        deadline: Duration,
+    ) -> HandoffResult {
+        let Some(queue) = destination(&self.shared.topology, handoff.lane) else {
+            return HandoffResult::Failed;
+        };
+        let reason = Reason::new(format!("{}: {reason}", handoff.cause.as_str()));
+        let note = FailureNote {
+            lane: handoff.lane,
+            kind: handoff.kind.map_or("rejected", |k| k.as_str()),
+            reason: &reason,
+            source_queue: &self.shared.queue,
+        };
+        let (body, properties) = match copy {
+            Copy::Original(incoming) => (incoming.body(), copy_properties(incoming, &note)),
+            Copy::Sanitized {
+                body,
+                properties,
+                exchange,
+                routing_key,
+            } => (
+                *body,
+                sanitized_properties(
+                    properties,
+                    exchange,
+                    routing_key,
+                    &note,
+                    &self.shared.config.limits,
+                ),
+            ),
+        };
+        self.session
+            .publisher
+            .publish(&self.session.connection, &queue, body, properties, deadline)
+            .await
+    }
+
+    async fn write(&self, action: Action, left: Duration) -> SettleResult {
+        if left.is_zero() || self.shared.revoked.is_cancelled() {
+            return SettleResult::Refused;
+        }
+        let sent = async {
+            match action {
+                Action::Ack => self.acker.ack(BasicAckOptions::default()).await,
+                Action::Requeue => {
+                    self.acker
+                        .nack(BasicNackOptions {
+                            multiple: false,
+                            requeue: true,
+                        })
+                        .await
+                }
+                _ => {
+                    self.acker
+                        .reject(BasicRejectOptions { requeue: false })
+                        .await
+                }
+            }
+        };
+        // `Ok(false)` means the acker was used or its channel poisoned: lost authority.
+        match tokio::time::timeout(left, sent).await {
+            Ok(Ok(true)) => SettleResult::Written,
+            _ => SettleResult::Refused,
+        }
+    }
+
+    fn local_requeues(&self, message_id: &str) -> u32 {
+        lock(&self.shared.requeues)
+            .get(message_id)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn count_requeue(&self, message_id: &str) {
+        let mut counts = lock(&self.shared.requeues);
+        if counts.len() >= REQUEUE_MEMORY && !counts.contains_key(message_id) {
+            let evict = counts.keys().next().cloned();
+            if let Some(key) = evict {
+                counts.remove(&key);
+            }
+        }
+        *counts.entry(message_id.into()).or_insert(0) += 1;
+    }
+
+    /// Drops the requeue count of a message that left the queue for good.
+    fn forget_requeues(&self, message_id: &str, outcome: Outcome) {
+        if !matches!(outcome, Outcome::Requeued(_)) {
+            lock(&self.shared.requeues).remove(message_id);
+        }
+    }
+
+    fn finish(&self, outcome: Outcome, lane: Option<Lane>, reason: &Reason) {
+        let span = tracing::Span::current();
+        span.record("outcome", tracing::field::debug(&outcome));
+        match outcome {
+            Outcome::Acked => debug!("settled"),
+            Outcome::Unresolved(_) | Outcome::AuthorityLost => {
+                warn!(?outcome, reason = %reason, "settlement unresolved");
+            }
+            _ => info!(?outcome, reason = %reason, "settled"),
+        }
+        self.shared.metrics.count(outcome);
+        let mut ledger = lock(&self.shared.ledger);
+        match outcome {
+            Outcome::Acked | Outcome::Retried | Outcome::DeadLettered | Outcome::Parked => {
+                let handoff = lane
+                    .and_then(|lane| destination(&self.shared.topology, lane))
+                    .map(String::into_boxed_str);
+                ledger.close_acked(self.entry, outcome, self.session.id, handoff);
+            }
+            _ => ledger.close(self.entry, outcome, || match outcome {
+                Outcome::Unresolved(u) => Reason::new(format!("{u:?}: {reason}")),
+                Outcome::AuthorityLost => Reason::new("authority lost; the broker will redeliver"),
+                _ => reason.clone(),
+            }),
+        }
+    }
+}

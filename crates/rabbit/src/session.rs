@@ -1,0 +1,192 @@
+//! One connection: topology, the confirm channel for handoffs, the consuming channel, the
+//! consume loop and the round trips that confirm ACKs.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use futures_core::Stream;
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::{FieldTable, LongString};
+use lapin::{Channel, Connection, ConnectionProperties};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info, warn};
+
+use crate::Error;
+use crate::consumer::{Shared, lock, redact};
+use crate::delivery::handle;
+use crate::handoff::Publisher;
+
+/// How often written ACKs are confirmed by a `basic.qos` round trip.
+const ACK_CONFIRM_INTERVAL: Duration = Duration::from_millis(200);
+
+/// One connection and its channels.
+pub(crate) struct Session {
+    /// Identifies the consuming channel in the ledger's ACK evidence.
+    pub(crate) id: u64,
+    pub(crate) connection: Connection,
+    pub(crate) publisher: Publisher,
+    consuming: Channel,
+    ended: CancellationToken,
+}
+
+pub(crate) enum SessionEnd {
+    /// The consumer was cancelled for shutdown; the session is still open.
+    Shutdown(Arc<Session>),
+    /// The connection or the consumer was lost.
+    Lost,
+}
+
+pub(crate) enum SessionError {
+    Fatal(Error),
+    Connect(lapin::Error),
+}
+
+impl Session {
+    /// Proves the broker processed every ACK written on the consuming channel before now: frames
+    /// on a channel are handled in order, so a `basic.qos` reply comes after them. If the channel
+    /// is gone, those ACKs are uncertain.
+    pub(crate) async fn confirm_acks(&self, shared: &Shared) -> bool {
+        let mark = lock(&shared.ledger).ack_mark();
+        let confirmed = self
+            .consuming
+            .basic_qos(shared.config.prefetch, BasicQosOptions::default())
+            .await
+            .is_ok();
+        let mut ledger = lock(&shared.ledger);
+        if confirmed {
+            ledger.confirm_acks(self.id, mark);
+        } else {
+            ledger.acks_uncertain(Some(self.id));
+        }
+        confirmed
+    }
+
+    /// Confirms the ACKs written so far, then closes the channels and the connection.
+    pub(crate) async fn close(&self, shared: &Shared) {
+        self.ended.cancel();
+        if self.confirm_acks(shared).await {
+            debug!("acks confirmed by a basic.qos round trip before close");
+        } else {
+            warn!("channel closed before its acks were confirmed; they are uncertain");
+        }
+        let _ = self.consuming.close(200, "lily shutdown".into()).await;
+        let _ = self.connection.close(200, "lily shutdown".into()).await;
+    }
+}
+
+/// Connects, declares the topology and consumes until `stop` fires or the connection is lost.
+pub(crate) async fn consume(
+    shared: &Arc<Shared>,
+    tracker: &TaskTracker,
+    permits: &Arc<Semaphore>,
+    stop: &CancellationToken,
+) -> Result<SessionEnd, SessionError> {
+    let props = ConnectionProperties::default().with_connection_name(LongString::from(
+        format!("lily:{}", shared.queue).into_bytes(),
+    ));
+    let connection = Connection::connect(&shared.url, props)
+        .await
+        .map_err(SessionError::Connect)?;
+    let setup = connection
+        .create_channel()
+        .await
+        .map_err(SessionError::Connect)?;
+    shared
+        .topology
+        .apply(&setup, shared.config.topology)
+        .await
+        .map_err(|source| {
+            SessionError::Fatal(Error::Topology {
+                queue: shared.config.queue.clone(),
+                source,
+            })
+        })?;
+    let _ = setup.close(200, "topology ready".into()).await;
+    let publisher = Publisher::open(&connection)
+        .await
+        .map_err(SessionError::Connect)?;
+    let consuming = connection
+        .create_channel()
+        .await
+        .map_err(SessionError::Connect)?;
+    consuming
+        .basic_qos(shared.config.prefetch, BasicQosOptions::default())
+        .await
+        .map_err(SessionError::Connect)?;
+    let mut consumer = consuming
+        .basic_consume(
+            shared.queue.as_ref().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(SessionError::Connect)?;
+    info!(queue = %shared.queue, host = %redact(&shared.url), "consuming");
+    let session = Arc::new(Session {
+        id: shared.sessions.fetch_add(1, Ordering::Relaxed),
+        connection,
+        publisher,
+        consuming,
+        ended: CancellationToken::new(),
+    });
+    tokio::spawn(confirm_periodically(
+        Arc::clone(shared),
+        Arc::clone(&session),
+    ));
+    shared.ready.store(true, Ordering::Release);
+    let end = loop {
+        let permit = tokio::select! {
+            permit = Arc::clone(permits).acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => break None,
+            },
+            () = stop.cancelled() => break Some(()),
+        };
+        let next = tokio::select! {
+            next = std::future::poll_fn(|cx| std::pin::Pin::new(&mut consumer).poll_next(cx)) => next,
+            () = stop.cancelled() => break Some(()),
+        };
+        match next {
+            Some(Ok(delivery)) => {
+                let shared = Arc::clone(shared);
+                tracker.spawn(handle(shared, Arc::clone(&session), delivery, permit));
+            }
+            Some(Err(err)) => debug!(queue = %shared.queue, error = %err, "consumer error"),
+            None => break None,
+        }
+    };
+    shared.ready.store(false, Ordering::Release);
+    if end.is_none() {
+        session.ended.cancel();
+        // The channel may still be open (the broker cancelled the consumer): confirm what it
+        // can; otherwise the ACKs written on it are uncertain.
+        session.confirm_acks(shared).await;
+        return Ok(SessionEnd::Lost);
+    }
+    let _ = session
+        .consuming
+        .basic_cancel(consumer.tag(), BasicCancelOptions::default())
+        .await;
+    Ok(SessionEnd::Shutdown(session))
+}
+
+/// Confirms written ACKs every [`ACK_CONFIRM_INTERVAL`] while the session lives. When the
+/// channel dies, its unconfirmed ACKs become uncertain.
+async fn confirm_periodically(shared: Arc<Shared>, session: Arc<Session>) {
+    loop {
+        tokio::select! {
+            () = session.ended.cancelled() => break,
+            () = tokio::time::sleep(ACK_CONFIRM_INTERVAL) => {}
+        }
+        if lock(&shared.ledger).acks_awaiting() == 0 {
+            continue;
+        }
+        if !session.confirm_acks(&shared).await {
+            break;
+        }
+    }
+}
