@@ -265,28 +265,30 @@ impl Work<'_> {
         requeue_key: Option<&str>,
     ) -> (Outcome, Option<Lane>) {
         let started = Instant::now();
-        self.note(Evidence::Planned);
+        self.note(if plan == Plan::Abandon {
+            Evidence::AuthorityLost
+        } else {
+            Evidence::Planned
+        });
         let policy = &self.shared.config.policy;
         let mut settlement = Settlement::start(plan, requeues, policy, Instant::now());
         while let Some(action) = settlement.poll_action() {
             match action {
                 Action::Publish { handoff, deadline } => {
-                    let authority = self.authority();
-                    let result = if authority == Authority::Lost {
+                    let result = if self.authority() == Authority::Lost {
+                        self.note(Evidence::AuthorityLost);
                         HandoffResult::Failed
                     } else {
                         self.note(Evidence::HandoffPublished);
-                        self.publish(handoff, reason, &copy, deadline).await
+                        let result = self.publish(handoff, reason, &copy, deadline).await;
+                        if result == HandoffResult::Confirmed {
+                            self.note(Evidence::HandoffConfirmed);
+                        } else {
+                            self.note(Evidence::HandoffFailed);
+                            warn!(handoff = ?handoff.lane, ?result, "handoff failed");
+                        }
+                        result
                     };
-                    let confirmed = result == HandoffResult::Confirmed;
-                    self.note(if confirmed {
-                        Evidence::HandoffConfirmed
-                    } else {
-                        Evidence::HandoffFailed
-                    });
-                    if !confirmed {
-                        warn!(handoff = ?handoff.lane, ?result, "handoff failed");
-                    }
                     settlement.handle_handoff(result, self.authority(), Instant::now());
                 }
                 Action::Ack | Action::Requeue | Action::Reject => {
@@ -297,9 +299,10 @@ impl Work<'_> {
                     }
                     let left = settlement.budget().remaining(Instant::now());
                     let result = self.write(action, left).await;
-                    if result == SettleResult::Written {
-                        self.note(Evidence::SettleWritten);
-                    }
+                    self.note(match result {
+                        SettleResult::Written => Evidence::SettleWritten,
+                        SettleResult::Refused => Evidence::AuthorityLost,
+                    });
                     settlement.handle_settled(result);
                 }
             }

@@ -1,0 +1,229 @@
+//! `lily report show`: each report as readable text, plus the table and naming helpers that
+//! `summary` and `diff` share.
+
+use std::fmt::Write as _;
+
+use lily_mq_core::{ShutdownReport, Totals};
+
+use crate::Loaded;
+
+/// Renders every report, separated by a blank line.
+pub(crate) fn show(reports: &[Loaded]) -> String {
+    let rendered: Vec<String> = reports.iter().map(report).collect();
+    rendered.join("\n")
+}
+
+/// One report: header, phases, totals and unresolved deliveries.
+fn report(loaded: &Loaded) -> String {
+    let r = &loaded.report;
+    let mut out = String::new();
+    let _ = writeln!(out, "== {} ==", text(&loaded.name));
+    let mut budget = format!("{} ms used of {} ms", r.budget_used_ms, r.budget_ms);
+    if r.budget_ms > 0 {
+        let _ = write!(
+            budget,
+            " ({}%)",
+            u128::from(r.budget_used_ms) * 100 / u128::from(r.budget_ms)
+        );
+    }
+    let mut header = Table::new(&["", ""], "ll");
+    header.row(vec!["queue".into(), text(&r.queue)]);
+    header.row(vec!["trigger".into(), trigger(r)]);
+    header.row(vec!["forced".into(), yes_no(r.forced)]);
+    header.row(vec!["status".into(), status(r).into()]);
+    header.row(vec!["budget".into(), budget]);
+    header.render_body(&mut out, "");
+
+    out.push_str("\nphases\n");
+    if r.phases.is_empty() {
+        out.push_str("  (none: no shutdown phase was entered)\n");
+    } else {
+        let mut phases = Table::new(&["phase", "start ms", "duration ms"], "lrr");
+        for p in &r.phases {
+            phases.row(vec![
+                label(serde_json::to_value(p.phase)),
+                p.start_ms.to_string(),
+                p.duration_ms.to_string(),
+            ]);
+        }
+        phases.render(&mut out, "  ");
+    }
+
+    out.push_str("\ntotals\n");
+    let mut totals = Table::new(&["", ""], "lr");
+    for (name, value) in totals_fields(&r.totals) {
+        totals.row(vec![name.into(), value.to_string()]);
+    }
+    totals.render_body(&mut out, "  ");
+
+    let _ = write!(out, "\nunresolved: {} listed", r.unresolved.len());
+    if r.unresolved_overflow > 0 {
+        let _ = write!(out, ", {} more not listed", r.unresolved_overflow);
+    }
+    out.push('\n');
+    if !r.unresolved.is_empty() {
+        let mut table = Table::new(
+            &[
+                "message id",
+                "delivery tag",
+                "attempt",
+                "redelivered",
+                "last evidence",
+                "handoff confirmed to",
+                "reason",
+            ],
+            "lrrllll",
+        );
+        for d in &r.unresolved {
+            table.row(vec![
+                optional(d.message_id.as_deref()),
+                d.delivery_tag.to_string(),
+                d.attempt.to_string(),
+                yes_no(d.redelivered),
+                label(serde_json::to_value(d.last_evidence)),
+                optional(d.handoff_confirmed_to.as_deref()),
+                text(&d.reason),
+            ]);
+        }
+        table.render(&mut out, "  ");
+    }
+    out
+}
+
+/// Every [`Totals`] field with its JSON name, in declaration order.
+///
+/// The destructuring is exhaustive, so a new field fails to compile until it is listed here.
+pub(crate) fn totals_fields(t: &Totals) -> Vec<(&'static str, u64)> {
+    let Totals {
+        acked,
+        retried,
+        dead_lettered,
+        parked,
+        requeued,
+        deferred,
+        rejected_at_gate,
+        duplicates_suppressed,
+        authority_lost,
+        unresolved,
+        acks_confirmed,
+        acks_uncertain,
+    } = *t;
+    vec![
+        ("acked", acked),
+        ("retried", retried),
+        ("dead_lettered", dead_lettered),
+        ("parked", parked),
+        ("requeued", requeued),
+        ("deferred", deferred),
+        ("rejected_at_gate", rejected_at_gate),
+        ("duplicates_suppressed", duplicates_suppressed),
+        ("authority_lost", authority_lost),
+        ("unresolved", unresolved),
+        ("acks_confirmed", acks_confirmed),
+        ("acks_uncertain", acks_uncertain),
+    ]
+}
+
+/// `clean` or `UNRESOLVED`, as the report says.
+pub(crate) fn status(r: &ShutdownReport) -> &'static str {
+    if r.clean { "clean" } else { "UNRESOLVED" }
+}
+
+/// The trigger's JSON name, or `none`.
+pub(crate) fn trigger(r: &ShutdownReport) -> String {
+    r.trigger
+        .map_or_else(|| "none".into(), |t| label(serde_json::to_value(t)))
+}
+
+/// Unresolved deliveries listed or overflowed.
+pub(crate) fn unresolved_count(r: &ShutdownReport) -> u64 {
+    (r.unresolved.len() as u64).saturating_add(r.unresolved_overflow)
+}
+
+/// The JSON name of a serialized enum variant (`settle_written`, `draining`, ...).
+pub(crate) fn label(value: serde_json::Result<serde_json::Value>) -> String {
+    match value {
+        Ok(serde_json::Value::String(name)) => name,
+        _ => "?".into(),
+    }
+}
+
+fn yes_no(flag: bool) -> String {
+    if flag { "yes" } else { "no" }.into()
+}
+
+fn optional(value: Option<&str>) -> String {
+    value.map_or_else(|| "-".into(), text)
+}
+
+/// A value from a report, with control characters escaped so it cannot drive the terminal.
+pub(crate) fn text(value: &str) -> String {
+    if value.chars().any(char::is_control) {
+        value.escape_debug().to_string()
+    } else {
+        value.to_owned()
+    }
+}
+
+/// A plain-text table with aligned columns.
+pub(crate) struct Table {
+    head: Vec<String>,
+    right: Vec<bool>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    /// A table with these column headings; `align` has one `l` or `r` per column.
+    pub(crate) fn new(head: &[&str], align: &str) -> Self {
+        Self {
+            head: head.iter().map(|h| (*h).to_owned()).collect(),
+            right: align.chars().map(|c| c == 'r').collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    /// Adds a row.
+    pub(crate) fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    /// Writes the headings and rows, each line prefixed by `indent`.
+    pub(crate) fn render(&self, out: &mut String, indent: &str) {
+        self.write(out, indent, true);
+    }
+
+    /// Writes the rows only (key/value lists).
+    pub(crate) fn render_body(&self, out: &mut String, indent: &str) {
+        self.write(out, indent, false);
+    }
+
+    fn write(&self, out: &mut String, indent: &str, with_head: bool) {
+        let lines: Vec<&Vec<String>> = if with_head {
+            std::iter::once(&self.head).chain(&self.rows).collect()
+        } else {
+            self.rows.iter().collect()
+        };
+        let mut widths = vec![0; self.head.len()];
+        for line in &lines {
+            for (width, cell) in widths.iter_mut().zip(line.iter()) {
+                *width = (*width).max(cell.chars().count());
+            }
+        }
+        for line in lines {
+            let mut text = String::from(indent);
+            for (i, cell) in line.iter().enumerate() {
+                let width = widths.get(i).copied().unwrap_or(0);
+                if i > 0 {
+                    text.push_str("  ");
+                }
+                if self.right.get(i).copied().unwrap_or(false) {
+                    let _ = write!(text, "{cell:>width$}");
+                } else {
+                    let _ = write!(text, "{cell:<width$}");
+                }
+            }
+            out.push_str(text.trim_end());
+            out.push('\n');
+        }
+    }
+}
