@@ -151,3 +151,68 @@ async fn connection_killed_mid_flight_loses_nothing_and_consumer_resumes() {
     assert_eq!(verify.depth(queue).await, 0);
     assert_eq!(verify.depth("orders.dlq").await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn confirmed_handoff_with_unconfirmed_ack_is_unresolved_and_keeps_the_handoff_evidence() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("uncertain");
+    let proxy = lily_mq_testkit::FaultProxy::start(broker.addr()).await;
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let router = Router::new().route("order.placed", move |meta: Meta| {
+        let seen = seen.clone();
+        async move {
+            seen.record(&meta);
+            if meta.attempt() == 1 && !meta.redelivered() {
+                return Err(QueueHandlerError::retryable("try again"));
+            }
+            Ok(())
+        }
+    });
+    let running = start(
+        &proxy.url(broker.url()),
+        config(&queue, QueueKind::Classic),
+        router,
+    );
+    let client = Client::connect(broker.url()).await;
+    wait_declared(broker.url(), &queue).await;
+    client
+        .publish(&queue, b"{}", props("in-doubt", "order.placed"))
+        .await;
+
+    // The retry copy is confirmed, the ACK that follows never reaches the broker, the
+    // connection is cut; the consumer reconnects and the original comes back.
+    running
+        .wait_for("ack uncertain", WAIT, |t| t.acks_uncertain == 1)
+        .await;
+    assert!(proxy.tripped());
+    running
+        .wait_for("redelivered original and retry copy acked", WAIT, |t| {
+            t.acked == 2
+        })
+        .await;
+    let report = running.stop().await;
+
+    assert!(!report.clean);
+    let entry = report
+        .unresolved
+        .iter()
+        .find(|d| d.message_id.as_deref() == Some("in-doubt"))
+        .expect("the uncertain ack is listed");
+    assert_eq!(entry.last_evidence, lily::core::Evidence::SettleWritten);
+    assert_eq!(
+        entry.handoff_confirmed_to.as_deref(),
+        Some(format!("{queue}.retry.1s").as_str()),
+        "the confirmed handoff is kept as evidence"
+    );
+    assert_eq!(report.totals.retried, 1, "the handoff was not repeated");
+    let attempts: Vec<(u32, bool)> = calls.all().iter().map(|c| (c.1, c.2)).collect();
+    assert!(
+        attempts.contains(&(1, true)),
+        "the broker redelivered the original: {attempts:?}"
+    );
+    assert!(
+        attempts.contains(&(2, false)),
+        "and the retry copy arrived too (a documented duplicate): {attempts:?}"
+    );
+}

@@ -4,6 +4,10 @@
 //! `LILY_RABBIT_DIR`. [`Broker::from_env`] fails loudly when they are missing: a test that cannot
 //! reach its broker never passes.
 
+mod proxy;
+
+pub use proxy::FaultProxy;
+
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -51,6 +55,20 @@ impl Broker {
     /// URL of the default vhost.
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// The node's AMQP address.
+    ///
+    /// # Panics
+    /// When the URL has no `host:port`.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        let rest = self
+            .url
+            .split_once("://")
+            .map_or(self.url.as_str(), |(_, r)| r);
+        let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+        let host = rest.split('/').next().unwrap_or(rest);
+        host.parse().expect("LILY_AMQP_URL names 127.0.0.1:PORT")
     }
 
     /// A name no other test uses.

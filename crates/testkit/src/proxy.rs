@@ -1,0 +1,143 @@
+//! A fault-injecting TCP proxy between a client and the broker.
+//!
+//! It forwards bytes both ways and parses the AMQP frames coming from the broker. Armed, it
+//! waits for the first publisher confirm (`basic.ack` sent by the broker); from that moment it
+//! drops everything the client sends on that connection and cuts it shortly after. A client
+//! that ACKs a delivery right after its handoff was confirmed thus has the ACK written locally
+//! but never processed by the broker: the "handoff confirmed, ack uncertain" row.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const FRAME_METHOD: u8 = 1;
+const CLASS_BASIC: u16 = 60;
+const METHOD_ACK: u16 = 80;
+
+/// The proxy; it runs until the test process ends.
+#[derive(Debug)]
+pub struct FaultProxy {
+    addr: SocketAddr,
+    armed: Arc<AtomicBool>,
+    tripped: Arc<AtomicBool>,
+}
+
+impl FaultProxy {
+    /// Listens on a free loopback port and forwards to `upstream`. It starts armed: the first
+    /// connection to receive a publisher confirm is blackholed and cut; later ones pass.
+    ///
+    /// # Panics
+    /// When no loopback port can be bound.
+    pub async fn start(upstream: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let addr = listener.local_addr().expect("proxy address");
+        let armed = Arc::new(AtomicBool::new(true));
+        let tripped = Arc::new(AtomicBool::new(false));
+        let (a, t) = (Arc::clone(&armed), Arc::clone(&tripped));
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                tokio::spawn(relay(client, server, Arc::clone(&a), Arc::clone(&t)));
+            }
+        });
+        Self {
+            addr,
+            armed,
+            tripped,
+        }
+    }
+
+    /// `url` with its host and port replaced by the proxy's.
+    pub fn url(&self, url: &str) -> String {
+        let (scheme, rest) = url.split_once("://").unwrap_or(("amqp", url));
+        let (auth, rest) = rest.rsplit_once('@').map_or(("", rest), |(a, r)| (a, r));
+        let path = rest.find('/').map_or("", |i| &rest[i..]);
+        let at = if auth.is_empty() { "" } else { "@" };
+        format!("{scheme}://{auth}{at}{}{path}", self.addr)
+    }
+
+    /// Whether the fault has fired.
+    pub fn tripped(&self) -> bool {
+        self.tripped.load(Ordering::Acquire)
+    }
+
+    /// Disarms the proxy: every connection passes.
+    pub fn disarm(&self) {
+        self.armed.store(false, Ordering::Release);
+    }
+}
+
+async fn relay(
+    client: TcpStream,
+    server: TcpStream,
+    armed: Arc<AtomicBool>,
+    tripped: Arc<AtomicBool>,
+) {
+    let blackhole = Arc::new(AtomicBool::new(false));
+    let (mut client_rx, mut client_tx) = client.into_split();
+    let (mut server_rx, mut server_tx) = server.into_split();
+    let hole = Arc::clone(&blackhole);
+    let upstream = tokio::spawn(async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match client_rx.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if hole.load(Ordering::Acquire) {
+                continue;
+            }
+            if server_tx.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut pending: Vec<u8> = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match server_rx.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        pending.extend_from_slice(&buf[..n]);
+        let mut cut = false;
+        while let Some(len) = frame_len(&pending) {
+            if is_basic_ack(&pending[..len]) && armed.swap(false, Ordering::AcqRel) {
+                // From now on the client's frames (its ACK among them) never reach the broker.
+                blackhole.store(true, Ordering::Release);
+                tripped.store(true, Ordering::Release);
+                cut = true;
+            }
+            if client_tx.write_all(&pending[..len]).await.is_err() {
+                upstream.abort();
+                return;
+            }
+            pending.drain(..len);
+        }
+        if cut {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            break;
+        }
+    }
+    upstream.abort();
+}
+
+/// Length of the first complete frame in `buf`, if there is one.
+fn frame_len(buf: &[u8]) -> Option<usize> {
+    let size = u32::from_be_bytes(buf.get(3..7)?.try_into().ok()?) as usize;
+    let len = 7 + size + 1;
+    (buf.len() >= len).then_some(len)
+}
+
+fn is_basic_ack(frame: &[u8]) -> bool {
+    frame[0] == FRAME_METHOD
+        && frame.len() >= 11
+        && u16::from_be_bytes([frame[7], frame[8]]) == CLASS_BASIC
+        && u16::from_be_bytes([frame[9], frame[10]]) == METHOD_ACK
+}
