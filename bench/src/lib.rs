@@ -1,0 +1,133 @@
+//! Shared pieces of Lily's benchmark programs: the broker URL, topology, publishing, the
+//! 512-byte JSON payload and statistics.
+//!
+//! Run them through `scripts/bench.sh`, which starts a private RabbitMQ node on loopback.
+#![allow(missing_docs, unreachable_pub)]
+
+use std::time::Duration;
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use lily::prelude::{QueueKind, TopologyMode};
+use lily::rabbit::Topology;
+use serde::{Deserialize, Serialize};
+
+/// The broker named by `LILY_AMQP_URL` (set by `scripts/bench.sh`).
+///
+/// # Panics
+/// When it is unset.
+pub fn broker_url() -> String {
+    std::env::var("LILY_AMQP_URL")
+        .expect("LILY_AMQP_URL is unset: run the benchmarks through scripts/bench.sh")
+}
+
+/// The payload every benchmark message carries: a 512-byte JSON order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Order {
+    pub order_id: String,
+    pub sku: String,
+    pub quantity: u32,
+    pub note: String,
+}
+
+/// A 512-byte JSON body.
+pub fn body_512() -> Vec<u8> {
+    let mut order = Order {
+        order_id: "order-000000001".into(),
+        sku: "SKU-42".into(),
+        quantity: 3,
+        note: String::new(),
+    };
+    let base = serde_json::to_vec(&order).expect("json").len();
+    order.note = "x".repeat(512 - base);
+    let body = serde_json::to_vec(&order).expect("json");
+    assert_eq!(body.len(), 512);
+    body
+}
+
+/// Queue type as text for reports.
+pub fn kind_name(kind: QueueKind) -> &'static str {
+    match kind {
+        QueueKind::Classic => "classic",
+        QueueKind::Quorum => "quorum",
+    }
+}
+
+/// Deletes and re-declares `queue` with Lily's topology (same arguments for every contender).
+pub async fn fresh_topology(
+    url: &str,
+    queue: &str,
+    kind: QueueKind,
+    retry: &[Duration],
+) -> Topology {
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    let topology = Topology::new(queue, kind, retry);
+    let mut names = vec![
+        queue.to_owned(),
+        topology.dead_letter_queue(),
+        topology.parking_queue(),
+    ];
+    names.extend(topology.buckets().map(|(n, _)| n.to_owned()));
+    for name in names {
+        let _ = channel
+            .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    topology
+        .apply(&channel, TopologyMode::Declare)
+        .await
+        .expect("declare topology");
+    let _ = connection.close(200, "declared".into()).await;
+    topology
+}
+
+/// Publishes `n` persistent copies of `body` (type `order.placed`, a message id each) with
+/// publisher confirms, pipelined in windows of 2 000.
+pub async fn publish(url: &str, queue: &str, n: usize, body: &[u8]) {
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirm_select");
+    for i in 0..n {
+        channel
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                body,
+                BasicProperties::default()
+                    .with_message_id(format!("m-{i}").into())
+                    .with_type("order.placed".into())
+                    .with_content_type("application/json".into())
+                    .with_delivery_mode(2),
+            )
+            .await
+            .expect("publish");
+        if i % 2000 == 1999 {
+            channel.wait_for_confirms().await.expect("confirms");
+        }
+    }
+    channel.wait_for_confirms().await.expect("confirms");
+    let _ = connection.close(200, "published".into()).await;
+}
+
+/// Median of `values` (sorted in place).
+pub fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
