@@ -20,7 +20,7 @@ export LILY_AMQP_URL="amqp://guest:guest@127.0.0.1:$PORT/%2f"
 export LILY_RABBIT_DIR="$DIR"
 mkdir -p target/bench
 
-cargo build --release -p lily-mq-bench --bins
+cargo build --release -p lily-mq-bench --bins -p lily-mq-example-k8s-shutdown
 case "$what" in
   throughput) target/release/throughput "$@" ;;
   cost) target/release/cost "$@" ;;

@@ -59,25 +59,25 @@ async fn settle_delivery(shared: Arc<Shared>, session: Arc<Session>, delivery: D
         headers: properties.headers().as_ref(),
     };
     let limits = &shared.config.limits;
-    let (verdict, attempt, route) = match inspect(&view, data.len(), limits) {
-        Ok(env) => {
-            let route = shared
+    let gate = match inspect(&view, data.len(), limits) {
+        Ok(env) => Gate::Passed {
+            attempt: env.attempt,
+            schema_version: env.schema_version,
+            delivery_count: env.delivery_count,
+            route: shared
                 .router
                 .dispatch(env.kind, env.schema_version, env.content_type)
-                .cloned();
-            (
-                Ok((env.schema_version, env.delivery_count)),
-                env.attempt,
-                Some(route),
-            )
-        }
-        Err(rejection) => (Err(rejection), 1, None),
+                .cloned(),
+        },
+        Err(rejection) => Gate::Refused(rejection),
+    };
+    let attempt = match &gate {
+        Gate::Passed { attempt, .. } => *attempt,
+        Gate::Refused(_) => 1,
     };
     let message_id = view
         .message_id
-        .filter(|id| is_token(id, limits.max_message_id_len))
-        .map(Box::<str>::from);
-    let message_id = message_id.as_deref();
+        .filter(|id| is_token(id, limits.max_message_id_len));
     let identity = Identity {
         queue: Arc::clone(&shared.queue),
         message_id: message_id.map(Box::from),
@@ -100,43 +100,29 @@ async fn settle_delivery(shared: Arc<Shared>, session: Arc<Session>, delivery: D
         acker: &acker,
         entry,
     };
-    match (verdict, route) {
-        (Err(rejection), _) => {
-            let plan = decide_at_gate(&rejection);
-            let reason = match rejection {
-                GateRejection::Oversized { len } => Reason::new(format!(
-                    "body of {len} bytes is over the {} byte limit",
-                    limits.max_body_bytes
-                )),
-                GateRejection::Invalid(reason) => reason,
-            };
-            // Without a valid id the message cannot be counted across requeues: no requeue.
-            let delivery_count = properties
-                .headers()
-                .as_ref()
-                .and_then(|h| h.inner().get(headers::DELIVERY_COUNT))
-                .and_then(as_u32);
-            let requeues = match message_id {
-                Some(id) => work.local_requeues(id).max(delivery_count.unwrap_or(0)),
-                None => shared.config.policy.max_requeues,
-            };
+    match gate {
+        Gate::Refused(rejection) => {
             let copy = Copy::Sanitized {
                 body: &data,
                 properties: &properties,
                 exchange: exchange.as_str(),
                 routing_key: routing_key.as_str(),
             };
-            async {
-                let (outcome, lane) = work.settle(plan, requeues, &reason, copy, message_id).await;
-                if let (Some(id), true) = (message_id, redelivered) {
-                    work.forget_requeues(id, outcome);
-                }
-                work.finish(outcome, lane, &reason);
-            }
-            .instrument(span)
-            .await;
+            let delivery_count = properties
+                .headers()
+                .as_ref()
+                .and_then(|h| h.inner().get(headers::DELIVERY_COUNT))
+                .and_then(as_u32);
+            work.refuse(rejection, copy, message_id, delivery_count, redelivered)
+                .instrument(span)
+                .await;
         }
-        (Ok((schema_version, delivery_count)), route) => {
+        Gate::Passed {
+            schema_version,
+            delivery_count,
+            route,
+            ..
+        } => {
             let incoming = Arc::new(Incoming::from_parts(IncomingParts {
                 body: data,
                 properties,
@@ -148,13 +134,22 @@ async fn settle_delivery(shared: Arc<Shared>, session: Arc<Session>, delivery: D
                 attempt,
                 schema_version,
             }));
-            let route =
-                route.unwrap_or_else(|| Err(QueueHandlerError::permanent("not dispatched")));
             work.process(incoming, delivery_count, route, redelivered)
                 .instrument(span)
                 .await;
         }
     }
+}
+
+/// What the gate and dispatch made of a delivery.
+enum Gate {
+    Refused(GateRejection),
+    Passed {
+        attempt: u32,
+        schema_version: u32,
+        delivery_count: Option<u32>,
+        route: Result<BoxedHandler, QueueHandlerError>,
+    },
 }
 
 struct Work<'a> {
@@ -189,6 +184,37 @@ impl Work<'_> {
         } else {
             Authority::Lost
         }
+    }
+
+    /// Settles a delivery the gate refused: a reject to the DLX (oversized) or a dead-letter
+    /// handoff carrying only sanitized metadata.
+    async fn refuse(
+        self,
+        rejection: GateRejection,
+        copy: Copy<'_>,
+        message_id: Option<&str>,
+        delivery_count: Option<u32>,
+        redelivered: bool,
+    ) {
+        let limits = &self.shared.config.limits;
+        let plan = decide_at_gate(&rejection);
+        let reason = match rejection {
+            GateRejection::Oversized { len } => Reason::new(format!(
+                "body of {len} bytes is over the {} byte limit",
+                limits.max_body_bytes
+            )),
+            GateRejection::Invalid(reason) => reason,
+        };
+        // Without a valid id the message cannot be counted across requeues: no requeue.
+        let requeues = match message_id {
+            Some(id) => self.local_requeues(id).max(delivery_count.unwrap_or(0)),
+            None => self.shared.config.policy.max_requeues,
+        };
+        let (outcome, lane) = self.settle(plan, requeues, &reason, copy, message_id).await;
+        if let (Some(id), true) = (message_id, redelivered) {
+            self.forget_requeues(id, outcome);
+        }
+        self.finish(outcome, lane, &reason);
     }
 
     async fn process(
