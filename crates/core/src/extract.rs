@@ -12,7 +12,7 @@ use amq_protocol_types::{AMQPValue, FieldTable};
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
-use crate::{Codec, Incoming, JsonCodec, QueueHandlerError};
+use crate::{Codec, Incoming, JsonCodec, QueueHandlerError, Resources};
 
 /// What extractors read from: the delivery and its cancellation token.
 #[derive(Clone, Copy, Debug)]
@@ -21,6 +21,8 @@ pub struct Context<'a> {
     pub incoming: &'a Arc<Incoming>,
     /// Fires when the handler should stop (shutdown, timeout).
     pub cancel: &'a CancellationToken,
+    /// Resources of the delivery's transactional scope, if any.
+    pub resources: &'a Resources,
 }
 
 /// A value a handler can take as an argument.

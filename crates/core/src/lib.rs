@@ -27,6 +27,7 @@ mod report;
 mod router;
 mod scope;
 mod shutdown;
+mod transaction;
 
 pub use budget::Budget;
 pub use codec::{Codec, JsonCodec};
@@ -51,3 +52,4 @@ pub use report::{
 pub use router::Router;
 pub use scope::{CleanupError, DynHook, Hook};
 pub use shutdown::{Phase, PhaseClock, PhaseTiming, ShutdownBudget, Trigger};
+pub use transaction::{Begin, Committed, OpenTransaction, Resources, TransactionalScope};

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use lily_mq_core::{
     DynHook, Hook, Ledger, Outcome, Phase, PhaseClock, RequeueCause, Router, ShutdownReport,
-    Totals, Trigger,
+    Totals, TransactionalScope, Trigger,
 };
 use metrics::{Counter, Gauge, Histogram};
 use tokio::sync::Semaphore;
@@ -48,6 +48,7 @@ pub struct Consumer {
     config: ConsumerConfig,
     router: Router,
     hooks: Vec<Arc<dyn DynHook>>,
+    scope: Option<Arc<dyn TransactionalScope>>,
     ledger: Arc<Mutex<Ledger>>,
     ready: Arc<AtomicBool>,
 }
@@ -83,6 +84,7 @@ pub(crate) struct Shared {
     pub(crate) config: ConsumerConfig,
     pub(crate) router: Router,
     pub(crate) hooks: Vec<Arc<dyn DynHook>>,
+    pub(crate) scope: Option<Arc<dyn TransactionalScope>>,
     pub(crate) topology: Topology,
     pub(crate) queue: Arc<str>,
     pub(crate) ledger: Arc<Mutex<Ledger>>,
@@ -156,6 +158,7 @@ impl Consumer {
             config,
             router,
             hooks: Vec::new(),
+            scope: None,
             ledger,
             ready: Arc::new(AtomicBool::new(false)),
         }
@@ -165,6 +168,15 @@ impl Consumer {
     #[must_use]
     pub fn hook(mut self, hook: impl Hook) -> Self {
         self.hooks.push(Arc::new(hook));
+        self
+    }
+
+    /// Runs every handler inside `scope` (for example the MongoDB transaction and inbox scope).
+    /// The scope opens after dispatch and before the hooks; its transaction is committed only
+    /// after the handler and the cleanup hooks succeeded.
+    #[must_use]
+    pub fn scope(mut self, scope: impl TransactionalScope) -> Self {
+        self.scope = Some(Arc::new(scope));
         self
     }
 
@@ -211,6 +223,7 @@ impl Consumer {
             url: self.url,
             router: self.router,
             hooks: self.hooks,
+            scope: self.scope,
             topology,
             ledger: self.ledger,
             requeues: Mutex::new(HashMap::new()),

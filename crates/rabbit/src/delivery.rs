@@ -7,10 +7,11 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use lapin::{Acker, BasicProperties};
 use lily_mq_core::{
-    Action, Authority, BoxedHandler, CleanupResult, EntryId, Evidence, GateRejection, Handoff,
-    HandoffResult, Identity, Incoming, IncomingParts, Lane, Outcome, PipelineResult, Plan,
-    PropertiesView, QueueHandlerError, Reason, SettleResult, Settlement, Situation,
-    TransactionOutcome, as_u32, decide, decide_at_gate, headers, inspect, is_token,
+    Action, Authority, Begin, BoxedHandler, CleanupResult, EntryId, Evidence, FailureKind,
+    GateRejection, Handoff, HandoffResult, Identity, Incoming, IncomingParts, Lane, Meta, Outcome,
+    PipelineResult, Plan, PropertiesView, QueueHandlerError, Reason, Resources, SettleResult,
+    Settlement, Situation, TransactionOutcome, as_u32, decide, decide_at_gate, headers, inspect,
+    is_token,
 };
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -141,6 +142,28 @@ async fn settle_delivery(shared: Arc<Shared>, session: Arc<Session>, delivery: D
     }
 }
 
+/// What the scope and the pipeline produced, for the decision table.
+struct Scoped {
+    pipeline: PipelineResult,
+    cleanup: CleanupResult,
+    transaction: TransactionOutcome,
+    reason: Option<Reason>,
+    deferrals: Option<u32>,
+}
+
+impl Scoped {
+    /// Decided before the handler ran.
+    fn decided(pipeline: PipelineResult, reason: Reason) -> Self {
+        Self {
+            pipeline,
+            cleanup: CleanupResult::Succeeded,
+            transaction: TransactionOutcome::NotRequired,
+            reason: Some(reason),
+            deferrals: None,
+        }
+    }
+}
+
 /// What the gate and dispatch made of a delivery.
 enum Gate {
     Refused(GateRejection),
@@ -224,42 +247,30 @@ impl Work<'_> {
         route: Result<BoxedHandler, QueueHandlerError>,
         redelivered: bool,
     ) {
-        let (pipeline, cleanup, reason) = match route {
-            Err(err) => (
-                PipelineResult::NotDispatched,
-                CleanupResult::Succeeded,
-                Some(err.reason().clone()),
-            ),
-            Ok(handler) => {
-                self.note(Evidence::Dispatched);
-                let cancel = self.shared.handlers_cancel.child_token();
-                let started = Instant::now();
-                let out = pipeline::run(
-                    &handler,
-                    &self.shared.hooks,
-                    &incoming,
-                    &cancel,
-                    self.shared.config.handler_timeout,
-                )
-                .await;
-                self.shared
-                    .metrics
-                    .handler_duration
-                    .record(started.elapsed().as_secs_f64());
-                self.note(Evidence::HandlerReturned);
-                (out.result, out.cleanup, out.reason)
-            }
+        let scoped = match route {
+            Err(err) => Scoped::decided(PipelineResult::NotDispatched, err.reason().clone()),
+            Ok(handler) => self.run_scoped(&handler, &incoming).await,
         };
+        let Scoped {
+            pipeline,
+            cleanup,
+            transaction,
+            reason,
+            deferrals,
+        } = scoped;
         let local = if redelivered {
             self.local_requeues(incoming.message_id())
         } else {
             0
         };
-        let requeues = delivery_count.unwrap_or(0).max(local);
+        let requeues = delivery_count
+            .unwrap_or(0)
+            .max(local)
+            .max(deferrals.unwrap_or(0));
         let situation = Situation {
             pipeline,
             cleanup,
-            transaction: TransactionOutcome::NotRequired,
+            transaction,
             attempt: incoming.attempt(),
             requeues,
             authority: self.authority(),
@@ -279,6 +290,78 @@ impl Work<'_> {
             self.forget_requeues(incoming.message_id(), outcome);
         }
         self.finish(outcome, lane, &reason);
+    }
+
+    /// Opens the transactional scope (if any), runs the pipeline inside it, then commits when
+    /// the handler and cleanup succeeded and aborts otherwise.
+    async fn run_scoped(&self, handler: &BoxedHandler, incoming: &Arc<Incoming>) -> Scoped {
+        self.note(Evidence::Dispatched);
+        let budget = self.shared.config.policy.settlement_budget;
+        let (resources, transaction) = match &self.shared.scope {
+            None => (Resources::new(), None),
+            Some(scope) => match scope.begin(&Meta::new(Arc::clone(incoming)), budget).await {
+                Begin::Proceed {
+                    resources,
+                    transaction,
+                } => (resources, Some(transaction)),
+                Begin::Duplicate => {
+                    lock(&self.shared.ledger).count_duplicate();
+                    return Scoped::decided(
+                        PipelineResult::Duplicate,
+                        Reason::new("duplicate suppressed by the inbox"),
+                    );
+                }
+                Begin::Conflict(reason) => {
+                    let conflict = PipelineResult::Failed {
+                        kind: FailureKind::Permanent,
+                        retry_after: None,
+                    };
+                    return Scoped::decided(conflict, reason);
+                }
+                Begin::Defer { reason, deferrals } => {
+                    let mut scoped = Scoped::decided(PipelineResult::Deferred, reason);
+                    scoped.deferrals = deferrals;
+                    return scoped;
+                }
+            },
+        };
+        let cancel = self.shared.handlers_cancel.child_token();
+        let started = Instant::now();
+        let out = pipeline::run(
+            handler,
+            &self.shared.hooks,
+            incoming,
+            &cancel,
+            &resources,
+            self.shared.config.handler_timeout,
+        )
+        .await;
+        self.shared
+            .metrics
+            .handler_duration
+            .record(started.elapsed().as_secs_f64());
+        self.note(Evidence::HandlerReturned);
+        let mut scoped = Scoped {
+            pipeline: out.result,
+            cleanup: out.cleanup,
+            transaction: TransactionOutcome::NotRequired,
+            reason: out.reason,
+            deferrals: None,
+        };
+        if let Some(transaction) = transaction {
+            if (out.result, out.cleanup) == (PipelineResult::Succeeded, CleanupResult::Succeeded) {
+                let committed = transaction.commit(budget).await;
+                scoped.transaction = committed.outcome;
+                scoped.deferrals = committed.deferrals;
+                if committed.reason.is_some() {
+                    scoped.reason = committed.reason;
+                }
+            } else {
+                transaction.abort().await;
+                scoped.transaction = TransactionOutcome::Aborted;
+            }
+        }
+        scoped
     }
 
     /// Carries `plan` out. `requeue_key` names the message in the classic-queue requeue count.

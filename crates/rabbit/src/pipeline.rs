@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use lily_mq_core::{
     BoxedHandler, CleanupResult, Context, DynHook, Incoming, Meta, PipelineResult, Reason,
+    Resources,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -29,6 +30,7 @@ pub(crate) async fn run(
     hooks: &[Arc<dyn DynHook>],
     incoming: &Arc<Incoming>,
     cancel: &CancellationToken,
+    resources: &Resources,
     timeout: Duration,
 ) -> PipelineOutput {
     let meta = Meta::new(Arc::clone(incoming));
@@ -52,7 +54,11 @@ pub(crate) async fn run(
     let result = match result {
         Some(result) => result,
         None => {
-            let cx = Context { incoming, cancel };
+            let cx = Context {
+                incoming,
+                cancel,
+                resources,
+            };
             let call = catch_unwind(AssertUnwindSafe(|| handler.call(cx)));
             match call {
                 Err(_) => {
@@ -190,6 +196,7 @@ mod tests {
             &hooks,
             &incoming(),
             &CancellationToken::new(),
+            &Resources::new(),
             Duration::from_millis(100),
         )
         .await
@@ -254,6 +261,7 @@ mod tests {
             &hooks,
             &incoming(),
             &cancel,
+            &Resources::new(),
             Duration::from_millis(50),
         )
         .await;

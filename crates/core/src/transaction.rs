@@ -1,0 +1,90 @@
+//! Transactional scopes: per-delivery resources whose outcome feeds the decision table.
+//!
+//! A [`TransactionalScope`] (the MongoDB scope, for instance) opens before the handler. It may
+//! decide the delivery on its own — a duplicate already handled, a conflicting duplicate, a
+//! deferral — or hand the handler resources (a session inside a transaction) through
+//! [`Resources`], and later commit or abort. Lily commits only after the handler and the
+//! cleanup hooks succeeded; the handler never commits or aborts itself.
+
+use std::any::Any;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::{BoxFuture, Meta, Reason, TransactionOutcome};
+
+/// Resources a scope gives the handler's extractors, looked up by type.
+#[derive(Clone, Default)]
+pub struct Resources(Vec<Arc<dyn Any + Send + Sync>>);
+
+impl Resources {
+    /// No resources.
+    pub const fn new() -> Self {
+        Self(Vec::new())
+    }
+
+    /// Adds a resource.
+    pub fn insert<T: Any + Send + Sync>(&mut self, resource: Arc<T>) {
+        self.0.push(resource);
+    }
+
+    /// The resource of type `T`, if the scope provided one.
+    pub fn get<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
+        self.0
+            .iter()
+            .find_map(|r| Arc::clone(r).downcast::<T>().ok())
+    }
+}
+
+impl std::fmt::Debug for Resources {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Resources({} items)", self.0.len())
+    }
+}
+
+/// What opening a scope decided.
+pub enum Begin {
+    /// Run the handler with these resources, then commit or abort the transaction.
+    Proceed {
+        /// For the extractors.
+        resources: Resources,
+        /// The open transaction.
+        transaction: Box<dyn OpenTransaction>,
+    },
+    /// Already handled with the same fingerprint: skip the handler and ACK.
+    Duplicate,
+    /// Already handled with a different fingerprint: permanent failure, handler not run.
+    Conflict(Reason),
+    /// Not now (a lease held elsewhere, the database unreachable): requeue without using an
+    /// application attempt.
+    Defer {
+        /// Why.
+        reason: Reason,
+        /// Deferrals counted durably so far for this message, when the scope could count.
+        deferrals: Option<u32>,
+    },
+}
+
+/// A transaction opened by a scope.
+pub trait OpenTransaction: Send {
+    /// Commits within `deadline`, retrying what the database says may be retried.
+    fn commit(self: Box<Self>, deadline: Duration) -> BoxFuture<'static, Committed>;
+    /// Aborts; errors are the database's to clean up (the transaction times out).
+    fn abort(self: Box<Self>) -> BoxFuture<'static, ()>;
+}
+
+/// The result of [`OpenTransaction::commit`].
+#[derive(Debug)]
+pub struct Committed {
+    /// The outcome the decision table sees.
+    pub outcome: TransactionOutcome,
+    /// Why, when not committed.
+    pub reason: Option<Reason>,
+    /// Deferrals counted durably so far, when the outcome is ambiguous and the scope counted.
+    pub deferrals: Option<u32>,
+}
+
+/// Per-delivery scope around the handler with a transactional outcome.
+pub trait TransactionalScope: Send + Sync + 'static {
+    /// Opens the scope for a dispatched delivery, within `deadline`.
+    fn begin<'a>(&'a self, meta: &'a Meta, deadline: Duration) -> BoxFuture<'a, Begin>;
+}
