@@ -55,6 +55,9 @@ pub enum TransactionOutcome {
     Aborted,
     /// The commit outcome is still unknown after bounded retries: deferral.
     CommitAmbiguous,
+    /// The commit was refused because this worker's lease was taken over (its fence is stale):
+    /// deferral; the new owner's outcome decides.
+    Fenced,
 }
 
 /// Whether Lily may still settle the delivery.
@@ -218,7 +221,7 @@ pub fn decide(s: &Situation, policy: &Policy) -> Plan {
         | (
             PipelineResult::Succeeded,
             CleanupResult::Succeeded,
-            TransactionOutcome::CommitAmbiguous,
+            TransactionOutcome::CommitAmbiguous | TransactionOutcome::Fenced,
         ) => {
             return if at_limit {
                 to_dead_letter(FailureKind::Retryable, Cause::RequeueLimit)

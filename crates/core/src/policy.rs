@@ -20,6 +20,10 @@ pub struct Policy {
     pub settlement_budget: Duration,
     /// Part of the budget kept for the fallback NACK when a handoff fails or times out.
     pub nack_reserve: Duration,
+    /// How long a deferred delivery is held before its NACK, by deferral number (the last
+    /// entry repeats). Deferrals wait for something to change — a lease to expire, an
+    /// abandoned transaction to be aborted — so an immediate requeue would only spin.
+    pub deferral_delays: Vec<Duration>,
 }
 
 impl Default for Policy {
@@ -34,6 +38,13 @@ impl Default for Policy {
             max_requeues: 5,
             settlement_budget: Duration::from_secs(10),
             nack_reserve: Duration::from_secs(1),
+            deferral_delays: vec![
+                Duration::from_secs(1),
+                Duration::from_secs(2),
+                Duration::from_secs(5),
+                Duration::from_secs(10),
+                Duration::from_secs(30),
+            ],
         }
     }
 }
@@ -84,6 +95,22 @@ impl Policy {
         self.settlement_budget = budget;
         self.nack_reserve = nack_reserve;
         self
+    }
+
+    /// Sets [`Policy::deferral_delays`].
+    #[must_use]
+    pub fn deferral_delays(mut self, delays: impl IntoIterator<Item = Duration>) -> Self {
+        self.deferral_delays = delays.into_iter().collect();
+        self
+    }
+
+    /// How long to hold a delivery before requeueing its deferral number `requeues` (0-based).
+    pub fn deferral_delay(&self, requeues: u32) -> Duration {
+        let last = self.deferral_delays.len().saturating_sub(1);
+        self.deferral_delays
+            .get((requeues as usize).min(last))
+            .copied()
+            .unwrap_or_default()
     }
 
     /// Checks the policy.

@@ -766,6 +766,7 @@ fn situation_strategy() -> impl Strategy<Value = Situation> {
         Just(TransactionOutcome::Committed),
         Just(TransactionOutcome::Aborted),
         Just(TransactionOutcome::CommitAmbiguous),
+        Just(TransactionOutcome::Fenced),
     ];
     (
         pipeline_result(),

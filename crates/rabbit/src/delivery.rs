@@ -9,9 +9,9 @@ use lapin::{Acker, BasicProperties};
 use lily_mq_core::{
     Action, Authority, Begin, BoxedHandler, CleanupResult, EntryId, Evidence, FailureKind,
     GateRejection, Handoff, HandoffResult, Identity, Incoming, IncomingParts, Lane, Meta, Outcome,
-    PipelineResult, Plan, PropertiesView, QueueHandlerError, Reason, Resources, SettleResult,
-    Settlement, Situation, TransactionOutcome, as_u32, decide, decide_at_gate, headers, inspect,
-    is_token,
+    PipelineResult, Plan, PropertiesView, QueueHandlerError, Reason, RequeueCause, Resources,
+    SettleResult, Settlement, Situation, TransactionOutcome, as_u32, decide, decide_at_gate,
+    headers, inspect, is_token,
 };
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -276,6 +276,14 @@ impl Work<'_> {
             authority: self.authority(),
         };
         let plan = decide(&situation, &self.shared.config.policy);
+        if plan == Plan::Requeue(RequeueCause::Deferred) {
+            // Give what the deferral waits for time to change; shutdown cuts the wait short.
+            let delay = self.shared.config.policy.deferral_delay(requeues);
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                () = self.shared.handlers_cancel.cancelled() => {}
+            }
+        }
         let reason = reason.unwrap_or_else(|| Reason::new("ok"));
         let (outcome, lane) = self
             .settle(
