@@ -4,8 +4,10 @@
 //! `LILY_RABBIT_DIR`. [`Broker::from_env`] fails loudly when they are missing: a test that cannot
 //! reach its broker never passes.
 
+mod mongo;
 mod proxy;
 
+pub use mongo::MongoNode;
 pub use proxy::FaultProxy;
 
 use std::path::PathBuf;
