@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: installs what is missing (rustfmt, clippy,
-# rabbitmq-server), starts a private RabbitMQ node on loopback, runs fmt, clippy, docs and all
-# tests against it, and stops the node.
+# rabbitmq-server, mongod), starts a private RabbitMQ node and a private MongoDB replica set on
+# loopback, runs fmt, clippy, docs and all tests against them, and stops both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,9 +15,18 @@ DIR="$PWD/target/lily-rabbit-test"
 scripts/rabbitmq.sh stop "$DIR" || true
 rm -rf "$DIR"
 scripts/rabbitmq.sh start "$DIR" "$PORT"
-trap 'scripts/rabbitmq.sh stop "$DIR"' EXIT
+MONGO_PORT=${LILY_TEST_MONGO_PORT:-27517}
+MONGO_DIR="$PWD/target/lily-mongod-test"
+trap 'scripts/mongod.sh stop "$MONGO_DIR" || true; scripts/rabbitmq.sh stop "$DIR"' EXIT
 export LILY_AMQP_URL="amqp://guest:guest@127.0.0.1:$PORT/%2f"
 export LILY_RABBIT_DIR="$DIR"
+
+scripts/mongod.sh install
+scripts/mongod.sh stop "$MONGO_DIR" || true
+rm -rf "$MONGO_DIR"
+scripts/mongod.sh start "$MONGO_DIR" "$MONGO_PORT"
+export LILY_MONGO_URL="mongodb://127.0.0.1:$MONGO_PORT/?replicaSet=lily&directConnection=true"
+export LILY_MONGOD_DIR="$MONGO_DIR"
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings

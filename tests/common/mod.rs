@@ -48,7 +48,17 @@ pub struct Running {
 }
 
 pub fn start(url: &str, config: ConsumerConfig, router: Router) -> Running {
-    let consumer = Consumer::new(url, config, router);
+    start_with(url, config, router, |c| c)
+}
+
+/// Starts a consumer after `customize` (hooks, a scope) is applied to it.
+pub fn start_with(
+    url: &str,
+    config: ConsumerConfig,
+    router: Router,
+    customize: impl FnOnce(Consumer) -> Consumer,
+) -> Running {
+    let consumer = customize(Consumer::new(url, config, router));
     let stats = consumer.stats();
     let shutdown = Shutdown::new(ShutdownBudget::new(Duration::from_secs(10)));
     let join = tokio::spawn(consumer.run(shutdown.clone()));
@@ -124,4 +134,21 @@ pub fn header_str(props: &BasicProperties, key: &str) -> Option<String> {
 
 pub fn header_u32(props: &BasicProperties, key: &str) -> Option<u32> {
     lily::core::as_u32(header(props, key)?)
+}
+
+/// Waits until `queue` exists (the consumer declares it on connect).
+pub async fn wait_declared(url: &str, queue: &str) {
+    for _ in 0..300 {
+        let (u, q) = (url.to_owned(), queue.to_owned());
+        // A passive declare of a missing queue closes its channel: probe from a throwaway client.
+        let declared =
+            tokio::spawn(async move { lily_mq_testkit::Client::connect(&u).await.depth(&q).await })
+                .await
+                .is_ok();
+        if declared {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("queue {queue} was never declared");
 }

@@ -128,6 +128,11 @@ impl Meta {
     pub fn delivery_tag(&self) -> u64 {
         self.0.delivery_tag()
     }
+
+    /// The body, for scopes that fingerprint it.
+    pub fn body(&self) -> &[u8] {
+        self.0.body()
+    }
 }
 
 impl FromDelivery for Meta {

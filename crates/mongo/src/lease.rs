@@ -1,0 +1,169 @@
+//! Leases with fencing: one live owner per message, a fence that grows with every takeover.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use mongodb::bson::{Bson, DateTime, Document, doc};
+use mongodb::error::{Error, ErrorKind, WriteFailure};
+use mongodb::options::ReturnDocument;
+use mongodb::{ClientSession, Collection};
+use tokio_util::sync::CancellationToken;
+
+/// A lease this worker holds.
+#[derive(Debug)]
+pub(crate) struct Lease {
+    pub(crate) key: Document,
+    pub(crate) owner: String,
+    pub(crate) fence: i64,
+    renewal: CancellationToken,
+}
+
+/// Why a lease was not acquired.
+pub(crate) enum Refused {
+    /// A live owner holds it.
+    Held,
+    /// The database failed.
+    Failed(Error),
+}
+
+static TOKENS: AtomicU64 = AtomicU64::new(0);
+
+/// A token unique to this attempt of this process.
+fn owner_token() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!(
+        "{}-{nanos:x}-{}",
+        std::process::id(),
+        TOKENS.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn expires(ttl: Duration) -> DateTime {
+    let ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
+    DateTime::from_millis(DateTime::now().timestamp_millis().saturating_add(ms))
+}
+
+/// Acquires the lease on `key` atomically: it is free, expired, or ours. The fence grows by one
+/// with every acquisition.
+pub(crate) async fn acquire(
+    leases: &Collection<Document>,
+    key: Document,
+    ttl: Duration,
+    max_extension: Duration,
+) -> Result<Lease, Refused> {
+    let owner = owner_token();
+    let now = DateTime::now();
+    let filter = doc! { "_id": key.clone(), "expires_at": { "$lt": now } };
+    let update = doc! {
+        "$set": { "owner": &owner, "expires_at": expires(ttl), "acquired_at": now },
+        "$inc": { "fence": 1_i64 },
+    };
+    let taken = leases
+        .find_one_and_update(filter, update)
+        .upsert(true)
+        .return_document(ReturnDocument::After)
+        .await;
+    let doc = match taken {
+        Ok(Some(doc)) => doc,
+        Ok(None) => return Err(Refused::Held),
+        // The upsert collided with a live owner's document.
+        Err(err) if is_duplicate_key(&err) => return Err(Refused::Held),
+        Err(err) => return Err(Refused::Failed(err)),
+    };
+    let fence = match doc.get("fence") {
+        Some(Bson::Int64(f)) => *f,
+        Some(Bson::Int32(f)) => i64::from(*f),
+        _ => 0,
+    };
+    let renewal = spawn_renewal(
+        leases.clone(),
+        key.clone(),
+        owner.clone(),
+        fence,
+        ttl,
+        max_extension,
+    );
+    Ok(Lease {
+        key,
+        owner,
+        fence,
+        renewal,
+    })
+}
+
+/// Renews the lease every third of its TTL while work progresses, up to `max_extension` in all.
+fn spawn_renewal(
+    leases: Collection<Document>,
+    key: Document,
+    owner: String,
+    fence: i64,
+    ttl: Duration,
+    max_extension: Duration,
+) -> CancellationToken {
+    let stop = CancellationToken::new();
+    let stopped = stop.clone();
+    tokio::spawn(async move {
+        let started = tokio::time::Instant::now();
+        let every = (ttl / 3).max(Duration::from_millis(50));
+        loop {
+            tokio::select! {
+                () = stopped.cancelled() => return,
+                () = tokio::time::sleep(every) => {}
+            }
+            if started.elapsed() >= max_extension {
+                return; // the cap on total extension: let it expire
+            }
+            let filter = doc! { "_id": key.clone(), "owner": &owner, "fence": fence };
+            let renewed = leases
+                .update_one(filter, doc! { "$set": { "expires_at": expires(ttl) } })
+                .await;
+            if !matches!(renewed, Ok(r) if r.matched_count == 1) {
+                return; // taken over or unreachable: the fence check at commit decides
+            }
+        }
+    });
+    stop
+}
+
+impl Lease {
+    /// Inside the transaction: proves this lease still holds its fence. `Ok(false)` means a
+    /// newer owner took it over.
+    pub(crate) async fn check_fence(
+        &self,
+        leases: &Collection<Document>,
+        session: &mut ClientSession,
+    ) -> Result<bool, Error> {
+        let filter = doc! { "_id": self.key.clone(), "owner": &self.owner, "fence": self.fence };
+        let result = leases
+            .update_one(
+                filter,
+                doc! { "$set": { "committing_at": DateTime::now() } },
+            )
+            .session(session)
+            .await?;
+        Ok(result.matched_count == 1)
+    }
+
+    /// Stops renewing and releases the lease if it is still ours.
+    pub(crate) async fn release(self, leases: &Collection<Document>) {
+        self.renewal.cancel();
+        let filter = doc! { "_id": self.key, "owner": self.owner, "fence": self.fence };
+        let _ = leases
+            .update_one(
+                filter,
+                doc! { "$set": { "expires_at": DateTime::from_millis(0) } },
+            )
+            .await;
+    }
+}
+
+/// True for a duplicate key write error (E11000).
+pub(crate) fn is_duplicate_key(err: &Error) -> bool {
+    match err.kind.as_ref() {
+        ErrorKind::Write(WriteFailure::WriteError(e)) => e.code == 11000,
+        ErrorKind::Command(e) => e.code == 11000,
+        _ => false,
+    }
+}

@@ -1,0 +1,59 @@
+//! The MongoDB scope of Lily: a transaction around each handler, a transactional inbox and a
+//! fenced lease, wired into the decision table.
+//!
+//! ```no_run
+//! use lily_mq_core::{QueueHandlerError, Router};
+//! use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};
+//! use mongodb::bson::{Document, doc};
+//!
+//! async fn reserve(tx: MongoTx) -> Result<(), QueueHandlerError> {
+//!     let stock = tx.database().collection::<Document>("stock");
+//!     let mut session = tx.session().await;
+//!     stock
+//!         .update_one(doc! { "_id": "sku-1" }, doc! { "$inc": { "reserved": 1 } })
+//!         .session(&mut *session)
+//!         .await
+//!         .map_err(|e| QueueHandlerError::retryable("stock update failed").with_source(e))?;
+//!     Ok(()) // Lily commits after the handler and cleanup succeed
+//! }
+//!
+//! # async fn run() -> Result<(), mongodb::error::Error> {
+//! let scope = MongoScope::connect(
+//!     "mongodb://127.0.0.1:27017/?replicaSet=rs0",
+//!     "shop",
+//!     MongoConfig::new("stock-service"),
+//! )
+//! .await?;
+//! let router = Router::new().route("order.placed", reserve);
+//! // Consumer::new(url, config, router).scope(scope).run(shutdown).await
+//! # let _ = (scope, router); Ok(()) }
+//! ```
+//!
+//! # The guarantee
+//!
+//! Effects written through [`MongoTx`] happen **effectively once per message id and consumer
+//! name, within the database named in [`MongoScope::connect`] and the inbox retention**:
+//!
+//! - the inbox record `(consumer, message_id)` with the message's fingerprint (type, schema
+//!   version, SHA-256 of the body) is inserted in the same transaction as the handler's writes,
+//!   so either both commit or neither does;
+//! - a redelivery (after a crash between commit and ACK, a lost connection, an ambiguous commit)
+//!   finds the record and is ACKed without running the handler (counted as a suppressed
+//!   duplicate); the same id with a different fingerprint is a conflict and goes to the DLQ;
+//! - a lease with a monotonically increasing fence keeps two workers from committing the same
+//!   message: the commit checks the fence inside the transaction, so a stale owner cannot commit.
+//!
+//! Assumptions: producers give one operation one `message_id`; effects outside this database
+//! are not covered (use the lease and make them idempotent); a redelivery after the inbox
+//! record expired (`inbox_retention`, a TTL index) runs the handler again — keep the retention
+//! longer than any redelivery horizon (retry delays × attempts, DLQ replays).
+
+mod inbox;
+mod lease;
+mod scope;
+mod tx;
+
+pub use scope::{MongoConfig, MongoScope};
+pub use tx::MongoTx;
+
+pub use mongodb;

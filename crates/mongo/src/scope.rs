@@ -1,0 +1,302 @@
+//! The scope: opens the transaction, takes the lease, inserts the inbox record.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lily_mq_core::{Begin, BoxFuture, Meta, Reason, Resources, TransactionalScope};
+use mongodb::bson::{Bson, DateTime, Document, doc};
+use mongodb::options::{Acknowledgment, IndexOptions, ReadConcern, ReturnDocument, WriteConcern};
+use mongodb::{Client, Collection, Database, IndexModel};
+use tokio::sync::Mutex;
+use tracing::debug;
+
+use crate::inbox;
+use crate::lease::{self, Refused, is_duplicate_key};
+use crate::tx::{MongoTransaction, TxState, code_of};
+
+/// Settings of the MongoDB scope.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct MongoConfig {
+    /// Names this consumer in inbox keys: two services consuming the same message each get
+    /// their own record.
+    pub consumer: String,
+    /// How long inbox records are kept (TTL index). A redelivery after that runs the handler
+    /// again: keep it longer than retry delays × attempts and any DLQ replay horizon.
+    pub inbox_retention: Duration,
+    /// Take a lease per message before the handler, fenced at commit.
+    pub lease: bool,
+    /// Lease time to live; renewed every third of it while the handler runs.
+    pub lease_ttl: Duration,
+    /// Cap on total lease extension: past it the lease is left to expire.
+    pub lease_max_extension: Duration,
+    /// Collections used by the scope, prefixed with this.
+    pub collection_prefix: String,
+}
+
+impl MongoConfig {
+    /// Defaults for `consumer`: 7-day inbox, 30 s lease renewed up to 10 minutes.
+    pub fn new(consumer: impl Into<String>) -> Self {
+        Self {
+            consumer: consumer.into(),
+            inbox_retention: Duration::from_secs(7 * 24 * 3600),
+            lease: true,
+            lease_ttl: Duration::from_secs(30),
+            lease_max_extension: Duration::from_secs(600),
+            collection_prefix: "lily_".into(),
+        }
+    }
+
+    /// Sets the lease TTL and its extension cap.
+    #[must_use]
+    pub fn lease_ttl(mut self, ttl: Duration, max_extension: Duration) -> Self {
+        self.lease_ttl = ttl;
+        self.lease_max_extension = max_extension;
+        self
+    }
+
+    /// Sets the inbox retention.
+    #[must_use]
+    pub fn inbox_retention(mut self, retention: Duration) -> Self {
+        self.inbox_retention = retention;
+        self
+    }
+}
+
+/// Runs every handler in a MongoDB transaction with a transactional inbox and a fenced lease.
+/// Install it with `Consumer::scope`.
+#[derive(Clone, Debug)]
+pub struct MongoScope(Arc<Inner>);
+
+#[derive(Debug)]
+struct Inner {
+    client: Client,
+    database: Database,
+    config: MongoConfig,
+    inbox: Collection<Document>,
+    leases: Collection<Document>,
+    deferrals: Collection<Document>,
+}
+
+/// Durable deferral count of one message.
+#[derive(Clone, Debug)]
+pub(crate) struct Deferrals {
+    collection: Collection<Document>,
+    key: Document,
+}
+
+impl Deferrals {
+    /// Counts one more deferral; `None` when the database cannot be reached.
+    pub(crate) async fn count(&self) -> Option<u32> {
+        let update = doc! { "$inc": { "n": 1_i64 }, "$set": { "at": DateTime::now() } };
+        let doc = self
+            .collection
+            .find_one_and_update(doc! { "_id": self.key.clone() }, update)
+            .upsert(true)
+            .return_document(ReturnDocument::After)
+            .await
+            .ok()??;
+        match doc.get("n") {
+            Some(Bson::Int64(n)) => u32::try_from(*n).ok(),
+            Some(Bson::Int32(n)) => u32::try_from(*n).ok(),
+            _ => None,
+        }
+        // The count is of deferrals so far; the decision compares it with max_requeues.
+        .map(|n| n.saturating_sub(1))
+    }
+}
+
+impl MongoScope {
+    /// Connects to `url` (a replica set: transactions need one), uses `database`, and creates
+    /// the inbox, lease and deferral collections' indexes.
+    ///
+    /// # Errors
+    /// The database is unreachable or refused the indexes.
+    pub async fn connect(
+        url: &str,
+        database: &str,
+        config: MongoConfig,
+    ) -> mongodb::error::Result<Self> {
+        let client = Client::with_uri_str(url).await?;
+        Self::with_client(client, database, config).await
+    }
+
+    /// Like [`connect`](Self::connect) with a client the application built.
+    ///
+    /// # Errors
+    /// The database refused the indexes.
+    pub async fn with_client(
+        client: Client,
+        database: &str,
+        config: MongoConfig,
+    ) -> mongodb::error::Result<Self> {
+        let database = client.database(database);
+        let name = |suffix: &str| format!("{}{suffix}", config.collection_prefix);
+        let inbox = database.collection::<Document>(&name("inbox"));
+        let leases = database.collection::<Document>(&name("leases"));
+        let deferrals = database.collection::<Document>(&name("deferrals"));
+        for (collection, ttl) in [
+            (&inbox, config.inbox_retention),
+            (&deferrals, config.inbox_retention),
+        ] {
+            let index = IndexModel::builder()
+                .keys(doc! { "at": 1 })
+                .options(IndexOptions::builder().expire_after(ttl).build())
+                .build();
+            collection.create_index(index).await?;
+        }
+        Ok(Self(Arc::new(Inner {
+            client,
+            database,
+            config,
+            inbox,
+            leases,
+            deferrals,
+        })))
+    }
+
+    /// The database the scope works in.
+    pub fn database(&self) -> &Database {
+        &self.0.database
+    }
+
+    async fn open(&self, meta: &Meta) -> Begin {
+        let inner = &self.0;
+        let key = inbox::key(&inner.config.consumer, meta.message_id());
+        let deferrals = Deferrals {
+            collection: inner.deferrals.clone(),
+            key: key.clone(),
+        };
+        let defer = |reason: Reason| async {
+            Begin::Defer {
+                reason,
+                deferrals: deferrals.count().await,
+            }
+        };
+        let lease = if inner.config.lease {
+            match lease::acquire(
+                &inner.leases,
+                key.clone(),
+                inner.config.lease_ttl,
+                inner.config.lease_max_extension,
+            )
+            .await
+            {
+                Ok(lease) => Some(lease),
+                Err(Refused::Held) => {
+                    return defer(Reason::new("lease held by a live owner")).await;
+                }
+                Err(Refused::Failed(err)) => {
+                    return defer(Reason::new(format!(
+                        "database unavailable: {}",
+                        code_of(&err)
+                    )))
+                    .await;
+                }
+            }
+        } else {
+            None
+        };
+        let release = |lease: Option<lease::Lease>| async {
+            if let Some(lease) = lease {
+                lease.release(&inner.leases).await;
+            }
+        };
+        let mut session = match inner.client.start_session().await {
+            Ok(session) => session,
+            Err(err) => {
+                release(lease).await;
+                return defer(Reason::new(format!(
+                    "database unavailable: {}",
+                    code_of(&err)
+                )))
+                .await;
+            }
+        };
+        let started = session
+            .start_transaction()
+            .read_concern(ReadConcern::snapshot())
+            .write_concern(WriteConcern::builder().w(Acknowledgment::Majority).build())
+            .await;
+        if let Err(err) = started {
+            release(lease).await;
+            return defer(Reason::new(format!(
+                "database unavailable: {}",
+                code_of(&err)
+            )))
+            .await;
+        }
+        let fingerprint = inbox::fingerprint(meta, meta.body());
+        let record = inbox::record(key.clone(), meta, &fingerprint);
+        match inner.inbox.insert_one(record).session(&mut session).await {
+            Ok(_) => {}
+            Err(err) if is_duplicate_key(&err) => {
+                let _ = session.abort_transaction().await;
+                release(lease).await;
+                return self.seen_before(key, &fingerprint, deferrals).await;
+            }
+            Err(err) => {
+                let _ = session.abort_transaction().await;
+                release(lease).await;
+                // A write conflict means another transaction holds this message's record: an
+                // abandoned one (a crashed worker) or a concurrent delivery. Either way, later.
+                return defer(Reason::new(format!(
+                    "inbox insert failed: {}",
+                    code_of(&err)
+                )))
+                .await;
+            }
+        }
+        debug!(fence = lease.as_ref().map(|l| l.fence), "scope open");
+        let state = Arc::new(TxState {
+            session: Mutex::new(session),
+            database: inner.database.clone(),
+        });
+        let mut resources = Resources::new();
+        resources.insert(Arc::clone(&state));
+        Begin::Proceed {
+            resources,
+            transaction: Box::new(MongoTransaction {
+                state,
+                lease,
+                leases: inner.leases.clone(),
+                deferrals,
+            }),
+        }
+    }
+
+    /// The inbox already holds this message: a duplicate if the fingerprints match, a conflict
+    /// otherwise.
+    async fn seen_before(&self, key: Document, fingerprint: &str, deferrals: Deferrals) -> Begin {
+        match self.0.inbox.find_one(doc! { "_id": key }).await {
+            Ok(Some(existing)) if inbox::stored_fingerprint(&existing) == Some(fingerprint) => {
+                Begin::Duplicate
+            }
+            Ok(Some(_)) => Begin::Conflict(Reason::new(
+                "inbox conflict: message id already handled with a different type, version or body",
+            )),
+            Ok(None) => Begin::Defer {
+                reason: Reason::new("inbox record vanished (expired?) during the check"),
+                deferrals: deferrals.count().await,
+            },
+            Err(err) => Begin::Defer {
+                reason: Reason::new(format!("database unavailable: {}", code_of(&err))),
+                deferrals: deferrals.count().await,
+            },
+        }
+    }
+}
+
+impl TransactionalScope for MongoScope {
+    fn begin<'a>(&'a self, meta: &'a Meta, deadline: Duration) -> BoxFuture<'a, Begin> {
+        Box::pin(async move {
+            match tokio::time::timeout(deadline, self.open(meta)).await {
+                Ok(begin) => begin,
+                Err(_) => Begin::Defer {
+                    reason: Reason::new("database did not answer within the budget"),
+                    deferrals: None,
+                },
+            }
+        })
+    }
+}

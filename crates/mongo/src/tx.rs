@@ -1,0 +1,176 @@
+//! The handler's view of the transaction, and how Lily commits or aborts it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lily_mq_core::{
+    BoxFuture, Committed, Context, FromDelivery, OpenTransaction, QueueHandlerError, Reason,
+    TransactionOutcome,
+};
+use mongodb::bson::Document;
+use mongodb::error::{TRANSIENT_TRANSACTION_ERROR, UNKNOWN_TRANSACTION_COMMIT_RESULT};
+use mongodb::{ClientSession, Collection, Database};
+use tokio::sync::{Mutex, MutexGuard};
+use tracing::warn;
+
+use crate::lease::Lease;
+
+/// The delivery's MongoDB session, inside the transaction Lily opened.
+///
+/// Write through it with `.session(&mut *tx.session().await)`. Never commit or abort it: Lily
+/// commits after the handler and cleanup succeed and aborts otherwise.
+#[derive(Clone, Debug)]
+pub struct MongoTx(Arc<TxState>);
+
+#[derive(Debug)]
+pub(crate) struct TxState {
+    pub(crate) session: Mutex<ClientSession>,
+    pub(crate) database: Database,
+}
+
+impl MongoTx {
+    /// The database the scope works in.
+    pub fn database(&self) -> &Database {
+        &self.0.database
+    }
+
+    /// The session, in its transaction. Hold the guard only while issuing operations.
+    pub async fn session(&self) -> MutexGuard<'_, ClientSession> {
+        self.0.session.lock().await
+    }
+}
+
+impl FromDelivery for MongoTx {
+    fn from_delivery(cx: &Context<'_>) -> Result<Self, QueueHandlerError> {
+        cx.resources.get::<TxState>().map(Self).ok_or_else(|| {
+            QueueHandlerError::permanent("no MongoDB scope configured for this consumer")
+        })
+    }
+}
+
+/// The open transaction of one delivery.
+pub(crate) struct MongoTransaction {
+    pub(crate) state: Arc<TxState>,
+    pub(crate) lease: Option<Lease>,
+    pub(crate) leases: Collection<Document>,
+    pub(crate) deferrals: crate::scope::Deferrals,
+}
+
+impl OpenTransaction for MongoTransaction {
+    fn commit(self: Box<Self>, deadline: Duration) -> BoxFuture<'static, Committed> {
+        Box::pin(async move {
+            let this = *self;
+            let committed = match tokio::time::timeout(deadline, this.commit_inner(deadline)).await
+            {
+                Ok(committed) => committed,
+                Err(_) => ambiguous("commit did not finish within the settlement budget"),
+            };
+            let committed = if committed.outcome == TransactionOutcome::CommitAmbiguous {
+                Committed {
+                    deferrals: this.deferrals.count().await,
+                    ..committed
+                }
+            } else {
+                committed
+            };
+            if let Some(lease) = this.lease {
+                lease.release(&this.leases).await;
+            }
+            committed
+        })
+    }
+
+    fn abort(self: Box<Self>) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            let this = *self;
+            let _ = this.state.session.lock().await.abort_transaction().await;
+            if let Some(lease) = this.lease {
+                lease.release(&this.leases).await;
+            }
+        })
+    }
+}
+
+impl MongoTransaction {
+    async fn commit_inner(&self, deadline: Duration) -> Committed {
+        let started = tokio::time::Instant::now();
+        let mut session = self.state.session.lock().await;
+        if let Some(lease) = &self.lease {
+            match lease.check_fence(&self.leases, &mut session).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    let _ = session.abort_transaction().await;
+                    return Committed {
+                        outcome: TransactionOutcome::Fenced,
+                        reason: Some(Reason::new(
+                            "lease taken over by a newer owner (stale fence)",
+                        )),
+                        deferrals: None,
+                    };
+                }
+                Err(err) => {
+                    let _ = session.abort_transaction().await;
+                    return aborted(&err, "fence check failed");
+                }
+            }
+        }
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match session.commit_transaction().await {
+                Ok(()) => {
+                    return Committed {
+                        outcome: TransactionOutcome::Committed,
+                        reason: None,
+                        deferrals: None,
+                    };
+                }
+                // The driver documents that a commit with this label may be retried as is.
+                Err(err) if err.contains_label(UNKNOWN_TRANSACTION_COMMIT_RESULT) => {
+                    warn!(error = %err, "commit outcome unknown; retrying the commit");
+                    if started.elapsed() + backoff >= deadline {
+                        return ambiguous("commit outcome still unknown after bounded retries");
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+                Err(err) => return aborted(&err, "commit failed"),
+            }
+        }
+    }
+}
+
+fn ambiguous(reason: &'static str) -> Committed {
+    Committed {
+        outcome: TransactionOutcome::CommitAmbiguous,
+        reason: Some(Reason::new(reason)),
+        deferrals: None,
+    }
+}
+
+/// A definite abort. A `TransientTransactionError` means the whole transaction may run again:
+/// the retry path does exactly that.
+fn aborted(err: &mongodb::error::Error, what: &'static str) -> Committed {
+    let transient = err.contains_label(TRANSIENT_TRANSACTION_ERROR);
+    Committed {
+        outcome: TransactionOutcome::Aborted,
+        reason: Some(Reason::new(if transient {
+            format!("{what}: transient transaction error")
+        } else {
+            format!("{what}: {}", code_of(err))
+        })),
+        deferrals: None,
+    }
+}
+
+/// A short description of a driver error that never carries connection strings or documents.
+pub(crate) fn code_of(err: &mongodb::error::Error) -> String {
+    use mongodb::error::ErrorKind;
+    match err.kind.as_ref() {
+        ErrorKind::Command(e) => format!("server error {} ({})", e.code, e.code_name),
+        ErrorKind::Write(_) => "write error".to_owned(),
+        ErrorKind::ServerSelection { .. } => "no server available".to_owned(),
+        ErrorKind::Io(_) => "network error".to_owned(),
+        ErrorKind::ConnectionPoolCleared { .. } => "connection pool cleared".to_owned(),
+        _ => "database error".to_owned(),
+    }
+}
