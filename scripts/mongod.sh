@@ -87,6 +87,7 @@ start() {
     --dbpath "$dir/db" --logpath "$dir/mongod.log" --logappend --pidfilepath "$dir/mongod.pid" \
     --oplogSize 128 --wiredTigerCacheSizeGB 0.5 \
     --setParameter diagnosticDataCollectionEnabled=false \
+    --setParameter "transactionLifetimeLimitSeconds=${LILY_MONGOD_TXN_LIFETIME_S:-60}" \
     </dev/null >"$dir/stdout.log" 2>&1 &
   pid=$!
   echo "$pid" >"$dir/mongod.pid"

@@ -24,7 +24,9 @@ export LILY_RABBIT_DIR="$DIR"
 scripts/mongod.sh install
 scripts/mongod.sh stop "$MONGO_DIR" || true
 rm -rf "$MONGO_DIR"
-scripts/mongod.sh start "$MONGO_DIR" "$MONGO_PORT"
+# Abandoned transactions (a worker killed mid-transaction) are aborted after 10 s instead of
+# 60 s, so the crash tests' redeliveries stop deferring sooner.
+LILY_MONGOD_TXN_LIFETIME_S=10 scripts/mongod.sh start "$MONGO_DIR" "$MONGO_PORT"
 export LILY_MONGO_URL="mongodb://127.0.0.1:$MONGO_PORT/?replicaSet=lily&directConnection=true"
 export LILY_MONGOD_DIR="$MONGO_DIR"
 

@@ -53,7 +53,7 @@ mod lease;
 mod scope;
 mod tx;
 
-pub use scope::{MongoConfig, MongoScope};
+pub use scope::{CommitObserver, MongoConfig, MongoScope};
 pub use tx::MongoTx;
 
 pub use mongodb;

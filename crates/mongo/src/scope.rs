@@ -14,8 +14,11 @@ use crate::inbox;
 use crate::lease::{self, Refused, is_duplicate_key};
 use crate::tx::{MongoTransaction, TxState, code_of};
 
+/// Called after a commit succeeded, before the original delivery is settled.
+pub type CommitObserver = Arc<dyn Fn(&Meta) + Send + Sync>;
+
 /// Settings of the MongoDB scope.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 #[non_exhaustive]
 pub struct MongoConfig {
     /// Names this consumer in inbox keys: two services consuming the same message each get
@@ -32,6 +35,23 @@ pub struct MongoConfig {
     pub lease_max_extension: Duration,
     /// Collections used by the scope, prefixed with this.
     pub collection_prefix: String,
+    /// Called after each successful commit, before settlement: for metrics, audit, or a fault
+    /// point in crash tests (the gap between commit and ACK is where redelivery meets the inbox).
+    pub on_committed: Option<CommitObserver>,
+}
+
+impl std::fmt::Debug for MongoConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MongoConfig")
+            .field("consumer", &self.consumer)
+            .field("inbox_retention", &self.inbox_retention)
+            .field("lease", &self.lease)
+            .field("lease_ttl", &self.lease_ttl)
+            .field("lease_max_extension", &self.lease_max_extension)
+            .field("collection_prefix", &self.collection_prefix)
+            .field("on_committed", &self.on_committed.is_some())
+            .finish()
+    }
 }
 
 impl MongoConfig {
@@ -44,7 +64,23 @@ impl MongoConfig {
             lease_ttl: Duration::from_secs(30),
             lease_max_extension: Duration::from_secs(600),
             collection_prefix: "lily_".into(),
+            on_committed: None,
         }
+    }
+
+    /// Calls `observer` after each successful commit, before settlement.
+    #[must_use]
+    pub fn on_committed(mut self, observer: impl Fn(&Meta) + Send + Sync + 'static) -> Self {
+        self.on_committed = Some(Arc::new(observer));
+        self
+    }
+
+    /// Turns the per-message lease off (the inbox alone then guards against duplicates; two
+    /// concurrent deliveries of one message conflict in the database instead).
+    #[must_use]
+    pub fn without_lease(mut self) -> Self {
+        self.lease = false;
+        self
     }
 
     /// Sets the lease TTL and its extension cap.
@@ -261,6 +297,11 @@ impl MongoScope {
                 lease,
                 leases: inner.leases.clone(),
                 deferrals,
+                on_committed: inner
+                    .config
+                    .on_committed
+                    .clone()
+                    .map(|observer| (observer, meta.clone())),
             }),
         }
     }

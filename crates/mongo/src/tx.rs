@@ -54,6 +54,7 @@ pub(crate) struct MongoTransaction {
     pub(crate) lease: Option<Lease>,
     pub(crate) leases: Collection<Document>,
     pub(crate) deferrals: crate::scope::Deferrals,
+    pub(crate) on_committed: Option<(crate::scope::CommitObserver, lily_mq_core::Meta)>,
 }
 
 impl OpenTransaction for MongoTransaction {
@@ -75,6 +76,11 @@ impl OpenTransaction for MongoTransaction {
             };
             if let Some(lease) = this.lease {
                 lease.release(&this.leases).await;
+            }
+            if let (TransactionOutcome::Committed, Some((observer, meta))) =
+                (committed.outcome, &this.on_committed)
+            {
+                observer(meta);
             }
             committed
         })
