@@ -31,6 +31,8 @@
 //! ```
 
 pub use lily_mq_core as core;
+#[cfg(feature = "mongo")]
+pub use lily_mq_mongo as mongo;
 pub use lily_mq_rabbit as rabbit;
 
 /// What most services need.
