@@ -100,7 +100,7 @@ async fn connection_killed_mid_flight_loses_nothing_and_consumer_resumes() {
     let router = Router::new().route("order.placed", move |meta: Meta| {
         let seen = seen.clone();
         async move {
-            tokio::time::sleep(Duration::from_millis(400)).await;
+            tokio::time::sleep(Duration::from_millis(2000)).await;
             seen.record(&meta);
             Ok(())
         }

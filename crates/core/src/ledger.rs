@@ -4,7 +4,7 @@
 //! outcomes are counted; unresolved ones are kept (up to a cap, then counted as overflow). The
 //! ledger holds identities and short reasons, never bodies or secrets.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -105,15 +105,32 @@ impl Totals {
     }
 }
 
-/// Key of an open ledger entry.
+/// Key of an open ledger entry: a slot and the sequence number it was opened with, so a stale
+/// key never touches the slot's next occupant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct EntryId(u64);
+pub struct EntryId {
+    slot: usize,
+    seq: u64,
+}
+
+/// An open entry.
+#[derive(Debug)]
+struct Open {
+    seq: u64,
+    identity: Identity,
+    last: Evidence,
+}
 
 /// In-memory evidence ledger.
+///
+/// Open entries live in a slab (a vector of slots and a free list): opening, noting and
+/// closing are O(1) without hashing, which matters on the per-delivery path.
 #[derive(Debug)]
 pub struct Ledger {
     next: u64,
-    open: HashMap<EntryId, (Identity, Evidence)>,
+    slots: Vec<Option<Open>>,
+    free: Vec<usize>,
+    open_count: usize,
     unresolved: VecDeque<UnresolvedEntry>,
     unresolved_cap: usize,
     overflow: u64,
@@ -135,7 +152,9 @@ impl Ledger {
     pub fn new(unresolved_cap: usize) -> Self {
         Self {
             next: 0,
-            open: HashMap::new(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            open_count: 0,
             unresolved: VecDeque::new(),
             unresolved_cap,
             overflow: 0,
@@ -146,23 +165,60 @@ impl Ledger {
 
     /// Opens an entry for a received delivery.
     pub fn open(&mut self, identity: Identity) -> EntryId {
-        let id = EntryId(self.next);
+        self.open_at(identity, Evidence::Received)
+    }
+
+    /// Opens an entry whose latest evidence is already `last` (say, dispatched).
+    pub fn open_at(&mut self, identity: Identity, last: Evidence) -> EntryId {
         self.next += 1;
-        self.open.insert(id, (identity, Evidence::Received));
-        id
+        let seq = self.next;
+        let entry = Some(Open {
+            seq,
+            identity,
+            last,
+        });
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.slots[slot] = entry;
+                slot
+            }
+            None => {
+                self.slots.push(entry);
+                self.slots.len() - 1
+            }
+        };
+        self.open_count += 1;
+        EntryId { slot, seq }
     }
 
     /// Records newer evidence.
     pub fn note(&mut self, id: EntryId, evidence: Evidence) {
-        if let Some(entry) = self.open.get_mut(&id) {
-            entry.1 = evidence;
+        if let Some(Some(entry)) = self.slots.get_mut(id.slot)
+            && entry.seq == id.seq
+        {
+            entry.last = evidence;
         }
+    }
+
+    fn take(&mut self, id: EntryId) -> Option<(Identity, Evidence)> {
+        let slot = self.slots.get_mut(id.slot)?;
+        if slot.as_ref()?.seq != id.seq {
+            return None;
+        }
+        let entry = slot.take()?;
+        self.free.push(id.slot);
+        self.open_count -= 1;
+        Some((entry.identity, entry.last))
+    }
+
+    fn open_entries(&self) -> impl Iterator<Item = &Open> {
+        self.slots.iter().flatten()
     }
 
     /// Closes an entry with its outcome. Unresolved and authority-lost outcomes are listed with
     /// `reason`.
     pub fn close(&mut self, id: EntryId, outcome: Outcome, reason: impl FnOnce() -> Reason) {
-        let Some((identity, last)) = self.open.remove(&id) else {
+        let Some((identity, last)) = self.take(id) else {
             return;
         };
         self.totals.count(outcome);
@@ -185,7 +241,7 @@ impl Ledger {
         channel: u64,
         handoff: Option<Box<str>>,
     ) {
-        let Some((identity, _)) = self.open.remove(&id) else {
+        let Some((identity, _)) = self.take(id) else {
             return;
         };
         self.totals.count(outcome);
@@ -233,9 +289,9 @@ impl Ledger {
 
     /// Records that an open delivery's task was aborted at shutdown.
     pub fn abort_open(&mut self) {
-        for (_, last) in self.open.values_mut() {
-            if *last != Evidence::AuthorityLost {
-                *last = Evidence::Aborted;
+        for entry in self.slots.iter_mut().flatten() {
+            if entry.last != Evidence::AuthorityLost {
+                entry.last = Evidence::Aborted;
             }
         }
     }
@@ -264,7 +320,7 @@ impl Ledger {
 
     /// Deliveries still in flight.
     pub fn in_flight(&self) -> usize {
-        self.open.len()
+        self.open_count
     }
 
     /// ACKs written and not yet confirmed by a round trip.
@@ -274,16 +330,16 @@ impl Ledger {
 
     /// How many unresolved deliveries there are, listed or overflowed, open ones included.
     pub fn unresolved_count(&self) -> u64 {
-        self.unresolved.len() as u64 + self.overflow + self.open.len() as u64
+        self.unresolved.len() as u64 + self.overflow + self.open_count as u64
     }
 
     /// Unresolved deliveries: those closed as unresolved, then those still open.
     pub fn unresolved(&self) -> impl Iterator<Item = UnresolvedEntry> + '_ {
-        let open = self.open.values().map(|(identity, last)| UnresolvedEntry {
-            identity: identity.clone(),
-            last: *last,
+        let open = self.open_entries().map(|entry| UnresolvedEntry {
+            identity: entry.identity.clone(),
+            last: entry.last,
             handoff: None,
-            reason: Reason::new(match last {
+            reason: Reason::new(match entry.last {
                 Evidence::Aborted => "aborted at shutdown; the broker will redeliver",
                 _ => "still in flight",
             }),

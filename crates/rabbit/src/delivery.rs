@@ -94,7 +94,11 @@ async fn settle_delivery(shared: Arc<Shared>, session: Arc<Session>, delivery: D
         delivery_tag,
         outcome = tracing::field::Empty,
     );
-    let entry = lock(&shared.ledger).open(identity);
+    let evidence = match &gate {
+        Gate::Passed { route: Ok(_), .. } => Evidence::Dispatched,
+        _ => Evidence::Received,
+    };
+    let entry = lock(&shared.ledger).open_at(identity, evidence);
     let work = Work {
         shared: &shared,
         session: &session,
@@ -303,7 +307,6 @@ impl Work<'_> {
     /// Opens the transactional scope (if any), runs the pipeline inside it, then commits when
     /// the handler and cleanup succeeded and aborts otherwise.
     async fn run_scoped(&self, handler: &BoxedHandler, incoming: &Arc<Incoming>) -> Scoped {
-        self.note(Evidence::Dispatched);
         let budget = self.shared.config.policy.settlement_budget;
         let (resources, transaction) = match &self.shared.scope {
             None => (Resources::new(), None),
@@ -382,11 +385,11 @@ impl Work<'_> {
         requeue_key: Option<&str>,
     ) -> (Outcome, Option<Lane>) {
         let started = Instant::now();
-        self.note(if plan == Plan::Abandon {
-            Evidence::AuthorityLost
-        } else {
-            Evidence::Planned
-        });
+        match plan {
+            Plan::Abandon => self.note(Evidence::AuthorityLost),
+            Plan::Ack => {} // the ACK follows at once; its outcome closes the entry
+            _ => self.note(Evidence::Planned),
+        }
         let policy = &self.shared.config.policy;
         let mut settlement = Settlement::start(plan, requeues, policy, Instant::now());
         while let Some(action) = settlement.poll_action() {
@@ -416,10 +419,10 @@ impl Work<'_> {
                     }
                     let left = settlement.budget().remaining(Instant::now());
                     let result = self.write(action, left).await;
-                    self.note(match result {
-                        SettleResult::Written => Evidence::SettleWritten,
-                        SettleResult::Refused => Evidence::AuthorityLost,
-                    });
+                    // A written frame closes the entry right after; a refused one is recorded.
+                    if result == SettleResult::Refused {
+                        self.note(Evidence::AuthorityLost);
+                    }
                     settlement.handle_settled(result);
                 }
             }
