@@ -25,6 +25,9 @@ pub enum PipelineResult {
     /// Dispatch found no handler for the type, schema version or content type: permanent,
     /// decided before any scope opened.
     NotDispatched,
+    /// The inbox holds this message id with a different fingerprint: permanent, decided
+    /// before the handler ran.
+    Conflict,
     /// The handler panicked: retryable.
     Panicked,
     /// The handler ran past its timeout: retryable.
@@ -109,6 +112,8 @@ pub enum Cause {
     InvalidEnvelope,
     /// No handler for the type, schema version or content type.
     Dispatch,
+    /// The message id was already handled with another fingerprint.
+    Conflict,
     /// The handler, an extractor or a hook failed.
     Handler,
     /// The handler panicked.
@@ -131,6 +136,7 @@ impl Cause {
         match self {
             Self::InvalidEnvelope => "invalid envelope",
             Self::Dispatch => "dispatch failure",
+            Self::Conflict => "inbox conflict",
             Self::Handler => "handler failure",
             Self::Panic => "handler panicked",
             Self::Timeout => "handler timed out",
@@ -242,6 +248,7 @@ pub fn decide(s: &Situation, policy: &Policy) -> Plan {
         }
         (PipelineResult::Failed { kind, retry_after }, _, _) => (kind, retry_after, Cause::Handler),
         (PipelineResult::NotDispatched, _, _) => (FailureKind::Permanent, None, Cause::Dispatch),
+        (PipelineResult::Conflict, _, _) => (FailureKind::Permanent, None, Cause::Conflict),
         (PipelineResult::Panicked, _, _) => (FailureKind::Retryable, None, Cause::Panic),
         (PipelineResult::TimedOut, _, _) => (FailureKind::Retryable, None, Cause::Timeout),
     };

@@ -112,8 +112,8 @@ impl ShutdownReport {
         let t = &self.totals;
         let mut out = format!(
             "lily {} queue={} trigger={} forced={} used={}ms/{}ms acked={} retried={} \
-             dead_lettered={} parked={} requeued={} rejected={} authority_lost={} \
-             acks_uncertain={} unresolved={}\n",
+             dead_lettered={} parked={} requeued={} deferred={} rejected={} duplicates={} \
+             authority_lost={} acks_uncertain={} unresolved={}\n",
             if self.clean { "clean" } else { "UNRESOLVED" },
             self.queue,
             self.trigger.map_or("none", |t| match t {
@@ -129,7 +129,9 @@ impl ShutdownReport {
             t.dead_lettered,
             t.parked,
             t.requeued,
+            t.deferred,
             t.rejected_at_gate,
+            t.duplicates_suppressed,
             t.authority_lost,
             t.acks_uncertain,
             self.unresolved.len() as u64 + self.unresolved_overflow,

@@ -449,6 +449,14 @@ fn indeterminate_failure_at_the_requeue_limit_stays_in_the_parking_lane() {
 }
 
 #[test]
+fn inbox_conflict_is_dead_lettered_as_a_conflict() {
+    assert_eq!(
+        decide(&situation(PipelineResult::Conflict), &policy()),
+        dead_letter(FailureKind::Permanent, Cause::Conflict)
+    );
+}
+
+#[test]
 fn duplicate_is_acked() {
     assert_eq!(
         decide(&situation(PipelineResult::Duplicate), &policy()),
@@ -748,6 +756,7 @@ fn pipeline_result() -> impl Strategy<Value = PipelineResult> {
         (failure_kind(), hint)
             .prop_map(|(kind, retry_after)| PipelineResult::Failed { kind, retry_after }),
         Just(PipelineResult::NotDispatched),
+        Just(PipelineResult::Conflict),
         Just(PipelineResult::Panicked),
         Just(PipelineResult::TimedOut),
         Just(PipelineResult::Deferred),
@@ -864,6 +873,7 @@ fn failing_pipeline() -> impl Strategy<Value = PipelineResult> {
     prop_oneof![
         failure_kind().prop_map(failed),
         Just(PipelineResult::NotDispatched),
+        Just(PipelineResult::Conflict),
         Just(PipelineResult::Panicked),
         Just(PipelineResult::TimedOut),
         Just(PipelineResult::Deferred),

@@ -314,7 +314,7 @@ impl MongoScope {
                 Begin::Duplicate
             }
             Ok(Some(_)) => Begin::Conflict(Reason::new(
-                "inbox conflict: message id already handled with a different type, version or body",
+                "message id already handled with a different type, version or body",
             )),
             Ok(None) => Begin::Defer {
                 reason: Reason::new("inbox record vanished (expired?) during the check"),

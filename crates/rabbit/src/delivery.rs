@@ -7,11 +7,11 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use lapin::{Acker, BasicProperties};
 use lily_mq_core::{
-    Action, Authority, Begin, BoxedHandler, CleanupResult, EntryId, Evidence, FailureKind,
-    GateRejection, Handoff, HandoffResult, Identity, Incoming, IncomingParts, Lane, Meta, Outcome,
-    PipelineResult, Plan, PropertiesView, QueueHandlerError, Reason, RequeueCause, Resources,
-    SettleResult, Settlement, Situation, TransactionOutcome, as_u32, decide, decide_at_gate,
-    headers, inspect, is_token,
+    Action, Authority, Begin, BoxedHandler, CleanupResult, EntryId, Evidence, GateRejection,
+    Handoff, HandoffResult, Identity, Incoming, IncomingParts, Lane, Meta, Outcome, PipelineResult,
+    Plan, PropertiesView, QueueHandlerError, Reason, RequeueCause, Resources, SettleResult,
+    Settlement, Situation, TransactionOutcome, as_u32, decide, decide_at_gate, headers, inspect,
+    is_token,
 };
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -323,11 +323,7 @@ impl Work<'_> {
                     );
                 }
                 Begin::Conflict(reason) => {
-                    let conflict = PipelineResult::Failed {
-                        kind: FailureKind::Permanent,
-                        retry_after: None,
-                    };
-                    return Scoped::decided(conflict, reason);
+                    return Scoped::decided(PipelineResult::Conflict, reason);
                 }
                 Begin::Defer { reason, deferrals } => {
                     let mut scoped = Scoped::decided(PipelineResult::Deferred, reason);

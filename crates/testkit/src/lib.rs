@@ -6,9 +6,11 @@
 
 mod mongo;
 mod proxy;
+mod tcp_proxy;
 
 pub use mongo::MongoNode;
 pub use proxy::FaultProxy;
+pub use tcp_proxy::TcpProxy;
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -1,0 +1,290 @@
+//! A controllable loopback TCP proxy, protocol-agnostic (MongoDB wire protocol, AMQP, ...).
+//!
+//! Tests put it between a client and a real server to make the network fail on cue:
+//!
+//! - [`TcpProxy::cut`] closes every current connection (both sides), as a network fault would;
+//! - [`TcpProxy::refuse`] closes new connections as soon as they are accepted while it is set;
+//! - [`TcpProxy::drop_reply_after`] arms a one-shot trap: the first connection whose
+//!   client→server bytes contain a pattern (e.g. `b"commitTransaction"`) has those bytes
+//!   forwarded, then the server's reply is swallowed, the connection is cut and new
+//!   connections are refused for a while. The server did the work; the client never learns it.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::AbortHandle;
+
+/// How long a trapped connection waits for the server's reply (to swallow it) before it is cut
+/// anyway.
+const REPLY_WAIT: Duration = Duration::from_secs(2);
+
+/// The proxy. It stops accepting and cuts its connections when dropped.
+#[derive(Debug)]
+pub struct TcpProxy {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    accept: AbortHandle,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    refusing: AtomicBool,
+    refuse_until: Mutex<Option<Instant>>,
+    trap: Mutex<Option<Trap>>,
+    tripped: AtomicBool,
+    accepted: AtomicU64,
+    refused: AtomicU64,
+    next_id: AtomicU64,
+    live: Mutex<HashMap<u64, AbortHandle>>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Trap {
+    pattern: &'static [u8],
+    hold: Duration,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl TcpProxy {
+    /// Listens on a free loopback port and forwards every accepted connection to `upstream`.
+    ///
+    /// # Panics
+    /// When no loopback port can be bound.
+    pub async fn start(upstream: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let addr = listener.local_addr().expect("proxy address");
+        let shared = Arc::new(Shared::default());
+        let state = Arc::clone(&shared);
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                if state.refusing_now() {
+                    state.refused.fetch_add(1, Ordering::Relaxed);
+                    drop(client);
+                    continue;
+                }
+                state.accepted.fetch_add(1, Ordering::Relaxed);
+                let id = state.next_id.fetch_add(1, Ordering::Relaxed);
+                // Registered under the lock, so the relay cannot unregister before it is in.
+                let mut live = lock(&state.live);
+                let task = tokio::spawn(relay(client, upstream, Arc::clone(&state), id));
+                live.insert(id, task.abort_handle());
+            }
+        })
+        .abort_handle();
+        Self {
+            addr,
+            shared,
+            accept,
+        }
+    }
+
+    /// The proxy's loopback address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `url` (`mongodb://…`, `amqp://user:pass@…/vhost`, …) with its `host:port` replaced by the
+    /// proxy's; credentials, path and query are kept.
+    pub fn url(&self, url: &str) -> String {
+        rewrite(url, self.addr)
+    }
+
+    /// Closes every current connection, both towards the client and towards the server.
+    pub fn cut(&self) {
+        let live: Vec<AbortHandle> = lock(&self.shared.live).drain().map(|(_, h)| h).collect();
+        for handle in live {
+            handle.abort();
+        }
+    }
+
+    /// While `refuse` is set, new connections are closed as soon as they are accepted. Current
+    /// connections are untouched: combine with [`cut`](Self::cut) for a full outage.
+    pub fn refuse(&self, refuse: bool) {
+        self.shared.refusing.store(refuse, Ordering::Release);
+    }
+
+    /// Arms a one-shot trap: the first connection whose client→server bytes contain `pattern`
+    /// forwards those bytes, then swallows what the server sends back (the reply is lost), is
+    /// cut as soon as the reply arrives (or after 2 s), and new connections are refused for
+    /// `hold` from the moment the pattern was seen.
+    pub fn drop_reply_after(&self, pattern: &'static [u8], hold: Duration) {
+        assert!(!pattern.is_empty(), "an empty pattern would match anything");
+        *lock(&self.shared.trap) = Some(Trap { pattern, hold });
+        self.shared.tripped.store(false, Ordering::Release);
+    }
+
+    /// Whether the trap of [`drop_reply_after`](Self::drop_reply_after) fired.
+    pub fn tripped(&self) -> bool {
+        self.shared.tripped.load(Ordering::Acquire)
+    }
+
+    /// Connections accepted and forwarded so far.
+    pub fn accepted(&self) -> u64 {
+        self.shared.accepted.load(Ordering::Relaxed)
+    }
+
+    /// Connections refused so far.
+    pub fn refused(&self) -> u64 {
+        self.shared.refused.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for TcpProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut();
+    }
+}
+
+impl Shared {
+    fn refusing_now(&self) -> bool {
+        if self.refusing.load(Ordering::Acquire) {
+            return true;
+        }
+        let mut until = lock(&self.refuse_until);
+        match *until {
+            Some(t) if Instant::now() < t => true,
+            Some(_) => {
+                *until = None;
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Looks for the armed pattern in `chunk`, with the previous chunk's tail in `window` so a
+    /// pattern split across reads is found. On a hit the trap is disarmed and the hold starts.
+    fn trap_hit(&self, window: &mut Vec<u8>, chunk: &[u8]) -> bool {
+        let mut trap = lock(&self.trap);
+        let Some(Trap { pattern, hold }) = *trap else {
+            window.clear();
+            return false;
+        };
+        window.extend_from_slice(chunk);
+        let hit = window.windows(pattern.len()).any(|w| w == pattern);
+        let keep = pattern.len() - 1;
+        if window.len() > keep {
+            window.drain(..window.len() - keep);
+        }
+        if hit {
+            *trap = None;
+            *lock(&self.refuse_until) = Some(Instant::now() + hold);
+            self.tripped.store(true, Ordering::Release);
+        }
+        hit
+    }
+}
+
+/// `url` with its `host:port` replaced by `addr`.
+fn rewrite(url: &str, addr: SocketAddr) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("tcp", url));
+    let (auth, rest) = rest.rsplit_once('@').map_or(("", rest), |(a, r)| (a, r));
+    let tail = rest.find(['/', '?']).map_or("", |i| &rest[i..]);
+    let at = if auth.is_empty() { "" } else { "@" };
+    format!("{scheme}://{auth}{at}{addr}{tail}")
+}
+
+/// Forwards one connection until either side closes, the proxy cuts it, or its trap fires.
+async fn relay(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>, id: u64) {
+    let Ok(server) = TcpStream::connect(upstream).await else {
+        lock(&shared.live).remove(&id);
+        return;
+    };
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let (mut client_rx, mut client_tx) = client.into_split();
+    let (mut server_rx, mut server_tx) = server.into_split();
+    let mut up = vec![0u8; 64 * 1024];
+    let mut down = vec![0u8; 64 * 1024];
+    let mut window = Vec::new();
+    // Set once the trap fired on this connection: the server's next bytes are its reply.
+    let mut swallow_until: Option<tokio::time::Instant> = None;
+    loop {
+        let reply_wait = async {
+            match swallow_until {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            read = client_rx.read(&mut up) => {
+                let n = match read {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                let hit = swallow_until.is_none() && shared.trap_hit(&mut window, &up[..n]);
+                if hit {
+                    // Before forwarding, so a fast reply cannot slip through.
+                    swallow_until = Some(tokio::time::Instant::now() + REPLY_WAIT);
+                }
+                if server_tx.write_all(&up[..n]).await.is_err() {
+                    break;
+                }
+            }
+            read = server_rx.read(&mut down) => {
+                let n = match read {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                if swallow_until.is_some() {
+                    break; // the reply is lost with the connection
+                }
+                if client_tx.write_all(&down[..n]).await.is_err() {
+                    break;
+                }
+            }
+            () = reply_wait => break,
+        }
+    }
+    lock(&shared.live).remove(&id);
+    // Dropping the halves closes both sockets.
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_keep_credentials_path_and_query() {
+        let addr: SocketAddr = "127.0.0.1:4000".parse().unwrap();
+        let rewrite = |url: &str| rewrite(url, addr);
+        assert_eq!(
+            rewrite("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            "amqp://guest:guest@127.0.0.1:4000/%2f"
+        );
+        assert_eq!(
+            rewrite("mongodb://127.0.0.1:27017/?replicaSet=lily&directConnection=true"),
+            "mongodb://127.0.0.1:4000/?replicaSet=lily&directConnection=true"
+        );
+        assert_eq!(
+            rewrite("mongodb://127.0.0.1:27017"),
+            "mongodb://127.0.0.1:4000"
+        );
+    }
+
+    #[test]
+    fn trap_finds_a_pattern_split_across_reads_once() {
+        let shared = Shared::default();
+        *lock(&shared.trap) = Some(Trap {
+            pattern: b"commitTransaction",
+            hold: Duration::from_secs(1),
+        });
+        let mut window = Vec::new();
+        assert!(!shared.trap_hit(&mut window, b"....commitTra"));
+        assert!(shared.trap_hit(&mut window, b"nsaction...."));
+        assert!(shared.tripped.load(Ordering::Acquire));
+        assert!(shared.refusing_now());
+        assert!(
+            !shared.trap_hit(&mut window, b"commitTransaction"),
+            "one-shot"
+        );
+    }
+}

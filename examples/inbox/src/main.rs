@@ -1,0 +1,868 @@
+//! `inbox`: a stock/ledger service whose effects are written through Lily's MongoDB scope.
+//!
+//! Each `stock.reserved` message (`{"order_id", "sku", "quantity"}`) is handled in **one MongoDB
+//! transaction** that Lily opens before the handler and commits after it:
+//!
+//! 1. Lily inserts the inbox record `(consumer, message_id)` with the message's fingerprint
+//!    (type, schema version, SHA-256 of the body);
+//! 2. the handler decrements `stock.available` for the sku — or fails **permanently** when the
+//!    sku is unknown or has too little stock (a business rule: retrying cannot help, the
+//!    message goes to the dead-letter queue and nothing is written);
+//! 3. the handler inserts a `ledger` entry `{order_id, sku, quantity, message_id}`;
+//! 4. Lily commits, then ACKs the original delivery.
+//!
+//! The inbox makes redeliveries safe: a redelivery of a committed message (the process died
+//! between the commit and the ACK, the connection dropped) finds the record and is ACKed
+//! without running the handler — a *suppressed duplicate*. The same `message_id` with another
+//! body is a *conflict* and goes to the dead-letter queue; it never inherits the first
+//! message's result. A crash before the commit leaves nothing behind: the next delivery does the
+//! work once.
+//!
+//! Modes:
+//!
+//! - `inbox serve` consumes `LILY_QUEUE` until SIGTERM or Ctrl-C, then shuts down in phases and
+//!   writes the shutdown report (JSON on stdout); the exit code is 0 when settlement is clean
+//!   and 3 when anything is unresolved. A second signal forces the shutdown.
+//! - `inbox demo` (the default) resets the demo collections, seeds stock, runs the consumer,
+//!   publishes a sample set that includes an exact duplicate and a conflicting message, waits
+//!   for every outcome and prints the ledger, the stock levels, the duplicates suppressed and
+//!   the dead-letter reasons. It exits 0 when the outcomes are the expected ones.
+//!
+//! Environment:
+//!
+//! | variable | meaning |
+//! |---|---|
+//! | `LILY_AMQP_URL` | broker URL (required) |
+//! | `LILY_MONGO_URL` | MongoDB replica set URL (required: transactions need a replica set) |
+//! | `LILY_MONGO_DB` | database, default `inbox_demo` |
+//! | `LILY_QUEUE` | work queue, default `stock` |
+//! | `LILY_PREFETCH` | `serve`: prefetch and concurrency, default 10 (the demo uses 1) |
+//! | `LILY_DEFERRAL_MS` | how long a deferred delivery waits before its requeue, default 1000 |
+//! | `LILY_LEASE_TTL_MS` | per-message lease TTL, default 30000 |
+//! | `LILY_MAX_REQUEUES` | deferrals (and failed handoffs) before the DLQ, default 100 |
+//! | `INBOX_FAULT` | `serve` only, for crash tests: `abort_after_commit` or `abort_in_handler` |
+//!
+//! Keep `LILY_MAX_REQUEUES × LILY_DEFERRAL_MS` longer than `LILY_LEASE_TTL_MS` plus mongod's
+//! `transactionLifetimeLimitSeconds` (60 s unless configured): after a crash in the handler, the
+//! dead worker's lease and its abandoned transaction (which holds the inbox key) keep later
+//! deliveries deferring until the lease expires and mongod aborts the transaction.
+//!
+//! `INBOX_FAULT=abort_after_commit` calls `std::process::abort()` from
+//! `MongoConfig::on_committed`: the transaction committed, the original was not ACKed yet.
+//! `INBOX_FAULT=abort_in_handler` aborts in the handler after its writes, before it returns:
+//! the inbox record and the writes are in an open transaction that never commits.
+
+use std::collections::BTreeSet;
+use std::error::Error as StdError;
+use std::io::IsTerminal;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueuePurgeOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
+use lily::core::{Totals, headers};
+use lily::prelude::*;
+use lily::rabbit::Topology;
+use lily_mq_mongo::mongodb::bson::{Bson, Document, doc};
+use lily_mq_mongo::mongodb::error::{ErrorKind, TRANSIENT_TRANSACTION_ERROR};
+use lily_mq_mongo::mongodb::{self, Database};
+use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};
+use serde::Deserialize;
+use serde_json::json;
+
+/// The message type the handler is routed to.
+const STOCK_RESERVED: &str = "stock.reserved";
+/// The consumer name in inbox keys.
+const CONSUMER: &str = "stock-service";
+/// Stock levels: `{_id: sku, available}`.
+const STOCK: &str = "stock";
+/// One entry per reservation: `{order_id, sku, quantity, message_id}`.
+const LEDGER: &str = "ledger";
+/// Collections of Lily's MongoDB scope (default prefix `lily_`).
+const SCOPE_COLLECTIONS: [&str; 3] = ["lily_inbox", "lily_leases", "lily_deferrals"];
+/// How long the demo waits for every outcome.
+const DEMO_CAP: Duration = Duration::from_secs(60);
+
+type BoxError = Box<dyn StdError + Send + Sync>;
+
+/// The payload of `stock.reserved`.
+#[derive(Debug, Deserialize)]
+struct StockReserved {
+    order_id: String,
+    sku: String,
+    quantity: u32,
+}
+
+/// A crash injected for tests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fault {
+    /// Abort right after the commit, before the original is ACKed.
+    AbortAfterCommit,
+    /// Abort in the handler after its writes, before it returns (nothing commits).
+    AbortInHandler,
+}
+
+impl Fault {
+    fn from_env() -> Result<Option<Self>, String> {
+        match std::env::var("INBOX_FAULT").as_deref() {
+            Err(_) | Ok("") => Ok(None),
+            Ok("abort_after_commit") => Ok(Some(Self::AbortAfterCommit)),
+            Ok("abort_in_handler") => Ok(Some(Self::AbortInHandler)),
+            Ok(_) => Err("INBOX_FAULT must be abort_after_commit or abort_in_handler".into()),
+        }
+    }
+}
+
+/// Reserves stock and records it in the ledger, inside the transaction Lily opened. Reasons are
+/// static text: they end up in headers and logs, bodies never do.
+async fn reserve(
+    fault: Option<Fault>,
+    Json(order): Json<StockReserved>,
+    meta: Meta,
+    tx: MongoTx,
+) -> Result<(), QueueHandlerError> {
+    if order.quantity == 0 {
+        return Err(QueueHandlerError::permanent("quantity must be at least 1"));
+    }
+    let quantity = i64::from(order.quantity);
+    let stock = tx.database().collection::<Document>(STOCK);
+    let ledger = tx.database().collection::<Document>(LEDGER);
+    let mut session = tx.session().await;
+
+    let taken = stock
+        .update_one(
+            doc! { "_id": &order.sku, "available": { "$gte": quantity } },
+            doc! { "$inc": { "available": -quantity } },
+        )
+        .session(&mut *session)
+        .await
+        .map_err(database_failure("stock update failed"))?;
+    if taken.matched_count == 0 {
+        let known = stock
+            .find_one(doc! { "_id": &order.sku })
+            .session(&mut *session)
+            .await
+            .map_err(database_failure("stock lookup failed"))?;
+        // The transaction is aborted: no inbox record, no ledger entry, stock untouched.
+        return Err(QueueHandlerError::permanent(if known.is_some() {
+            "insufficient stock for the reservation"
+        } else {
+            "unknown sku"
+        }));
+    }
+    ledger
+        .insert_one(doc! {
+            "order_id": &order.order_id,
+            "sku": &order.sku,
+            "quantity": quantity,
+            "message_id": meta.message_id(),
+        })
+        .session(&mut *session)
+        .await
+        .map_err(database_failure("ledger insert failed"))?;
+    drop(session);
+
+    if fault == Some(Fault::AbortInHandler) {
+        eprintln!(
+            "inbox: INBOX_FAULT=abort_in_handler: aborting after the writes of {}, before the commit",
+            meta.message_id()
+        );
+        std::process::abort();
+    }
+    Ok(()) // Lily commits, then ACKs
+}
+
+/// A database error inside the transaction. A transient transaction error (a write conflict
+/// with a concurrent reservation of the same sku) means the whole transaction may run again.
+fn database_failure(what: &'static str) -> impl FnOnce(mongodb::error::Error) -> QueueHandlerError {
+    move |err| {
+        let reason = if err.contains_label(TRANSIENT_TRANSACTION_ERROR) {
+            format!("{what}: transient transaction error (write conflict)")
+        } else {
+            what.to_owned()
+        };
+        QueueHandlerError::retryable(reason).with_source(err)
+    }
+}
+
+/// Settings read from the environment.
+#[derive(Clone, Debug)]
+struct Settings {
+    amqp_url: String,
+    mongo_url: String,
+    database: String,
+    queue: String,
+    prefetch: u16,
+    deferral: Duration,
+    lease_ttl: Duration,
+    max_requeues: u32,
+}
+
+fn env_number<T: std::str::FromStr>(name: &str, default: T) -> Result<T, String> {
+    match std::env::var(name) {
+        Ok(v) => v.parse().map_err(|_| format!("{name} must be a number")),
+        Err(_) => Ok(default),
+    }
+}
+
+impl Settings {
+    fn from_env() -> Result<Self, String> {
+        let required = |name: &str, example: &str| {
+            std::env::var(name).map_err(|_| format!("set {name} (for example {example})"))
+        };
+        let amqp_url = required("LILY_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f")?;
+        let mongo_url = required(
+            "LILY_MONGO_URL",
+            "mongodb://127.0.0.1:27017/?replicaSet=rs0&directConnection=true",
+        )?;
+        let deferral = Duration::from_millis(env_number("LILY_DEFERRAL_MS", 1000)?);
+        if deferral.is_zero() {
+            return Err("LILY_DEFERRAL_MS must be above zero: a deferral must wait".into());
+        }
+        let lease_ttl = Duration::from_millis(env_number("LILY_LEASE_TTL_MS", 30_000)?);
+        if lease_ttl < Duration::from_millis(100) {
+            return Err("LILY_LEASE_TTL_MS must be at least 100".into());
+        }
+        Ok(Self {
+            amqp_url,
+            mongo_url,
+            database: std::env::var("LILY_MONGO_DB").unwrap_or_else(|_| "inbox_demo".into()),
+            queue: std::env::var("LILY_QUEUE").unwrap_or_else(|_| "stock".into()),
+            prefetch: env_number("LILY_PREFETCH", 10_u16)?.max(1),
+            deferral,
+            lease_ttl,
+            max_requeues: env_number("LILY_MAX_REQUEUES", 100)?,
+        })
+    }
+
+    /// Short delays: 3 attempts with retry buckets of 1 s and 5 s; deferrals wait
+    /// `LILY_DEFERRAL_MS` each, up to `LILY_MAX_REQUEUES` of them.
+    fn policy(&self) -> Policy {
+        Policy::default()
+            .max_attempts(3)
+            .retry_delays([Duration::from_secs(1), Duration::from_secs(5)])
+            .max_requeues(self.max_requeues)
+            .deferral_delays([self.deferral])
+    }
+
+    fn consumer_config(&self, prefetch: u16) -> ConsumerConfig {
+        ConsumerConfig::new(&self.queue)
+            .policy(self.policy())
+            .prefetch(prefetch)
+            .concurrency(usize::from(prefetch))
+    }
+
+    fn mongo_config(&self, fault: Option<Fault>) -> MongoConfig {
+        let config = MongoConfig::new(CONSUMER)
+            .lease_ttl(self.lease_ttl, Duration::from_secs(600).max(self.lease_ttl));
+        if fault == Some(Fault::AbortAfterCommit) {
+            config.on_committed(|meta| {
+                eprintln!(
+                    "inbox: INBOX_FAULT=abort_after_commit: aborting after the commit of {}, \
+                     before the ACK",
+                    meta.message_id()
+                );
+                std::process::abort();
+            })
+        } else {
+            config
+        }
+    }
+
+    async fn scope(&self, fault: Option<Fault>) -> Result<MongoScope, BoxError> {
+        MongoScope::connect(&self.mongo_url, &self.database, self.mongo_config(fault))
+            .await
+            .map_err(|e| format!("cannot prepare the MongoDB scope at LILY_MONGO_URL: {e}").into())
+    }
+}
+
+fn router(fault: Option<Fault>) -> Router {
+    Router::new().route(
+        STOCK_RESERVED,
+        move |order: Json<StockReserved>, meta: Meta, tx: MongoTx| reserve(fault, order, meta, tx),
+    )
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,lily_mq_rabbit=info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+
+    let mode = std::env::args().nth(1).unwrap_or_else(|| "demo".to_owned());
+    if matches!(mode.as_str(), "-h" | "--help" | "help") {
+        println!("{}", usage());
+        return ExitCode::SUCCESS;
+    }
+    if mode != "serve" && mode != "demo" {
+        eprintln!("inbox: unknown mode {mode:?}\n{}", usage());
+        return ExitCode::from(2);
+    }
+    let settings = match Settings::from_env() {
+        Ok(settings) => settings,
+        Err(err) => {
+            eprintln!("inbox: {err}\n{}", usage());
+            return ExitCode::from(2);
+        }
+    };
+    let result = if mode == "serve" {
+        match Fault::from_env() {
+            Ok(fault) => serve(&settings, fault).await,
+            Err(err) => {
+                eprintln!("inbox: {err}");
+                return ExitCode::from(2);
+            }
+        }
+    } else {
+        demo(&settings).await
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("inbox {mode}: FAILED: {}", chain(err.as_ref()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn usage() -> &'static str {
+    "usage: inbox [demo|serve]\n\
+     \n  demo   seed stock, publish a sample set with a duplicate and a conflict, print the outcome\
+     \n  serve  consume until SIGTERM or Ctrl-C, then print the shutdown report (JSON)\
+     \n\nenvironment: LILY_AMQP_URL, LILY_MONGO_URL (required); LILY_MONGO_DB (inbox_demo), \
+     LILY_QUEUE (stock), LILY_PREFETCH (10), LILY_DEFERRAL_MS (1000), LILY_LEASE_TTL_MS (30000), \
+     LILY_MAX_REQUEUES (100), INBOX_FAULT, RUST_LOG"
+}
+
+// ---------------------------------------------------------------------------------------------
+// serve
+
+async fn serve(settings: &Settings, fault: Option<Fault>) -> Result<ExitCode, BoxError> {
+    let shutdown = Shutdown::default();
+    shutdown.listen_for_signals()?;
+    let scope = settings.scope(fault).await?;
+    eprintln!(
+        "inbox: serving {} into database {}{}; SIGTERM or Ctrl-C drains, a second one forces",
+        settings.queue,
+        settings.database,
+        fault.map_or(String::new(), |f| format!(" (fault injected: {f:?})")),
+    );
+    let consumer = Consumer::new(
+        settings.amqp_url.clone(),
+        settings.consumer_config(settings.prefetch),
+        router(fault),
+    )
+    .scope(scope);
+    let report = consumer.run(shutdown).await?;
+    emit(&report, &ReportSinks::default())?;
+    Ok(ExitCode::from(
+        u8::try_from(report.exit_code()).unwrap_or(1),
+    ))
+}
+
+// ---------------------------------------------------------------------------------------------
+// demo
+
+/// Stock seeded before the demo: (sku, available).
+const SEED: [(&str, i64); 2] = [("SKU-A", 10), ("SKU-B", 3)];
+
+/// One message of the sample set.
+struct Sample {
+    message_id: &'static str,
+    order_id: &'static str,
+    sku: &'static str,
+    quantity: u32,
+    expect: &'static str,
+}
+
+impl Sample {
+    fn body(&self) -> Vec<u8> {
+        json!({ "order_id": self.order_id, "sku": self.sku, "quantity": self.quantity })
+            .to_string()
+            .into_bytes()
+    }
+}
+
+const SAMPLES: [Sample; 6] = [
+    Sample {
+        message_id: "res-1001",
+        order_id: "A-1001",
+        sku: "SKU-A",
+        quantity: 2,
+        expect: "reserved: ledger entry, SKU-A -2",
+    },
+    Sample {
+        message_id: "res-1002",
+        order_id: "A-1002",
+        sku: "SKU-B",
+        quantity: 1,
+        expect: "reserved: ledger entry, SKU-B -1",
+    },
+    Sample {
+        message_id: "res-1003",
+        order_id: "A-1003",
+        sku: "SKU-A",
+        quantity: 3,
+        expect: "reserved: ledger entry, SKU-A -3",
+    },
+    Sample {
+        message_id: "res-1004",
+        order_id: "A-1004",
+        sku: "SKU-B",
+        quantity: 5,
+        expect: "insufficient stock: DLQ, nothing written",
+    },
+    Sample {
+        message_id: "res-1001",
+        order_id: "A-1001",
+        sku: "SKU-A",
+        quantity: 2,
+        expect: "exact duplicate: suppressed by the inbox, ACKed",
+    },
+    Sample {
+        message_id: "res-1002",
+        order_id: "A-1002",
+        sku: "SKU-B",
+        quantity: 2,
+        expect: "same id, other body: inbox conflict, DLQ",
+    },
+];
+
+/// What the sample set must end as.
+const EXPECT_ACKED: u64 = 4;
+const EXPECT_DUPLICATES: u64 = 1;
+const EXPECT_DEAD_LETTERED: u64 = 2;
+/// Ledger entries: (message_id, order_id, sku, quantity).
+const EXPECT_LEDGER: [(&str, &str, &str, i64); 3] = [
+    ("res-1001", "A-1001", "SKU-A", 2),
+    ("res-1002", "A-1002", "SKU-B", 1),
+    ("res-1003", "A-1003", "SKU-A", 3),
+];
+const EXPECT_STOCK: [(&str, i64); 2] = [("SKU-A", 5), ("SKU-B", 2)];
+/// Dead letters: (message_id, a part of the reason).
+const EXPECT_DLQ: [(&str, &str); 2] = [
+    ("res-1002", "inbox conflict"),
+    ("res-1004", "insufficient stock"),
+];
+
+async fn demo(settings: &Settings) -> Result<ExitCode, BoxError> {
+    // One handler at a time so the printed sequence is the same on every run (concurrent
+    // reservations of one sku conflict in MongoDB and are retried: correct, but noisier).
+    let config = settings.consumer_config(1);
+    let topology = Topology::new(
+        &settings.queue,
+        QueueKind::Classic,
+        &config.policy.retry_delays,
+    );
+    println!("Lily inbox demo");
+    println!(
+        "  queue {}, database {}, consumer {CONSUMER}",
+        settings.queue, settings.database
+    );
+
+    // MongoDB: reset the demo's collections, seed stock.
+    let client = mongodb::Client::with_uri_str(&settings.mongo_url).await?;
+    let database = client.database(&settings.database);
+    for name in [STOCK, LEDGER].into_iter().chain(SCOPE_COLLECTIONS) {
+        drop_collection(&database, name)
+            .await
+            .map_err(|e| format!("cannot reset collection {name} at LILY_MONGO_URL: {e}"))?;
+    }
+    let stock = database.collection::<Document>(STOCK);
+    for (sku, available) in SEED {
+        stock
+            .insert_one(doc! { "_id": sku, "available": available })
+            .await?;
+    }
+    println!(
+        "  reset collections {}; seeded stock {}",
+        [STOCK, LEDGER]
+            .into_iter()
+            .chain(SCOPE_COLLECTIONS)
+            .collect::<Vec<_>>()
+            .join(", "),
+        SEED.iter()
+            .map(|(sku, n)| format!("{sku}={n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+
+    // RabbitMQ: declare exactly what the consumer declares, then empty it.
+    let connection = Connection::connect(&settings.amqp_url, ConnectionProperties::default())
+        .await
+        .map_err(|e| format!("cannot connect to the broker in LILY_AMQP_URL: {e}"))?;
+    let setup = connection.create_channel().await?;
+    topology
+        .apply(&setup, TopologyMode::Declare)
+        .await
+        .map_err(|e| format!("the broker refused the topology of {}: {e}", settings.queue))?;
+    let mut names = vec![
+        settings.queue.clone(),
+        topology.dead_letter_queue(),
+        topology.parking_queue(),
+    ];
+    names.extend(topology.buckets().map(|(name, _)| name.to_owned()));
+    let mut stale = 0;
+    for name in &names {
+        stale += setup
+            .queue_purge(name.as_str().into(), QueuePurgeOptions::default())
+            .await?;
+    }
+    let _ = setup.close(200, "setup done".into()).await;
+    if stale > 0 {
+        println!("  purged {stale} message(s) left by an earlier run");
+    }
+
+    // The consumer runs in its own task until `shutdown` fires.
+    let scope = settings.scope(None).await?;
+    let consumer = Consumer::new(settings.amqp_url.clone(), config, router(None)).scope(scope);
+    let stats = consumer.stats();
+    let shutdown = Shutdown::default();
+    let mut task = tokio::spawn(consumer.run(shutdown.clone()));
+
+    let publisher = connection.create_channel().await?;
+    publisher
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    println!();
+    println!(
+        "published {} messages of type {STOCK_RESERVED} (persistent, publisher-confirmed):",
+        SAMPLES.len()
+    );
+    for sample in &SAMPLES {
+        let properties = BasicProperties::default()
+            .with_message_id(sample.message_id.into())
+            .with_type(STOCK_RESERVED.into())
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2);
+        let confirm = publisher
+            .basic_publish(
+                "".into(),
+                settings.queue.as_str().into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                &sample.body(),
+                properties,
+            )
+            .await?
+            .await?;
+        if confirm != Confirmation::Ack(None) {
+            return Err(format!(
+                "publish of {} not confirmed: {confirm:?}",
+                sample.message_id
+            )
+            .into());
+        }
+        println!(
+            "  {:<9} {} {} x{:<2} expect: {}",
+            sample.message_id, sample.order_id, sample.sku, sample.quantity, sample.expect
+        );
+    }
+
+    // Wait for every outcome.
+    println!();
+    println!("waiting for outcomes (cap {}s)", DEMO_CAP.as_secs());
+    let started = Instant::now();
+    let mut last = Totals::default();
+    loop {
+        let t = stats.totals();
+        if t != last {
+            println!(
+                "  +{:>4.1}s  {}",
+                started.elapsed().as_secs_f64(),
+                brief(&t)
+            );
+            last = t;
+        }
+        if t.acked == EXPECT_ACKED
+            && t.duplicates_suppressed == EXPECT_DUPLICATES
+            && t.dead_lettered == EXPECT_DEAD_LETTERED
+        {
+            break;
+        }
+        let unexpected = t.acked > EXPECT_ACKED
+            || t.duplicates_suppressed > EXPECT_DUPLICATES
+            || t.dead_lettered > EXPECT_DEAD_LETTERED
+            || t.unresolved > 0
+            || t.parked > 0;
+        if unexpected || started.elapsed() > DEMO_CAP {
+            shutdown.trigger(Trigger::Api);
+            return Err(format!(
+                "{}: have {}; expected acked {EXPECT_ACKED} (duplicates suppressed \
+                 {EXPECT_DUPLICATES}), dead-lettered {EXPECT_DEAD_LETTERED}",
+                if unexpected {
+                    "unexpected outcomes".to_owned()
+                } else {
+                    format!("gave up after {}s", DEMO_CAP.as_secs())
+                },
+                brief(&t)
+            )
+            .into());
+        }
+        if task.is_finished() {
+            let err = match (&mut task).await {
+                Ok(Ok(_)) => "it stopped on its own".to_owned(),
+                Ok(Err(err)) => chain(&err),
+                Err(join) => join.to_string(),
+            };
+            return Err(format!("the consumer stopped before the demo finished: {err}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    shutdown.trigger(Trigger::Api);
+    let report = task
+        .await
+        .map_err(|e| format!("consumer task failed: {e}"))??;
+    let dead = drain(&connection, &topology.dead_letter_queue()).await?;
+    let _ = connection.close(200, "demo done".into()).await;
+    let ledger = read_ledger(&database).await?;
+    let levels = read_stock(&database).await?;
+
+    // The report.
+    println!();
+    println!(
+        "outcomes (consumer stopped after {:.1}s)",
+        started.elapsed().as_secs_f64()
+    );
+    let t = &report.totals;
+    println!("  acked                 {:>3}", t.acked);
+    println!("  duplicates suppressed {:>3}", t.duplicates_suppressed);
+    println!("  dead-lettered         {:>3}", t.dead_lettered);
+    for (name, n) in [
+        ("retried", t.retried),
+        ("deferred", t.deferred),
+        ("requeued", t.requeued),
+        ("parked", t.parked),
+        ("unresolved", t.unresolved),
+    ] {
+        if n > 0 {
+            println!("  {name:<21} {n:>3}");
+        }
+    }
+    println!();
+    println!("ledger ({} entries)", ledger.len());
+    println!("  {:<9} {:<7} {:<6} quantity", "message", "order", "sku");
+    for (message_id, order_id, sku, quantity) in &ledger {
+        println!("  {message_id:<9} {order_id:<7} {sku:<6} {quantity}");
+    }
+    println!();
+    println!("stock");
+    for (sku, available) in &levels {
+        let seeded = SEED
+            .iter()
+            .find(|(s, _)| s == sku)
+            .map_or_else(|| "?".to_owned(), |(_, n)| n.to_string());
+        println!("  {sku:<6} {seeded:>3} -> {available}");
+    }
+    println!();
+    println!(
+        "dead-letter queue {} ({} message(s), bodies not shown)",
+        topology.dead_letter_queue(),
+        dead.len()
+    );
+    for m in &dead {
+        println!("  {:<9} {:<10} {}", m.message_id, m.failure_kind, m.reason);
+    }
+
+    let problems = check(&report, &ledger, &levels, &dead);
+    println!();
+    if problems.is_empty() {
+        println!(
+            "OK: {} reservations written once; the exact duplicate was suppressed by the inbox \
+             ({} duplicate), the conflicting message and the business-rule failure are in the \
+             DLQ; nothing unresolved",
+            ledger.len(),
+            t.duplicates_suppressed
+        );
+        Ok(ExitCode::SUCCESS)
+    } else {
+        Err(problems.join("; ").into())
+    }
+}
+
+/// Compares what the demo produced with what it must produce.
+fn check(
+    report: &ShutdownReport,
+    ledger: &[(String, String, String, i64)],
+    levels: &[(String, i64)],
+    dead: &[DeadLetter],
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    if !report.clean {
+        problems.push(format!(
+            "{} unresolved deliveries",
+            report.unresolved.len() as u64 + report.unresolved_overflow
+        ));
+    }
+    let want: Vec<(String, String, String, i64)> = EXPECT_LEDGER
+        .iter()
+        .map(|(m, o, s, q)| ((*m).to_owned(), (*o).to_owned(), (*s).to_owned(), *q))
+        .collect();
+    if ledger != want.as_slice() {
+        problems.push(format!("ledger holds {ledger:?}, expected {want:?}"));
+    }
+    let want: Vec<(String, i64)> = EXPECT_STOCK
+        .iter()
+        .map(|(s, n)| ((*s).to_owned(), *n))
+        .collect();
+    if levels != want.as_slice() {
+        problems.push(format!("stock is {levels:?}, expected {want:?}"));
+    }
+    let got: BTreeSet<&str> = dead.iter().map(|m| m.message_id.as_str()).collect();
+    let ids: BTreeSet<&str> = EXPECT_DLQ.iter().map(|(id, _)| *id).collect();
+    let reasons_ok = EXPECT_DLQ.iter().all(|(id, part)| {
+        dead.iter()
+            .any(|m| m.message_id == *id && m.reason.contains(part))
+    });
+    if got != ids || dead.len() != EXPECT_DLQ.len() || !reasons_ok {
+        problems.push(format!(
+            "dead-letter queue holds {:?}, expected {EXPECT_DLQ:?}",
+            dead.iter()
+                .map(|m| (m.message_id.as_str(), m.reason.as_str()))
+                .collect::<Vec<_>>()
+        ));
+    }
+    problems
+}
+
+/// Drops a collection; a missing one is fine.
+async fn drop_collection(database: &Database, name: &str) -> mongodb::error::Result<()> {
+    match database.collection::<Document>(name).drop().await {
+        Err(err) if matches!(err.kind.as_ref(), ErrorKind::Command(e) if e.code == 26) => Ok(()),
+        other => other,
+    }
+}
+
+/// Ledger entries sorted by message id: (message_id, order_id, sku, quantity).
+async fn read_ledger(
+    database: &Database,
+) -> mongodb::error::Result<Vec<(String, String, String, i64)>> {
+    let mut cursor = database
+        .collection::<Document>(LEDGER)
+        .find(doc! {})
+        .sort(doc! { "message_id": 1, "_id": 1 })
+        .await?;
+    let mut out = Vec::new();
+    while cursor.advance().await? {
+        let entry: Document = cursor.deserialize_current()?;
+        let text = |key: &str| entry.get_str(key).unwrap_or("?").to_owned();
+        out.push((
+            text("message_id"),
+            text("order_id"),
+            text("sku"),
+            number(entry.get("quantity")),
+        ));
+    }
+    Ok(out)
+}
+
+/// Stock levels sorted by sku.
+async fn read_stock(database: &Database) -> mongodb::error::Result<Vec<(String, i64)>> {
+    let mut cursor = database
+        .collection::<Document>(STOCK)
+        .find(doc! {})
+        .sort(doc! { "_id": 1 })
+        .await?;
+    let mut out = Vec::new();
+    while cursor.advance().await? {
+        let entry: Document = cursor.deserialize_current()?;
+        out.push((
+            entry.get_str("_id").unwrap_or("?").to_owned(),
+            number(entry.get("available")),
+        ));
+    }
+    Ok(out)
+}
+
+fn number(value: Option<&Bson>) -> i64 {
+    match value {
+        Some(Bson::Int64(n)) => *n,
+        Some(Bson::Int32(n)) => i64::from(*n),
+        _ => i64::MIN,
+    }
+}
+
+/// A dead-lettered message as the demo shows it: identity and Lily's headers, no body.
+struct DeadLetter {
+    message_id: String,
+    failure_kind: String,
+    reason: String,
+}
+
+/// Takes every message off `queue` (basic.get, then ack).
+async fn drain(connection: &Connection, queue: &str) -> Result<Vec<DeadLetter>, BoxError> {
+    let channel = connection.create_channel().await?;
+    let mut out = Vec::new();
+    // Bounded: the demo's DLQ holds a handful of messages.
+    while out.len() < 1000 {
+        let Some(message) = channel
+            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+            .await?
+        else {
+            break;
+        };
+        let props = &message.delivery.properties;
+        let header = |key: &str| {
+            props
+                .headers()
+                .as_ref()
+                .and_then(|h: &FieldTable| h.inner().get(key))
+                .map_or_else(|| "-".to_owned(), show)
+        };
+        out.push(DeadLetter {
+            message_id: props
+                .message_id()
+                .as_ref()
+                .map_or_else(|| "-".to_owned(), |id| id.as_str().to_owned()),
+            failure_kind: header(headers::FAILURE_KIND),
+            reason: header(headers::REASON),
+        });
+        message
+            .delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await?;
+    }
+    let _ = channel.close(200, "drained".into()).await;
+    out.sort_by(|a, b| a.message_id.cmp(&b.message_id));
+    Ok(out)
+}
+
+/// A header value as text.
+fn show(value: &AMQPValue) -> String {
+    match value {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::ShortString(s) => s.as_str().to_owned(),
+        other => format!("{other:?}"),
+    }
+}
+
+fn brief(t: &Totals) -> String {
+    format!(
+        "acked {} (duplicates suppressed {}) dead-lettered {} retried {} deferred {} \
+         unresolved {}",
+        t.acked, t.duplicates_suppressed, t.dead_lettered, t.retried, t.deferred, t.unresolved
+    )
+}
+
+/// An error and its sources on one line.
+fn chain(err: &(dyn StdError + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
