@@ -3,13 +3,18 @@
 
 mod common;
 
-use std::time::Duration;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use common::{config, header_str, props, start};
+use common::{config, header_str, props};
+use lily::core::{Begin, BoxFuture, TransactionalScope};
 use lily::prelude::*;
-use lily_mq_mongo::mongodb::bson::{Document, doc};
+use lily_mq_mongo::mongodb::bson::{Bson, DateTime, Document, doc};
+use lily_mq_mongo::mongodb::{Client as MongoClient, Database};
 use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};
-use lily_mq_testkit::{Broker, Client, MongoNode};
+use lily_mq_testkit::{Broker, Client, MongoNode, TcpProxy, eventually};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -95,4 +100,697 @@ fn start_scoped(url: &str, queue: &str, router: Router, scope: MongoScope) -> co
     common::start_with(url, config(queue, QueueKind::Classic), router, |c| {
         c.scope(scope)
     })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Failure-shaped tests: a stale lease owner, an ambiguous commit, a lease held elsewhere, the
+// database unreachable, a handler failure inside the transaction. Each counts effects in the
+// database through a direct connection (never through the proxy under test).
+// ---------------------------------------------------------------------------------------------
+
+/// The effect, tagged with the worker that wrote it.
+async fn write_effect(tx: &MongoTx, meta: &Meta, worker: &str) -> Result<(), QueueHandlerError> {
+    let effects = tx.database().collection::<Document>("effects");
+    let mut session = tx.session().await;
+    effects
+        .insert_one(doc! {
+            "message_id": meta.message_id(),
+            "attempt": i64::from(meta.attempt()),
+            "worker": worker,
+        })
+        .session(&mut *session)
+        .await
+        .map_err(|e| QueueHandlerError::retryable("effect write failed").with_source(e))?;
+    Ok(())
+}
+
+/// A direct connection to the test database, for counting.
+async fn direct(database: &str) -> Database {
+    let client = MongoClient::with_uri_str(MongoNode::from_env().url())
+        .await
+        .expect("direct mongo client");
+    client.database(database)
+}
+
+/// Every effect written for `message_id`.
+async fn effect_docs(db: &Database, message_id: &str) -> Vec<Document> {
+    let mut cursor = db
+        .collection::<Document>("effects")
+        .find(doc! { "message_id": message_id })
+        .await
+        .expect("find effects");
+    let mut docs = Vec::new();
+    while cursor.advance().await.expect("effects cursor") {
+        docs.push(cursor.deserialize_current().expect("effect document"));
+    }
+    docs
+}
+
+fn int(doc: &Document, key: &str) -> i64 {
+    match doc.get(key) {
+        Some(Bson::Int64(n)) => *n,
+        Some(Bson::Int32(n)) => i64::from(*n),
+        other => panic!("{key} is not an integer: {other:?}"),
+    }
+}
+
+/// The mongod address of `LILY_MONGO_URL`.
+fn mongo_addr() -> SocketAddr {
+    let node = MongoNode::from_env();
+    let rest = node.url().split_once("://").map_or(node.url(), |(_, r)| r);
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+    let host = rest.split(['/', '?', ',']).next().unwrap_or(rest);
+    host.parse().expect("LILY_MONGO_URL names 127.0.0.1:PORT")
+}
+
+/// The test node's URL through `proxy`, failing fast: a refused connection is seen within
+/// half a second instead of the driver's 30 s default.
+fn mongo_via(proxy: &TcpProxy) -> String {
+    let url = proxy.url(MongoNode::from_env().url());
+    let join = if url.contains('?') { '&' } else { '?' };
+    let direct = if url.contains("directConnection=") {
+        ""
+    } else {
+        "&directConnection=true"
+    };
+    format!("{url}{join}serverSelectionTimeoutMS=500&connectTimeoutMS=500{direct}")
+}
+
+/// Short deferrals, a short settlement budget, `max_requeues` requeues.
+fn deferring_policy(max_requeues: u32) -> Policy {
+    common::fast_policy()
+        .max_requeues(max_requeues)
+        .deferral_delays([Duration::from_millis(200)])
+        .settlement_budget(Duration::from_secs(2), Duration::from_millis(500))
+}
+
+fn scoped_config(queue: &str, policy: Policy) -> ConsumerConfig {
+    config(queue, QueueKind::Classic).policy(policy)
+}
+
+/// Delegates to the MongoDB scope and records when each delivery opened it: the spacing of
+/// redeliveries, observed from the consumer's side.
+#[derive(Clone)]
+struct Timed {
+    inner: MongoScope,
+    begins: Arc<Mutex<Vec<Instant>>>,
+}
+
+impl TransactionalScope for Timed {
+    fn begin<'a>(&'a self, meta: &'a Meta, deadline: Duration) -> BoxFuture<'a, Begin> {
+        self.begins.lock().unwrap().push(Instant::now());
+        self.inner.begin(meta, deadline)
+    }
+}
+
+async fn assert_dlq_empty(client: &Client, queue: &str) {
+    assert!(
+        client
+            .take(&format!("{queue}.dlq"), Duration::from_millis(200))
+            .await
+            .is_none(),
+        "nothing may reach the DLQ"
+    );
+}
+
+/// Counts handler calls.
+#[derive(Clone, Default)]
+struct Counter(Arc<AtomicU32>);
+
+impl Counter {
+    fn bump(&self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+    fn get(&self) -> u32 {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// A router whose handler counts its calls, optionally sleeps, then writes the effect as
+/// `worker`.
+fn effect_router(worker: &'static str, calls: &Counter, slow: Duration) -> Router {
+    let calls = calls.clone();
+    Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| {
+        let calls = calls.clone();
+        async move {
+            calls.bump();
+            write_effect(&tx, &meta, worker).await?;
+            tokio::time::sleep(slow).await;
+            Ok(())
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stale_owner_cut_off_mid_handler_is_fenced_and_the_redelivery_commits_once() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("takeover");
+    let database = MongoNode::database_name("takeover");
+    let db = direct(&database).await;
+    let node = MongoNode::from_env();
+    let consumer = "e2e-takeover";
+
+    // A consumes through a proxy it can be cut off by; its lease lives 1 s, extended at most
+    // 1 s, so it expires while A's 4 s handler is still running.
+    let amqp = TcpProxy::start(broker.addr()).await;
+    let a_commits = Counter::default();
+    let committed = a_commits.clone();
+    let scope_a = MongoScope::connect(
+        node.url(),
+        &database,
+        MongoConfig::new(consumer)
+            .lease_ttl(Duration::from_secs(1), Duration::from_secs(1))
+            .on_committed(move |_| committed.bump()),
+    )
+    .await
+    .expect("scope A");
+    let a_calls = Counter::default();
+    let running_a = common::start_with(
+        &amqp.url(broker.url()),
+        scoped_config(&queue, deferring_policy(100)).handler_timeout(Duration::from_secs(20)),
+        effect_router("A", &a_calls, Duration::from_secs(4)),
+        |c| c.scope(scope_a),
+    );
+    common::wait_declared(broker.url(), &queue).await;
+    let client = Client::connect(broker.url()).await;
+    let stats_a = running_a.stats.clone();
+    assert!(eventually(WAIT, || stats_a.ready()).await, "A consuming");
+    client
+        .publish(&queue, b"{\"qty\":1}", props("takeover-1", "order.placed"))
+        .await;
+    assert!(
+        eventually(WAIT, || a_calls.get() == 1).await,
+        "A is inside its handler"
+    );
+
+    // B consumes directly, fast, with the default lease.
+    let scope_b = MongoScope::connect(node.url(), &database, MongoConfig::new(consumer))
+        .await
+        .expect("scope B");
+    let b_calls = Counter::default();
+    let running_b = start_scoped_with(
+        broker.url(),
+        scoped_config(&queue, deferring_policy(100)),
+        effect_router("B", &b_calls, Duration::ZERO),
+        scope_b,
+    );
+    let stats_b = running_b.stats.clone();
+    assert!(eventually(WAIT, || stats_b.ready()).await, "B consuming");
+
+    // A's connection dies and cannot come back: the broker redelivers to B.
+    amqp.refuse(true);
+    amqp.cut();
+
+    running_b
+        .wait_for("B committed and acked", WAIT, |t| t.acked == 1)
+        .await;
+    running_a
+        .wait_for("A's delivery ended without authority", WAIT, |t| {
+            t.authority_lost == 1
+        })
+        .await;
+    let report_b = running_b.stop().await;
+    let report_a = running_a.stop().await;
+
+    let docs = effect_docs(&db, "takeover-1").await;
+    assert_eq!(docs.len(), 1, "exactly one effect: {docs:?}");
+    assert_eq!(
+        docs[0].get_str("worker").ok(),
+        Some("B"),
+        "the effect is B's: A's commit was fenced"
+    );
+    assert_eq!(a_calls.get(), 1, "A ran its handler once");
+    assert_eq!(a_commits.get(), 0, "A, the stale owner, never committed");
+    assert_eq!(report_a.totals.acked, 0);
+    assert!(b_calls.get() >= 1);
+    assert!(
+        report_b.totals.deferred >= 1,
+        "B waited for A's lease and transaction: {:?}",
+        report_b.totals
+    );
+    assert_eq!(
+        report_b.totals.dead_lettered + report_a.totals.dead_lettered,
+        0
+    );
+    let lease = db
+        .collection::<Document>("lily_leases")
+        .find_one(doc! { "_id": { "c": consumer, "m": "takeover-1" } })
+        .await
+        .expect("read lease")
+        .expect("lease document");
+    assert!(
+        int(&lease, "fence") >= 2,
+        "B took the lease over with a newer fence: {lease:?}"
+    );
+    assert_dlq_empty(&client, &queue).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stale_owner_still_holding_its_delivery_defers_instead_of_retrying() {
+    // The same message id published twice (a producer retry): A handles copy 1 slowly, its
+    // lease expires, B takes copy 2 over. A still holds its delivery, so its fenced commit must
+    // be a deferral (DESIGN §2: "a stale owner cannot commit" → deferral), not a retryable
+    // failure that consumes an application attempt.
+    let broker = Broker::from_env();
+    let queue = Broker::unique("stale");
+    let database = MongoNode::database_name("stale");
+    let db = direct(&database).await;
+    let node = MongoNode::from_env();
+    let consumer = "e2e-stale";
+
+    let scope_a = MongoScope::connect(
+        node.url(),
+        &database,
+        MongoConfig::new(consumer).lease_ttl(Duration::from_secs(1), Duration::from_secs(1)),
+    )
+    .await
+    .expect("scope A");
+    let a_calls = Counter::default();
+    let running_a = start_scoped_with(
+        broker.url(),
+        scoped_config(&queue, deferring_policy(100))
+            .prefetch(1)
+            .concurrency(1)
+            .handler_timeout(Duration::from_secs(20)),
+        effect_router("A", &a_calls, Duration::from_secs(4)),
+        scope_a,
+    );
+    common::wait_declared(broker.url(), &queue).await;
+    let client = Client::connect(broker.url()).await;
+    let stats_a = running_a.stats.clone();
+    assert!(eventually(WAIT, || stats_a.ready()).await, "A consuming");
+    client
+        .publish(&queue, b"{\"qty\":1}", props("stale-1", "order.placed"))
+        .await;
+    assert!(
+        eventually(WAIT, || a_calls.get() == 1).await,
+        "A is inside its handler"
+    );
+    // A's prefetch is full: the second copy waits for B.
+    client
+        .publish(&queue, b"{\"qty\":1}", props("stale-1", "order.placed"))
+        .await;
+    let scope_b = MongoScope::connect(node.url(), &database, MongoConfig::new(consumer))
+        .await
+        .expect("scope B");
+    let b_calls = Counter::default();
+    let running_b = start_scoped_with(
+        broker.url(),
+        scoped_config(&queue, deferring_policy(100)),
+        effect_router("B", &b_calls, Duration::ZERO),
+        scope_b,
+    );
+
+    // Both copies end acked: B's by its commit, A's after its deferral as a duplicate.
+    let (sa, sb) = (running_a.stats.clone(), running_b.stats.clone());
+    let settled = eventually(WAIT, || {
+        let (a, b) = (sa.totals(), sb.totals());
+        a.acked + b.acked + a.retried + b.retried + a.dead_lettered + b.dead_lettered >= 2
+            && sa.in_flight() + sb.in_flight() == 0
+    })
+    .await;
+    assert!(settled, "A {:?} B {:?}", sa.totals(), sb.totals());
+    // A retry copy (if any) comes back after 1 s: let it settle too.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let report_a = running_a.stop().await;
+    let report_b = running_b.stop().await;
+
+    let docs = effect_docs(&db, "stale-1").await;
+    assert_eq!(docs.len(), 1, "exactly one effect: {docs:?}");
+    assert_eq!(docs[0].get_str("worker").ok(), Some("B"), "{docs:?}");
+    assert_eq!(a_calls.get(), 1, "A ran its handler once");
+    assert_eq!(
+        report_a.totals.retried, 0,
+        "A's stale commit was a deferral, not an application retry: A {:?}",
+        report_a.totals
+    );
+    assert!(
+        report_a.totals.deferred >= 1,
+        "A's fenced commit deferred: A {:?}",
+        report_a.totals
+    );
+    assert_eq!(
+        report_a.totals.dead_lettered + report_b.totals.dead_lettered,
+        0
+    );
+    assert_dlq_empty(&client, &queue).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_outliving_a_lease_renewal_still_commits() {
+    // The lease is renewed (outside the transaction) while the handler runs; the commit's
+    // fence check writes the same lease document inside the transaction. The worker's own
+    // renewal must not make its commit fail.
+    let broker = Broker::from_env();
+    let queue = Broker::unique("renewal");
+    let database = MongoNode::database_name("renewal");
+    let db = direct(&database).await;
+    let scope = MongoScope::connect(
+        MongoNode::from_env().url(),
+        &database,
+        MongoConfig::new("e2e-renewal")
+            .lease_ttl(Duration::from_millis(300), Duration::from_secs(30)),
+    )
+    .await
+    .expect("scope");
+    let calls = Counter::default();
+    let running = start_scoped_with(
+        broker.url(),
+        scoped_config(&queue, deferring_policy(3)),
+        effect_router("only", &calls, Duration::from_millis(700)),
+        scope,
+    );
+    common::wait_declared(broker.url(), &queue).await;
+    let client = Client::connect(broker.url()).await;
+    client
+        .publish(&queue, b"{\"qty\":1}", props("renewal-1", "order.placed"))
+        .await;
+    running
+        .wait_for("settled for good", WAIT, |t| t.acked + t.dead_lettered == 1)
+        .await;
+    let report = running.stop().await;
+
+    let dead = client
+        .take(&format!("{queue}.dlq"), Duration::from_millis(200))
+        .await
+        .map(|m| header_str(&m.delivery.properties, "x-lily-reason").unwrap_or_default());
+    let docs = effect_docs(&db, "renewal-1").await;
+    assert_eq!(
+        docs.len(),
+        1,
+        "the effect committed; totals {:?}, handler calls {}, dead-lettered with {dead:?}",
+        report.totals,
+        calls.get()
+    );
+    assert_eq!(report.totals.acked, 1, "{:?}", report.totals);
+    assert_eq!(report.totals.retried, 0, "{:?}", report.totals);
+    assert_eq!(calls.get(), 1, "committed on the first attempt");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_commit_reply_defers_and_the_redelivery_is_suppressed_as_duplicate() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("ambiguous");
+    let database = MongoNode::database_name("ambiguous");
+    let db = direct(&database).await;
+    let proxy = TcpProxy::start(mongo_addr()).await;
+    let scope = MongoScope::connect(
+        &mongo_via(&proxy),
+        &database,
+        MongoConfig::new("e2e-ambiguous")
+            .lease_ttl(Duration::from_secs(1), Duration::from_secs(30)),
+    )
+    .await
+    .expect("scope through the proxy");
+    let policy = deferring_policy(50);
+    let budget = policy.settlement_budget;
+    let calls = Counter::default();
+    let running = start_scoped_with(
+        broker.url(),
+        scoped_config(&queue, policy),
+        effect_router("only", &calls, Duration::ZERO),
+        scope,
+    );
+    common::wait_declared(broker.url(), &queue).await;
+    let client = Client::connect(broker.url()).await;
+
+    // The commit reaches mongod; its reply never comes back, and mongod stays unreachable for
+    // longer than the settlement budget, so the commit's bounded retries end unknown.
+    proxy.drop_reply_after(b"commitTransaction", budget * 2);
+    client
+        .publish(&queue, b"{\"qty\":1}", props("ambiguous-1", "order.placed"))
+        .await;
+    running
+        .wait_for("duplicate suppressed and acked", WAIT, |t| {
+            t.acked == 1 && t.duplicates_suppressed == 1
+        })
+        .await;
+    let report = running.stop().await;
+
+    assert!(proxy.tripped(), "the commit's reply was dropped");
+    let docs = effect_docs(&db, "ambiguous-1").await;
+    assert_eq!(
+        docs.len(),
+        1,
+        "the commit happened once, server-side: {docs:?}"
+    );
+    assert_eq!(calls.get(), 1, "the redelivery did not run the handler");
+    let t = &report.totals;
+    assert!(t.deferred >= 1, "the unknown commit deferred: {t:?}");
+    assert_eq!(t.duplicates_suppressed, 1, "{t:?}");
+    assert_eq!(t.acked, 1, "{t:?}");
+    assert_eq!(t.retried + t.dead_lettered + t.parked, 0, "{t:?}");
+    assert_dlq_empty(&client, &queue).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_held_by_a_live_owner_defers_with_spacing_then_dead_letters_at_the_limit() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("held");
+    let database = MongoNode::database_name("held");
+    let db = direct(&database).await;
+    let consumer = "e2e-held";
+    let key = doc! { "c": consumer, "m": "held-1" };
+    let far = DateTime::from_millis(DateTime::now().timestamp_millis() + 3_600_000);
+    db.collection::<Document>("lily_leases")
+        .insert_one(doc! {
+            "_id": key.clone(),
+            "owner": "someone-else",
+            "fence": 7_i64,
+            "expires_at": far,
+            "acquired_at": DateTime::now(),
+        })
+        .await
+        .expect("insert a live lease");
+    let scope = MongoScope::connect(
+        MongoNode::from_env().url(),
+        &database,
+        MongoConfig::new(consumer),
+    )
+    .await
+    .expect("scope");
+    let timed = Timed {
+        inner: scope,
+        begins: Arc::default(),
+    };
+    let begins = Arc::clone(&timed.begins);
+    let max_requeues = 3;
+    let policy = deferring_policy(max_requeues).deferral_delays([
+        Duration::from_millis(300),
+        Duration::from_millis(500),
+        Duration::from_millis(700),
+    ]);
+    let calls = Counter::default();
+    let running = start_scoped_with(
+        broker.url(),
+        scoped_config(&queue, policy.clone()),
+        effect_router("nobody", &calls, Duration::ZERO),
+        timed,
+    );
+    common::wait_declared(broker.url(), &queue).await;
+    let client = Client::connect(broker.url()).await;
+    client
+        .publish(&queue, b"{\"qty\":1}", props("held-1", "order.placed"))
+        .await;
+    running
+        .wait_for("dead-lettered at the requeue limit", WAIT, |t| {
+            t.dead_lettered == 1
+        })
+        .await;
+    // Nothing keeps spinning after the DLQ handoff.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let report = running.stop().await;
+
+    assert_eq!(effect_docs(&db, "held-1").await.len(), 0, "no effect");
+    assert_eq!(calls.get(), 0, "the handler never ran");
+    assert_eq!(
+        report.totals.deferred,
+        u64::from(max_requeues),
+        "{:?}",
+        report.totals
+    );
+    assert_eq!(report.totals.acked + report.totals.retried, 0);
+    let begins = begins.lock().unwrap().clone();
+    assert_eq!(
+        begins.len(),
+        max_requeues as usize + 1,
+        "one delivery per deferral plus the last: never a hot loop"
+    );
+    for (i, pair) in begins.windows(2).enumerate() {
+        let gap = pair[1] - pair[0];
+        let held = policy.deferral_delay(u32::try_from(i).unwrap());
+        assert!(
+            gap >= held,
+            "redelivery {} came {gap:?} after the previous one, before its {held:?} hold",
+            i + 1
+        );
+    }
+    let deferrals = db
+        .collection::<Document>("lily_deferrals")
+        .find_one(doc! { "_id": key.clone() })
+        .await
+        .expect("read deferrals")
+        .expect("durable deferral count");
+    assert_eq!(
+        int(&deferrals, "n"),
+        i64::from(max_requeues) + 1,
+        "every deferral counted durably: {deferrals:?}"
+    );
+    let lease = db
+        .collection::<Document>("lily_leases")
+        .find_one(doc! { "_id": key })
+        .await
+        .expect("read lease")
+        .expect("lease");
+    assert_eq!(lease.get_str("owner").ok(), Some("someone-else"));
+    assert_eq!(
+        int(&lease, "fence"),
+        7,
+        "the live owner's lease was not touched"
+    );
+    let dead = client
+        .take(&format!("{queue}.dlq"), Duration::from_secs(2))
+        .await
+        .expect("the message ends in the DLQ");
+    let reason = header_str(&dead.delivery.properties, "x-lily-reason").unwrap_or_default();
+    assert!(
+        reason.contains("requeue limit reached") && reason.contains("lease held"),
+        "{reason}"
+    );
+    assert_eq!(client.depth(&queue).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_unreachable_defers_without_acking_then_handles_once_when_back() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("mongo-down");
+    let database = MongoNode::database_name("mongo-down");
+    let db = direct(&database).await;
+    let proxy = TcpProxy::start(mongo_addr()).await;
+    let scope = MongoScope::connect(&mongo_via(&proxy), &database, MongoConfig::new("e2e-down"))
+        .await
+        .expect("scope through the proxy");
+    let calls = Counter::default();
+    let running = start_scoped_with(
+        broker.url(),
+        scoped_config(&queue, deferring_policy(30)),
+        effect_router("only", &calls, Duration::ZERO),
+        scope,
+    );
+    common::wait_declared(broker.url(), &queue).await;
+    let client = Client::connect(broker.url()).await;
+
+    proxy.refuse(true);
+    proxy.cut();
+    client
+        .publish(&queue, b"{\"qty\":1}", props("down-1", "order.placed"))
+        .await;
+    running
+        .wait_for("deferrals while the database is down", WAIT, |t| {
+            t.deferred >= 2
+        })
+        .await;
+    let stats = running.stats.clone();
+    let acked_while_down = eventually(Duration::from_secs(2), || {
+        let t = stats.totals();
+        t.acked + t.retried + t.dead_lettered > 0
+    })
+    .await;
+    assert!(
+        !acked_while_down,
+        "nothing settled as success while the database is down: {:?}",
+        stats.totals()
+    );
+    assert_eq!(effect_docs(&db, "down-1").await.len(), 0);
+    assert_eq!(
+        calls.get(),
+        0,
+        "the handler never ran without its transaction"
+    );
+
+    proxy.refuse(false);
+    running
+        .wait_for("handled once the database is back", WAIT, |t| t.acked == 1)
+        .await;
+    let report = running.stop().await;
+
+    let docs = effect_docs(&db, "down-1").await;
+    assert_eq!(docs.len(), 1, "handled exactly once: {docs:?}");
+    assert_eq!(calls.get(), 1);
+    let t = &report.totals;
+    assert!(t.deferred >= 2, "{t:?}");
+    assert_eq!(
+        t.retried + t.dead_lettered + t.duplicates_suppressed,
+        0,
+        "{t:?}"
+    );
+    assert!(proxy.refused() >= 1, "the outage was real");
+    assert_dlq_empty(&client, &queue).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_failure_aborts_its_transaction_and_the_retry_writes_the_only_effect() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("abort");
+    let database = MongoNode::database_name("abort");
+    let db = direct(&database).await;
+    let scope = MongoScope::connect(
+        MongoNode::from_env().url(),
+        &database,
+        MongoConfig::new("e2e-abort"),
+    )
+    .await
+    .expect("scope");
+    let calls = Counter::default();
+    let seen = calls.clone();
+    let router = Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| {
+        let seen = seen.clone();
+        async move {
+            seen.bump();
+            write_effect(&tx, &meta, "handler").await?;
+            if meta.attempt() == 1 {
+                // The effect is written inside the transaction; this failure must undo it.
+                return Err(QueueHandlerError::retryable("downstream hiccup"));
+            }
+            Ok(())
+        }
+    });
+    let running = start_scoped_with(
+        broker.url(),
+        scoped_config(&queue, deferring_policy(3)),
+        router,
+        scope,
+    );
+    common::wait_declared(broker.url(), &queue).await;
+    let client = Client::connect(broker.url()).await;
+    client
+        .publish(&queue, b"{\"qty\":1}", props("abort-1", "order.placed"))
+        .await;
+    running
+        .wait_for("retried then acked", WAIT, |t| {
+            t.retried == 1 && t.acked == 1
+        })
+        .await;
+    let report = running.stop().await;
+
+    let docs = effect_docs(&db, "abort-1").await;
+    assert_eq!(docs.len(), 1, "attempt 1's effect was aborted: {docs:?}");
+    assert_eq!(int(&docs[0], "attempt"), 2, "the effect is attempt 2's");
+    assert_eq!(calls.get(), 2);
+    let t = &report.totals;
+    assert_eq!(
+        t.deferred, 0,
+        "the aborted transaction left nothing behind for the retry to wait on: {t:?}"
+    );
+    assert_eq!(t.duplicates_suppressed + t.dead_lettered, 0, "{t:?}");
+    assert_dlq_empty(&client, &queue).await;
+}
+
+fn start_scoped_with(
+    url: &str,
+    config: ConsumerConfig,
+    router: Router,
+    scope: impl TransactionalScope,
+) -> common::Running {
+    common::start_with(url, config, router, |c| c.scope(scope))
 }

@@ -1,4 +1,9 @@
 //! Leases with fencing: one live owner per message, a fence that grows with every takeover.
+//!
+//! The lease document (owner, expiry) is renewed outside any transaction while the handler
+//! runs. The fence lives in a document of its own that only acquisitions raise: the commit
+//! checks it inside the transaction, so the owner's own renewals never conflict with its
+//! commit, while a takeover — which raises the fence — always does.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -16,6 +21,8 @@ pub(crate) struct Lease {
     pub(crate) owner: String,
     pub(crate) fence: i64,
     renewal: CancellationToken,
+    leases: Collection<Document>,
+    fences: Collection<Document>,
 }
 
 /// Why a lease was not acquired.
@@ -49,6 +56,7 @@ fn expires(ttl: Duration) -> DateTime {
 /// with every acquisition.
 pub(crate) async fn acquire(
     leases: &Collection<Document>,
+    fences: &Collection<Document>,
     key: Document,
     ttl: Duration,
     max_extension: Duration,
@@ -77,6 +85,18 @@ pub(crate) async fn acquire(
         Some(Bson::Int32(f)) => i64::from(*f),
         _ => 0,
     };
+    // Publish the fence where only acquisitions write; `$max` keeps it monotonic when a newer
+    // owner got there first.
+    let raised = fences
+        .update_one(
+            doc! { "_id": key.clone() },
+            doc! { "$max": { "fence": fence } },
+        )
+        .upsert(true)
+        .await;
+    if let Err(err) = raised {
+        return Err(Refused::Failed(err));
+    }
     let renewal = spawn_renewal(
         leases.clone(),
         key.clone(),
@@ -90,6 +110,8 @@ pub(crate) async fn acquire(
         owner,
         fence,
         renewal,
+        leases: leases.clone(),
+        fences: fences.clone(),
     })
 }
 
@@ -128,35 +150,40 @@ fn spawn_renewal(
 }
 
 impl Lease {
-    /// Inside the transaction: proves this lease still holds its fence. `Ok(false)` means a
-    /// newer owner took it over.
-    pub(crate) async fn check_fence(
-        &self,
-        leases: &Collection<Document>,
-        session: &mut ClientSession,
-    ) -> Result<bool, Error> {
-        let filter = doc! { "_id": self.key.clone(), "owner": &self.owner, "fence": self.fence };
-        let result = leases
-            .update_one(
-                filter,
-                doc! { "$set": { "committing_at": DateTime::now() } },
-            )
+    /// Inside the transaction: proves no newer owner raised the fence. `Ok(false)` means this
+    /// lease was taken over — either before (the fence moved on) or during the transaction (the
+    /// takeover's write conflicts with this one).
+    pub(crate) async fn check_fence(&self, session: &mut ClientSession) -> Result<bool, Error> {
+        let filter = doc! { "_id": self.key.clone(), "fence": self.fence };
+        let checked = self
+            .fences
+            .update_one(filter, doc! { "$set": { "committed_fence": self.fence } })
             .session(session)
-            .await?;
-        Ok(result.matched_count == 1)
+            .await;
+        match checked {
+            Ok(result) => Ok(result.matched_count == 1),
+            Err(err) if is_write_conflict(&err) => Ok(false),
+            Err(err) => Err(err),
+        }
     }
 
     /// Stops renewing and releases the lease if it is still ours.
-    pub(crate) async fn release(self, leases: &Collection<Document>) {
+    pub(crate) async fn release(self) {
         self.renewal.cancel();
         let filter = doc! { "_id": self.key, "owner": self.owner, "fence": self.fence };
-        let _ = leases
+        let _ = self
+            .leases
             .update_one(
                 filter,
                 doc! { "$set": { "expires_at": DateTime::from_millis(0) } },
             )
             .await;
     }
+}
+
+/// True for a write conflict with another transaction or write (code 112).
+fn is_write_conflict(err: &Error) -> bool {
+    matches!(err.kind.as_ref(), ErrorKind::Command(e) if e.code == 112)
 }
 
 /// True for a duplicate key write error (E11000).

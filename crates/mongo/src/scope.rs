@@ -111,6 +111,7 @@ struct Inner {
     config: MongoConfig,
     inbox: Collection<Document>,
     leases: Collection<Document>,
+    fences: Collection<Document>,
     deferrals: Collection<Document>,
 }
 
@@ -170,6 +171,7 @@ impl MongoScope {
         let name = |suffix: &str| format!("{}{suffix}", config.collection_prefix);
         let inbox = database.collection::<Document>(&name("inbox"));
         let leases = database.collection::<Document>(&name("leases"));
+        let fences = database.collection::<Document>(&name("fences"));
         let deferrals = database.collection::<Document>(&name("deferrals"));
         for (collection, ttl) in [
             (&inbox, config.inbox_retention),
@@ -187,6 +189,7 @@ impl MongoScope {
             config,
             inbox,
             leases,
+            fences,
             deferrals,
         })))
     }
@@ -212,6 +215,7 @@ impl MongoScope {
         let lease = if inner.config.lease {
             match lease::acquire(
                 &inner.leases,
+                &inner.fences,
                 key.clone(),
                 inner.config.lease_ttl,
                 inner.config.lease_max_extension,
@@ -235,7 +239,7 @@ impl MongoScope {
         };
         let release = |lease: Option<lease::Lease>| async {
             if let Some(lease) = lease {
-                lease.release(&inner.leases).await;
+                lease.release().await;
             }
         };
         let mut session = match inner.client.start_session().await {
@@ -295,7 +299,6 @@ impl MongoScope {
             transaction: Box::new(MongoTransaction {
                 state,
                 lease,
-                leases: inner.leases.clone(),
                 deferrals,
                 on_committed: inner
                     .config

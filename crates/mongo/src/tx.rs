@@ -7,9 +7,8 @@ use lily_mq_core::{
     BoxFuture, Committed, Context, FromDelivery, OpenTransaction, QueueHandlerError, Reason,
     TransactionOutcome,
 };
-use mongodb::bson::Document;
 use mongodb::error::{TRANSIENT_TRANSACTION_ERROR, UNKNOWN_TRANSACTION_COMMIT_RESULT};
-use mongodb::{ClientSession, Collection, Database};
+use mongodb::{ClientSession, Database};
 use tokio::sync::{Mutex, MutexGuard};
 use tracing::warn;
 
@@ -52,7 +51,6 @@ impl FromDelivery for MongoTx {
 pub(crate) struct MongoTransaction {
     pub(crate) state: Arc<TxState>,
     pub(crate) lease: Option<Lease>,
-    pub(crate) leases: Collection<Document>,
     pub(crate) deferrals: crate::scope::Deferrals,
     pub(crate) on_committed: Option<(crate::scope::CommitObserver, lily_mq_core::Meta)>,
 }
@@ -75,7 +73,7 @@ impl OpenTransaction for MongoTransaction {
                 committed
             };
             if let Some(lease) = this.lease {
-                lease.release(&this.leases).await;
+                lease.release().await;
             }
             if let (TransactionOutcome::Committed, Some((observer, meta))) =
                 (committed.outcome, &this.on_committed)
@@ -91,7 +89,7 @@ impl OpenTransaction for MongoTransaction {
             let this = *self;
             let _ = this.state.session.lock().await.abort_transaction().await;
             if let Some(lease) = this.lease {
-                lease.release(&this.leases).await;
+                lease.release().await;
             }
         })
     }
@@ -102,7 +100,7 @@ impl MongoTransaction {
         let started = tokio::time::Instant::now();
         let mut session = self.state.session.lock().await;
         if let Some(lease) = &self.lease {
-            match lease.check_fence(&self.leases, &mut session).await {
+            match lease.check_fence(&mut session).await {
                 Ok(true) => {}
                 Ok(false) => {
                     let _ = session.abort_transaction().await;
