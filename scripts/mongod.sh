@@ -88,6 +88,7 @@ start() {
     --oplogSize 128 --wiredTigerCacheSizeGB 0.5 \
     --setParameter diagnosticDataCollectionEnabled=false \
     --setParameter "transactionLifetimeLimitSeconds=${LILY_MONGOD_TXN_LIFETIME_S:-60}" \
+    ${LILY_MONGOD_TLS_DIR:+--tlsMode allowTLS --tlsCertificateKeyFile "$LILY_MONGOD_TLS_DIR/server-combined.pem" --tlsCAFile "$LILY_MONGOD_TLS_DIR/ca.pem" --tlsAllowConnectionsWithoutCertificates} \
     </dev/null >"$dir/stdout.log" 2>&1 &
   pid=$!
   echo "$pid" >"$dir/mongod.pid"

@@ -5,6 +5,8 @@
 #   scripts/rabbitmq.sh start DIR PORT   start a node with its data in DIR, AMQP on 127.0.0.1:PORT
 #                                        (PORT+1 and PORT+2 serve Erlang distribution and epmd;
 #                                        pick PORT below 32768, outside the ephemeral range)
+#                                        (with LILY_RABBIT_TLS_DIR set, also AMQPS on PORT+3
+#                                        using the certificates of scripts/tls.sh)
 #   scripts/rabbitmq.sh stop DIR         stop the node started with DIR (by its PID)
 #   scripts/rabbitmq.sh ctl DIR ARGS...  run rabbitmqctl against that node
 #
@@ -58,6 +60,17 @@ log.file.level = warning
 # the machine is shared: do not let a full disk elsewhere block publishers in tests
 disk_free_limit.absolute = 50MB
 CONF
+  if [ -n "${LILY_RABBIT_TLS_DIR:-}" ]; then
+    # An AMQPS listener on PORT+3 besides the plain one, with the given certificates.
+    cat >>"$RABBITMQ_CONFIG_FILE" <<CONF
+listeners.ssl.default = 127.0.0.1:$((port + 3))
+ssl_options.cacertfile = $LILY_RABBIT_TLS_DIR/ca.pem
+ssl_options.certfile = $LILY_RABBIT_TLS_DIR/server.pem
+ssl_options.keyfile = $LILY_RABBIT_TLS_DIR/server.key
+ssl_options.verify = verify_none
+ssl_options.fail_if_no_peer_cert = false
+CONF
+  fi
   echo "$port" >"$dir/port"
   "$RABBIT_BIN/rabbitmq-server" >"$dir/log/stdout.log" 2>&1 &
   echo $! >"$dir/server.pid"

@@ -12,22 +12,29 @@ fi
 
 PORT=${LILY_TEST_PORT:-25672}
 DIR="$PWD/target/lily-rabbit-test"
+TLS_DIR="$PWD/target/lily-tls-test"
 scripts/rabbitmq.sh stop "$DIR" || true
-rm -rf "$DIR"
-scripts/rabbitmq.sh start "$DIR" "$PORT"
+rm -rf "$DIR" "$TLS_DIR"
+# A throwaway local CA; both nodes also listen with TLS (RabbitMQ on PORT+3).
+scripts/tls.sh "$TLS_DIR"
+LILY_RABBIT_TLS_DIR="$TLS_DIR" scripts/rabbitmq.sh start "$DIR" "$PORT"
 MONGO_PORT=${LILY_TEST_MONGO_PORT:-27517}
 MONGO_DIR="$PWD/target/lily-mongod-test"
 trap 'scripts/mongod.sh stop "$MONGO_DIR" || true; scripts/rabbitmq.sh stop "$DIR"' EXIT
 export LILY_AMQP_URL="amqp://guest:guest@127.0.0.1:$PORT/%2f"
+export LILY_AMQPS_URL="amqps://guest:guest@127.0.0.1:$((PORT + 3))/%2f"
 export LILY_RABBIT_DIR="$DIR"
+export LILY_TLS_DIR="$TLS_DIR"
 
 scripts/mongod.sh install
 scripts/mongod.sh stop "$MONGO_DIR" || true
 rm -rf "$MONGO_DIR"
 # Abandoned transactions (a worker killed mid-transaction) are aborted after 10 s instead of
 # 60 s, so the crash tests' redeliveries stop deferring sooner.
-LILY_MONGOD_TXN_LIFETIME_S=10 scripts/mongod.sh start "$MONGO_DIR" "$MONGO_PORT"
+LILY_MONGOD_TXN_LIFETIME_S=10 LILY_MONGOD_TLS_DIR="$TLS_DIR" \
+  scripts/mongod.sh start "$MONGO_DIR" "$MONGO_PORT"
 export LILY_MONGO_URL="mongodb://127.0.0.1:$MONGO_PORT/?replicaSet=lily&directConnection=true"
+export LILY_MONGO_TLS_URL="$LILY_MONGO_URL&tls=true&tlsCAFile=$TLS_DIR/ca.pem"
 export LILY_MONGOD_DIR="$MONGO_DIR"
 
 cargo fmt --all -- --check

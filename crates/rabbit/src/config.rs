@@ -32,6 +32,8 @@ pub struct ConsumerConfig {
     pub reconnect_min: Duration,
     /// Longest reconnect delay.
     pub reconnect_max: Duration,
+    /// PEM certificates to trust for `amqps://` besides the system roots (a private CA).
+    pub tls_ca_pem: Option<String>,
 }
 
 impl ConsumerConfig {
@@ -49,6 +51,7 @@ impl ConsumerConfig {
             unresolved_cap: 1000,
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(5),
+            tls_ca_pem: None,
         }
     }
 
@@ -91,6 +94,13 @@ impl ConsumerConfig {
     #[must_use]
     pub fn limits(mut self, limits: Limits) -> Self {
         self.limits = limits;
+        self
+    }
+
+    /// Trusts the PEM certificates in `pem` (a private CA) for `amqps://` connections.
+    #[must_use]
+    pub fn tls_ca_pem(mut self, pem: impl Into<String>) -> Self {
+        self.tls_ca_pem = Some(pem.into());
         self
     }
 

@@ -87,7 +87,7 @@ pub(crate) async fn consume(
     let props = ConnectionProperties::default().with_connection_name(LongString::from(
         format!("lily:{}", shared.queue).into_bytes(),
     ));
-    let connection = Connection::connect(&shared.url, props)
+    let connection = connect(shared, props)
         .await
         .map_err(SessionError::Connect)?;
     let setup = connection
@@ -172,6 +172,21 @@ pub(crate) async fn consume(
         .basic_cancel(consumer.tag(), BasicCancelOptions::default())
         .await;
     Ok(SessionEnd::Shutdown(session))
+}
+
+/// Opens the connection, trusting the configured private CA for `amqps://`.
+async fn connect(shared: &Shared, props: ConnectionProperties) -> lapin::Result<Connection> {
+    match &shared.config.tls_ca_pem {
+        None => Connection::connect(&shared.url, props).await,
+        Some(ca) => {
+            let tls = lapin::tcp::OwnedTLSConfig {
+                identity: None,
+                cert_chain: Some(ca.clone()),
+            };
+            let runtime = lapin::runtime::default_runtime()?;
+            Connection::connect_with_config(&shared.url, props, tls, runtime).await
+        }
+    }
 }
 
 /// Confirms written ACKs every [`ACK_CONFIRM_INTERVAL`] while the session lives. When the
