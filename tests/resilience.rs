@@ -11,24 +11,6 @@ use lily_mq_testkit::{Broker, Client, eventually};
 
 const WAIT: Duration = Duration::from_secs(60);
 
-async fn declared(url: &str, queue: &str) -> bool {
-    let (url, queue) = (url.to_owned(), queue.to_owned());
-    // A passive declare of a missing queue closes its channel: probe from a throwaway client.
-    tokio::spawn(async move { Client::connect(&url).await.depth(&queue).await })
-        .await
-        .is_ok()
-}
-
-async fn wait_declared(url: &str, queue: &str) {
-    for _ in 0..300 {
-        if declared(url, queue).await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("queue {queue} was never declared");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unroutable_handoff_nacks_original_once_per_delivery_and_never_loses_it() {
     let broker = Broker::from_env();
@@ -44,7 +26,7 @@ async fn unroutable_handoff_nacks_original_once_per_delivery_and_never_loses_it(
     });
     let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
     let client = Client::connect(broker.url()).await;
-    wait_declared(broker.url(), &format!("{queue}.retry.1s")).await;
+    common::wait_declared(broker.url(), &format!("{queue}.retry.1s")).await;
     // The bucket disappears: the mandatory retry publish comes back unroutable.
     client.delete(&format!("{queue}.retry.1s")).await;
     client
@@ -107,7 +89,7 @@ async fn connection_killed_mid_flight_loses_nothing_and_consumer_resumes() {
     });
     let running = start(&url, config(queue, QueueKind::Classic), router);
     let client = Client::connect(&url).await;
-    wait_declared(&url, queue).await;
+    common::wait_declared(&url, queue).await;
     let ids: BTreeSet<String> = (0..30).map(|i| format!("k-{i}")).collect();
     for id in &ids {
         client
@@ -175,7 +157,7 @@ async fn confirmed_handoff_with_unconfirmed_ack_is_unresolved_and_keeps_the_hand
         router,
     );
     let client = Client::connect(broker.url()).await;
-    wait_declared(broker.url(), &queue).await;
+    common::wait_declared(broker.url(), &queue).await;
     client
         .publish(&queue, b"{}", props("in-doubt", "order.placed"))
         .await;

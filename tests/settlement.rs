@@ -38,7 +38,7 @@ async fn success_path(kind: QueueKind) {
     });
     let running = start(broker.url(), config(&queue, kind), router);
     let client = Client::connect(broker.url()).await;
-    wait_for_queue(&client, &queue).await;
+    common::wait_declared(broker.url(), &queue).await;
     for i in 0..20 {
         client
             .publish(&queue, &order(2), props(&format!("m-{i}"), "order.placed"))
@@ -57,29 +57,6 @@ async fn success_path(kind: QueueKind) {
     // After the consumer's connection closed, an unacked message would be ready again.
     assert_eq!(client.depth(&queue).await, 0);
     assert_eq!(client.depth(&format!("{queue}.dlq")).await, 0);
-}
-
-/// The consumer declares the topology on connect; wait until the work queue exists.
-async fn wait_for_queue(_client: &Client, queue: &str) {
-    for _ in 0..300 {
-        if exists(queue).await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("queue {queue} was never declared");
-}
-
-async fn exists(queue: &str) -> bool {
-    let url = Broker::from_env().url().to_owned();
-    let queue = queue.to_owned();
-    // A passive declare of a missing queue closes the channel: use a throwaway client.
-    tokio::spawn(async move {
-        let client = Client::connect(&url).await;
-        client.depth(&queue).await
-    })
-    .await
-    .is_ok()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -110,7 +87,7 @@ async fn retry_then_success(kind: QueueKind) {
     });
     let running = start(broker.url(), config(&queue, kind), router);
     let client = Client::connect(broker.url()).await;
-    wait_for_queue(&client, &queue).await;
+    common::wait_declared(broker.url(), &queue).await;
     client
         .publish(&queue, &order(1), props("retry-1", "order.placed"))
         .await;
@@ -153,7 +130,7 @@ async fn retryable_failure_waits_in_bucket_and_comes_back_with_next_attempt() {
     cfg.policy.retry_delays = vec![Duration::from_secs(30)];
     let running = start(broker.url(), cfg, router);
     let client = Client::connect(broker.url()).await;
-    wait_for_queue(&client, &queue).await;
+    common::wait_declared(broker.url(), &queue).await;
     client
         .publish(&queue, &order(1), props("bucketed", "order.placed"))
         .await;
@@ -208,7 +185,7 @@ async fn attempts_exhausted_goes_to_dlq_with_failure_headers_and_message_id() {
     });
     let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
     let client = Client::connect(broker.url()).await;
-    wait_for_queue(&client, &queue).await;
+    common::wait_declared(broker.url(), &queue).await;
     let mut original = props("doomed-1", "order.placed");
     let mut headers = FieldTable::default();
     headers.insert(
@@ -282,7 +259,7 @@ async fn permanent_failure_and_unknown_type_go_straight_to_dlq() {
     });
     let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
     let client = Client::connect(broker.url()).await;
-    wait_for_queue(&client, &queue).await;
+    common::wait_declared(broker.url(), &queue).await;
     client
         .publish(&queue, &order(0), props("zero", "order.placed"))
         .await;
@@ -373,7 +350,7 @@ async fn oversized_body_is_rejected_to_broker_dlx_without_calling_handler() {
     cfg.limits.max_body_bytes = 1024;
     let running = start(broker.url(), cfg, router);
     let client = Client::connect(broker.url()).await;
-    wait_for_queue(&client, &queue).await;
+    common::wait_declared(broker.url(), &queue).await;
     client
         .publish(&queue, &vec![b'x'; 4096], props("big", "order.placed"))
         .await;
@@ -430,7 +407,7 @@ async fn invalid_envelope_goes_to_dlq_with_sanitized_reason_without_calling_hand
     });
     let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
     let client = Client::connect(broker.url()).await;
-    wait_for_queue(&client, &queue).await;
+    common::wait_declared(broker.url(), &queue).await;
     // No type property.
     let untyped = BasicProperties::default().with_message_id("no-type".into());
     client.publish(&queue, &order(1), untyped).await;
@@ -516,7 +493,7 @@ async fn handler_panic_is_retried_and_consumer_stays_alive() {
     });
     let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
     let client = Client::connect(broker.url()).await;
-    wait_for_queue(&client, &queue).await;
+    common::wait_declared(broker.url(), &queue).await;
     client
         .publish(&queue, &order(1), props("boom", "order.placed"))
         .await;
@@ -564,7 +541,7 @@ async fn handler_timeout_is_retried_and_fires_the_cancellation_token() {
     let cfg = config(&queue, QueueKind::Classic).handler_timeout(Duration::from_millis(300));
     let running = start(broker.url(), cfg, router);
     let client = Client::connect(broker.url()).await;
-    wait_for_queue(&client, &queue).await;
+    common::wait_declared(broker.url(), &queue).await;
     client
         .publish(&queue, &order(1), props("slow", "order.placed"))
         .await;
