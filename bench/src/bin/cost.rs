@@ -1,1 +1,3 @@
+//! Benchmark program `cost` (see scripts/bench.sh).
+
 fn main() {}

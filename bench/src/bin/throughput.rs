@@ -1,1 +1,3 @@
+//! Benchmark program `throughput` (see scripts/bench.sh).
+
 fn main() {}
