@@ -14,13 +14,52 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{Codec, Incoming, JsonCodec, QueueHandlerError, Resources};
 
+/// The per-delivery cancellation token, made on first use: most handlers never ask for it, and
+/// a child token costs two allocations and a lock on its parent.
+#[derive(Debug)]
+pub struct DeliveryCancel<'a> {
+    parent: &'a CancellationToken,
+    token: std::sync::OnceLock<CancellationToken>,
+}
+
+impl<'a> DeliveryCancel<'a> {
+    /// A token that will be a child of `parent` (cancelled at shutdown).
+    pub fn new(parent: &'a CancellationToken) -> Self {
+        Self {
+            parent,
+            token: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The token, made now if nobody asked before.
+    pub fn token(&self) -> CancellationToken {
+        self.token.get_or_init(|| self.parent.child_token()).clone()
+    }
+
+    /// Cancels this delivery's token, if anyone holds it.
+    pub fn cancel(&self) {
+        if let Some(token) = self.token.get() {
+            token.cancel();
+        }
+    }
+
+    /// Whether this delivery was cancelled (by its own timeout or by shutdown).
+    pub fn is_cancelled(&self) -> bool {
+        self.parent.is_cancelled()
+            || self
+                .token
+                .get()
+                .is_some_and(CancellationToken::is_cancelled)
+    }
+}
+
 /// What extractors read from: the delivery and its cancellation token.
 #[derive(Clone, Copy, Debug)]
 pub struct Context<'a> {
     /// The delivery.
     pub incoming: &'a Arc<Incoming>,
     /// Fires when the handler should stop (shutdown, timeout).
-    pub cancel: &'a CancellationToken,
+    pub cancel: &'a DeliveryCancel<'a>,
     /// Resources of the delivery's transactional scope, if any.
     pub resources: &'a Resources,
 }
@@ -204,7 +243,7 @@ pub struct Cancellation(pub CancellationToken);
 
 impl FromDelivery for Cancellation {
     fn from_delivery(cx: &Context<'_>) -> Result<Self, QueueHandlerError> {
-        Ok(Self(cx.cancel.clone()))
+        Ok(Self(cx.cancel.token()))
     }
 }
 

@@ -39,7 +39,8 @@ pub use decision::{
 pub use envelope::{Envelope, GateRejection, Limits, PropertiesView, as_u32, inspect, is_token};
 pub use error::{FailureKind, QueueHandlerError};
 pub use extract::{
-    Attempt, Cancellation, Context, FromDelivery, Headers, Json, Meta, Payload, RawDelivery,
+    Attempt, Cancellation, Context, DeliveryCancel, FromDelivery, Headers, Json, Meta, Payload,
+    RawDelivery,
 };
 pub use handler::{BoxFuture, BoxedHandler, Handler, HandlerResult};
 pub use ledger::{EntryId, Evidence, Identity, Ledger, Totals, UnresolvedEntry};

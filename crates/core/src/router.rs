@@ -1,16 +1,17 @@
 //! Routing by message type and schema version.
 
-use std::collections::HashMap;
-
 use crate::{BoxedHandler, Codec, Handler, JsonCodec, QueueHandlerError};
 
 /// Maps `(type, schema version)` to a handler and checks the content type.
 ///
 /// Dispatch happens before any scope opens: an unknown type, an unsupported version or content
 /// type is a permanent failure and the message goes to the dead-letter queue.
+///
+/// Routes are kept in a short list and matched by comparison: services route a handful of
+/// types, and comparing a few strings is cheaper per delivery than hashing one.
 #[derive(Debug, Clone)]
 pub struct Router {
-    routes: HashMap<Box<str>, Vec<(u32, BoxedHandler)>>,
+    routes: Vec<(Box<str>, u32, BoxedHandler)>,
     content_types: Vec<&'static str>,
 }
 
@@ -24,7 +25,7 @@ impl Router {
     /// A router accepting `application/json` (and messages without a content type).
     pub fn new() -> Self {
         Self {
-            routes: HashMap::new(),
+            routes: Vec::new(),
             content_types: vec![JsonCodec::CONTENT_TYPE],
         }
     }
@@ -44,9 +45,10 @@ impl Router {
         version: u32,
         handler: H,
     ) -> Self {
-        let versions = self.routes.entry(kind.into()).or_default();
-        versions.retain(|(v, _)| *v != version);
-        versions.push((version, BoxedHandler::new(handler)));
+        self.routes
+            .retain(|(k, v, _)| !(**k == *kind && *v == version));
+        self.routes
+            .push((kind.into(), version, BoxedHandler::new(handler)));
         self
     }
 
@@ -77,21 +79,24 @@ impl Router {
         {
             return Err(QueueHandlerError::permanent("unsupported content type"));
         }
-        let versions = self
-            .routes
-            .get(kind)
-            .ok_or_else(|| QueueHandlerError::permanent("no handler for this message type"))?;
-        versions
-            .iter()
-            .find(|(v, _)| *v == version)
-            .map(|(_, h)| h)
-            .ok_or_else(|| QueueHandlerError::permanent("unsupported schema version"))
+        let mut known_type = false;
+        for (k, v, handler) in &self.routes {
+            if **k == *kind {
+                if *v == version {
+                    return Ok(handler);
+                }
+                known_type = true;
+            }
+        }
+        Err(QueueHandlerError::permanent(if known_type {
+            "unsupported schema version"
+        } else {
+            "no handler for this message type"
+        }))
     }
 
     /// The routed `(type, version)` pairs.
     pub fn routes(&self) -> impl Iterator<Item = (&str, u32)> {
-        self.routes
-            .iter()
-            .flat_map(|(k, vs)| vs.iter().map(move |(v, _)| (&**k, *v)))
+        self.routes.iter().map(|(k, v, _)| (&**k, *v))
     }
 }

@@ -7,11 +7,11 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use lapin::{Acker, BasicProperties};
 use lily_mq_core::{
-    Action, Authority, Begin, BoxedHandler, CleanupResult, EntryId, Evidence, GateRejection,
-    Handoff, HandoffResult, Identity, Incoming, IncomingParts, Lane, Meta, Outcome, PipelineResult,
-    Plan, PropertiesView, QueueHandlerError, Reason, RequeueCause, Resources, SettleResult,
-    Settlement, Situation, TransactionOutcome, as_u32, decide, decide_at_gate, headers, inspect,
-    is_token,
+    Action, Authority, Begin, BoxedHandler, CleanupResult, DeliveryCancel, EntryId, Evidence,
+    GateRejection, Handoff, HandoffResult, Identity, Incoming, IncomingParts, Lane, Meta, Outcome,
+    PipelineResult, Plan, PropertiesView, QueueHandlerError, Reason, RequeueCause, Resources,
+    SettleResult, Settlement, Situation, TransactionOutcome, as_u32, decide, decide_at_gate,
+    headers, inspect, is_token,
 };
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -25,22 +25,26 @@ const REQUEUE_MEMORY: usize = 10_000;
 
 /// Settles one delivery. At shutdown's abort the work is dropped wherever it is; its ledger
 /// entry stays open and is reported as aborted.
-pub(crate) async fn handle(
+pub(crate) fn handle(
     shared: Arc<Shared>,
     session: Arc<Session>,
     delivery: Delivery,
     permit: OwnedSemaphorePermit,
-) {
+) -> impl Future<Output = ()> + Send + 'static {
     let abort = shared.abort.clone();
     let in_flight = shared.metrics.in_flight.clone();
-    in_flight.increment(1.0);
-    tokio::select! {
-        biased;
-        () = abort.cancelled() => {}
-        () = settle_delivery(shared, session, delivery) => {}
+    // Built here, not inside the async block, so the task holds the delivery once.
+    let work = settle_delivery(shared, session, delivery);
+    async move {
+        in_flight.increment(1.0);
+        tokio::select! {
+            biased;
+            () = abort.cancelled() => {}
+            () = work => {}
+        }
+        in_flight.decrement(1.0);
+        drop(permit);
     }
-    in_flight.decrement(1.0);
-    drop(permit);
 }
 
 async fn settle_delivery(shared: Arc<Shared>, session: Arc<Session>, delivery: Delivery) {
@@ -118,9 +122,11 @@ async fn settle_delivery(shared: Arc<Shared>, session: Arc<Session>, delivery: D
                 .as_ref()
                 .and_then(|h| h.inner().get(headers::DELIVERY_COUNT))
                 .and_then(as_u32);
-            work.refuse(rejection, copy, message_id, delivery_count, redelivered)
-                .instrument(span)
-                .await;
+            Box::pin(
+                work.refuse(rejection, copy, message_id, delivery_count, redelivered)
+                    .instrument(span),
+            )
+            .await;
         }
         Gate::Passed {
             schema_version,
@@ -332,7 +338,7 @@ impl Work<'_> {
                 }
             },
         };
-        let cancel = self.shared.handlers_cancel.child_token();
+        let cancel = DeliveryCancel::new(&self.shared.handlers_cancel);
         let started = Instant::now();
         let out = pipeline::run(
             handler,
@@ -396,7 +402,9 @@ impl Work<'_> {
                         HandoffResult::Failed
                     } else {
                         self.note(Evidence::HandoffPublished);
-                        let result = self.publish(handoff, reason, &copy, deadline).await;
+                        // Boxed: the publish future is large and most deliveries never
+                        // hand off; keeping it inline would grow every delivery's task.
+                        let result = Box::pin(self.publish(handoff, reason, &copy, deadline)).await;
                         if result == HandoffResult::Confirmed {
                             self.note(Evidence::HandoffConfirmed);
                         } else {
@@ -495,7 +503,7 @@ impl Work<'_> {
             }
         };
         // `Ok(false)` means the acker was used or its channel poisoned: lost authority.
-        match tokio::time::timeout(left, sent).await {
+        match pipeline::within(left, sent).await {
             Ok(Ok(true)) => SettleResult::Written,
             _ => SettleResult::Refused,
         }

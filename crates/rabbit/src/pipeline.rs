@@ -10,10 +10,9 @@ use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
 
 use lily_mq_core::{
-    BoxedHandler, CleanupResult, Context, DynHook, Incoming, Meta, PipelineResult, Reason,
-    Resources,
+    BoxedHandler, CleanupResult, Context, DeliveryCancel, DynHook, Incoming, Meta, PipelineResult,
+    Reason, Resources,
 };
-use tokio_util::sync::CancellationToken;
 
 /// What the pipeline produced, with the reason of a failure.
 #[derive(Debug)]
@@ -29,7 +28,7 @@ pub(crate) async fn run(
     handler: &BoxedHandler,
     hooks: &[Arc<dyn DynHook>],
     incoming: &Arc<Incoming>,
-    cancel: &CancellationToken,
+    cancel: &DeliveryCancel<'_>,
     resources: &Resources,
     timeout: Duration,
 ) -> PipelineOutput {
@@ -65,7 +64,7 @@ pub(crate) async fn run(
                     reason = Some(Reason::new("handler panicked while extracting arguments"));
                     PipelineResult::Panicked
                 }
-                Ok(future) => match tokio::time::timeout(timeout, CatchUnwind(future)).await {
+                Ok(future) => match within(timeout, CatchUnwind(future)).await {
                     Ok(Ok(Ok(()))) => PipelineResult::Succeeded,
                     Ok(Ok(Err(err))) => {
                         reason = Some(err.reason().clone());
@@ -101,6 +100,21 @@ pub(crate) async fn run(
     }
 }
 
+/// `tokio::time::timeout`, but the future is polled once before a timer is armed: most
+/// handlers and every ACK write finish on their first poll, and a timer costs a clock read and
+/// a wheel entry.
+pub(crate) async fn within<F: Future>(
+    limit: Duration,
+    future: F,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    let mut future = std::pin::pin!(future);
+    let first = std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await;
+    match first {
+        Poll::Ready(output) => Ok(output),
+        Poll::Pending => tokio::time::timeout(limit, future).await,
+    }
+}
+
 fn failed(err: &lily_mq_core::QueueHandlerError) -> PipelineResult {
     PipelineResult::Failed {
         kind: err.kind(),
@@ -128,6 +142,8 @@ impl<F: Future + Unpin> Future for CatchUnwind<F> {
 mod tests {
     use super::*;
     use std::sync::Mutex;
+
+    use tokio_util::sync::CancellationToken;
 
     use lapin::BasicProperties;
     use lily_mq_core::{CleanupError, FailureKind, Hook, IncomingParts, QueueHandlerError, Router};
@@ -195,7 +211,7 @@ mod tests {
             &handler,
             &hooks,
             &incoming(),
-            &CancellationToken::new(),
+            &DeliveryCancel::new(&CancellationToken::new()),
             &Resources::new(),
             Duration::from_millis(100),
         )
@@ -255,7 +271,8 @@ mod tests {
         );
         let handler = router.dispatch("t", 1, None).unwrap().clone();
         let hooks: Vec<Arc<dyn DynHook>> = vec![Arc::new(Probe(Arc::clone(&rec)))];
-        let cancel = CancellationToken::new();
+        let parent = CancellationToken::new();
+        let cancel = DeliveryCancel::new(&parent);
         let out = run(
             &handler,
             &hooks,

@@ -153,7 +153,8 @@ pub(crate) async fn consume(
         match next {
             Some(Ok(delivery)) => {
                 let shared = Arc::clone(shared);
-                tracker.spawn(handle(shared, Arc::clone(&session), delivery, permit));
+                // Boxed once here rather than moved through the runtime's task layers.
+                tracker.spawn(Box::pin(handle(shared, Arc::clone(&session), delivery, permit)));
             }
             Some(Err(err)) => debug!(queue = %shared.queue, error = %err, "consumer error"),
             None => break None,
