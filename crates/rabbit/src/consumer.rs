@@ -247,11 +247,14 @@ async fn run_sessions(
     shutdown: &Shutdown,
 ) -> Result<Option<Arc<Session>>, Error> {
     let stop = shutdown.graceful_token();
-    let permits = Arc::new(Semaphore::new(shared.config.concurrency));
+    // The broker never has more than `prefetch` deliveries out on the channel: a semaphore is
+    // needed only when fewer handlers may run than that.
+    let permits = (shared.config.concurrency < usize::from(shared.config.prefetch))
+        .then(|| Arc::new(Semaphore::new(shared.config.concurrency)));
     let mut delay = shared.config.reconnect_min;
     while !stop.is_cancelled() {
         let started = Instant::now();
-        match consume(shared, tracker, &permits, stop).await {
+        match consume(shared, tracker, permits.as_ref(), stop).await {
             Ok(SessionEnd::Shutdown(session)) => return Ok(Some(session)),
             Ok(SessionEnd::Lost) => {
                 warn!(queue = %shared.queue, "connection lost; in-flight deliveries lose authority");

@@ -29,7 +29,7 @@ pub(crate) fn handle(
     shared: Arc<Shared>,
     session: Arc<Session>,
     delivery: Delivery,
-    permit: OwnedSemaphorePermit,
+    permit: Option<OwnedSemaphorePermit>,
 ) -> impl Future<Output = ()> + Send + 'static {
     let abort = shared.abort.clone();
     let in_flight = shared.metrics.in_flight.clone();
@@ -108,6 +108,7 @@ async fn settle_delivery(shared: Arc<Shared>, session: Arc<Session>, delivery: D
         session: &session,
         acker: &acker,
         entry,
+        span: span.clone(),
     };
     match gate {
         Gate::Refused(rejection) => {
@@ -190,6 +191,8 @@ struct Work<'a> {
     session: &'a Arc<Session>,
     acker: &'a Acker,
     entry: EntryId,
+    /// The delivery's span (disabled, and free, when nothing listens).
+    span: tracing::Span,
 }
 
 /// The copy a handoff publishes.
@@ -209,10 +212,8 @@ impl Work<'_> {
     }
 
     fn authority(&self) -> Authority {
-        if self.acker.usable()
-            && self.session.connection.status().connected()
-            && !self.shared.revoked.is_cancelled()
-        {
+        // A closed channel or connection poisons the acker.
+        if self.acker.usable() && !self.shared.revoked.is_cancelled() {
             Authority::Held
         } else {
             Authority::Lost
@@ -289,8 +290,9 @@ impl Work<'_> {
         if plan == Plan::Requeue(RequeueCause::Deferred) {
             // Give what the deferral waits for time to change; shutdown cuts the wait short.
             let delay = self.shared.config.policy.deferral_delay(requeues);
+            let wait = Box::pin(tokio::time::sleep(delay));
             tokio::select! {
-                () = tokio::time::sleep(delay) => {}
+                () = wait => {}
                 () = self.shared.handlers_cancel.cancelled() => {}
             }
         }
@@ -349,10 +351,11 @@ impl Work<'_> {
             self.shared.config.handler_timeout,
         )
         .await;
+        let ended = Instant::now();
         self.shared
             .metrics
             .handler_duration
-            .record(started.elapsed().as_secs_f64());
+            .record((ended - started).as_secs_f64());
         self.note(Evidence::HandlerReturned);
         let mut scoped = Scoped {
             pipeline: out.result,
@@ -393,7 +396,7 @@ impl Work<'_> {
             _ => self.note(Evidence::Planned),
         }
         let policy = &self.shared.config.policy;
-        let mut settlement = Settlement::start(plan, requeues, policy, Instant::now());
+        let mut settlement = Settlement::start(plan, requeues, policy, started);
         while let Some(action) = settlement.poll_action() {
             match action {
                 Action::Publish { handoff, deadline } => {
@@ -421,8 +424,7 @@ impl Work<'_> {
                         // this task runs again.
                         self.count_requeue(key);
                     }
-                    let left = settlement.budget().remaining(Instant::now());
-                    let result = self.write(action, left).await;
+                    let result = self.write(action, settlement.budget().deadline()).await;
                     // A written frame closes the entry right after; a refused one is recorded.
                     if result == SettleResult::Refused {
                         self.note(Evidence::AuthorityLost);
@@ -480,8 +482,10 @@ impl Work<'_> {
             .await
     }
 
-    async fn write(&self, action: Action, left: Duration) -> SettleResult {
-        if left.is_zero() || self.shared.revoked.is_cancelled() {
+    /// Writes the ACK, NACK or reject; the frame normally goes out on the first poll, and only
+    /// a write still pending is bounded by the settlement deadline.
+    async fn write(&self, action: Action, deadline: Instant) -> SettleResult {
+        if self.shared.revoked.is_cancelled() {
             return SettleResult::Refused;
         }
         let sent = async {
@@ -503,7 +507,7 @@ impl Work<'_> {
             }
         };
         // `Ok(false)` means the acker was used or its channel poisoned: lost authority.
-        match pipeline::within(left, sent).await {
+        match pipeline::within_deadline(deadline, sent).await {
             Ok(Ok(true)) => SettleResult::Written,
             _ => SettleResult::Refused,
         }
@@ -535,8 +539,7 @@ impl Work<'_> {
     }
 
     fn finish(&self, outcome: Outcome, lane: Option<Lane>, reason: &Reason) {
-        let span = tracing::Span::current();
-        span.record("outcome", tracing::field::debug(&outcome));
+        self.span.record("outcome", tracing::field::debug(&outcome));
         match outcome {
             Outcome::Acked => debug!("settled"),
             Outcome::Unresolved(_) | Outcome::AuthorityLost => {

@@ -81,7 +81,7 @@ impl Session {
 pub(crate) async fn consume(
     shared: &Arc<Shared>,
     tracker: &TaskTracker,
-    permits: &Arc<Semaphore>,
+    permits: Option<&Arc<Semaphore>>,
     stop: &CancellationToken,
 ) -> Result<SessionEnd, SessionError> {
     let props = ConnectionProperties::default().with_connection_name(LongString::from(
@@ -138,23 +138,33 @@ pub(crate) async fn consume(
         Arc::clone(&session),
     ));
     shared.ready.store(true, Ordering::Release);
+    // Registered once for the whole loop, not once per delivery.
+    let mut stopped = std::pin::pin!(stop.cancelled());
     let end = loop {
-        let permit = tokio::select! {
-            permit = Arc::clone(permits).acquire_owned() => match permit {
-                Ok(permit) => permit,
-                Err(_) => break None,
+        let permit = match permits {
+            None => None,
+            Some(permits) => tokio::select! {
+                permit = Arc::clone(permits).acquire_owned() => match permit {
+                    Ok(permit) => Some(permit),
+                    Err(_) => break None,
+                },
+                () = &mut stopped => break Some(()),
             },
-            () = stop.cancelled() => break Some(()),
         };
         let next = tokio::select! {
             next = std::future::poll_fn(|cx| std::pin::Pin::new(&mut consumer).poll_next(cx)) => next,
-            () = stop.cancelled() => break Some(()),
+            () = &mut stopped => break Some(()),
         };
         match next {
             Some(Ok(delivery)) => {
                 let shared = Arc::clone(shared);
                 // Boxed once here rather than moved through the runtime's task layers.
-                tracker.spawn(Box::pin(handle(shared, Arc::clone(&session), delivery, permit)));
+                tracker.spawn(Box::pin(handle(
+                    shared,
+                    Arc::clone(&session),
+                    delivery,
+                    permit,
+                )));
             }
             Some(Err(err)) => debug!(queue = %shared.queue, error = %err, "consumer error"),
             None => break None,
