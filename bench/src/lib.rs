@@ -4,6 +4,8 @@
 //! Run them through `scripts/bench.sh`, which starts a private RabbitMQ node on loopback.
 #![allow(missing_docs, unreachable_pub)]
 
+pub mod cost;
+
 use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions};
@@ -131,3 +133,5 @@ pub fn median(values: &mut [f64]) -> f64 {
         (values[n / 2 - 1] + values[n / 2]) / 2.0
     }
 }
+
+pub mod throughput;

@@ -1,0 +1,702 @@
+//! The cost benchmark (`target/release/cost`): what Lily's layer adds per message over a
+//! hand-written lapin consumer, memory per in-flight delivery and shutdown latency.
+//!
+//! The binary installs `stats_alloc`'s counting allocator as its global allocator; these modules
+//! read it through [`alloc_snapshot`]. Without a subcommand [`main`] orchestrates every
+//! measurement in child processes of the same binary:
+//!
+//! - **allocations** (native): `run-raw N` / `run-lily N` and the same with `N0`, each counting
+//!   the whole process; per message = `(A(N) - A(N0)) / (N - N0)`, so connection, topology and
+//!   shutdown cancel out. Lily's layer = Lily's per message − raw's. Median of `--reps` rounds.
+//! - **instructions**: the same four runs under `valgrind --tool=callgrind`, the `Collected`
+//!   total of each (every thread), same formula; on tokio's current-thread runtime (the target is
+//!   judged there: the steadier, stricter baseline) and again on the multi-thread runtime, where
+//!   the raw loop pays more for cross-thread wake-ups and Lily's layer looks smaller.
+//! - **memory**: `mem-raw K` / `mem-lily K` ([`memory`]).
+//! - **shutdown**: the `k8s-shutdown` example service ([`shutdown`]).
+
+pub mod consume;
+pub mod memory;
+mod report;
+pub mod shutdown;
+
+use std::io::{BufRead as _, BufReader, Read as _};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use lily::core::Policy;
+use lily::prelude::QueueKind;
+use serde_json::{Value, json};
+use tokio::runtime::Runtime;
+
+use crate::{body_512, broker_url, fresh_topology, median, publish};
+
+/// Prefetch of the per-message cost runs (and concurrency of Lily's consumer).
+pub const PREFETCH: u16 = 50;
+/// Target for Lily's layer, instructions per message.
+pub const TARGET_INSTRUCTIONS: f64 = 8000.0;
+/// Target for Lily's layer, heap allocations per message.
+pub const TARGET_ALLOCATIONS: f64 = 10.0;
+/// Target for the shutdown of an idle consumer, milliseconds.
+pub const TARGET_IDLE_SHUTDOWN_MS: f64 = 200.0;
+
+/// Which consumer a child runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Contender {
+    /// A hand-written lapin consumer that deserializes and acks each message.
+    Raw,
+    /// Lily's `Consumer` with a `Json<Order>` handler.
+    Lily,
+}
+
+impl Contender {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Raw => "raw",
+            Self::Lily => "lily",
+        }
+    }
+}
+
+/// The counting allocator's totals so far (all zero unless the binary installed
+/// `stats_alloc::INSTRUMENTED_SYSTEM` as its global allocator, as `cost` does).
+pub fn alloc_snapshot() -> stats_alloc::Stats {
+    stats_alloc::INSTRUMENTED_SYSTEM.stats()
+}
+
+/// A tokio runtime: current-thread by default (repeatable counts), multi-thread when asked.
+pub fn runtime(multi_thread: bool) -> Runtime {
+    let mut builder = if multi_thread {
+        tokio::runtime::Builder::new_multi_thread()
+    } else {
+        tokio::runtime::Builder::new_current_thread()
+    };
+    builder.enable_all().build().expect("tokio runtime")
+}
+
+const USAGE: &str = "\
+usage: cost [--n N] [--n0 N0] [--valgrind-n N] [--valgrind-n0 N0] [--reps R] [--in-flight K]
+            [--shutdown-runs R] [--multi-thread] [--only allocs,instructions,memory,shutdown]
+       cost run-raw|run-lily N QUEUE [--multi-thread]   (child: consume N messages)
+       cost mem-raw|mem-lily K QUEUE                    (child: hold K deliveries)
+       cost prepare N QUEUE                             (fresh QUEUE holding N messages)
+
+To profile by hand: `cost prepare 20000 q && valgrind --tool=callgrind cost run-lily 20000 q`";
+
+/// `prepare N QUEUE`: a fresh classic queue (Lily's topology) holding `N` 512-byte orders.
+fn prepare(args: &[String]) -> Result<Value, String> {
+    let n: usize = args
+        .first()
+        .and_then(|a| a.parse().ok())
+        .ok_or("usage: cost prepare N QUEUE")?;
+    let queue = args.get(1).ok_or("missing QUEUE")?;
+    let url = broker_url();
+    runtime(false).block_on(async {
+        fresh_topology(
+            &url,
+            queue,
+            QueueKind::Classic,
+            &Policy::default().retry_delays,
+        )
+        .await;
+        publish(&url, queue, n, &body_512()).await;
+    });
+    Ok(json!({ "queue": queue, "published": n }))
+}
+
+/// Entry point of the `cost` binary.
+pub fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let child = |result: Result<Value, String>| match result {
+        Ok(value) => {
+            println!("RESULT {value}");
+            ExitCode::SUCCESS
+        }
+        Err(err) => {
+            eprintln!("cost child: {err}");
+            ExitCode::FAILURE
+        }
+    };
+    match args.first().map(String::as_str) {
+        Some("run-raw") => child(consume::child(Contender::Raw, &args[1..])),
+        Some("run-lily") => child(consume::child(Contender::Lily, &args[1..])),
+        Some("mem-raw") => child(memory::child(Contender::Raw, &args[1..])),
+        Some("mem-lily") => child(memory::child(Contender::Lily, &args[1..])),
+        Some("prepare") => child(prepare(&args[1..])),
+        Some("-h" | "--help") => {
+            println!("{USAGE}");
+            ExitCode::SUCCESS
+        }
+        _ => match Options::parse(&args) {
+            Ok(options) => orchestrate(&options),
+            Err(err) => {
+                eprintln!("cost: {err}\n{USAGE}");
+                ExitCode::from(2)
+            }
+        },
+    }
+}
+
+/// What the orchestrator measures, and how much.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub n: usize,
+    pub n0: usize,
+    pub valgrind_n: usize,
+    pub valgrind_n0: usize,
+    pub reps: usize,
+    pub in_flight: usize,
+    pub shutdown_runs: usize,
+    pub multi_thread: bool,
+    pub only: Vec<String>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            n: 20_000,
+            n0: 2_000,
+            valgrind_n: 20_000,
+            valgrind_n0: 2_000,
+            reps: 3,
+            in_flight: 10_000,
+            shutdown_runs: 5,
+            multi_thread: false,
+            only: Vec::new(),
+        }
+    }
+}
+
+impl Options {
+    fn parse(args: &[String]) -> Result<Self, String> {
+        let mut o = Self::default();
+        let mut it = args.iter();
+        while let Some(flag) = it.next() {
+            let mut value = |name: &str| -> Result<usize, String> {
+                it.next()
+                    .and_then(|v| v.replace('_', "").parse().ok())
+                    .ok_or_else(|| format!("{name} needs a number"))
+            };
+            match flag.as_str() {
+                "--n" => o.n = value("--n")?,
+                "--n0" => o.n0 = value("--n0")?,
+                "--valgrind-n" => o.valgrind_n = value("--valgrind-n")?,
+                "--valgrind-n0" => o.valgrind_n0 = value("--valgrind-n0")?,
+                "--reps" => o.reps = value("--reps")?.max(1),
+                "--in-flight" => o.in_flight = value("--in-flight")?,
+                "--shutdown-runs" => o.shutdown_runs = value("--shutdown-runs")?.max(1),
+                "--multi-thread" => o.multi_thread = true,
+                "--only" => {
+                    o.only = it
+                        .next()
+                        .ok_or("--only needs a list")?
+                        .split(',')
+                        .map(str::to_owned)
+                        .collect();
+                }
+                other => return Err(format!("unknown argument {other}")),
+            }
+        }
+        if o.n <= o.n0 || o.valgrind_n <= o.valgrind_n0 {
+            return Err("N must be larger than N0".into());
+        }
+        Ok(o)
+    }
+
+    fn wants(&self, what: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|w| w == what)
+    }
+}
+
+/// Runs `command` (a child printing `RESULT {json}`), bounded by `limit`. Returns the result
+/// and the child's stderr.
+fn run_child(mut command: Command, limit: Duration) -> Result<(Value, String), String> {
+    let shown = format!("{command:?}");
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("spawn {shown}: {e}"))?;
+    let mut stdout = child.stdout.take().ok_or("no stdout")?;
+    let mut stderr = child.stderr.take().ok_or("no stderr")?;
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().map_err(|e| format!("wait: {e}"))? {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("{shown} did not finish within {limit:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = out.join().unwrap_or_default();
+    let err = err.join().unwrap_or_default();
+    if !status.success() {
+        return Err(format!("{shown} failed ({status}):\n{}", tail(&err, 20)));
+    }
+    let result = out
+        .lines()
+        .find_map(|l| l.strip_prefix("RESULT "))
+        .and_then(|j| serde_json::from_str(j).ok())
+        .ok_or_else(|| format!("{shown} printed no RESULT line"))?;
+    Ok((result, err))
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// One measurement of the orchestrator.
+type Step = fn(&Bench) -> Result<Value, String>;
+
+/// Everything the orchestrator shares with its steps.
+struct Bench {
+    rt: Runtime,
+    url: String,
+    exe: PathBuf,
+    options: Options,
+}
+
+impl Bench {
+    /// A fresh classic queue (Lily's topology) holding `n` 512-byte orders.
+    fn queue_with(&self, queue: &str, n: usize) {
+        self.rt.block_on(async {
+            fresh_topology(
+                &self.url,
+                queue,
+                QueueKind::Classic,
+                &Policy::default().retry_delays,
+            )
+            .await;
+            publish(&self.url, queue, n, &body_512()).await;
+        });
+    }
+
+    fn consume_command(
+        &self,
+        program: &Path,
+        who: Contender,
+        n: usize,
+        queue: &str,
+        multi_thread: bool,
+    ) -> Command {
+        let mut command = Command::new(program);
+        command.env("LILY_AMQP_URL", &self.url);
+        if program != self.exe {
+            // valgrind: tool options come first, then the program.
+            command.args(["--tool=callgrind", "--callgrind-out-file=/dev/null", "--"]);
+            command.arg(&self.exe);
+        }
+        command
+            .arg(format!("run-{}", who.name()))
+            .arg(n.to_string())
+            .arg(queue);
+        if multi_thread {
+            command.arg("--multi-thread");
+        }
+        command
+    }
+
+    /// One native run: the whole-process allocation counters.
+    fn native(&self, who: Contender, n: usize) -> Result<Value, String> {
+        let queue = format!("lily-bench-cost-{}", who.name());
+        self.queue_with(&queue, n);
+        let (result, _) = run_child(
+            self.consume_command(&self.exe, who, n, &queue, self.options.multi_thread),
+            Duration::from_secs(300),
+        )?;
+        if result["handled"].as_u64() != Some(n as u64) {
+            return Err(format!(
+                "{} handled {} of {n}",
+                who.name(),
+                result["handled"]
+            ));
+        }
+        Ok(result)
+    }
+
+    /// One run under callgrind: instructions collected over the whole process (all threads).
+    fn callgrind(
+        &self,
+        who: Contender,
+        n: usize,
+        multi_thread: bool,
+    ) -> Result<(u64, Value), String> {
+        let queue = format!("lily-bench-cost-vg-{}", who.name());
+        self.queue_with(&queue, n);
+        let started = Instant::now();
+        let (result, stderr) = run_child(
+            self.consume_command(Path::new("valgrind"), who, n, &queue, multi_thread),
+            Duration::from_secs(1800),
+        )?;
+        let collected = stderr
+            .lines()
+            .find_map(|l| l.split("Collected :").nth(1))
+            .and_then(|v| v.trim().parse().ok())
+            .ok_or_else(|| {
+                format!(
+                    "no `Collected` line in valgrind's output:\n{}",
+                    tail(&stderr, 10)
+                )
+            })?;
+        eprintln!(
+            "cost: callgrind {} N={n} ({}): {collected} instructions ({:.0} s)",
+            who.name(),
+            runtime_name(multi_thread),
+            started.elapsed().as_secs_f64()
+        );
+        Ok((collected, result))
+    }
+}
+
+fn per_message(big: f64, small: f64, n: usize, n0: usize) -> f64 {
+    (big - small) / (n - n0) as f64
+}
+
+fn field(v: &Value, key: &str) -> f64 {
+    v[key].as_f64().unwrap_or(f64::NAN)
+}
+
+/// Heap allocations per message, native runs.
+fn allocations(b: &Bench) -> Result<Value, String> {
+    let (n, n0) = (b.options.n, b.options.n0);
+    let keys = ["allocations", "reallocations", "bytes_allocated"];
+    let mut rounds = Vec::new();
+    for rep in 0..b.options.reps {
+        let mut per = serde_json::Map::new();
+        for who in [Contender::Raw, Contender::Lily] {
+            let big = b.native(who, n)?;
+            let small = b.native(who, n0)?;
+            let mut m = serde_json::Map::new();
+            for key in keys {
+                m.insert(
+                    key.into(),
+                    json!(per_message(field(&big, key), field(&small, key), n, n0)),
+                );
+            }
+            m.insert(
+                "msgs_per_s".into(),
+                json!(n as f64 / field(&big, "elapsed_ms") * 1e3),
+            );
+            per.insert(who.name().into(), Value::Object(m));
+        }
+        let mut layer = serde_json::Map::new();
+        for key in keys {
+            layer.insert(
+                key.into(),
+                json!(field(&per["lily"], key) - field(&per["raw"], key)),
+            );
+        }
+        per.insert("lily_layer".into(), Value::Object(layer));
+        eprintln!(
+            "cost: allocations round {}: {}",
+            rep + 1,
+            Value::Object(per.clone())
+        );
+        rounds.push(Value::Object(per));
+    }
+    let med = |who: &str, key: &str| {
+        let mut v: Vec<f64> = rounds.iter().map(|r| field(&r[who], key)).collect();
+        median(&mut v)
+    };
+    let summary = |who: &str| {
+        json!({
+            "allocations": med(who, "allocations"),
+            "reallocations": med(who, "reallocations"),
+            "allocation_calls": med(who, "allocations") + med(who, "reallocations"),
+            "bytes_allocated": med(who, "bytes_allocated"),
+        })
+    };
+    let layer = summary("lily_layer");
+    let calls = field(&layer, "allocation_calls");
+    Ok(json!({
+        "method": format!(
+            "counting global allocator (stats_alloc) over the whole child process; per message = \
+             (A(N) - A(N0)) / (N - N0) with N = {n}, N0 = {n0}; Lily's layer = Lily - raw; \
+             median of {} rounds; allocation_calls = alloc + alloc_zeroed + realloc",
+            b.options.reps
+        ),
+        "n": n,
+        "n0": n0,
+        "reps": b.options.reps,
+        "raw": summary("raw"),
+        "lily": summary("lily"),
+        "lily_layer": layer,
+        "target": TARGET_ALLOCATIONS,
+        "met": calls <= TARGET_ALLOCATIONS,
+        "rounds": rounds,
+    }))
+}
+
+/// Instructions per message under callgrind, on one runtime flavour.
+fn instructions_on(b: &Bench, multi_thread: bool) -> Result<Value, String> {
+    let (n, n0) = (b.options.valgrind_n, b.options.valgrind_n0);
+    let (raw_n, raw_run) = b.callgrind(Contender::Raw, n, multi_thread)?;
+    let (raw_n0, _) = b.callgrind(Contender::Raw, n0, multi_thread)?;
+    let (lily_n, lily_run) = b.callgrind(Contender::Lily, n, multi_thread)?;
+    let (lily_n0, _) = b.callgrind(Contender::Lily, n0, multi_thread)?;
+    let raw = per_message(raw_n as f64, raw_n0 as f64, n, n0);
+    let lily = per_message(lily_n as f64, lily_n0 as f64, n, n0);
+    Ok(json!({
+        "runtime": runtime_name(multi_thread),
+        "collected": { "raw_n": raw_n, "raw_n0": raw_n0, "lily_n": lily_n, "lily_n0": lily_n0 },
+        "elapsed_under_valgrind_ms": { "raw_n": raw_run["elapsed_ms"], "lily_n": lily_run["elapsed_ms"] },
+        "raw": raw,
+        "lily": lily,
+        "lily_layer": lily - raw,
+    }))
+}
+
+/// Instructions per message under callgrind: the target is judged on the current-thread runtime
+/// (the stricter and steadier baseline); the multi-thread figures are reported beside it.
+fn instructions(b: &Bench) -> Result<Value, String> {
+    let (n, n0) = (b.options.valgrind_n, b.options.valgrind_n0);
+    let valgrind = Command::new("valgrind").arg("--version").output();
+    if !valgrind.is_ok_and(|o| o.status.success()) {
+        return Err("valgrind is not installed (apt-get install valgrind)".into());
+    }
+    let main = instructions_on(b, b.options.multi_thread)?;
+    let other = if b.options.multi_thread {
+        Value::Null
+    } else {
+        instructions_on(b, true)?
+    };
+    let layer = field(&main, "lily_layer");
+    let mut out = json!({
+        "method": format!(
+            "valgrind --tool=callgrind, `Collected` instructions of the whole child process (all \
+             threads, lapin's I/O thread included); per message = (I(N) - I(N0)) / (N - N0) with \
+             N = {n}, N0 = {n0}; Lily's layer = Lily - raw; target judged on the {} runtime",
+            runtime_name(b.options.multi_thread)
+        ),
+        "n": n,
+        "n0": n0,
+        "target": TARGET_INSTRUCTIONS,
+        "met": layer <= TARGET_INSTRUCTIONS,
+        "multi_thread": other,
+    });
+    for (k, v) in main.as_object().into_iter().flatten() {
+        out[k] = v.clone();
+    }
+    Ok(out)
+}
+
+fn runtime_name(multi_thread: bool) -> &'static str {
+    if multi_thread {
+        "tokio multi-thread"
+    } else {
+        "tokio current-thread"
+    }
+}
+
+/// One memory child: waits for `IDLE`, publishes `k` messages, reads `RESULT`.
+fn memory_child(b: &Bench, who: Contender, k: usize) -> Result<Value, String> {
+    let queue = format!("lily-bench-cost-mem-{}", who.name());
+    b.queue_with(&queue, 0);
+    let mut child = Command::new(&b.exe)
+        .env("LILY_AMQP_URL", &b.url)
+        .arg(format!("mem-{}", who.name()))
+        .arg(k.to_string())
+        .arg(&queue)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| format!("spawn mem-{}: {e}", who.name()))?;
+    let stdout = child.stdout.take().ok_or("no stdout")?;
+    let mut result = None;
+    for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+        if line.starts_with("IDLE ") {
+            b.rt.block_on(publish(&b.url, &queue, k, &body_512()));
+        } else if let Some(json) = line.strip_prefix("RESULT ") {
+            result = serde_json::from_str::<Value>(json).ok();
+        }
+    }
+    let status = child.wait().map_err(|e| format!("wait: {e}"))?;
+    match result {
+        Some(r) if status.success() => Ok(r),
+        _ => Err(format!("mem-{} failed ({status})", who.name())),
+    }
+}
+
+/// Memory per in-flight delivery.
+fn memory(b: &Bench) -> Result<Value, String> {
+    let k = b.options.in_flight;
+    let mut out = serde_json::Map::new();
+    for who in [Contender::Raw, Contender::Lily] {
+        let r = memory_child(b, who, k)?;
+        let delta = |key: &str| {
+            (r["full"][key].as_f64().unwrap_or(f64::NAN)
+                - r["idle"][key].as_f64().unwrap_or(f64::NAN))
+                / k as f64
+        };
+        let summary = json!({
+            "rss_idle_bytes": r["idle"]["rss_bytes"],
+            "rss_in_flight_bytes": r["full"]["rss_bytes"],
+            "hwm_bytes": r["full"]["hwm_bytes"],
+            "rss_per_delivery": delta("rss_bytes"),
+            "heap_per_delivery": delta("heap_live_bytes"),
+            "heap_blocks_per_delivery": delta("heap_live_blocks"),
+            "in_flight": r["in_flight"],
+        });
+        eprintln!("cost: memory {}: {summary}", who.name());
+        out.insert(who.name().into(), summary);
+    }
+    let d = |who: &str, key: &str| out[who][key].as_f64().unwrap_or(f64::NAN);
+    let extra = json!({
+        "rss_per_delivery": d("lily", "rss_per_delivery") - d("raw", "rss_per_delivery"),
+        "heap_per_delivery": d("lily", "heap_per_delivery") - d("raw", "heap_per_delivery"),
+        "heap_blocks_per_delivery": d("lily", "heap_blocks_per_delivery") - d("raw", "heap_blocks_per_delivery"),
+    });
+    let beyond_body = json!({
+        "rss_per_delivery": d("lily", "rss_per_delivery") - 512.0,
+        "heap_per_delivery": d("lily", "heap_per_delivery") - 512.0,
+    });
+    Ok(json!({
+        "method": format!(
+            "child process per contender, multi-thread runtime, prefetch = concurrency = {k}; \
+             VmRSS (/proc/self/status) and live heap (counting allocator) sampled idle \
+             (consuming, nothing in flight) and with {k} deliveries held; per delivery = \
+             (in flight - idle) / {k}. raw holds lapin deliveries unacked in a Vec; Lily's \
+             handler takes no argument and waits on a shared CancellationToken"
+        ),
+        "in_flight": k,
+        "raw": out["raw"],
+        "lily": out["lily"],
+        "lily_extra_over_raw": extra,
+        "lily_beyond_512_byte_body": beyond_body,
+    }))
+}
+
+/// Shutdown latency of `k8s-shutdown`, idle and with 1 000 in flight.
+fn shutdown_latency(b: &Bench) -> Result<Value, String> {
+    let subject = shutdown::subject()?;
+    let runs = b.options.shutdown_runs;
+    let idle = shutdown::measure(&b.rt, &b.url, &subject, shutdown::IDLE, runs)?;
+    let busy = shutdown::measure(&b.rt, &b.url, &subject, shutdown::BUSY, runs)?;
+    let idle_ms = field(&idle, "median_ms");
+    Ok(json!({
+        "method": format!(
+            "examples/k8s-shutdown as a child (SIGTERM handled by Shutdown::listen_for_signals); \
+             SIGTERM sent {} ms after its log says `consuming`; time from kill(2) until the \
+             process has exited (waitpid); median of {runs} runs per case",
+            shutdown::IDLE.settle.as_millis()
+        ),
+        "idle": idle,
+        "in_flight_1000": busy,
+        "target_idle_ms": TARGET_IDLE_SHUTDOWN_MS,
+        "met": idle_ms < TARGET_IDLE_SHUTDOWN_MS,
+    }))
+}
+
+fn broker_version() -> String {
+    Command::new("dpkg-query")
+        .args(["-W", "-f", "${Version}", "rabbitmq-server"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| format!("RabbitMQ {}", String::from_utf8_lossy(&o.stdout).trim()))
+        .unwrap_or_else(|| "RabbitMQ (version unknown)".into())
+}
+
+fn orchestrate(options: &Options) -> ExitCode {
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(err) => {
+            eprintln!("cost: current_exe: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let b = Bench {
+        rt: runtime(true),
+        url: broker_url(),
+        exe,
+        options: options.clone(),
+    };
+    let mut results = json!({
+        "schema": "lily.bench.cost.v1",
+        "broker": broker_version(),
+        "queue_type": "classic",
+        "prefetch": PREFETCH,
+        "message_bytes": body_512().len(),
+        "message": "JSON order, type order.placed, persistent, with message_id",
+        "runtime": runtime_name(options.multi_thread),
+        "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
+    });
+    let mut failed = Vec::new();
+    let steps: [(&str, Step); 4] = [
+        ("allocations", allocations),
+        ("instructions", instructions),
+        ("memory", memory),
+        ("shutdown", shutdown_latency),
+    ];
+    for (name, step) in steps {
+        let short = if name == "allocations" {
+            "allocs"
+        } else {
+            name
+        };
+        if !(options.wants(name) || options.wants(short)) {
+            continue;
+        }
+        eprintln!("cost: measuring {name}");
+        let started = Instant::now();
+        match step(&b) {
+            Ok(value) => results[name] = value,
+            Err(err) => {
+                eprintln!("cost: {name} failed: {err}");
+                results[name] = json!({ "error": err });
+                failed.push(name);
+            }
+        }
+        eprintln!("cost: {name} took {:.0} s", started.elapsed().as_secs_f64());
+    }
+    let dir = b
+        .exe
+        .parent()
+        .and_then(Path::parent)
+        .map_or_else(|| PathBuf::from("target"), Path::to_path_buf)
+        .join("bench");
+    let markdown = report::markdown(&results);
+    println!("{}", report::table(&results));
+    let written = std::fs::create_dir_all(&dir)
+        .and_then(|()| {
+            std::fs::write(
+                dir.join("cost.json"),
+                serde_json::to_string_pretty(&results).unwrap_or_default() + "\n",
+            )
+        })
+        .and_then(|()| std::fs::write(dir.join("cost.md"), markdown));
+    match written {
+        Ok(()) => println!(
+            "written: {} and {}",
+            dir.join("cost.json").display(),
+            dir.join("cost.md").display()
+        ),
+        Err(err) => {
+            eprintln!("cost: writing results to {}: {err}", dir.display());
+            return ExitCode::FAILURE;
+        }
+    }
+    if failed.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("cost: not measured: {}", failed.join(", "));
+        ExitCode::FAILURE
+    }
+}

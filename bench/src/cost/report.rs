@@ -1,0 +1,277 @@
+//! The human table (terminal) and its markdown twin (`target/bench/cost.md`).
+
+use serde_json::Value;
+
+const HEADER: [&str; 6] = [
+    "measure",
+    "raw lapin",
+    "Lily",
+    "Lily's layer",
+    "target",
+    "met",
+];
+
+fn num(v: &Value, digits: usize) -> String {
+    match v.as_f64() {
+        Some(x) if x.is_finite() => group(&format!("{x:.digits$}")),
+        _ => "-".into(),
+    }
+}
+
+/// `12345.6` → `12 345.6`.
+fn group(text: &str) -> String {
+    let (sign, rest) = text.strip_prefix('-').map_or(("", text), |r| ("-", r));
+    let (int, frac) = rest
+        .split_once('.')
+        .map_or((rest, None), |(i, f)| (i, Some(f)));
+    let mut out = String::new();
+    for (i, c) in int.chars().enumerate() {
+        if i > 0 && (int.len() - i).is_multiple_of(3) {
+            out.push(' ');
+        }
+        out.push(c);
+    }
+    match frac {
+        Some(f) => format!("{sign}{out}.{f}"),
+        None => format!("{sign}{out}"),
+    }
+}
+
+fn met(v: &Value) -> String {
+    match v.as_bool() {
+        Some(true) => "yes".into(),
+        Some(false) => "NO".into(),
+        None => "-".into(),
+    }
+}
+
+fn rows(r: &Value) -> Vec<[String; 6]> {
+    let mut rows = Vec::new();
+    let s = |x: &str| x.to_owned();
+    let i = &r["instructions"];
+    if let Some(err) = i["error"].as_str() {
+        rows.push([
+            s("instructions / message"),
+            s("error"),
+            s(err),
+            s("-"),
+            s("-"),
+            s("-"),
+        ]);
+    } else if !i.is_null() {
+        rows.push([
+            format!("instructions / message (callgrind, N={})", num(&i["n"], 0)),
+            num(&i["raw"], 0),
+            num(&i["lily"], 0),
+            num(&i["lily_layer"], 0),
+            s("<= 8 000"),
+            met(&i["met"]),
+        ]);
+        let mt = &i["multi_thread"];
+        if !mt.is_null() {
+            rows.push([
+                s("  same, multi-thread runtime (informative)"),
+                num(&mt["raw"], 0),
+                num(&mt["lily"], 0),
+                num(&mt["lily_layer"], 0),
+                s("-"),
+                s("-"),
+            ]);
+        }
+    }
+    let a = &r["allocations"];
+    if let Some(err) = a["error"].as_str() {
+        rows.push([
+            s("heap allocations / message"),
+            s("error"),
+            s(err),
+            s("-"),
+            s("-"),
+            s("-"),
+        ]);
+    } else if !a.is_null() {
+        let part = |key: &str| {
+            [
+                num(&a["raw"][key], 2),
+                num(&a["lily"][key], 2),
+                num(&a["lily_layer"][key], 2),
+            ]
+        };
+        let [raw, lily, layer] = part("allocation_calls");
+        rows.push([
+            format!(
+                "heap allocations / message (alloc+realloc, N={})",
+                num(&a["n"], 0)
+            ),
+            raw,
+            lily,
+            layer,
+            s("<= 10"),
+            met(&a["met"]),
+        ]);
+        let [raw, lily, layer] = part("reallocations");
+        rows.push([s("  of which realloc"), raw, lily, layer, s("-"), s("-")]);
+        let [raw, lily, layer] = part("bytes_allocated");
+        rows.push([
+            s("heap bytes allocated / message"),
+            raw,
+            lily,
+            layer,
+            s("-"),
+            s("-"),
+        ]);
+    }
+    let m = &r["memory"];
+    if let Some(err) = m["error"].as_str() {
+        rows.push([
+            s("memory per in-flight delivery"),
+            s("error"),
+            s(err),
+            s("-"),
+            s("-"),
+            s("-"),
+        ]);
+    } else if !m.is_null() {
+        let k = num(&m["in_flight"], 0);
+        rows.push([
+            format!("RSS bytes per in-flight delivery ({k} held)"),
+            num(&m["raw"]["rss_per_delivery"], 0),
+            num(&m["lily"]["rss_per_delivery"], 0),
+            num(&m["lily_extra_over_raw"]["rss_per_delivery"], 0),
+            s("-"),
+            s("-"),
+        ]);
+        rows.push([
+            format!("live heap bytes per in-flight delivery ({k} held)"),
+            num(&m["raw"]["heap_per_delivery"], 0),
+            num(&m["lily"]["heap_per_delivery"], 0),
+            num(&m["lily_extra_over_raw"]["heap_per_delivery"], 0),
+            s("-"),
+            s("-"),
+        ]);
+        rows.push([
+            format!("peak RSS, {k} in flight (MiB)"),
+            num(
+                &Value::from(m["raw"]["hwm_bytes"].as_f64().unwrap_or(f64::NAN) / 1048576.0),
+                1,
+            ),
+            num(
+                &Value::from(m["lily"]["hwm_bytes"].as_f64().unwrap_or(f64::NAN) / 1048576.0),
+                1,
+            ),
+            s("-"),
+            s("-"),
+            s("-"),
+        ]);
+    }
+    let d = &r["shutdown"];
+    if let Some(err) = d["error"].as_str() {
+        rows.push([
+            s("shutdown latency"),
+            s("error"),
+            s(err),
+            s("-"),
+            s("-"),
+            s("-"),
+        ]);
+    } else if !d.is_null() {
+        let runs = num(&d["idle"]["runs"], 0);
+        rows.push([
+            format!("shutdown, idle: SIGTERM to exit, ms (median of {runs})"),
+            s("-"),
+            num(&d["idle"]["median_ms"], 1),
+            s("-"),
+            s("< 200"),
+            met(&d["met"]),
+        ]);
+        let busy = &d["in_flight_1000"];
+        rows.push([
+            format!(
+                "shutdown, {} in flight (handlers {} ms): SIGTERM to exit, ms",
+                num(&busy["median_in_flight_at_sigterm"], 0),
+                num(&busy["work_ms"], 0)
+            ),
+            s("-"),
+            num(&busy["median_ms"], 1),
+            s("-"),
+            s("-"),
+            s("-"),
+        ]);
+    }
+    rows
+}
+
+fn conditions(r: &Value) -> String {
+    let mut text = format!(
+        "{}, classic queues, {}-byte persistent JSON messages, {} cores. Per-message cost: prefetch \
+         {}, {} runtime; Lily's layer = Lily - a hand-written lapin consumer that deserializes and \
+         acks each message.",
+        r["broker"].as_str().unwrap_or("RabbitMQ"),
+        r["message_bytes"],
+        r["cores"],
+        r["prefetch"],
+        r["runtime"].as_str().unwrap_or("tokio"),
+    );
+    if r["memory"]["in_flight"].is_number() {
+        text += &format!(
+            " Memory: prefetch = concurrency = {}, multi-thread runtime.",
+            num(&r["memory"]["in_flight"], 0)
+        );
+    }
+    if r["shutdown"].is_object() {
+        text += " Shutdown: examples/k8s-shutdown, SIGTERM to process exit.";
+    }
+    text + " For reference, the peer ruststream-lapin reports about 17 300 instructions and 16 \
+            allocations per message."
+}
+
+/// A plain-text table for the terminal.
+pub fn table(r: &Value) -> String {
+    let rows = rows(r);
+    let mut widths = HEADER.map(str::len);
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: &[String]| {
+        cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let pad = widths[i].saturating_sub(c.chars().count());
+                if i == 0 {
+                    format!("{c}{}", " ".repeat(pad))
+                } else {
+                    format!("{}{c}", " ".repeat(pad))
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("  ")
+    };
+    let mut out = format!("Lily cost benchmark\n{}\n\n", conditions(r));
+    out += &line(&HEADER.map(str::to_owned));
+    out.push('\n');
+    out += &widths
+        .iter()
+        .map(|w| "-".repeat(*w))
+        .collect::<Vec<_>>()
+        .join("  ");
+    out.push('\n');
+    for row in &rows {
+        out += &line(row);
+        out.push('\n');
+    }
+    out
+}
+
+/// The same table in markdown, ready for the README.
+pub fn markdown(r: &Value) -> String {
+    let mut out = format!("{}\n\n", conditions(r));
+    out += &format!("| {} |\n", HEADER.join(" | "));
+    out += "|---|---:|---:|---:|---:|:---:|\n";
+    for row in rows(r) {
+        out += &format!("| {} |\n", row.join(" | "));
+    }
+    out
+}

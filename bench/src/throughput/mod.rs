@@ -1,0 +1,258 @@
+//! The throughput benchmark: raw lapin, Lily and ruststream-lapin on the success path, raw lapin
+//! and Lily on the handoff path. `src/bin/throughput.rs` drives it.
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+pub mod lily_run;
+pub mod peer;
+pub mod raw;
+pub mod report;
+
+/// How often a run polls a contender's settled count (Lily's totals, the peer's counter).
+pub const POLL: Duration = Duration::from_millis(1);
+
+/// Longest a run may take before it is given up: 60 s plus 1 ms a message.
+pub fn run_limit(n: u64) -> Duration {
+    Duration::from_secs(60) + Duration::from_millis(n)
+}
+
+/// One measured run.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Sample {
+    /// Messages settled when the clock stopped.
+    pub settled: u64,
+    /// Messages the run waited for.
+    pub expected: u64,
+    /// Seconds from consumer start until `expected` were settled (or the run gave up).
+    pub secs: f64,
+    /// `settled / secs`.
+    pub msgs_per_sec: f64,
+    /// All `expected` messages were settled.
+    pub complete: bool,
+    /// CPU of this process (every thread) per settled message, connect to close, in µs.
+    pub client_cpu_us_per_msg: Option<f64>,
+    /// CPU of the broker's Erlang VM per settled message over the same window, in µs.
+    pub broker_cpu_us_per_msg: Option<f64>,
+    /// Ready messages left in the work queue after the contender stopped (should be 0; more
+    /// means deliveries counted as settled were requeued when it closed).
+    pub left_in_queue: Option<u32>,
+}
+
+impl Sample {
+    pub fn new(settled: u64, expected: u64, elapsed: Duration) -> Self {
+        let secs = elapsed.as_secs_f64();
+        #[allow(clippy::cast_precision_loss)]
+        let msgs_per_sec = if secs > 0.0 {
+            settled as f64 / secs
+        } else {
+            0.0
+        };
+        Self {
+            settled,
+            expected,
+            secs,
+            msgs_per_sec,
+            complete: settled >= expected,
+            client_cpu_us_per_msg: None,
+            broker_cpu_us_per_msg: None,
+            left_in_queue: None,
+        }
+    }
+}
+
+/// Which path a case measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Path {
+    /// Every message is deserialized and ACKed.
+    Success,
+    /// Every message fails once and is handed off to a retry bucket (confirmed copy, then ACK).
+    Handoff,
+}
+
+impl Path {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Success => "success",
+            Self::Handoff => "handoff",
+        }
+    }
+
+    /// Target of Lily / raw lapin on this path.
+    pub fn raw_target(self) -> f64 {
+        match self {
+            Self::Success => 0.97,
+            Self::Handoff => 0.9,
+        }
+    }
+}
+
+/// Who consumes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Contender {
+    /// Hand-written lapin.
+    Raw,
+    /// Lily.
+    Lily,
+    /// ruststream-lapin.
+    Peer,
+    /// Hand-written lapin with a task per delivery (not run by default).
+    RawConcurrent,
+}
+
+impl Contender {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Raw => "raw lapin",
+            Self::Lily => "Lily",
+            Self::Peer => "ruststream-lapin",
+            Self::RawConcurrent => "raw lapin (tasks)",
+        }
+    }
+}
+
+/// Target of Lily / the peer.
+pub const PEER_TARGET: f64 = 1.0;
+
+/// Retry delay of the handoff path: long, so the copies stay parked in the bucket.
+pub const HANDOFF_DELAY: Duration = Duration::from_secs(600);
+
+/// Headers of a retry copy (Lily's names; the raw contender writes the same set).
+pub mod copy_headers {
+    pub const ATTEMPT: &str = "x-lily-attempt";
+    pub const FIRST_FAILURE_AT: &str = "x-lily-first-failure-at";
+    pub const LAST_FAILURE_AT: &str = "x-lily-last-failure-at";
+    pub const FAILURE_KIND: &str = "x-lily-failure-kind";
+    pub const REASON: &str = "x-lily-reason";
+    pub const SOURCE_QUEUE: &str = "x-lily-source-queue";
+    pub const ORIGINAL_EXCHANGE: &str = "x-lily-original-exchange";
+    pub const ORIGINAL_ROUTING_KEY: &str = "x-lily-original-routing-key";
+}
+
+/// The reason every handoff-path handler fails with.
+pub const FAILURE_REASON: &str = "bench: every message fails once";
+
+/// Ready messages in `queue` (a passive declare), or `None` if it cannot be read.
+pub async fn depth(url: &str, queue: &str) -> Option<u32> {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::{Connection, ConnectionProperties};
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .ok()?;
+    let channel = connection.create_channel().await.ok()?;
+    let declared = channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .ok()
+        .map(|q| q.message_count());
+    let _ = connection.close(200, "depth".into()).await;
+    declared
+}
+
+/// The broker's version as Debian packaged it, or what the benchmark was written against.
+pub fn broker_version() -> String {
+    let version = |package: &str| {
+        let out = std::process::Command::new("dpkg-query")
+            .args(["-W", "-f=${Version}", package])
+            .output()
+            .ok()?;
+        let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        (out.status.success() && !text.is_empty()).then_some(text)
+    };
+    match (version("rabbitmq-server"), version("erlang-base")) {
+        (Some(rabbit), erlang) => {
+            let upstream = rabbit.split('-').next().unwrap_or(&rabbit).to_owned();
+            let erlang = erlang.map_or_else(String::new, |e| {
+                let e = e.split_once(':').map_or(e.as_str(), |(_, v)| v);
+                format!(", Erlang {}", e.split(['+', '-']).next().unwrap_or(e))
+            });
+            format!("RabbitMQ {upstream} (Debian {rabbit}){erlang}")
+        }
+        (None, _) => "RabbitMQ 3.10 (Debian)".into(),
+    }
+}
+
+/// User + system CPU seconds of a process (`None`: this one) from `/proc`, all threads included.
+pub fn cpu_secs(pid: Option<u32>) -> Option<f64> {
+    let path = pid.map_or_else(
+        || "/proc/self/stat".to_owned(),
+        |p| format!("/proc/{p}/stat"),
+    );
+    let stat = std::fs::read_to_string(path).ok()?;
+    // Fields after the command name (which may hold spaces): state is field 3, utime 14, stime 15.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    #[allow(clippy::cast_precision_loss)]
+    Some(ticks as f64 / 100.0) // USER_HZ is 100 on Linux
+}
+
+/// The broker's Erlang VM, from the pid file `scripts/rabbitmq.sh` keeps in `LILY_RABBIT_DIR`.
+pub fn broker_pid() -> Option<u32> {
+    let dir = std::env::var_os("LILY_RABBIT_DIR")?;
+    let pid = std::fs::read_to_string(std::path::Path::new(&dir).join("rabbit.pid")).ok()?;
+    pid.trim().parse().ok()
+}
+
+/// CPU spent by this process and the broker while a contender ran.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuMeter {
+    client: Option<f64>,
+    broker: Option<f64>,
+    broker_pid: Option<u32>,
+}
+
+impl CpuMeter {
+    pub fn start() -> Self {
+        let broker_pid = broker_pid();
+        Self {
+            client: cpu_secs(None),
+            broker: broker_pid.and_then(|p| cpu_secs(Some(p))),
+            broker_pid,
+        }
+    }
+
+    /// Adds CPU microseconds per settled message to `sample`.
+    pub fn stop(self, sample: &mut Sample) {
+        #[allow(clippy::cast_precision_loss)]
+        let per = |before: Option<f64>, after: Option<f64>| match (before, after) {
+            (Some(b), Some(a)) if sample.settled > 0 => Some((a - b) * 1e6 / sample.settled as f64),
+            _ => None,
+        };
+        sample.client_cpu_us_per_msg = per(self.client, cpu_secs(None));
+        sample.broker_cpu_us_per_msg =
+            per(self.broker, self.broker_pid.and_then(|p| cpu_secs(Some(p))));
+    }
+}
+
+/// The 1-minute load average.
+pub fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// `git describe --always --dirty` of the working tree, or `unknown`.
+pub fn revision() -> String {
+    std::process::Command::new("git")
+        .args(["describe", "--always", "--dirty"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .filter(|r| !r.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
