@@ -9,7 +9,13 @@ set -euo pipefail
 dir=$1
 mkdir -p "$dir"
 cd "$dir"
-command -v openssl >/dev/null || { echo "lily: openssl not found" >&2; exit 1; }
+if ! command -v openssl >/dev/null; then
+  echo "lily: installing openssl from Debian packages" >&2
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssl >&2
+fi
 openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=lily-test-ca" \
   -keyout ca.key -out ca.pem 2>/dev/null
 openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" \
