@@ -298,6 +298,21 @@ pub fn markdown(results: &Results) -> String {
             ),
         );
     }
+    for c in results
+        .cases
+        .iter()
+        .filter(|c| c.raw_tasks_median.is_some())
+    {
+        let _ = writeln!(
+            out,
+            "\nExtra baseline, {} {} prefetch {}: raw lapin with a task per delivery {} msg/s; Lily / it = {:.3}.",
+            c.path.name(),
+            c.queue_type,
+            c.prefetch,
+            c.raw_tasks_median.map_or_else(|| "–".into(), rate),
+            c.lily_over_raw_tasks.unwrap_or(f64::NAN),
+        );
+    }
     let _ = writeln!(out);
     let _ = writeln!(
         out,
