@@ -80,9 +80,13 @@ async fn settle_delivery(shared: Arc<Shared>, session: Arc<Session>, delivery: D
         Gate::Passed { attempt, .. } => *attempt,
         Gate::Refused(_) => 1,
     };
-    let message_id = view
-        .message_id
-        .filter(|id| is_token(id, limits.max_message_id_len));
+    // The gate already validated the id of a delivery it passed; a refused one is checked here.
+    let message_id = match &gate {
+        Gate::Passed { .. } => view.message_id,
+        Gate::Refused(_) => view
+            .message_id
+            .filter(|id| is_token(id, limits.max_message_id_len)),
+    };
     let identity = Identity {
         queue: Arc::clone(&shared.queue),
         message_id: message_id.map(Box::from),

@@ -16,8 +16,15 @@ use tokio::process::{Child, Command};
 struct Service {
     child: Child,
     stderr: Arc<Mutex<Vec<String>>>,
+    dir: PathBuf,
     report: PathBuf,
     termination_log: PathBuf,
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 impl Service {
@@ -51,6 +58,7 @@ impl Service {
         Self {
             child,
             stderr,
+            dir,
             report,
             termination_log,
         }
