@@ -3,9 +3,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use lapin::BasicProperties;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
-use lapin::{Acker, BasicProperties};
 use lily_mq_core::{
     Action, Authority, Begin, BoxedHandler, CleanupResult, DeliveryCancel, EntryId, Evidence,
     GateRejection, Handoff, HandoffResult, Identity, Incoming, IncomingParts, Lane, Meta, Outcome,
@@ -37,10 +36,12 @@ pub(crate) fn handle(
     let work = settle_delivery(shared, session, delivery);
     async move {
         in_flight.increment(1.0);
+        // The work first: most deliveries finish on their first poll, before the abort signal
+        // would need a waiter registered.
         tokio::select! {
             biased;
-            () = abort.cancelled() => {}
             () = work => {}
+            () = abort.cancelled() => {}
         }
         in_flight.decrement(1.0);
         drop(permit);
@@ -55,7 +56,8 @@ async fn settle_delivery(shared: Arc<Shared>, session: Arc<Session>, delivery: D
         redelivered,
         properties,
         data,
-        acker,
+        // Settled on the session's channel instead: see `Session::settle`.
+        acker: _,
     } = delivery;
     let view = PropertiesView {
         message_id: properties.message_id().as_ref().map(|s| s.as_str()),
@@ -110,7 +112,7 @@ async fn settle_delivery(shared: Arc<Shared>, session: Arc<Session>, delivery: D
     let work = Work {
         shared: &shared,
         session: &session,
-        acker: &acker,
+        delivery_tag,
         entry,
         span: span.clone(),
     };
@@ -193,7 +195,7 @@ enum Gate {
 struct Work<'a> {
     shared: &'a Arc<Shared>,
     session: &'a Arc<Session>,
-    acker: &'a Acker,
+    delivery_tag: u64,
     entry: EntryId,
     /// The delivery's span (disabled, and free, when nothing listens).
     span: tracing::Span,
@@ -216,8 +218,7 @@ impl Work<'_> {
     }
 
     fn authority(&self) -> Authority {
-        // A closed channel or connection poisons the acker.
-        if self.acker.usable() && !self.shared.revoked.is_cancelled() {
+        if self.session.consuming_open() && !self.shared.revoked.is_cancelled() {
             Authority::Held
         } else {
             Authority::Lost
@@ -428,7 +429,7 @@ impl Work<'_> {
                         // this task runs again.
                         self.count_requeue(key);
                     }
-                    let result = self.write(action, settlement.budget().deadline()).await;
+                    let result = self.write(action);
                     // A written frame closes the entry right after; a refused one is recorded.
                     if result == SettleResult::Refused {
                         self.note(Evidence::AuthorityLost);
@@ -486,35 +487,12 @@ impl Work<'_> {
             .await
     }
 
-    /// Writes the ACK, NACK or reject; the frame normally goes out on the first poll, and only
-    /// a write still pending is bounded by the settlement deadline.
-    async fn write(&self, action: Action, deadline: Instant) -> SettleResult {
+    /// Queues the ACK, NACK or reject on the delivery's channel; see [`Session::settle`].
+    fn write(&self, action: Action) -> SettleResult {
         if self.shared.revoked.is_cancelled() {
             return SettleResult::Refused;
         }
-        let sent = async {
-            match action {
-                Action::Ack => self.acker.ack(BasicAckOptions::default()).await,
-                Action::Requeue => {
-                    self.acker
-                        .nack(BasicNackOptions {
-                            multiple: false,
-                            requeue: true,
-                        })
-                        .await
-                }
-                _ => {
-                    self.acker
-                        .reject(BasicRejectOptions { requeue: false })
-                        .await
-                }
-            }
-        };
-        // `Ok(false)` means the acker was used or its channel poisoned: lost authority.
-        match pipeline::within_deadline(deadline, sent).await {
-            Ok(Ok(true)) => SettleResult::Written,
-            _ => SettleResult::Refused,
-        }
+        self.session.settle(self.delivery_tag, action)
     }
 
     fn local_requeues(&self, message_id: &str) -> u32 {

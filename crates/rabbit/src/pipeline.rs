@@ -115,18 +115,6 @@ pub(crate) async fn within<F: Future>(
     }
 }
 
-/// [`within`] with an absolute deadline.
-pub(crate) async fn within_deadline<F: Future>(
-    deadline: std::time::Instant,
-    future: F,
-) -> Result<F::Output, tokio::time::error::Elapsed> {
-    let mut future = std::pin::pin!(future);
-    match poll_once(future.as_mut()).await {
-        Poll::Ready(output) => Ok(output),
-        Poll::Pending => Box::pin(tokio::time::timeout_at(deadline.into(), future)).await,
-    }
-}
-
 async fn poll_once<F: Future>(mut future: Pin<&mut F>) -> Poll<F::Output> {
     std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await
 }

@@ -6,9 +6,13 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures_core::Stream;
-use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+    BasicRejectOptions,
+};
 use lapin::types::{FieldTable, LongString};
 use lapin::{Channel, Connection, ConnectionProperties};
+use lily_mq_core::{Action, SettleResult};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -45,6 +49,45 @@ pub(crate) enum SessionError {
 }
 
 impl Session {
+    /// Whether the consuming channel is still open: its deliveries can be settled.
+    pub(crate) fn consuming_open(&self) -> bool {
+        self.consuming.status().connected()
+    }
+
+    /// Writes the ACK, NACK or reject of `delivery_tag`, which must have come from this
+    /// session's consuming channel and be settled only once (the `Settlement` machine's rule).
+    ///
+    /// The frame joins the connection's frame queue during this call, behind every frame
+    /// queued before it and ahead of any later `basic.qos` on the channel, so the round trip of
+    /// [`confirm_acks`](Self::confirm_acks) proves it like any other. Waiting for the socket
+    /// write would prove nothing more and cost the delivery's task a wake-up, so the write's
+    /// own completion is not awaited; a closed channel refuses the frame at once. Settling
+    /// here rather than through lapin's `Acker` also skips its hop through the connection's
+    /// internal task. Channels are never recovered under the same id (Lily reconnects with a
+    /// new session), so a tag cannot settle another delivery.
+    pub(crate) fn settle(&self, delivery_tag: u64, action: Action) -> SettleResult {
+        let channel = &self.consuming;
+        let queued = match action {
+            Action::Ack => first_poll(channel.basic_ack(delivery_tag, BasicAckOptions::default())),
+            Action::Requeue => first_poll(channel.basic_nack(
+                delivery_tag,
+                BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                },
+            )),
+            Action::Reject => first_poll(
+                channel.basic_reject(delivery_tag, BasicRejectOptions { requeue: false }),
+            ),
+            // A handoff is published on the confirm channel, never written here.
+            Action::Publish { .. } => return SettleResult::Refused,
+        };
+        match queued {
+            std::task::Poll::Ready(Err(_)) => SettleResult::Refused,
+            _ => SettleResult::Written,
+        }
+    }
+
     /// Proves the broker processed every ACK written on the consuming channel before now: frames
     /// on a channel are handled in order, so a `basic.qos` reply comes after them. If the channel
     /// is gone, those ACKs are uncertain.
@@ -215,4 +258,11 @@ async fn confirm_periodically(shared: Arc<Shared>, session: Arc<Session>) {
             break;
         }
     }
+}
+
+/// Polls `future` once, without a task to wake: what it does on its first poll is done.
+fn first_poll<F: Future>(future: F) -> std::task::Poll<F::Output> {
+    let mut future = std::pin::pin!(future);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    future.as_mut().poll(&mut cx)
 }
