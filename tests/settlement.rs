@@ -69,6 +69,51 @@ async fn success_acks_and_leaves_quorum_queue_empty() {
     success_path(QueueKind::Quorum).await;
 }
 
+/// Fewer handlers than the prefetch: never more than `concurrency` run at once, and every
+/// delivery is still settled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_below_prefetch_bounds_running_handlers() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let broker = Broker::from_env();
+    let queue = Broker::unique("concurrency");
+    let running_now = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let (now, peak) = (Arc::clone(&running_now), Arc::clone(&most));
+    let router = Router::new().route("order.placed", move || {
+        let (now, peak) = (Arc::clone(&now), Arc::clone(&peak));
+        async move {
+            let running = now.fetch_add(1, Ordering::SeqCst) + 1;
+            peak.fetch_max(running, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            now.fetch_sub(1, Ordering::SeqCst);
+            Ok(())
+        }
+    });
+    let config = config(&queue, QueueKind::Classic)
+        .prefetch(20)
+        .concurrency(3);
+    let running = start(broker.url(), config, router);
+    let client = Client::connect(broker.url()).await;
+    common::wait_declared(broker.url(), &queue).await;
+    for i in 0..40 {
+        client
+            .publish(&queue, &order(1), props(&format!("c-{i}"), "order.placed"))
+            .await;
+    }
+    running.wait_for("40 acks", WAIT, |t| t.acked == 40).await;
+    let summary = running.stop().await;
+    assert_eq!(summary.totals.acked, 40);
+    assert!(summary.clean, "{:?}", summary.unresolved);
+    assert_eq!(
+        most.load(Ordering::SeqCst),
+        3,
+        "handlers ran up to, and never beyond, the concurrency"
+    );
+    assert_eq!(client.depth(&queue).await, 0);
+}
+
 async fn retry_then_success(kind: QueueKind) {
     let broker = Broker::from_env();
     let queue = Broker::unique("retry");

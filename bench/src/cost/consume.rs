@@ -3,24 +3,28 @@
 //! whole process.
 //!
 //! - raw: a hand-written lapin consumer: `basic.qos`, `basic.consume`, then for each delivery
-//!   deserialize the `Order` and `basic.ack` it; at the end a `basic.qos` round trip proves the
-//!   ACKs were processed (as Lily does), then channel and connection close.
+//!   deserialize the `Order` and `basic.ack` it the way Lily does (`Channel::basic_ack`, the
+//!   frame queued, its socket write not awaited); at the end a `basic.qos` round trip proves
+//!   the ACKs were processed (as Lily does), then channel and connection close.
+//! - raw-acker: the same, acking with `delivery.acker.ack().await` as lapin's documentation
+//!   shows.
 //! - Lily: `Consumer::run` with a `Router` whose handler takes `Json<Order>` and returns `Ok`;
 //!   when `N` deliveries are acked, `Shutdown::trigger(Trigger::Api)`.
 //!
 //! Both count handled messages in a static atomic, and the Lily child waits on a static `Notify`
 //! rather than polling, so that time (dilated under valgrind) adds no per-message work.
 
-use std::future::poll_fn;
+use std::future::{Future as _, poll_fn};
 use std::hint::black_box;
-use std::pin::Pin;
+use std::pin::{Pin, pin};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use futures_core::Stream;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
+use lapin::{Channel, Connection, ConnectionProperties};
 use lily::prelude::{Consumer, ConsumerConfig, Json, QueueHandlerError, Router, Shutdown, Trigger};
 use tokio::sync::Notify;
 
@@ -82,7 +86,7 @@ async fn lily(url: &str, queue: &str, n: usize) -> Result<(), String> {
     Ok(())
 }
 
-async fn raw(url: &str, queue: &str, n: usize) -> Result<(), String> {
+async fn raw(url: &str, queue: &str, n: usize, acker: bool) -> Result<(), String> {
     let e = |what: &'static str| move |err: lapin::Error| format!("{what}: {err}");
     let connection = Connection::connect(url, ConnectionProperties::default())
         .await
@@ -110,11 +114,15 @@ async fn raw(url: &str, queue: &str, n: usize) -> Result<(), String> {
             serde_json::from_slice(&delivery.data).map_err(|err| format!("json: {err}"))?;
         black_box(&order);
         handled();
-        delivery
-            .acker
-            .ack(BasicAckOptions::default())
-            .await
-            .map_err(e("ack"))?;
+        if acker {
+            delivery
+                .acker
+                .ack(BasicAckOptions::default())
+                .await
+                .map_err(e("ack"))?;
+        } else {
+            queue_ack(&channel, delivery.delivery_tag).map_err(e("ack"))?;
+        }
     }
     // A round trip proves the broker processed the ACKs (Lily does the same before closing).
     channel
@@ -126,12 +134,22 @@ async fn raw(url: &str, queue: &str, n: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// Entry point of `run-raw` / `run-lily`: `N QUEUE [--multi-thread]`.
+/// Queues the ACK frame on `channel` (one poll of `basic_ack`) without awaiting its write; the
+/// final `basic.qos` round trip proves it, as in Lily.
+fn queue_ack(channel: &Channel, tag: u64) -> lapin::Result<()> {
+    let ack = pin!(channel.basic_ack(tag, BasicAckOptions::default()));
+    match ack.poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(Err(err)) => Err(err),
+        _ => Ok(()),
+    }
+}
+
+/// Entry point of `run-raw` / `run-raw-acker` / `run-lily`: `N QUEUE [--multi-thread]`.
 pub fn child(who: Contender, args: &[String]) -> Result<serde_json::Value, String> {
     let n: usize = args
         .first()
         .and_then(|a| a.parse().ok())
-        .ok_or("usage: cost run-raw|run-lily N QUEUE [--multi-thread]")?;
+        .ok_or("usage: cost run-raw|run-raw-acker|run-lily N QUEUE [--multi-thread]")?;
     let queue = args.get(1).ok_or("missing QUEUE")?;
     let multi = args.iter().any(|a| a == "--multi-thread");
     let url = broker_url();
@@ -139,7 +157,8 @@ pub fn child(who: Contender, args: &[String]) -> Result<serde_json::Value, Strin
     let started = Instant::now();
     rt.block_on(async {
         match who {
-            Contender::Raw => raw(&url, queue, n).await,
+            Contender::Raw => raw(&url, queue, n, false).await,
+            Contender::RawAcker => raw(&url, queue, n, true).await,
             Contender::Lily => lily(&url, queue, n).await,
         }
     })?;

@@ -44,8 +44,13 @@ pub const TARGET_IDLE_SHUTDOWN_MS: f64 = 200.0;
 /// Which consumer a child runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Contender {
-    /// A hand-written lapin consumer that deserializes and acks each message.
+    /// A hand-written lapin consumer that deserializes and acks each message the way Lily does:
+    /// `Channel::basic_ack`, the frame queued and its socket write not awaited. The baseline of
+    /// "Lily's layer".
     Raw,
+    /// The same consumer acking through `delivery.acker.ack().await`, as lapin's documentation
+    /// shows: that path hops through lapin's internal task and waits for the write.
+    RawAcker,
     /// Lily's `Consumer` with a `Json<Order>` handler.
     Lily,
 }
@@ -54,6 +59,7 @@ impl Contender {
     pub fn name(self) -> &'static str {
         match self {
             Self::Raw => "raw",
+            Self::RawAcker => "raw-acker",
             Self::Lily => "lily",
         }
     }
@@ -78,7 +84,7 @@ pub fn runtime(multi_thread: bool) -> Runtime {
 const USAGE: &str = "\
 usage: cost [--n N] [--n0 N0] [--valgrind-n N] [--valgrind-n0 N0] [--reps R] [--in-flight K]
             [--shutdown-runs R] [--multi-thread] [--only allocs,instructions,memory,shutdown]
-       cost run-raw|run-lily N QUEUE [--multi-thread]   (child: consume N messages)
+       cost run-raw|run-raw-acker|run-lily N QUEUE [--multi-thread]   (child: consume N)
        cost mem-raw|mem-lily K QUEUE                    (child: hold K deliveries)
        cost prepare N QUEUE                             (fresh QUEUE holding N messages)
 
@@ -120,6 +126,7 @@ pub fn main() -> ExitCode {
     };
     match args.first().map(String::as_str) {
         Some("run-raw") => child(consume::child(Contender::Raw, &args[1..])),
+        Some("run-raw-acker") => child(consume::child(Contender::RawAcker, &args[1..])),
         Some("run-lily") => child(consume::child(Contender::Lily, &args[1..])),
         Some("mem-raw") => child(memory::child(Contender::Raw, &args[1..])),
         Some("mem-lily") => child(memory::child(Contender::Lily, &args[1..])),
@@ -379,7 +386,7 @@ fn allocations(b: &Bench) -> Result<Value, String> {
     let mut rounds = Vec::new();
     for rep in 0..b.options.reps {
         let mut per = serde_json::Map::new();
-        for who in [Contender::Raw, Contender::Lily] {
+        for who in [Contender::Raw, Contender::RawAcker, Contender::Lily] {
             let big = b.native(who, n)?;
             let small = b.native(who, n0)?;
             let mut m = serde_json::Map::new();
@@ -427,7 +434,8 @@ fn allocations(b: &Bench) -> Result<Value, String> {
     Ok(json!({
         "method": format!(
             "counting global allocator (stats_alloc) over the whole child process; per message = \
-             (A(N) - A(N0)) / (N - N0) with N = {n}, N0 = {n0}; Lily's layer = Lily - raw; \
+             (A(N) - A(N0)) / (N - N0) with N = {n}, N0 = {n0}; Lily's layer = Lily - raw (both \
+             queue ACKs on the channel; raw_acker acks through lapin's Acker instead); \
              median of {} rounds; allocation_calls = alloc + alloc_zeroed + realloc",
             b.options.reps
         ),
@@ -435,6 +443,7 @@ fn allocations(b: &Bench) -> Result<Value, String> {
         "n0": n0,
         "reps": b.options.reps,
         "raw": summary("raw"),
+        "raw_acker": summary("raw-acker"),
         "lily": summary("lily"),
         "lily_layer": layer,
         "target": TARGET_ALLOCATIONS,
@@ -448,15 +457,22 @@ fn instructions_on(b: &Bench, multi_thread: bool) -> Result<Value, String> {
     let (n, n0) = (b.options.valgrind_n, b.options.valgrind_n0);
     let (raw_n, raw_run) = b.callgrind(Contender::Raw, n, multi_thread)?;
     let (raw_n0, _) = b.callgrind(Contender::Raw, n0, multi_thread)?;
+    let (acker_n, _) = b.callgrind(Contender::RawAcker, n, multi_thread)?;
+    let (acker_n0, _) = b.callgrind(Contender::RawAcker, n0, multi_thread)?;
     let (lily_n, lily_run) = b.callgrind(Contender::Lily, n, multi_thread)?;
     let (lily_n0, _) = b.callgrind(Contender::Lily, n0, multi_thread)?;
     let raw = per_message(raw_n as f64, raw_n0 as f64, n, n0);
+    let raw_acker = per_message(acker_n as f64, acker_n0 as f64, n, n0);
     let lily = per_message(lily_n as f64, lily_n0 as f64, n, n0);
     Ok(json!({
         "runtime": runtime_name(multi_thread),
-        "collected": { "raw_n": raw_n, "raw_n0": raw_n0, "lily_n": lily_n, "lily_n0": lily_n0 },
+        "collected": {
+            "raw_n": raw_n, "raw_n0": raw_n0, "raw_acker_n": acker_n, "raw_acker_n0": acker_n0,
+            "lily_n": lily_n, "lily_n0": lily_n0,
+        },
         "elapsed_under_valgrind_ms": { "raw_n": raw_run["elapsed_ms"], "lily_n": lily_run["elapsed_ms"] },
         "raw": raw,
+        "raw_acker": raw_acker,
         "lily": lily,
         "lily_layer": lily - raw,
     }))
@@ -481,7 +497,8 @@ fn instructions(b: &Bench) -> Result<Value, String> {
         "method": format!(
             "valgrind --tool=callgrind, `Collected` instructions of the whole child process (all \
              threads, lapin's I/O thread included); per message = (I(N) - I(N0)) / (N - N0) with \
-             N = {n}, N0 = {n0}; Lily's layer = Lily - raw; target judged on the {} runtime",
+             N = {n}, N0 = {n0}; Lily's layer = Lily - raw (both queue ACKs on the channel; \
+             raw_acker acks through lapin's Acker instead); target judged on the {} runtime",
             runtime_name(b.options.multi_thread)
         ),
         "n": n,

@@ -30,7 +30,7 @@ pub enum Evidence {
     HandoffConfirmed,
     /// The handoff failed.
     HandoffFailed,
-    /// An ACK, NACK or reject frame was written.
+    /// An ACK, NACK or reject frame was queued on the delivery's channel.
     SettleWritten,
     /// The channel closed before settlement.
     AuthorityLost,

@@ -18,7 +18,8 @@ pub struct ConsumerConfig {
     pub topology: TopologyMode,
     /// Unacknowledged deliveries the broker may send ahead (`basic.qos`).
     pub prefetch: u16,
-    /// Handlers running at once.
+    /// Deliveries handled at once, by as many long-lived workers (started on demand); capped
+    /// at `prefetch`.
     pub concurrency: usize,
     /// Time a handler may run; past it the handler is cancelled and the failure is retryable.
     pub handler_timeout: Duration,
@@ -76,7 +77,7 @@ impl ConsumerConfig {
         self
     }
 
-    /// Sets how many handlers run at once.
+    /// Sets how many deliveries are handled at once (capped at the prefetch).
     #[must_use]
     pub fn concurrency(mut self, concurrency: usize) -> Self {
         self.concurrency = concurrency.max(1);

@@ -12,11 +12,11 @@ use lily_mq_core::{
     Totals, TransactionalScope, Trigger,
 };
 use metrics::{Counter, Gauge, Histogram};
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
+use crate::crew::Crew;
 use crate::session::{Session, SessionEnd, SessionError, consume};
 use crate::{ConsumerConfig, Error, Shutdown, Topology};
 
@@ -235,8 +235,16 @@ impl Consumer {
             config: self.config,
         });
         let tracker = TaskTracker::new();
-        let session = run_sessions(&shared, &tracker, &shutdown).await?;
-        Ok(shut_down(&shared, &tracker, &shutdown, session).await)
+        // The broker never has more than `prefetch` deliveries out on a channel.
+        let crew = Crew::new(
+            shared
+                .config
+                .concurrency
+                .min(usize::from(shared.config.prefetch)),
+        );
+        let session = run_sessions(&shared, &tracker, &crew, &shutdown).await;
+        crew.close();
+        Ok(shut_down(&shared, &tracker, &shutdown, session?).await)
     }
 }
 
@@ -244,17 +252,14 @@ impl Consumer {
 async fn run_sessions(
     shared: &Arc<Shared>,
     tracker: &TaskTracker,
+    crew: &Arc<Crew>,
     shutdown: &Shutdown,
 ) -> Result<Option<Arc<Session>>, Error> {
     let stop = shutdown.graceful_token();
-    // The broker never has more than `prefetch` deliveries out on the channel: a semaphore is
-    // needed only when fewer handlers may run than that.
-    let permits = (shared.config.concurrency < usize::from(shared.config.prefetch))
-        .then(|| Arc::new(Semaphore::new(shared.config.concurrency)));
     let mut delay = shared.config.reconnect_min;
     while !stop.is_cancelled() {
         let started = Instant::now();
-        match consume(shared, tracker, permits.as_ref(), stop).await {
+        match consume(shared, tracker, crew, stop).await {
             Ok(SessionEnd::Shutdown(session)) => return Ok(Some(session)),
             Ok(SessionEnd::Lost) => {
                 warn!(queue = %shared.queue, "connection lost; in-flight deliveries lose authority");
@@ -295,7 +300,8 @@ async fn shut_down(
     while clock.phase() != Phase::Closed {
         if clock.phase() != phase {
             phase = clock.phase();
-            info!(queue = %shared.queue, ?phase, in_flight = tracker.len(), "shutdown phase");
+            let in_flight = lock(&shared.ledger).in_flight();
+            info!(queue = %shared.queue, ?phase, in_flight, "shutdown phase");
             enter(shared, phase);
         }
         let deadline = clock.poll_deadline().unwrap_or_else(Instant::now);
@@ -315,7 +321,8 @@ async fn shut_down(
                     tokio::time::timeout(left.max(Duration::from_millis(100)), tracker.wait())
                         .await;
                 if joined.is_err() {
-                    warn!(queue = %shared.queue, in_flight = tracker.len(), "aborted tasks did not finish in time");
+                    let in_flight = lock(&shared.ledger).in_flight();
+                    warn!(queue = %shared.queue, in_flight, "aborted tasks did not finish in time");
                 }
                 clock.handle_aborted(Instant::now());
             }

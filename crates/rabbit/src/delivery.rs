@@ -12,7 +12,6 @@ use lily_mq_core::{
     SettleResult, Settlement, Situation, TransactionOutcome, as_u32, decide, decide_at_gate,
     headers, inspect, is_token,
 };
-use tokio::sync::OwnedSemaphorePermit;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::consumer::{Shared, lock};
@@ -24,31 +23,19 @@ const REQUEUE_MEMORY: usize = 10_000;
 
 /// Settles one delivery. At shutdown's abort the work is dropped wherever it is; its ledger
 /// entry stays open and is reported as aborted.
-pub(crate) fn handle(
-    shared: Arc<Shared>,
-    session: Arc<Session>,
-    delivery: Delivery,
-    permit: Option<OwnedSemaphorePermit>,
-) -> impl Future<Output = ()> + Send + 'static {
-    let abort = shared.abort.clone();
-    let in_flight = shared.metrics.in_flight.clone();
-    // Built here, not inside the async block, so the task holds the delivery once.
-    let work = settle_delivery(shared, session, delivery);
-    async move {
-        in_flight.increment(1.0);
-        // The work first: most deliveries finish on their first poll, before the abort signal
-        // would need a waiter registered.
-        tokio::select! {
-            biased;
-            () = work => {}
-            () = abort.cancelled() => {}
-        }
-        in_flight.decrement(1.0);
-        drop(permit);
+pub(crate) async fn handle(shared: &Arc<Shared>, session: Arc<Session>, delivery: Delivery) {
+    shared.metrics.in_flight.increment(1.0);
+    // The work first: most deliveries finish on their first poll, before the abort signal
+    // would need a waiter registered.
+    tokio::select! {
+        biased;
+        () = settle_delivery(shared, session, delivery) => {}
+        () = shared.abort.cancelled() => {}
     }
+    shared.metrics.in_flight.decrement(1.0);
 }
 
-async fn settle_delivery(shared: Arc<Shared>, session: Arc<Session>, delivery: Delivery) {
+async fn settle_delivery(shared: &Arc<Shared>, session: Arc<Session>, delivery: Delivery) {
     let Delivery {
         delivery_tag,
         exchange,
@@ -110,7 +97,7 @@ async fn settle_delivery(shared: Arc<Shared>, session: Arc<Session>, delivery: D
     };
     let entry = lock(&shared.ledger).open_at(identity, evidence);
     let work = Work {
-        shared: &shared,
+        shared,
         session: &session,
         delivery_tag,
         entry,

@@ -11,6 +11,7 @@
 
 mod config;
 mod consumer;
+mod crew;
 mod delivery;
 mod error;
 mod handoff;

@@ -13,14 +13,13 @@ use lapin::options::{
 use lapin::types::{FieldTable, LongString};
 use lapin::{Channel, Connection, ConnectionProperties};
 use lily_mq_core::{Action, SettleResult};
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use crate::Error;
 use crate::consumer::{Shared, lock, redact};
-use crate::delivery::handle;
+use crate::crew::Crew;
 use crate::handoff::Publisher;
 
 /// How often written ACKs are confirmed by a `basic.qos` round trip.
@@ -124,7 +123,7 @@ impl Session {
 pub(crate) async fn consume(
     shared: &Arc<Shared>,
     tracker: &TaskTracker,
-    permits: Option<&Arc<Semaphore>>,
+    crew: &Arc<Crew>,
     stop: &CancellationToken,
 ) -> Result<SessionEnd, SessionError> {
     let props = ConnectionProperties::default().with_connection_name(LongString::from(
@@ -184,33 +183,31 @@ pub(crate) async fn consume(
     // Registered once for the whole loop, not once per delivery.
     let mut stopped = std::pin::pin!(stop.cancelled());
     let end = loop {
-        let permit = match permits {
-            None => None,
-            Some(permits) => tokio::select! {
-                permit = Arc::clone(permits).acquire_owned() => match permit {
-                    Ok(permit) => Some(permit),
-                    Err(_) => break None,
-                },
-                () = &mut stopped => break Some(()),
+        // A worker first: it bounds how many deliveries are taken off the consumer.
+        let worker = tokio::select! {
+            worker = crew.hire(shared, tracker) => match worker {
+                Some(worker) => worker,
+                None => break Some(()),
             },
+            () = &mut stopped => break Some(()),
         };
         let next = tokio::select! {
             next = std::future::poll_fn(|cx| std::pin::Pin::new(&mut consumer).poll_next(cx)) => next,
-            () = &mut stopped => break Some(()),
+            () = &mut stopped => {
+                crew.release(worker);
+                break Some(());
+            }
         };
         match next {
-            Some(Ok(delivery)) => {
-                let shared = Arc::clone(shared);
-                // Boxed once here rather than moved through the runtime's task layers.
-                tracker.spawn(Box::pin(handle(
-                    shared,
-                    Arc::clone(&session),
-                    delivery,
-                    permit,
-                )));
+            Some(Ok(delivery)) => crew.assign(&worker, Arc::clone(&session), delivery),
+            Some(Err(err)) => {
+                crew.release(worker);
+                debug!(queue = %shared.queue, error = %err, "consumer error");
             }
-            Some(Err(err)) => debug!(queue = %shared.queue, error = %err, "consumer error"),
-            None => break None,
+            None => {
+                crew.release(worker);
+                break None;
+            }
         }
     };
     shared.ready.store(false, Ordering::Release);

@@ -1,0 +1,143 @@
+//! The crew: long-lived workers that settle deliveries one at a time.
+//!
+//! A delivery is handed to an idle worker instead of being spawned as a task of its own, so the
+//! common path allocates no task and moves no large future through the runtime. The crew grows
+//! on demand up to its limit (the concurrency, at most the prefetch), which also bounds how many
+//! handlers run at once. When it closes, idle workers end at once and busy ones after their
+//! delivery, so the task tracker's `wait` means "every delivery finished".
+
+use std::sync::{Arc, Mutex};
+
+use lapin::message::Delivery;
+use tokio::sync::Notify;
+use tokio_util::task::TaskTracker;
+
+use crate::consumer::{Shared, lock};
+use crate::delivery::handle;
+use crate::session::Session;
+
+pub(crate) struct Crew {
+    limit: usize,
+    state: Mutex<State>,
+    /// A worker went idle; the consume loop may be waiting for one.
+    freed: Notify,
+}
+
+struct State {
+    idle: Vec<Arc<Worker>>,
+    started: usize,
+    closed: bool,
+}
+
+/// One worker's mailbox: at most one delivery, handed over with a wake-up.
+pub(crate) struct Worker {
+    job: Mutex<Option<Job>>,
+    wake: Notify,
+}
+
+struct Job {
+    session: Arc<Session>,
+    delivery: Delivery,
+}
+
+impl Crew {
+    pub(crate) fn new(limit: usize) -> Arc<Self> {
+        Arc::new(Self {
+            limit: limit.max(1),
+            state: Mutex::new(State {
+                idle: Vec::new(),
+                started: 0,
+                closed: false,
+            }),
+            freed: Notify::new(),
+        })
+    }
+
+    /// An idle worker, a new one while the crew is below its limit, or the next one to finish.
+    /// `None` once the crew is closed. Cancel safe: a worker is taken only on completion.
+    pub(crate) async fn hire(
+        self: &Arc<Self>,
+        shared: &Arc<Shared>,
+        tracker: &TaskTracker,
+    ) -> Option<Arc<Worker>> {
+        loop {
+            let freed = self.freed.notified();
+            let mut freed = std::pin::pin!(freed);
+            // Registered before the check, so a worker freed in between is not missed.
+            freed.as_mut().enable();
+            {
+                let mut state = lock(&self.state);
+                if state.closed {
+                    return None;
+                }
+                if let Some(worker) = state.idle.pop() {
+                    return Some(worker);
+                }
+                if state.started < self.limit {
+                    state.started += 1;
+                    let worker = Arc::new(Worker {
+                        job: Mutex::new(None),
+                        wake: Notify::new(),
+                    });
+                    tracker.spawn(work(
+                        Arc::clone(self),
+                        Arc::clone(shared),
+                        Arc::clone(&worker),
+                    ));
+                    return Some(worker);
+                }
+            }
+            freed.await;
+        }
+    }
+
+    /// Hands `delivery` to a worker [`hire`](Self::hire) returned.
+    pub(crate) fn assign(&self, worker: &Worker, session: Arc<Session>, delivery: Delivery) {
+        *lock(&worker.job) = Some(Job { session, delivery });
+        worker.wake.notify_one();
+    }
+
+    /// Gives back a hired worker that got no delivery.
+    pub(crate) fn release(&self, worker: Arc<Worker>) {
+        let mut state = lock(&self.state);
+        if state.closed {
+            worker.wake.notify_one();
+            return;
+        }
+        state.idle.push(worker);
+        drop(state);
+        self.freed.notify_one();
+    }
+
+    /// No more deliveries: idle workers end now, busy ones after their delivery.
+    pub(crate) fn close(&self) {
+        let idle = {
+            let mut state = lock(&self.state);
+            state.closed = true;
+            std::mem::take(&mut state.idle)
+        };
+        for worker in idle {
+            worker.wake.notify_one();
+        }
+        self.freed.notify_waiters();
+    }
+}
+
+/// A worker's life: wait for a delivery, settle it, go idle; end when the crew closes.
+async fn work(crew: Arc<Crew>, shared: Arc<Shared>, me: Arc<Worker>) {
+    loop {
+        me.wake.notified().await;
+        let Some(Job { session, delivery }) = lock(&me.job).take() else {
+            // Woken without a delivery: the crew closed.
+            return;
+        };
+        handle(&shared, session, delivery).await;
+        let mut state = lock(&crew.state);
+        if state.closed {
+            return;
+        }
+        state.idle.push(Arc::clone(&me));
+        drop(state);
+        crew.freed.notify_one();
+    }
+}
