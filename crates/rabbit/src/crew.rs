@@ -125,6 +125,7 @@ impl Crew {
 
 /// A worker's life: wait for a delivery, settle it, go idle; end when the crew closes.
 async fn work(crew: Arc<Crew>, shared: Arc<Shared>, me: Arc<Worker>) {
+    let _place = Place(&crew);
     loop {
         me.wake.notified().await;
         let Some(Job { session, delivery }) = lock(&me.job).take() else {
@@ -139,5 +140,16 @@ async fn work(crew: Arc<Crew>, shared: Arc<Shared>, me: Arc<Worker>) {
         state.idle.push(Arc::clone(&me));
         drop(state);
         crew.freed.notify_one();
+    }
+}
+
+/// A worker's place in the crew, given back however the worker ends (a panic outside the
+/// handler's guard included), so the crew can start another instead of shrinking for good.
+struct Place<'a>(&'a Crew);
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        lock(&self.0.state).started -= 1;
+        self.0.freed.notify_one();
     }
 }
