@@ -56,16 +56,43 @@ pub fn kind_name(kind: QueueKind) -> &'static str {
 }
 
 /// Deletes and re-declares `queue` with Lily's topology (same arguments for every contender).
+///
+/// Retried a few times: RabbitMQ 3.10's quorum-queue log writer has been seen to crash when a
+/// busy quorum queue is deleted (`ra_log_segment_writer`, `enoent`), closing the channel of the
+/// declare that follows; the node recovers within a second.
 pub async fn fresh_topology(
     url: &str,
     queue: &str,
     kind: QueueKind,
     retry: &[Duration],
 ) -> Topology {
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match try_fresh_topology(url, queue, kind, retry).await {
+            Ok(topology) => return topology,
+            Err(err) if tries < 5 => {
+                eprintln!("bench: fresh topology for {queue} failed ({err}); retrying");
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+            Err(err) => panic!("declare topology for {queue}: {err}"),
+        }
+    }
+}
+
+async fn try_fresh_topology(
+    url: &str,
+    queue: &str,
+    kind: QueueKind,
+    retry: &[Duration],
+) -> Result<Topology, String> {
     let connection = Connection::connect(url, ConnectionProperties::default())
         .await
-        .expect("connect");
-    let channel = connection.create_channel().await.expect("channel");
+        .map_err(|e| format!("connect: {e}"))?;
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(|e| format!("channel: {e}"))?;
     let topology = Topology::new(queue, kind, retry);
     let mut names = vec![
         queue.to_owned(),
@@ -78,12 +105,12 @@ pub async fn fresh_topology(
             .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
             .await;
     }
-    topology
+    let declared = topology
         .apply(&channel, TopologyMode::Declare)
         .await
-        .expect("declare topology");
+        .map_err(|e| format!("declare: {e}"));
     let _ = connection.close(200, "declared".into()).await;
-    topology
+    declared.map(|()| topology)
 }
 
 /// Publishes `n` persistent copies of `body` (type `order.placed`, a message id each) with
