@@ -86,7 +86,8 @@ async fn concurrency_below_prefetch_bounds_running_handlers() {
         async move {
             let running = now.fetch_add(1, Ordering::SeqCst) + 1;
             peak.fetch_max(running, Ordering::SeqCst);
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            // Long enough that the 40 messages overlap even when publishing is slow.
+            tokio::time::sleep(Duration::from_millis(100)).await;
             now.fetch_sub(1, Ordering::SeqCst);
             Ok(())
         }
