@@ -116,6 +116,11 @@ async fn try_fresh_topology(
 /// Publishes `n` persistent copies of `body` (type `order.placed`, a message id each) with
 /// publisher confirms, pipelined in windows of 2 000.
 pub async fn publish(url: &str, queue: &str, n: usize, body: &[u8]) {
+    publish_typed(url, queue, n, body, "order.placed").await;
+}
+
+/// [`publish`] with the message type `kind`.
+pub async fn publish_typed(url: &str, queue: &str, n: usize, body: &[u8], kind: &str) {
     let connection = Connection::connect(url, ConnectionProperties::default())
         .await
         .expect("connect");
@@ -133,7 +138,7 @@ pub async fn publish(url: &str, queue: &str, n: usize, body: &[u8]) {
                 body,
                 BasicProperties::default()
                     .with_message_id(format!("m-{i}").into())
-                    .with_type("order.placed".into())
+                    .with_type(kind.into())
                     .with_content_type("application/json".into())
                     .with_delivery_mode(2),
             )

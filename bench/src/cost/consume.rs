@@ -22,9 +22,8 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use futures_core::Stream;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::FieldTable;
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::Channel;
+use lapin::options::{BasicAckOptions, BasicQosOptions};
 use lily::prelude::{Consumer, ConsumerConfig, Json, QueueHandlerError, Router, Shutdown, Trigger};
 use tokio::sync::Notify;
 
@@ -88,23 +87,7 @@ async fn lily(url: &str, queue: &str, n: usize) -> Result<(), String> {
 
 async fn raw(url: &str, queue: &str, n: usize, acker: bool) -> Result<(), String> {
     let e = |what: &'static str| move |err: lapin::Error| format!("{what}: {err}");
-    let connection = Connection::connect(url, ConnectionProperties::default())
-        .await
-        .map_err(e("connect"))?;
-    let channel = connection.create_channel().await.map_err(e("channel"))?;
-    channel
-        .basic_qos(PREFETCH, BasicQosOptions::default())
-        .await
-        .map_err(e("basic.qos"))?;
-    let mut consumer = channel
-        .basic_consume(
-            queue.into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(e("basic.consume"))?;
+    let (connection, channel, mut consumer) = super::raw_consumer(url, queue, PREFETCH).await?;
     for _ in 0..n {
         let delivery = poll_fn(|cx| Pin::new(&mut consumer).poll_next(cx))
             .await

@@ -16,9 +16,7 @@ use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use futures_core::Stream;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
+use lapin::options::{BasicAckOptions, BasicQosOptions};
 use lily::prelude::{Consumer, ConsumerConfig, Router, Shutdown, Trigger};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -113,23 +111,7 @@ async fn lily(url: &str, queue: &str, k: usize) -> Result<Value, String> {
 async fn raw(url: &str, queue: &str, k: usize) -> Result<Value, String> {
     let prefetch = u16::try_from(k).map_err(|_| "K must fit in a u16 prefetch")?;
     let e = |what: &'static str| move |err: lapin::Error| format!("{what}: {err}");
-    let connection = Connection::connect(url, ConnectionProperties::default())
-        .await
-        .map_err(e("connect"))?;
-    let channel = connection.create_channel().await.map_err(e("channel"))?;
-    channel
-        .basic_qos(prefetch, BasicQosOptions::default())
-        .await
-        .map_err(e("basic.qos"))?;
-    let mut consumer = channel
-        .basic_consume(
-            queue.into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(e("basic.consume"))?;
+    let (connection, channel, mut consumer) = super::raw_consumer(url, queue, prefetch).await?;
     let mut held = Vec::with_capacity(k);
     tokio::time::sleep(SETTLE).await;
     let idle = sample();

@@ -13,16 +13,16 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Connection, ConnectionProperties};
+use lapin::{Connection, ConnectionProperties};
 use lily::core::Policy;
 use lily::prelude::QueueKind;
 use rustix::process::{Pid, Signal, kill_process};
 use serde_json::{Value, json};
 use tokio::runtime::Runtime;
 
-use crate::{body_512, fresh_topology, median};
+use crate::{body_512, fresh_topology, median, publish_typed};
 
 /// The binary under test, next to this one.
 pub const SUBJECT: &str = "k8s-shutdown";
@@ -73,40 +73,6 @@ pub fn subject() -> Result<PathBuf, String> {
             path.display()
         ))
     }
-}
-
-/// Publishes `n` persistent `work.item` messages (the type `k8s-shutdown` routes), confirmed.
-async fn publish_work(url: &str, queue: &str, n: usize) {
-    let connection = Connection::connect(url, ConnectionProperties::default())
-        .await
-        .expect("connect");
-    let channel = connection.create_channel().await.expect("channel");
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .expect("confirm_select");
-    let body = body_512();
-    for i in 0..n {
-        channel
-            .basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions::default(),
-                &body,
-                BasicProperties::default()
-                    .with_message_id(format!("w-{i}").into())
-                    .with_type("work.item".into())
-                    .with_content_type("application/json".into())
-                    .with_delivery_mode(2),
-            )
-            .await
-            .expect("publish");
-        if i % 2000 == 1999 {
-            channel.wait_for_confirms().await.expect("confirms");
-        }
-    }
-    channel.wait_for_confirms().await.expect("confirms");
-    let _ = connection.close(200, "published".into()).await;
 }
 
 /// Waits until `queue` has no ready message left: the broker handed them all to the consumer.
@@ -163,7 +129,8 @@ fn once(rt: &Runtime, url: &str, exe: &Path, case: Case, queue: &str) -> Result<
         )
         .await;
         if case.backlog > 0 {
-            publish_work(url, queue, case.backlog).await;
+            // `work.item` is the type `k8s-shutdown` routes.
+            publish_typed(url, queue, case.backlog, &body_512(), "work.item").await;
         }
     });
     let mut child = Command::new(exe)

@@ -35,6 +35,14 @@ pub(crate) struct Worker {
     wake: Notify,
 }
 
+impl Worker {
+    /// Hands `delivery` to this worker, which [`Crew::hire`] returned.
+    pub(crate) fn assign(&self, session: Arc<Session>, delivery: Delivery) {
+        *lock(&self.job) = Some(Job { session, delivery });
+        self.wake.notify_one();
+    }
+}
+
 struct Job {
     session: Arc<Session>,
     delivery: Delivery,
@@ -89,12 +97,6 @@ impl Crew {
             }
             freed.await;
         }
-    }
-
-    /// Hands `delivery` to a worker [`hire`](Self::hire) returned.
-    pub(crate) fn assign(&self, worker: &Worker, session: Arc<Session>, delivery: Delivery) {
-        *lock(&worker.job) = Some(Job { session, delivery });
-        worker.wake.notify_one();
     }
 
     /// Gives back a hired worker that got no delivery.

@@ -199,7 +199,7 @@ pub(crate) async fn consume(
             }
         };
         match next {
-            Some(Ok(delivery)) => crew.assign(&worker, Arc::clone(&session), delivery),
+            Some(Ok(delivery)) => worker.assign(Arc::clone(&session), delivery),
             Some(Err(err)) => {
                 crew.release(worker);
                 debug!(queue = %shared.queue, error = %err, "consumer error");
