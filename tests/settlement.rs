@@ -115,6 +115,65 @@ async fn concurrency_below_prefetch_bounds_running_handlers() {
     assert_eq!(client.depth(&queue).await, 0);
 }
 
+/// ACKs of deliveries that finish together are written as one `multiple` ACK, which must never
+/// cover a delivery still being handled: while the first delivery's handler is held, the 30
+/// after it are ACKed and it stays unacknowledged; a forced shutdown then leaves it in the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_delivery_is_never_covered_by_the_acks_of_later_ones() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("held");
+    let router = Router::new().route("order.placed", move |Json(o): Json<Order>| async move {
+        if o.quantity == 0 {
+            // Held until the consumer is forced down.
+            std::future::pending::<()>().await;
+        }
+        Ok(())
+    });
+    let config = config(&queue, QueueKind::Quorum)
+        .prefetch(50)
+        .concurrency(50)
+        .handler_timeout(Duration::from_secs(300));
+    let running = start(broker.url(), config, router);
+    let client = Client::connect(broker.url()).await;
+    common::wait_declared(broker.url(), &queue).await;
+    client
+        .publish(&queue, &order(0), props("held", "order.placed"))
+        .await;
+    for i in 0..30 {
+        client
+            .publish(&queue, &order(1), props(&format!("f-{i}"), "order.placed"))
+            .await;
+    }
+    running.wait_for("30 acks", WAIT, |t| t.acked == 30).await;
+    let unacked = || {
+        let listing = broker.ctl(&["list_queues", "-q", "name", "messages_unacknowledged"]);
+        listing.lines().find_map(|line| {
+            let (name, count) = line.split_once('\t')?;
+            (name == queue).then(|| count.trim().parse::<u32>().ok())?
+        })
+    };
+    let settled = lily_mq_testkit::eventually(WAIT, || unacked() == Some(1)).await;
+    assert!(
+        settled,
+        "the broker should hold exactly the held delivery unacked, has {:?}",
+        unacked()
+    );
+    assert_eq!(running.stats.in_flight(), 1);
+    running.shutdown.force(Trigger::Api);
+    let summary = running.stop().await;
+    assert_eq!(summary.totals.acked, 30);
+    assert_eq!(summary.unresolved.len(), 1, "{:?}", summary.unresolved);
+    let back = client
+        .take(&queue, WAIT)
+        .await
+        .expect("the held message is back in the queue");
+    assert_eq!(
+        back.properties.message_id().as_ref().map(|id| id.as_str()),
+        Some("held")
+    );
+    assert_eq!(client.depth(&queue).await, 0);
+}
+
 async fn retry_then_success(kind: QueueKind) {
     let broker = Broker::from_env();
     let queue = Broker::unique("retry");

@@ -9,8 +9,10 @@
 //!   machine that carries a plan to its [`Outcome`].
 //! - [`Budget`], [`Policy`]: deadlines and retry policy.
 //! - [`Ledger`]: evidence per delivery and totals.
+//! - [`AckWindow`]: which ready ACKs one `multiple` ACK may write together.
 //! - [`PhaseClock`] and [`ShutdownReport`]: shutdown phases and the report.
 
+mod acks;
 mod budget;
 mod codec;
 mod decision;
@@ -29,6 +31,7 @@ mod scope;
 mod shutdown;
 mod transaction;
 
+pub use acks::AckWindow;
 pub use budget::Budget;
 pub use codec::{Codec, JsonCodec};
 pub use decision::{

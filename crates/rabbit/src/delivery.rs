@@ -26,7 +26,8 @@ const REQUEUE_MEMORY: usize = 10_000;
 pub(crate) async fn handle(shared: &Arc<Shared>, session: Arc<Session>, delivery: Delivery) {
     shared.metrics.in_flight.increment(1.0);
     // The work first: most deliveries finish on their first poll, before the abort signal
-    // would need a waiter registered.
+    // would need a waiter registered; and a delivery yielding for its batched ACK completes
+    // it before the abort is looked at (see `Session::ack`).
     tokio::select! {
         biased;
         () = settle_delivery(shared, session, delivery) => {}
@@ -416,7 +417,7 @@ impl Work<'_> {
                         // this task runs again.
                         self.count_requeue(key);
                     }
-                    let result = self.write(action);
+                    let result = self.write(action).await;
                     // A written frame closes the entry right after; a refused one is recorded.
                     if result == SettleResult::Refused {
                         self.note(Evidence::AuthorityLost);
@@ -474,12 +475,20 @@ impl Work<'_> {
             .await
     }
 
-    /// Queues the ACK, NACK or reject on the delivery's channel; see [`Session::settle`].
-    fn write(&self, action: Action) -> SettleResult {
+    /// Queues the ACK, NACK or reject on the delivery's channel; see [`Session::ack`] and
+    /// [`Session::settle`].
+    async fn write(&self, action: Action) -> SettleResult {
         if self.shared.revoked.is_cancelled() {
             return SettleResult::Refused;
         }
-        self.session.settle(self.delivery_tag, action)
+        match action {
+            Action::Ack => {
+                self.session
+                    .ack(self.delivery_tag, &self.shared.revoked)
+                    .await
+            }
+            _ => self.session.settle(self.delivery_tag, action),
+        }
     }
 
     fn local_requeues(&self, message_id: &str) -> u32 {

@@ -1,8 +1,8 @@
 //! One connection: topology, the confirm channel for handoffs, the consuming channel, the
 //! consume loop and the round trips that confirm ACKs.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_core::Stream;
@@ -12,7 +12,7 @@ use lapin::options::{
 };
 use lapin::types::{FieldTable, LongString};
 use lapin::{Channel, Connection, ConnectionProperties};
-use lily_mq_core::{Action, SettleResult};
+use lily_mq_core::{AckWindow, Action, SettleResult};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
@@ -32,6 +32,8 @@ pub(crate) struct Session {
     pub(crate) connection: Connection,
     pub(crate) publisher: Publisher,
     consuming: Channel,
+    /// Deliveries open on the consuming channel and their ready ACKs.
+    acks: Mutex<AckWindow>,
     ended: CancellationToken,
 }
 
@@ -53,8 +55,47 @@ impl Session {
         self.consuming.status().connected()
     }
 
-    /// Writes the ACK, NACK or reject of `delivery_tag`, which must have come from this
-    /// session's consuming channel and be settled only once (the `Settlement` machine's rule).
+    /// Registers a delivery of the consuming channel, in the order the broker sent them.
+    pub(crate) fn delivered(&self, delivery_tag: u64) {
+        lock(&self.acks).deliver(delivery_tag);
+    }
+
+    /// ACKs `delivery_tag`, together with the other ACKs decided in the same scheduler tick.
+    ///
+    /// The ACK is marked ready, then the task yields once: the scheduler runs every other ready
+    /// task first, so deliveries finishing together are marked too. Whoever resumes first writes
+    /// them all, in as few frames as [`AckWindow::flush`] allows; everyone else finds its result
+    /// written. Nothing is written once authority is revoked.
+    ///
+    /// The single yield is what keeps shutdown's abort honest: the delivery task polls its work
+    /// before the abort signal, and a yielded future is ready on its next poll, so a task is
+    /// never dropped between marking its ACK and learning whether it was written.
+    ///
+    /// A tag the window does not hold open (never delivered here, or settled already) is
+    /// refused without writing anything.
+    pub(crate) async fn ack(&self, delivery_tag: u64, revoked: &CancellationToken) -> SettleResult {
+        if !lock(&self.acks).ready(delivery_tag) {
+            return SettleResult::Refused;
+        }
+        tokio::task::yield_now().await;
+        let mut acks = lock(&self.acks);
+        if let Some(result) = acks.take(delivery_tag) {
+            return result;
+        }
+        let channel = &self.consuming;
+        acks.flush(|tag, multiple| {
+            if revoked.is_cancelled() {
+                return SettleResult::Refused;
+            }
+            queued(first_poll(
+                channel.basic_ack(tag, BasicAckOptions { multiple }),
+            ))
+        });
+        acks.take(delivery_tag).unwrap_or(SettleResult::Refused)
+    }
+
+    /// Writes the NACK or reject of `delivery_tag`, which must have come from this session's
+    /// consuming channel and be settled only once (the `Settlement` machine's rule).
     ///
     /// The frame joins the connection's frame queue during this call, behind every frame
     /// queued before it and ahead of any later `basic.qos` on the channel, so the round trip of
@@ -64,10 +105,13 @@ impl Session {
     /// here rather than through lapin's `Acker` also skips its hop through the connection's
     /// internal task. Channels are never recovered under the same id (Lily reconnects with a
     /// new session), so a tag cannot settle another delivery.
+    ///
+    /// The frame is queued under the ACK window's lock and the delivery leaves the window only
+    /// after, so no `multiple` ACK can cover it first.
     pub(crate) fn settle(&self, delivery_tag: u64, action: Action) -> SettleResult {
         let channel = &self.consuming;
-        let queued = match action {
-            Action::Ack => first_poll(channel.basic_ack(delivery_tag, BasicAckOptions::default())),
+        let mut acks = lock(&self.acks);
+        let result = queued(match action {
             Action::Requeue => first_poll(channel.basic_nack(
                 delivery_tag,
                 BasicNackOptions {
@@ -78,13 +122,13 @@ impl Session {
             Action::Reject => first_poll(
                 channel.basic_reject(delivery_tag, BasicRejectOptions { requeue: false }),
             ),
-            // A handoff is published on the confirm channel, never written here.
-            Action::Publish { .. } => return SettleResult::Refused,
-        };
-        match queued {
-            std::task::Poll::Ready(Err(_)) => SettleResult::Refused,
-            _ => SettleResult::Written,
+            // ACKs go through `ack`; a handoff is published on the confirm channel.
+            Action::Ack | Action::Publish { .. } => return SettleResult::Refused,
+        });
+        if result == SettleResult::Written {
+            acks.settled(delivery_tag);
         }
+        result
     }
 
     /// Proves the broker processed every ACK written on the consuming channel before now: frames
@@ -173,6 +217,7 @@ pub(crate) async fn consume(
         connection,
         publisher,
         consuming,
+        acks: Mutex::new(AckWindow::new()),
         ended: CancellationToken::new(),
     });
     tokio::spawn(confirm_periodically(
@@ -199,7 +244,10 @@ pub(crate) async fn consume(
             }
         };
         match next {
-            Some(Ok(delivery)) => worker.assign(Arc::clone(&session), delivery),
+            Some(Ok(delivery)) => {
+                session.delivered(delivery.delivery_tag);
+                worker.assign(Arc::clone(&session), delivery);
+            }
             Some(Err(err)) => {
                 crew.release(worker);
                 debug!(queue = %shared.queue, error = %err, "consumer error");
@@ -254,6 +302,14 @@ async fn confirm_periodically(shared: Arc<Shared>, session: Arc<Session>) {
         if !session.confirm_acks(&shared).await {
             break;
         }
+    }
+}
+
+/// What the first poll of a frame write says: queued unless the channel refused it.
+fn queued(poll: std::task::Poll<lapin::Result<()>>) -> SettleResult {
+    match poll {
+        std::task::Poll::Ready(Err(_)) => SettleResult::Refused,
+        _ => SettleResult::Written,
     }
 }
 

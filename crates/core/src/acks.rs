@@ -1,0 +1,318 @@
+//! The ACK window of one consuming channel: which deliveries are still open there, which ACKs
+//! are ready, and the fewest frames that write them.
+//!
+//! A `basic.ack` with `multiple` set acknowledges every unacknowledged delivery up to its tag.
+//! That is one frame, and for a quorum queue one log entry, instead of one per delivery, but it
+//! is safe only when nothing at or below the tag is still being handled or was left unsettled.
+//! The window writes one only then. It writes every other ready ACK on its own, so a slow
+//! delivery never holds back the ACKs of the ones after it.
+
+use std::collections::VecDeque;
+
+use crate::SettleResult;
+
+/// What the window knows about an open delivery.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mark {
+    /// Delivered; not settled, or settled by a frame that failed. Never covered by a
+    /// `multiple` ACK.
+    Open,
+    /// Its ACK is decided and waits to be written.
+    Ready,
+    /// Its ACK was written (or refused); the result waits for its owner.
+    Done(SettleResult),
+}
+
+/// The open deliveries of one channel, by delivery tag, and their ready ACKs.
+///
+/// Register every delivery in tag order with [`deliver`](Self::deliver). Then, per delivery,
+/// either mark its ACK [`ready`](Self::ready) and later [`take`](Self::take) the result after
+/// someone ran [`flush`](Self::flush), or write its NACK or reject yourself and report it with
+/// [`settled`](Self::settled). Entries live only while their delivery is open, so the window
+/// holds at most the channel's prefetch, plus any delivery abandoned without settlement.
+#[derive(Debug)]
+pub struct AckWindow {
+    /// Open deliveries, ordered by tag.
+    open: VecDeque<(u64, Mark)>,
+    /// The highest tag delivered.
+    last: u64,
+    /// False once a tag arrived out of sequence: a delivery Lily never saw may be unacknowledged
+    /// below a later tag, so no `multiple` ACK is written on this channel again.
+    coalesce: bool,
+}
+
+impl Default for AckWindow {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl AckWindow {
+    /// The window of a new channel, whose first delivery tag is 1.
+    pub fn new() -> Self {
+        Self {
+            open: VecDeque::new(),
+            last: 0,
+            coalesce: true,
+        }
+    }
+
+    /// Registers a delivery. The broker numbers a channel's deliveries 1, 2, 3, …; any other
+    /// sequence turns coalescing off for good.
+    pub fn deliver(&mut self, tag: u64) {
+        if tag == self.last + 1 {
+            self.open.push_back((tag, Mark::Open));
+        } else {
+            self.coalesce = false;
+            let at = self.open.partition_point(|&(t, _)| t < tag);
+            self.open.insert(at, (tag, Mark::Open));
+        }
+        self.last = self.last.max(tag);
+    }
+
+    fn position(&self, tag: u64) -> Option<usize> {
+        self.open.binary_search_by_key(&tag, |&(t, _)| t).ok()
+    }
+
+    /// Marks the ACK of an open delivery as decided. False when `tag` is not open (it was never
+    /// delivered, or is settled already): nothing was marked.
+    pub fn ready(&mut self, tag: u64) -> bool {
+        match self.position(tag) {
+            Some(i) if self.open[i].1 == Mark::Open => {
+                self.open[i].1 = Mark::Ready;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Writes every ready ACK through `write(tag, multiple)`, in tag order and in as few frames
+    /// as the rule allows: one `multiple` ACK for the ready deliveries below the first open one,
+    /// then one frame for each other ready delivery. The result of each frame is kept for
+    /// [`take`](Self::take).
+    pub fn flush(&mut self, mut write: impl FnMut(u64, bool) -> SettleResult) {
+        if self.coalesce {
+            // Below the first open delivery (or failed frame), every delivery is either ready,
+            // written, or settled and gone: one `multiple` ACK covers exactly the ready ones.
+            let barrier = self
+                .open
+                .iter()
+                .position(|&(_, mark)| {
+                    matches!(mark, Mark::Open | Mark::Done(SettleResult::Refused))
+                })
+                .unwrap_or(self.open.len());
+            let covered = self
+                .open
+                .range(..barrier)
+                .rposition(|&(_, mark)| mark == Mark::Ready);
+            if let Some(end) = covered {
+                let result = write(self.open[end].0, true);
+                for (_, mark) in self.open.range_mut(..=end) {
+                    if *mark == Mark::Ready {
+                        *mark = Mark::Done(result);
+                    }
+                }
+            }
+        }
+        for (tag, mark) in &mut self.open {
+            if *mark == Mark::Ready {
+                *mark = Mark::Done(write(*tag, false));
+            }
+        }
+    }
+
+    /// The result of a written ACK, removing its delivery; `None` while it is not written.
+    pub fn take(&mut self, tag: u64) -> Option<SettleResult> {
+        let i = self.position(tag)?;
+        let Mark::Done(result) = self.open[i].1 else {
+            return None;
+        };
+        self.open.remove(i);
+        Some(result)
+    }
+
+    /// The delivery's NACK or reject frame was queued: it is no longer open. Call it only
+    /// after the frame is queued, so no `multiple` ACK written in between can cover it.
+    pub fn settled(&mut self, tag: u64) {
+        if let Some(i) = self.position(tag) {
+            self.open.remove(i);
+        }
+    }
+
+    /// Deliveries open in the window.
+    pub fn len(&self) -> usize {
+        self.open.len()
+    }
+
+    /// Whether no delivery is open.
+    pub fn is_empty(&self) -> bool {
+        self.open.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Flushes and returns the frames written, each as (tag, multiple).
+    fn flush(window: &mut AckWindow) -> Vec<(u64, bool)> {
+        let mut frames = Vec::new();
+        window.flush(|tag, multiple| {
+            frames.push((tag, multiple));
+            SettleResult::Written
+        });
+        frames
+    }
+
+    fn delivered(n: u64) -> AckWindow {
+        let mut window = AckWindow::new();
+        for tag in 1..=n {
+            window.deliver(tag);
+        }
+        window
+    }
+
+    #[test]
+    fn a_ready_run_from_the_front_is_one_multiple_ack() {
+        let mut window = delivered(5);
+        for tag in 1..=4 {
+            assert!(window.ready(tag));
+        }
+        assert_eq!(flush(&mut window), vec![(4, true)]);
+        for tag in 1..=4 {
+            assert_eq!(window.take(tag), Some(SettleResult::Written));
+        }
+        assert_eq!(window.take(5), None);
+        assert_eq!(window.len(), 1);
+    }
+
+    #[test]
+    fn an_open_delivery_is_never_covered_and_holds_nothing_back() {
+        let mut window = delivered(6);
+        for tag in [1, 2, 4, 6] {
+            window.ready(tag);
+        }
+        // 3 and 5 are still being handled: 1–2 together, then 4 and 6 one by one.
+        assert_eq!(flush(&mut window), vec![(2, true), (4, false), (6, false)]);
+        assert_eq!(flush(&mut window), vec![]);
+    }
+
+    #[test]
+    fn settled_and_written_deliveries_do_not_break_a_run() {
+        let mut window = delivered(5);
+        window.ready(1);
+        assert_eq!(flush(&mut window), vec![(1, true)]);
+        // 2 was NACKed (its frame queued first), 1's result is not taken yet.
+        window.settled(2);
+        window.ready(3);
+        window.ready(4);
+        assert_eq!(flush(&mut window), vec![(4, true)]);
+        assert_eq!(window.take(1), Some(SettleResult::Written));
+        assert_eq!(window.take(4), Some(SettleResult::Written));
+    }
+
+    #[test]
+    fn a_refused_frame_is_a_barrier_and_its_result_is_kept() {
+        let mut window = delivered(3);
+        window.ready(1);
+        window.flush(|_, _| SettleResult::Refused);
+        window.ready(2);
+        window.ready(3);
+        // Delivery 1 is unacknowledged at the broker: no multiple ACK may cover it.
+        assert_eq!(flush(&mut window), vec![(2, false), (3, false)]);
+        assert_eq!(window.take(1), Some(SettleResult::Refused));
+    }
+
+    #[test]
+    fn a_gap_in_the_tags_turns_coalescing_off() {
+        let mut window = AckWindow::new();
+        window.deliver(1);
+        window.deliver(3); // 2 never reached Lily: it may be unacknowledged.
+        window.ready(1);
+        window.ready(3);
+        assert_eq!(flush(&mut window), vec![(1, false), (3, false)]);
+        // A first tag other than 1 is a gap as well.
+        let mut window = AckWindow::new();
+        window.deliver(2);
+        window.ready(2);
+        assert_eq!(flush(&mut window), vec![(2, false)]);
+    }
+
+    #[test]
+    fn unknown_or_repeated_acks_are_not_marked() {
+        let mut window = delivered(2);
+        assert!(!window.ready(7));
+        assert!(window.ready(1));
+        assert!(!window.ready(1));
+        window.settled(2);
+        assert!(!window.ready(2));
+    }
+
+    /// Random interleavings: every frame covers only deliveries whose ACK was ready, every ready
+    /// ACK is written exactly once, and the window empties.
+    #[test]
+    fn random_interleavings_never_ack_an_undecided_delivery() {
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for _ in 0..200 {
+            let total = 1 + next(60);
+            let mut window = AckWindow::new();
+            // Per tag: 0 not yet delivered, 1 open, 2 ready, 3 nacked, 4 acked at the broker.
+            let mut state = vec![0u8; total as usize + 1];
+            let mut delivered = 0;
+            let mut steps = 0;
+            while state[1..].iter().any(|&s| s < 3) {
+                steps += 1;
+                assert!(steps < 100_000, "no progress");
+                match next(4) {
+                    0 if delivered < total => {
+                        delivered += 1;
+                        window.deliver(delivered);
+                        state[delivered as usize] = 1;
+                    }
+                    1 => {
+                        let tag = 1 + next(total);
+                        if state[tag as usize] == 1 {
+                            if next(4) == 0 {
+                                state[tag as usize] = 3;
+                                window.settled(tag);
+                            } else {
+                                assert!(window.ready(tag));
+                                state[tag as usize] = 2;
+                            }
+                        }
+                    }
+                    _ => {
+                        let mut frames = Vec::new();
+                        window.flush(|tag, multiple| {
+                            frames.push((tag, multiple));
+                            SettleResult::Written
+                        });
+                        for (tag, multiple) in frames {
+                            assert_eq!(state[tag as usize], 2, "wrote tag {tag} twice or early");
+                            let low = if multiple { 1 } else { tag };
+                            for t in low..=tag {
+                                match state[t as usize] {
+                                    2 => state[t as usize] = 4,
+                                    3 | 4 => {}
+                                    s => panic!("multiple ACK {tag} covered tag {t} in state {s}"),
+                                }
+                            }
+                        }
+                        for tag in 1..=delivered {
+                            if state[tag as usize] == 4 && window.take(tag).is_some() {
+                                assert!(window.take(tag).is_none());
+                            }
+                        }
+                    }
+                }
+            }
+            assert!(window.is_empty(), "{window:?}");
+        }
+    }
+}
