@@ -115,9 +115,10 @@ async fn concurrency_below_prefetch_bounds_running_handlers() {
     assert_eq!(client.depth(&queue).await, 0);
 }
 
-/// ACKs of deliveries that finish together are written as one `multiple` ACK, which must never
-/// cover a delivery still being handled: while the first delivery's handler is held, the 30
-/// after it are ACKed and it stays unacknowledged; a forced shutdown then leaves it in the queue.
+/// ACKs that become ready together may be written as one `multiple` ACK, which must never cover
+/// a delivery still being handled. One delivery in the middle of a burst is held while the 50
+/// around it are ACKed: the broker must still count it unacknowledged, and after a forced
+/// shutdown it must be back in the queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_delivery_is_never_covered_by_the_acks_of_later_ones() {
     let broker = Broker::from_env();
@@ -136,15 +137,16 @@ async fn a_held_delivery_is_never_covered_by_the_acks_of_later_ones() {
     let running = start(broker.url(), config, router);
     let client = Client::connect(broker.url()).await;
     common::wait_declared(broker.url(), &queue).await;
-    client
-        .publish(&queue, &order(0), props("held", "order.placed"))
-        .await;
-    for i in 0..30 {
+    for i in 0..51 {
+        let (body, id) = match i {
+            20 => (order(0), "held".to_owned()),
+            _ => (order(1), format!("f-{i}")),
+        };
         client
-            .publish(&queue, &order(1), props(&format!("f-{i}"), "order.placed"))
+            .publish(&queue, &body, props(&id, "order.placed"))
             .await;
     }
-    running.wait_for("30 acks", WAIT, |t| t.acked == 30).await;
+    running.wait_for("50 acks", WAIT, |t| t.acked == 50).await;
     let unacked = || {
         let listing = broker.ctl(&["list_queues", "-q", "name", "messages_unacknowledged"]);
         listing.lines().find_map(|line| {
@@ -161,7 +163,7 @@ async fn a_held_delivery_is_never_covered_by_the_acks_of_later_ones() {
     assert_eq!(running.stats.in_flight(), 1);
     running.shutdown.force(Trigger::Api);
     let summary = running.stop().await;
-    assert_eq!(summary.totals.acked, 30);
+    assert_eq!(summary.totals.acked, 50);
     assert_eq!(summary.unresolved.len(), 1, "{:?}", summary.unresolved);
     let back = client
         .take(&queue, WAIT)

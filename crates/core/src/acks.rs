@@ -14,8 +14,8 @@ use crate::SettleResult;
 /// What the window knows about an open delivery.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mark {
-    /// Delivered; not settled, or settled by a frame that failed. Never covered by a
-    /// `multiple` ACK.
+    /// Delivered and not settled (its NACK or reject, if any, was not queued). Never covered
+    /// by a `multiple` ACK.
     Open,
     /// Its ACK is decided and waits to be written.
     Ready,
@@ -29,7 +29,11 @@ enum Mark {
 /// either mark its ACK [`ready`](Self::ready) and later [`take`](Self::take) the result after
 /// someone ran [`flush`](Self::flush), or write its NACK or reject yourself and report it with
 /// [`settled`](Self::settled). Entries live only while their delivery is open, so the window
-/// holds at most the channel's prefetch, plus any delivery abandoned without settlement.
+/// holds at most the channel's prefetch, plus any delivery whose owner stopped before taking
+/// its result.
+///
+/// A refused frame means the channel is closed or authority is revoked, so once a frame is
+/// refused every later one is refused without being written.
 #[derive(Debug)]
 pub struct AckWindow {
     /// Open deliveries, ordered by tag.
@@ -39,6 +43,8 @@ pub struct AckWindow {
     /// False once a tag arrived out of sequence: a delivery Lily never saw may be unacknowledged
     /// below a later tag, so no `multiple` ACK is written on this channel again.
     coalesce: bool,
+    /// A frame was refused: nothing more is written.
+    refused: bool,
 }
 
 impl Default for AckWindow {
@@ -54,12 +60,14 @@ impl AckWindow {
             open: VecDeque::new(),
             last: 0,
             coalesce: true,
+            refused: false,
         }
     }
 
     /// Registers a delivery. The broker numbers a channel's deliveries 1, 2, 3, …; any other
     /// sequence turns coalescing off for good.
     pub fn deliver(&mut self, tag: u64) {
+        debug_assert!(tag > self.last, "delivery tag {tag} after {}", self.last);
         if tag == self.last + 1 {
             self.open.push_back((tag, Mark::Open));
         } else {
@@ -90,16 +98,15 @@ impl AckWindow {
     /// as the rule allows: one `multiple` ACK for the ready deliveries below the first open one,
     /// then one frame for each other ready delivery. The result of each frame is kept for
     /// [`take`](Self::take).
-    pub fn flush(&mut self, mut write: impl FnMut(u64, bool) -> SettleResult) {
+    pub fn flush(&mut self, write: impl FnMut(u64, bool) -> SettleResult) {
+        let mut write = refusing(&mut self.refused, write);
         if self.coalesce {
-            // Below the first open delivery (or failed frame), every delivery is either ready,
-            // written, or settled and gone: one `multiple` ACK covers exactly the ready ones.
+            // Below the first open delivery, every delivery is ready, written, or settled and
+            // gone: one `multiple` ACK covers exactly the ready ones.
             let barrier = self
                 .open
                 .iter()
-                .position(|&(_, mark)| {
-                    matches!(mark, Mark::Open | Mark::Done(SettleResult::Refused))
-                })
+                .position(|&(_, mark)| mark == Mark::Open)
                 .unwrap_or(self.open.len());
             let covered = self
                 .open
@@ -147,6 +154,21 @@ impl AckWindow {
     /// Whether no delivery is open.
     pub fn is_empty(&self) -> bool {
         self.open.is_empty()
+    }
+}
+
+/// `write`, except that after a refusal nothing more is written.
+fn refusing(
+    refused: &mut bool,
+    mut write: impl FnMut(u64, bool) -> SettleResult,
+) -> impl FnMut(u64, bool) -> SettleResult {
+    move |tag, multiple| {
+        if *refused {
+            return SettleResult::Refused;
+        }
+        let result = write(tag, multiple);
+        *refused = result == SettleResult::Refused;
+        result
     }
 }
 
@@ -212,15 +234,17 @@ mod tests {
     }
 
     #[test]
-    fn a_refused_frame_is_a_barrier_and_its_result_is_kept() {
+    fn after_a_refused_frame_nothing_more_is_written() {
         let mut window = delivered(3);
         window.ready(1);
         window.flush(|_, _| SettleResult::Refused);
+        assert_eq!(window.take(1), Some(SettleResult::Refused));
         window.ready(2);
         window.ready(3);
-        // Delivery 1 is unacknowledged at the broker: no multiple ACK may cover it.
-        assert_eq!(flush(&mut window), vec![(2, false), (3, false)]);
-        assert_eq!(window.take(1), Some(SettleResult::Refused));
+        // Delivery 1 is unacknowledged at the broker: no later ACK may cover it.
+        assert_eq!(flush(&mut window), vec![]);
+        assert_eq!(window.take(2), Some(SettleResult::Refused));
+        assert_eq!(window.take(3), Some(SettleResult::Refused));
     }
 
     #[test]

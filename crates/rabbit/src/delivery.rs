@@ -1,6 +1,7 @@
 //! One delivery: gate, dispatch, pipeline, decision and settlement.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use lapin::BasicProperties;
@@ -12,6 +13,7 @@ use lily_mq_core::{
     SettleResult, Settlement, Situation, TransactionOutcome, as_u32, decide, decide_at_gate,
     headers, inspect, is_token,
 };
+use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::consumer::{Shared, lock};
@@ -21,22 +23,44 @@ use crate::session::Session;
 
 const REQUEUE_MEMORY: usize = 10_000;
 
-/// Settles one delivery. At shutdown's abort the work is dropped wherever it is; its ledger
-/// entry stays open and is reported as aborted.
+/// Settles one delivery. At shutdown's abort the work is dropped wherever it is, and its ledger
+/// entry stays open and is reported as aborted. There is one exception: a delivery whose ACK is
+/// marked ready is let finish, because its frame may be written already. That takes one more poll,
+/// since its yield is spent and the rest of its work is synchronous (see [`Session::ack`]).
 pub(crate) async fn handle(shared: &Arc<Shared>, session: Arc<Session>, delivery: Delivery) {
     shared.metrics.in_flight.increment(1.0);
-    // The work first: most deliveries finish on their first poll, before the abort signal
-    // would need a waiter registered; and a delivery yielding for its batched ACK completes
-    // it before the abort is looked at (see `Session::ack`).
-    tokio::select! {
-        biased;
-        () = settle_delivery(shared, session, delivery) => {}
-        () = shared.abort.cancelled() => {}
-    }
+    let acking = AtomicBool::new(false);
+    let work = settle_delivery(shared, session, delivery, &acking);
+    until_abort(work, &shared.abort, &acking).await;
     shared.metrics.in_flight.decrement(1.0);
 }
 
-async fn settle_delivery(shared: &Arc<Shared>, session: Arc<Session>, delivery: Delivery) {
+/// Runs `work` until it ends or `abort` fires, and then drops it unless `finishing` is set.
+async fn until_abort(
+    work: impl Future<Output = ()>,
+    abort: &CancellationToken,
+    finishing: &AtomicBool,
+) {
+    let mut work = std::pin::pin!(work);
+    // The work is polled first, so work that ends on its first poll never registers a waiter
+    // for the abort signal.
+    tokio::select! {
+        biased;
+        () = &mut work => {}
+        () = abort.cancelled() => {
+            if finishing.load(Ordering::Acquire) {
+                work.await;
+            }
+        }
+    }
+}
+
+async fn settle_delivery(
+    shared: &Arc<Shared>,
+    session: Arc<Session>,
+    delivery: Delivery,
+    acking: &AtomicBool,
+) {
     let Delivery {
         delivery_tag,
         exchange,
@@ -103,6 +127,7 @@ async fn settle_delivery(shared: &Arc<Shared>, session: Arc<Session>, delivery: 
         delivery_tag,
         entry,
         span: span.clone(),
+        acking,
     };
     match gate {
         Gate::Refused(rejection) => {
@@ -187,6 +212,8 @@ struct Work<'a> {
     entry: EntryId,
     /// The delivery's span (disabled, and free, when nothing listens).
     span: tracing::Span,
+    /// Set once the ACK is about to be marked ready: from then on, an abort lets the work finish.
+    acking: &'a AtomicBool,
 }
 
 /// The copy a handoff publishes.
@@ -476,13 +503,14 @@ impl Work<'_> {
     }
 
     /// Queues the ACK, NACK or reject on the delivery's channel; see [`Session::ack`] and
-    /// [`Session::settle`].
+    /// [`Session::settle`]. Refused at once when authority is revoked.
     async fn write(&self, action: Action) -> SettleResult {
         if self.shared.revoked.is_cancelled() {
             return SettleResult::Refused;
         }
         match action {
             Action::Ack => {
+                self.acking.store(true, Ordering::Release);
                 self.session
                     .ack(self.delivery_tag, &self.shared.revoked)
                     .await
@@ -540,5 +568,39 @@ impl Work<'_> {
                 _ => reason.clone(),
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Work that marks itself finishing and then yields once, as an ACK does.
+    async fn ack_like(finishing: &AtomicBool, ended: &AtomicBool) {
+        finishing.store(true, Ordering::Release);
+        tokio::task::yield_now().await;
+        ended.store(true, Ordering::Release);
+    }
+
+    #[tokio::test]
+    async fn an_abort_lets_work_that_is_finishing_end() {
+        let abort = CancellationToken::new();
+        abort.cancel();
+        let (finishing, ended) = (AtomicBool::new(false), AtomicBool::new(false));
+        until_abort(ack_like(&finishing, &ended), &abort, &finishing).await;
+        assert!(ended.load(Ordering::Acquire));
+    }
+
+    #[tokio::test]
+    async fn an_abort_drops_other_work_where_it_is() {
+        let abort = CancellationToken::new();
+        abort.cancel();
+        let (finishing, ended) = (AtomicBool::new(false), AtomicBool::new(false));
+        let work = async {
+            tokio::task::yield_now().await;
+            ended.store(true, Ordering::Release);
+        };
+        until_abort(work, &abort, &finishing).await;
+        assert!(!ended.load(Ordering::Acquire));
     }
 }

@@ -60,19 +60,21 @@ impl Session {
         lock(&self.acks).deliver(delivery_tag);
     }
 
-    /// ACKs `delivery_tag`, together with the other ACKs decided in the same scheduler tick.
+    /// ACKs `delivery_tag` together with the other ACKs that become ready at the same time.
     ///
-    /// The ACK is marked ready, then the task yields once: the scheduler runs every other ready
-    /// task first, so deliveries finishing together are marked too. Whoever resumes first writes
-    /// them all, in as few frames as [`AckWindow::flush`] allows; everyone else finds its result
-    /// written. Nothing is written once authority is revoked.
+    /// The ACK is marked ready and the task yields once. Tokio wakes a yielded task only after
+    /// its worker thread has run the tasks already queued there (or at its periodic driver
+    /// poll), so deliveries that finish together are marked as well. The first of them to
+    /// resume writes them all, in as few frames as [`AckWindow::flush`] allows, and the others
+    /// find their result there. Nothing is written once authority is revoked: `revoked` is
+    /// checked for every frame, as late as possible.
     ///
-    /// The single yield is what keeps shutdown's abort honest: the delivery task polls its work
-    /// before the abort signal, and a yielded future is ready on its next poll, so a task is
-    /// never dropped between marking its ACK and learning whether it was written.
+    /// The only await between marking and taking the result is the yield. That is why
+    /// [`handle`](crate::delivery::handle) can let a delivery in this section finish when the
+    /// abort comes: it takes one poll.
     ///
     /// A tag the window does not hold open (never delivered here, or settled already) is
-    /// refused without writing anything.
+    /// refused, and nothing is written for it.
     pub(crate) async fn ack(&self, delivery_tag: u64, revoked: &CancellationToken) -> SettleResult {
         if !lock(&self.acks).ready(delivery_tag) {
             return SettleResult::Refused;
@@ -91,23 +93,14 @@ impl Session {
                 channel.basic_ack(tag, BasicAckOptions { multiple }),
             ))
         });
+        // The flush settled every ready ACK, this one included.
         acks.take(delivery_tag).unwrap_or(SettleResult::Refused)
     }
 
     /// Writes the NACK or reject of `delivery_tag`, which must have come from this session's
     /// consuming channel and be settled only once (the `Settlement` machine's rule).
-    ///
-    /// The frame joins the connection's frame queue during this call, behind every frame
-    /// queued before it and ahead of any later `basic.qos` on the channel, so the round trip of
-    /// [`confirm_acks`](Self::confirm_acks) proves it like any other. Waiting for the socket
-    /// write would prove nothing more and cost the delivery's task a wake-up, so the write's
-    /// own completion is not awaited; a closed channel refuses the frame at once. Settling
-    /// here rather than through lapin's `Acker` also skips its hop through the connection's
-    /// internal task. Channels are never recovered under the same id (Lily reconnects with a
-    /// new session), so a tag cannot settle another delivery.
-    ///
-    /// The frame is queued under the ACK window's lock and the delivery leaves the window only
-    /// after, so no `multiple` ACK can cover it first.
+    /// The frame is queued (see [`queued`]) under the ACK window's lock, and the delivery leaves
+    /// the window only after that, so no `multiple` ACK can cover it first.
     pub(crate) fn settle(&self, delivery_tag: u64, action: Action) -> SettleResult {
         let channel = &self.consuming;
         let mut acks = lock(&self.acks);
@@ -306,6 +299,15 @@ async fn confirm_periodically(shared: Arc<Shared>, session: Arc<Session>) {
 }
 
 /// What the first poll of a frame write says: queued unless the channel refused it.
+///
+/// The frame joins the connection's frame queue during that poll, behind every frame queued
+/// before it and ahead of any later `basic.qos` on the channel, so the round trip of
+/// [`Session::confirm_acks`] proves it like any other. Waiting for the socket write would prove
+/// nothing more and cost the delivery's task a wake-up, so the write's own completion is not
+/// awaited; a closed channel refuses the frame at once. Settling on the channel rather than
+/// through lapin's `Acker` also skips its hop through the connection's internal task. Channels
+/// are never recovered under the same id (Lily reconnects with a new session), so a tag cannot
+/// settle another delivery.
 fn queued(poll: std::task::Poll<lapin::Result<()>>) -> SettleResult {
     match poll {
         std::task::Poll::Ready(Err(_)) => SettleResult::Refused,
