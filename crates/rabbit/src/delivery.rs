@@ -30,18 +30,19 @@ const REQUEUE_MEMORY: usize = 10_000;
 pub(crate) async fn handle(shared: &Arc<Shared>, session: Arc<Session>, delivery: Delivery) {
     shared.metrics.in_flight.increment(1.0);
     let acking = AtomicBool::new(false);
-    let work = settle_delivery(shared, session, delivery, &acking);
+    // Pinned here, in place: moving the large future into `until_abort` would make this task's
+    // state hold it twice.
+    let work = std::pin::pin!(settle_delivery(shared, session, delivery, &acking));
     until_abort(work, &shared.abort, &acking).await;
     shared.metrics.in_flight.decrement(1.0);
 }
 
 /// Runs `work` until it ends or `abort` fires, and then drops it unless `finishing` is set.
 async fn until_abort(
-    work: impl Future<Output = ()>,
+    mut work: std::pin::Pin<&mut impl Future<Output = ()>>,
     abort: &CancellationToken,
     finishing: &AtomicBool,
 ) {
-    let mut work = std::pin::pin!(work);
     // The work is polled first, so work that ends on its first poll never registers a waiter
     // for the abort signal.
     tokio::select! {
@@ -587,7 +588,8 @@ mod tests {
         let abort = CancellationToken::new();
         abort.cancel();
         let (finishing, ended) = (AtomicBool::new(false), AtomicBool::new(false));
-        until_abort(ack_like(&finishing, &ended), &abort, &finishing).await;
+        let work = std::pin::pin!(ack_like(&finishing, &ended));
+        until_abort(work, &abort, &finishing).await;
         assert!(ended.load(Ordering::Acquire));
     }
 
@@ -600,7 +602,7 @@ mod tests {
             tokio::task::yield_now().await;
             ended.store(true, Ordering::Release);
         };
-        until_abort(work, &abort, &finishing).await;
+        until_abort(std::pin::pin!(work), &abort, &finishing).await;
         assert!(!ended.load(Ordering::Acquire));
     }
 }
