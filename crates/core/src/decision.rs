@@ -287,6 +287,9 @@ pub enum HandoffResult {
     Failed,
     /// No confirm arrived within the budget.
     TimedOut,
+    /// The broker blocked the publishing connection (a resource alarm) for the whole budget,
+    /// so the copy was never published.
+    Blocked,
 }
 
 /// Evidence from writing an ACK, NACK or reject.

@@ -23,3 +23,19 @@ pub const SOURCE_QUEUE: &str = "x-lily-source-queue";
 pub const SCHEMA_VERSION: &str = "schema-version";
 /// Set by RabbitMQ on quorum queues: how many times the message was delivered before.
 pub const DELIVERY_COUNT: &str = "x-delivery-count";
+/// Identity of the handoff publish that carried this copy; a `basic.return` counts against a
+/// handoff only when it carries that handoff's id (see [`crate::PublishEvidence`]).
+pub const HANDOFF_ID: &str = "x-lily-handoff-id";
+/// The original `expiration` property, moved aside so the copy does not expire in a lane.
+pub const ORIGINAL_EXPIRATION: &str = "x-lily-original-expiration";
+/// The original `user_id` property, moved aside: RabbitMQ refuses a publish whose `user_id` is
+/// not the publishing user.
+pub const ORIGINAL_USER_ID: &str = "x-lily-original-user-id";
+/// The original `CC` header, moved aside: RabbitMQ would route the copy to those queues too.
+pub const ORIGINAL_CC: &str = "x-lily-original-cc";
+/// The original `BCC` header, moved aside for the same reason as `CC`.
+pub const ORIGINAL_BCC: &str = "x-lily-original-bcc";
+/// Sender-selected distribution header: extra routing keys RabbitMQ routes a publish to.
+pub const CC: &str = "CC";
+/// Like [`CC`], and removed by RabbitMQ before delivery.
+pub const BCC: &str = "BCC";

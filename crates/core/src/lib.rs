@@ -8,6 +8,7 @@
 //! - [`decide_at_gate`], [`decide`] and [`Settlement`]: the decision table of the design and the
 //!   machine that carries a plan to its [`Outcome`].
 //! - [`Budget`], [`Policy`]: deadlines and retry policy.
+//! - [`PublishEvidence`]: which handoff a confirm or a return belongs to.
 //! - [`Ledger`]: evidence per delivery and totals.
 //! - [`AckWindow`]: which ready ACKs one `multiple` ACK may write together.
 //! - [`PhaseClock`] and [`ShutdownReport`]: shutdown phases and the report.
@@ -19,6 +20,7 @@ mod decision;
 mod envelope;
 mod error;
 mod extract;
+mod handoff;
 mod handler;
 pub mod headers;
 mod ledger;
@@ -45,6 +47,7 @@ pub use extract::{
     Attempt, Cancellation, Context, DeliveryCancel, FromDelivery, Headers, Json, Meta, Payload,
     RawDelivery,
 };
+pub use handoff::{Confirm, HandoffId, PublishEvidence};
 pub use handler::{BoxFuture, BoxedHandler, Handler, HandlerResult};
 pub use ledger::{EntryId, Evidence, Identity, Ledger, Totals, UnresolvedEntry};
 pub use message::{Incoming, IncomingParts};

@@ -556,12 +556,13 @@ fn handoff_returned_as_unroutable_nacks_original_once() {
 }
 
 #[test]
-fn handoff_nacked_failed_or_timed_out_nacks_original_once() {
+fn handoff_nacked_failed_timed_out_or_blocked_nacks_original_once() {
     let t0 = Instant::now();
     for result in [
         HandoffResult::Nacked,
         HandoffResult::Failed,
         HandoffResult::TimedOut,
+        HandoffResult::Blocked,
     ] {
         let mut s = start_publish(Plan::Handoff(some_handoff()), 0, &policy(), t0);
         s.handle_handoff(result, Authority::Held, within_budget(t0));
@@ -841,6 +842,7 @@ fn handoff_result() -> impl Strategy<Value = HandoffResult> {
         Just(HandoffResult::Nacked),
         Just(HandoffResult::Failed),
         Just(HandoffResult::TimedOut),
+        Just(HandoffResult::Blocked),
     ]
 }
 
@@ -866,6 +868,7 @@ fn handoff_failure() -> impl Strategy<Value = HandoffResult> {
         Just(HandoffResult::Nacked),
         Just(HandoffResult::Failed),
         Just(HandoffResult::TimedOut),
+        Just(HandoffResult::Blocked),
     ]
 }
 

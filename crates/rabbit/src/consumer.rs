@@ -16,7 +16,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
+use crate::connect::Endpoint;
 use crate::crew::Crew;
+use crate::publisher::Publisher;
 use crate::session::{Session, SessionEnd, SessionError, consume};
 use crate::{ConsumerConfig, Error, Shutdown, Topology};
 
@@ -44,7 +46,8 @@ use crate::{ConsumerConfig, Error, Shutdown, Topology};
 /// # Ok(()) }
 /// ```
 pub struct Consumer {
-    url: String,
+    endpoint: Endpoint,
+    publisher: Arc<Publisher>,
     config: ConsumerConfig,
     router: Router,
     hooks: Vec<Arc<dyn DynHook>>,
@@ -58,6 +61,7 @@ pub struct Consumer {
 pub struct Stats {
     ledger: Arc<Mutex<Ledger>>,
     ready: Arc<AtomicBool>,
+    publisher: Arc<Publisher>,
 }
 
 impl Stats {
@@ -76,11 +80,18 @@ impl Stats {
     pub fn ready(&self) -> bool {
         self.ready.load(Ordering::Acquire)
     }
+
+    /// True while the broker blocks the handoff connection (a memory or disk alarm): successful
+    /// deliveries are still ACKed, but handoffs wait, within their budget, for the unblock.
+    pub fn handoffs_blocked(&self) -> bool {
+        self.publisher.blocked()
+    }
 }
 
 /// Everything the sessions and delivery tasks share.
 pub(crate) struct Shared {
-    pub(crate) url: String,
+    pub(crate) endpoint: Endpoint,
+    pub(crate) publisher: Arc<Publisher>,
     pub(crate) config: ConsumerConfig,
     pub(crate) router: Router,
     pub(crate) hooks: Vec<Arc<dyn DynHook>>,
@@ -153,8 +164,14 @@ impl Consumer {
     /// A consumer of `config.queue` at `url` (`amqp://` or `amqps://`).
     pub fn new(url: impl Into<String>, config: ConsumerConfig, router: Router) -> Self {
         let ledger = Arc::new(Mutex::new(Ledger::new(config.unresolved_cap)));
-        Self {
+        let endpoint = Endpoint {
             url: url.into(),
+            tls_ca_pem: config.tls_ca_pem.clone(),
+            queue: config.queue.clone(),
+        };
+        Self {
+            publisher: Arc::new(Publisher::new(endpoint.clone(), &config.queue)),
+            endpoint,
             config,
             router,
             hooks: Vec::new(),
@@ -185,6 +202,7 @@ impl Consumer {
         Stats {
             ledger: Arc::clone(&self.ledger),
             ready: Arc::clone(&self.ready),
+            publisher: Arc::clone(&self.publisher),
         }
     }
 
@@ -220,7 +238,8 @@ impl Consumer {
         let shared = Arc::new(Shared {
             queue: self.config.queue.as_str().into(),
             metrics: Metrics::new(&self.config.queue),
-            url: self.url,
+            endpoint: self.endpoint,
+            publisher: self.publisher,
             router: self.router,
             hooks: self.hooks,
             scope: self.scope,
@@ -266,7 +285,7 @@ async fn run_sessions(
             }
             Err(SessionError::Fatal(err)) => return Err(err),
             Err(SessionError::Connect(err)) => {
-                warn!(queue = %shared.queue, error = %err, host = %redact(&shared.url), "connect failed");
+                warn!(queue = %shared.queue, error = %err, host = %redact(&shared.endpoint.url), "connect failed");
             }
         }
         if started.elapsed() > shared.config.reconnect_max * 2 {
@@ -280,6 +299,9 @@ async fn run_sessions(
     }
     Ok(None)
 }
+
+/// How long closing the handoff connection may take: a blocked connection writes nothing.
+const PUBLISHER_CLOSE: Duration = Duration::from_secs(1);
 
 /// Walks the shutdown phases and builds the report.
 async fn shut_down(
@@ -333,6 +355,7 @@ async fn shut_down(
     if let Some(session) = session {
         session.close(shared).await;
     }
+    shared.publisher.close(PUBLISHER_CLOSE).await;
     let mut ledger = lock(&shared.ledger);
     // ACKs written on channels that are gone were never confirmed.
     ledger.acks_uncertain(None);

@@ -497,9 +497,9 @@ impl Work<'_> {
                 ),
             ),
         };
-        self.session
+        self.shared
             .publisher
-            .publish(&self.session.connection, &queue, body, properties, deadline)
+            .publish(&queue, body, properties, deadline)
             .await
     }
 

@@ -1,96 +1,13 @@
-//! Confirmed handoffs: mandatory, persistent publishes whose confirm is awaited within the
-//! settlement budget. Each delivery awaits only its own confirm, so confirms pipeline across
-//! concurrent deliveries.
+//! What a handoff publishes: the destination of a lane and the properties of the copy. The
+//! [`Publisher`](crate::publisher::Publisher) publishes it and attributes the evidence.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection};
-use lily_mq_core::{HandoffResult, Incoming, Lane, Reason, headers, is_token};
-use tokio::sync::RwLock;
+use lily_mq_core::{Incoming, Lane, Reason, headers, is_token};
 
 use crate::Topology;
-
-/// A confirm-mode channel for handoffs, reopened when it closes.
-#[derive(Debug)]
-pub(crate) struct Publisher {
-    channel: RwLock<Channel>,
-}
-
-impl Publisher {
-    pub(crate) async fn open(connection: &Connection) -> lapin::Result<Self> {
-        Ok(Self {
-            channel: RwLock::new(confirm_channel(connection).await?),
-        })
-    }
-
-    /// Publishes `body` with `properties` to `queue` through the default exchange
-    /// (mandatory, so a missing queue comes back as a return) and awaits the confirm.
-    ///
-    /// # Cancel safety
-    /// Dropping the future after the publish was written leaves the confirm unobserved: the
-    /// copy may exist. Callers bound it with `deadline` instead of dropping it.
-    pub(crate) async fn publish(
-        &self,
-        connection: &Connection,
-        queue: &str,
-        body: &[u8],
-        properties: BasicProperties,
-        deadline: Duration,
-    ) -> HandoffResult {
-        let Ok(routing_key) = ShortString::try_new(queue) else {
-            return HandoffResult::Failed;
-        };
-        let attempt = async {
-            let channel = self.channel(connection).await?;
-            let confirm = channel
-                .basic_publish(
-                    ShortString::from(""),
-                    routing_key,
-                    BasicPublishOptions {
-                        mandatory: true,
-                        immediate: false,
-                    },
-                    body,
-                    properties,
-                )
-                .await?;
-            confirm.await
-        };
-        match tokio::time::timeout(deadline, attempt).await {
-            Err(_) => HandoffResult::TimedOut,
-            Ok(Err(_)) => HandoffResult::Failed,
-            Ok(Ok(Confirmation::Ack(None))) => HandoffResult::Confirmed,
-            // A confirm for a returned message is a failed handoff, not a success.
-            Ok(Ok(Confirmation::Ack(Some(_)) | Confirmation::Nack(Some(_)))) => {
-                HandoffResult::Returned
-            }
-            Ok(Ok(Confirmation::Nack(None))) => HandoffResult::Nacked,
-            Ok(Ok(Confirmation::NotRequested)) => HandoffResult::Failed,
-        }
-    }
-
-    async fn channel(&self, connection: &Connection) -> lapin::Result<Channel> {
-        let current = self.channel.read().await.clone();
-        if current.status().connected() {
-            return Ok(current);
-        }
-        let mut slot = self.channel.write().await;
-        if !slot.status().connected() {
-            *slot = confirm_channel(connection).await?;
-        }
-        Ok(slot.clone())
-    }
-}
-
-async fn confirm_channel(connection: &Connection) -> lapin::Result<Channel> {
-    let channel = connection.create_channel().await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
-    Ok(channel)
-}
 
 /// Destination queue of a lane.
 pub(crate) fn destination(topology: &Topology, lane: Lane) -> Option<String> {
@@ -110,8 +27,11 @@ pub(crate) struct FailureNote<'a> {
 }
 
 /// Properties of the copy of a message that passed the gate: the original properties and
-/// headers, plus Lily's failure headers. `expiration` moves to a header so the copy does not
-/// expire in the DLQ; the broker's `x-delivery-count` is not carried over.
+/// headers, plus Lily's failure headers. The copy carries nothing RabbitMQ would act on
+/// differently from the lane Lily chose: `expiration` (the copy would expire in the lane),
+/// `user_id` (a publish whose `user_id` is not the publishing user is refused) and the `CC`
+/// and `BCC` headers (extra routes) move into `x-lily-original-*` headers, from which a replay
+/// restores them. The broker's `x-delivery-count` is not carried over.
 pub(crate) fn copy_properties(incoming: &Incoming, note: &FailureNote<'_>) -> BasicProperties {
     let original = incoming.properties();
     let now = epoch_millis();
@@ -128,6 +48,14 @@ pub(crate) fn copy_properties(incoming: &Incoming, note: &FailureNote<'_>) -> Ba
         .map(|t| t.inner().clone())
         .unwrap_or_default();
     map.remove(headers::DELIVERY_COUNT);
+    for (routing, aside) in [
+        (headers::CC, headers::ORIGINAL_CC),
+        (headers::BCC, headers::ORIGINAL_BCC),
+    ] {
+        if let Some(value) = map.remove(routing) {
+            map.insert(aside.into(), value);
+        }
+    }
     let mut table = FieldTable::from(map);
     let attempt = match note.lane {
         Lane::Retry { next_attempt, .. } => next_attempt,
@@ -149,15 +77,18 @@ pub(crate) fn copy_properties(incoming: &Incoming, note: &FailureNote<'_>) -> Ba
             long(incoming.routing_key()),
         );
     }
-    let mut props = original.clone();
     if let Some(expiration) = original.expiration() {
         table.insert(
-            "x-lily-original-expiration".into(),
+            headers::ORIGINAL_EXPIRATION.into(),
             long(expiration.as_str()),
         );
-        props = without_expiration(props);
     }
-    props.with_headers(table).with_delivery_mode(2)
+    if let Some(user_id) = original.user_id() {
+        table.insert(headers::ORIGINAL_USER_ID.into(), long(user_id.as_str()));
+    }
+    without_moved(original)
+        .with_headers(table)
+        .with_delivery_mode(2)
 }
 
 /// Properties of the DLQ copy of a message the gate refused: only bounded, sanitized metadata.
@@ -204,8 +135,9 @@ pub(crate) fn sanitized_properties(
     props
 }
 
-fn without_expiration(props: BasicProperties) -> BasicProperties {
-    // BasicProperties has no setter that clears a field; rebuild without it.
+/// `props` without `expiration` and `user_id` (and without headers: the caller sets them).
+fn without_moved(props: &BasicProperties) -> BasicProperties {
+    // BasicProperties has no setter that clears a field; rebuild without them.
     let mut out = BasicProperties::default();
     macro_rules! keep {
         ($get:ident, $with:ident) => {
@@ -216,7 +148,6 @@ fn without_expiration(props: BasicProperties) -> BasicProperties {
     }
     keep!(content_type, with_content_type);
     keep!(content_encoding, with_content_encoding);
-    keep!(headers, with_headers);
     keep!(delivery_mode, with_delivery_mode);
     keep!(priority, with_priority);
     keep!(correlation_id, with_correlation_id);
@@ -224,7 +155,6 @@ fn without_expiration(props: BasicProperties) -> BasicProperties {
     keep!(message_id, with_message_id);
     keep!(timestamp, with_timestamp);
     keep!(kind, with_type);
-    keep!(user_id, with_user_id);
     keep!(app_id, with_app_id);
     keep!(cluster_id, with_cluster_id);
     out

@@ -10,6 +10,7 @@
 //! settlement is unresolved; [`emit`] writes it out.
 
 mod config;
+mod connect;
 mod consumer;
 mod crew;
 mod delivery;
@@ -18,6 +19,7 @@ mod handoff;
 #[cfg(feature = "health")]
 pub mod health;
 mod pipeline;
+mod publisher;
 mod report;
 mod session;
 mod shutdown;

@@ -1,5 +1,6 @@
-//! One connection: topology, the confirm channel for handoffs, the consuming channel, the
-//! consume loop and the round trips that confirm ACKs.
+//! The consuming connection: topology, the consuming channel, the consume loop and the round
+//! trips that confirm ACKs. Handoffs publish on a connection of their own (see
+//! [`Publisher`](crate::publisher::Publisher)).
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -10,17 +11,17 @@ use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
     BasicRejectOptions,
 };
-use lapin::types::{FieldTable, LongString};
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection};
 use lily_mq_core::{AckWindow, Action, SettleResult};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use crate::Error;
+use crate::connect::connect;
 use crate::consumer::{Shared, lock, redact};
 use crate::crew::Crew;
-use crate::handoff::Publisher;
 
 /// How often written ACKs are confirmed by a `basic.qos` round trip.
 const ACK_CONFIRM_INTERVAL: Duration = Duration::from_millis(200);
@@ -29,8 +30,7 @@ const ACK_CONFIRM_INTERVAL: Duration = Duration::from_millis(200);
 pub(crate) struct Session {
     /// Identifies the consuming channel in the ledger's ACK evidence.
     pub(crate) id: u64,
-    pub(crate) connection: Connection,
-    pub(crate) publisher: Publisher,
+    connection: Connection,
     consuming: Channel,
     /// Deliveries open on the consuming channel and their ready ACKs.
     acks: Mutex<AckWindow>,
@@ -163,10 +163,7 @@ pub(crate) async fn consume(
     crew: &Arc<Crew>,
     stop: &CancellationToken,
 ) -> Result<SessionEnd, SessionError> {
-    let props = ConnectionProperties::default().with_connection_name(LongString::from(
-        format!("lily:{}", shared.queue).into_bytes(),
-    ));
-    let connection = connect(shared, props)
+    let connection = connect(&shared.endpoint, "consuming")
         .await
         .map_err(SessionError::Connect)?;
     let setup = connection
@@ -184,7 +181,9 @@ pub(crate) async fn consume(
             })
         })?;
     let _ = setup.close(200, "topology ready".into()).await;
-    let publisher = Publisher::open(&connection)
+    shared
+        .publisher
+        .warm()
         .await
         .map_err(SessionError::Connect)?;
     let consuming = connection
@@ -204,11 +203,10 @@ pub(crate) async fn consume(
         )
         .await
         .map_err(SessionError::Connect)?;
-    info!(queue = %shared.queue, host = %redact(&shared.url), "consuming");
+    info!(queue = %shared.queue, host = %redact(&shared.endpoint.url), "consuming");
     let session = Arc::new(Session {
         id: shared.sessions.fetch_add(1, Ordering::Relaxed),
         connection,
-        publisher,
         consuming,
         acks: Mutex::new(AckWindow::new()),
         ended: CancellationToken::new(),
@@ -264,21 +262,6 @@ pub(crate) async fn consume(
         .basic_cancel(consumer.tag(), BasicCancelOptions::default())
         .await;
     Ok(SessionEnd::Shutdown(session))
-}
-
-/// Opens the connection, trusting the configured private CA for `amqps://`.
-async fn connect(shared: &Shared, props: ConnectionProperties) -> lapin::Result<Connection> {
-    match &shared.config.tls_ca_pem {
-        None => Connection::connect(&shared.url, props).await,
-        Some(ca) => {
-            let tls = lapin::tcp::OwnedTLSConfig {
-                identity: None,
-                cert_chain: Some(ca.clone()),
-            };
-            let runtime = lapin::runtime::default_runtime()?;
-            Connection::connect_with_config(&shared.url, props, tls, runtime).await
-        }
-    }
 }
 
 /// Confirms written ACKs every [`ACK_CONFIRM_INTERVAL`] while the session lives. When the

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, ExchangeKind};
 
 /// The RabbitMQ queue type of the work queue and its companions.
@@ -23,7 +23,9 @@ pub enum TopologyMode {
     /// Declare every queue and exchange (idempotent when the arguments match).
     #[default]
     Declare,
-    /// Check with passive declares; fail if anything is missing.
+    /// Check that every queue and the dead-letter exchange exist with the arguments Lily relies
+    /// on; fail at start, naming the queue and the argument, if anything is missing or differs.
+    /// Needs the `configure` permission on the queue names (see [`Topology::apply`]).
     Verify,
 }
 
@@ -86,38 +88,53 @@ impl Topology {
 
     /// Declares or verifies everything.
     ///
+    /// In [`TopologyMode::Verify`] each queue must exist (a passive declare) and hold the
+    /// arguments Lily relies on: a passive declare ignores arguments, and a bucket without its
+    /// dead-letter exchange back to the work queue would silently discard every retry copy
+    /// after its original was ACKed. So each queue is then declared again with exactly the
+    /// expected arguments, which RabbitMQ refuses (406, naming the queue and the argument)
+    /// when the existing queue lacks one or has another value, its type included. That second
+    /// declare needs the `configure` permission on the queue names; it changes nothing on a
+    /// queue that passes.
+    ///
     /// # Errors
     /// The broker refused a declaration (for example, a queue exists with other arguments) or,
-    /// in [`TopologyMode::Verify`], something is missing. The channel is closed by the broker.
+    /// in [`TopologyMode::Verify`], something is missing or differs. The channel is closed by
+    /// the broker.
     pub async fn apply(&self, channel: &Channel, mode: TopologyMode) -> lapin::Result<()> {
-        let passive = mode == TopologyMode::Verify;
-        let opts = QueueDeclareOptions {
-            durable: true,
-            passive,
-            ..QueueDeclareOptions::default()
-        };
         let dlx = self.dead_letter_exchange();
-        if !passive {
-            channel
-                .exchange_declare(
-                    dlx.as_str().into(),
-                    ExchangeKind::Fanout,
-                    ExchangeDeclareOptions {
-                        durable: true,
-                        ..ExchangeDeclareOptions::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await?;
-        }
-        let dlq = self.dead_letter_queue();
+        let exchange_options = ExchangeDeclareOptions {
+            durable: true,
+            passive: mode == TopologyMode::Verify,
+            ..ExchangeDeclareOptions::default()
+        };
         channel
-            .queue_declare(dlq.as_str().into(), opts, self.args())
+            .exchange_declare(
+                dlx.as_str().into(),
+                ExchangeKind::Fanout,
+                exchange_options,
+                FieldTable::default(),
+            )
             .await?;
-        if !passive {
+        for (name, args) in self.queues(mode) {
+            let declare = |passive| {
+                let options = QueueDeclareOptions {
+                    durable: true,
+                    passive,
+                    ..QueueDeclareOptions::default()
+                };
+                channel.queue_declare(name.as_str().into(), options, args.clone())
+            };
+            if mode == TopologyMode::Verify {
+                // Existence first, so a missing queue is refused rather than created.
+                declare(true).await?;
+            }
+            declare(false).await?;
+        }
+        if mode == TopologyMode::Declare {
             channel
                 .queue_bind(
-                    dlq.as_str().into(),
+                    self.dead_letter_queue().as_str().into(),
                     dlx.as_str().into(),
                     "".into(),
                     QueueBindOptions::default(),
@@ -125,16 +142,36 @@ impl Topology {
                 )
                 .await?;
         }
-        channel
-            .queue_declare(self.parking_queue().as_str().into(), opts, self.args())
-            .await?;
-        let mut work = self.args();
-        work.insert("x-dead-letter-exchange".into(), long(&dlx));
-        channel
-            .queue_declare(self.queue.as_str().into(), opts, work)
-            .await?;
+        Ok(())
+    }
+
+    /// Every queue with the arguments it must have. Verification also names the type of a
+    /// classic queue, so a quorum queue of the same name is refused.
+    fn queues(&self, mode: TopologyMode) -> Vec<(String, FieldTable)> {
+        let base = || {
+            let mut args = FieldTable::default();
+            let kind = match (self.kind, mode) {
+                (QueueKind::Quorum, _) => Some("quorum"),
+                (QueueKind::Classic, TopologyMode::Verify) => Some("classic"),
+                (QueueKind::Classic, TopologyMode::Declare) => None,
+            };
+            if let Some(kind) = kind {
+                args.insert("x-queue-type".into(), long(kind));
+            }
+            args
+        };
+        let mut work = base();
+        work.insert(
+            "x-dead-letter-exchange".into(),
+            long(&self.dead_letter_exchange()),
+        );
+        let mut queues = vec![
+            (self.dead_letter_queue(), base()),
+            (self.parking_queue(), base()),
+            (self.queue.clone(), work),
+        ];
         for (name, delay) in &self.buckets {
-            let mut args = self.args();
+            let mut args = base();
             let ttl = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
             args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ttl));
             args.insert("x-dead-letter-exchange".into(), long(""));
@@ -144,19 +181,9 @@ impl Topology {
                 args.insert("x-dead-letter-strategy".into(), long("at-least-once"));
                 args.insert("x-overflow".into(), long("reject-publish"));
             }
-            channel
-                .queue_declare(name.as_str().into(), opts, args)
-                .await?;
+            queues.push((name.clone(), args));
         }
-        Ok(())
-    }
-
-    fn args(&self) -> FieldTable {
-        let mut args = FieldTable::default();
-        if self.kind == QueueKind::Quorum {
-            args.insert(ShortString::from("x-queue-type"), long("quorum"));
-        }
-        args
+        queues
     }
 }
 
