@@ -12,6 +12,7 @@ pub use mongo::MongoNode;
 pub use proxy::FaultProxy;
 pub use tcp_proxy::TcpProxy;
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -217,6 +218,31 @@ impl Client {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Takes every ready message of `queue` (acknowledging each) until it is empty.
+    pub async fn drain(&self, queue: &str) -> Vec<BasicGetMessage> {
+        let mut messages = Vec::new();
+        while let Some(message) = self.take(queue, Duration::ZERO).await {
+            messages.push(message);
+        }
+        messages
+    }
+
+    /// How many times each `message_id` occurs in the ready messages of `queue`, which it
+    /// drains. A message without an id counts under `""`.
+    pub async fn drain_ids(&self, queue: &str) -> BTreeMap<String, usize> {
+        let mut ids = BTreeMap::new();
+        for message in self.drain(queue).await {
+            let id = message
+                .delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map_or_else(String::new, |id| id.as_str().to_owned());
+            *ids.entry(id).or_insert(0) += 1;
+        }
+        ids
     }
 
     /// Deletes `queue`.

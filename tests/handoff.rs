@@ -1,0 +1,335 @@
+//! Handoff evidence under concurrency, against the real node, checked by message id from
+//! outside Lily: many handoffs in flight at once, some returned and some routed; copies of
+//! messages whose producer set `user_id`, `CC` or `BCC`; and Verify mode refusing a topology
+//! whose arguments Lily cannot rely on.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::{config, header, header_str, props};
+use lapin::options::QueueDeclareOptions;
+use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
+use lily::prelude::*;
+use lily_mq_testkit::{Broker, Client};
+
+const WAIT: Duration = Duration::from_secs(90);
+
+/// A bucket so long that retry copies stay in it until the test drains them.
+const PARKED: Duration = Duration::from_secs(600);
+
+/// Ids that end in `queue`, counted by the broker, must be exactly `expected`, once each.
+fn assert_exactly_once(queue: &str, found: &BTreeMap<String, usize>, expected: &[String]) {
+    let doubled: Vec<_> = found.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(doubled.is_empty(), "{queue}: ids present more than once: {doubled:?}");
+    let missing: Vec<_> = expected.iter().filter(|id| !found.contains_key(*id)).collect();
+    assert!(missing.is_empty(), "{queue}: ids missing: {missing:?}");
+    let strangers: Vec<_> = found
+        .keys()
+        .filter(|id| !expected.contains(*id))
+        .collect();
+    assert!(strangers.is_empty(), "{queue}: ids that do not belong: {strangers:?}");
+}
+
+async fn declare(client_url: &str, queue: &str, kind: QueueKind) {
+    let connection = lapin::Connection::connect(client_url, Default::default())
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    let mut args = FieldTable::default();
+    if kind == QueueKind::Quorum {
+        args.insert("x-queue-type".into(), long("quorum"));
+    }
+    channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            args,
+        )
+        .await
+        .expect("declare");
+}
+
+/// Waits until `queue` holds at least `depth` ready messages; false after [`WAIT`].
+async fn wait_depth(client: &Client, queue: &str, depth: u32) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < WAIT {
+        if client.depth(queue).await >= depth {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
+fn long(text: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(text.as_bytes().to_vec()))
+}
+
+/// Rounds of hundreds of concurrent handoffs at prefetch 50: retryable failures whose copies
+/// are routed to their bucket, and permanent failures whose DLQ copies are returned because the
+/// DLQ was deleted (restored at the end of each round). A return attributed to the wrong
+/// publish would lose a permanent failure (its original ACKed on a return taken as a confirm)
+/// and double a retryable one (its original requeued although its copy was routed).
+async fn concurrent_handoffs_are_attributed_by_identity(kind: QueueKind) {
+    const ROUNDS: usize = 3;
+    const RETRYABLE: usize = 200;
+    // Fewer than the prefetch, so the permanent failures, requeued while the DLQ is missing,
+    // never hold every slot.
+    const PERMANENT: usize = 40;
+
+    let broker = Broker::from_env();
+    let queue = Broker::unique("attribution");
+    let router = Router::new().route("order.placed", |meta: Meta| async move {
+        if meta.message_id().starts_with('r') {
+            Err(QueueHandlerError::retryable("downstream down"))
+        } else {
+            Err(QueueHandlerError::permanent("malformed order"))
+        }
+    });
+    let policy = common::fast_policy()
+        .max_attempts(2)
+        .retry_delays([PARKED])
+        .max_requeues(100_000);
+    let cfg = config(&queue, kind).policy(policy).prefetch(50).concurrency(50);
+    let running = common::start(broker.url(), cfg, router);
+    let client = Client::connect(broker.url()).await;
+    let (bucket, dlq) = (format!("{queue}.retry.10m"), format!("{queue}.dlq"));
+    common::wait_declared(broker.url(), &bucket).await;
+
+    let (mut retryable, mut permanent) = (Vec::new(), Vec::new());
+    let mut dead_lettered = BTreeMap::new();
+    for round in 0..ROUNDS {
+        // Deleting the DLQ deletes what it holds: count it first.
+        if round > 0 {
+            for (id, n) in client.drain_ids(&dlq).await {
+                *dead_lettered.entry(id).or_insert(0) += n;
+            }
+        }
+        client.delete(&dlq).await;
+        for i in 0..RETRYABLE {
+            let id = format!("r-{round}-{i}");
+            client.publish(&queue, b"{}", props(&id, "order.placed")).await;
+            retryable.push(id);
+            if i % (RETRYABLE / PERMANENT) == 0 {
+                let id = format!("p-{round}-{i}");
+                client.publish(&queue, b"{}", props(&id, "order.placed")).await;
+                permanent.push(id);
+            }
+        }
+        let routed = retryable.len() as u32;
+        let depth = wait_depth(&client, &bucket, routed).await;
+        assert!(depth, "round {round}: retry copies never reached the bucket");
+        // Let the permanent failures be returned a while longer, then give them their DLQ
+        // back (with the binding of the work queue's dead-letter exchange).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        declare(broker.url(), &dlq, kind).await;
+        let expected = (permanent.len() - dead_lettered.values().sum::<usize>()) as u32;
+        let all_in = wait_depth(&client, &dlq, expected).await;
+        assert!(all_in, "round {round}: DLQ copies never arrived once the DLQ was back");
+    }
+    let report = running.stop().await;
+
+    let work = client.drain_ids(&queue).await;
+    assert!(work.is_empty(), "work queue still holds {work:?}");
+    assert_exactly_once(&bucket, &client.drain_ids(&bucket).await, &retryable);
+    for (id, n) in client.drain_ids(&dlq).await {
+        *dead_lettered.entry(id).or_insert(0) += n;
+    }
+    assert_exactly_once(&dlq, &dead_lettered, &permanent);
+    let parked = client.drain_ids(&format!("{queue}.parking")).await;
+    assert!(parked.is_empty(), "parking holds {parked:?}");
+    // Lily's claims, held against what the broker holds.
+    assert_eq!(report.totals.retried, retryable.len() as u64);
+    assert_eq!(report.totals.dead_lettered, permanent.len() as u64);
+    assert!(report.clean, "{:?}", report.unresolved);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_returned_and_routed_handoffs_are_attributed_by_identity_on_classic() {
+    concurrent_handoffs_are_attributed_by_identity(QueueKind::Classic).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_returned_and_routed_handoffs_are_attributed_by_identity_on_quorum() {
+    concurrent_handoffs_are_attributed_by_identity(QueueKind::Quorum).await;
+}
+
+/// A producer logged in as its own broker user sets `user_id` (which RabbitMQ checks against
+/// the publishing user: Lily's copy would be refused with a 406) and `CC`/`BCC` (extra routes:
+/// Lily's copy would land there again). Every copy reaches its bucket once, and only the
+/// producer's own publishes reach the side queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_move_user_id_cc_and_bcc_aside_and_reach_only_their_lane() {
+    const MESSAGES: usize = 40;
+    let broker = Broker::from_env();
+    let queue = Broker::unique("routing-props");
+    let side = format!("{queue}.side");
+    let user = Broker::unique("producer");
+    broker.ctl(&["add_user", &user, "producer-pw"]);
+    broker.ctl(&["set_permissions", "-p", "/", &user, ".*", ".*", ".*"]);
+    let producer_url = broker
+        .url()
+        .replacen("guest:guest", &format!("{user}:producer-pw"), 1);
+
+    let router = Router::new().route("order.placed", |_: Meta| async {
+        Err(QueueHandlerError::retryable("downstream down"))
+    });
+    let policy = common::fast_policy().max_attempts(2).retry_delays([PARKED]);
+    let cfg = config(&queue, QueueKind::Classic).policy(policy).prefetch(50).concurrency(50);
+    let running = common::start(broker.url(), cfg, router);
+    let bucket = format!("{queue}.retry.10m");
+    common::wait_declared(broker.url(), &bucket).await;
+    declare(broker.url(), &side, QueueKind::Classic).await;
+
+    let producer = Client::connect(&producer_url).await;
+    let routes = || FieldArray::from(vec![long(&side)]);
+    let (mut ids, mut side_ids) = (Vec::new(), Vec::new());
+    for i in 0..MESSAGES {
+        let id = format!("m-{i}");
+        let mut p = props(&id, "order.placed");
+        if i % 2 == 0 {
+            p = p.with_user_id(ShortString::from(user.as_str()));
+        }
+        let mut headers = FieldTable::default();
+        match i % 4 {
+            1 => headers.insert("CC".into(), AMQPValue::FieldArray(routes())),
+            3 => headers.insert("BCC".into(), AMQPValue::FieldArray(routes())),
+            _ => &mut headers,
+        };
+        if i % 2 == 1 {
+            side_ids.push(id.clone());
+        }
+        producer.publish(&queue, b"{}", p.with_headers(headers)).await;
+        ids.push(id);
+    }
+
+    let client = Client::connect(broker.url()).await;
+    let settled = wait_depth(&client, &bucket, MESSAGES as u32).await;
+    assert!(settled, "retry copies never reached the bucket");
+    let report = running.stop().await;
+
+    let copies = client.drain(&bucket).await;
+    let mut found = BTreeMap::new();
+    for copy in &copies {
+        let p = &copy.delivery.properties;
+        let id = p.message_id().as_ref().expect("copy keeps its id").to_string();
+        let n: usize = id.trim_start_matches("m-").parse().expect("numbered id");
+        assert!(p.user_id().is_none(), "{id}: user_id left on the copy");
+        assert!(header(p, "CC").is_none() && header(p, "BCC").is_none(), "{id}: routes left");
+        let kept_user = header_str(p, "x-lily-original-user-id");
+        assert_eq!(kept_user.is_some(), n % 2 == 0, "{id}: user_id not kept aside");
+        if n % 2 == 0 {
+            assert_eq!(kept_user.as_deref(), Some(user.as_str()));
+        }
+        // RabbitMQ removes BCC before delivery, so only CC is left to keep aside.
+        assert_eq!(
+            matches!(header(p, "x-lily-original-cc"), Some(AMQPValue::FieldArray(_))),
+            n % 4 == 1,
+            "{id}: CC not kept aside"
+        );
+        *found.entry(id).or_insert(0) += 1;
+    }
+    assert_exactly_once(&bucket, &found, &ids);
+    assert_exactly_once(&side, &client.drain_ids(&side).await, &side_ids);
+    assert!(client.drain_ids(&queue).await.is_empty());
+    assert_eq!(client.depth(&format!("{queue}.dlq")).await, 0);
+    assert_eq!(report.totals.retried, MESSAGES as u64);
+    assert_eq!(report.totals.requeued, 0, "no handoff failed");
+    broker.ctl(&["delete_user", &user]);
+}
+
+/// Declares `queue`'s topology as Lily would, then replaces `defective` by a queue declared
+/// with `args`, and returns what Verify mode says.
+async fn verify_with(
+    queue: &str,
+    verify_as: QueueKind,
+    defective: &str,
+    args: FieldTable,
+) -> lily::rabbit::Error {
+    let broker = Broker::from_env();
+    let connection = lapin::Connection::connect(broker.url(), Default::default())
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    let policy = common::fast_policy();
+    lily::rabbit::Topology::new(queue, QueueKind::Classic, &policy.retry_delays)
+        .apply(&channel, TopologyMode::Declare)
+        .await
+        .expect("declare topology");
+    let client = Client::connect(broker.url()).await;
+    client.delete(defective).await;
+    channel
+        .queue_declare(
+            defective.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            args,
+        )
+        .await
+        .expect("declare the defective queue");
+    let cfg = config(queue, verify_as).topology(TopologyMode::Verify);
+    let router = Router::new().route("order.placed", |_: Meta| async { Ok(()) });
+    let refused = tokio::time::timeout(
+        Duration::from_secs(20),
+        Consumer::new(broker.url(), cfg, router).run(Shutdown::default()),
+    )
+    .await
+    .expect("verify answers at start, without a retry loop");
+    refused.expect_err("a topology Lily cannot rely on is refused")
+}
+
+fn error_text(err: &lily::rabbit::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = std::error::Error::source(err);
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_mode_refuses_arguments_lily_relies_on_naming_queue_and_argument() {
+    let ttl = |ms: i64| {
+        let mut args = FieldTable::default();
+        args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ms));
+        args
+    };
+    // A bucket without its dead-letter exchange back to the work queue.
+    let queue = Broker::unique("verify-dlx");
+    let bucket = format!("{queue}.retry.1s");
+    let err = verify_with(&queue, QueueKind::Classic, &bucket, ttl(1000)).await;
+    let text = error_text(&err);
+    assert!(matches!(err, lily::rabbit::Error::Topology { .. }), "{text}");
+    assert!(text.contains(&bucket) && text.contains("x-dead-letter-exchange"), "{text}");
+
+    // A bucket without its TTL.
+    let queue = Broker::unique("verify-ttl");
+    let bucket = format!("{queue}.retry.1s");
+    let mut no_ttl = FieldTable::default();
+    no_ttl.insert("x-dead-letter-exchange".into(), long(""));
+    no_ttl.insert("x-dead-letter-routing-key".into(), long(&queue));
+    let text = error_text(&verify_with(&queue, QueueKind::Classic, &bucket, no_ttl).await);
+    assert!(text.contains(&bucket) && text.contains("x-message-ttl"), "{text}");
+
+    // A work queue without its dead-letter exchange.
+    let queue = Broker::unique("verify-work");
+    let text =
+        error_text(&verify_with(&queue, QueueKind::Classic, &queue, FieldTable::default()).await);
+    assert!(text.contains(&queue) && text.contains("x-dead-letter-exchange"), "{text}");
+
+    // The queue type differs: classic queues verified as quorum.
+    let queue = Broker::unique("verify-type");
+    let dlq = format!("{queue}.dlq");
+    let text =
+        error_text(&verify_with(&queue, QueueKind::Quorum, &dlq, FieldTable::default()).await);
+    assert!(text.contains("x-queue-type"), "{text}");
+}
