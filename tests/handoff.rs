@@ -14,7 +14,7 @@ use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use lily::prelude::*;
 use lily_mq_testkit::{Broker, Client};
 
-const WAIT: Duration = Duration::from_secs(90);
+const WAIT: Duration = Duration::from_secs(30);
 
 /// A bucket so long that retry copies stay in it until the test drains them.
 const PARKED: Duration = Duration::from_secs(600);
@@ -122,15 +122,15 @@ async fn concurrent_handoffs_are_attributed_by_identity(kind: QueueKind) {
             }
         }
         let routed = retryable.len() as u32;
-        let depth = wait_depth(&client, &bucket, routed).await;
-        assert!(depth, "round {round}: retry copies never reached the bucket");
+        // A timeout here is not the verdict: the drain by id at the end says which ids are
+        // missing or doubled.
+        wait_depth(&client, &bucket, routed).await;
         // Let the permanent failures be returned a while longer, then give them their DLQ
         // back (with the binding of the work queue's dead-letter exchange).
         tokio::time::sleep(Duration::from_millis(300)).await;
         declare(broker.url(), &dlq, kind).await;
         let expected = (permanent.len() - dead_lettered.values().sum::<usize>()) as u32;
-        let all_in = wait_depth(&client, &dlq, expected).await;
-        assert!(all_in, "round {round}: DLQ copies never arrived once the DLQ was back");
+        wait_depth(&client, &dlq, expected).await;
     }
     let report = running.stop().await;
 
@@ -209,8 +209,8 @@ async fn copies_move_user_id_cc_and_bcc_aside_and_reach_only_their_lane() {
     }
 
     let client = Client::connect(broker.url()).await;
-    let settled = wait_depth(&client, &bucket, MESSAGES as u32).await;
-    assert!(settled, "retry copies never reached the bucket");
+    // The drain by id below is the verdict, whether or not this wait timed out.
+    wait_depth(&client, &bucket, MESSAGES as u32).await;
     let report = running.stop().await;
 
     let copies = client.drain(&bucket).await;
