@@ -12,7 +12,14 @@
 //!   a publish whose wait timed out.
 //! - **Blocked.** While the broker blocks the connection, no handoff publishes: it waits for
 //!   the unblock within its own deadline and otherwise fails as [`HandoffResult::Blocked`], so
-//!   no copy lands later, after its original was requeued.
+//!   no copy lands later, after its original was requeued. RabbitMQ only says a connection is
+//!   blocked once it publishes during the alarm, and that publish stays unread until the alarm
+//!   clears. So when the connection has had no confirm for [`PROBE_AFTER`], a handoff first
+//!   publishes a probe that RabbitMQ drops (not mandatory, to a queue name no queue can have)
+//!   and awaits its confirm: if an alarm started in the quiet, the probe is what stays stuck,
+//!   not a copy. Under a steady stream of handoffs their own confirms are the evidence and no
+//!   probe is sent; a copy published in the instant an alarm starts can still be held by the
+//!   broker, time out and land after its original was requeued.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -32,6 +39,12 @@ use crate::consumer::lock;
 /// How often a handoff waiting for the broker to unblock the connection looks again.
 const BLOCKED_POLL: Duration = Duration::from_millis(25);
 
+/// How long without a confirm on the connection before a handoff probes it first.
+const PROBE_AFTER: Duration = Duration::from_millis(100);
+
+/// Routing key of the probe: RabbitMQ reserves `amq.` queue names, so nothing can route it.
+const PROBE_ROUTE: &str = "amq.lily.probe";
+
 /// Publishes handoff copies on a connection of its own.
 pub(crate) struct Publisher {
     endpoint: Endpoint,
@@ -42,6 +55,8 @@ pub(crate) struct Publisher {
     /// Confirm channels with nothing in flight.
     idle: Mutex<Vec<Channel>>,
     next_id: AtomicU64,
+    /// When the broker last confirmed a publish on the current connection: it was reading it.
+    last_confirm: Mutex<Option<Instant>>,
     /// Whether the broker blocks the current connection, as its last notice said.
     blocked: Arc<AtomicBool>,
     blocked_gauge: metrics::Gauge,
@@ -55,6 +70,7 @@ impl Publisher {
             connecting: tokio::sync::Mutex::new(()),
             idle: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(0),
+            last_confirm: Mutex::new(None),
             blocked: Arc::new(AtomicBool::new(false)),
             blocked_gauge: metrics::gauge!("lily_handoff_blocked", "queue" => queue.to_owned()),
         }
@@ -97,9 +113,16 @@ impl Publisher {
         let channel = match tokio::time::timeout_at(until, self.channel()).await {
             Ok(Ok(channel)) => channel,
             Ok(Err(_)) => return HandoffResult::Failed,
-            Err(_) if self.blocked() => return HandoffResult::Blocked,
-            Err(_) => return HandoffResult::TimedOut,
+            Err(_) => return self.timed_out(),
         };
+        if lock(&self.last_confirm).is_none_or(|at| at.elapsed() > PROBE_AFTER) {
+            // The channel is dropped (and closed) unless the probe was confirmed.
+            match tokio::time::timeout_at(until, probe(&channel)).await {
+                Ok(Ok(())) => self.confirmed(),
+                Ok(Err(_)) => return HandoffResult::Failed,
+                Err(_) => return self.timed_out(),
+            }
+        }
         let id = HandoffId::new(self.next_id.fetch_add(1, Ordering::Relaxed));
         let properties = stamped(properties, id);
         let attempt = async {
@@ -123,12 +146,28 @@ impl Publisher {
             Ok(Ok(Confirmation::Ack(returned))) => evidence(Confirm::Ack, returned).attribute(id),
             Ok(Ok(Confirmation::Nack(returned))) => evidence(Confirm::Nack, returned).attribute(id),
         };
-        if result.leaves_channel_clean() && channel.status().connected() {
-            lock(&self.idle).push(channel);
+        if result.leaves_channel_clean() {
+            self.confirmed();
+            if channel.status().connected() {
+                lock(&self.idle).push(channel);
+            }
         }
         // Otherwise the channel is dropped here, and lapin closes it with its last handle,
         // discarding whatever it still kept for it.
         result
+    }
+
+    /// A wait that ran out: blocked if the broker said so meanwhile.
+    fn timed_out(&self) -> HandoffResult {
+        if self.blocked() {
+            HandoffResult::Blocked
+        } else {
+            HandoffResult::TimedOut
+        }
+    }
+
+    fn confirmed(&self) {
+        *lock(&self.last_confirm) = Some(Instant::now());
     }
 
     /// An idle channel of the current connection, or a new one; waits while the broker blocks
@@ -162,6 +201,7 @@ impl Publisher {
             return Ok(connection);
         }
         let connection = Arc::new(connect(&self.endpoint, "handoffs").await?);
+        *lock(&self.last_confirm) = None;
         self.blocked.store(false, Ordering::Release);
         self.blocked_gauge.set(0.0);
         tokio::spawn(watch_blocked(
@@ -249,6 +289,21 @@ fn stamped(properties: BasicProperties, id: HandoffId) -> BasicProperties {
         .unwrap_or_else(FieldTable::default);
     table.insert(headers::HANDOFF_ID.into(), id.header_value());
     properties.with_headers(table)
+}
+
+/// Publishes a probe that RabbitMQ confirms and drops, and awaits the confirm.
+async fn probe(channel: &Channel) -> lapin::Result<()> {
+    channel
+        .basic_publish(
+            ShortString::from(""),
+            ShortString::from(PROBE_ROUTE),
+            BasicPublishOptions::default(),
+            &[],
+            BasicProperties::default(),
+        )
+        .await?
+        .await
+        .map(drop)
 }
 
 async fn confirm_channel(connection: &Connection) -> lapin::Result<Channel> {
