@@ -1,9 +1,9 @@
 //! A fault-injecting TCP proxy between a client and the broker.
 //!
-//! It forwards bytes both ways and parses the AMQP frames coming from the broker. Armed, it
-//! waits for the first publisher confirm (`basic.ack` sent by the broker); from that moment it
-//! drops everything the client sends on that connection and cuts it shortly after. A client
-//! that ACKs a delivery right after its handoff was confirmed thus has the ACK written locally
+//! It forwards bytes both ways and parses the AMQP frames the client sends. Armed, it waits
+//! for the first `basic.ack` a client sends; it drops that frame and everything after it on
+//! that connection and cuts the connection shortly after. A client that ACKs a delivery right
+//! after its handoff was confirmed (on another connection) thus has the ACK written locally
 //! but never processed by the broker: the "handoff confirmed, ack uncertain" row.
 
 use std::net::SocketAddr;
@@ -28,7 +28,7 @@ pub struct FaultProxy {
 
 impl FaultProxy {
     /// Listens on a free loopback port and forwards to `upstream`. It starts armed: the first
-    /// connection to receive a publisher confirm is blackholed and cut; later ones pass.
+    /// connection to send a `basic.ack` loses it and is cut; later ones pass.
     ///
     /// # Panics
     /// When no loopback port can be bound.
@@ -79,53 +79,53 @@ async fn relay(
     armed: Arc<AtomicBool>,
     tripped: Arc<AtomicBool>,
 ) {
-    let blackhole = Arc::new(AtomicBool::new(false));
     let (mut client_rx, mut client_tx) = client.into_split();
     let (mut server_rx, mut server_tx) = server.into_split();
-    let hole = Arc::clone(&blackhole);
-    let upstream = tokio::spawn(async move {
+    let downstream = tokio::spawn(async move {
         let mut buf = vec![0u8; 64 * 1024];
         loop {
-            let n = match client_rx.read(&mut buf).await {
+            let n = match server_rx.read(&mut buf).await {
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
-            if hole.load(Ordering::Acquire) {
-                continue;
-            }
-            if server_tx.write_all(&buf[..n]).await.is_err() {
+            if client_tx.write_all(&buf[..n]).await.is_err() {
                 return;
             }
         }
     });
+    // The client opens with the 8-byte protocol header; frames follow.
     let mut pending: Vec<u8> = Vec::new();
+    let mut header = 8;
     let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = match server_rx.read(&mut buf).await {
+    'relay: loop {
+        let n = match client_rx.read(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
         pending.extend_from_slice(&buf[..n]);
-        let mut cut = false;
+        let skip = header.min(pending.len());
+        if skip > 0 {
+            if server_tx.write_all(&pending[..skip]).await.is_err() {
+                break;
+            }
+            pending.drain(..skip);
+            header -= skip;
+        }
         while let Some(len) = frame_len(&pending) {
             if is_basic_ack(&pending[..len]) && armed.swap(false, Ordering::AcqRel) {
-                // From now on the client's frames (its ACK among them) never reach the broker.
-                blackhole.store(true, Ordering::Release);
+                // This ACK and everything after it never reach the broker; the connection is
+                // cut shortly after.
                 tripped.store(true, Ordering::Release);
-                cut = true;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                break 'relay;
             }
-            if client_tx.write_all(&pending[..len]).await.is_err() {
-                upstream.abort();
-                return;
+            if server_tx.write_all(&pending[..len]).await.is_err() {
+                break 'relay;
             }
             pending.drain(..len);
         }
-        if cut {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            break;
-        }
     }
-    upstream.abort();
+    downstream.abort();
 }
 
 /// Length of the first complete frame in `buf`, if there is one.
