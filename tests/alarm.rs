@@ -30,7 +30,13 @@ impl Drop for Alarm<'_> {
 
 /// Messages in `queue`, ready and unacknowledged, as the broker counts them.
 fn held(broker: &Broker, queue: &str) -> u64 {
-    let out = broker.ctl(&["list_queues", "-q", "--no-table-headers", "name", "messages"]);
+    let out = broker.ctl(&[
+        "list_queues",
+        "-q",
+        "--no-table-headers",
+        "name",
+        "messages",
+    ]);
     out.lines()
         .filter_map(|line| line.split_once('\t'))
         .find(|(name, _)| *name == queue)
@@ -66,11 +72,15 @@ async fn a_memory_alarm_blocks_handoffs_but_not_acks_and_loses_or_doubles_nothin
     let (mut good, mut failing) = (Vec::new(), Vec::new());
     for i in 0..GOOD {
         let id = format!("g-{i}");
-        client.publish(&queue, b"{}", props(&id, "order.placed")).await;
+        client
+            .publish(&queue, b"{}", props(&id, "order.placed"))
+            .await;
         good.push(id);
         if i % (GOOD / FAILING) == 0 {
             let id = format!("f-{i}");
-            client.publish(&queue, b"{}", props(&id, "order.placed")).await;
+            client
+                .publish(&queue, b"{}", props(&id, "order.placed"))
+                .await;
             failing.push(id);
         }
     }
@@ -121,7 +131,10 @@ async fn a_memory_alarm_blocks_handoffs_but_not_acks_and_loses_or_doubles_nothin
         .expect("consumer ran");
     assert!(started.elapsed() <= budget + Duration::from_secs(2));
     assert_eq!(report.totals.acked, GOOD as u64);
-    assert_eq!(report.totals.retried, 0, "no handoff was published while blocked");
+    assert_eq!(
+        report.totals.retried, 0,
+        "no handoff was published while blocked"
+    );
 
     // The alarm clears; whatever a blocked connection still held would land now.
     drop(alarm);
@@ -138,7 +151,10 @@ async fn a_memory_alarm_blocks_handoffs_but_not_acks_and_loses_or_doubles_nothin
     }
     let doubled: Vec<_> = found.iter().filter(|(_, n)| **n > 1).collect();
     assert!(doubled.is_empty(), "messages that exist twice: {doubled:?}");
-    let missing: Vec<_> = failing.iter().filter(|id| !found.contains_key(*id)).collect();
+    let missing: Vec<_> = failing
+        .iter()
+        .filter(|id| !found.contains_key(*id))
+        .collect();
     assert!(missing.is_empty(), "failing messages lost: {missing:?}");
     let handled = handled.lock().unwrap();
     let lost: Vec<_> = good

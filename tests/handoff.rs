@@ -22,14 +22,20 @@ const PARKED: Duration = Duration::from_secs(600);
 /// Ids that end in `queue`, counted by the broker, must be exactly `expected`, once each.
 fn assert_exactly_once(queue: &str, found: &BTreeMap<String, usize>, expected: &[String]) {
     let doubled: Vec<_> = found.iter().filter(|(_, n)| **n > 1).collect();
-    assert!(doubled.is_empty(), "{queue}: ids present more than once: {doubled:?}");
-    let missing: Vec<_> = expected.iter().filter(|id| !found.contains_key(*id)).collect();
-    assert!(missing.is_empty(), "{queue}: ids missing: {missing:?}");
-    let strangers: Vec<_> = found
-        .keys()
-        .filter(|id| !expected.contains(*id))
+    assert!(
+        doubled.is_empty(),
+        "{queue}: ids present more than once: {doubled:?}"
+    );
+    let missing: Vec<_> = expected
+        .iter()
+        .filter(|id| !found.contains_key(*id))
         .collect();
-    assert!(strangers.is_empty(), "{queue}: ids that do not belong: {strangers:?}");
+    assert!(missing.is_empty(), "{queue}: ids missing: {missing:?}");
+    let strangers: Vec<_> = found.keys().filter(|id| !expected.contains(*id)).collect();
+    assert!(
+        strangers.is_empty(),
+        "{queue}: ids that do not belong: {strangers:?}"
+    );
 }
 
 async fn declare(client_url: &str, queue: &str, kind: QueueKind) {
@@ -95,7 +101,10 @@ async fn concurrent_handoffs_are_attributed_by_identity(kind: QueueKind) {
         .max_attempts(2)
         .retry_delays([PARKED])
         .max_requeues(100_000);
-    let cfg = config(&queue, kind).policy(policy).prefetch(50).concurrency(50);
+    let cfg = config(&queue, kind)
+        .policy(policy)
+        .prefetch(50)
+        .concurrency(50);
     let running = common::start(broker.url(), cfg, router);
     let client = Client::connect(broker.url()).await;
     let (bucket, dlq) = (format!("{queue}.retry.10m"), format!("{queue}.dlq"));
@@ -113,11 +122,15 @@ async fn concurrent_handoffs_are_attributed_by_identity(kind: QueueKind) {
         client.delete(&dlq).await;
         for i in 0..RETRYABLE {
             let id = format!("r-{round}-{i}");
-            client.publish(&queue, b"{}", props(&id, "order.placed")).await;
+            client
+                .publish(&queue, b"{}", props(&id, "order.placed"))
+                .await;
             retryable.push(id);
             if i % (RETRYABLE / PERMANENT) == 0 {
                 let id = format!("p-{round}-{i}");
-                client.publish(&queue, b"{}", props(&id, "order.placed")).await;
+                client
+                    .publish(&queue, b"{}", props(&id, "order.placed"))
+                    .await;
                 permanent.push(id);
             }
         }
@@ -180,7 +193,10 @@ async fn copies_move_user_id_cc_and_bcc_aside_and_reach_only_their_lane() {
         Err(QueueHandlerError::retryable("downstream down"))
     });
     let policy = common::fast_policy().max_attempts(2).retry_delays([PARKED]);
-    let cfg = config(&queue, QueueKind::Classic).policy(policy).prefetch(50).concurrency(50);
+    let cfg = config(&queue, QueueKind::Classic)
+        .policy(policy)
+        .prefetch(50)
+        .concurrency(50);
     let running = common::start(broker.url(), cfg, router);
     let bucket = format!("{queue}.retry.10m");
     common::wait_declared(broker.url(), &bucket).await;
@@ -204,7 +220,9 @@ async fn copies_move_user_id_cc_and_bcc_aside_and_reach_only_their_lane() {
         if i % 2 == 1 {
             side_ids.push(id.clone());
         }
-        producer.publish(&queue, b"{}", p.with_headers(headers)).await;
+        producer
+            .publish(&queue, b"{}", p.with_headers(headers))
+            .await;
         ids.push(id);
     }
 
@@ -217,18 +235,32 @@ async fn copies_move_user_id_cc_and_bcc_aside_and_reach_only_their_lane() {
     let mut found = BTreeMap::new();
     for copy in &copies {
         let p = &copy.delivery.properties;
-        let id = p.message_id().as_ref().expect("copy keeps its id").to_string();
+        let id = p
+            .message_id()
+            .as_ref()
+            .expect("copy keeps its id")
+            .to_string();
         let n: usize = id.trim_start_matches("m-").parse().expect("numbered id");
         assert!(p.user_id().is_none(), "{id}: user_id left on the copy");
-        assert!(header(p, "CC").is_none() && header(p, "BCC").is_none(), "{id}: routes left");
+        assert!(
+            header(p, "CC").is_none() && header(p, "BCC").is_none(),
+            "{id}: routes left"
+        );
         let kept_user = header_str(p, "x-lily-original-user-id");
-        assert_eq!(kept_user.is_some(), n % 2 == 0, "{id}: user_id not kept aside");
-        if n % 2 == 0 {
+        assert_eq!(
+            kept_user.is_some(),
+            n.is_multiple_of(2),
+            "{id}: user_id not kept aside"
+        );
+        if n.is_multiple_of(2) {
             assert_eq!(kept_user.as_deref(), Some(user.as_str()));
         }
         // RabbitMQ removes BCC before delivery, so only CC is left to keep aside.
         assert_eq!(
-            matches!(header(p, "x-lily-original-cc"), Some(AMQPValue::FieldArray(_))),
+            matches!(
+                header(p, "x-lily-original-cc"),
+                Some(AMQPValue::FieldArray(_))
+            ),
             n % 4 == 1,
             "{id}: CC not kept aside"
         );
@@ -308,8 +340,14 @@ async fn verify_mode_refuses_arguments_lily_relies_on_naming_queue_and_argument(
     let bucket = format!("{queue}.retry.1s");
     let err = verify_with(&queue, QueueKind::Classic, &bucket, ttl(1000)).await;
     let text = error_text(&err);
-    assert!(matches!(err, lily::rabbit::Error::Topology { .. }), "{text}");
-    assert!(text.contains(&bucket) && text.contains("x-dead-letter-exchange"), "{text}");
+    assert!(
+        matches!(err, lily::rabbit::Error::Topology { .. }),
+        "{text}"
+    );
+    assert!(
+        text.contains(&bucket) && text.contains("x-dead-letter-exchange"),
+        "{text}"
+    );
 
     // A bucket without its TTL.
     let queue = Broker::unique("verify-ttl");
@@ -318,13 +356,19 @@ async fn verify_mode_refuses_arguments_lily_relies_on_naming_queue_and_argument(
     no_ttl.insert("x-dead-letter-exchange".into(), long(""));
     no_ttl.insert("x-dead-letter-routing-key".into(), long(&queue));
     let text = error_text(&verify_with(&queue, QueueKind::Classic, &bucket, no_ttl).await);
-    assert!(text.contains(&bucket) && text.contains("x-message-ttl"), "{text}");
+    assert!(
+        text.contains(&bucket) && text.contains("x-message-ttl"),
+        "{text}"
+    );
 
     // A work queue without its dead-letter exchange.
     let queue = Broker::unique("verify-work");
     let text =
         error_text(&verify_with(&queue, QueueKind::Classic, &queue, FieldTable::default()).await);
-    assert!(text.contains(&queue) && text.contains("x-dead-letter-exchange"), "{text}");
+    assert!(
+        text.contains(&queue) && text.contains("x-dead-letter-exchange"),
+        "{text}"
+    );
 
     // The queue type differs: classic queues verified as quorum.
     let queue = Broker::unique("verify-type");

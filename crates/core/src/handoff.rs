@@ -105,8 +105,14 @@ mod tests {
 
     #[test]
     fn a_return_counts_against_the_handoff_whose_id_it_carries() {
-        assert_eq!(evidence(Confirm::Ack, Some(Some(OWN))), HandoffResult::Returned);
-        assert_eq!(evidence(Confirm::Nack, Some(Some(OWN))), HandoffResult::Returned);
+        assert_eq!(
+            evidence(Confirm::Ack, Some(Some(OWN))),
+            HandoffResult::Returned
+        );
+        assert_eq!(
+            evidence(Confirm::Nack, Some(Some(OWN))),
+            HandoffResult::Returned
+        );
     }
 
     #[test]

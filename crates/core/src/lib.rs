@@ -20,8 +20,8 @@ mod decision;
 mod envelope;
 mod error;
 mod extract;
-mod handoff;
 mod handler;
+mod handoff;
 pub mod headers;
 mod ledger;
 mod message;
@@ -47,8 +47,8 @@ pub use extract::{
     Attempt, Cancellation, Context, DeliveryCancel, FromDelivery, Headers, Json, Meta, Payload,
     RawDelivery,
 };
-pub use handoff::{Confirm, HandoffId, PublishEvidence};
 pub use handler::{BoxFuture, BoxedHandler, Handler, HandlerResult};
+pub use handoff::{Confirm, HandoffId, PublishEvidence};
 pub use ledger::{EntryId, Evidence, Identity, Ledger, Totals, UnresolvedEntry};
 pub use message::{Incoming, IncomingParts};
 pub use policy::{Policy, PolicyError};

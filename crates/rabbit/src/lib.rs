@@ -31,3 +31,15 @@ pub use error::Error;
 pub use report::{ReportSinks, emit};
 pub use shutdown::Shutdown;
 pub use topology::{QueueKind, Topology, TopologyMode};
+
+/// A `tracing` filter directive that silences lapin's log of returned messages: lapin logs each
+/// message the broker returns, body and headers included, at WARN. Add it to every filter, also
+/// one taken from `RUST_LOG`:
+///
+/// ```
+/// # use tracing_subscriber::EnvFilter;
+/// let filter = EnvFilter::try_from_default_env()
+///     .unwrap_or_else(|_| EnvFilter::new("warn,lily_mq_rabbit=info"))
+///     .add_directive(lily_mq_rabbit::NO_BODY_LOGS.parse().expect("a valid directive"));
+/// ```
+pub const NO_BODY_LOGS: &str = "lapin::returned_messages=off";

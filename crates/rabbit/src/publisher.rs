@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use futures_core::Stream;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::types::{FieldTable, ShortString};
+use lapin::types::ShortString;
 use lapin::{BasicProperties, Channel, Confirmation, Connection, Event};
 use lily_mq_core::{Confirm, HandoffId, HandoffResult, PublishEvidence, headers};
 use tokio::time::Instant;
@@ -283,10 +283,7 @@ fn evidence(
 
 /// `properties` with the handoff id header set.
 fn stamped(properties: BasicProperties, id: HandoffId) -> BasicProperties {
-    let mut table = properties
-        .headers()
-        .clone()
-        .unwrap_or_else(FieldTable::default);
+    let mut table = properties.headers().clone().unwrap_or_default();
     table.insert(headers::HANDOFF_ID.into(), id.header_value());
     properties.with_headers(table)
 }

@@ -72,7 +72,8 @@ async fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| EnvFilter::new("warn,lily_mq_rabbit=info")),
+                .unwrap_or_else(|_| EnvFilter::new("warn,lily_mq_rabbit=info"))
+                .add_directive(lily::rabbit::NO_BODY_LOGS.parse().expect("valid directive")),
         )
         .with_writer(std::io::stderr)
         .with_ansi(false)

@@ -97,7 +97,8 @@ fn config(queue: &str) -> ConsumerConfig {
 #[tokio::main]
 async fn main() -> ExitCode {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,lily_mq_rabbit=info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,lily_mq_rabbit=info"))
+        .add_directive(lily::rabbit::NO_BODY_LOGS.parse().expect("valid directive"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
