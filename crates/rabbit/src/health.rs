@@ -2,7 +2,9 @@
 //!
 //! `GET /livez` answers 200 while the process serves requests; `GET /readyz` answers 200 while
 //! the consumer is consuming and 503 otherwise (before it connects, while it reconnects and from
-//! the start of draining), so Kubernetes stops routing to a pod that is shutting down.
+//! the start of draining), so Kubernetes stops routing to a pod that is shutting down. While the
+//! broker blocks the handoff connection (a resource alarm), `/readyz` still answers 200, since
+//! deliveries are still consumed and ACKed, and its body adds `handoffs blocked`.
 
 use std::net::SocketAddr;
 
@@ -37,7 +39,10 @@ pub async fn serve(
                 let (status, body) = if request.starts_with(b"GET /livez ") {
                     ("200 OK", "live\n")
                 } else if request.starts_with(b"GET /readyz ") {
-                    if stats.ready() {
+                    if stats.ready() && stats.handoffs_blocked() {
+                        // Still consuming and ACKing; failures wait for the broker to unblock.
+                        ("200 OK", "ready\nhandoffs blocked\n")
+                    } else if stats.ready() {
                         ("200 OK", "ready\n")
                     } else {
                         ("503 Service Unavailable", "not ready\n")
