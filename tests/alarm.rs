@@ -28,22 +28,6 @@ impl Drop for Alarm<'_> {
     }
 }
 
-/// Messages in `queue`, ready and unacknowledged, as the broker counts them.
-fn held(broker: &Broker, queue: &str) -> u64 {
-    let out = broker.ctl(&[
-        "list_queues",
-        "-q",
-        "--no-table-headers",
-        "name",
-        "messages",
-    ]);
-    out.lines()
-        .filter_map(|line| line.split_once('\t'))
-        .find(|(name, _)| *name == queue)
-        .and_then(|(_, n)| n.trim().parse().ok())
-        .unwrap_or_else(|| panic!("queue {queue} not listed: {out}"))
-}
-
 /// While the broker blocks publishers, successful deliveries keep being ACKed on the consuming
 /// connection, handoffs wait without publishing, shutdown ends within its budget with a report,
 /// and after the alarm clears every message exists exactly once, checked by message id.
@@ -110,13 +94,13 @@ async fn a_memory_alarm_blocks_handoffs_but_not_acks_and_loses_or_doubles_nothin
 
     // Every good delivery is ACKed while the node is in alarm: the broker, not Lily, says so.
     let acked = eventually(Duration::from_secs(20), || {
-        held(&broker, &queue) <= FAILING as u64
+        broker.messages(&queue) <= FAILING as u64
     })
     .await;
     assert!(
         acked,
         "ACKs stalled behind the alarm: {} messages still in {queue}",
-        held(&broker, &queue)
+        broker.messages(&queue)
     );
     assert!(stats.handoffs_blocked(), "health says handoffs are blocked");
     assert_eq!(handled.lock().unwrap().len(), GOOD);

@@ -117,6 +117,28 @@ impl Broker {
         format!("{base}/{name}")
     }
 
+    /// Messages in `queue` of the default vhost, ready and unacknowledged, as the broker counts
+    /// them.
+    ///
+    /// # Panics
+    /// When the queue is not listed.
+    pub fn messages(&self, queue: &str) -> u64 {
+        let out = self.ctl(&[
+            "list_queues",
+            "-q",
+            "--no-table-headers",
+            "name",
+            "messages",
+        ]);
+        out.lines()
+            .filter_map(|line| {
+                let mut cols = line.split_whitespace();
+                (cols.next()? == queue).then(|| cols.next()?.parse().ok())?
+            })
+            .next()
+            .unwrap_or_else(|| panic!("queue {queue} not listed:\n{out}"))
+    }
+
     /// Closes every client connection in `vhost`, as an operator or a network fault would.
     pub fn close_connections(&self, vhost: &str) {
         self.ctl(&[

@@ -192,31 +192,13 @@ async fn available(database: &Database) -> i64 {
     }
 }
 
-/// Messages in `queue`, ready and unacknowledged, as the broker counts them.
-fn messages(broker: &Broker, queue: &str) -> u64 {
-    let out = broker.ctl(&[
-        "list_queues",
-        "-q",
-        "--no-table-headers",
-        "name",
-        "messages",
-    ]);
-    out.lines()
-        .filter_map(|line| {
-            let mut cols = line.split_whitespace();
-            (cols.next()? == queue).then(|| cols.next()?.parse().ok())?
-        })
-        .next()
-        .unwrap_or_else(|| panic!("queue {queue} not listed:\n{out}"))
-}
-
 /// Waits until the broker holds nothing for `queue`: the delivery was settled and its ACK
 /// processed.
 async fn wait_settled(broker: &Broker, queue: &str, service: &Service, timeout: Duration) {
     let start = Instant::now();
     loop {
         let (b, q) = (broker.clone(), queue.to_owned());
-        let n = tokio::task::spawn_blocking(move || messages(&b, &q))
+        let n = tokio::task::spawn_blocking(move || b.messages(&q))
             .await
             .expect("list_queues");
         if n == 0 {
@@ -297,7 +279,7 @@ async fn crash_after_commit_before_ack_is_suppressed_as_a_duplicate_on_redeliver
         "stock decremented once"
     );
     assert_eq!(client.depth(&queue).await, 0, "queue empty");
-    assert_eq!(messages(&broker, &queue), 0, "nothing unacknowledged");
+    assert_eq!(broker.messages(&queue), 0, "nothing unacknowledged");
     assert_eq!(client.depth(&format!("{queue}.dlq")).await, 0, "DLQ empty");
     db.drop().await.expect("drop test database");
 }
