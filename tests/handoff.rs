@@ -108,7 +108,7 @@ async fn concurrent_handoffs_are_attributed_by_identity(kind: QueueKind) {
     let running = common::start(broker.url(), cfg, router);
     let client = Client::connect(broker.url()).await;
     let (bucket, dlq) = (format!("{queue}.retry.10m"), format!("{queue}.dlq"));
-    common::wait_declared(broker.url(), &bucket).await;
+    running.wait_ready().await;
 
     let (mut retryable, mut permanent) = (Vec::new(), Vec::new());
     let mut dead_lettered = BTreeMap::new();
@@ -199,7 +199,7 @@ async fn copies_move_user_id_cc_and_bcc_aside_and_reach_only_their_lane() {
         .concurrency(50);
     let running = common::start(broker.url(), cfg, router);
     let bucket = format!("{queue}.retry.10m");
-    common::wait_declared(broker.url(), &bucket).await;
+    running.wait_ready().await;
     declare(broker.url(), &side, QueueKind::Classic).await;
 
     let producer = Client::connect(&producer_url).await;

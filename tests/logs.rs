@@ -56,7 +56,7 @@ async fn no_body_or_header_value_reaches_any_log_line() {
     });
     let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
     let client = Client::connect(broker.url()).await;
-    common::wait_declared(broker.url(), &format!("{queue}.retry.1s")).await;
+    running.wait_ready().await;
     // The DLQ is gone: every dead-letter copy comes back as a return.
     client.delete(&format!("{queue}.dlq")).await;
 

@@ -26,7 +26,7 @@ async fn unroutable_handoff_nacks_original_once_per_delivery_and_never_loses_it(
     });
     let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
     let client = Client::connect(broker.url()).await;
-    common::wait_declared(broker.url(), &format!("{queue}.retry.1s")).await;
+    running.wait_ready().await;
     // The bucket disappears: the mandatory retry publish comes back unroutable.
     client.delete(&format!("{queue}.retry.1s")).await;
     client

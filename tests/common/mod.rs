@@ -86,6 +86,14 @@ impl Running {
         );
     }
 
+    /// Waits until the consumer is consuming, so its topology is complete: a test that deletes
+    /// a queue before then races the declarations.
+    pub async fn wait_ready(&self) {
+        let stats = self.stats.clone();
+        let ready = eventually(Duration::from_secs(30), || stats.ready()).await;
+        assert!(ready, "the consumer never became ready");
+    }
+
     pub async fn stop(self) -> ShutdownReport {
         self.shutdown.trigger(Trigger::Api);
         self.join
