@@ -8,7 +8,7 @@
 //! - [`decide_at_gate`], [`decide`] and [`Settlement`]: the decision table of the design and the
 //!   machine that carries a plan to its [`Outcome`].
 //! - [`Budget`], [`Policy`]: deadlines and retry policy.
-//! - [`PublishEvidence`]: which handoff a confirm or a return belongs to.
+//! - [`attribute_batch`]: which handoff of a batch each confirm and return belongs to.
 //! - [`Ledger`]: evidence per delivery and totals.
 //! - [`AckWindow`]: which ready ACKs one `multiple` ACK may write together.
 //! - [`PhaseClock`] and [`ShutdownReport`]: shutdown phases and the report.
@@ -48,7 +48,7 @@ pub use extract::{
     RawDelivery,
 };
 pub use handler::{BoxFuture, BoxedHandler, Handler, HandlerResult};
-pub use handoff::{Confirm, HandoffId, PublishEvidence};
+pub use handoff::{BatchVerdict, Confirm, HandoffId, attribute_batch};
 pub use ledger::{EntryId, Evidence, Identity, Ledger, Totals, UnresolvedEntry};
 pub use message::{Incoming, IncomingParts};
 pub use policy::{Policy, PolicyError};

@@ -1,25 +1,30 @@
-//! The handoff publisher: a connection of its own, and confirm channels that each carry one
-//! handoff at a time.
+//! The handoff publisher: a connection of its own, and a few confirm channels that each carry
+//! one batch of copies at a time.
 //!
 //! - **Own connection.** RabbitMQ blocks a publishing connection during a memory or disk alarm,
 //!   and lapin then writes nothing on it. Publishing copies on the consuming connection would
 //!   stall its ACKs, the `basic.qos` round trips that confirm them, `basic.cancel` and close.
-//! - **One handoff per channel.** A channel carries one publish in flight at a time, so its
-//!   confirm, and any `basic.return` that came with it, can belong to nothing else; the copy
-//!   also carries its [`HandoffId`] and [`PublishEvidence::attribute`] checks it. A channel
-//!   error caused by one copy (a 406, say) closes that channel only. Channels are reused while
-//!   their evidence is clean and closed otherwise, which also drops the confirms lapin keeps for
-//!   a publish whose wait timed out.
-//! - **Blocked.** While the broker blocks the connection, no handoff publishes: it waits for
-//!   the unblock within its own deadline and otherwise fails as [`HandoffResult::Blocked`], so
-//!   no copy lands later, after its original was requeued. RabbitMQ only says a connection is
-//!   blocked once it publishes during the alarm, and that publish stays unread until the alarm
-//!   clears. So when the connection has had no confirm for [`PROBE_AFTER`], a handoff first
-//!   publishes a probe that RabbitMQ drops (not mandatory, to a queue name no queue can have)
-//!   and awaits its confirm: if an alarm started in the quiet, the probe is what stays stuck,
-//!   not a copy. Under a steady stream of handoffs their own confirms are the evidence and no
-//!   probe is sent; a copy published in the instant an alarm starts can still be held by the
-//!   broker, time out and land after its original was requeued.
+//! - **Batches.** Handoffs queue for [`WORKERS`] workers, each owning one confirm channel. A
+//!   worker takes every handoff waiting (up to [`MAX_BATCH`]), publishes the copies back to
+//!   back, each stamped with its [`HandoffId`], and awaits every confirm of the batch before it
+//!   judges any of them with [`attribute_batch`]: a return counts only against the copy whose id
+//!   it carries, and an ACK proves nothing until the whole batch is accounted for. While one
+//!   worker waits for its confirms, the others publish, so copies stream as a hand-tuned
+//!   publisher's do and the broker batches its confirms.
+//! - **Channels.** A channel whose batch was not accounted for in full (a timeout, a channel
+//!   error, a stray return) is dropped, and lapin closes it with its last handle, which also
+//!   discards the confirms it still kept for publishes nobody awaits any more; the worker opens
+//!   a new one for its next batch.
+//! - **Blocked.** While the broker blocks the connection, no batch publishes: it waits for the
+//!   unblock within its handoffs' deadline and otherwise fails them as
+//!   [`HandoffResult::Blocked`], so no copy lands later, after its original was requeued.
+//!   RabbitMQ only says a connection is blocked once it publishes during the alarm, and that
+//!   publish stays unread until the alarm clears. So when the connection has had no confirm for
+//!   [`PROBE_AFTER`], a batch first publishes a probe that RabbitMQ drops (not mandatory, to a
+//!   queue name no queue can have) and awaits its confirm: if an alarm started in the quiet, the
+//!   probe is what stays stuck, not a copy. Under a steady stream of handoffs their own confirms
+//!   are the evidence and no probe is sent; a copy published in the instant an alarm starts can
+//!   still be held by the broker, time out and land after its original was requeued.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -29,31 +34,57 @@ use futures_core::Stream;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
 use lapin::{BasicProperties, Channel, Confirmation, Connection, Event};
-use lily_mq_core::{Confirm, HandoffId, HandoffResult, PublishEvidence, headers};
+use lily_mq_core::{Confirm, HandoffId, HandoffResult, attribute_batch, headers};
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::connect::{Endpoint, connect};
 use crate::consumer::lock;
 
-/// How often a handoff waiting for the broker to unblock the connection looks again.
+/// Confirm channels publishing copies, one batch in flight on each.
+const WORKERS: usize = 4;
+
+/// The most copies one batch publishes.
+const MAX_BATCH: usize = 256;
+
+/// How often a batch waiting for the broker to unblock the connection looks again.
 const BLOCKED_POLL: Duration = Duration::from_millis(25);
 
-/// How long without a confirm on the connection before a handoff probes it first.
+/// How long without a confirm on the connection before a batch probes it first.
 const PROBE_AFTER: Duration = Duration::from_millis(100);
 
 /// Routing key of the probe: RabbitMQ reserves `amq.` queue names, so nothing can route it.
 const PROBE_ROUTE: &str = "amq.lily.probe";
 
+/// One copy to publish, and where its result goes.
+struct Request {
+    queue: ShortString,
+    body: Vec<u8>,
+    properties: BasicProperties,
+    until: Instant,
+    reply: oneshot::Sender<HandoffResult>,
+}
+
+type Requests = Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<Request>>>;
+
 /// Publishes handoff copies on a connection of its own.
 pub(crate) struct Publisher {
+    link: Arc<Link>,
+    requests: mpsc::UnboundedSender<Request>,
+    /// Taken by the first [`Publisher::warm`], which starts the workers.
+    pending: Mutex<Option<mpsc::UnboundedReceiver<Request>>>,
+    closed: CancellationToken,
+}
+
+/// The connection the workers share.
+struct Link {
     endpoint: Endpoint,
     /// The current connection; replaced when it is lost.
-    link: Mutex<Option<Arc<Connection>>>,
-    /// Held while connecting, so concurrent handoffs open one connection, not one each.
+    current: Mutex<Option<Arc<Connection>>>,
+    /// Held while connecting, so the workers open one connection, not one each.
     connecting: tokio::sync::Mutex<()>,
-    /// Confirm channels with nothing in flight.
-    idle: Mutex<Vec<Channel>>,
     next_id: AtomicU64,
     /// When the broker last confirmed a publish on the current connection: it was reading it.
     last_confirm: Mutex<Option<Instant>>,
@@ -64,30 +95,41 @@ pub(crate) struct Publisher {
 
 impl Publisher {
     pub(crate) fn new(endpoint: Endpoint, queue: &str) -> Self {
+        let (requests, pending) = mpsc::unbounded_channel();
         Self {
-            endpoint,
-            link: Mutex::new(None),
-            connecting: tokio::sync::Mutex::new(()),
-            idle: Mutex::new(Vec::new()),
-            next_id: AtomicU64::new(0),
-            last_confirm: Mutex::new(None),
-            blocked: Arc::new(AtomicBool::new(false)),
-            blocked_gauge: metrics::gauge!("lily_handoff_blocked", "queue" => queue.to_owned()),
+            link: Arc::new(Link {
+                endpoint,
+                current: Mutex::new(None),
+                connecting: tokio::sync::Mutex::new(()),
+                next_id: AtomicU64::new(0),
+                last_confirm: Mutex::new(None),
+                blocked: Arc::new(AtomicBool::new(false)),
+                blocked_gauge: metrics::gauge!("lily_handoff_blocked", "queue" => queue.to_owned()),
+            }),
+            requests,
+            pending: Mutex::new(Some(pending)),
+            closed: CancellationToken::new(),
         }
     }
 
     /// Whether the broker blocks the handoff connection (a resource alarm): handoffs wait.
     pub(crate) fn blocked(&self) -> bool {
-        self.blocked.load(Ordering::Acquire)
+        self.link.blocked.load(Ordering::Acquire)
     }
 
-    /// Opens the connection and one channel ahead of the first handoff, so a broker that
-    /// refuses them is known at start.
+    /// Opens the connection ahead of the first handoff, so a broker that refuses it is known at
+    /// start, and starts the workers the first time.
     pub(crate) async fn warm(&self) -> lapin::Result<()> {
-        let connection = self.connection().await?;
-        if lock(&self.idle).is_empty() {
-            let channel = confirm_channel(&connection).await?;
-            lock(&self.idle).push(channel);
+        self.link.connection().await?;
+        if let Some(pending) = lock(&self.pending).take() {
+            let requests: Requests = Arc::new(tokio::sync::Mutex::new(pending));
+            for _ in 0..WORKERS {
+                tokio::spawn(work(
+                    Arc::clone(&self.link),
+                    Arc::clone(&requests),
+                    self.closed.clone(),
+                ));
+            }
         }
         Ok(())
     }
@@ -97,8 +139,8 @@ impl Publisher {
     /// within `deadline`. The copy carries a fresh [`HandoffId`].
     ///
     /// # Cancel safety
-    /// Dropping the future after the publish was written leaves the confirm unobserved: the
-    /// copy may exist. Callers bound it with `deadline` instead of dropping it.
+    /// Dropping the future leaves the copy to its worker, which publishes it and judges it
+    /// unobserved: the copy may exist. Callers bound the wait with `deadline` instead.
     pub(crate) async fn publish(
         &self,
         queue: &str,
@@ -106,125 +148,29 @@ impl Publisher {
         properties: BasicProperties,
         deadline: Duration,
     ) -> HandoffResult {
-        let Ok(routing_key) = ShortString::try_new(queue) else {
+        let Ok(queue) = ShortString::try_new(queue) else {
             return HandoffResult::Failed;
         };
-        let until = Instant::now() + deadline;
-        let channel = match tokio::time::timeout_at(until, self.channel()).await {
-            Ok(Ok(channel)) => channel,
-            Ok(Err(_)) => return HandoffResult::Failed,
-            Err(_) => return self.timed_out(),
+        let (reply, result) = oneshot::channel();
+        let request = Request {
+            queue,
+            body: body.to_vec(),
+            properties,
+            until: Instant::now() + deadline,
+            reply,
         };
-        if lock(&self.last_confirm).is_none_or(|at| at.elapsed() > PROBE_AFTER) {
-            // The channel is dropped (and closed) unless the probe was confirmed.
-            match tokio::time::timeout_at(until, probe(&channel)).await {
-                Ok(Ok(())) => self.confirmed(),
-                Ok(Err(_)) => return HandoffResult::Failed,
-                Err(_) => return self.timed_out(),
-            }
+        if self.requests.send(request).is_err() {
+            return HandoffResult::Failed;
         }
-        let id = HandoffId::new(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let properties = stamped(properties, id);
-        let attempt = async {
-            channel
-                .basic_publish(
-                    ShortString::from(""),
-                    routing_key,
-                    BasicPublishOptions {
-                        mandatory: true,
-                        immediate: false,
-                    },
-                    body,
-                    properties,
-                )
-                .await?
-                .await
-        };
-        let result = match tokio::time::timeout_at(until, attempt).await {
-            Err(_) => HandoffResult::TimedOut,
-            Ok(Err(_) | Ok(Confirmation::NotRequested)) => HandoffResult::Failed,
-            Ok(Ok(Confirmation::Ack(returned))) => evidence(Confirm::Ack, returned).attribute(id),
-            Ok(Ok(Confirmation::Nack(returned))) => evidence(Confirm::Nack, returned).attribute(id),
-        };
-        if result.leaves_channel_clean() {
-            self.confirmed();
-            if channel.status().connected() {
-                lock(&self.idle).push(channel);
-            }
-        }
-        // Otherwise the channel is dropped here, and lapin closes it with its last handle,
-        // discarding whatever it still kept for it.
-        result
+        // A worker always answers by the deadline; it is gone only once the publisher closed.
+        result.await.unwrap_or(HandoffResult::Failed)
     }
 
-    /// A wait that ran out: blocked if the broker said so meanwhile.
-    fn timed_out(&self) -> HandoffResult {
-        if self.blocked() {
-            HandoffResult::Blocked
-        } else {
-            HandoffResult::TimedOut
-        }
-    }
-
-    fn confirmed(&self) {
-        *lock(&self.last_confirm) = Some(Instant::now());
-    }
-
-    /// An idle channel of the current connection, or a new one; waits while the broker blocks
-    /// the connection.
-    async fn channel(&self) -> lapin::Result<Channel> {
-        loop {
-            let connection = self.connection().await?;
-            if connection.status().blocked() {
-                tokio::time::sleep(BLOCKED_POLL).await;
-                continue;
-            }
-            let reused = {
-                let mut idle = lock(&self.idle);
-                // Channels of a lost connection are closed; they are simply dropped.
-                std::iter::from_fn(|| idle.pop()).find(|c| c.status().connected())
-            };
-            return match reused {
-                Some(channel) => Ok(channel),
-                None => confirm_channel(&connection).await,
-            };
-        }
-    }
-
-    /// The current connection, opened again when it was lost.
-    async fn connection(&self) -> lapin::Result<Arc<Connection>> {
-        if let Some(connection) = self.current() {
-            return Ok(connection);
-        }
-        let _connecting = self.connecting.lock().await;
-        if let Some(connection) = self.current() {
-            return Ok(connection);
-        }
-        let connection = Arc::new(connect(&self.endpoint, "handoffs").await?);
-        *lock(&self.last_confirm) = None;
-        self.blocked.store(false, Ordering::Release);
-        self.blocked_gauge.set(0.0);
-        tokio::spawn(watch_blocked(
-            connection.events_listener(),
-            Arc::clone(&self.blocked),
-            self.blocked_gauge.clone(),
-        ));
-        *lock(&self.link) = Some(Arc::clone(&connection));
-        Ok(connection)
-    }
-
-    fn current(&self) -> Option<Arc<Connection>> {
-        lock(&self.link)
-            .as_ref()
-            .filter(|c| c.status().connected())
-            .cloned()
-    }
-
-    /// Closes the channels and the connection, waiting at most `within`: a blocked connection
-    /// writes nothing, not even its close.
+    /// Stops the workers and closes the connection, waiting at most `within`: a blocked
+    /// connection writes nothing, not even its close.
     pub(crate) async fn close(&self, within: Duration) {
-        lock(&self.idle).clear();
-        let Some(connection) = lock(&self.link).take() else {
+        self.closed.cancel();
+        let Some(connection) = lock(&self.link.current).take() else {
             return;
         };
         let closing = connection.close(200, "lily shutdown".into());
@@ -240,6 +186,205 @@ impl std::fmt::Debug for Publisher {
         f.debug_struct("Publisher")
             .field("blocked", &self.blocked())
             .finish_non_exhaustive()
+    }
+}
+
+/// A worker: takes every waiting request (up to [`MAX_BATCH`]), publishes them as one batch on
+/// its channel and answers each, until the publisher closes.
+async fn work(link: Arc<Link>, requests: Requests, closed: CancellationToken) {
+    let mut channel = None;
+    loop {
+        let batch = {
+            let mut requests = tokio::select! {
+                guard = requests.lock() => guard,
+                () = closed.cancelled() => return,
+            };
+            let first = tokio::select! {
+                request = requests.recv() => request,
+                () = closed.cancelled() => return,
+            };
+            let Some(first) = first else { return };
+            let mut batch = vec![first];
+            while batch.len() < MAX_BATCH {
+                match requests.try_recv() {
+                    Ok(request) => batch.push(request),
+                    Err(_) => break,
+                }
+            }
+            batch
+        };
+        let (copies, replies): (Vec<_>, Vec<_>) = batch
+            .into_iter()
+            .map(|r| ((r.queue, r.body, r.properties, r.until), r.reply))
+            .unzip();
+        let results = link.publish_batch(&mut channel, copies).await;
+        for (reply, result) in replies.into_iter().zip(results) {
+            let _ = reply.send(result);
+        }
+    }
+}
+
+type Copy = (ShortString, Vec<u8>, BasicProperties, Instant);
+
+impl Link {
+    /// Publishes `copies` back to back on `slot`'s channel (a new one if there is none), awaits
+    /// every confirm by the earliest deadline and judges the batch. The channel goes back into
+    /// `slot` only when the batch was accounted for in full.
+    async fn publish_batch(
+        &self,
+        slot: &mut Option<Channel>,
+        copies: Vec<Copy>,
+    ) -> Vec<HandoffResult> {
+        let until = copies
+            .iter()
+            .map(|c| c.3)
+            .min()
+            .unwrap_or_else(Instant::now);
+        let all = |result| vec![result; copies.len()];
+        let channel = match tokio::time::timeout_at(until, self.channel(slot)).await {
+            Ok(Ok(channel)) => channel,
+            Ok(Err(_)) => return all(HandoffResult::Failed),
+            Err(_) => return all(self.timed_out()),
+        };
+        if lock(&self.last_confirm).is_none_or(|at| at.elapsed() > PROBE_AFTER) {
+            // The channel is dropped (and closed) unless the probe was confirmed.
+            match tokio::time::timeout_at(until, probe(&channel)).await {
+                Ok(Ok(())) => self.confirmed(),
+                Ok(Err(_)) => return all(HandoffResult::Failed),
+                Err(_) => return all(self.timed_out()),
+            }
+        }
+        let mut ids = Vec::with_capacity(copies.len());
+        let mut confirms = Vec::with_capacity(copies.len());
+        for (queue, body, properties, _) in copies {
+            let id = HandoffId::new(self.next_id.fetch_add(1, Ordering::Relaxed));
+            ids.push(id);
+            let publish = channel.basic_publish(
+                ShortString::from(""),
+                queue,
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                &body,
+                stamped(properties, id),
+            );
+            // After a failed publish the channel is gone: the rest fail without trying.
+            let failed = confirms
+                .last()
+                .is_some_and(|c: &Result<_, Confirm>| c.is_err());
+            confirms.push(if failed {
+                Err(Confirm::Failed)
+            } else {
+                match tokio::time::timeout_at(until, publish).await {
+                    Ok(Ok(confirm)) => Ok(confirm),
+                    Ok(Err(_)) => Err(Confirm::Failed),
+                    Err(_) => Err(Confirm::TimedOut),
+                }
+            });
+        }
+        let mut members = Vec::with_capacity(ids.len());
+        let mut returned = Vec::new();
+        for (id, confirm) in ids.into_iter().zip(confirms) {
+            let seen = match confirm {
+                Err(seen) => seen,
+                // Past the deadline this still takes a confirm that has arrived.
+                Ok(confirm) => match tokio::time::timeout_at(until, confirm).await {
+                    Err(_) => Confirm::TimedOut,
+                    Ok(Err(_) | Ok(Confirmation::NotRequested)) => Confirm::Failed,
+                    Ok(Ok(Confirmation::Ack(message))) => {
+                        returned.extend(message.map(|m| returned_id(&m)));
+                        Confirm::Ack
+                    }
+                    Ok(Ok(Confirmation::Nack(message))) => {
+                        returned.extend(message.map(|m| returned_id(&m)));
+                        Confirm::Nack
+                    }
+                },
+            };
+            members.push((id, seen));
+        }
+        let verdict = attribute_batch(&members, &returned);
+        if verdict.channel_clean {
+            self.confirmed();
+            if channel.status().connected() {
+                *slot = Some(channel);
+            }
+        }
+        // Otherwise the channel is dropped here, and lapin closes it with its last handle,
+        // discarding whatever it still kept for it.
+        let blocked = self.blocked();
+        verdict
+            .results
+            .into_iter()
+            .map(|r| match r {
+                HandoffResult::TimedOut if blocked => HandoffResult::Blocked,
+                r => r,
+            })
+            .collect()
+    }
+
+    /// A wait that ran out: blocked if the broker said so meanwhile.
+    fn timed_out(&self) -> HandoffResult {
+        if self.blocked() {
+            HandoffResult::Blocked
+        } else {
+            HandoffResult::TimedOut
+        }
+    }
+
+    fn blocked(&self) -> bool {
+        self.blocked.load(Ordering::Acquire)
+    }
+
+    fn confirmed(&self) {
+        *lock(&self.last_confirm) = Some(Instant::now());
+    }
+
+    /// `slot`'s channel if it is still open, or a new one; waits while the broker blocks the
+    /// connection.
+    async fn channel(&self, slot: &mut Option<Channel>) -> lapin::Result<Channel> {
+        loop {
+            let connection = self.connection().await?;
+            if connection.status().blocked() {
+                tokio::time::sleep(BLOCKED_POLL).await;
+                continue;
+            }
+            // A channel of a lost connection is closed; it is simply dropped.
+            return match slot.take().filter(|c| c.status().connected()) {
+                Some(channel) => Ok(channel),
+                None => confirm_channel(&connection).await,
+            };
+        }
+    }
+
+    /// The current connection, opened again when it was lost.
+    async fn connection(&self) -> lapin::Result<Arc<Connection>> {
+        if let Some(connection) = self.open() {
+            return Ok(connection);
+        }
+        let _connecting = self.connecting.lock().await;
+        if let Some(connection) = self.open() {
+            return Ok(connection);
+        }
+        let connection = Arc::new(connect(&self.endpoint, "handoffs").await?);
+        *lock(&self.last_confirm) = None;
+        self.blocked.store(false, Ordering::Release);
+        self.blocked_gauge.set(0.0);
+        tokio::spawn(watch_blocked(
+            connection.events_listener(),
+            Arc::clone(&self.blocked),
+            self.blocked_gauge.clone(),
+        ));
+        *lock(&self.current) = Some(Arc::clone(&connection));
+        Ok(connection)
+    }
+
+    fn open(&self) -> Option<Arc<Connection>> {
+        lock(&self.current)
+            .as_ref()
+            .filter(|c| c.status().connected())
+            .cloned()
     }
 }
 
@@ -270,15 +415,9 @@ async fn watch_blocked(
     }
 }
 
-fn evidence(
-    confirm: Confirm,
-    returned: Option<lapin::message::BasicReturnMessage>,
-) -> PublishEvidence {
-    PublishEvidence {
-        confirm,
-        returned: returned
-            .map(|message| HandoffId::from_headers(message.delivery.properties.headers().as_ref())),
-    }
+/// The handoff id a returned copy carries (`None`: none, so not one of Lily's copies).
+fn returned_id(message: &lapin::message::BasicReturnMessage) -> Option<HandoffId> {
+    HandoffId::from_headers(message.delivery.properties.headers().as_ref())
 }
 
 /// `properties` with the handoff id header set.
