@@ -172,6 +172,126 @@ async fn concurrent_returned_and_routed_handoffs_are_attributed_by_identity_on_q
     concurrent_handoffs_are_attributed_by_identity(QueueKind::Quorum).await;
 }
 
+/// Publisher confirms that never come, swallowed on their way to Lily's handoff connection.
+/// First all of them: every handoff times out and its original is requeued. Then one confirm
+/// frame in five, while the DLQ is missing: batches time out with returned and routed copies in
+/// flight, on channels where a later `multiple` ACK would also complete the confirms that timed
+/// out and hand them the returns of newer copies, had those channels been kept. Lily drops every
+/// channel whose batch was not accounted for in full: no permanent failure is lost, no
+/// retryable one is missing, and the channels open stay a handful.
+async fn timed_out_confirms_are_drained_and_never_taken_for_later_evidence(kind: QueueKind) {
+    const RETRYABLE: usize = 150;
+    const PERMANENT: usize = 30;
+
+    let broker = Broker::from_env();
+    let proxy = lily_mq_testkit::FaultProxy::start(broker.addr()).await;
+    proxy.disarm();
+    let queue = Broker::unique("unconfirmed");
+    let router = Router::new().route("order.placed", |meta: Meta| async move {
+        if meta.message_id().starts_with('r') {
+            Err(QueueHandlerError::retryable("downstream down"))
+        } else {
+            Err(QueueHandlerError::permanent("malformed order"))
+        }
+    });
+    let policy = common::fast_policy()
+        .max_attempts(2)
+        .retry_delays([PARKED])
+        .max_requeues(100_000)
+        .settlement_budget(Duration::from_secs(1), Duration::from_millis(200));
+    let cfg = config(&queue, kind)
+        .policy(policy)
+        .prefetch(50)
+        .concurrency(50);
+    let running = common::start(&proxy.url(broker.url()), cfg, router);
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    let (bucket, dlq) = (format!("{queue}.retry.10m"), format!("{queue}.dlq"));
+    client.delete(&dlq).await;
+
+    proxy.swallow_confirms(1);
+    let (mut retryable, mut permanent) = (Vec::new(), Vec::new());
+    for i in 0..RETRYABLE {
+        let id = format!("r-{i}");
+        client
+            .publish(&queue, b"{}", props(&id, "order.placed"))
+            .await;
+        retryable.push(id);
+        if i % (RETRYABLE / PERMANENT) == 0 {
+            let id = format!("p-{i}");
+            client
+                .publish(&queue, b"{}", props(&id, "order.placed"))
+                .await;
+            permanent.push(id);
+        }
+    }
+    // Several handoff deadlines: batches time out, their channels are dropped, originals are
+    // requeued and handed off again.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(proxy.swallowed() > 0, "no confirm was swallowed");
+    let channels = broker.channels_of(&format!("lily:{queue}:handoffs"));
+    assert!(
+        channels.is_some_and(|n| n <= 8),
+        "channels open on the handoff connection: {channels:?}"
+    );
+    let totals = running.stats.totals();
+    assert_eq!(
+        (totals.retried, totals.dead_lettered),
+        (0, 0),
+        "a handoff counted as confirmed without its confirm"
+    );
+
+    let before = proxy.swallowed();
+    proxy.swallow_confirms(5);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(proxy.swallowed() > before, "no confirm was swallowed");
+    proxy.swallow_confirms(0);
+    running
+        .wait_for("every retryable failure handed off", WAIT, |t| {
+            t.retried >= RETRYABLE as u64
+        })
+        .await;
+    // Permanent failures keep being returned a while longer, then get their DLQ back.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    declare(broker.url(), &dlq, kind).await;
+    running
+        .wait_for("every permanent failure dead-lettered", WAIT, |t| {
+            t.dead_lettered >= PERMANENT as u64
+        })
+        .await;
+    let report = running.stop().await;
+
+    let work = client.drain_ids(&queue).await;
+    assert!(work.is_empty(), "work queue still holds {work:?}");
+    // Copies whose confirm was swallowed exist as well: at least once each, nothing else.
+    let copies = client.drain_ids(&bucket).await;
+    let missing: Vec<_> = retryable
+        .iter()
+        .filter(|id| !copies.contains_key(*id))
+        .collect();
+    assert!(missing.is_empty(), "{bucket}: ids missing: {missing:?}");
+    assert!(
+        copies.keys().all(|id| retryable.contains(id)),
+        "{bucket}: ids that do not belong: {copies:?}"
+    );
+    assert_exactly_once(&dlq, &client.drain_ids(&dlq).await, &permanent);
+    let parked = client.drain_ids(&format!("{queue}.parking")).await;
+    assert!(parked.is_empty(), "parking holds {parked:?}");
+    assert_eq!(report.totals.retried, retryable.len() as u64);
+    assert_eq!(report.totals.dead_lettered, permanent.len() as u64);
+    assert!(report.clean, "{:?}", report.unresolved);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timed_out_confirms_are_drained_on_classic() {
+    timed_out_confirms_are_drained_and_never_taken_for_later_evidence(QueueKind::Classic).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timed_out_confirms_are_drained_on_quorum() {
+    timed_out_confirms_are_drained_and_never_taken_for_later_evidence(QueueKind::Quorum).await;
+}
+
 /// A producer logged in as its own broker user sets `user_id` (which RabbitMQ checks against
 /// the publishing user: Lily's copy would be refused with a 406) and `CC`/`BCC` (extra routes:
 /// Lily's copy would land there again). Every copy reaches its bucket once, and only the

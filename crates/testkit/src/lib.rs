@@ -139,6 +139,22 @@ impl Broker {
             .unwrap_or_else(|| panic!("queue {queue} not listed:\n{out}"))
     }
 
+    /// Channels open on the client connection named `name` (its `connection_name` client
+    /// property), as the broker counts them; `None` when no such connection is open.
+    pub fn channels_of(&self, name: &str) -> Option<u32> {
+        let out = self.ctl(&[
+            "list_connections",
+            "-q",
+            "--no-table-headers",
+            "channels",
+            "client_properties",
+        ]);
+        let quoted = format!("\"{name}\"");
+        out.lines()
+            .find(|line| line.contains(&quoted))
+            .and_then(|line| line.split_whitespace().next()?.parse().ok())
+    }
+
     /// Closes every client connection in `vhost`, as an operator or a network fault would.
     pub fn close_connections(&self, vhost: &str) {
         self.ctl(&[

@@ -5,10 +5,13 @@
 //! that connection and cuts the connection shortly after. A client that ACKs a delivery right
 //! after its handoff was confirmed (on another connection) thus has the ACK written locally
 //! but never processed by the broker: the "handoff confirmed, ack uncertain" row.
+//!
+//! It can also swallow the publisher confirms (`basic.ack` from the broker) on their way to the
+//! client, as a broker that never confirms would look: the client's confirms time out.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -24,6 +27,28 @@ pub struct FaultProxy {
     addr: SocketAddr,
     armed: Arc<AtomicBool>,
     tripped: Arc<AtomicBool>,
+    confirms: Arc<Confirms>,
+}
+
+/// Which confirms are swallowed (one in `every`; none when 0), and how many were.
+#[derive(Debug, Default)]
+struct Confirms {
+    every: AtomicU64,
+    seen: AtomicU64,
+    swallowed: AtomicU64,
+}
+
+impl Confirms {
+    /// Whether to swallow the confirm frame just read.
+    fn swallow(&self) -> bool {
+        let every = self.every.load(Ordering::Acquire);
+        let seen = self.seen.fetch_add(1, Ordering::AcqRel);
+        let swallow = every != 0 && seen.is_multiple_of(every);
+        if swallow {
+            self.swallowed.fetch_add(1, Ordering::AcqRel);
+        }
+        swallow
+    }
 }
 
 impl FaultProxy {
@@ -37,19 +62,31 @@ impl FaultProxy {
         let addr = listener.local_addr().expect("proxy address");
         let armed = Arc::new(AtomicBool::new(true));
         let tripped = Arc::new(AtomicBool::new(false));
-        let (a, t) = (Arc::clone(&armed), Arc::clone(&tripped));
+        let confirms = Arc::new(Confirms::default());
+        let (a, t, c) = (
+            Arc::clone(&armed),
+            Arc::clone(&tripped),
+            Arc::clone(&confirms),
+        );
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = TcpStream::connect(upstream).await else {
                     continue;
                 };
-                tokio::spawn(relay(client, server, Arc::clone(&a), Arc::clone(&t)));
+                tokio::spawn(relay(
+                    client,
+                    server,
+                    Arc::clone(&a),
+                    Arc::clone(&t),
+                    Arc::clone(&c),
+                ));
             }
         });
         Self {
             addr,
             armed,
             tripped,
+            confirms,
         }
     }
 
@@ -71,6 +108,17 @@ impl FaultProxy {
     pub fn disarm(&self) {
         self.armed.store(false, Ordering::Release);
     }
+
+    /// From now on, one in `every` publisher confirm frames from the broker never reaches its
+    /// client: 1 swallows them all, 0 none. A frame may confirm several publishes (`multiple`).
+    pub fn swallow_confirms(&self, every: u64) {
+        self.confirms.every.store(every, Ordering::Release);
+    }
+
+    /// How many publisher confirms were swallowed.
+    pub fn swallowed(&self) -> u64 {
+        self.confirms.swallowed.load(Ordering::Acquire)
+    }
 }
 
 async fn relay(
@@ -78,18 +126,27 @@ async fn relay(
     server: TcpStream,
     armed: Arc<AtomicBool>,
     tripped: Arc<AtomicBool>,
+    confirms: Arc<Confirms>,
 ) {
     let (mut client_rx, mut client_tx) = client.into_split();
     let (mut server_rx, mut server_tx) = server.into_split();
+    // The broker sends frames from the first byte.
     let downstream = tokio::spawn(async move {
+        let mut pending: Vec<u8> = Vec::new();
         let mut buf = vec![0u8; 64 * 1024];
         loop {
             let n = match server_rx.read(&mut buf).await {
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
-            if client_tx.write_all(&buf[..n]).await.is_err() {
-                return;
+            pending.extend_from_slice(&buf[..n]);
+            while let Some(len) = frame_len(&pending) {
+                if is_basic_ack(&pending[..len]) && confirms.swallow() {
+                    // Gone.
+                } else if client_tx.write_all(&pending[..len]).await.is_err() {
+                    return;
+                }
+                pending.drain(..len);
             }
         }
     });
