@@ -473,11 +473,14 @@ impl Work<'_> {
             return HandoffResult::Failed;
         };
         let reason = Reason::new(format!("{}: {reason}", handoff.cause.as_str()));
+        let publisher = &self.shared.publisher;
+        let id = publisher.next_id();
         let note = FailureNote {
             lane: handoff.lane,
             kind: handoff.kind.map_or("rejected", |k| k.as_str()),
             reason: &reason,
             source_queue: &self.shared.queue,
+            id,
         };
         let (body, properties) = match copy {
             Copy::Original(incoming) => (incoming.body(), copy_properties(incoming, &note)),
@@ -497,9 +500,8 @@ impl Work<'_> {
                 ),
             ),
         };
-        self.shared
-            .publisher
-            .publish(&queue, body, properties, deadline)
+        publisher
+            .publish(&queue, id, body, properties, deadline)
             .await
     }
 

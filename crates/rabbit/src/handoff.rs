@@ -5,7 +5,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lily_mq_core::{Incoming, Lane, Reason, headers, is_token};
+use lily_mq_core::{HandoffId, Incoming, Lane, Reason, headers, is_token};
 
 use crate::Topology;
 
@@ -24,6 +24,8 @@ pub(crate) struct FailureNote<'a> {
     pub(crate) kind: &'a str,
     pub(crate) reason: &'a Reason,
     pub(crate) source_queue: &'a str,
+    /// The handoff the copy belongs to; its `basic.return`, if any, carries it back.
+    pub(crate) id: HandoffId,
 }
 
 /// Properties of the copy of a message that passed the gate: the original properties and
@@ -70,6 +72,7 @@ pub(crate) fn copy_properties(incoming: &Incoming, note: &FailureNote<'_>) -> Ba
     table.insert(headers::FAILURE_KIND.into(), long(note.kind));
     table.insert(headers::REASON.into(), long(note.reason.as_str()));
     table.insert(headers::SOURCE_QUEUE.into(), long(note.source_queue));
+    table.insert(headers::HANDOFF_ID.into(), note.id.header_value());
     if !table.contains_key(headers::ORIGINAL_EXCHANGE) {
         table.insert(headers::ORIGINAL_EXCHANGE.into(), long(incoming.exchange()));
         table.insert(
@@ -104,6 +107,7 @@ pub(crate) fn sanitized_properties(
     table.insert(headers::FAILURE_KIND.into(), long(note.kind));
     table.insert(headers::REASON.into(), long(note.reason.as_str()));
     table.insert(headers::SOURCE_QUEUE.into(), long(note.source_queue));
+    table.insert(headers::HANDOFF_ID.into(), note.id.header_value());
     table.insert(
         headers::FIRST_FAILURE_AT.into(),
         AMQPValue::LongLongInt(now),

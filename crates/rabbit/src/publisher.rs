@@ -6,7 +6,7 @@
 //!   stall its ACKs, the `basic.qos` round trips that confirm them, `basic.cancel` and close.
 //! - **Batches.** Handoffs queue for [`WORKERS`] workers, each owning one confirm channel. A
 //!   worker takes every handoff waiting (up to [`MAX_BATCH`]), publishes the copies back to
-//!   back, each stamped with its [`HandoffId`], and awaits every confirm of the batch before it
+//!   back, each carrying its [`HandoffId`], and awaits every confirm of the batch before it
 //!   judges any of them with [`attribute_batch`]: a return counts only against the copy whose id
 //!   it carries, and an ACK proves nothing until the whole batch is accounted for. While one
 //!   worker waits for its confirms, the others publish, so copies stream as a hand-tuned
@@ -34,7 +34,7 @@ use futures_core::Stream;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
 use lapin::{BasicProperties, Channel, Confirmation, Connection, Event};
-use lily_mq_core::{Confirm, HandoffId, HandoffResult, attribute_batch, headers};
+use lily_mq_core::{Confirm, HandoffId, HandoffResult, attribute_batch};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -58,12 +58,18 @@ const PROBE_AFTER: Duration = Duration::from_millis(100);
 /// Routing key of the probe: RabbitMQ reserves `amq.` queue names, so nothing can route it.
 const PROBE_ROUTE: &str = "amq.lily.probe";
 
-/// One copy to publish, and where its result goes.
-struct Request {
+/// One copy to publish.
+struct Copy {
     queue: ShortString,
+    id: HandoffId,
     body: Vec<u8>,
     properties: BasicProperties,
     until: Instant,
+}
+
+/// A copy, and where its result goes.
+struct Request {
+    copy: Copy,
     reply: oneshot::Sender<HandoffResult>,
 }
 
@@ -85,6 +91,7 @@ struct Link {
     current: Mutex<Option<Arc<Connection>>>,
     /// Held while connecting, so the workers open one connection, not one each.
     connecting: tokio::sync::Mutex<()>,
+    /// The next [`HandoffId`], counted for the consumer's life.
     next_id: AtomicU64,
     /// When the broker last confirmed a publish on the current connection: it was reading it.
     last_confirm: Mutex<Option<Instant>>,
@@ -134,9 +141,14 @@ impl Publisher {
         Ok(())
     }
 
-    /// Publishes the copy `body` with `properties` to `queue` through the default exchange
-    /// (mandatory, so a missing queue comes back as a return) and awaits its confirm, all
-    /// within `deadline`. The copy carries a fresh [`HandoffId`].
+    /// A fresh id for the next copy to carry in its headers.
+    pub(crate) fn next_id(&self) -> HandoffId {
+        HandoffId::new(self.link.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Publishes the copy `body` with `properties`, which carry `id` (from [`Self::next_id`]),
+    /// to `queue` through the default exchange (mandatory, so a missing queue comes back as a
+    /// return) and awaits its confirm, all within `deadline`.
     ///
     /// # Cancel safety
     /// Dropping the future leaves the copy to its worker, which publishes it and judges it
@@ -144,6 +156,7 @@ impl Publisher {
     pub(crate) async fn publish(
         &self,
         queue: &str,
+        id: HandoffId,
         body: &[u8],
         properties: BasicProperties,
         deadline: Duration,
@@ -152,14 +165,14 @@ impl Publisher {
             return HandoffResult::Failed;
         };
         let (reply, result) = oneshot::channel();
-        let request = Request {
+        let copy = Copy {
             queue,
+            id,
             body: body.to_vec(),
             properties,
             until: Instant::now() + deadline,
-            reply,
         };
-        if self.requests.send(request).is_err() {
+        if self.requests.send(Request { copy, reply }).is_err() {
             return HandoffResult::Failed;
         }
         // A worker always answers by the deadline; it is gone only once the publisher closed.
@@ -213,18 +226,14 @@ async fn work(link: Arc<Link>, requests: Requests, closed: CancellationToken) {
             }
             batch
         };
-        let (copies, replies): (Vec<_>, Vec<_>) = batch
-            .into_iter()
-            .map(|r| ((r.queue, r.body, r.properties, r.until), r.reply))
-            .unzip();
+        let (copies, replies): (Vec<_>, Vec<_>) =
+            batch.into_iter().map(|r| (r.copy, r.reply)).unzip();
         let results = link.publish_batch(&mut channel, copies).await;
         for (reply, result) in replies.into_iter().zip(results) {
             let _ = reply.send(result);
         }
     }
 }
-
-type Copy = (ShortString, Vec<u8>, BasicProperties, Instant);
 
 impl Link {
     /// Publishes `copies` back to back on `slot`'s channel (a new one if there is none), awaits
@@ -237,7 +246,7 @@ impl Link {
     ) -> Vec<HandoffResult> {
         let until = copies
             .iter()
-            .map(|c| c.3)
+            .map(|c| c.until)
             .min()
             .unwrap_or_else(Instant::now);
         let all = |result| vec![result; copies.len()];
@@ -256,18 +265,17 @@ impl Link {
         }
         let mut ids = Vec::with_capacity(copies.len());
         let mut confirms = Vec::with_capacity(copies.len());
-        for (queue, body, properties, _) in copies {
-            let id = HandoffId::new(self.next_id.fetch_add(1, Ordering::Relaxed));
-            ids.push(id);
+        for copy in copies {
+            ids.push(copy.id);
             let publish = channel.basic_publish(
                 ShortString::from(""),
-                queue,
+                copy.queue,
                 BasicPublishOptions {
                     mandatory: true,
                     immediate: false,
                 },
-                &body,
-                stamped(properties, id),
+                &copy.body,
+                copy.properties,
             );
             // After a failed publish the channel is gone: the rest fail without trying.
             let failed = confirms
@@ -418,13 +426,6 @@ async fn watch_blocked(
 /// The handoff id a returned copy carries (`None`: none, so not one of Lily's copies).
 fn returned_id(message: &lapin::message::BasicReturnMessage) -> Option<HandoffId> {
     HandoffId::from_headers(message.delivery.properties.headers().as_ref())
-}
-
-/// `properties` with the handoff id header set.
-fn stamped(properties: BasicProperties, id: HandoffId) -> BasicProperties {
-    let mut table = properties.headers().clone().unwrap_or_default();
-    table.insert(headers::HANDOFF_ID.into(), id.header_value());
-    properties.with_headers(table)
 }
 
 /// Publishes a probe that RabbitMQ confirms and drops, and awaits the confirm.
