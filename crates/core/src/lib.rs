@@ -7,6 +7,8 @@
 //! - [`Handler`], [`FromDelivery`] and the extractors, [`Router`], [`Hook`]: the application side.
 //! - [`decide_at_gate`], [`decide`] and [`Settlement`]: the decision table of the design and the
 //!   machine that carries a plan to its [`Outcome`].
+//! - [`machine::Delivery`]: one delivery as a pure machine, from arrival to its outcome, with
+//!   the [`machine::RequeueMemory`] it reads.
 //! - [`Budget`], [`Policy`]: deadlines and retry policy.
 //! - [`attribute_batch`]: which handoff of a batch each confirm and return belongs to.
 //! - [`Ledger`]: evidence per delivery and totals.
@@ -24,6 +26,7 @@ mod handler;
 mod handoff;
 pub mod headers;
 mod ledger;
+pub mod machine;
 mod message;
 mod policy;
 mod reason;

@@ -2,11 +2,11 @@
 //! when shutdown is triggered, walks the phases draining → cooperating → aborting → closed and
 //! builds the shutdown report.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use lily_mq_core::machine::RequeueMemory;
 use lily_mq_core::{
     DynHook, Hook, Ledger, Outcome, Phase, PhaseClock, RequeueCause, Router, ShutdownReport,
     Totals, TransactionalScope, Trigger,
@@ -99,7 +99,7 @@ pub(crate) struct Shared {
     pub(crate) topology: Topology,
     pub(crate) queue: Arc<str>,
     pub(crate) ledger: Arc<Mutex<Ledger>>,
-    pub(crate) requeues: Mutex<HashMap<Box<str>, u32>>,
+    pub(crate) requeues: Mutex<RequeueMemory>,
     /// Parent of every handler's cancellation token: fires when cooperating starts.
     pub(crate) handlers_cancel: CancellationToken,
     /// Fires when aborting starts: nothing is sent for any delivery after it.
@@ -245,7 +245,7 @@ impl Consumer {
             scope: self.scope,
             topology,
             ledger: self.ledger,
-            requeues: Mutex::new(HashMap::new()),
+            requeues: Mutex::new(RequeueMemory::new(REQUEUE_MEMORY)),
             handlers_cancel: CancellationToken::new(),
             revoked: CancellationToken::new(),
             abort: CancellationToken::new(),
@@ -302,6 +302,9 @@ async fn run_sessions(
 
 /// How long closing the handoff connection may take: a blocked connection writes nothing.
 const PUBLISHER_CLOSE: Duration = Duration::from_secs(1);
+
+/// Message ids whose requeues the consumer remembers (classic queues do not count them).
+const REQUEUE_MEMORY: usize = 10_000;
 
 /// Walks the shutdown phases and builds the report.
 async fn shut_down(

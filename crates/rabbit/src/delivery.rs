@@ -6,12 +6,13 @@ use std::time::{Duration, Instant};
 
 use lapin::BasicProperties;
 use lapin::message::Delivery;
+use lapin::types::ShortString;
+use lily_mq_core::Action::{Reject, Requeue};
+use lily_mq_core::machine::{Action, Arrival, CopyOf, Delivery as Machine, ScopeOpened, Verdict};
 use lily_mq_core::{
-    Action, Authority, Begin, BoxedHandler, CleanupResult, DeliveryCancel, EntryId, Evidence,
-    GateRejection, Handoff, HandoffResult, Identity, Incoming, IncomingParts, Lane, Meta, Outcome,
-    PipelineResult, Plan, PropertiesView, QueueHandlerError, Reason, RequeueCause, Resources,
-    SettleResult, Settlement, Situation, TransactionOutcome, as_u32, decide, decide_at_gate,
-    headers, inspect, is_token,
+    Authority, Begin, BoxedHandler, DeliveryCancel, EntryId, Evidence, GateRejection, Handoff,
+    HandoffResult, Identity, Incoming, IncomingParts, Lane, Meta, Outcome, PropertiesView, Reason,
+    Resources, SettleResult, as_u32, headers, inspect, is_token,
 };
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -20,8 +21,6 @@ use crate::consumer::{Shared, lock};
 use crate::handoff::{FailureNote, copy_properties, destination, sanitized_properties};
 use crate::pipeline;
 use crate::session::Session;
-
-const REQUEUE_MEMORY: usize = 10_000;
 
 /// Settles one delivery. At shutdown's abort the work is dropped wherever it is, and its ledger
 /// entry stays open and is reported as aborted. There is one exception: a delivery whose ACK is
@@ -79,32 +78,49 @@ async fn settle_delivery(
         headers: properties.headers().as_ref(),
     };
     let limits = &shared.config.limits;
-    let gate = match inspect(&view, data.len(), limits) {
-        Ok(env) => Gate::Passed {
-            attempt: env.attempt,
-            schema_version: env.schema_version,
-            delivery_count: env.delivery_count,
-            route: shared
-                .router
-                .dispatch(env.kind, env.schema_version, env.content_type)
-                .cloned(),
-        },
-        Err(rejection) => Gate::Refused(rejection),
-    };
-    let attempt = match &gate {
-        Gate::Passed { attempt, .. } => *attempt,
-        Gate::Refused(_) => 1,
-    };
+    let (verdict, handler, attempt, schema_version, delivery_count) =
+        match inspect(&view, data.len(), limits) {
+            Ok(env) => {
+                let (verdict, handler) =
+                    match shared
+                        .router
+                        .dispatch(env.kind, env.schema_version, env.content_type)
+                    {
+                        Ok(handler) => (Verdict::Dispatched, Some(handler.clone())),
+                        Err(err) => (Verdict::Undispatched(err.reason().clone()), None),
+                    };
+                let (attempt, version, count) =
+                    (env.attempt, env.schema_version, env.delivery_count);
+                (verdict, handler, attempt, version, count)
+            }
+            Err(rejection) => {
+                let reason = match &rejection {
+                    GateRejection::Oversized { len } => Reason::new(format!(
+                        "body of {len} bytes is over the {} byte limit",
+                        limits.max_body_bytes
+                    )),
+                    GateRejection::Invalid(reason) => reason.clone(),
+                };
+                let delivery_count = view
+                    .headers
+                    .and_then(|h| h.inner().get(headers::DELIVERY_COUNT))
+                    .and_then(as_u32);
+                let verdict = Verdict::Refused { rejection, reason };
+                (verdict, None, 1, 1, delivery_count)
+            }
+        };
+    let refused = matches!(verdict, Verdict::Refused { .. });
     // The gate already validated the id of a delivery it passed; a refused one is checked here.
-    let message_id = match &gate {
-        Gate::Passed { .. } => view.message_id,
-        Gate::Refused(_) => view
-            .message_id
-            .filter(|id| is_token(id, limits.max_message_id_len)),
+    let message_id: Option<Box<str>> = if refused {
+        view.message_id
+            .filter(|id| is_token(id, limits.max_message_id_len))
+            .map(Box::from)
+    } else {
+        view.message_id.map(Box::from)
     };
     let identity = Identity {
         queue: Arc::clone(&shared.queue),
-        message_id: message_id.map(Box::from),
+        message_id: message_id.clone(),
         delivery_tag,
         attempt,
         redelivered,
@@ -112,98 +128,74 @@ async fn settle_delivery(
     let span = info_span!(
         "delivery",
         queue = %shared.queue,
-        message_id = message_id.unwrap_or("-"),
+        message_id = message_id.as_deref().unwrap_or("-"),
         attempt,
         delivery_tag,
         outcome = tracing::field::Empty,
     );
-    let evidence = match &gate {
-        Gate::Passed { route: Ok(_), .. } => Evidence::Dispatched,
+    let evidence = match verdict {
+        Verdict::Dispatched => Evidence::Dispatched,
         _ => Evidence::Received,
     };
     let entry = lock(&shared.ledger).open_at(identity, evidence);
+    let arrival = Arrival {
+        verdict,
+        attempt,
+        redelivered,
+        delivery_count,
+        local_requeues: message_id
+            .as_deref()
+            .map(|id| lock(&shared.requeues).get(id)),
+        scoped: shared.scope.is_some(),
+    };
+    let source = if refused {
+        Source::Refused(Box::new(Refused {
+            body: data,
+            properties,
+            exchange,
+            routing_key,
+        }))
+    } else {
+        Source::Passed(Arc::new(Incoming::from_parts(IncomingParts {
+            body: data,
+            properties,
+            exchange,
+            routing_key,
+            queue: Arc::clone(&shared.queue),
+            delivery_tag,
+            redelivered,
+            attempt,
+            schema_version,
+        })))
+    };
     let work = Work {
         shared,
         session: &session,
         delivery_tag,
         entry,
+        message_id: message_id.as_deref(),
         span: span.clone(),
         acking,
     };
-    match gate {
-        Gate::Refused(rejection) => {
-            let copy = Copy::Sanitized {
-                body: &data,
-                properties: &properties,
-                exchange: exchange.as_str(),
-                routing_key: routing_key.as_str(),
-            };
-            let delivery_count = properties
-                .headers()
-                .as_ref()
-                .and_then(|h| h.inner().get(headers::DELIVERY_COUNT))
-                .and_then(as_u32);
-            Box::pin(
-                work.refuse(rejection, copy, message_id, delivery_count, redelivered)
-                    .instrument(span),
-            )
-            .await;
-        }
-        Gate::Passed {
-            schema_version,
-            delivery_count,
-            route,
-            ..
-        } => {
-            let incoming = Arc::new(Incoming::from_parts(IncomingParts {
-                body: data,
-                properties,
-                exchange,
-                routing_key,
-                queue: Arc::clone(&shared.queue),
-                delivery_tag,
-                redelivered,
-                attempt,
-                schema_version,
-            }));
-            work.process(incoming, delivery_count, route, redelivered)
-                .instrument(span)
-                .await;
-        }
-    }
+    Box::pin(work.run(arrival, &source, handler.as_ref()))
+        .instrument(span)
+        .await;
 }
 
-/// What the scope and the pipeline produced, for the decision table.
-struct Scoped {
-    pipeline: PipelineResult,
-    cleanup: CleanupResult,
-    transaction: TransactionOutcome,
-    reason: Option<Reason>,
-    deferrals: Option<u32>,
+/// The message as the handler and the copies see it.
+enum Source {
+    /// It passed the gate.
+    Passed(Arc<Incoming>),
+    /// The gate refused it: a copy carries only sanitized metadata.
+    Refused(Box<Refused>),
 }
 
-impl Scoped {
-    /// Decided before the handler ran.
-    fn decided(pipeline: PipelineResult, reason: Reason) -> Self {
-        Self {
-            pipeline,
-            cleanup: CleanupResult::Succeeded,
-            transaction: TransactionOutcome::NotRequired,
-            reason: Some(reason),
-            deferrals: None,
-        }
-    }
-}
-
-/// What the gate and dispatch made of a delivery.
-enum Gate {
-    Refused(GateRejection),
-    Passed {
-        attempt: u32,
-        schema_version: u32,
-        delivery_count: Option<u32>,
-        route: Result<BoxedHandler, QueueHandlerError>,
-    },
+/// What a copy of a refused message is made from.
+struct Refused {
+    body: Vec<u8>,
+    properties: BasicProperties,
+    exchange: ShortString,
+    routing_key: ShortString,
 }
 
 struct Work<'a> {
@@ -211,28 +203,15 @@ struct Work<'a> {
     session: &'a Arc<Session>,
     delivery_tag: u64,
     entry: EntryId,
+    /// The valid message id, if any: the key of its requeue count.
+    message_id: Option<&'a str>,
     /// The delivery's span (disabled, and free, when nothing listens).
     span: tracing::Span,
     /// Set once the ACK is about to be marked ready: from then on, an abort lets the work finish.
     acking: &'a AtomicBool,
 }
 
-/// The copy a handoff publishes.
-enum Copy<'a> {
-    Original(&'a Incoming),
-    Sanitized {
-        body: &'a [u8],
-        properties: &'a BasicProperties,
-        exchange: &'a str,
-        routing_key: &'a str,
-    },
-}
-
 impl Work<'_> {
-    fn note(&self, evidence: Evidence) {
-        lock(&self.shared.ledger).note(self.entry, evidence);
-    }
-
     fn authority(&self) -> Authority {
         if self.session.consuming_open() && !self.shared.revoked.is_cancelled() {
             Authority::Held
@@ -241,232 +220,155 @@ impl Work<'_> {
         }
     }
 
-    /// Settles a delivery the gate refused: a reject to the DLX (oversized) or a dead-letter
-    /// handoff carrying only sanitized metadata.
-    async fn refuse(
-        self,
-        rejection: GateRejection,
-        copy: Copy<'_>,
-        message_id: Option<&str>,
-        delivery_count: Option<u32>,
-        redelivered: bool,
-    ) {
-        let limits = &self.shared.config.limits;
-        let plan = decide_at_gate(&rejection);
-        let reason = match rejection {
-            GateRejection::Oversized { len } => Reason::new(format!(
-                "body of {len} bytes is over the {} byte limit",
-                limits.max_body_bytes
-            )),
-            GateRejection::Invalid(reason) => reason,
-        };
-        // Without a valid id the message cannot be counted across requeues: no requeue.
-        let requeues = match message_id {
-            Some(id) => self.local_requeues(id).max(delivery_count.unwrap_or(0)),
-            None => self.shared.config.policy.max_requeues,
-        };
-        let (outcome, lane) = self.settle(plan, requeues, &reason, copy, message_id).await;
-        if let (Some(id), true) = (message_id, redelivered) {
-            self.forget_requeues(id, outcome);
-        }
-        self.finish(outcome, lane, &reason);
-    }
-
-    async fn process(
-        self,
-        incoming: Arc<Incoming>,
-        delivery_count: Option<u32>,
-        route: Result<BoxedHandler, QueueHandlerError>,
-        redelivered: bool,
-    ) {
-        let scoped = match route {
-            Err(err) => Scoped::decided(PipelineResult::NotDispatched, err.reason().clone()),
-            Ok(handler) => self.run_scoped(&handler, &incoming).await,
-        };
-        let Scoped {
-            pipeline,
-            cleanup,
-            transaction,
-            reason,
-            deferrals,
-        } = scoped;
-        let local = if redelivered {
-            self.local_requeues(incoming.message_id())
-        } else {
-            0
-        };
-        let requeues = delivery_count
-            .unwrap_or(0)
-            .max(local)
-            .max(deferrals.unwrap_or(0));
-        let situation = Situation {
-            pipeline,
-            cleanup,
-            transaction,
-            attempt: incoming.attempt(),
-            requeues,
-            authority: self.authority(),
-        };
-        let plan = decide(&situation, &self.shared.config.policy);
-        if plan == Plan::Requeue(RequeueCause::Deferred) {
-            // Give what the deferral waits for time to change; shutdown cuts the wait short.
-            let delay = self.shared.config.policy.deferral_delay(requeues);
-            let wait = Box::pin(tokio::time::sleep(delay));
-            tokio::select! {
-                () = wait => {}
-                () = self.shared.handlers_cancel.cancelled() => {}
-            }
-        }
-        let reason = reason.unwrap_or_else(|| Reason::new("ok"));
-        let (outcome, lane) = self
-            .settle(
-                plan,
-                requeues,
-                &reason,
-                Copy::Original(&incoming),
-                Some(incoming.message_id()),
-            )
-            .await;
-        if redelivered {
-            self.forget_requeues(incoming.message_id(), outcome);
-        }
-        self.finish(outcome, lane, &reason);
-    }
-
-    /// Opens the transactional scope (if any), runs the pipeline inside it, then commits when
-    /// the handler and cleanup succeeded and aborts otherwise.
-    async fn run_scoped(&self, handler: &BoxedHandler, incoming: &Arc<Incoming>) -> Scoped {
-        let budget = self.shared.config.policy.settlement_budget;
-        let (resources, transaction) = match &self.shared.scope {
-            None => (Resources::new(), None),
-            Some(scope) => match scope.begin(&Meta::new(Arc::clone(incoming)), budget).await {
-                Begin::Proceed {
-                    resources,
-                    transaction,
-                } => (resources, Some(transaction)),
-                Begin::Duplicate => {
-                    lock(&self.shared.ledger).count_duplicate();
-                    return Scoped::decided(
-                        PipelineResult::Duplicate,
-                        Reason::new("duplicate suppressed by the inbox"),
+    /// Executes what the delivery's machine asks for and reports the evidence back, until it
+    /// reaches its outcome.
+    async fn run(self, arrival: Arrival, source: &Source, handler: Option<&BoxedHandler>) {
+        let shared = self.shared;
+        let policy = &shared.config.policy;
+        let budget = policy.settlement_budget;
+        let mut machine = Machine::new(arrival, policy, self.authority(), Instant::now());
+        let mut resources = Resources::new();
+        let mut transaction = None;
+        let mut settling_since = None;
+        loop {
+            let action = machine.poll_action(self.authority(), Instant::now());
+            self.note(&mut machine);
+            let Some(action) = action else { break };
+            match action {
+                Action::OpenScope => {
+                    let (Some(scope), Source::Passed(incoming)) = (&shared.scope, source) else {
+                        unreachable!("the machine opens a scope only for a dispatched delivery")
+                    };
+                    let meta = Meta::new(Arc::clone(incoming));
+                    let opened = match scope.begin(&meta, budget).await {
+                        Begin::Proceed {
+                            resources: r,
+                            transaction: t,
+                        } => {
+                            resources = r;
+                            transaction = Some(t);
+                            ScopeOpened::Proceed { transaction: true }
+                        }
+                        Begin::Duplicate => {
+                            lock(&shared.ledger).count_duplicate();
+                            ScopeOpened::Duplicate
+                        }
+                        Begin::Conflict(reason) => ScopeOpened::Conflict(reason),
+                        Begin::Defer { reason, deferrals } => {
+                            ScopeOpened::Defer { reason, deferrals }
+                        }
+                    };
+                    machine.handle_scope(opened, self.authority(), Instant::now());
+                }
+                Action::RunHandler => {
+                    let (Some(handler), Source::Passed(incoming)) = (handler, source) else {
+                        unreachable!("the machine runs a handler only for a dispatched delivery")
+                    };
+                    let cancel = DeliveryCancel::new(&shared.handlers_cancel);
+                    let started = Instant::now();
+                    let out = pipeline::run(
+                        handler,
+                        &shared.hooks,
+                        incoming,
+                        &cancel,
+                        &resources,
+                        shared.config.handler_timeout,
+                    )
+                    .await;
+                    shared
+                        .metrics
+                        .handler_duration
+                        .record(started.elapsed().as_secs_f64());
+                    let now = Instant::now();
+                    let authority = self.authority();
+                    machine.handle_pipeline(out.result, out.cleanup, out.reason, authority, now);
+                }
+                Action::Commit => {
+                    let committed = match transaction.take() {
+                        Some(t) => t.commit(budget).await,
+                        None => unreachable!("the machine commits only an open transaction"),
+                    };
+                    machine.handle_commit(
+                        committed.outcome,
+                        committed.deferrals,
+                        committed.reason,
+                        self.authority(),
+                        Instant::now(),
                     );
                 }
-                Begin::Conflict(reason) => {
-                    return Scoped::decided(PipelineResult::Conflict, reason);
+                Action::Abort => {
+                    if let Some(t) = transaction.take() {
+                        t.abort().await;
+                    }
+                    machine.handle_aborted(self.authority(), Instant::now());
                 }
-                Begin::Defer { reason, deferrals } => {
-                    let mut scoped = Scoped::decided(PipelineResult::Deferred, reason);
-                    scoped.deferrals = deferrals;
-                    return scoped;
+                Action::Hold(delay) => {
+                    // Give what the deferral waits for time to change; shutdown cuts it short.
+                    let wait = Box::pin(tokio::time::sleep(delay));
+                    tokio::select! {
+                        () = wait => {}
+                        () = shared.handlers_cancel.cancelled() => {}
+                    }
+                    machine.handle_held(Instant::now());
                 }
-            },
-        };
-        let cancel = DeliveryCancel::new(&self.shared.handlers_cancel);
-        let started = Instant::now();
-        let out = pipeline::run(
-            handler,
-            &self.shared.hooks,
-            incoming,
-            &cancel,
-            &resources,
-            self.shared.config.handler_timeout,
-        )
-        .await;
-        let ended = Instant::now();
-        self.shared
-            .metrics
-            .handler_duration
-            .record((ended - started).as_secs_f64());
-        self.note(Evidence::HandlerReturned);
-        let mut scoped = Scoped {
-            pipeline: out.result,
-            cleanup: out.cleanup,
-            transaction: TransactionOutcome::NotRequired,
-            reason: out.reason,
-            deferrals: None,
-        };
-        if let Some(transaction) = transaction {
-            if (out.result, out.cleanup) == (PipelineResult::Succeeded, CleanupResult::Succeeded) {
-                let committed = transaction.commit(budget).await;
-                scoped.transaction = committed.outcome;
-                scoped.deferrals = committed.deferrals;
-                if committed.reason.is_some() {
-                    scoped.reason = committed.reason;
+                Action::Publish {
+                    handoff,
+                    copy,
+                    deadline,
+                } => {
+                    settling_since.get_or_insert_with(Instant::now);
+                    // Boxed: the publish future is large and most deliveries never hand off;
+                    // keeping it inline would grow every delivery's task.
+                    let reason = machine.reason();
+                    let result =
+                        Box::pin(self.publish(handoff, &reason, source, copy, deadline)).await;
+                    if result != HandoffResult::Confirmed {
+                        warn!(handoff = ?handoff.lane, ?result, "handoff failed");
+                    }
+                    machine.handle_handoff(result, self.authority(), Instant::now());
                 }
-            } else {
-                transaction.abort().await;
-                scoped.transaction = TransactionOutcome::Aborted;
-            }
-        }
-        scoped
-    }
-
-    /// Carries `plan` out. `requeue_key` names the message in the classic-queue requeue count.
-    async fn settle(
-        &self,
-        plan: Plan,
-        requeues: u32,
-        reason: &Reason,
-        copy: Copy<'_>,
-        requeue_key: Option<&str>,
-    ) -> (Outcome, Option<Lane>) {
-        let started = Instant::now();
-        match plan {
-            Plan::Abandon => self.note(Evidence::AuthorityLost),
-            Plan::Ack => {} // the ACK follows at once; its outcome closes the entry
-            _ => self.note(Evidence::Planned),
-        }
-        let policy = &self.shared.config.policy;
-        let mut settlement = Settlement::start(plan, requeues, policy, started);
-        while let Some(action) = settlement.poll_action() {
-            match action {
-                Action::Publish { handoff, deadline } => {
-                    let result = if self.authority() == Authority::Lost {
-                        self.note(Evidence::AuthorityLost);
-                        HandoffResult::Failed
-                    } else {
-                        self.note(Evidence::HandoffPublished);
-                        // Boxed: the publish future is large and most deliveries never
-                        // hand off; keeping it inline would grow every delivery's task.
-                        let result = Box::pin(self.publish(handoff, reason, &copy, deadline)).await;
-                        if result == HandoffResult::Confirmed {
-                            self.note(Evidence::HandoffConfirmed);
-                        } else {
-                            self.note(Evidence::HandoffFailed);
-                            warn!(handoff = ?handoff.lane, ?result, "handoff failed");
-                        }
-                        result
-                    };
-                    settlement.handle_handoff(result, self.authority(), Instant::now());
-                }
-                Action::Ack | Action::Requeue | Action::Reject => {
-                    if let (Action::Requeue, Some(key)) = (action, requeue_key) {
+                Action::Ack | Action::Requeue { .. } | Action::Reject => {
+                    settling_since.get_or_insert_with(Instant::now);
+                    if let (Action::Requeue { counted: true }, Some(id)) = (action, self.message_id)
+                    {
                         // Counted before the NACK is written: the redelivery can arrive before
                         // this task runs again.
-                        self.count_requeue(key);
+                        lock(&shared.requeues).count(id);
                     }
                     let result = self.write(action).await;
-                    // A written frame closes the entry right after; a refused one is recorded.
-                    if result == SettleResult::Refused {
-                        self.note(Evidence::AuthorityLost);
-                    }
-                    settlement.handle_settled(result);
+                    machine.handle_settled(result);
                 }
             }
         }
-        let outcome = settlement.outcome().unwrap_or(Outcome::AuthorityLost);
-        self.shared
-            .metrics
-            .settlement_latency
-            .record(started.elapsed().as_secs_f64());
-        (outcome, settlement.confirmed_handoff())
+        let outcome = machine.outcome().unwrap_or(Outcome::AuthorityLost);
+        if let Some(since) = settling_since {
+            shared
+                .metrics
+                .settlement_latency
+                .record(since.elapsed().as_secs_f64());
+        }
+        if let (true, Some(id)) = (machine.forgets_requeues(), self.message_id) {
+            lock(&shared.requeues).forget(id);
+        }
+        self.finish(outcome, machine.confirmed_handoff(), &machine.reason());
+    }
+
+    /// Records the machine's evidence in the ledger.
+    fn note(&self, machine: &mut Machine<'_>) {
+        let mut ledger = None;
+        while let Some(evidence) = machine.poll_evidence() {
+            ledger
+                .get_or_insert_with(|| lock(&self.shared.ledger))
+                .note(self.entry, evidence);
+        }
     }
 
     async fn publish(
         &self,
         handoff: Handoff,
         reason: &Reason,
-        copy: &Copy<'_>,
+        source: &Source,
+        copy: CopyOf,
         deadline: Duration,
     ) -> HandoffResult {
         let Some(queue) = destination(&self.shared.topology, handoff.lane) else {
@@ -482,21 +384,29 @@ impl Work<'_> {
             source_queue: &self.shared.queue,
             id,
         };
-        let (body, properties) = match copy {
-            Copy::Original(incoming) => (incoming.body(), copy_properties(incoming, &note)),
-            Copy::Sanitized {
-                body,
-                properties,
-                exchange,
-                routing_key,
-            } => (
-                *body,
+        let limits = &self.shared.config.limits;
+        let (body, properties) = match (copy, source) {
+            (CopyOf::Original, Source::Passed(incoming)) => {
+                (incoming.body(), copy_properties(incoming, &note))
+            }
+            (CopyOf::Sanitized, Source::Passed(incoming)) => (
+                incoming.body(),
                 sanitized_properties(
-                    properties,
-                    exchange,
-                    routing_key,
+                    incoming.properties(),
+                    incoming.exchange(),
+                    incoming.routing_key(),
                     &note,
-                    &self.shared.config.limits,
+                    limits,
+                ),
+            ),
+            (_, Source::Refused(refused)) => (
+                refused.body.as_slice(),
+                sanitized_properties(
+                    &refused.properties,
+                    refused.exchange.as_str(),
+                    refused.routing_key.as_str(),
+                    &note,
+                    limits,
                 ),
             ),
         };
@@ -518,32 +428,8 @@ impl Work<'_> {
                     .ack(self.delivery_tag, &self.shared.revoked)
                     .await
             }
-            _ => self.session.settle(self.delivery_tag, action),
-        }
-    }
-
-    fn local_requeues(&self, message_id: &str) -> u32 {
-        lock(&self.shared.requeues)
-            .get(message_id)
-            .copied()
-            .unwrap_or(0)
-    }
-
-    fn count_requeue(&self, message_id: &str) {
-        let mut counts = lock(&self.shared.requeues);
-        if counts.len() >= REQUEUE_MEMORY && !counts.contains_key(message_id) {
-            let evict = counts.keys().next().cloned();
-            if let Some(key) = evict {
-                counts.remove(&key);
-            }
-        }
-        *counts.entry(message_id.into()).or_insert(0) += 1;
-    }
-
-    /// Drops the requeue count of a message that left the queue for good.
-    fn forget_requeues(&self, message_id: &str, outcome: Outcome) {
-        if !matches!(outcome, Outcome::Requeued(_)) {
-            lock(&self.shared.requeues).remove(message_id);
+            Action::Requeue { .. } => self.session.settle(self.delivery_tag, Requeue),
+            _ => self.session.settle(self.delivery_tag, Reject),
         }
     }
 

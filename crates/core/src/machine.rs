@@ -1,0 +1,528 @@
+//! One delivery as a pure machine, in the style of quinn-proto: evidence goes in through
+//! `handle_*`, the next thing to do comes out of [`Delivery::poll_action`], and what the ledger
+//! should record comes out of [`Delivery::poll_evidence`]. Nothing here waits, reads a clock or
+//! touches a socket; the transport executes the actions and reports back.
+//!
+//! The machine owns every decision between `basic.deliver` and a terminal [`Outcome`]:
+//!
+//! - which step comes next: open the scope, run the handler, commit or abort, hold a deferral,
+//!   publish a copy, ACK, requeue, reject;
+//! - how many requeues the message has had (the broker's `x-delivery-count`, this consumer's
+//!   [`RequeueMemory`] for a redelivery, the deferrals a scope counted durably, whichever is
+//!   highest), and that a message without a valid id counts as already at the limit, since
+//!   nothing could count its requeues;
+//! - which copy a handoff publishes (the original, or only sanitized metadata for an envelope
+//!   the gate refused);
+//! - the deferral hold before a deferred requeue, so it is never requeued hot;
+//! - the plan ([`decide_at_gate`], [`decide`]) and its settlement ([`Settlement`]).
+//!
+//! Each settle action (ACK, requeue, reject) is handed out at most once, and every terminal
+//! outcome rests on the evidence reported for it; the property tests below drive the machine
+//! with random evidence to check both.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use crate::decision::Action as SettleAction;
+use crate::{
+    Authority, CleanupResult, Evidence, GateRejection, Handoff, HandoffResult, Lane, Outcome,
+    PipelineResult, Plan, Policy, Reason, RequeueCause, SettleResult, Settlement, Situation,
+    TransactionOutcome, decide, decide_at_gate,
+};
+
+/// What the gate and dispatch made of a delivery.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// The gate refused the envelope, for `reason`.
+    Refused {
+        /// Why the gate refused it.
+        rejection: GateRejection,
+        /// The same, as the copy's and the log's reason.
+        reason: Reason,
+    },
+    /// It passed the gate but no handler takes it.
+    Undispatched(Reason),
+    /// It passed the gate and a handler takes it.
+    Dispatched,
+}
+
+/// A delivery as it arrives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Arrival {
+    /// What the gate and dispatch made of it.
+    pub verdict: Verdict,
+    /// Application attempt from its headers (1 when the gate refused it).
+    pub attempt: u32,
+    /// The broker's `redelivered` flag.
+    pub redelivered: bool,
+    /// RabbitMQ's `x-delivery-count` (quorum queues).
+    pub delivery_count: Option<u32>,
+    /// Requeues this consumer counted for its message id ([`RequeueMemory::get`]); `None` when
+    /// it has no valid id, so its requeues cannot be counted.
+    pub local_requeues: Option<u32>,
+    /// Whether a transactional scope wraps the handler.
+    pub scoped: bool,
+}
+
+/// What opening the scope found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ScopeOpened {
+    /// Run the handler; `transaction` says whether a commit or abort follows it.
+    Proceed {
+        /// Whether a transaction is open.
+        transaction: bool,
+    },
+    /// The inbox already holds this message with the same fingerprint.
+    Duplicate,
+    /// The inbox holds this message id with another fingerprint.
+    Conflict(Reason),
+    /// Work cannot start for an infrastructure reason (a lease held elsewhere).
+    Defer {
+        /// Why.
+        reason: Reason,
+        /// Deferrals counted durably so far, if the scope counts them.
+        deferrals: Option<u32>,
+    },
+}
+
+/// Which copy a handoff publishes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyOf {
+    /// The original body and properties, with Lily's failure headers.
+    Original,
+    /// The body with sanitized metadata only: the gate refused the envelope.
+    Sanitized,
+}
+
+/// The next thing to do for a delivery.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Open the scope; report through [`Delivery::handle_scope`].
+    OpenScope,
+    /// Run the pipeline (extractors, hooks, handler, cleanup); report through
+    /// [`Delivery::handle_pipeline`].
+    RunHandler,
+    /// Commit the transaction; report through [`Delivery::handle_commit`].
+    Commit,
+    /// Abort the transaction; report through [`Delivery::handle_aborted`].
+    Abort,
+    /// Wait this long (cut short by shutdown), then report through [`Delivery::handle_held`].
+    Hold(Duration),
+    /// Publish the copy within `deadline`; report through [`Delivery::handle_handoff`].
+    Publish {
+        /// Lane and cause.
+        handoff: Handoff,
+        /// Which copy.
+        copy: CopyOf,
+        /// Time allowed for publish and confirm.
+        deadline: Duration,
+    },
+    /// ACK the original; report through [`Delivery::handle_settled`].
+    Ack,
+    /// NACK the original with requeue; count the requeue first when `counted` (the redelivery
+    /// can arrive before the report); report through [`Delivery::handle_settled`].
+    Requeue {
+        /// Whether the message's requeues are counted in the [`RequeueMemory`].
+        counted: bool,
+    },
+    /// Reject the original without requeue; report through [`Delivery::handle_settled`].
+    Reject,
+}
+
+#[derive(Clone, Debug)]
+enum Step {
+    Ready(Action),
+    Waiting(Action),
+    /// Before the verdict placed the first step.
+    Arriving,
+    Settling(Settlement),
+}
+
+/// The pipeline's result, kept until the transaction's outcome is known.
+#[derive(Clone, Copy, Debug)]
+struct Ran {
+    pipeline: PipelineResult,
+    cleanup: CleanupResult,
+}
+
+/// One delivery, from arrival to a terminal [`Outcome`].
+#[derive(Clone, Debug)]
+pub struct Delivery<'p> {
+    policy: &'p Policy,
+    step: Step,
+    attempt: u32,
+    /// Requeues known at arrival; a scope's durable deferral count can raise it.
+    requeues: u32,
+    counted: bool,
+    redelivered: bool,
+    copy: CopyOf,
+    transaction: bool,
+    ran: Ran,
+    reason: Option<Reason>,
+    evidence: Notes,
+}
+
+impl<'p> Delivery<'p> {
+    /// A delivery that arrived; `authority` and `now` are used when the gate or dispatch
+    /// already decided its plan.
+    pub fn new(arrival: Arrival, policy: &'p Policy, authority: Authority, now: Instant) -> Self {
+        let counted = arrival.local_requeues.is_some();
+        let requeues = match arrival.local_requeues {
+            // Nothing can count its requeues: at the limit from the start.
+            None => policy.max_requeues,
+            Some(local) => {
+                let local = if arrival.redelivered { local } else { 0 };
+                local.max(arrival.delivery_count.unwrap_or(0))
+            }
+        };
+        let mut delivery = Self {
+            policy,
+            step: Step::Arriving,
+            attempt: arrival.attempt,
+            requeues,
+            counted,
+            redelivered: arrival.redelivered,
+            copy: CopyOf::Original,
+            transaction: false,
+            ran: Ran {
+                pipeline: PipelineResult::Succeeded,
+                cleanup: CleanupResult::Succeeded,
+            },
+            reason: None,
+            evidence: Notes::default(),
+        };
+        match arrival.verdict {
+            Verdict::Refused { rejection, reason } => {
+                delivery.copy = CopyOf::Sanitized;
+                delivery.reason = Some(reason);
+                delivery.settle(decide_at_gate(&rejection), now);
+            }
+            Verdict::Undispatched(reason) => {
+                delivery.decided(PipelineResult::NotDispatched, reason, authority, now);
+            }
+            Verdict::Dispatched if arrival.scoped => delivery.step = Step::Ready(Action::OpenScope),
+            Verdict::Dispatched => delivery.step = Step::Ready(Action::RunHandler),
+        }
+        delivery
+    }
+
+    /// The next action, handed out once. `authority` says whether the delivery may still be
+    /// settled: a copy is never published once it is lost.
+    pub fn poll_action(&mut self, authority: Authority, now: Instant) -> Option<Action> {
+        match &mut self.step {
+            Step::Ready(action) => {
+                let action = *action;
+                self.step = Step::Waiting(action);
+                Some(action)
+            }
+            Step::Waiting(_) | Step::Arriving => None,
+            Step::Settling(settlement) => match settlement.poll_action()? {
+                SettleAction::Publish { handoff, deadline } => {
+                    if authority == Authority::Lost {
+                        self.evidence.push(Evidence::AuthorityLost);
+                        settlement.handle_handoff(HandoffResult::Failed, authority, now);
+                        return self.poll_action(authority, now);
+                    }
+                    self.evidence.push(Evidence::HandoffPublished);
+                    Some(Action::Publish {
+                        handoff,
+                        copy: self.copy,
+                        deadline,
+                    })
+                }
+                SettleAction::Ack => Some(Action::Ack),
+                SettleAction::Requeue => Some(Action::Requeue {
+                    counted: self.counted,
+                }),
+                SettleAction::Reject => Some(Action::Reject),
+            },
+        }
+    }
+
+    /// The next piece of evidence for the ledger, in order.
+    pub fn poll_evidence(&mut self) -> Option<Evidence> {
+        self.evidence.pop()
+    }
+
+    /// Takes what opening the scope found.
+    pub fn handle_scope(&mut self, opened: ScopeOpened, authority: Authority, now: Instant) {
+        if !self.waiting_for(Action::OpenScope) {
+            return;
+        }
+        match opened {
+            ScopeOpened::Proceed { transaction } => {
+                self.transaction = transaction;
+                self.step = Step::Ready(Action::RunHandler);
+            }
+            ScopeOpened::Duplicate => self.decided(
+                PipelineResult::Duplicate,
+                Reason::new("duplicate suppressed by the inbox"),
+                authority,
+                now,
+            ),
+            ScopeOpened::Conflict(reason) => {
+                self.decided(PipelineResult::Conflict, reason, authority, now);
+            }
+            ScopeOpened::Defer { reason, deferrals } => {
+                self.raise_requeues(deferrals);
+                self.decided(PipelineResult::Deferred, reason, authority, now);
+            }
+        }
+    }
+
+    /// Takes the pipeline's result (and its failure's reason).
+    pub fn handle_pipeline(
+        &mut self,
+        pipeline: PipelineResult,
+        cleanup: CleanupResult,
+        reason: Option<Reason>,
+        authority: Authority,
+        now: Instant,
+    ) {
+        if !self.waiting_for(Action::RunHandler) {
+            return;
+        }
+        self.evidence.push(Evidence::HandlerReturned);
+        self.ran = Ran { pipeline, cleanup };
+        self.reason = reason;
+        if !self.transaction {
+            self.plan(TransactionOutcome::NotRequired, authority, now);
+        } else if (pipeline, cleanup) == (PipelineResult::Succeeded, CleanupResult::Succeeded) {
+            self.step = Step::Ready(Action::Commit);
+        } else {
+            self.step = Step::Ready(Action::Abort);
+        }
+    }
+
+    /// Takes the commit's outcome; `deferrals` as the scope counted them durably.
+    pub fn handle_commit(
+        &mut self,
+        outcome: TransactionOutcome,
+        deferrals: Option<u32>,
+        reason: Option<Reason>,
+        authority: Authority,
+        now: Instant,
+    ) {
+        if !self.waiting_for(Action::Commit) {
+            return;
+        }
+        self.raise_requeues(deferrals);
+        if reason.is_some() {
+            self.reason = reason;
+        }
+        self.plan(outcome, authority, now);
+    }
+
+    /// The transaction was aborted.
+    pub fn handle_aborted(&mut self, authority: Authority, now: Instant) {
+        if self.waiting_for(Action::Abort) {
+            self.plan(TransactionOutcome::Aborted, authority, now);
+        }
+    }
+
+    /// The deferral hold is over (or was cut short by shutdown).
+    pub fn handle_held(&mut self, now: Instant) {
+        if matches!(self.step, Step::Waiting(Action::Hold(_))) {
+            self.settle(Plan::Requeue(RequeueCause::Deferred), now);
+        }
+    }
+
+    /// Takes the evidence of the handoff publish.
+    pub fn handle_handoff(&mut self, result: HandoffResult, authority: Authority, now: Instant) {
+        if let Step::Settling(settlement) = &mut self.step {
+            self.evidence.push(if result == HandoffResult::Confirmed {
+                Evidence::HandoffConfirmed
+            } else {
+                Evidence::HandoffFailed
+            });
+            settlement.handle_handoff(result, authority, now);
+        }
+    }
+
+    /// Takes the evidence of an ACK, NACK or reject.
+    pub fn handle_settled(&mut self, result: SettleResult) {
+        if let Step::Settling(settlement) = &mut self.step {
+            if result == SettleResult::Refused {
+                self.evidence.push(Evidence::AuthorityLost);
+            }
+            settlement.handle_settled(result);
+        }
+    }
+
+    /// The terminal outcome, once reached.
+    pub fn outcome(&self) -> Option<Outcome> {
+        match &self.step {
+            Step::Settling(settlement) => settlement.outcome(),
+            _ => None,
+        }
+    }
+
+    /// The lane of the confirmed handoff, kept even when the ACK that follows fails.
+    pub fn confirmed_handoff(&self) -> Option<Lane> {
+        match &self.step {
+            Step::Settling(settlement) => settlement.confirmed_handoff(),
+            _ => None,
+        }
+    }
+
+    /// Why the delivery took its path ("ok" after a success).
+    pub fn reason(&self) -> Reason {
+        self.reason.clone().unwrap_or_else(|| Reason::new("ok"))
+    }
+
+    /// Whether the message left the queue for good after a redelivery, so its count in the
+    /// [`RequeueMemory`] can go.
+    pub fn forgets_requeues(&self) -> bool {
+        self.counted
+            && self.redelivered
+            && !matches!(self.outcome(), Some(Outcome::Requeued(_)) | None)
+    }
+
+    fn waiting_for(&self, action: Action) -> bool {
+        matches!(self.step, Step::Waiting(a) if a == action)
+    }
+
+    fn raise_requeues(&mut self, deferrals: Option<u32>) {
+        self.requeues = self.requeues.max(deferrals.unwrap_or(0));
+    }
+
+    /// Decided before the handler ran.
+    fn decided(
+        &mut self,
+        pipeline: PipelineResult,
+        reason: Reason,
+        authority: Authority,
+        now: Instant,
+    ) {
+        self.ran = Ran {
+            pipeline,
+            cleanup: CleanupResult::Succeeded,
+        };
+        self.reason = Some(reason);
+        self.plan(TransactionOutcome::NotRequired, authority, now);
+    }
+
+    /// Runs the decision table; a deferred requeue holds first.
+    fn plan(&mut self, transaction: TransactionOutcome, authority: Authority, now: Instant) {
+        let situation = Situation {
+            pipeline: self.ran.pipeline,
+            cleanup: self.ran.cleanup,
+            transaction,
+            attempt: self.attempt,
+            requeues: self.requeues,
+            authority,
+        };
+        match decide(&situation, self.policy) {
+            Plan::Requeue(RequeueCause::Deferred) => {
+                let hold = self.policy.deferral_delay(self.requeues);
+                self.step = Step::Ready(Action::Hold(hold));
+            }
+            plan => self.settle(plan, now),
+        }
+    }
+
+    fn settle(&mut self, plan: Plan, now: Instant) {
+        match plan {
+            Plan::Abandon => self.evidence.push(Evidence::AuthorityLost),
+            Plan::Ack => {} // the ACK follows at once; its outcome closes the entry
+            _ => self.evidence.push(Evidence::Planned),
+        }
+        self.step = Step::Settling(Settlement::start(plan, self.requeues, self.policy, now));
+    }
+}
+
+/// A few pieces of evidence waiting for the ledger, kept inline: a delivery produces at most
+/// four between two polls.
+#[derive(Clone, Copy, Debug, Default)]
+struct Notes {
+    items: [Option<Evidence>; 4],
+    head: usize,
+    len: usize,
+}
+
+impl Notes {
+    fn push(&mut self, evidence: Evidence) {
+        if self.len == self.items.len() {
+            // Never reached by the machine; the oldest note gives way rather than panic.
+            self.pop();
+        }
+        self.items[(self.head + self.len) % self.items.len()] = Some(evidence);
+        self.len += 1;
+    }
+
+    fn pop(&mut self) -> Option<Evidence> {
+        if self.len == 0 {
+            return None;
+        }
+        let evidence = self.items[self.head].take();
+        self.head = (self.head + 1) % self.items.len();
+        self.len -= 1;
+        evidence
+    }
+}
+
+/// How many times this consumer requeued each message, by message id, for queues whose broker
+/// does not count (classic queues have no `x-delivery-count`). It holds at most `capacity`
+/// ids; when full, the id counted least recently gives way.
+#[derive(Debug)]
+pub struct RequeueMemory {
+    capacity: usize,
+    counts: HashMap<Box<str>, (u32, u64)>,
+    /// Ids by the tick of their last count: the first is the least recently counted.
+    order: BTreeMap<u64, Box<str>>,
+    tick: u64,
+}
+
+impl RequeueMemory {
+    /// A memory of at most `capacity` ids (at least one).
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            capacity: capacity.max(1),
+            counts: HashMap::new(),
+            order: BTreeMap::new(),
+            tick: 0,
+        }
+    }
+
+    /// Requeues counted for `id`.
+    pub fn get(&self, id: &str) -> u32 {
+        self.counts.get(id).map_or(0, |(n, _)| *n)
+    }
+
+    /// Counts one more requeue of `id`, evicting the least recently counted id when full.
+    pub fn count(&mut self, id: &str) {
+        self.tick += 1;
+        if let Some((n, at)) = self.counts.get_mut(id) {
+            *n += 1;
+            let key = self.order.remove(at).unwrap_or_else(|| id.into());
+            *at = self.tick;
+            self.order.insert(self.tick, key);
+            return;
+        }
+        if self.counts.len() >= self.capacity
+            && let Some((_, evicted)) = self.order.pop_first()
+        {
+            self.counts.remove(&evicted);
+        }
+        let key: Box<str> = id.into();
+        self.order.insert(self.tick, key.clone());
+        self.counts.insert(key, (1, self.tick));
+    }
+
+    /// Forgets `id`: it left the queue for good.
+    pub fn forget(&mut self, id: &str) {
+        if let Some((_, at)) = self.counts.remove(id) {
+            self.order.remove(&at);
+        }
+    }
+
+    /// Ids remembered.
+    pub fn len(&self) -> usize {
+        self.counts.len()
+    }
+
+    /// Whether no id is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.counts.is_empty()
+    }
+}
