@@ -1,0 +1,651 @@
+//! The delivery machine, driven without a broker: the paths of the decision table step by step,
+//! the requeue count it keeps, its requeue memory, and properties over random evidence.
+
+use std::time::{Duration, Instant};
+
+use lily_mq_core::machine::{
+    Action, Arrival, CopyOf, Delivery, RequeueMemory, ScopeOpened, Verdict,
+};
+use lily_mq_core::{
+    Authority, CleanupResult, Evidence, FailureKind, GateRejection, HandoffResult, Lane, Outcome,
+    PipelineResult, Policy, Reason, RequeueCause, SettleResult, TransactionOutcome, Unresolved,
+};
+
+const HELD: Authority = Authority::Held;
+
+fn policy() -> Policy {
+    Policy::default()
+        .max_attempts(3)
+        .max_requeues(4)
+        .deferral_delays([Duration::from_millis(100), Duration::from_secs(2)])
+}
+
+fn arrival(verdict: Verdict) -> Arrival {
+    Arrival {
+        verdict,
+        attempt: 1,
+        redelivered: false,
+        delivery_count: None,
+        local_requeues: Some(0),
+        scoped: false,
+    }
+}
+
+fn failed(kind: FailureKind) -> PipelineResult {
+    PipelineResult::Failed {
+        kind,
+        retry_after: None,
+    }
+}
+
+fn evidence(d: &mut Delivery<'_>) -> Vec<Evidence> {
+    std::iter::from_fn(|| d.poll_evidence()).collect()
+}
+
+#[test]
+fn success_runs_the_handler_then_acks() {
+    let (p, now) = (policy(), Instant::now());
+    let mut d = Delivery::new(arrival(Verdict::Dispatched), &p, HELD, now);
+    assert_eq!(d.poll_action(HELD, now), Some(Action::RunHandler));
+    assert_eq!(
+        d.poll_action(HELD, now),
+        None,
+        "each action is handed out once"
+    );
+    d.handle_pipeline(
+        PipelineResult::Succeeded,
+        CleanupResult::Succeeded,
+        None,
+        HELD,
+        now,
+    );
+    assert_eq!(d.poll_action(HELD, now), Some(Action::Ack));
+    d.handle_settled(SettleResult::Written);
+    assert_eq!(d.poll_action(HELD, now), None);
+    assert_eq!(d.outcome(), Some(Outcome::Acked));
+    assert_eq!(evidence(&mut d), [Evidence::HandlerReturned]);
+    assert_eq!(d.reason().as_str(), "ok");
+}
+
+#[test]
+fn a_scope_commits_after_success_and_aborts_after_failure() {
+    let (p, now) = (policy(), Instant::now());
+    let scoped = Arrival {
+        scoped: true,
+        ..arrival(Verdict::Dispatched)
+    };
+    let mut d = Delivery::new(scoped.clone(), &p, HELD, now);
+    assert_eq!(d.poll_action(HELD, now), Some(Action::OpenScope));
+    d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
+    assert_eq!(d.poll_action(HELD, now), Some(Action::RunHandler));
+    d.handle_pipeline(
+        PipelineResult::Succeeded,
+        CleanupResult::Succeeded,
+        None,
+        HELD,
+        now,
+    );
+    assert_eq!(d.poll_action(HELD, now), Some(Action::Commit));
+    d.handle_commit(TransactionOutcome::Committed, None, None, HELD, now);
+    assert_eq!(d.poll_action(HELD, now), Some(Action::Ack));
+
+    let mut d = Delivery::new(scoped, &p, HELD, now);
+    d.poll_action(HELD, now);
+    d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
+    d.poll_action(HELD, now);
+    let reason = Reason::new("stock service down");
+    d.handle_pipeline(
+        failed(FailureKind::Retryable),
+        CleanupResult::Succeeded,
+        Some(reason.clone()),
+        HELD,
+        now,
+    );
+    assert_eq!(d.poll_action(HELD, now), Some(Action::Abort));
+    d.handle_aborted(HELD, now);
+    let Some(Action::Publish { handoff, copy, .. }) = d.poll_action(HELD, now) else {
+        panic!("a retryable failure hands off")
+    };
+    assert_eq!(copy, CopyOf::Original);
+    assert!(matches!(
+        handoff.lane,
+        Lane::Retry {
+            next_attempt: 2,
+            ..
+        }
+    ));
+    assert_eq!(d.reason(), reason);
+}
+
+#[test]
+fn a_handoff_acks_only_after_its_confirm_and_requeues_otherwise() {
+    let (p, now) = (policy(), Instant::now());
+    for (result, outcome) in [
+        (HandoffResult::Confirmed, Outcome::DeadLettered),
+        (
+            HandoffResult::Returned,
+            Outcome::Requeued(RequeueCause::HandoffFailed),
+        ),
+        (
+            HandoffResult::TimedOut,
+            Outcome::Requeued(RequeueCause::HandoffFailed),
+        ),
+    ] {
+        let mut d = Delivery::new(arrival(Verdict::Dispatched), &p, HELD, now);
+        d.poll_action(HELD, now);
+        d.handle_pipeline(
+            failed(FailureKind::Permanent),
+            CleanupResult::Succeeded,
+            None,
+            HELD,
+            now,
+        );
+        assert!(matches!(
+            d.poll_action(HELD, now),
+            Some(Action::Publish { .. })
+        ));
+        d.handle_handoff(result, HELD, now);
+        let settle = d.poll_action(HELD, now).expect("a settle action");
+        let expected = if result == HandoffResult::Confirmed {
+            Action::Ack
+        } else {
+            Action::Requeue { counted: true }
+        };
+        assert_eq!(settle, expected);
+        d.handle_settled(SettleResult::Written);
+        assert_eq!(d.outcome(), Some(outcome));
+    }
+}
+
+#[test]
+fn no_copy_is_published_once_authority_is_lost() {
+    let (p, now) = (policy(), Instant::now());
+    let mut d = Delivery::new(arrival(Verdict::Dispatched), &p, HELD, now);
+    d.poll_action(HELD, now);
+    d.handle_pipeline(
+        failed(FailureKind::Permanent),
+        CleanupResult::Succeeded,
+        None,
+        HELD,
+        now,
+    );
+    assert_eq!(d.poll_action(Authority::Lost, now), None);
+    assert_eq!(d.outcome(), Some(Outcome::AuthorityLost));
+    assert_eq!(
+        evidence(&mut d),
+        [
+            Evidence::HandlerReturned,
+            Evidence::Planned,
+            Evidence::AuthorityLost
+        ]
+    );
+}
+
+#[test]
+fn a_refused_envelope_hands_off_sanitized_metadata_and_an_oversized_one_is_rejected() {
+    let (p, now) = (policy(), Instant::now());
+    let invalid = Reason::new("message_id missing");
+    let refused = Verdict::Refused {
+        rejection: GateRejection::Invalid(invalid.clone()),
+        reason: invalid.clone(),
+    };
+    let mut d = Delivery::new(arrival(refused), &p, HELD, now);
+    let Some(Action::Publish { handoff, copy, .. }) = d.poll_action(HELD, now) else {
+        panic!("an invalid envelope is dead-lettered")
+    };
+    assert_eq!((handoff.lane, copy), (Lane::DeadLetter, CopyOf::Sanitized));
+    assert_eq!(d.reason(), invalid);
+
+    let oversized = Verdict::Refused {
+        rejection: GateRejection::Oversized { len: 10 },
+        reason: Reason::new("too big"),
+    };
+    let mut d = Delivery::new(arrival(oversized), &p, HELD, now);
+    assert_eq!(d.poll_action(HELD, now), Some(Action::Reject));
+    d.handle_settled(SettleResult::Written);
+    assert_eq!(d.outcome(), Some(Outcome::RejectedToDlx));
+}
+
+#[test]
+fn a_message_without_a_valid_id_is_at_the_requeue_limit_from_the_start() {
+    let (p, now) = (policy(), Instant::now());
+    let refused = Verdict::Refused {
+        rejection: GateRejection::Invalid(Reason::new("bad id")),
+        reason: Reason::new("bad id"),
+    };
+    let unknown = Arrival {
+        local_requeues: None,
+        ..arrival(refused)
+    };
+    let mut d = Delivery::new(unknown, &p, HELD, now);
+    d.poll_action(HELD, now);
+    d.handle_handoff(HandoffResult::Returned, HELD, now);
+    // No requeue: nothing could count it, so it could loop for ever.
+    assert_eq!(d.poll_action(HELD, now), None);
+    assert_eq!(
+        d.outcome(),
+        Some(Outcome::Unresolved(Unresolved::HandoffFailedAtRequeueLimit))
+    );
+}
+
+#[test]
+fn requeues_are_the_highest_of_broker_count_local_count_and_durable_deferrals() {
+    let (p, now) = (policy(), Instant::now());
+    // What a deferral holds for shows the count: 100 ms at 0 requeues, 2 s from 1 on.
+    let hold = |arrival: Arrival, deferrals: Option<u32>| {
+        let mut d = Delivery::new(
+            Arrival {
+                scoped: true,
+                ..arrival
+            },
+            &p,
+            HELD,
+            now,
+        );
+        d.poll_action(HELD, now);
+        d.handle_scope(
+            ScopeOpened::Defer {
+                reason: Reason::new("lease held"),
+                deferrals,
+            },
+            HELD,
+            now,
+        );
+        d.poll_action(HELD, now)
+    };
+    let short = Some(Action::Hold(Duration::from_millis(100)));
+    let long = Some(Action::Hold(Duration::from_secs(2)));
+    let fresh = arrival(Verdict::Dispatched);
+    assert_eq!(hold(fresh.clone(), None), short);
+    assert_eq!(hold(fresh.clone(), Some(1)), long);
+    let quorum = Arrival {
+        delivery_count: Some(1),
+        ..fresh.clone()
+    };
+    assert_eq!(hold(quorum, None), long);
+    // The local count applies to a redelivery only: a new publish of the same id is new.
+    let republished = Arrival {
+        local_requeues: Some(1),
+        ..fresh.clone()
+    };
+    assert_eq!(hold(republished, None), short);
+    let redelivered = Arrival {
+        local_requeues: Some(1),
+        redelivered: true,
+        ..fresh
+    };
+    assert_eq!(hold(redelivered, None), long);
+}
+
+#[test]
+fn a_deferred_requeue_holds_first_and_a_deferral_at_the_limit_is_dead_lettered() {
+    let (p, now) = (policy(), Instant::now());
+    let mut d = Delivery::new(
+        Arrival {
+            scoped: true,
+            ..arrival(Verdict::Dispatched)
+        },
+        &p,
+        HELD,
+        now,
+    );
+    d.poll_action(HELD, now);
+    d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
+    d.poll_action(HELD, now);
+    d.handle_pipeline(
+        PipelineResult::Succeeded,
+        CleanupResult::Succeeded,
+        None,
+        HELD,
+        now,
+    );
+    d.poll_action(HELD, now);
+    d.handle_commit(
+        TransactionOutcome::CommitAmbiguous,
+        Some(4),
+        Some(Reason::new("commit unknown")),
+        HELD,
+        now,
+    );
+    // Four durable deferrals: the limit.
+    let Some(Action::Publish { handoff, .. }) = d.poll_action(HELD, now) else {
+        panic!("at the limit a deferral is dead-lettered")
+    };
+    assert_eq!(handoff.lane, Lane::DeadLetter);
+
+    let mut d = Delivery::new(
+        Arrival {
+            scoped: true,
+            ..arrival(Verdict::Dispatched)
+        },
+        &p,
+        HELD,
+        now,
+    );
+    d.poll_action(HELD, now);
+    d.handle_scope(
+        ScopeOpened::Defer {
+            reason: Reason::new("lease held"),
+            deferrals: None,
+        },
+        HELD,
+        now,
+    );
+    assert_eq!(
+        d.poll_action(HELD, now),
+        Some(Action::Hold(Duration::from_millis(100)))
+    );
+    assert_eq!(d.poll_action(HELD, now), None, "nothing while holding");
+    d.handle_held(now);
+    assert_eq!(
+        d.poll_action(HELD, now),
+        Some(Action::Requeue { counted: true })
+    );
+    d.handle_settled(SettleResult::Written);
+    assert_eq!(d.outcome(), Some(Outcome::Requeued(RequeueCause::Deferred)));
+}
+
+#[test]
+fn requeue_counts_are_forgotten_only_when_a_redelivered_message_leaves_for_good() {
+    let (p, now) = (policy(), Instant::now());
+    let run = |redelivered: bool, ok: bool| {
+        let mut d = Delivery::new(
+            Arrival {
+                redelivered,
+                ..arrival(Verdict::Dispatched)
+            },
+            &p,
+            HELD,
+            now,
+        );
+        d.poll_action(HELD, now);
+        let result = if ok {
+            PipelineResult::Succeeded
+        } else {
+            PipelineResult::Deferred
+        };
+        d.handle_pipeline(result, CleanupResult::Succeeded, None, HELD, now);
+        if !ok {
+            d.poll_action(HELD, now);
+            d.handle_held(now);
+        }
+        d.poll_action(HELD, now);
+        d.handle_settled(SettleResult::Written);
+        d.forgets_requeues()
+    };
+    assert!(run(true, true));
+    assert!(!run(false, true));
+    assert!(
+        !run(true, false),
+        "requeued again: the count is still needed"
+    );
+}
+
+#[test]
+fn the_requeue_memory_evicts_the_least_recently_counted_id() {
+    let mut memory = RequeueMemory::new(3);
+    for id in ["a", "b", "c"] {
+        memory.count(id);
+    }
+    memory.count("a");
+    memory.count("d"); // full: "b" was counted least recently
+    assert_eq!(["a", "b", "c", "d"].map(|id| memory.get(id)), [2, 0, 1, 1]);
+    memory.forget("a");
+    assert_eq!((memory.get("a"), memory.len()), (0, 2));
+    memory.count("e");
+    memory.count("f"); // "c" is now the oldest
+    assert_eq!(memory.get("c"), 0);
+    assert_eq!(memory.len(), 3);
+}
+
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// One piece of evidence the executor could report, chosen at random.
+    #[derive(Clone, Debug)]
+    struct Script {
+        arrival: Arrival,
+        opened: ScopeOpened,
+        pipeline: PipelineResult,
+        cleanup: CleanupResult,
+        commit: (TransactionOutcome, Option<u32>),
+        handoff: HandoffResult,
+        settled: SettleResult,
+        authority: Vec<bool>,
+    }
+
+    fn reason() -> Reason {
+        Reason::new("why")
+    }
+
+    fn verdict() -> impl Strategy<Value = Verdict> {
+        prop_oneof![
+            Just(Verdict::Dispatched),
+            Just(Verdict::Undispatched(reason())),
+            Just(Verdict::Refused {
+                rejection: GateRejection::Invalid(reason()),
+                reason: reason()
+            }),
+            Just(Verdict::Refused {
+                rejection: GateRejection::Oversized { len: 1 },
+                reason: reason()
+            }),
+        ]
+    }
+
+    fn kind() -> impl Strategy<Value = FailureKind> {
+        prop_oneof![
+            Just(FailureKind::Retryable),
+            Just(FailureKind::Permanent),
+            Just(FailureKind::Indeterminate),
+        ]
+    }
+
+    fn script() -> impl Strategy<Value = Script> {
+        let arrival = (
+            verdict(),
+            1u32..5,
+            any::<bool>(),
+            proptest::option::of(0u32..6),
+            proptest::option::of(0u32..6),
+            any::<bool>(),
+        )
+            .prop_map(
+                |(verdict, attempt, redelivered, delivery_count, local_requeues, scoped)| Arrival {
+                    verdict,
+                    attempt,
+                    redelivered,
+                    delivery_count,
+                    local_requeues,
+                    scoped,
+                },
+            );
+        let opened = prop_oneof![
+            any::<bool>().prop_map(|transaction| ScopeOpened::Proceed { transaction }),
+            Just(ScopeOpened::Duplicate),
+            Just(ScopeOpened::Conflict(reason())),
+            proptest::option::of(0u32..6).prop_map(|deferrals| ScopeOpened::Defer {
+                reason: reason(),
+                deferrals
+            }),
+        ];
+        let pipeline = prop_oneof![
+            Just(PipelineResult::Succeeded),
+            kind().prop_map(|kind| PipelineResult::Failed {
+                kind,
+                retry_after: None
+            }),
+            Just(PipelineResult::Panicked),
+            Just(PipelineResult::TimedOut),
+            Just(PipelineResult::Deferred),
+        ];
+        let cleanup = prop_oneof![Just(CleanupResult::Succeeded), Just(CleanupResult::Failed)];
+        let commit = (
+            prop_oneof![
+                Just(TransactionOutcome::Committed),
+                Just(TransactionOutcome::Aborted),
+                Just(TransactionOutcome::CommitAmbiguous),
+                Just(TransactionOutcome::Fenced),
+            ],
+            proptest::option::of(0u32..6),
+        );
+        let handoff = prop_oneof![
+            Just(HandoffResult::Confirmed),
+            Just(HandoffResult::Returned),
+            Just(HandoffResult::Nacked),
+            Just(HandoffResult::Failed),
+            Just(HandoffResult::TimedOut),
+            Just(HandoffResult::Blocked),
+        ];
+        let settled = prop_oneof![Just(SettleResult::Written), Just(SettleResult::Refused)];
+        (
+            arrival,
+            opened,
+            pipeline,
+            cleanup,
+            commit,
+            handoff,
+            settled,
+            proptest::collection::vec(proptest::bool::weighted(0.9), 12),
+        )
+            .prop_map(
+                |(arrival, opened, pipeline, cleanup, commit, handoff, settled, authority)| {
+                    Script {
+                        arrival,
+                        opened,
+                        pipeline,
+                        cleanup,
+                        commit,
+                        handoff,
+                        settled,
+                        authority,
+                    }
+                },
+            )
+    }
+
+    fn is_requeue(action: &Action) -> bool {
+        matches!(action, Action::Requeue { .. })
+    }
+
+    /// What the executor did, in order.
+    #[derive(Debug, Default)]
+    struct Trace {
+        actions: Vec<Action>,
+        confirmed: bool,
+        written: Vec<Action>,
+    }
+
+    /// Runs the machine to its end with the script's evidence.
+    fn drive(s: &Script, policy: &Policy) -> (Trace, Option<Outcome>) {
+        let start = Instant::now();
+        let mut d = Delivery::new(s.arrival.clone(), policy, HELD, start);
+        let mut trace = Trace::default();
+        let mut authority = s.authority.iter().cycle();
+        let mut now = start;
+        for _ in 0..16 {
+            let auth = if *authority.next().unwrap() {
+                Authority::Held
+            } else {
+                Authority::Lost
+            };
+            let Some(action) = d.poll_action(auth, now) else {
+                break;
+            };
+            trace.actions.push(action);
+            match action {
+                Action::OpenScope => d.handle_scope(s.opened.clone(), auth, now),
+                Action::RunHandler => d.handle_pipeline(s.pipeline, s.cleanup, None, auth, now),
+                Action::Commit => d.handle_commit(s.commit.0, s.commit.1, None, auth, now),
+                Action::Abort => d.handle_aborted(auth, now),
+                Action::Hold(delay) => {
+                    now += delay;
+                    d.handle_held(now);
+                }
+                Action::Publish { .. } => {
+                    trace.confirmed = s.handoff == HandoffResult::Confirmed;
+                    d.handle_handoff(s.handoff, auth, now);
+                }
+                Action::Ack | Action::Requeue { .. } | Action::Reject => {
+                    if s.settled == SettleResult::Written {
+                        trace.written.push(action);
+                    }
+                    d.handle_settled(s.settled);
+                }
+            }
+        }
+        assert_eq!(d.poll_action(HELD, now), None, "the machine came to rest");
+        (trace, d.outcome())
+    }
+
+    proptest! {
+        #[test]
+        fn every_delivery_ends_and_settles_at_most_once(s in script()) {
+            let p = policy();
+            let (trace, outcome) = drive(&s, &p);
+            prop_assert!(outcome.is_some(), "no outcome after {:?}", trace.actions);
+            let settles = trace
+                .actions
+                .iter()
+                .filter(|a| matches!(a, Action::Ack | Action::Requeue { .. } | Action::Reject))
+                .count();
+            prop_assert!(settles <= 1, "settled {settles} times: {:?}", trace.actions);
+        }
+
+        #[test]
+        fn every_outcome_rests_on_its_evidence(s in script()) {
+            let p = policy();
+            let (trace, outcome) = drive(&s, &p);
+            let wrote = |a: Action| trace.written.contains(&a);
+            match outcome.unwrap() {
+                Outcome::Acked => prop_assert!(wrote(Action::Ack) && !trace.confirmed),
+                Outcome::Retried | Outcome::DeadLettered | Outcome::Parked => {
+                    prop_assert!(trace.confirmed && wrote(Action::Ack));
+                }
+                Outcome::Requeued(_) => {
+                    let requeue_written = trace.written.iter().any(is_requeue);
+                    prop_assert!(requeue_written);
+                }
+                Outcome::RejectedToDlx => prop_assert!(wrote(Action::Reject)),
+                Outcome::Unresolved(Unresolved::HandoffConfirmedAckFailed(_)) => {
+                    prop_assert!(trace.confirmed && trace.written.is_empty());
+                }
+                Outcome::AuthorityLost | Outcome::Unresolved(_) => {
+                    prop_assert!(trace.written.is_empty());
+                }
+            }
+        }
+
+        #[test]
+        fn a_deferred_requeue_is_held_first_and_within_bounds(s in script()) {
+            let p = policy();
+            let (trace, outcome) = drive(&s, &p);
+            let longest = Duration::from_secs(2);
+            for action in &trace.actions {
+                if let Action::Hold(delay) = action {
+                    prop_assert!(*delay <= longest);
+                }
+            }
+            if outcome == Some(Outcome::Requeued(RequeueCause::Deferred)) {
+                let held = trace.actions.iter().any(|a| matches!(a, Action::Hold(_)));
+                prop_assert!(held, "requeued without a hold: {:?}", trace.actions);
+            }
+        }
+
+        #[test]
+        fn a_message_that_cannot_be_counted_is_never_requeued(s in script()) {
+            let p = policy();
+            let s = Script {
+                arrival: Arrival {
+                    local_requeues: None,
+                    ..s.arrival
+                },
+                ..s
+            };
+            let (trace, _) = drive(&s, &p);
+            let requeued = trace.actions.iter().any(is_requeue);
+            prop_assert!(!requeued, "{:?}", trace.actions);
+        }
+    }
+}
