@@ -48,12 +48,15 @@
 //! record expired (`inbox_retention`, a TTL index) runs the handler again — keep the retention
 //! longer than any redelivery horizon (retry delays × attempts, DLQ replays).
 
+mod deferrals;
 mod inbox;
 mod lease;
+mod observer;
 mod scope;
 mod tx;
 
-pub use scope::{CommitObserver, MongoConfig, MongoScope};
+pub use observer::CommitObserver;
+pub use scope::{MongoConfig, MongoScope};
 pub use tx::MongoTx;
 
 pub use mongodb;

@@ -4,18 +4,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lily_mq_core::{Begin, BoxFuture, Meta, Reason, Resources, TransactionalScope};
-use mongodb::bson::{Bson, DateTime, Document, doc};
-use mongodb::options::{Acknowledgment, IndexOptions, ReadConcern, ReturnDocument, WriteConcern};
+use mongodb::bson::{Document, doc};
+use mongodb::options::{Acknowledgment, IndexOptions, ReadConcern, WriteConcern};
 use mongodb::{Client, Collection, Database, IndexModel};
 use tokio::sync::Mutex;
 use tracing::debug;
 
+use crate::deferrals::Deferrals;
 use crate::inbox;
 use crate::lease::{self, Refused, is_duplicate_key};
+use crate::observer::CommitObserver;
 use crate::tx::{MongoTransaction, TxState, code_of};
-
-/// Called after a commit succeeded, before the original delivery is settled.
-pub type CommitObserver = Arc<dyn Fn(&Meta) + Send + Sync>;
 
 /// Settings of the MongoDB scope.
 #[derive(Clone)]
@@ -115,34 +114,6 @@ struct Inner {
     deferrals: Collection<Document>,
 }
 
-/// Durable deferral count of one message.
-#[derive(Clone, Debug)]
-pub(crate) struct Deferrals {
-    collection: Collection<Document>,
-    key: Document,
-}
-
-impl Deferrals {
-    /// Counts one more deferral; `None` when the database cannot be reached.
-    pub(crate) async fn count(&self) -> Option<u32> {
-        let update = doc! { "$inc": { "n": 1_i64 }, "$set": { "at": DateTime::now() } };
-        let doc = self
-            .collection
-            .find_one_and_update(doc! { "_id": self.key.clone() }, update)
-            .upsert(true)
-            .return_document(ReturnDocument::After)
-            .await
-            .ok()??;
-        match doc.get("n") {
-            Some(Bson::Int64(n)) => u32::try_from(*n).ok(),
-            Some(Bson::Int32(n)) => u32::try_from(*n).ok(),
-            _ => None,
-        }
-        // The count is of deferrals so far; the decision compares it with max_requeues.
-        .map(|n| n.saturating_sub(1))
-    }
-}
-
 impl MongoScope {
     /// Connects to `url` (a replica set: transactions need one), uses `database`, and creates
     /// the inbox, lease and deferral collections' indexes.
@@ -202,10 +173,7 @@ impl MongoScope {
     async fn open(&self, meta: &Meta) -> Begin {
         let inner = &self.0;
         let key = inbox::key(&inner.config.consumer, meta.message_id());
-        let deferrals = Deferrals {
-            collection: inner.deferrals.clone(),
-            key: key.clone(),
-        };
+        let deferrals = Deferrals::new(inner.deferrals.clone(), key.clone());
         let defer = |reason: Reason| async {
             Begin::Defer {
                 reason,

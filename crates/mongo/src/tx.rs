@@ -51,8 +51,8 @@ impl FromDelivery for MongoTx {
 pub(crate) struct MongoTransaction {
     pub(crate) state: Arc<TxState>,
     pub(crate) lease: Option<Lease>,
-    pub(crate) deferrals: crate::scope::Deferrals,
-    pub(crate) on_committed: Option<(crate::scope::CommitObserver, lily_mq_core::Meta)>,
+    pub(crate) deferrals: crate::deferrals::Deferrals,
+    pub(crate) on_committed: Option<(crate::observer::CommitObserver, lily_mq_core::Meta)>,
 }
 
 impl OpenTransaction for MongoTransaction {
