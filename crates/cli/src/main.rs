@@ -9,6 +9,7 @@
 //! `-` reads standard input. Exit status: 0 all reports clean, 1 an input could not be read or
 //! parsed, 2 usage, [`EXIT_UNRESOLVED`] some report is unresolved (`show` and `summary`).
 
+mod loaded;
 mod render;
 mod summary;
 
@@ -19,6 +20,8 @@ use std::process::ExitCode;
 
 use lily_mq_core::{EXIT_UNRESOLVED, SCHEMA, ShutdownReport};
 use serde_json::{Value, error::Category};
+
+use crate::loaded::Loaded;
 
 /// Printed on stderr for `--help` and any usage error.
 const USAGE: &str = "\
@@ -39,14 +42,6 @@ exit status: 0 all clean, 1 unreadable or invalid input, 2 usage, 3 some report 
 const EXIT_INPUT: u8 = 1;
 /// Exit status for a usage error.
 const EXIT_USAGE: u8 = 2;
-
-/// A report and the name it was read from.
-pub(crate) struct Loaded {
-    /// The path as given, or `<stdin>`.
-    pub(crate) name: String,
-    /// The parsed report.
-    pub(crate) report: ShutdownReport,
-}
 
 /// A `lily report` subcommand.
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use lily_mq_core::{ShutdownReport, Totals};
 
-use crate::Loaded;
+use crate::loaded::Loaded;
 
 /// Renders every report, separated by a blank line.
 pub(crate) fn show(reports: &[Loaded]) -> String {

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use lily_mq_core::{PhaseTiming, ShutdownReport};
 
-use crate::Loaded;
+use crate::loaded::Loaded;
 use crate::render::{Table, label, status, text, totals_fields, trigger, unresolved_count};
 
 /// One line per report, a TOTAL line, the summed totals, and the message ids unresolved in

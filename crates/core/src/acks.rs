@@ -9,7 +9,7 @@
 
 use std::collections::VecDeque;
 
-use crate::SettleResult;
+use crate::decision::SettleResult;
 
 /// What the window knows about an open delivery.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

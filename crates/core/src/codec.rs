@@ -2,7 +2,7 @@
 
 use serde::de::DeserializeOwned;
 
-use crate::Reason;
+use crate::reason::Reason;
 
 /// Turns a body into a typed payload.
 pub trait Codec: Send + Sync + 'static {

@@ -8,7 +8,10 @@
 
 use std::time::{Duration, Instant};
 
-use crate::{Budget, FailureKind, GateRejection, Policy};
+use crate::budget::Budget;
+use crate::envelope::GateRejection;
+use crate::error::FailureKind;
+use crate::policy::Policy;
 
 /// What the pipeline (dispatch, extractors, hooks, handler) produced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

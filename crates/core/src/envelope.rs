@@ -7,7 +7,8 @@
 
 use amq_protocol_types::{AMQPValue, FieldTable};
 
-use crate::{Reason, headers};
+use crate::headers;
+use crate::reason::Reason;
 
 /// Bounds on what a delivery may carry. The defaults suit typical JSON commands and events.
 #[derive(Clone, Debug, PartialEq, Eq)]

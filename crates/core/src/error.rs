@@ -4,7 +4,7 @@ use std::error::Error as StdError;
 use std::fmt;
 use std::time::Duration;
 
-use crate::Reason;
+use crate::reason::Reason;
 
 /// How a failure should be treated by settlement.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -12,7 +12,10 @@ use amq_protocol_types::{AMQPValue, FieldTable};
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
-use crate::{Codec, Incoming, JsonCodec, QueueHandlerError, Resources};
+use crate::codec::{Codec, JsonCodec};
+use crate::error::QueueHandlerError;
+use crate::message::Incoming;
+use crate::resources::Resources;
 
 /// The per-delivery cancellation token, made on first use: most handlers never ask for it, and
 /// a child token costs two allocations and a lock on its parent.

@@ -5,7 +5,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use crate::{Context, FromDelivery, QueueHandlerError};
+use crate::error::QueueHandlerError;
+use crate::extract::{Context, FromDelivery};
 
 /// A boxed, sendable future.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

@@ -28,7 +28,7 @@
 
 use amq_protocol_types::{AMQPValue, FieldTable};
 
-use crate::HandoffResult;
+use crate::decision::HandoffResult;
 use crate::headers;
 
 /// Identity of one handoff publish, carried by the copy in [`headers::HANDOFF_ID`].

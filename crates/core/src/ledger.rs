@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{Outcome, Reason, RequeueCause};
+use crate::decision::{Outcome, RequeueCause};
+use crate::reason::Reason;
 
 /// The latest evidence seen for a delivery.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -356,7 +357,7 @@ impl Ledger {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Unresolved;
+    use crate::decision::Unresolved;
 
     fn identity(tag: u64) -> Identity {
         Identity {

@@ -31,6 +31,7 @@ mod message;
 mod policy;
 mod reason;
 mod report;
+mod resources;
 mod router;
 mod scope;
 mod shutdown;
@@ -59,7 +60,8 @@ pub use reason::Reason;
 pub use report::{
     EXIT_UNRESOLVED, SCHEMA, ShutdownReport, TERMINATION_MESSAGE_MAX, UnresolvedDelivery,
 };
+pub use resources::Resources;
 pub use router::Router;
 pub use scope::{CleanupError, DynHook, Hook};
 pub use shutdown::{Phase, PhaseClock, PhaseTiming, ShutdownBudget, Trigger};
-pub use transaction::{Begin, Committed, OpenTransaction, Resources, TransactionalScope};
+pub use transaction::{Begin, Committed, OpenTransaction, TransactionalScope};

@@ -24,11 +24,14 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use crate::decision::Action as SettleAction;
-use crate::{
-    Authority, CleanupResult, Evidence, GateRejection, Handoff, HandoffResult, Lane, Outcome,
-    PipelineResult, Plan, Policy, Reason, RequeueCause, SettleResult, Settlement, Situation,
-    TransactionOutcome, decide, decide_at_gate,
+use crate::decision::{
+    Authority, CleanupResult, Handoff, HandoffResult, Lane, Outcome, PipelineResult, Plan,
+    RequeueCause, SettleResult, Settlement, Situation, TransactionOutcome, decide, decide_at_gate,
 };
+use crate::envelope::GateRejection;
+use crate::ledger::Evidence;
+use crate::policy::Policy;
+use crate::reason::Reason;
 
 /// What the gate and dispatch made of a delivery.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -9,7 +9,8 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{Evidence, Ledger, PhaseClock, PhaseTiming, Totals, Trigger};
+use crate::ledger::{Evidence, Ledger, Totals};
+use crate::shutdown::{PhaseClock, PhaseTiming, Trigger};
 
 /// Schema identifier written in every report.
 pub const SCHEMA: &str = "lily.shutdown-report.v1";
@@ -172,7 +173,10 @@ fn truncate(text: &mut String, max: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Identity, Outcome, Reason, ShutdownBudget, Unresolved};
+    use crate::decision::{Outcome, Unresolved};
+    use crate::ledger::Identity;
+    use crate::reason::Reason;
+    use crate::shutdown::ShutdownBudget;
     use std::time::Duration;
 
     fn report_with_unresolved(n: u64) -> ShutdownReport {

@@ -1,6 +1,8 @@
 //! Routing by message type and schema version.
 
-use crate::{BoxedHandler, Codec, Handler, JsonCodec, QueueHandlerError};
+use crate::codec::{Codec, JsonCodec};
+use crate::error::QueueHandlerError;
+use crate::handler::{BoxedHandler, Handler};
 
 /// Maps `(type, schema version)` to a handler and checks the content type.
 ///

@@ -2,7 +2,11 @@
 
 use std::future::Future;
 
-use crate::{BoxFuture, Meta, PipelineResult, QueueHandlerError, Reason};
+use crate::decision::PipelineResult;
+use crate::error::QueueHandlerError;
+use crate::extract::Meta;
+use crate::handler::BoxFuture;
+use crate::reason::Reason;
 
 /// A cleanup step failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -6,40 +6,13 @@
 //! [`Resources`], and later commit or abort. Lily commits only after the handler and the
 //! cleanup hooks succeeded; the handler never commits or aborts itself.
 
-use std::any::Any;
-use std::sync::Arc;
 use std::time::Duration;
 
-use crate::{BoxFuture, Meta, Reason, TransactionOutcome};
-
-/// Resources a scope gives the handler's extractors, looked up by type.
-#[derive(Clone, Default)]
-pub struct Resources(Vec<Arc<dyn Any + Send + Sync>>);
-
-impl Resources {
-    /// No resources.
-    pub const fn new() -> Self {
-        Self(Vec::new())
-    }
-
-    /// Adds a resource.
-    pub fn insert<T: Any + Send + Sync>(&mut self, resource: Arc<T>) {
-        self.0.push(resource);
-    }
-
-    /// The resource of type `T`, if the scope provided one.
-    pub fn get<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
-        self.0
-            .iter()
-            .find_map(|r| Arc::clone(r).downcast::<T>().ok())
-    }
-}
-
-impl std::fmt::Debug for Resources {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Resources({} items)", self.0.len())
-    }
-}
+use crate::decision::TransactionOutcome;
+use crate::extract::Meta;
+use crate::handler::BoxFuture;
+use crate::reason::Reason;
+use crate::resources::Resources;
 
 /// What opening a scope decided.
 pub enum Begin {

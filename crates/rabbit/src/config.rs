@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use lily_mq_core::{Limits, Policy};
 
-use crate::{QueueKind, TopologyMode};
+use crate::topology::{QueueKind, TopologyMode};
 
 /// How one work queue is consumed.
 #[derive(Clone, Debug)]

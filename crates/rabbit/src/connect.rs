@@ -31,3 +31,25 @@ pub(crate) async fn connect(endpoint: &Endpoint, role: &str) -> lapin::Result<Co
         }
     }
 }
+
+/// `scheme://host:port/vhost` without user or password.
+pub(crate) fn redact(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("amqp", url));
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    let host = rest.split(['?', '#']).next().unwrap_or(rest);
+    format!("{scheme}://{host}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_logged_without_credentials() {
+        assert_eq!(
+            redact("amqp://user:s3cret@127.0.0.1:5672/%2f?heartbeat=10"),
+            "amqp://127.0.0.1:5672/%2f"
+        );
+        assert_eq!(redact("amqps://host/vh"), "amqps://host/vh");
+    }
+}

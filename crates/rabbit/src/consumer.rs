@@ -3,24 +3,28 @@
 //! builds the shutdown report.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lily_mq_core::machine::RequeueMemory;
 use lily_mq_core::{
-    DynHook, Hook, Ledger, Outcome, Phase, PhaseClock, RequeueCause, Router, ShutdownReport,
-    Totals, TransactionalScope, Trigger,
+    DynHook, Hook, Ledger, Phase, PhaseClock, Router, ShutdownReport, Totals, TransactionalScope,
+    Trigger,
 };
-use metrics::{Counter, Gauge, Histogram};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-use crate::connect::Endpoint;
+use crate::config::ConsumerConfig;
+use crate::connect::{Endpoint, redact};
 use crate::crew::Crew;
+use crate::error::Error;
 use crate::publisher::Publisher;
+use crate::service::{Metrics, Shared};
 use crate::session::{Session, SessionEnd, SessionError, consume};
-use crate::{ConsumerConfig, Error, Shutdown, Topology};
+use crate::shutdown::Shutdown;
+use crate::sync::lock;
+use crate::topology::Topology;
 
 /// Consumes one work queue with a [`Router`] of handlers.
 ///
@@ -85,78 +89,6 @@ impl Stats {
     /// deliveries are still ACKed, but handoffs wait, within their budget, for the unblock.
     pub fn handoffs_blocked(&self) -> bool {
         self.publisher.blocked()
-    }
-}
-
-/// Everything the sessions and delivery tasks share.
-pub(crate) struct Shared {
-    pub(crate) endpoint: Endpoint,
-    pub(crate) publisher: Arc<Publisher>,
-    pub(crate) config: ConsumerConfig,
-    pub(crate) router: Router,
-    pub(crate) hooks: Vec<Arc<dyn DynHook>>,
-    pub(crate) scope: Option<Arc<dyn TransactionalScope>>,
-    pub(crate) topology: Topology,
-    pub(crate) queue: Arc<str>,
-    pub(crate) ledger: Arc<Mutex<Ledger>>,
-    pub(crate) requeues: Mutex<RequeueMemory>,
-    /// Parent of every handler's cancellation token: fires when cooperating starts.
-    pub(crate) handlers_cancel: CancellationToken,
-    /// Fires when aborting starts: nothing is sent for any delivery after it.
-    pub(crate) revoked: CancellationToken,
-    /// Fires right after `revoked`: delivery tasks stop where they are.
-    pub(crate) abort: CancellationToken,
-    pub(crate) ready: Arc<AtomicBool>,
-    pub(crate) sessions: AtomicU64,
-    pub(crate) metrics: Metrics,
-}
-
-/// Handles into the `metrics` facade, registered once per consumer.
-pub(crate) struct Metrics {
-    outcomes: [Counter; 9],
-    pub(crate) in_flight: Gauge,
-    pub(crate) handler_duration: Histogram,
-    pub(crate) settlement_latency: Histogram,
-}
-
-impl Metrics {
-    const OUTCOMES: [&'static str; 9] = [
-        "acked",
-        "retried",
-        "dead_lettered",
-        "parked",
-        "requeued",
-        "deferred",
-        "rejected_at_gate",
-        "authority_lost",
-        "unresolved",
-    ];
-
-    fn new(queue: &str) -> Self {
-        let q = queue.to_owned();
-        Self {
-            outcomes: Self::OUTCOMES.map(|o| {
-                metrics::counter!("lily_deliveries_total", "queue" => q.clone(), "outcome" => o)
-            }),
-            in_flight: metrics::gauge!("lily_in_flight_deliveries", "queue" => q.clone()),
-            handler_duration: metrics::histogram!("lily_handler_duration_seconds", "queue" => q.clone()),
-            settlement_latency: metrics::histogram!("lily_settlement_latency_seconds", "queue" => q),
-        }
-    }
-
-    pub(crate) fn count(&self, outcome: Outcome) {
-        let i = match outcome {
-            Outcome::Acked => 0,
-            Outcome::Retried => 1,
-            Outcome::DeadLettered => 2,
-            Outcome::Parked => 3,
-            Outcome::Requeued(RequeueCause::HandoffFailed) => 4,
-            Outcome::Requeued(RequeueCause::Deferred) => 5,
-            Outcome::RejectedToDlx => 6,
-            Outcome::AuthorityLost => 7,
-            Outcome::Unresolved(_) => 8,
-        };
-        self.outcomes[i].increment(1);
     }
 }
 
@@ -271,7 +203,7 @@ impl Consumer {
 async fn run_sessions(
     shared: &Arc<Shared>,
     tracker: &TaskTracker,
-    crew: &Arc<Crew>,
+    crew: &Arc<Crew<Shared>>,
     shutdown: &Shutdown,
 ) -> Result<Option<Arc<Session>>, Error> {
     let stop = shutdown.graceful_token();
@@ -376,31 +308,5 @@ fn enter(shared: &Shared, phase: Phase) {
             shared.abort.cancel();
         }
         Phase::Running | Phase::Closed => {}
-    }
-}
-
-pub(crate) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// `scheme://host:port/vhost` without user or password.
-pub(crate) fn redact(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap_or(("amqp", url));
-    let rest = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
-    let host = rest.split(['?', '#']).next().unwrap_or(rest);
-    format!("{scheme}://{host}")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn urls_are_logged_without_credentials() {
-        assert_eq!(
-            redact("amqp://user:s3cret@127.0.0.1:5672/%2f?heartbeat=10"),
-            "amqp://127.0.0.1:5672/%2f"
-        );
-        assert_eq!(redact("amqps://host/vh"), "amqps://host/vh");
     }
 }

@@ -1,5 +1,8 @@
 //! The crew: long-lived workers that settle deliveries one at a time.
 //!
+//! The crew knows nothing of deliveries: it hands each job to [`Settle::settle`] of whoever
+//! hired it.
+//!
 //! A delivery is handed to an idle worker instead of being spawned as a task of its own, so the
 //! common path allocates no task and moves no large future through the runtime. The crew grows
 //! on demand up to its limit (the concurrency, at most the prefetch), which also bounds how many
@@ -8,47 +11,48 @@
 
 use std::sync::{Arc, Mutex};
 
-use lapin::message::Delivery;
 use tokio::sync::Notify;
 use tokio_util::task::TaskTracker;
 
-use crate::consumer::{Shared, lock};
-use crate::delivery::handle;
-use crate::session::Session;
+use crate::sync::lock;
 
-pub(crate) struct Crew {
+/// What a crew's workers do with each job.
+pub(crate) trait Settle: Send + Sync + 'static {
+    /// One unit of work.
+    type Job: Send + 'static;
+
+    /// Does `job`; the worker is busy until it returns.
+    fn settle(self: &Arc<Self>, job: Self::Job) -> impl Future<Output = ()> + Send;
+}
+
+pub(crate) struct Crew<S: Settle> {
     limit: usize,
-    state: Mutex<State>,
+    state: Mutex<State<S::Job>>,
     /// A worker went idle; the consume loop may be waiting for one.
     freed: Notify,
 }
 
-struct State {
-    idle: Vec<Arc<Worker>>,
+struct State<J> {
+    idle: Vec<Arc<Worker<J>>>,
     started: usize,
     closed: bool,
 }
 
-/// One worker's mailbox: at most one delivery, handed over with a wake-up.
-pub(crate) struct Worker {
-    job: Mutex<Option<Job>>,
+/// One worker's mailbox: at most one job, handed over with a wake-up.
+pub(crate) struct Worker<J> {
+    job: Mutex<Option<J>>,
     wake: Notify,
 }
 
-impl Worker {
-    /// Hands `delivery` to this worker, which [`Crew::hire`] returned.
-    pub(crate) fn assign(&self, session: Arc<Session>, delivery: Delivery) {
-        *lock(&self.job) = Some(Job { session, delivery });
+impl<J> Worker<J> {
+    /// Hands `job` to this worker, which [`Crew::hire`] returned.
+    pub(crate) fn assign(&self, job: J) {
+        *lock(&self.job) = Some(job);
         self.wake.notify_one();
     }
 }
 
-struct Job {
-    session: Arc<Session>,
-    delivery: Delivery,
-}
-
-impl Crew {
+impl<S: Settle> Crew<S> {
     pub(crate) fn new(limit: usize) -> Arc<Self> {
         Arc::new(Self {
             limit: limit.max(1),
@@ -65,9 +69,9 @@ impl Crew {
     /// `None` once the crew is closed. Cancel safe: a worker is taken only on completion.
     pub(crate) async fn hire(
         self: &Arc<Self>,
-        shared: &Arc<Shared>,
+        settler: &Arc<S>,
         tracker: &TaskTracker,
-    ) -> Option<Arc<Worker>> {
+    ) -> Option<Arc<Worker<S::Job>>> {
         loop {
             let freed = self.freed.notified();
             let mut freed = std::pin::pin!(freed);
@@ -89,7 +93,7 @@ impl Crew {
                     });
                     tracker.spawn(work(
                         Arc::clone(self),
-                        Arc::clone(shared),
+                        Arc::clone(settler),
                         Arc::clone(&worker),
                     ));
                     return Some(worker);
@@ -100,7 +104,7 @@ impl Crew {
     }
 
     /// Gives back a hired worker that got no delivery.
-    pub(crate) fn release(&self, worker: Arc<Worker>) {
+    pub(crate) fn release(&self, worker: Arc<Worker<S::Job>>) {
         let mut state = lock(&self.state);
         if state.closed {
             worker.wake.notify_one();
@@ -125,16 +129,16 @@ impl Crew {
     }
 }
 
-/// A worker's life: wait for a delivery, settle it, go idle; end when the crew closes.
-async fn work(crew: Arc<Crew>, shared: Arc<Shared>, me: Arc<Worker>) {
+/// A worker's life: wait for a job, settle it, go idle; end when the crew closes.
+async fn work<S: Settle>(crew: Arc<Crew<S>>, settler: Arc<S>, me: Arc<Worker<S::Job>>) {
     let _place = Place(&crew);
     loop {
         me.wake.notified().await;
-        let Some(Job { session, delivery }) = lock(&me.job).take() else {
-            // Woken without a delivery: the crew closed.
+        let Some(job) = lock(&me.job).take() else {
+            // Woken without a job: the crew closed.
             return;
         };
-        handle(&shared, session, delivery).await;
+        settler.settle(job).await;
         let mut state = lock(&crew.state);
         if state.closed {
             return;
@@ -147,9 +151,9 @@ async fn work(crew: Arc<Crew>, shared: Arc<Shared>, me: Arc<Worker>) {
 
 /// A worker's place in the crew, given back however the worker ends (a panic outside the
 /// handler's guard included), so the crew can start another instead of shrinking for good.
-struct Place<'a>(&'a Crew);
+struct Place<'a, S: Settle>(&'a Crew<S>);
 
-impl Drop for Place<'_> {
+impl<S: Settle> Drop for Place<'_, S> {
     fn drop(&mut self) {
         lock(&self.0.state).started -= 1;
         self.0.freed.notify_one();

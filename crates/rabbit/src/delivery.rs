@@ -17,16 +17,26 @@ use lily_mq_core::{
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::consumer::{Shared, lock};
+use crate::crew::Settle;
 use crate::handoff::{FailureNote, copy_properties, destination, sanitized_properties};
 use crate::pipeline;
+use crate::service::Shared;
 use crate::session::Session;
+use crate::sync::lock;
+
+impl Settle for Shared {
+    type Job = (Arc<Session>, Delivery);
+
+    fn settle(self: &Arc<Self>, (session, delivery): Self::Job) -> impl Future<Output = ()> + Send {
+        handle(self, session, delivery)
+    }
+}
 
 /// Settles one delivery. At shutdown's abort the work is dropped wherever it is, and its ledger
 /// entry stays open and is reported as aborted. There is one exception: a delivery whose ACK is
 /// marked ready is let finish, because its frame may be written already. That takes one more poll,
 /// since its yield is spent and the rest of its work is synchronous (see [`Session::ack`]).
-pub(crate) async fn handle(shared: &Arc<Shared>, session: Arc<Session>, delivery: Delivery) {
+async fn handle(shared: &Arc<Shared>, session: Arc<Session>, delivery: Delivery) {
     shared.metrics.in_flight.increment(1.0);
     let acking = AtomicBool::new(false);
     // Pinned here, in place: moving the large future into `until_abort` would make this task's

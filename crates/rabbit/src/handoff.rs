@@ -7,7 +7,7 @@ use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lily_mq_core::{HandoffId, Incoming, Lane, Reason, headers, is_token};
 
-use crate::Topology;
+use crate::topology::Topology;
 
 /// Destination queue of a lane.
 pub(crate) fn destination(topology: &Topology, lane: Lane) -> Option<String> {

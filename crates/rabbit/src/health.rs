@@ -12,7 +12,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::Stats;
+use crate::consumer::Stats;
 
 /// Serves `/livez` and `/readyz` on `addr` until the task is aborted.
 ///

@@ -21,8 +21,10 @@ pub mod health;
 mod pipeline;
 mod publisher;
 mod report;
+mod service;
 mod session;
 mod shutdown;
+mod sync;
 mod topology;
 
 pub use config::ConsumerConfig;

@@ -41,7 +41,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::connect::{Endpoint, connect};
-use crate::consumer::lock;
+use crate::sync::lock;
 
 /// Confirm channels publishing copies, one batch in flight on each.
 const WORKERS: usize = 4;

@@ -18,10 +18,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use crate::Error;
-use crate::connect::connect;
-use crate::consumer::{Shared, lock, redact};
+use crate::connect::{connect, redact};
 use crate::crew::Crew;
+use crate::error::Error;
+use crate::service::Shared;
+use crate::sync::lock;
 
 /// How often written ACKs are confirmed by a `basic.qos` round trip.
 const ACK_CONFIRM_INTERVAL: Duration = Duration::from_millis(200);
@@ -160,7 +161,7 @@ impl Session {
 pub(crate) async fn consume(
     shared: &Arc<Shared>,
     tracker: &TaskTracker,
-    crew: &Arc<Crew>,
+    crew: &Arc<Crew<Shared>>,
     stop: &CancellationToken,
 ) -> Result<SessionEnd, SessionError> {
     let connection = connect(&shared.endpoint, "consuming")
@@ -237,7 +238,7 @@ pub(crate) async fn consume(
         match next {
             Some(Ok(delivery)) => {
                 session.delivered(delivery.delivery_tag);
-                worker.assign(Arc::clone(&session), delivery);
+                worker.assign((Arc::clone(&session), delivery));
             }
             Some(Err(err)) => {
                 crew.release(worker);

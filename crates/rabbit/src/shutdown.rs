@@ -6,7 +6,7 @@ use lily_mq_core::{ShutdownBudget, Trigger};
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
-use crate::consumer::lock;
+use crate::sync::lock;
 
 /// Starts and forces a consumer's shutdown. Clone it freely.
 ///
