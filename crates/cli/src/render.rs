@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use lily_mq_core::{ShutdownReport, Totals};
+use lily_mq_core::ShutdownReport;
 
 use crate::loaded::Loaded;
 
@@ -51,7 +51,7 @@ fn report(loaded: &Loaded) -> String {
 
     out.push_str("\ntotals\n");
     let mut totals = Table::new(&["", ""], "lr");
-    for (name, value) in totals_fields(&r.totals) {
+    for (name, value) in r.totals.fields() {
         totals.row(vec![name.into(), value.to_string()]);
     }
     totals.render_body(&mut out, "  ");
@@ -88,40 +88,6 @@ fn report(loaded: &Loaded) -> String {
         table.render(&mut out, "  ");
     }
     out
-}
-
-/// Every [`Totals`] field with its JSON name, in declaration order.
-///
-/// The destructuring is exhaustive, so a new field fails to compile until it is listed here.
-pub(crate) fn totals_fields(t: &Totals) -> Vec<(&'static str, u64)> {
-    let Totals {
-        acked,
-        retried,
-        dead_lettered,
-        parked,
-        requeued,
-        deferred,
-        rejected_at_gate,
-        duplicates_suppressed,
-        authority_lost,
-        unresolved,
-        acks_confirmed,
-        acks_uncertain,
-    } = *t;
-    vec![
-        ("acked", acked),
-        ("retried", retried),
-        ("dead_lettered", dead_lettered),
-        ("parked", parked),
-        ("requeued", requeued),
-        ("deferred", deferred),
-        ("rejected_at_gate", rejected_at_gate),
-        ("duplicates_suppressed", duplicates_suppressed),
-        ("authority_lost", authority_lost),
-        ("unresolved", unresolved),
-        ("acks_confirmed", acks_confirmed),
-        ("acks_uncertain", acks_uncertain),
-    ]
 }
 
 /// `clean` or `UNRESOLVED`, as the report says.

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use lily_mq_core::{PhaseTiming, ShutdownReport};
 
 use crate::loaded::Loaded;
-use crate::render::{Table, label, status, text, totals_fields, trigger, unresolved_count};
+use crate::render::{Table, label, status, text, trigger, unresolved_count};
 
 /// One line per report, a TOTAL line, the summed totals, and the message ids unresolved in
 /// more than one report.
@@ -27,7 +27,7 @@ pub(crate) fn summary(reports: &[Loaded]) -> String {
     );
     let mut used = 0u64;
     let mut listed = 0u64;
-    let mut sums: Vec<(&str, u64)> = totals_fields(&Default::default());
+    let mut sums = lily_mq_core::Totals::default().fields();
     for Loaded { name, report: r } in reports {
         let t = &r.totals;
         table.row(vec![
@@ -43,7 +43,7 @@ pub(crate) fn summary(reports: &[Loaded]) -> String {
         ]);
         used = used.saturating_add(r.budget_used_ms);
         listed = listed.saturating_add(unresolved_count(r));
-        for (sum, (_, value)) in sums.iter_mut().zip(totals_fields(t)) {
+        for (sum, (_, value)) in sums.iter_mut().zip(t.fields()) {
             sum.1 = sum.1.saturating_add(value);
         }
     }
@@ -122,9 +122,7 @@ pub(crate) fn diff(a: &Loaded, b: &Loaded) -> String {
         unresolved_count(ra),
         unresolved_count(rb),
     );
-    let fields = totals_fields(&ra.totals)
-        .into_iter()
-        .zip(totals_fields(&rb.totals));
+    let fields = ra.totals.fields().into_iter().zip(rb.totals.fields());
     let rows = fields.map(|((name, x), (_, y))| (name, x, y));
     for (name, x, y) in rows.chain([used, listed]) {
         let delta = i128::from(y) - i128::from(x);

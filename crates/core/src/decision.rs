@@ -344,6 +344,43 @@ pub enum Outcome {
     Unresolved(Unresolved),
 }
 
+impl Outcome {
+    /// The outcomes' labels, in the order of [`Outcome::slot`]: the name of the
+    /// [`Totals`](crate::Totals) field each is counted in, and the `outcome` label of the
+    /// `lily_deliveries_total` metric.
+    pub const LABELS: [&'static str; 9] = [
+        "acked",
+        "retried",
+        "dead_lettered",
+        "parked",
+        "requeued",
+        "deferred",
+        "rejected_at_gate",
+        "authority_lost",
+        "unresolved",
+    ];
+
+    /// This outcome's index in [`Outcome::LABELS`].
+    pub const fn slot(self) -> usize {
+        match self {
+            Self::Acked => 0,
+            Self::Retried => 1,
+            Self::DeadLettered => 2,
+            Self::Parked => 3,
+            Self::Requeued(RequeueCause::HandoffFailed) => 4,
+            Self::Requeued(RequeueCause::Deferred) => 5,
+            Self::RejectedToDlx => 6,
+            Self::AuthorityLost => 7,
+            Self::Unresolved(_) => 8,
+        }
+    }
+
+    /// This outcome's label.
+    pub const fn label(self) -> &'static str {
+        Self::LABELS[self.slot()]
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stage {
     /// The action is ready to be handed out.

@@ -89,6 +89,39 @@ pub struct Totals {
 }
 
 impl Totals {
+    /// Every field with its name, in declaration order. The destructuring is exhaustive, so a
+    /// new field fails to compile until it is listed here.
+    pub fn fields(&self) -> [(&'static str, u64); 12] {
+        let Self {
+            acked,
+            retried,
+            dead_lettered,
+            parked,
+            requeued,
+            deferred,
+            rejected_at_gate,
+            duplicates_suppressed,
+            authority_lost,
+            unresolved,
+            acks_confirmed,
+            acks_uncertain,
+        } = *self;
+        [
+            ("acked", acked),
+            ("retried", retried),
+            ("dead_lettered", dead_lettered),
+            ("parked", parked),
+            ("requeued", requeued),
+            ("deferred", deferred),
+            ("rejected_at_gate", rejected_at_gate),
+            ("duplicates_suppressed", duplicates_suppressed),
+            ("authority_lost", authority_lost),
+            ("unresolved", unresolved),
+            ("acks_confirmed", acks_confirmed),
+            ("acks_uncertain", acks_uncertain),
+        ]
+    }
+
     /// Counts one outcome.
     pub fn count(&mut self, outcome: Outcome) {
         let slot = match outcome {

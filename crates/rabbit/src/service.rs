@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 
 use lily_mq_core::machine::RequeueMemory;
-use lily_mq_core::{DynHook, Ledger, Outcome, RequeueCause, Router, TransactionalScope};
+use lily_mq_core::{DynHook, Ledger, Outcome, Router, TransactionalScope};
 use metrics::{Counter, Gauge, Histogram};
 use tokio_util::sync::CancellationToken;
 
@@ -46,22 +46,10 @@ pub(crate) struct Metrics {
 }
 
 impl Metrics {
-    const OUTCOMES: [&'static str; 9] = [
-        "acked",
-        "retried",
-        "dead_lettered",
-        "parked",
-        "requeued",
-        "deferred",
-        "rejected_at_gate",
-        "authority_lost",
-        "unresolved",
-    ];
-
     pub(crate) fn new(queue: &str) -> Self {
         let q = queue.to_owned();
         Self {
-            outcomes: Self::OUTCOMES.map(|o| {
+            outcomes: Outcome::LABELS.map(|o| {
                 metrics::counter!("lily_deliveries_total", "queue" => q.clone(), "outcome" => o)
             }),
             in_flight: metrics::gauge!("lily_in_flight_deliveries", "queue" => q.clone()),
@@ -71,17 +59,6 @@ impl Metrics {
     }
 
     pub(crate) fn count(&self, outcome: Outcome) {
-        let i = match outcome {
-            Outcome::Acked => 0,
-            Outcome::Retried => 1,
-            Outcome::DeadLettered => 2,
-            Outcome::Parked => 3,
-            Outcome::Requeued(RequeueCause::HandoffFailed) => 4,
-            Outcome::Requeued(RequeueCause::Deferred) => 5,
-            Outcome::RejectedToDlx => 6,
-            Outcome::AuthorityLost => 7,
-            Outcome::Unresolved(_) => 8,
-        };
-        self.outcomes[i].increment(1);
+        self.outcomes[outcome.slot()].increment(1);
     }
 }

@@ -635,19 +635,11 @@ async fn demo(settings: &Settings) -> Result<ExitCode, BoxError> {
         "outcomes (consumer stopped after {:.1}s)",
         started.elapsed().as_secs_f64()
     );
-    let t = &report.totals;
-    println!("  acked                 {:>3}", t.acked);
-    println!("  duplicates suppressed {:>3}", t.duplicates_suppressed);
-    println!("  dead-lettered         {:>3}", t.dead_lettered);
-    for (name, n) in [
-        ("retried", t.retried),
-        ("deferred", t.deferred),
-        ("requeued", t.requeued),
-        ("parked", t.parked),
-        ("unresolved", t.unresolved),
-    ] {
-        if n > 0 {
-            println!("  {name:<21} {n:>3}");
+    // The three this demo is about always, the others when they happened.
+    let always = ["acked", "duplicates_suppressed", "dead_lettered"];
+    for (name, n) in report.totals.fields() {
+        if always.contains(&name) || (n > 0 && !name.starts_with("acks_")) {
+            println!("  {:<21} {n:>3}", name.replace('_', " "));
         }
     }
     println!();
