@@ -675,7 +675,7 @@ async fn demo(settings: &Settings) -> Result<ExitCode, BoxError> {
              ({} duplicate), the conflicting message and the business-rule failure are in the \
              DLQ; nothing unresolved",
             ledger.len(),
-            t.duplicates_suppressed
+            report.totals.duplicates_suppressed
         );
         Ok(ExitCode::SUCCESS)
     } else {
