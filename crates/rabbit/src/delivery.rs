@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lapin::BasicProperties;
 use lapin::message::Delivery;
@@ -393,6 +393,7 @@ impl Work<'_> {
             reason: &reason,
             source_queue: &self.shared.queue,
             id,
+            at_millis: epoch_millis(),
         };
         let limits = &self.shared.config.limits;
         let (body, properties) = match (copy, source) {
@@ -468,6 +469,13 @@ impl Work<'_> {
             }),
         }
     }
+}
+
+/// Now, in milliseconds since the Unix epoch, for the copy's failure headers.
+fn epoch_millis() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 #[cfg(test)]

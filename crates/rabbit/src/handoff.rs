@@ -1,7 +1,6 @@
-//! What a handoff publishes: the destination of a lane and the properties of the copy. The
+//! What a handoff publishes: the destination of a lane and the properties of the copy, built
+//! from the note alone (its time included), so the same inputs always give the same copy. The
 //! [`Publisher`](crate::publisher::Publisher) publishes it and attributes the evidence.
-
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
@@ -26,6 +25,8 @@ pub(crate) struct FailureNote<'a> {
     pub(crate) source_queue: &'a str,
     /// The handoff the copy belongs to; its `basic.return`, if any, carries it back.
     pub(crate) id: HandoffId,
+    /// When the failure is recorded, in milliseconds since the Unix epoch.
+    pub(crate) at_millis: i64,
 }
 
 /// Properties of the copy of a message that passed the gate: the original properties and
@@ -36,7 +37,7 @@ pub(crate) struct FailureNote<'a> {
 /// restores them. The broker's `x-delivery-count` is not carried over.
 pub(crate) fn copy_properties(incoming: &Incoming, note: &FailureNote<'_>) -> BasicProperties {
     let original = incoming.properties();
-    let now = epoch_millis();
+    let now = note.at_millis;
     let first = incoming
         .header(headers::FIRST_FAILURE_AT)
         .and_then(|v| match v {
@@ -102,7 +103,7 @@ pub(crate) fn sanitized_properties(
     note: &FailureNote<'_>,
     limits: &lily_mq_core::Limits,
 ) -> BasicProperties {
-    let now = epoch_millis();
+    let now = note.at_millis;
     let mut table = FieldTable::default();
     table.insert(headers::FAILURE_KIND.into(), long(note.kind));
     table.insert(headers::REASON.into(), long(note.reason.as_str()));
@@ -168,8 +169,104 @@ fn long(text: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(text.as_bytes().to_vec()))
 }
 
-fn epoch_millis() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use lapin::types::FieldTable;
+    use lily_mq_core::{Incoming, IncomingParts, Lane, Reason, headers};
+
+    use super::*;
+
+    fn incoming(properties: BasicProperties) -> Incoming {
+        Incoming::from_parts(IncomingParts {
+            body: b"{}".to_vec(),
+            properties,
+            exchange: "orders".into(),
+            routing_key: "order.placed".into(),
+            queue: Arc::from("work"),
+            delivery_tag: 1,
+            redelivered: false,
+            attempt: 2,
+            schema_version: 1,
+        })
+    }
+
+    fn note(reason: &Reason) -> FailureNote<'_> {
+        FailureNote {
+            lane: Lane::Retry {
+                bucket: 0,
+                next_attempt: 3,
+            },
+            kind: "retryable",
+            reason,
+            source_queue: "work",
+            id: HandoffId::new(42),
+            at_millis: 1_700_000_000_000,
+        }
+    }
+
+    fn header<'a>(p: &'a BasicProperties, key: &str) -> Option<&'a AMQPValue> {
+        p.headers().as_ref()?.inner().get(key)
+    }
+
+    #[test]
+    fn a_copy_moves_aside_what_the_broker_would_act_on_and_carries_the_note() {
+        let mut table = FieldTable::default();
+        table.insert(headers::CC.into(), long("side"));
+        table.insert(headers::BCC.into(), long("hidden"));
+        table.insert(headers::DELIVERY_COUNT.into(), AMQPValue::LongUInt(3));
+        table.insert("customer".into(), long("kept"));
+        let original = BasicProperties::default()
+            .with_headers(table)
+            .with_expiration("60000".into())
+            .with_user_id("producer".into())
+            .with_message_id("m-1".into());
+        let reason = Reason::new("down");
+        let copy = copy_properties(&incoming(original), &note(&reason));
+
+        assert_eq!(copy.expiration(), &None);
+        assert_eq!(copy.user_id(), &None);
+        assert_eq!(copy.message_id().as_ref().map(|s| s.as_str()), Some("m-1"));
+        assert_eq!(copy.delivery_mode(), &Some(2));
+        for (gone, aside, value) in [
+            (headers::CC, headers::ORIGINAL_CC, "side"),
+            (headers::BCC, headers::ORIGINAL_BCC, "hidden"),
+            ("", headers::ORIGINAL_EXPIRATION, "60000"),
+            ("", headers::ORIGINAL_USER_ID, "producer"),
+        ] {
+            assert_eq!(header(&copy, gone), None);
+            assert_eq!(header(&copy, aside), Some(&long(value)), "{aside}");
+        }
+        assert_eq!(header(&copy, headers::DELIVERY_COUNT), None);
+        assert_eq!(header(&copy, "customer"), Some(&long("kept")));
+        assert_eq!(
+            header(&copy, headers::ATTEMPT),
+            Some(&AMQPValue::LongUInt(3))
+        );
+        assert_eq!(
+            header(&copy, headers::HANDOFF_ID),
+            Some(&HandoffId::new(42).header_value())
+        );
+        for at in [headers::FIRST_FAILURE_AT, headers::LAST_FAILURE_AT] {
+            assert_eq!(
+                header(&copy, at),
+                Some(&AMQPValue::LongLongInt(1_700_000_000_000))
+            );
+        }
+        assert_eq!(
+            header(&copy, headers::ORIGINAL_ROUTING_KEY),
+            Some(&long("order.placed"))
+        );
+    }
+
+    #[test]
+    fn the_same_inputs_give_the_same_copy() {
+        let reason = Reason::new("down");
+        let message = incoming(BasicProperties::default().with_message_id("m-1".into()));
+        assert_eq!(
+            copy_properties(&message, &note(&reason)),
+            copy_properties(&message, &note(&reason))
+        );
+    }
 }
