@@ -11,7 +11,6 @@ use lily_mq_core::{
     DynHook, Hook, Ledger, Phase, PhaseClock, Router, ShutdownReport, Totals, TransactionalScope,
     Trigger,
 };
-use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
@@ -20,7 +19,7 @@ use crate::connect::{Endpoint, redact};
 use crate::crew::Crew;
 use crate::error::Error;
 use crate::publisher::Publisher;
-use crate::service::{Metrics, Shared};
+use crate::service::{Books, Metrics, Shared, Signals};
 use crate::session::{Session, SessionEnd, SessionError, consume};
 use crate::shutdown::Shutdown;
 use crate::sync::lock;
@@ -176,11 +175,11 @@ impl Consumer {
             hooks: self.hooks,
             scope: self.scope,
             topology,
-            ledger: self.ledger,
-            requeues: Mutex::new(RequeueMemory::new(REQUEUE_MEMORY)),
-            handlers_cancel: CancellationToken::new(),
-            revoked: CancellationToken::new(),
-            abort: CancellationToken::new(),
+            books: Books {
+                ledger: self.ledger,
+                requeues: Mutex::new(RequeueMemory::new(REQUEUE_MEMORY)),
+            },
+            signals: Signals::new(),
             ready: self.ready,
             sessions: AtomicU64::new(0),
             config: self.config,
@@ -257,7 +256,7 @@ async fn shut_down(
     while clock.phase() != Phase::Closed {
         if clock.phase() != phase {
             phase = clock.phase();
-            let in_flight = lock(&shared.ledger).in_flight();
+            let in_flight = lock(&shared.books.ledger).in_flight();
             info!(queue = %shared.queue, ?phase, in_flight, "shutdown phase");
             enter(shared, phase);
         }
@@ -278,7 +277,7 @@ async fn shut_down(
                     tokio::time::timeout(left.max(Duration::from_millis(100)), tracker.wait())
                         .await;
                 if joined.is_err() {
-                    let in_flight = lock(&shared.ledger).in_flight();
+                    let in_flight = lock(&shared.books.ledger).in_flight();
                     warn!(queue = %shared.queue, in_flight, "aborted tasks did not finish in time");
                 }
                 clock.handle_aborted(Instant::now());
@@ -291,7 +290,7 @@ async fn shut_down(
         session.close(shared).await;
     }
     shared.publisher.close(PUBLISHER_CLOSE).await;
-    let mut ledger = lock(&shared.ledger);
+    let mut ledger = lock(&shared.books.ledger);
     // ACKs written on channels that are gone were never confirmed.
     ledger.acks_uncertain(None);
     ShutdownReport::build(&shared.queue, &clock, &ledger, Instant::now())
@@ -300,12 +299,12 @@ async fn shut_down(
 fn enter(shared: &Shared, phase: Phase) {
     match phase {
         Phase::Draining => shared.ready.store(false, Ordering::Release),
-        Phase::Cooperating => shared.handlers_cancel.cancel(),
+        Phase::Cooperating => shared.signals.handlers.cancel(),
         Phase::Aborting => {
-            shared.revoked.cancel();
-            shared.handlers_cancel.cancel();
-            lock(&shared.ledger).abort_open();
-            shared.abort.cancel();
+            // The handlers' tokens fire with it.
+            shared.signals.revoked.cancel();
+            lock(&shared.books.ledger).abort_open();
+            shared.signals.abort.cancel();
         }
         Phase::Running | Phase::Closed => {}
     }

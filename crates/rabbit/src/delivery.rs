@@ -7,7 +7,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use lapin::BasicProperties;
 use lapin::message::Delivery;
 use lapin::types::ShortString;
-use lily_mq_core::Action::{Reject, Requeue};
 use lily_mq_core::machine::{Action, Arrival, CopyOf, Delivery as Machine, ScopeOpened, Verdict};
 use lily_mq_core::{
     Authority, Begin, BoxedHandler, DeliveryCancel, EntryId, Evidence, GateRejection, Handoff,
@@ -21,7 +20,7 @@ use crate::crew::Settle;
 use crate::handoff::{FailureNote, copy_properties, destination, sanitized_properties};
 use crate::pipeline;
 use crate::service::Shared;
-use crate::session::Session;
+use crate::session::{Session, Settler};
 use crate::sync::lock;
 
 impl Settle for Shared {
@@ -42,7 +41,7 @@ async fn handle(shared: &Arc<Shared>, session: Arc<Session>, delivery: Delivery)
     // Pinned here, in place: moving the large future into `until_abort` would make this task's
     // state hold it twice.
     let work = std::pin::pin!(settle_delivery(shared, session, delivery, &acking));
-    until_abort(work, &shared.abort, &acking).await;
+    until_abort(work, &shared.signals.abort, &acking).await;
     shared.metrics.in_flight.decrement(1.0);
 }
 
@@ -147,7 +146,7 @@ async fn settle_delivery(
         Verdict::Dispatched => Evidence::Dispatched,
         _ => Evidence::Received,
     };
-    let entry = lock(&shared.ledger).open_at(identity, evidence);
+    let entry = lock(&shared.books.ledger).open_at(identity, evidence);
     let arrival = Arrival {
         verdict,
         attempt,
@@ -155,7 +154,7 @@ async fn settle_delivery(
         delivery_count,
         local_requeues: message_id
             .as_deref()
-            .map(|id| lock(&shared.requeues).get(id)),
+            .map(|id| lock(&shared.books.requeues).get(id)),
         scoped: shared.scope.is_some(),
     };
     let source = if refused {
@@ -178,10 +177,10 @@ async fn settle_delivery(
             schema_version,
         })))
     };
+    let settler = session.settler(delivery_tag, &shared.publisher, &shared.signals.revoked);
     let work = Work {
         shared,
-        session: &session,
-        delivery_tag,
+        settler,
         entry,
         message_id: message_id.as_deref(),
         span: span.clone(),
@@ -210,8 +209,7 @@ struct Refused {
 
 struct Work<'a> {
     shared: &'a Arc<Shared>,
-    session: &'a Arc<Session>,
-    delivery_tag: u64,
+    settler: Settler<'a>,
     entry: EntryId,
     /// The valid message id, if any: the key of its requeue count.
     message_id: Option<&'a str>,
@@ -223,11 +221,7 @@ struct Work<'a> {
 
 impl Work<'_> {
     fn authority(&self) -> Authority {
-        if self.session.consuming_open() && !self.shared.revoked.is_cancelled() {
-            Authority::Held
-        } else {
-            Authority::Lost
-        }
+        self.settler.authority()
     }
 
     /// Executes what the delivery's machine asks for and reports the evidence back, until it
@@ -260,7 +254,7 @@ impl Work<'_> {
                             ScopeOpened::Proceed { transaction: true }
                         }
                         Begin::Duplicate => {
-                            lock(&shared.ledger).count_duplicate();
+                            lock(&shared.books.ledger).count_duplicate();
                             ScopeOpened::Duplicate
                         }
                         Begin::Conflict(reason) => ScopeOpened::Conflict(reason),
@@ -274,7 +268,7 @@ impl Work<'_> {
                     let (Some(handler), Source::Passed(incoming)) = (handler, source) else {
                         unreachable!("the machine runs a handler only for a dispatched delivery")
                     };
-                    let cancel = DeliveryCancel::new(&shared.handlers_cancel);
+                    let cancel = DeliveryCancel::new(&shared.signals.handlers);
                     let started = Instant::now();
                     let out = pipeline::run(
                         handler,
@@ -317,7 +311,7 @@ impl Work<'_> {
                     let wait = Box::pin(tokio::time::sleep(delay));
                     tokio::select! {
                         () = wait => {}
-                        () = shared.handlers_cancel.cancelled() => {}
+                        () = shared.signals.handlers.cancelled() => {}
                     }
                     machine.handle_held(Instant::now());
                 }
@@ -343,7 +337,7 @@ impl Work<'_> {
                     {
                         // Counted before the NACK is written: the redelivery can arrive before
                         // this task runs again.
-                        lock(&shared.requeues).count(id);
+                        lock(&shared.books.requeues).count(id);
                     }
                     let result = self.write(action).await;
                     machine.handle_settled(result);
@@ -358,7 +352,7 @@ impl Work<'_> {
                 .record(since.elapsed().as_secs_f64());
         }
         if let (true, Some(id)) = (machine.forgets_requeues(), self.message_id) {
-            lock(&shared.requeues).forget(id);
+            lock(&shared.books.requeues).forget(id);
         }
         self.finish(outcome, machine.confirmed_handoff(), &machine.reason());
     }
@@ -368,7 +362,7 @@ impl Work<'_> {
         let mut ledger = None;
         while let Some(evidence) = machine.poll_evidence() {
             ledger
-                .get_or_insert_with(|| lock(&self.shared.ledger))
+                .get_or_insert_with(|| lock(&self.shared.books.ledger))
                 .note(self.entry, evidence);
         }
     }
@@ -385,8 +379,7 @@ impl Work<'_> {
             return HandoffResult::Failed;
         };
         let reason = Reason::new(format!("{}: {reason}", handoff.cause.as_str()));
-        let publisher = &self.shared.publisher;
-        let id = publisher.next_id();
+        let id = self.settler.next_handoff_id();
         let note = FailureNote {
             lane: handoff.lane,
             kind: handoff.kind.map_or("rejected", |k| k.as_str()),
@@ -421,26 +414,20 @@ impl Work<'_> {
                 ),
             ),
         };
-        publisher
+        self.settler
             .publish(&queue, id, body, properties, deadline)
             .await
     }
 
-    /// Queues the ACK, NACK or reject on the delivery's channel; see [`Session::ack`] and
-    /// [`Session::settle`]. Refused at once when authority is revoked.
+    /// Queues the ACK, NACK or reject on the delivery's channel; see [`Settler`].
     async fn write(&self, action: Action) -> SettleResult {
-        if self.shared.revoked.is_cancelled() {
-            return SettleResult::Refused;
-        }
         match action {
             Action::Ack => {
                 self.acking.store(true, Ordering::Release);
-                self.session
-                    .ack(self.delivery_tag, &self.shared.revoked)
-                    .await
+                self.settler.ack().await
             }
-            Action::Requeue { .. } => self.session.settle(self.delivery_tag, Requeue),
-            _ => self.session.settle(self.delivery_tag, Reject),
+            Action::Requeue { .. } => self.settler.requeue(),
+            _ => self.settler.reject(),
         }
     }
 
@@ -454,13 +441,13 @@ impl Work<'_> {
             _ => info!(?outcome, reason = %reason, "settled"),
         }
         self.shared.metrics.count(outcome);
-        let mut ledger = lock(&self.shared.ledger);
+        let mut ledger = lock(&self.shared.books.ledger);
         match outcome {
             Outcome::Acked | Outcome::Retried | Outcome::DeadLettered | Outcome::Parked => {
                 let handoff = lane
                     .and_then(|lane| destination(&self.shared.topology, lane))
                     .map(String::into_boxed_str);
-                ledger.close_acked(self.entry, outcome, self.session.id, handoff);
+                ledger.close_acked(self.entry, outcome, self.settler.session_id(), handoff);
             }
             _ => ledger.close(self.entry, outcome, || match outcome {
                 Outcome::Unresolved(u) => Reason::new(format!("{u:?}: {reason}")),

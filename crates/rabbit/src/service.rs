@@ -14,7 +14,8 @@ use crate::connect::Endpoint;
 use crate::publisher::Publisher;
 use crate::topology::Topology;
 
-/// Everything the sessions and delivery tasks share.
+/// Everything the sessions and delivery tasks share: the service's fixed setup, its books, its
+/// shutdown signals.
 pub(crate) struct Shared {
     pub(crate) endpoint: Endpoint,
     pub(crate) publisher: Arc<Publisher>,
@@ -24,17 +25,40 @@ pub(crate) struct Shared {
     pub(crate) scope: Option<Arc<dyn TransactionalScope>>,
     pub(crate) topology: Topology,
     pub(crate) queue: Arc<str>,
-    pub(crate) ledger: Arc<Mutex<Ledger>>,
-    pub(crate) requeues: Mutex<RequeueMemory>,
-    /// Parent of every handler's cancellation token: fires when cooperating starts.
-    pub(crate) handlers_cancel: CancellationToken,
-    /// Fires when aborting starts: nothing is sent for any delivery after it.
-    pub(crate) revoked: CancellationToken,
-    /// Fires right after `revoked`: delivery tasks stop where they are.
-    pub(crate) abort: CancellationToken,
+    pub(crate) books: Books,
+    pub(crate) signals: Signals,
     pub(crate) ready: Arc<AtomicBool>,
     pub(crate) sessions: AtomicU64,
     pub(crate) metrics: Metrics,
+}
+
+/// What the consumer records: the evidence ledger and the requeue memory.
+pub(crate) struct Books {
+    pub(crate) ledger: Arc<Mutex<Ledger>>,
+    pub(crate) requeues: Mutex<RequeueMemory>,
+}
+
+/// The shutdown signals, one token tree: revoking authority also cancels the handlers.
+pub(crate) struct Signals {
+    /// Fires when aborting starts: nothing is sent for any delivery after it.
+    pub(crate) revoked: CancellationToken,
+    /// Parent of every handler's cancellation token: fires when cooperating starts, or with
+    /// `revoked` at the latest.
+    pub(crate) handlers: CancellationToken,
+    /// Fires right after `revoked` and the ledger's marking of the open deliveries: delivery
+    /// tasks stop where they are.
+    pub(crate) abort: CancellationToken,
+}
+
+impl Signals {
+    pub(crate) fn new() -> Self {
+        let revoked = CancellationToken::new();
+        Self {
+            handlers: revoked.child_token(),
+            revoked,
+            abort: CancellationToken::new(),
+        }
+    }
 }
 
 /// Handles into the `metrics` facade, registered once per consumer.

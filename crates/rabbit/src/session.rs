@@ -12,8 +12,8 @@ use lapin::options::{
     BasicRejectOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{Channel, Connection};
-use lily_mq_core::{AckWindow, Action, SettleResult};
+use lapin::{BasicProperties, Channel, Connection};
+use lily_mq_core::{AckWindow, Action, Authority, HandoffId, HandoffResult, SettleResult};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
@@ -21,6 +21,7 @@ use tracing::{debug, info, warn};
 use crate::connect::{connect, redact};
 use crate::crew::Crew;
 use crate::error::Error;
+use crate::publisher::Publisher;
 use crate::service::Shared;
 use crate::sync::lock;
 
@@ -38,6 +39,77 @@ pub(crate) struct Session {
     ended: CancellationToken,
 }
 
+/// What one delivery may do to settle itself, and the only way its executor reaches the
+/// broker: ACK, NACK or reject on the session's consuming channel, and publish a copy on the
+/// handoff connection. Nothing is written once authority is revoked.
+pub(crate) struct Settler<'a> {
+    session: &'a Session,
+    publisher: &'a Publisher,
+    revoked: &'a CancellationToken,
+    delivery_tag: u64,
+}
+
+impl Settler<'_> {
+    /// Whether the delivery may still be settled: its channel is open and authority was not
+    /// revoked.
+    pub(crate) fn authority(&self) -> Authority {
+        if self.session.consuming_open() && !self.revoked.is_cancelled() {
+            Authority::Held
+        } else {
+            Authority::Lost
+        }
+    }
+
+    /// The session whose ledger evidence the ACK belongs to.
+    pub(crate) fn session_id(&self) -> u64 {
+        self.session.id
+    }
+
+    /// ACKs the delivery; see [`Session::ack`].
+    pub(crate) async fn ack(&self) -> SettleResult {
+        if self.revoked.is_cancelled() {
+            return SettleResult::Refused;
+        }
+        self.session.ack(self.delivery_tag, self.revoked).await
+    }
+
+    /// NACKs the delivery with requeue; see [`Session::settle`].
+    pub(crate) fn requeue(&self) -> SettleResult {
+        self.settle(Action::Requeue)
+    }
+
+    /// Rejects the delivery to the queue's dead-letter exchange; see [`Session::settle`].
+    pub(crate) fn reject(&self) -> SettleResult {
+        self.settle(Action::Reject)
+    }
+
+    fn settle(&self, action: Action) -> SettleResult {
+        if self.revoked.is_cancelled() {
+            return SettleResult::Refused;
+        }
+        self.session.settle(self.delivery_tag, action)
+    }
+
+    /// A fresh id for the next copy to carry.
+    pub(crate) fn next_handoff_id(&self) -> HandoffId {
+        self.publisher.next_id()
+    }
+
+    /// Publishes a copy carrying `id` to `queue`; see [`Publisher::publish`].
+    pub(crate) async fn publish(
+        &self,
+        queue: &str,
+        id: HandoffId,
+        body: &[u8],
+        properties: BasicProperties,
+        deadline: Duration,
+    ) -> HandoffResult {
+        self.publisher
+            .publish(queue, id, body, properties, deadline)
+            .await
+    }
+}
+
 pub(crate) enum SessionEnd {
     /// The consumer was cancelled for shutdown; the session is still open.
     Shutdown(Arc<Session>),
@@ -51,6 +123,21 @@ pub(crate) enum SessionError {
 }
 
 impl Session {
+    /// The settle handle of `delivery_tag`, one of this session's deliveries.
+    pub(crate) fn settler<'a>(
+        &'a self,
+        delivery_tag: u64,
+        publisher: &'a Publisher,
+        revoked: &'a CancellationToken,
+    ) -> Settler<'a> {
+        Settler {
+            session: self,
+            publisher,
+            revoked,
+            delivery_tag,
+        }
+    }
+
     /// Whether the consuming channel is still open: its deliveries can be settled.
     pub(crate) fn consuming_open(&self) -> bool {
         self.consuming.status().connected()
@@ -129,13 +216,13 @@ impl Session {
     /// on a channel are handled in order, so a `basic.qos` reply comes after them. If the channel
     /// is gone, those ACKs are uncertain.
     pub(crate) async fn confirm_acks(&self, shared: &Shared) -> bool {
-        let mark = lock(&shared.ledger).ack_mark();
+        let mark = lock(&shared.books.ledger).ack_mark();
         let confirmed = self
             .consuming
             .basic_qos(shared.config.prefetch, BasicQosOptions::default())
             .await
             .is_ok();
-        let mut ledger = lock(&shared.ledger);
+        let mut ledger = lock(&shared.books.ledger);
         if confirmed {
             ledger.confirm_acks(self.id, mark);
         } else {
@@ -273,7 +360,7 @@ async fn confirm_periodically(shared: Arc<Shared>, session: Arc<Session>) {
             () = session.ended.cancelled() => break,
             () = tokio::time::sleep(ACK_CONFIRM_INTERVAL) => {}
         }
-        if lock(&shared.ledger).acks_awaiting() == 0 {
+        if lock(&shared.books.ledger).acks_awaiting() == 0 {
             continue;
         }
         if !session.confirm_acks(&shared).await {
