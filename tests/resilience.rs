@@ -181,7 +181,10 @@ async fn confirmed_handoff_with_unconfirmed_ack_is_unresolved_and_keeps_the_hand
         .iter()
         .find(|d| d.message_id.as_deref() == Some("in-doubt"))
         .expect("the uncertain ack is listed");
-    assert_eq!(entry.last_evidence, lily::core::Evidence::SettleWritten);
+    assert_eq!(
+        entry.last_evidence,
+        lily::core::transport::Evidence::SettleWritten
+    );
     assert_eq!(
         entry.handoff_confirmed_to.as_deref(),
         Some(format!("{queue}.retry.1s").as_str()),

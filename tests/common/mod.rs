@@ -141,7 +141,7 @@ pub fn header_str(props: &BasicProperties, key: &str) -> Option<String> {
 }
 
 pub fn header_u32(props: &BasicProperties, key: &str) -> Option<u32> {
-    lily::core::as_u32(header(props, key)?)
+    lily::core::transport::as_u32(header(props, key)?)
 }
 
 /// Waits until `queue` exists (the consumer declares it on connect).

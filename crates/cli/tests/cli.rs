@@ -4,8 +4,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use lily_mq_core::transport::Evidence;
 use lily_mq_core::{
-    EXIT_UNRESOLVED, Evidence, Phase, PhaseTiming, SCHEMA, ShutdownReport, Totals, Trigger,
+    EXIT_UNRESOLVED, Phase, PhaseTiming, SCHEMA, ShutdownReport, Totals, Trigger,
     UnresolvedDelivery,
 };
 

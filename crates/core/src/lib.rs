@@ -3,17 +3,26 @@
 //! Everything here takes inputs (time included) and returns decisions; nothing touches a socket,
 //! a clock or a runtime. The transport crate drives it.
 //!
-//! - [`inspect`]: the gate, envelope validation and metadata bounds.
+//! What services use is at the root:
+//!
 //! - [`Handler`], [`FromDelivery`] and the extractors, [`Router`], [`Hook`]: the application side.
-//! - [`decide_at_gate`], [`decide`] and [`Settlement`]: the decision table of the design and the
-//!   machine that carries a plan to its [`Outcome`].
+//! - [`QueueHandlerError`] and [`FailureKind`]: how a handler fails.
+//! - [`Policy`], [`Limits`], [`ShutdownBudget`]: retries, bounds and the shutdown budget.
+//! - [`TransactionalScope`]: a scope around each handler (the MongoDB scope implements it).
+//! - [`ShutdownReport`], [`Totals`], [`Outcome`]: what happened.
+//!
+//! What a transport needs is in [`transport`] and [`machine`]:
+//!
+//! - [`transport::inspect`]: the gate, envelope validation and metadata bounds.
+//! - [`transport::decide_at_gate`], [`transport::decide`] and [`transport::Settlement`]: the
+//!   decision table of the design and the machine that carries a plan to its [`Outcome`].
 //! - [`machine::Delivery`]: one delivery as a pure machine, from arrival to its outcome, with
 //!   the [`machine::RequeueMemory`] it reads.
-//! - [`Budget`], [`Policy`]: deadlines and retry policy.
-//! - [`attribute_batch`]: which handoff of a batch each confirm and return belongs to.
-//! - [`Ledger`]: evidence per delivery and totals.
-//! - [`AckWindow`]: which ready ACKs one `multiple` ACK may write together.
-//! - [`PhaseClock`] and [`ShutdownReport`]: shutdown phases and the report.
+//! - [`transport::attribute_batch`]: which handoff of a batch each confirm and return belongs
+//!   to.
+//! - [`transport::Ledger`]: evidence per delivery and totals.
+//! - [`transport::AckWindow`]: which ready ACKs one `multiple` ACK may write together.
+//! - [`transport::PhaseClock`]: the shutdown phases.
 
 mod acks;
 mod budget;
@@ -37,31 +46,41 @@ mod scope;
 mod shutdown;
 mod transaction;
 
-pub use acks::AckWindow;
-pub use budget::Budget;
 pub use codec::{Codec, JsonCodec};
-pub use decision::{
-    Action, Authority, Cause, CleanupResult, Handoff, HandoffResult, Lane, Outcome, PipelineResult,
-    Plan, RequeueCause, SettleResult, Settlement, Situation, TransactionOutcome, Unresolved,
-    decide, decide_at_gate,
-};
-pub use envelope::{Envelope, GateRejection, Limits, PropertiesView, as_u32, inspect, is_token};
+pub use decision::{Lane, Outcome, RequeueCause, TransactionOutcome, Unresolved};
+pub use envelope::Limits;
 pub use error::{FailureKind, QueueHandlerError};
 pub use extract::{
-    Attempt, Cancellation, Context, DeliveryCancel, FromDelivery, Headers, Json, Meta, Payload,
-    RawDelivery,
+    Attempt, Cancellation, Context, FromDelivery, Headers, Json, Meta, Payload, RawDelivery,
 };
-pub use handler::{BoxFuture, BoxedHandler, Handler, HandlerResult};
-pub use handoff::{BatchVerdict, Confirm, HandoffId, attribute_batch};
-pub use ledger::{EntryId, Evidence, Identity, Ledger, Totals, UnresolvedEntry};
-pub use message::{Incoming, IncomingParts};
+pub use handler::{BoxFuture, Handler, HandlerResult};
+pub use ledger::Totals;
+pub use message::Incoming;
 pub use policy::{Policy, PolicyError};
 pub use reason::Reason;
-pub use report::{
-    EXIT_UNRESOLVED, SCHEMA, ShutdownReport, TERMINATION_MESSAGE_MAX, UnresolvedDelivery,
-};
+pub use report::{EXIT_UNRESOLVED, SCHEMA, ShutdownReport, UnresolvedDelivery};
 pub use resources::Resources;
 pub use router::Router;
 pub use scope::{CleanupError, DynHook, Hook};
-pub use shutdown::{Phase, PhaseClock, PhaseTiming, ShutdownBudget, Trigger};
+pub use shutdown::{Phase, PhaseTiming, ShutdownBudget, Trigger};
 pub use transaction::{Begin, Committed, OpenTransaction, TransactionalScope};
+
+/// What a transport needs and an application does not: the gate, the decision table and the
+/// settlement machine, handoff attribution, the evidence ledger, the ACK window and the
+/// shutdown clock. The rabbit crate is built on it; services never need it.
+pub mod transport {
+    pub use crate::acks::AckWindow;
+    pub use crate::budget::Budget;
+    pub use crate::decision::{
+        Action, Authority, Cause, CleanupResult, Handoff, HandoffResult, PipelineResult, Plan,
+        SettleResult, Settlement, Situation, decide, decide_at_gate,
+    };
+    pub use crate::envelope::{Envelope, GateRejection, PropertiesView, as_u32, inspect, is_token};
+    pub use crate::extract::DeliveryCancel;
+    pub use crate::handler::BoxedHandler;
+    pub use crate::handoff::{BatchVerdict, Confirm, HandoffId, attribute_batch};
+    pub use crate::ledger::{EntryId, Evidence, Identity, Ledger, UnresolvedEntry};
+    pub use crate::message::IncomingParts;
+    pub use crate::report::TERMINATION_MESSAGE_MAX;
+    pub use crate::shutdown::PhaseClock;
+}

@@ -38,7 +38,7 @@ pub struct IncomingParts {
 }
 
 impl Incoming {
-    /// Builds an incoming delivery. The transport calls this after [`crate::inspect`] passed.
+    /// Builds an incoming delivery. The transport calls this after [`crate::transport::inspect`] passed.
     pub fn from_parts(parts: IncomingParts) -> Self {
         let IncomingParts {
             body,

@@ -4,11 +4,12 @@
 
 use std::time::{Duration, Instant};
 
+use lily_mq_core::transport::{
+    Action, Authority, Cause, CleanupResult, GateRejection, Handoff, HandoffResult, PipelineResult,
+    Plan, PropertiesView, SettleResult, Settlement, Situation, decide, decide_at_gate, inspect,
+};
 use lily_mq_core::{
-    Action, Authority, Cause, CleanupResult, FailureKind, GateRejection, Handoff, HandoffResult,
-    Lane, Limits, Outcome, PipelineResult, Plan, Policy, PropertiesView, RequeueCause,
-    SettleResult, Settlement, Situation, TransactionOutcome, Unresolved, decide, decide_at_gate,
-    inspect,
+    FailureKind, Lane, Limits, Outcome, Policy, RequeueCause, TransactionOutcome, Unresolved,
 };
 use proptest::prelude::*;
 

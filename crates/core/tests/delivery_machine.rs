@@ -6,9 +6,11 @@ use std::time::{Duration, Instant};
 use lily_mq_core::machine::{
     Action, Arrival, CopyOf, Delivery, RequeueMemory, ScopeOpened, Verdict,
 };
+use lily_mq_core::transport::{
+    Authority, CleanupResult, Evidence, GateRejection, HandoffResult, PipelineResult, SettleResult,
+};
 use lily_mq_core::{
-    Authority, CleanupResult, Evidence, FailureKind, GateRejection, HandoffResult, Lane, Outcome,
-    PipelineResult, Policy, Reason, RequeueCause, SettleResult, TransactionOutcome, Unresolved,
+    FailureKind, Lane, Outcome, Policy, Reason, RequeueCause, TransactionOutcome, Unresolved,
 };
 
 const HELD: Authority = Authority::Held;

@@ -2,9 +2,9 @@
 
 use std::time::{Duration, Instant};
 
+use lily_mq_core::transport::{Evidence, Identity, Ledger, PhaseClock, TERMINATION_MESSAGE_MAX};
 use lily_mq_core::{
-    EXIT_UNRESOLVED, Evidence, Identity, Ledger, Outcome, PhaseClock, Reason, ShutdownBudget,
-    ShutdownReport, TERMINATION_MESSAGE_MAX, Trigger, Unresolved,
+    EXIT_UNRESOLVED, Outcome, Reason, ShutdownBudget, ShutdownReport, Trigger, Unresolved,
 };
 use serde_json::Value;
 

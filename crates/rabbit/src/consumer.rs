@@ -7,9 +7,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lily_mq_core::machine::RequeueMemory;
+use lily_mq_core::transport::{Ledger, PhaseClock};
 use lily_mq_core::{
-    DynHook, Hook, Ledger, Phase, PhaseClock, Router, ShutdownReport, Totals, TransactionalScope,
-    Trigger,
+    DynHook, Hook, Phase, Router, ShutdownReport, Totals, TransactionalScope, Trigger,
 };
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};

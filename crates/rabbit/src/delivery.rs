@@ -8,11 +8,12 @@ use lapin::BasicProperties;
 use lapin::message::Delivery;
 use lapin::types::ShortString;
 use lily_mq_core::machine::{Action, Arrival, CopyOf, Delivery as Machine, ScopeOpened, Verdict};
-use lily_mq_core::{
-    Authority, Begin, BoxedHandler, DeliveryCancel, EntryId, Evidence, GateRejection, Handoff,
-    HandoffResult, Identity, Incoming, IncomingParts, Lane, Meta, Outcome, PropertiesView, Reason,
-    Resources, SettleResult, as_u32, headers, inspect, is_token,
+use lily_mq_core::transport::{
+    Authority, BoxedHandler, DeliveryCancel, EntryId, Evidence, GateRejection, Handoff,
+    HandoffResult, Identity, IncomingParts, PropertiesView, SettleResult, as_u32, inspect,
+    is_token,
 };
+use lily_mq_core::{Begin, Incoming, Lane, Meta, Outcome, Reason, Resources, headers};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 

@@ -4,7 +4,8 @@
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lily_mq_core::{HandoffId, Incoming, Lane, Reason, headers, is_token};
+use lily_mq_core::transport::{HandoffId, is_token};
+use lily_mq_core::{Incoming, Lane, Reason, headers};
 
 use crate::topology::Topology;
 
@@ -174,7 +175,8 @@ mod tests {
     use std::sync::Arc;
 
     use lapin::types::FieldTable;
-    use lily_mq_core::{Incoming, IncomingParts, Lane, Reason, headers};
+    use lily_mq_core::transport::IncomingParts;
+    use lily_mq_core::{Incoming, Lane, Reason, headers};
 
     use super::*;
 

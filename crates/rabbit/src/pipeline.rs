@@ -9,10 +9,8 @@ use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
 
-use lily_mq_core::{
-    BoxedHandler, CleanupResult, Context, DeliveryCancel, DynHook, Incoming, Meta, PipelineResult,
-    Reason, Resources,
-};
+use lily_mq_core::transport::{BoxedHandler, CleanupResult, DeliveryCancel, PipelineResult};
+use lily_mq_core::{Context, DynHook, Incoming, Meta, Reason, Resources};
 
 /// What the pipeline produced, with the reason of a failure.
 #[derive(Debug)]
@@ -150,7 +148,8 @@ mod tests {
     use tokio_util::sync::CancellationToken;
 
     use lapin::BasicProperties;
-    use lily_mq_core::{CleanupError, FailureKind, Hook, IncomingParts, QueueHandlerError, Router};
+    use lily_mq_core::transport::IncomingParts;
+    use lily_mq_core::{CleanupError, FailureKind, Hook, QueueHandlerError, Router};
 
     /// Records every hook call; fails cleanup when asked.
     #[derive(Default)]

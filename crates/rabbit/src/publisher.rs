@@ -34,7 +34,7 @@ use futures_core::Stream;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
 use lapin::{BasicProperties, Channel, Confirmation, Connection, Event};
-use lily_mq_core::{Confirm, HandoffId, HandoffResult, attribute_batch};
+use lily_mq_core::transport::{Confirm, HandoffId, HandoffResult, attribute_batch};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;

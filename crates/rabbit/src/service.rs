@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 
 use lily_mq_core::machine::RequeueMemory;
-use lily_mq_core::{DynHook, Ledger, Outcome, Router, TransactionalScope};
+use lily_mq_core::transport::Ledger;
+use lily_mq_core::{DynHook, Outcome, Router, TransactionalScope};
 use metrics::{Counter, Gauge, Histogram};
 use tokio_util::sync::CancellationToken;
 

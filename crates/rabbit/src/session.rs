@@ -13,7 +13,9 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection};
-use lily_mq_core::{AckWindow, Action, Authority, HandoffId, HandoffResult, SettleResult};
+use lily_mq_core::transport::{
+    AckWindow, Action, Authority, HandoffId, HandoffResult, SettleResult,
+};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
