@@ -13,7 +13,7 @@ use lily_mq_core::transport::{
     HandoffResult, Identity, IncomingParts, PropertiesView, SettleResult, as_u32, inspect,
     is_token,
 };
-use lily_mq_core::{Begin, Incoming, Lane, Meta, Outcome, Reason, Resources, headers};
+use lily_mq_core::{Begin, Incoming, Lane, Limits, Meta, Outcome, Reason, Resources, headers};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
@@ -121,16 +121,15 @@ async fn settle_delivery(
         };
     let refused = matches!(verdict, Verdict::Refused { .. });
     // The gate already validated the id of a delivery it passed; a refused one is checked here.
-    let message_id: Option<Box<str>> = if refused {
+    let valid_id = if refused {
         view.message_id
             .filter(|id| is_token(id, limits.max_message_id_len))
-            .map(Box::from)
     } else {
-        view.message_id.map(Box::from)
+        view.message_id
     };
     let identity = Identity {
         queue: Arc::clone(&shared.queue),
-        message_id: message_id.clone(),
+        message_id: valid_id.map(Box::from),
         delivery_tag,
         attempt,
         redelivered,
@@ -138,7 +137,7 @@ async fn settle_delivery(
     let span = info_span!(
         "delivery",
         queue = %shared.queue,
-        message_id = message_id.as_deref().unwrap_or("-"),
+        message_id = valid_id.unwrap_or("-"),
         attempt,
         delivery_tag,
         outcome = tracing::field::Empty,
@@ -153,9 +152,14 @@ async fn settle_delivery(
         attempt,
         redelivered,
         delivery_count,
-        local_requeues: message_id
-            .as_deref()
-            .map(|id| lock(&shared.books.requeues).get(id)),
+        // Only a redelivery can have been requeued.
+        local_requeues: valid_id.map(|id| {
+            if redelivered {
+                lock(&shared.books.requeues).get(id)
+            } else {
+                0
+            }
+        }),
         scoped: shared.scope.is_some(),
     };
     let source = if refused {
@@ -183,11 +187,11 @@ async fn settle_delivery(
         shared,
         settler,
         entry,
-        message_id: message_id.as_deref(),
+        message_id: source.message_id(limits),
         span: span.clone(),
         acking,
     };
-    Box::pin(work.run(arrival, &source, handler.as_ref()))
+    work.run(arrival, &source, handler.as_ref())
         .instrument(span)
         .await;
 }
@@ -198,6 +202,21 @@ enum Source {
     Passed(Arc<Incoming>),
     /// The gate refused it: a copy carries only sanitized metadata.
     Refused(Box<Refused>),
+}
+
+impl Source {
+    /// The message's valid id, if it has one: the key of its requeue count.
+    fn message_id(&self, limits: &Limits) -> Option<&str> {
+        match self {
+            Self::Passed(incoming) => Some(incoming.message_id()),
+            Self::Refused(refused) => refused
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.as_str())
+                .filter(|id| is_token(id, limits.max_message_id_len)),
+        }
+    }
 }
 
 /// What a copy of a refused message is made from.
