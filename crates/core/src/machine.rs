@@ -163,6 +163,8 @@ pub struct Delivery<'p> {
     ran: Ran,
     reason: Option<Reason>,
     evidence: Notes,
+    /// The time of the latest input.
+    now: Instant,
 }
 
 impl<'p> Delivery<'p> {
@@ -193,6 +195,7 @@ impl<'p> Delivery<'p> {
             },
             reason: None,
             evidence: Notes::default(),
+            now,
         };
         match arrival.verdict {
             Verdict::Refused { rejection, reason } => {
@@ -209,9 +212,9 @@ impl<'p> Delivery<'p> {
         delivery
     }
 
-    /// The next action, handed out once. `authority` says whether the delivery may still be
-    /// settled: a copy is never published once it is lost.
-    pub fn poll_action(&mut self, authority: Authority, now: Instant) -> Option<Action> {
+    /// The next action, handed out once. `authority` is asked only before a copy would be
+    /// published: none is once authority is lost.
+    pub fn poll_action(&mut self, authority: impl FnOnce() -> Authority) -> Option<Action> {
         match &mut self.step {
             Step::Ready(action) => {
                 let action = *action;
@@ -221,10 +224,11 @@ impl<'p> Delivery<'p> {
             Step::Waiting(_) | Step::Arriving => None,
             Step::Settling(settlement) => match settlement.poll_action()? {
                 SettleAction::Publish { handoff, deadline } => {
-                    if authority == Authority::Lost {
+                    if authority() == Authority::Lost {
                         self.evidence.push(Evidence::AuthorityLost);
-                        settlement.handle_handoff(HandoffResult::Failed, authority, now);
-                        return self.poll_action(authority, now);
+                        // Without authority the settlement ends here: nothing more to do.
+                        settlement.handle_handoff(HandoffResult::Failed, Authority::Lost, self.now);
+                        return None;
                     }
                     self.evidence.push(Evidence::HandoffPublished);
                     Some(Action::Publish {
@@ -332,6 +336,7 @@ impl<'p> Delivery<'p> {
 
     /// Takes the evidence of the handoff publish.
     pub fn handle_handoff(&mut self, result: HandoffResult, authority: Authority, now: Instant) {
+        self.now = now;
         if let Step::Settling(settlement) = &mut self.step {
             self.evidence.push(if result == HandoffResult::Confirmed {
                 Evidence::HandoffConfirmed
@@ -425,6 +430,7 @@ impl<'p> Delivery<'p> {
     }
 
     fn settle(&mut self, plan: Plan, now: Instant) {
+        self.now = now;
         match plan {
             Plan::Abandon => self.evidence.push(Evidence::AuthorityLost),
             Plan::Ack => {} // the ACK follows at once; its outcome closes the entry

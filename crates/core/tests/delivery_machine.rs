@@ -48,9 +48,9 @@ fn evidence(d: &mut Delivery<'_>) -> Vec<Evidence> {
 fn success_runs_the_handler_then_acks() {
     let (p, now) = (policy(), Instant::now());
     let mut d = Delivery::new(arrival(Verdict::Dispatched), &p, HELD, now);
-    assert_eq!(d.poll_action(HELD, now), Some(Action::RunHandler));
+    assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
     assert_eq!(
-        d.poll_action(HELD, now),
+        d.poll_action(|| HELD),
         None,
         "each action is handed out once"
     );
@@ -61,9 +61,9 @@ fn success_runs_the_handler_then_acks() {
         HELD,
         now,
     );
-    assert_eq!(d.poll_action(HELD, now), Some(Action::Ack));
+    assert_eq!(d.poll_action(|| HELD), Some(Action::Ack));
     d.handle_settled(SettleResult::Written);
-    assert_eq!(d.poll_action(HELD, now), None);
+    assert_eq!(d.poll_action(|| HELD), None);
     assert_eq!(d.outcome(), Some(Outcome::Acked));
     assert_eq!(evidence(&mut d), [Evidence::HandlerReturned]);
     assert_eq!(d.reason().as_str(), "ok");
@@ -77,9 +77,9 @@ fn a_scope_commits_after_success_and_aborts_after_failure() {
         ..arrival(Verdict::Dispatched)
     };
     let mut d = Delivery::new(scoped.clone(), &p, HELD, now);
-    assert_eq!(d.poll_action(HELD, now), Some(Action::OpenScope));
+    assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
     d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
-    assert_eq!(d.poll_action(HELD, now), Some(Action::RunHandler));
+    assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
     d.handle_pipeline(
         PipelineResult::Succeeded,
         CleanupResult::Succeeded,
@@ -87,14 +87,14 @@ fn a_scope_commits_after_success_and_aborts_after_failure() {
         HELD,
         now,
     );
-    assert_eq!(d.poll_action(HELD, now), Some(Action::Commit));
+    assert_eq!(d.poll_action(|| HELD), Some(Action::Commit));
     d.handle_commit(TransactionOutcome::Committed, None, None, HELD, now);
-    assert_eq!(d.poll_action(HELD, now), Some(Action::Ack));
+    assert_eq!(d.poll_action(|| HELD), Some(Action::Ack));
 
     let mut d = Delivery::new(scoped, &p, HELD, now);
-    d.poll_action(HELD, now);
+    d.poll_action(|| HELD);
     d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
-    d.poll_action(HELD, now);
+    d.poll_action(|| HELD);
     let reason = Reason::new("stock service down");
     d.handle_pipeline(
         failed(FailureKind::Retryable),
@@ -103,9 +103,9 @@ fn a_scope_commits_after_success_and_aborts_after_failure() {
         HELD,
         now,
     );
-    assert_eq!(d.poll_action(HELD, now), Some(Action::Abort));
+    assert_eq!(d.poll_action(|| HELD), Some(Action::Abort));
     d.handle_aborted(HELD, now);
-    let Some(Action::Publish { handoff, copy, .. }) = d.poll_action(HELD, now) else {
+    let Some(Action::Publish { handoff, copy, .. }) = d.poll_action(|| HELD) else {
         panic!("a retryable failure hands off")
     };
     assert_eq!(copy, CopyOf::Original);
@@ -134,7 +134,7 @@ fn a_handoff_acks_only_after_its_confirm_and_requeues_otherwise() {
         ),
     ] {
         let mut d = Delivery::new(arrival(Verdict::Dispatched), &p, HELD, now);
-        d.poll_action(HELD, now);
+        d.poll_action(|| HELD);
         d.handle_pipeline(
             failed(FailureKind::Permanent),
             CleanupResult::Succeeded,
@@ -143,11 +143,11 @@ fn a_handoff_acks_only_after_its_confirm_and_requeues_otherwise() {
             now,
         );
         assert!(matches!(
-            d.poll_action(HELD, now),
+            d.poll_action(|| HELD),
             Some(Action::Publish { .. })
         ));
         d.handle_handoff(result, HELD, now);
-        let settle = d.poll_action(HELD, now).expect("a settle action");
+        let settle = d.poll_action(|| HELD).expect("a settle action");
         let expected = if result == HandoffResult::Confirmed {
             Action::Ack
         } else {
@@ -163,7 +163,7 @@ fn a_handoff_acks_only_after_its_confirm_and_requeues_otherwise() {
 fn no_copy_is_published_once_authority_is_lost() {
     let (p, now) = (policy(), Instant::now());
     let mut d = Delivery::new(arrival(Verdict::Dispatched), &p, HELD, now);
-    d.poll_action(HELD, now);
+    d.poll_action(|| HELD);
     d.handle_pipeline(
         failed(FailureKind::Permanent),
         CleanupResult::Succeeded,
@@ -171,7 +171,7 @@ fn no_copy_is_published_once_authority_is_lost() {
         HELD,
         now,
     );
-    assert_eq!(d.poll_action(Authority::Lost, now), None);
+    assert_eq!(d.poll_action(|| Authority::Lost), None);
     assert_eq!(d.outcome(), Some(Outcome::AuthorityLost));
     assert_eq!(
         evidence(&mut d),
@@ -192,7 +192,7 @@ fn a_refused_envelope_hands_off_sanitized_metadata_and_an_oversized_one_is_rejec
         reason: invalid.clone(),
     };
     let mut d = Delivery::new(arrival(refused), &p, HELD, now);
-    let Some(Action::Publish { handoff, copy, .. }) = d.poll_action(HELD, now) else {
+    let Some(Action::Publish { handoff, copy, .. }) = d.poll_action(|| HELD) else {
         panic!("an invalid envelope is dead-lettered")
     };
     assert_eq!((handoff.lane, copy), (Lane::DeadLetter, CopyOf::Sanitized));
@@ -203,7 +203,7 @@ fn a_refused_envelope_hands_off_sanitized_metadata_and_an_oversized_one_is_rejec
         reason: Reason::new("too big"),
     };
     let mut d = Delivery::new(arrival(oversized), &p, HELD, now);
-    assert_eq!(d.poll_action(HELD, now), Some(Action::Reject));
+    assert_eq!(d.poll_action(|| HELD), Some(Action::Reject));
     d.handle_settled(SettleResult::Written);
     assert_eq!(d.outcome(), Some(Outcome::RejectedToDlx));
 }
@@ -220,10 +220,10 @@ fn a_message_without_a_valid_id_is_at_the_requeue_limit_from_the_start() {
         ..arrival(refused)
     };
     let mut d = Delivery::new(unknown, &p, HELD, now);
-    d.poll_action(HELD, now);
+    d.poll_action(|| HELD);
     d.handle_handoff(HandoffResult::Returned, HELD, now);
     // No requeue: nothing could count it, so it could loop for ever.
-    assert_eq!(d.poll_action(HELD, now), None);
+    assert_eq!(d.poll_action(|| HELD), None);
     assert_eq!(
         d.outcome(),
         Some(Outcome::Unresolved(Unresolved::HandoffFailedAtRequeueLimit))
@@ -244,7 +244,7 @@ fn requeues_are_the_highest_of_broker_count_local_count_and_durable_deferrals() 
             HELD,
             now,
         );
-        d.poll_action(HELD, now);
+        d.poll_action(|| HELD);
         d.handle_scope(
             ScopeOpened::Defer {
                 reason: Reason::new("lease held"),
@@ -253,7 +253,7 @@ fn requeues_are_the_highest_of_broker_count_local_count_and_durable_deferrals() 
             HELD,
             now,
         );
-        d.poll_action(HELD, now)
+        d.poll_action(|| HELD)
     };
     let short = Some(Action::Hold(Duration::from_millis(100)));
     let long = Some(Action::Hold(Duration::from_secs(2)));
@@ -291,9 +291,9 @@ fn a_deferred_requeue_holds_first_and_a_deferral_at_the_limit_is_dead_lettered()
         HELD,
         now,
     );
-    d.poll_action(HELD, now);
+    d.poll_action(|| HELD);
     d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
-    d.poll_action(HELD, now);
+    d.poll_action(|| HELD);
     d.handle_pipeline(
         PipelineResult::Succeeded,
         CleanupResult::Succeeded,
@@ -301,7 +301,7 @@ fn a_deferred_requeue_holds_first_and_a_deferral_at_the_limit_is_dead_lettered()
         HELD,
         now,
     );
-    d.poll_action(HELD, now);
+    d.poll_action(|| HELD);
     d.handle_commit(
         TransactionOutcome::CommitAmbiguous,
         Some(4),
@@ -310,7 +310,7 @@ fn a_deferred_requeue_holds_first_and_a_deferral_at_the_limit_is_dead_lettered()
         now,
     );
     // Four durable deferrals: the limit.
-    let Some(Action::Publish { handoff, .. }) = d.poll_action(HELD, now) else {
+    let Some(Action::Publish { handoff, .. }) = d.poll_action(|| HELD) else {
         panic!("at the limit a deferral is dead-lettered")
     };
     assert_eq!(handoff.lane, Lane::DeadLetter);
@@ -324,7 +324,7 @@ fn a_deferred_requeue_holds_first_and_a_deferral_at_the_limit_is_dead_lettered()
         HELD,
         now,
     );
-    d.poll_action(HELD, now);
+    d.poll_action(|| HELD);
     d.handle_scope(
         ScopeOpened::Defer {
             reason: Reason::new("lease held"),
@@ -334,13 +334,13 @@ fn a_deferred_requeue_holds_first_and_a_deferral_at_the_limit_is_dead_lettered()
         now,
     );
     assert_eq!(
-        d.poll_action(HELD, now),
+        d.poll_action(|| HELD),
         Some(Action::Hold(Duration::from_millis(100)))
     );
-    assert_eq!(d.poll_action(HELD, now), None, "nothing while holding");
+    assert_eq!(d.poll_action(|| HELD), None, "nothing while holding");
     d.handle_held(now);
     assert_eq!(
-        d.poll_action(HELD, now),
+        d.poll_action(|| HELD),
         Some(Action::Requeue { counted: true })
     );
     d.handle_settled(SettleResult::Written);
@@ -360,7 +360,7 @@ fn requeue_counts_are_forgotten_only_when_a_redelivered_message_leaves_for_good(
             HELD,
             now,
         );
-        d.poll_action(HELD, now);
+        d.poll_action(|| HELD);
         let result = if ok {
             PipelineResult::Succeeded
         } else {
@@ -368,10 +368,10 @@ fn requeue_counts_are_forgotten_only_when_a_redelivered_message_leaves_for_good(
         };
         d.handle_pipeline(result, CleanupResult::Succeeded, None, HELD, now);
         if !ok {
-            d.poll_action(HELD, now);
+            d.poll_action(|| HELD);
             d.handle_held(now);
         }
-        d.poll_action(HELD, now);
+        d.poll_action(|| HELD);
         d.handle_settled(SettleResult::Written);
         d.forgets_requeues()
     };
@@ -552,7 +552,7 @@ mod properties {
             } else {
                 Authority::Lost
             };
-            let Some(action) = d.poll_action(auth, now) else {
+            let Some(action) = d.poll_action(|| auth) else {
                 break;
             };
             trace.actions.push(action);
@@ -577,7 +577,7 @@ mod properties {
                 }
             }
         }
-        assert_eq!(d.poll_action(HELD, now), None, "the machine came to rest");
+        assert_eq!(d.poll_action(|| HELD), None, "the machine came to rest");
         (trace, d.outcome())
     }
 

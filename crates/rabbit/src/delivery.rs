@@ -250,12 +250,15 @@ impl Work<'_> {
         let shared = self.shared;
         let policy = &shared.config.policy;
         let budget = policy.settlement_budget;
-        let mut machine = Machine::new(arrival, policy, self.authority(), Instant::now());
+        let start = Instant::now();
+        let mut machine = Machine::new(arrival, policy, self.authority(), start);
         let mut resources = Resources::new();
         let mut transaction = None;
+        // The time of the latest input to the machine; settlement is timed from there.
+        let mut last = start;
         let mut settling_since = None;
         loop {
-            let action = machine.poll_action(self.authority(), Instant::now());
+            let action = machine.poll_action(|| self.authority());
             self.note(&mut machine);
             let Some(action) = action else { break };
             match action {
@@ -282,14 +285,15 @@ impl Work<'_> {
                             ScopeOpened::Defer { reason, deferrals }
                         }
                     };
-                    machine.handle_scope(opened, self.authority(), Instant::now());
+                    last = Instant::now();
+                    machine.handle_scope(opened, self.authority(), last);
                 }
                 Action::RunHandler => {
                     let (Some(handler), Source::Passed(incoming)) = (handler, source) else {
                         unreachable!("the machine runs a handler only for a dispatched delivery")
                     };
                     let cancel = DeliveryCancel::new(&shared.signals.handlers);
-                    let started = Instant::now();
+                    let began = Instant::now();
                     let out = pipeline::run(
                         handler,
                         &shared.hooks,
@@ -299,32 +303,34 @@ impl Work<'_> {
                         shared.config.handler_timeout,
                     )
                     .await;
+                    last = Instant::now();
                     shared
                         .metrics
                         .handler_duration
-                        .record(started.elapsed().as_secs_f64());
-                    let now = Instant::now();
+                        .record((last - began).as_secs_f64());
                     let authority = self.authority();
-                    machine.handle_pipeline(out.result, out.cleanup, out.reason, authority, now);
+                    machine.handle_pipeline(out.result, out.cleanup, out.reason, authority, last);
                 }
                 Action::Commit => {
                     let committed = match transaction.take() {
                         Some(t) => t.commit(budget).await,
                         None => unreachable!("the machine commits only an open transaction"),
                     };
+                    last = Instant::now();
                     machine.handle_commit(
                         committed.outcome,
                         committed.deferrals,
                         committed.reason,
                         self.authority(),
-                        Instant::now(),
+                        last,
                     );
                 }
                 Action::Abort => {
                     if let Some(t) = transaction.take() {
                         t.abort().await;
                     }
-                    machine.handle_aborted(self.authority(), Instant::now());
+                    last = Instant::now();
+                    machine.handle_aborted(self.authority(), last);
                 }
                 Action::Hold(delay) => {
                     // Give what the deferral waits for time to change; shutdown cuts it short.
@@ -333,14 +339,15 @@ impl Work<'_> {
                         () = wait => {}
                         () = shared.signals.handlers.cancelled() => {}
                     }
-                    machine.handle_held(Instant::now());
+                    last = Instant::now();
+                    machine.handle_held(last);
                 }
                 Action::Publish {
                     handoff,
                     copy,
                     deadline,
                 } => {
-                    settling_since.get_or_insert_with(Instant::now);
+                    settling_since.get_or_insert(last);
                     // Boxed: the publish future is large and most deliveries never hand off;
                     // keeping it inline would grow every delivery's task.
                     let reason = machine.reason();
@@ -349,10 +356,11 @@ impl Work<'_> {
                     if result != HandoffResult::Confirmed {
                         warn!(handoff = ?handoff.lane, ?result, "handoff failed");
                     }
-                    machine.handle_handoff(result, self.authority(), Instant::now());
+                    last = Instant::now();
+                    machine.handle_handoff(result, self.authority(), last);
                 }
                 Action::Ack | Action::Requeue { .. } | Action::Reject => {
-                    settling_since.get_or_insert_with(Instant::now);
+                    settling_since.get_or_insert(last);
                     if let (Action::Requeue { counted: true }, Some(id)) = (action, self.message_id)
                     {
                         // Counted before the NACK is written: the redelivery can arrive before
