@@ -76,6 +76,59 @@ fn long(text: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(text.as_bytes().to_vec()))
 }
 
+/// Fails every message: retryably when its id starts with `r`, permanently otherwise.
+fn failing_router() -> Router {
+    Router::new().route("order.placed", |meta: Meta| async move {
+        if meta.message_id().starts_with('r') {
+            Err(QueueHandlerError::retryable("downstream down"))
+        } else {
+            Err(QueueHandlerError::permanent("malformed order"))
+        }
+    })
+}
+
+/// Publishes `retryable` messages `r-<tag>-<i>`, and one `p-<tag>-<i>` after every
+/// `retryable / permanent` of them; records each id.
+async fn publish_mix(
+    client: &Client,
+    queue: &str,
+    tag: &str,
+    (retryable, permanent): (usize, usize),
+    ids: (&mut Vec<String>, &mut Vec<String>),
+) {
+    for i in 0..retryable {
+        let id = format!("r-{tag}-{i}");
+        client
+            .publish(queue, b"{}", props(&id, "order.placed"))
+            .await;
+        ids.0.push(id);
+        if i % (retryable / permanent) == 0 {
+            let id = format!("p-{tag}-{i}");
+            client
+                .publish(queue, b"{}", props(&id, "order.placed"))
+                .await;
+            ids.1.push(id);
+        }
+    }
+}
+
+/// Nothing left behind in the work queue or the parking lane, and Lily's totals match what the
+/// broker holds.
+async fn assert_nothing_else(
+    client: &Client,
+    queue: &str,
+    report: &ShutdownReport,
+    (retried, dead_lettered): (usize, usize),
+) {
+    let work = client.drain_ids(queue).await;
+    assert!(work.is_empty(), "work queue still holds {work:?}");
+    let parked = client.drain_ids(&format!("{queue}.parking")).await;
+    assert!(parked.is_empty(), "parking holds {parked:?}");
+    assert_eq!(report.totals.retried, retried as u64);
+    assert_eq!(report.totals.dead_lettered, dead_lettered as u64);
+    assert!(report.clean, "{:?}", report.unresolved);
+}
+
 /// Rounds of hundreds of concurrent handoffs at prefetch 50: retryable failures whose copies
 /// are routed to their bucket, and permanent failures whose DLQ copies are returned because the
 /// DLQ was deleted (restored at the end of each round). A return attributed to the wrong
@@ -90,13 +143,7 @@ async fn concurrent_handoffs_are_attributed_by_identity(kind: QueueKind) {
 
     let broker = Broker::from_env();
     let queue = Broker::unique("attribution");
-    let router = Router::new().route("order.placed", |meta: Meta| async move {
-        if meta.message_id().starts_with('r') {
-            Err(QueueHandlerError::retryable("downstream down"))
-        } else {
-            Err(QueueHandlerError::permanent("malformed order"))
-        }
-    });
+    let router = failing_router();
     let policy = common::fast_policy()
         .max_attempts(2)
         .retry_delays([PARKED])
@@ -120,20 +167,15 @@ async fn concurrent_handoffs_are_attributed_by_identity(kind: QueueKind) {
             }
         }
         client.delete(&dlq).await;
-        for i in 0..RETRYABLE {
-            let id = format!("r-{round}-{i}");
-            client
-                .publish(&queue, b"{}", props(&id, "order.placed"))
-                .await;
-            retryable.push(id);
-            if i % (RETRYABLE / PERMANENT) == 0 {
-                let id = format!("p-{round}-{i}");
-                client
-                    .publish(&queue, b"{}", props(&id, "order.placed"))
-                    .await;
-                permanent.push(id);
-            }
-        }
+        let ids = (&mut retryable, &mut permanent);
+        publish_mix(
+            &client,
+            &queue,
+            &round.to_string(),
+            (RETRYABLE, PERMANENT),
+            ids,
+        )
+        .await;
         let routed = retryable.len() as u32;
         // A timeout here is not the verdict: the drain by id at the end says which ids are
         // missing or doubled.
@@ -147,19 +189,14 @@ async fn concurrent_handoffs_are_attributed_by_identity(kind: QueueKind) {
     }
     let report = running.stop().await;
 
-    let work = client.drain_ids(&queue).await;
-    assert!(work.is_empty(), "work queue still holds {work:?}");
     assert_exactly_once(&bucket, &client.drain_ids(&bucket).await, &retryable);
     for (id, n) in client.drain_ids(&dlq).await {
         *dead_lettered.entry(id).or_insert(0) += n;
     }
     assert_exactly_once(&dlq, &dead_lettered, &permanent);
-    let parked = client.drain_ids(&format!("{queue}.parking")).await;
-    assert!(parked.is_empty(), "parking holds {parked:?}");
     // Lily's claims, held against what the broker holds.
-    assert_eq!(report.totals.retried, retryable.len() as u64);
-    assert_eq!(report.totals.dead_lettered, permanent.len() as u64);
-    assert!(report.clean, "{:?}", report.unresolved);
+    let counts = (retryable.len(), permanent.len());
+    assert_nothing_else(&client, &queue, &report, counts).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -187,13 +224,7 @@ async fn timed_out_confirms_are_drained_and_never_taken_for_later_evidence(kind:
     let proxy = lily_mq_testkit::FaultProxy::start(broker.addr()).await;
     proxy.disarm();
     let queue = Broker::unique("unconfirmed");
-    let router = Router::new().route("order.placed", |meta: Meta| async move {
-        if meta.message_id().starts_with('r') {
-            Err(QueueHandlerError::retryable("downstream down"))
-        } else {
-            Err(QueueHandlerError::permanent("malformed order"))
-        }
-    });
+    let router = failing_router();
     let policy = common::fast_policy()
         .max_attempts(2)
         .retry_delays([PARKED])
@@ -211,20 +242,8 @@ async fn timed_out_confirms_are_drained_and_never_taken_for_later_evidence(kind:
 
     proxy.swallow_confirms(1);
     let (mut retryable, mut permanent) = (Vec::new(), Vec::new());
-    for i in 0..RETRYABLE {
-        let id = format!("r-{i}");
-        client
-            .publish(&queue, b"{}", props(&id, "order.placed"))
-            .await;
-        retryable.push(id);
-        if i % (RETRYABLE / PERMANENT) == 0 {
-            let id = format!("p-{i}");
-            client
-                .publish(&queue, b"{}", props(&id, "order.placed"))
-                .await;
-            permanent.push(id);
-        }
-    }
+    let ids = (&mut retryable, &mut permanent);
+    publish_mix(&client, &queue, "0", (RETRYABLE, PERMANENT), ids).await;
     // Several handoff deadlines: batches time out, their channels are dropped, originals are
     // requeued and handed off again.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -261,8 +280,6 @@ async fn timed_out_confirms_are_drained_and_never_taken_for_later_evidence(kind:
         .await;
     let report = running.stop().await;
 
-    let work = client.drain_ids(&queue).await;
-    assert!(work.is_empty(), "work queue still holds {work:?}");
     // Copies whose confirm was swallowed exist as well: at least once each, nothing else.
     let copies = client.drain_ids(&bucket).await;
     let missing: Vec<_> = retryable
@@ -275,11 +292,8 @@ async fn timed_out_confirms_are_drained_and_never_taken_for_later_evidence(kind:
         "{bucket}: ids that do not belong: {copies:?}"
     );
     assert_exactly_once(&dlq, &client.drain_ids(&dlq).await, &permanent);
-    let parked = client.drain_ids(&format!("{queue}.parking")).await;
-    assert!(parked.is_empty(), "parking holds {parked:?}");
-    assert_eq!(report.totals.retried, retryable.len() as u64);
-    assert_eq!(report.totals.dead_lettered, permanent.len() as u64);
-    assert!(report.clean, "{:?}", report.unresolved);
+    let counts = (retryable.len(), permanent.len());
+    assert_nothing_else(&client, &queue, &report, counts).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
