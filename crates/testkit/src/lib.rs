@@ -5,10 +5,12 @@
 //! reach its broker never passes.
 
 mod mongo;
+mod process;
 mod proxy;
 mod tcp_proxy;
 
 pub use mongo::MongoNode;
+pub use process::ChildProcess;
 pub use proxy::FaultProxy;
 pub use tcp_proxy::TcpProxy;
 

@@ -3,35 +3,29 @@
 //! real mongod replica set. Every test counts the effects in the database.
 
 use std::os::unix::process::ExitStatusExt;
-use std::process::{ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use lapin::BasicProperties;
 use lily_mq_mongo::mongodb::bson::{Bson, Document, doc};
 use lily_mq_mongo::mongodb::{self, Database};
-use lily_mq_testkit::{Broker, Client, MongoNode};
+use lily_mq_testkit::{Broker, ChildProcess, Client, MongoNode};
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
-use tokio::process::{Child, Command};
-use tokio::task::JoinHandle;
+use tokio::process::Command;
 
 const SKU: &str = "SKU-T";
 const SEEDED: i64 = 10;
 const QUANTITY: i64 = 3;
 
 /// A running `inbox serve` and what it printed.
-struct Service {
-    child: Child,
-    stderr: Arc<Mutex<Vec<String>>>,
-    stdout: Option<JoinHandle<String>>,
-}
+struct Service(ChildProcess);
 
 impl Service {
     fn start(queue: &str, database: &str, env: &[(&str, &str)]) -> Self {
         let broker = Broker::from_env();
         let node = MongoNode::from_env();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_inbox"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_inbox"));
+        command
             .arg("serve")
             .env("LILY_AMQP_URL", broker.url())
             .env("LILY_MONGO_URL", node.url())
@@ -39,92 +33,32 @@ impl Service {
             .env("LILY_QUEUE", queue)
             .env("RUST_LOG", "warn,lily_mq_rabbit=info")
             .env_remove("INBOX_FAULT")
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("spawn inbox serve");
-        let stderr = Arc::new(Mutex::new(Vec::new()));
-        let lines = Arc::clone(&stderr);
-        let pipe = child.stderr.take().expect("stderr");
-        tokio::spawn(async move {
-            let mut reader = BufReader::new(pipe).lines();
-            while let Ok(Some(line)) = reader.next_line().await {
-                lines.lock().unwrap().push(line);
-            }
-        });
-        let mut out = child.stdout.take().expect("stdout");
-        let stdout = tokio::spawn(async move {
-            let mut text = String::new();
-            let _ = out.read_to_string(&mut text).await;
-            text
-        });
-        Self {
-            child,
-            stderr,
-            stdout: Some(stdout),
-        }
+            .envs(env.iter().copied());
+        Self(ChildProcess::spawn(command))
     }
 
     fn log(&self) -> String {
-        self.stderr.lock().unwrap().join("\n")
-    }
-
-    /// Waits for a stderr line containing `needle`.
-    async fn wait_for_line(&self, needle: &str, timeout: Duration) {
-        let start = Instant::now();
-        while !self
-            .stderr
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|l| l.contains(needle))
-        {
-            assert!(
-                start.elapsed() < timeout,
-                "no stderr line with {needle:?}; got:\n{}",
-                self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+        self.0.log()
     }
 
     /// Waits until the consumer is consuming.
     async fn ready(&self) {
-        self.wait_for_line("consuming", Duration::from_secs(30))
+        self.0
+            .wait_for_line("consuming", Duration::from_secs(30))
             .await;
     }
 
     fn sigterm(&self) {
-        let pid = self.child.id().expect("running").to_string();
-        let status = std::process::Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .expect("kill");
-        assert!(status.success(), "kill -TERM {pid}");
+        self.0.signal("TERM");
     }
 
     async fn exit(&mut self, timeout: Duration) -> ExitStatus {
-        tokio::time::timeout(timeout, self.child.wait())
-            .await
-            .unwrap_or_else(|_| {
-                panic!(
-                    "service did not exit within {timeout:?}; stderr:\n{}",
-                    self.log()
-                )
-            })
-            .expect("wait")
+        self.0.exit(timeout).await.0
     }
 
     /// The shutdown report the service printed on stdout (after it exited).
     async fn report(&mut self) -> Value {
-        let text = self
-            .stdout
-            .take()
-            .expect("report read once")
-            .await
-            .expect("stdout reader");
+        let text = self.0.stdout().await;
         serde_json::from_str(&text).unwrap_or_else(|e| {
             panic!(
                 "report is not JSON ({e}): {text:?}\nstderr:\n{}",

@@ -2,20 +2,18 @@
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::process::{ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use lapin::BasicProperties;
-use lily_mq_testkit::{Broker, Client, TcpProxy};
+use lily_mq_testkit::{Broker, ChildProcess, Client, TcpProxy};
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::process::{Child, Command};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::Command;
 
-/// A running service and what it printed on stderr.
+/// A running service, what it printed on stderr, and where it writes its report.
 struct Service {
-    child: Child,
-    stderr: Arc<Mutex<Vec<String>>>,
+    process: ChildProcess,
     dir: PathBuf,
     report: PathBuf,
     termination_log: PathBuf,
@@ -34,30 +32,16 @@ impl Service {
         let report = dir.join("report.json");
         let termination_log = dir.join("termination-log");
         std::fs::write(&termination_log, b"").expect("termination log");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_k8s-shutdown"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_k8s-shutdown"));
+        command
             .env("LILY_AMQP_URL", url)
             .env("LILY_QUEUE", queue)
             .env("LILY_REPORT_FILE", &report)
             .env("LILY_TERMINATION_LOG", &termination_log)
             .env("RUST_LOG", "info")
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("spawn k8s-shutdown");
-        let stderr = Arc::new(Mutex::new(Vec::new()));
-        let lines = Arc::clone(&stderr);
-        let pipe = child.stderr.take().expect("stderr");
-        tokio::spawn(async move {
-            let mut reader = BufReader::new(pipe).lines();
-            while let Ok(Some(line)) = reader.next_line().await {
-                lines.lock().unwrap().push(line);
-            }
-        });
+            .envs(env.iter().copied());
         Self {
-            child,
-            stderr,
+            process: ChildProcess::spawn(command),
             dir,
             report,
             termination_log,
@@ -66,47 +50,15 @@ impl Service {
 
     /// Waits for a stderr line containing `needle`.
     async fn wait_for_line(&self, needle: &str, timeout: Duration) -> String {
-        let start = Instant::now();
-        loop {
-            if let Some(line) = self
-                .stderr
-                .lock()
-                .unwrap()
-                .iter()
-                .find(|l| l.contains(needle))
-            {
-                return line.clone();
-            }
-            assert!(
-                start.elapsed() < timeout,
-                "no stderr line with {needle:?}; got:\n{}",
-                self.stderr.lock().unwrap().join("\n")
-            );
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+        self.process.wait_for_line(needle, timeout).await
     }
 
     fn signal(&self, name: &str) {
-        let pid = self.child.id().expect("running").to_string();
-        let status = std::process::Command::new("kill")
-            .args([&format!("-{name}"), &pid])
-            .status()
-            .expect("kill");
-        assert!(status.success(), "kill -{name} {pid}");
+        self.process.signal(name);
     }
 
     async fn exit(&mut self, timeout: Duration) -> (ExitStatus, Duration) {
-        let start = Instant::now();
-        let status = tokio::time::timeout(timeout, self.child.wait())
-            .await
-            .unwrap_or_else(|_| {
-                panic!(
-                    "service did not exit within {timeout:?}; stderr:\n{}",
-                    self.stderr.lock().unwrap().join("\n")
-                )
-            })
-            .expect("wait");
-        (status, start.elapsed())
+        self.process.exit(timeout).await
     }
 
     fn report(&self) -> Value {
