@@ -141,21 +141,15 @@ async fn concurrent_handoffs_are_attributed_by_identity(kind: QueueKind) {
     // never hold every slot.
     const PERMANENT: usize = 40;
 
-    let broker = Broker::from_env();
-    let queue = Broker::unique("attribution");
-    let router = failing_router();
     let policy = common::fast_policy()
         .max_attempts(2)
         .retry_delays([PARKED])
         .max_requeues(100_000);
-    let cfg = config(&queue, kind)
-        .policy(policy)
-        .prefetch(50)
-        .concurrency(50);
-    let running = common::start(broker.url(), cfg, router);
-    let client = Client::connect(broker.url()).await;
+    let (broker, queue, client, running) = common::scenario("attribution", failing_router(), |q| {
+        config(q, kind).policy(policy).prefetch(50).concurrency(50)
+    })
+    .await;
     let (bucket, dlq) = (format!("{queue}.retry.10m"), format!("{queue}.dlq"));
-    running.wait_ready().await;
 
     let (mut retryable, mut permanent) = (Vec::new(), Vec::new());
     let mut dead_lettered = BTreeMap::new();

@@ -10,10 +10,9 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{config, props, start};
+use common::{config, props};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lily::prelude::*;
-use lily_mq_testkit::{Broker, Client};
 use tracing_subscriber::EnvFilter;
 
 const MARKER: &str = "MARKER-7f3a-SECRET";
@@ -45,8 +44,6 @@ async fn no_body_or_header_value_reaches_any_log_line() {
         .with_ansi(false)
         .init();
 
-    let broker = Broker::from_env();
-    let queue = Broker::unique("no-bodies");
     let router = Router::new().route("order.placed", |meta: Meta| async move {
         match meta.message_id().split('-').next() {
             Some("ok") => Ok(()),
@@ -54,9 +51,8 @@ async fn no_body_or_header_value_reaches_any_log_line() {
             _ => Err(QueueHandlerError::permanent("malformed order")),
         }
     });
-    let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
-    let client = Client::connect(broker.url()).await;
-    running.wait_ready().await;
+    let (_, queue, client, running) =
+        common::scenario("no-bodies", router, |q| config(q, QueueKind::Classic)).await;
     // The DLQ is gone: every dead-letter copy comes back as a return.
     client.delete(&format!("{queue}.dlq")).await;
 

@@ -13,8 +13,6 @@ const WAIT: Duration = Duration::from_secs(60);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unroutable_handoff_nacks_original_once_per_delivery_and_never_loses_it() {
-    let broker = Broker::from_env();
-    let queue = Broker::unique("unroutable");
     let calls = Calls::default();
     let seen = calls.clone();
     let router = Router::new().route("order.placed", move |meta: Meta| {
@@ -24,9 +22,8 @@ async fn unroutable_handoff_nacks_original_once_per_delivery_and_never_loses_it(
             Err(QueueHandlerError::retryable("downstream down"))
         }
     });
-    let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
-    let client = Client::connect(broker.url()).await;
-    running.wait_ready().await;
+    let (_, queue, client, running) =
+        common::scenario("unroutable", router, |q| config(q, QueueKind::Classic)).await;
     // The bucket disappears: the mandatory retry publish comes back unroutable.
     client.delete(&format!("{queue}.retry.1s")).await;
     client

@@ -24,8 +24,6 @@ fn order(quantity: u32) -> Vec<u8> {
 }
 
 async fn success_path(kind: QueueKind) {
-    let broker = Broker::from_env();
-    let queue = Broker::unique("success");
     let calls = Calls::default();
     let seen = calls.clone();
     let router = Router::new().route("order.placed", move |Json(o): Json<Order>, meta: Meta| {
@@ -36,9 +34,8 @@ async fn success_path(kind: QueueKind) {
             Ok(())
         }
     });
-    let running = start(broker.url(), config(&queue, kind), router);
-    let client = Client::connect(broker.url()).await;
-    common::wait_declared(broker.url(), &queue).await;
+    let (_, queue, client, running) =
+        common::scenario("success", router, |q| config(q, kind)).await;
     for i in 0..20 {
         client
             .publish(&queue, &order(2), props(&format!("m-{i}"), "order.placed"))
@@ -76,8 +73,6 @@ async fn concurrency_below_prefetch_bounds_running_handlers() {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    let broker = Broker::from_env();
-    let queue = Broker::unique("concurrency");
     let running_now = Arc::new(AtomicUsize::new(0));
     let most = Arc::new(AtomicUsize::new(0));
     let (now, peak) = (Arc::clone(&running_now), Arc::clone(&most));
@@ -92,12 +87,10 @@ async fn concurrency_below_prefetch_bounds_running_handlers() {
             Ok(())
         }
     });
-    let config = config(&queue, QueueKind::Classic)
-        .prefetch(20)
-        .concurrency(3);
-    let running = start(broker.url(), config, router);
-    let client = Client::connect(broker.url()).await;
-    common::wait_declared(broker.url(), &queue).await;
+    let (_, queue, client, running) = common::scenario("concurrency", router, |q| {
+        config(q, QueueKind::Classic).prefetch(20).concurrency(3)
+    })
+    .await;
     for i in 0..40 {
         client
             .publish(&queue, &order(1), props(&format!("c-{i}"), "order.placed"))
@@ -121,8 +114,6 @@ async fn concurrency_below_prefetch_bounds_running_handlers() {
 /// shutdown it must be back in the queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_delivery_is_never_covered_by_the_acks_of_later_ones() {
-    let broker = Broker::from_env();
-    let queue = Broker::unique("held");
     let router = Router::new().route("order.placed", move |Json(o): Json<Order>| async move {
         if o.quantity == 0 {
             // Held until the consumer is forced down.
@@ -130,13 +121,13 @@ async fn a_held_delivery_is_never_covered_by_the_acks_of_later_ones() {
         }
         Ok(())
     });
-    let config = config(&queue, QueueKind::Quorum)
-        .prefetch(50)
-        .concurrency(50)
-        .handler_timeout(Duration::from_secs(300));
-    let running = start(broker.url(), config, router);
-    let client = Client::connect(broker.url()).await;
-    common::wait_declared(broker.url(), &queue).await;
+    let (broker, queue, client, running) = common::scenario("held", router, |q| {
+        config(q, QueueKind::Quorum)
+            .prefetch(50)
+            .concurrency(50)
+            .handler_timeout(Duration::from_secs(300))
+    })
+    .await;
     for i in 0..51 {
         let (body, id) = match i {
             20 => (order(0), "held".to_owned()),
@@ -177,8 +168,6 @@ async fn a_held_delivery_is_never_covered_by_the_acks_of_later_ones() {
 }
 
 async fn retry_then_success(kind: QueueKind) {
-    let broker = Broker::from_env();
-    let queue = Broker::unique("retry");
     let calls = Calls::default();
     let seen = calls.clone();
     let router = Router::new().route("order.placed", move |meta: Meta| {
@@ -192,9 +181,7 @@ async fn retry_then_success(kind: QueueKind) {
             }
         }
     });
-    let running = start(broker.url(), config(&queue, kind), router);
-    let client = Client::connect(broker.url()).await;
-    common::wait_declared(broker.url(), &queue).await;
+    let (_, queue, client, running) = common::scenario("retry", router, |q| config(q, kind)).await;
     client
         .publish(&queue, &order(1), props("retry-1", "order.placed"))
         .await;
@@ -285,14 +272,11 @@ async fn retryable_failure_retries_then_succeeds_on_quorum() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attempts_exhausted_goes_to_dlq_with_failure_headers_and_message_id() {
-    let broker = Broker::from_env();
-    let queue = Broker::unique("exhaust");
     let router = Router::new().route("order.placed", |_: Meta| async {
         Err(QueueHandlerError::retryable("warehouse closed"))
     });
-    let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
-    let client = Client::connect(broker.url()).await;
-    common::wait_declared(broker.url(), &queue).await;
+    let (_, queue, client, running) =
+        common::scenario("exhaust", router, |q| config(q, QueueKind::Classic)).await;
     let mut original = props("doomed-1", "order.placed");
     let mut headers = FieldTable::default();
     headers.insert(
@@ -350,8 +334,6 @@ async fn attempts_exhausted_goes_to_dlq_with_failure_headers_and_message_id() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn permanent_failure_and_unknown_type_go_straight_to_dlq() {
-    let broker = Broker::from_env();
-    let queue = Broker::unique("permanent");
     let calls = Calls::default();
     let seen = calls.clone();
     let router = Router::new().route("order.placed", move |Json(o): Json<Order>, meta: Meta| {
@@ -364,9 +346,8 @@ async fn permanent_failure_and_unknown_type_go_straight_to_dlq() {
             Ok(())
         }
     });
-    let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
-    let client = Client::connect(broker.url()).await;
-    common::wait_declared(broker.url(), &queue).await;
+    let (_, queue, client, running) =
+        common::scenario("permanent", router, |q| config(q, QueueKind::Classic)).await;
     client
         .publish(&queue, &order(0), props("zero", "order.placed"))
         .await;
@@ -501,8 +482,6 @@ async fn oversized_body_is_rejected_to_broker_dlx_without_calling_handler() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_envelope_goes_to_dlq_with_sanitized_reason_without_calling_handler() {
-    let broker = Broker::from_env();
-    let queue = Broker::unique("invalid");
     let calls = Calls::default();
     let seen = calls.clone();
     let router = Router::new().route("order.placed", move |meta: Meta| {
@@ -512,9 +491,8 @@ async fn invalid_envelope_goes_to_dlq_with_sanitized_reason_without_calling_hand
             Ok(())
         }
     });
-    let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
-    let client = Client::connect(broker.url()).await;
-    common::wait_declared(broker.url(), &queue).await;
+    let (_, queue, client, running) =
+        common::scenario("invalid", router, |q| config(q, QueueKind::Classic)).await;
     // No type property.
     let untyped = BasicProperties::default().with_message_id("no-type".into());
     client.publish(&queue, &order(1), untyped).await;
@@ -584,8 +562,6 @@ async fn invalid_envelope_goes_to_dlq_with_sanitized_reason_without_calling_hand
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handler_panic_is_retried_and_consumer_stays_alive() {
-    let broker = Broker::from_env();
-    let queue = Broker::unique("panic");
     let calls = Calls::default();
     let seen = calls.clone();
     let router = Router::new().route("order.placed", move |meta: Meta| {
@@ -598,9 +574,8 @@ async fn handler_panic_is_retried_and_consumer_stays_alive() {
             Ok(())
         }
     });
-    let running = start(broker.url(), config(&queue, QueueKind::Classic), router);
-    let client = Client::connect(broker.url()).await;
-    common::wait_declared(broker.url(), &queue).await;
+    let (_, queue, client, running) =
+        common::scenario("panic", router, |q| config(q, QueueKind::Classic)).await;
     client
         .publish(&queue, &order(1), props("boom", "order.placed"))
         .await;
@@ -623,8 +598,6 @@ async fn handler_panic_is_retried_and_consumer_stays_alive() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handler_timeout_is_retried_and_fires_the_cancellation_token() {
-    let broker = Broker::from_env();
-    let queue = Broker::unique("timeout");
     let cancelled = Calls::default();
     let seen = cancelled.clone();
     let router = Router::new().route(
@@ -645,10 +618,10 @@ async fn handler_timeout_is_retried_and_fires_the_cancellation_token() {
             }
         },
     );
-    let cfg = config(&queue, QueueKind::Classic).handler_timeout(Duration::from_millis(300));
-    let running = start(broker.url(), cfg, router);
-    let client = Client::connect(broker.url()).await;
-    common::wait_declared(broker.url(), &queue).await;
+    let (_, queue, client, running) = common::scenario("timeout", router, |q| {
+        config(q, QueueKind::Classic).handler_timeout(Duration::from_millis(300))
+    })
+    .await;
     client
         .publish(&queue, &order(1), props("slow", "order.placed"))
         .await;

@@ -8,7 +8,7 @@ use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lily::prelude::*;
 use lily::rabbit::Stats;
-use lily_mq_testkit::eventually;
+use lily_mq_testkit::{Broker, Client, eventually};
 use tokio::task::JoinHandle;
 
 /// A policy with short delays so tests run in seconds.
@@ -45,6 +45,23 @@ pub struct Running {
     pub shutdown: Shutdown,
     join: JoinHandle<Result<ShutdownReport, lily::rabbit::Error>>,
     pub stats: Stats,
+}
+
+/// The common start of a test: a fresh queue named after `prefix`, a consumer of it with the
+/// configuration `configure` makes for that name (usually [`config`], adjusted), already
+/// consuming, and a client on the broker. Returns the broker, the queue, the client and the
+/// consumer.
+pub async fn scenario(
+    prefix: &str,
+    router: Router,
+    configure: impl FnOnce(&str) -> ConsumerConfig,
+) -> (Broker, String, Client, Running) {
+    let broker = Broker::from_env();
+    let queue = Broker::unique(prefix);
+    let running = start(broker.url(), configure(&queue), router);
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    (broker, queue, client, running)
 }
 
 pub fn start(url: &str, config: ConsumerConfig, router: Router) -> Running {
