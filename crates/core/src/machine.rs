@@ -168,9 +168,14 @@ pub struct Delivery<'p> {
 }
 
 impl<'p> Delivery<'p> {
-    /// A delivery that arrived; `authority` and `now` are used when the gate or dispatch
+    /// A delivery that arrived at `now`; `authority` is asked only when the gate or dispatch
     /// already decided its plan.
-    pub fn new(arrival: Arrival, policy: &'p Policy, authority: Authority, now: Instant) -> Self {
+    pub fn new(
+        arrival: Arrival,
+        policy: &'p Policy,
+        authority: impl FnOnce() -> Authority,
+        now: Instant,
+    ) -> Self {
         let counted = arrival.local_requeues.is_some();
         let requeues = match arrival.local_requeues {
             // Nothing can count its requeues: at the limit from the start.
@@ -204,7 +209,7 @@ impl<'p> Delivery<'p> {
                 delivery.settle(decide_at_gate(&rejection), now);
             }
             Verdict::Undispatched(reason) => {
-                delivery.decided(PipelineResult::NotDispatched, reason, authority, now);
+                delivery.decided(PipelineResult::NotDispatched, reason, authority(), now);
             }
             Verdict::Dispatched if arrival.scoped => delivery.step = Step::Ready(Action::OpenScope),
             Verdict::Dispatched => delivery.step = Step::Ready(Action::RunHandler),

@@ -47,7 +47,7 @@ fn evidence(d: &mut Delivery<'_>) -> Vec<Evidence> {
 #[test]
 fn success_runs_the_handler_then_acks() {
     let (p, now) = (policy(), Instant::now());
-    let mut d = Delivery::new(arrival(Verdict::Dispatched), &p, HELD, now);
+    let mut d = Delivery::new(arrival(Verdict::Dispatched), &p, || HELD, now);
     assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
     assert_eq!(
         d.poll_action(|| HELD),
@@ -76,7 +76,7 @@ fn a_scope_commits_after_success_and_aborts_after_failure() {
         scoped: true,
         ..arrival(Verdict::Dispatched)
     };
-    let mut d = Delivery::new(scoped.clone(), &p, HELD, now);
+    let mut d = Delivery::new(scoped.clone(), &p, || HELD, now);
     assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
     d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
     assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
@@ -91,7 +91,7 @@ fn a_scope_commits_after_success_and_aborts_after_failure() {
     d.handle_commit(TransactionOutcome::Committed, None, None, HELD, now);
     assert_eq!(d.poll_action(|| HELD), Some(Action::Ack));
 
-    let mut d = Delivery::new(scoped, &p, HELD, now);
+    let mut d = Delivery::new(scoped, &p, || HELD, now);
     d.poll_action(|| HELD);
     d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
     d.poll_action(|| HELD);
@@ -133,7 +133,7 @@ fn a_handoff_acks_only_after_its_confirm_and_requeues_otherwise() {
             Outcome::Requeued(RequeueCause::HandoffFailed),
         ),
     ] {
-        let mut d = Delivery::new(arrival(Verdict::Dispatched), &p, HELD, now);
+        let mut d = Delivery::new(arrival(Verdict::Dispatched), &p, || HELD, now);
         d.poll_action(|| HELD);
         d.handle_pipeline(
             failed(FailureKind::Permanent),
@@ -162,7 +162,7 @@ fn a_handoff_acks_only_after_its_confirm_and_requeues_otherwise() {
 #[test]
 fn no_copy_is_published_once_authority_is_lost() {
     let (p, now) = (policy(), Instant::now());
-    let mut d = Delivery::new(arrival(Verdict::Dispatched), &p, HELD, now);
+    let mut d = Delivery::new(arrival(Verdict::Dispatched), &p, || HELD, now);
     d.poll_action(|| HELD);
     d.handle_pipeline(
         failed(FailureKind::Permanent),
@@ -191,7 +191,7 @@ fn a_refused_envelope_hands_off_sanitized_metadata_and_an_oversized_one_is_rejec
         rejection: GateRejection::Invalid(invalid.clone()),
         reason: invalid.clone(),
     };
-    let mut d = Delivery::new(arrival(refused), &p, HELD, now);
+    let mut d = Delivery::new(arrival(refused), &p, || HELD, now);
     let Some(Action::Publish { handoff, copy, .. }) = d.poll_action(|| HELD) else {
         panic!("an invalid envelope is dead-lettered")
     };
@@ -202,7 +202,7 @@ fn a_refused_envelope_hands_off_sanitized_metadata_and_an_oversized_one_is_rejec
         rejection: GateRejection::Oversized { len: 10 },
         reason: Reason::new("too big"),
     };
-    let mut d = Delivery::new(arrival(oversized), &p, HELD, now);
+    let mut d = Delivery::new(arrival(oversized), &p, || HELD, now);
     assert_eq!(d.poll_action(|| HELD), Some(Action::Reject));
     d.handle_settled(SettleResult::Written);
     assert_eq!(d.outcome(), Some(Outcome::RejectedToDlx));
@@ -219,7 +219,7 @@ fn a_message_without_a_valid_id_is_at_the_requeue_limit_from_the_start() {
         local_requeues: None,
         ..arrival(refused)
     };
-    let mut d = Delivery::new(unknown, &p, HELD, now);
+    let mut d = Delivery::new(unknown, &p, || HELD, now);
     d.poll_action(|| HELD);
     d.handle_handoff(HandoffResult::Returned, HELD, now);
     // No requeue: nothing could count it, so it could loop for ever.
@@ -241,7 +241,7 @@ fn requeues_are_the_highest_of_broker_count_local_count_and_durable_deferrals() 
                 ..arrival
             },
             &p,
-            HELD,
+            || HELD,
             now,
         );
         d.poll_action(|| HELD);
@@ -288,7 +288,7 @@ fn a_deferred_requeue_holds_first_and_a_deferral_at_the_limit_is_dead_lettered()
             ..arrival(Verdict::Dispatched)
         },
         &p,
-        HELD,
+        || HELD,
         now,
     );
     d.poll_action(|| HELD);
@@ -321,7 +321,7 @@ fn a_deferred_requeue_holds_first_and_a_deferral_at_the_limit_is_dead_lettered()
             ..arrival(Verdict::Dispatched)
         },
         &p,
-        HELD,
+        || HELD,
         now,
     );
     d.poll_action(|| HELD);
@@ -357,7 +357,7 @@ fn requeue_counts_are_forgotten_only_when_a_redelivered_message_leaves_for_good(
                 ..arrival(Verdict::Dispatched)
             },
             &p,
-            HELD,
+            || HELD,
             now,
         );
         d.poll_action(|| HELD);
@@ -542,7 +542,7 @@ mod properties {
     /// Runs the machine to its end with the script's evidence.
     fn drive(s: &Script, policy: &Policy) -> (Trace, Option<Outcome>) {
         let start = Instant::now();
-        let mut d = Delivery::new(s.arrival.clone(), policy, HELD, start);
+        let mut d = Delivery::new(s.arrival.clone(), policy, || HELD, start);
         let mut trace = Trace::default();
         let mut authority = s.authority.iter().cycle();
         let mut now = start;

@@ -251,7 +251,7 @@ impl Work<'_> {
         let policy = &shared.config.policy;
         let budget = policy.settlement_budget;
         let start = Instant::now();
-        let mut machine = Machine::new(arrival, policy, self.authority(), start);
+        let mut machine = Machine::new(arrival, policy, || self.authority(), start);
         let mut resources = Resources::new();
         let mut transaction = None;
         // The time of the latest input to the machine; settlement is timed from there.
