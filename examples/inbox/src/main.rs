@@ -58,14 +58,12 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueuePurgeOptions,
-};
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueuePurgeOptions};
 use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
-use lily::core::{Totals, headers};
+use lily::core::Totals;
 use lily::prelude::*;
 use lily::rabbit::Topology;
+use lily_mq_example_support::{DeadLetter, drain_dead_letters, error_chain};
 use lily_mq_mongo::mongodb::bson::{Bson, Document, doc};
 use lily_mq_mongo::mongodb::error::{ErrorKind, TRANSIENT_TRANSACTION_ERROR};
 use lily_mq_mongo::mongodb::{self, Database};
@@ -327,7 +325,7 @@ async fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("inbox {mode}: FAILED: {}", chain(err.as_ref()));
+            eprintln!("inbox {mode}: FAILED: {}", error_chain(err.as_ref()));
             ExitCode::FAILURE
         }
     }
@@ -612,7 +610,7 @@ async fn demo(settings: &Settings) -> Result<ExitCode, BoxError> {
         if task.is_finished() {
             let err = match (&mut task).await {
                 Ok(Ok(_)) => "it stopped on its own".to_owned(),
-                Ok(Err(err)) => chain(&err),
+                Ok(Err(err)) => error_chain(&err),
                 Err(join) => join.to_string(),
             };
             return Err(format!("the consumer stopped before the demo finished: {err}").into());
@@ -624,7 +622,7 @@ async fn demo(settings: &Settings) -> Result<ExitCode, BoxError> {
     let report = task
         .await
         .map_err(|e| format!("consumer task failed: {e}"))??;
-    let dead = drain(&connection, &topology.dead_letter_queue()).await?;
+    let dead = drain_dead_letters(&connection, &topology.dead_letter_queue()).await?;
     let _ = connection.close(200, "demo done".into()).await;
     let ledger = read_ledger(&database).await?;
     let levels = read_stock(&database).await?;
@@ -785,77 +783,10 @@ fn number(value: Option<&Bson>) -> i64 {
     }
 }
 
-/// A dead-lettered message as the demo shows it: identity and Lily's headers, no body.
-struct DeadLetter {
-    message_id: String,
-    failure_kind: String,
-    reason: String,
-}
-
-/// Takes every message off `queue` (basic.get, then ack).
-async fn drain(connection: &Connection, queue: &str) -> Result<Vec<DeadLetter>, BoxError> {
-    let channel = connection.create_channel().await?;
-    let mut out = Vec::new();
-    // Bounded: the demo's DLQ holds a handful of messages.
-    while out.len() < 1000 {
-        let Some(message) = channel
-            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-            .await?
-        else {
-            break;
-        };
-        let props = &message.delivery.properties;
-        let header = |key: &str| {
-            props
-                .headers()
-                .as_ref()
-                .and_then(|h: &FieldTable| h.inner().get(key))
-                .map_or_else(|| "-".to_owned(), show)
-        };
-        out.push(DeadLetter {
-            message_id: props
-                .message_id()
-                .as_ref()
-                .map_or_else(|| "-".to_owned(), |id| id.as_str().to_owned()),
-            failure_kind: header(headers::FAILURE_KIND),
-            reason: header(headers::REASON),
-        });
-        message
-            .delivery
-            .acker
-            .ack(BasicAckOptions::default())
-            .await?;
-    }
-    let _ = channel.close(200, "drained".into()).await;
-    out.sort_by(|a, b| a.message_id.cmp(&b.message_id));
-    Ok(out)
-}
-
-/// A header value as text.
-fn show(value: &AMQPValue) -> String {
-    match value {
-        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-        AMQPValue::ShortString(s) => s.as_str().to_owned(),
-        other => format!("{other:?}"),
-    }
-}
-
 fn brief(t: &Totals) -> String {
     format!(
         "acked {} (duplicates suppressed {}) dead-lettered {} retried {} deferred {} \
          unresolved {}",
         t.acked, t.duplicates_suppressed, t.dead_lettered, t.retried, t.deferred, t.unresolved
     )
-}
-
-/// An error and its sources on one line.
-fn chain(err: &(dyn StdError + 'static)) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }

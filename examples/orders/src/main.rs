@@ -27,14 +27,12 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueuePurgeOptions,
-};
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
-use lily::core::{Totals, headers};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueuePurgeOptions};
+use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
+use lily::core::Totals;
 use lily::prelude::*;
 use lily::rabbit::Topology;
+use lily_mq_example_support::{drain_dead_letters, error_chain};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -130,7 +128,7 @@ async fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("orders {mode}: FAILED: {}", chain(err.as_ref()));
+            eprintln!("orders {mode}: FAILED: {}", error_chain(err.as_ref()));
             ExitCode::FAILURE
         }
     }
@@ -405,7 +403,7 @@ async fn demo(url: &str, queue: &str) -> Result<ExitCode, BoxError> {
         if task.is_finished() {
             let err = match (&mut task).await {
                 Ok(Ok(_)) => "it stopped on its own".to_owned(),
-                Ok(Err(err)) => chain(&err),
+                Ok(Err(err)) => error_chain(&err),
                 Err(join) => join.to_string(),
             };
             return Err(format!("the consumer stopped before the demo finished: {err}").into());
@@ -427,7 +425,7 @@ async fn demo(url: &str, queue: &str) -> Result<ExitCode, BoxError> {
     let report = task
         .await
         .map_err(|e| format!("consumer task failed: {e}"))??;
-    let dead = drain(&connection, &topology.dead_letter_queue()).await?;
+    let dead = drain_dead_letters(&connection, &topology.dead_letter_queue()).await?;
     let _ = connection.close(200, "demo done".into()).await;
 
     // The report.
@@ -481,84 +479,9 @@ async fn demo(url: &str, queue: &str) -> Result<ExitCode, BoxError> {
     }
 }
 
-/// A dead-lettered message as the report shows it: identity and Lily's headers, no body.
-struct DeadLetter {
-    message_id: String,
-    failure_kind: String,
-    reason: String,
-    attempt: String,
-}
-
-/// Takes every message off `queue` (basic.get, then ack).
-async fn drain(connection: &Connection, queue: &str) -> Result<Vec<DeadLetter>, BoxError> {
-    let channel: Channel = connection.create_channel().await?;
-    let mut out = Vec::new();
-    // Bounded: a demo DLQ holds a handful of messages.
-    while out.len() < 1000 {
-        let Some(message) = channel
-            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-            .await?
-        else {
-            break;
-        };
-        let props = &message.delivery.properties;
-        let header = |key: &str| {
-            props
-                .headers()
-                .as_ref()
-                .and_then(|h: &FieldTable| h.inner().get(key))
-                .map_or_else(|| "-".to_owned(), show)
-        };
-        out.push(DeadLetter {
-            message_id: props
-                .message_id()
-                .as_ref()
-                .map_or_else(|| "-".to_owned(), |id| id.as_str().to_owned()),
-            failure_kind: header(headers::FAILURE_KIND),
-            reason: header(headers::REASON),
-            attempt: header(headers::ATTEMPT),
-        });
-        message
-            .delivery
-            .acker
-            .ack(BasicAckOptions::default())
-            .await?;
-    }
-    let _ = channel.close(200, "drained".into()).await;
-    Ok(out)
-}
-
-/// A header value as text.
-fn show(value: &AMQPValue) -> String {
-    match value {
-        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-        AMQPValue::ShortString(s) => s.as_str().to_owned(),
-        AMQPValue::ShortShortUInt(n) => n.to_string(),
-        AMQPValue::ShortUInt(n) => n.to_string(),
-        AMQPValue::LongUInt(n) => n.to_string(),
-        AMQPValue::ShortShortInt(n) => n.to_string(),
-        AMQPValue::ShortInt(n) => n.to_string(),
-        AMQPValue::LongInt(n) => n.to_string(),
-        AMQPValue::LongLongInt(n) => n.to_string(),
-        other => format!("{other:?}"),
-    }
-}
-
 fn brief(t: &Totals) -> String {
     format!(
         "acked {} retried {} dead-lettered {} unresolved {} parked {} requeued {}",
         t.acked, t.retried, t.dead_lettered, t.unresolved, t.parked, t.requeued
     )
-}
-
-/// An error and its sources on one line.
-fn chain(err: &(dyn StdError + 'static)) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
