@@ -28,12 +28,13 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::Poll;
 use std::time::Duration;
 
 use futures_core::Stream;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
-use lapin::{BasicProperties, Channel, Confirmation, Connection, Event};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, Event, PublisherConfirm};
 use lily_mq_core::transport::{Confirm, HandoffId, HandoffResult, attribute_batch};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -263,34 +264,8 @@ impl Link {
                 Err(_) => return all(self.timed_out()),
             }
         }
-        let mut ids = Vec::with_capacity(copies.len());
-        let mut confirms = Vec::with_capacity(copies.len());
-        for copy in copies {
-            ids.push(copy.id);
-            let publish = channel.basic_publish(
-                ShortString::from(""),
-                copy.queue,
-                BasicPublishOptions {
-                    mandatory: true,
-                    immediate: false,
-                },
-                &copy.body,
-                copy.properties,
-            );
-            // After a failed publish the channel is gone: the rest fail without trying.
-            let failed = confirms
-                .last()
-                .is_some_and(|c: &Result<_, Confirm>| c.is_err());
-            confirms.push(if failed {
-                Err(Confirm::Failed)
-            } else {
-                match tokio::time::timeout_at(until, publish).await {
-                    Ok(Ok(confirm)) => Ok(confirm),
-                    Ok(Err(_)) => Err(Confirm::Failed),
-                    Err(_) => Err(Confirm::TimedOut),
-                }
-            });
-        }
+        let ids: Vec<HandoffId> = copies.iter().map(|copy| copy.id).collect();
+        let confirms = publish_all(&channel, copies, until).await;
         let mut members = Vec::with_capacity(ids.len());
         let mut returned = Vec::new();
         for (id, confirm) in ids.into_iter().zip(confirms) {
@@ -421,6 +396,62 @@ async fn watch_blocked(
             _ => {}
         }
     }
+}
+
+/// Publishes `copies` on `channel` back to back, in order, without waiting for one to be
+/// written before the next is queued (lapin numbers a publish and queues its frames when it is
+/// first polled, then waits for its I/O thread to write them). Each ends in its confirm to
+/// await, or in why there is none.
+async fn publish_all(
+    channel: &Channel,
+    copies: Vec<Copy>,
+    until: Instant,
+) -> Vec<Result<PublisherConfirm, Confirm>> {
+    let mut publishes: Vec<_> = copies
+        .into_iter()
+        .map(|copy| {
+            Box::pin(async move {
+                channel
+                    .basic_publish(
+                        ShortString::from(""),
+                        copy.queue,
+                        BasicPublishOptions {
+                            mandatory: true,
+                            immediate: false,
+                        },
+                        &copy.body,
+                        copy.properties,
+                    )
+                    .await
+            })
+        })
+        .collect();
+    let mut done: Vec<Option<Result<PublisherConfirm, Confirm>>> = std::iter::repeat_with(|| None)
+        .take(publishes.len())
+        .collect();
+    // Polled in order, so the first round numbers and queues them in order.
+    let all = std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (publish, slot) in publishes.iter_mut().zip(done.iter_mut()) {
+            if slot.is_some() {
+                continue;
+            }
+            match publish.as_mut().poll(cx) {
+                Poll::Ready(result) => *slot = Some(result.map_err(|_| Confirm::Failed)),
+                Poll::Pending => pending = true,
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    });
+    // A publish not written by the deadline may still be: its handoff timed out.
+    let _ = tokio::time::timeout_at(until, all).await;
+    done.into_iter()
+        .map(|slot| slot.unwrap_or(Err(Confirm::TimedOut)))
+        .collect()
 }
 
 /// The handoff id a returned copy carries (`None`: none, so not one of Lily's copies).
