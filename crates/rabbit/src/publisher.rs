@@ -5,12 +5,18 @@
 //!   and lapin then writes nothing on it. Publishing copies on the consuming connection would
 //!   stall its ACKs, the `basic.qos` round trips that confirm them, `basic.cancel` and close.
 //! - **Batches.** Handoffs queue for [`WORKERS`] workers, each owning one confirm channel. A
-//!   worker takes every handoff waiting (up to [`MAX_BATCH`]), publishes the copies back to
-//!   back, each carrying its [`HandoffId`], and awaits every confirm of the batch before it
-//!   judges any of them with [`attribute_batch`]: a return counts only against the copy whose id
-//!   it carries, and an ACK proves nothing until the whole batch is accounted for. While one
-//!   worker waits for its confirms, the others publish, so copies stream as a hand-tuned
-//!   publisher's do and the broker batches its confirms.
+//!   worker takes every handoff waiting (up to [`MAX_BATCH`]), queues the copies back to back,
+//!   each carrying its [`HandoffId`], without waiting for one to be written before the next,
+//!   and awaits every confirm of the batch before it judges any of them with
+//!   [`attribute_batch`]: a return counts only against the copy whose id it carries, and an ACK
+//!   proves nothing until the whole batch is accounted for. While one worker waits for its
+//!   confirms, the others publish, so copies stream as a hand-tuned publisher's do and the
+//!   broker batches its confirms.
+//! - **Channel errors.** A channel error fails every copy of its batch that has no evidence yet
+//!   (their originals are requeued: at worst a copy exists twice). No copy is known to cause
+//!   one: what RabbitMQ checks per message (`user_id`, `expiration`, `CC`/`BCC`) is moved aside
+//!   on copies, publishing goes through the default exchange for every lane, and the broker's
+//!   `max_message_size` counts the body, which is the original's.
 //! - **Channels.** A channel whose batch was not accounted for in full (a timeout, a channel
 //!   error, a stray return) is dropped, and lapin closes it with its last handle, which also
 //!   discards the confirms it still kept for publishes nobody awaits any more; the worker opens
