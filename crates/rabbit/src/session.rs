@@ -1,6 +1,6 @@
 //! The consuming connection: topology, the consuming channel, the consume loop and the round
 //! trips that confirm ACKs. Handoffs publish on a connection of their own (see
-//! [`Publisher`](crate::publisher::Publisher)).
+//! [`Publisher`]).
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -160,7 +160,7 @@ impl Session {
     /// checked for every frame, as late as possible.
     ///
     /// The only await between marking and taking the result is the yield. That is why
-    /// [`handle`](crate::delivery::handle) can let a delivery in this section finish when the
+    /// the delivery executor can let a delivery in this section finish when the
     /// abort comes: it takes one poll.
     ///
     /// A tag the window does not hold open (never delivered here, or settled already) is
