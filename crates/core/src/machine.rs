@@ -33,6 +33,9 @@ use crate::ledger::Evidence;
 use crate::policy::Policy;
 use crate::reason::Reason;
 
+/// The reason of a delivery that succeeded.
+static OK: Reason = Reason::from_static("ok");
+
 /// What the gate and dispatch made of a delivery.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Verdict {
@@ -379,8 +382,8 @@ impl<'p> Delivery<'p> {
     }
 
     /// Why the delivery took its path ("ok" after a success).
-    pub fn reason(&self) -> Reason {
-        self.reason.clone().unwrap_or_else(|| Reason::new("ok"))
+    pub fn reason(&self) -> &Reason {
+        self.reason.as_ref().unwrap_or(&OK)
     }
 
     /// Whether the message left the queue for good after a redelivery, so its count in the

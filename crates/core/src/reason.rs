@@ -27,6 +27,22 @@ impl Reason {
         Self(Cow::Owned(sanitize(&text)))
     }
 
+    /// A reason from text known at compile time to be clean (short, no control characters);
+    /// checked when the constant is built.
+    pub const fn from_static(text: &'static str) -> Self {
+        assert!(text.len() <= Self::MAX_LEN, "a static reason must be short");
+        let bytes = text.as_bytes();
+        let mut i = 0;
+        while i < bytes.len() {
+            assert!(
+                !bytes[i].is_ascii_control(),
+                "a static reason has no control characters"
+            );
+            i += 1;
+        }
+        Self(Cow::Borrowed(text))
+    }
+
     /// The reason as text.
     pub fn as_str(&self) -> &str {
         &self.0

@@ -116,7 +116,7 @@ fn a_scope_commits_after_success_and_aborts_after_failure() {
             ..
         }
     ));
-    assert_eq!(d.reason(), reason);
+    assert_eq!(d.reason(), &reason);
 }
 
 #[test]
@@ -196,7 +196,7 @@ fn a_refused_envelope_hands_off_sanitized_metadata_and_an_oversized_one_is_rejec
         panic!("an invalid envelope is dead-lettered")
     };
     assert_eq!((handoff.lane, copy), (Lane::DeadLetter, CopyOf::Sanitized));
-    assert_eq!(d.reason(), invalid);
+    assert_eq!(d.reason(), &invalid);
 
     let oversized = Verdict::Refused {
         rejection: GateRejection::Oversized { len: 10 },

@@ -350,7 +350,7 @@ impl Work<'_> {
                     settling_since.get_or_insert(last);
                     // Boxed: the publish future is large and most deliveries never hand off;
                     // keeping it inline would grow every delivery's task.
-                    let reason = machine.reason();
+                    let reason = machine.reason().clone();
                     let result =
                         Box::pin(self.publish(handoff, &reason, source, copy, deadline)).await;
                     if result != HandoffResult::Confirmed {
@@ -382,7 +382,7 @@ impl Work<'_> {
         if let (true, Some(id)) = (machine.forgets_requeues(), self.message_id) {
             lock(&shared.books.requeues).forget(id);
         }
-        self.finish(outcome, machine.confirmed_handoff(), &machine.reason());
+        self.finish(outcome, machine.confirmed_handoff(), machine.reason());
     }
 
     /// Records the machine's evidence in the ledger.
