@@ -198,3 +198,52 @@ async fn confirmed_handoff_with_unconfirmed_ack_is_unresolved_and_keeps_the_hand
         "and the retry copy arrived too (a documented duplicate): {attempts:?}"
     );
 }
+
+/// A consumer that stops with an error after it started (Verify mode, and the topology it
+/// verified is gone when it reconnects) closes its handoff connection on the way out, even
+/// while something (a health endpoint) still holds its stats.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_that_fails_after_starting_leaves_no_connection_behind() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("leftover");
+    let connection = lapin::Connection::connect(broker.url(), Default::default())
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    lily::rabbit::Topology::new(
+        &queue,
+        QueueKind::Classic,
+        &common::fast_policy().retry_delays,
+    )
+    .apply(&channel, TopologyMode::Declare)
+    .await
+    .expect("declare topology");
+    let router = Router::new().route("order.placed", |_: Meta| async { Ok(()) });
+    let cfg = config(&queue, QueueKind::Classic).topology(TopologyMode::Verify);
+    let running = start(broker.url(), cfg, router);
+    running.wait_ready().await;
+    let handoffs = format!("lily:{queue}:handoffs");
+    assert!(
+        broker.channels_of(&handoffs).is_some(),
+        "the handoff connection is open"
+    );
+
+    Client::connect(broker.url())
+        .await
+        .delete(&format!("{queue}.dlq"))
+        .await;
+    broker.close_connection_named(&format!("lily:{queue}:consuming"));
+    // A service keeps its stats for /readyz after `run` returned.
+    let stats = running.stats.clone();
+    let ended = running.ended().await;
+    assert!(
+        matches!(ended, Err(lily::rabbit::Error::Topology { .. })),
+        "the missing DLQ stops the consumer: {ended:?}"
+    );
+    let gone = lily_mq_testkit::eventually(Duration::from_secs(5), || {
+        broker.channels_of(&handoffs).is_none()
+    })
+    .await;
+    assert!(gone, "the handoff connection outlived the consumer");
+    drop(stats);
+}

@@ -111,6 +111,14 @@ impl Running {
         assert!(ready, "the consumer never became ready");
     }
 
+    /// Waits for the consumer to end on its own and returns what `run` returned.
+    pub async fn ended(self) -> Result<ShutdownReport, lily::rabbit::Error> {
+        tokio::time::timeout(Duration::from_secs(30), self.join)
+            .await
+            .expect("the consumer ended")
+            .expect("consumer task panicked")
+    }
+
     pub async fn stop(self) -> ShutdownReport {
         self.shutdown.trigger(Trigger::Api);
         self.join

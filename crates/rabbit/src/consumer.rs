@@ -194,7 +194,15 @@ impl Consumer {
         );
         let session = run_sessions(&shared, &tracker, &crew, &shutdown).await;
         crew.close();
-        Ok(shut_down(&shared, &tracker, &shutdown, session?).await)
+        match session {
+            Ok(session) => Ok(shut_down(&shared, &tracker, &shutdown, session).await),
+            Err(err) => {
+                // The handoff workers hold the publisher's connection: close it on this way
+                // out too.
+                shared.publisher.close(PUBLISHER_CLOSE).await;
+                Err(err)
+            }
+        }
     }
 }
 

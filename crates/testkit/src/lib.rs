@@ -157,6 +157,29 @@ impl Broker {
             .and_then(|line| line.split_whitespace().next()?.parse().ok())
     }
 
+    /// Closes the client connection named `name` (its `connection_name` client property), as
+    /// an operator or a network fault would; the others stay open.
+    ///
+    /// # Panics
+    /// When no such connection is open.
+    pub fn close_connection_named(&self, name: &str) {
+        let out = self.ctl(&[
+            "list_connections",
+            "-q",
+            "--no-table-headers",
+            "pid",
+            "client_properties",
+        ]);
+        let quoted = format!("\"{name}\"");
+        let pid = out
+            .lines()
+            .find(|line| line.contains(&quoted))
+            .and_then(|line| line.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no connection named {name}:\n{out}"))
+            .to_owned();
+        self.ctl(&["close_connection", &pid, "lily test: connection closed"]);
+    }
+
     /// Closes every client connection in `vhost`, as an operator or a network fault would.
     pub fn close_connections(&self, vhost: &str) {
         self.ctl(&[
