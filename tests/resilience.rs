@@ -247,3 +247,47 @@ async fn a_consumer_that_fails_after_starting_leaves_no_connection_behind() {
     assert!(gone, "the handoff connection outlived the consumer");
     drop(stats);
 }
+
+/// The broker stops answering while deliveries are in flight: the network stalls, nothing is
+/// closed, so only timeouts can notice. Shutdown still ends within its budget and returns a
+/// report that lists what it could not settle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_broker_cannot_hold_shutdown_past_its_budget() {
+    const BUDGET: Duration = Duration::from_secs(3);
+    let broker = Broker::from_env();
+    let proxy = lily_mq_testkit::TcpProxy::start(broker.addr()).await;
+    let queue = Broker::unique("stalled");
+    let router = Router::new().route("order.placed", |_: Meta| async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        Ok(())
+    });
+    let cfg = config(&queue, QueueKind::Classic)
+        .prefetch(10)
+        .concurrency(10);
+    let running = common::start_within(&proxy.url(broker.url()), cfg, router, |c| c, BUDGET);
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    for i in 0..20 {
+        client
+            .publish(&queue, b"{}", props(&format!("s-{i}"), "order.placed"))
+            .await;
+    }
+    let stats = running.stats.clone();
+    assert!(
+        eventually(WAIT, || stats.in_flight() > 0).await,
+        "deliveries in flight"
+    );
+
+    proxy.stall(true);
+    let started = std::time::Instant::now();
+    running.shutdown.trigger(Trigger::Api);
+    let report = running.ended().await.expect("a report, not an error");
+    let took = started.elapsed();
+    proxy.stall(false);
+    assert!(
+        took <= BUDGET + Duration::from_secs(1),
+        "shutdown took {took:?} with a budget of {BUDGET:?}"
+    );
+    // What was in flight when the network stalled could not be proven settled.
+    assert!(!report.clean, "{report:?}");
+}

@@ -75,9 +75,20 @@ pub fn start_with(
     router: Router,
     customize: impl FnOnce(Consumer) -> Consumer,
 ) -> Running {
+    start_within(url, config, router, customize, Duration::from_secs(10))
+}
+
+/// Starts a consumer whose shutdown budget is `budget`.
+pub fn start_within(
+    url: &str,
+    config: ConsumerConfig,
+    router: Router,
+    customize: impl FnOnce(Consumer) -> Consumer,
+    budget: Duration,
+) -> Running {
     let consumer = customize(Consumer::new(url, config, router));
     let stats = consumer.stats();
-    let shutdown = Shutdown::new(ShutdownBudget::new(Duration::from_secs(10)));
+    let shutdown = Shutdown::new(ShutdownBudget::new(budget));
     let join = tokio::spawn(consumer.run(shutdown.clone()));
     Running {
         shutdown,

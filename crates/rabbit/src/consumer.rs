@@ -147,6 +147,10 @@ impl Consumer {
     ///   aborted and their joins observed; they are listed as unresolved.
     /// - **closed**: a round trip confirms the ACKs written, then channels and connection close.
     ///
+    /// The budget runs from the trigger, and every wait on the way out (the consumer's cancel,
+    /// the round trip, the closes) is bounded by what is left of it, so a broker that stopped
+    /// answering cannot hold the exit; ACKs it did not confirm are reported uncertain.
+    ///
     /// # Errors
     /// The policy or configuration is invalid, or the broker refused the topology.
     ///
@@ -242,6 +246,9 @@ async fn run_sessions(
 /// How long closing the handoff connection may take: a blocked connection writes nothing.
 const PUBLISHER_CLOSE: Duration = Duration::from_secs(1);
 
+/// The least time given to closing once the budget is spent.
+const CLOSE_FLOOR: Duration = Duration::from_millis(100);
+
 /// Message ids whose requeues the consumer remembers (classic queues do not count them).
 const REQUEUE_MEMORY: usize = 10_000;
 
@@ -254,12 +261,14 @@ async fn shut_down(
 ) -> ShutdownReport {
     tracker.close();
     let mut clock = PhaseClock::new(shutdown.budget());
-    let now = Instant::now();
+    // The budget runs from the trigger, not from here: leaving the consume loop took some of it.
+    let at = shutdown.triggered_at().unwrap_or_else(Instant::now);
     match shutdown.first_trigger() {
-        Some((trigger, true)) => clock.handle_force(trigger, now),
-        Some((trigger, false)) => clock.handle_trigger(trigger, now),
-        None => clock.handle_trigger(Trigger::Api, now),
+        Some((trigger, true)) => clock.handle_force(trigger, at),
+        Some((trigger, false)) => clock.handle_trigger(trigger, at),
+        None => clock.handle_trigger(Trigger::Api, at),
     }
+    let end = at + shutdown.budget().total;
     let mut phase = Phase::Running;
     while clock.phase() != Phase::Closed {
         if clock.phase() != phase {
@@ -294,10 +303,20 @@ async fn shut_down(
         }
     }
     info!(queue = %shared.queue, phase = ?Phase::Closed, "shutdown phase");
-    if let Some(session) = session {
-        session.close(shared).await;
+    // A broker that stopped answering must not hold the exit: what is left of the budget, and
+    // a moment at least, for the round trip that confirms the ACKs and the closes.
+    let left = || {
+        end.saturating_duration_since(Instant::now())
+            .max(CLOSE_FLOOR)
+    };
+    if let Some(session) = session
+        && tokio::time::timeout(left(), session.close(shared))
+            .await
+            .is_err()
+    {
+        warn!(queue = %shared.queue, "the broker did not answer the close in time; ACKs not confirmed are uncertain");
     }
-    shared.publisher.close(PUBLISHER_CLOSE).await;
+    shared.publisher.close(left().min(PUBLISHER_CLOSE)).await;
     let mut ledger = lock(&shared.books.ledger);
     // ACKs written on channels that are gone were never confirmed.
     ledger.acks_uncertain(None);

@@ -27,6 +27,9 @@ use crate::publisher::Publisher;
 use crate::service::Shared;
 use crate::sync::lock;
 
+/// How long the consumer's `basic.cancel` may wait for its reply at shutdown; the budget runs.
+const CANCEL_WAIT: Duration = Duration::from_secs(1);
+
 /// How often written ACKs are confirmed by a `basic.qos` round trip.
 const ACK_CONFIRM_INTERVAL: Duration = Duration::from_millis(200);
 
@@ -347,10 +350,13 @@ pub(crate) async fn consume(
         session.confirm_acks(shared).await;
         return Ok(SessionEnd::Lost);
     }
-    let _ = session
+    // Bounded: a broker that stopped answering must not hold the shutdown here.
+    let cancel = session
         .consuming
-        .basic_cancel(consumer.tag(), BasicCancelOptions::default())
-        .await;
+        .basic_cancel(consumer.tag(), BasicCancelOptions::default());
+    if tokio::time::timeout(CANCEL_WAIT, cancel).await.is_err() {
+        warn!(queue = %shared.queue, "the broker did not confirm the consumer's cancel in time");
+    }
     Ok(SessionEnd::Shutdown(session))
 }
 

@@ -1,6 +1,7 @@
 //! The shutdown handle: graceful and forced triggers from signals or the embedding application.
 
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use lily_mq_core::{ShutdownBudget, Trigger};
 use tokio_util::sync::CancellationToken;
@@ -23,7 +24,8 @@ struct Inner {
     budget: ShutdownBudget,
     graceful: CancellationToken,
     force: CancellationToken,
-    trigger: Mutex<Option<(Trigger, bool)>>,
+    /// The first trigger, whether it forced, and when it came: the budget runs from there.
+    trigger: Mutex<Option<(Trigger, bool, Instant)>>,
 }
 
 impl Default for Shutdown {
@@ -53,7 +55,7 @@ impl Shutdown {
             self.force(trigger);
             return;
         }
-        *slot = Some((trigger, false));
+        *slot = Some((trigger, false, Instant::now()));
         self.inner.graceful.cancel();
     }
 
@@ -61,7 +63,7 @@ impl Shutdown {
     pub fn force(&self, trigger: Trigger) {
         let mut slot = lock(&self.inner.trigger);
         if slot.is_none() {
-            *slot = Some((trigger, true));
+            *slot = Some((trigger, true, Instant::now()));
         }
         self.inner.graceful.cancel();
         self.inner.force.cancel();
@@ -111,6 +113,11 @@ impl Shutdown {
 
     /// The first trigger, and whether it forced.
     pub fn first_trigger(&self) -> Option<(Trigger, bool)> {
-        *lock(&self.inner.trigger)
+        lock(&self.inner.trigger).map(|(trigger, forced, _)| (trigger, forced))
+    }
+
+    /// When the first trigger came.
+    pub(crate) fn triggered_at(&self) -> Option<Instant> {
+        lock(&self.inner.trigger).map(|(_, _, at)| at)
     }
 }

@@ -4,6 +4,8 @@
 //!
 //! - [`TcpProxy::cut`] closes every current connection (both sides), as a network fault would;
 //! - [`TcpProxy::refuse`] closes new connections as soon as they are accepted while it is set;
+//! - [`TcpProxy::stall`] stops forwarding in both directions without closing anything, as a
+//!   network that silently drops everything would look: only timeouts can notice;
 //! - [`TcpProxy::drop_reply_after`] arms a one-shot trap: the first connection whose
 //!   client→server bytes contain a pattern (e.g. `b"commitTransaction"`) has those bytes
 //!   forwarded, then the server's reply is swallowed, the connection is cut and new
@@ -34,6 +36,7 @@ pub struct TcpProxy {
 #[derive(Debug, Default)]
 struct Shared {
     refusing: AtomicBool,
+    stalled: AtomicBool,
     refuse_until: Mutex<Option<Instant>>,
     trap: Mutex<Option<Trap>>,
     tripped: AtomicBool,
@@ -109,6 +112,12 @@ impl TcpProxy {
     /// connections are untouched: combine with [`cut`](Self::cut) for a full outage.
     pub fn refuse(&self, refuse: bool) {
         self.shared.refusing.store(refuse, Ordering::Release);
+    }
+
+    /// While `stall` is set, nothing is forwarded either way on any connection, and nothing is
+    /// closed: bytes wait in the sockets' buffers.
+    pub fn stall(&self, stall: bool) {
+        self.shared.stalled.store(stall, Ordering::Release);
     }
 
     /// Arms a one-shot trap: the first connection whose client→server bytes contain `pattern`
@@ -208,6 +217,10 @@ async fn relay(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>, id:
     // Set once the trap fired on this connection: the server's next bytes are its reply.
     let mut swallow_until: Option<tokio::time::Instant> = None;
     loop {
+        if shared.stalled.load(Ordering::Acquire) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        }
         let reply_wait = async {
             match swallow_until {
                 Some(t) => tokio::time::sleep_until(t).await,
