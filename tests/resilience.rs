@@ -291,3 +291,31 @@ async fn a_stalled_broker_cannot_hold_shutdown_past_its_budget() {
     // What was in flight when the network stalled could not be proven settled.
     assert!(!report.clean, "{report:?}");
 }
+
+/// The broker stops answering before the consumer is consuming: it hangs while connecting. A
+/// trigger then ends `run` within the budget, with a report, instead of waiting on a connect
+/// that never completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trigger_while_connecting_to_a_stalled_broker_ends_within_the_budget() {
+    const BUDGET: Duration = Duration::from_secs(3);
+    let broker = Broker::from_env();
+    let proxy = lily_mq_testkit::TcpProxy::start(broker.addr()).await;
+    proxy.stall(true);
+    let queue = Broker::unique("stalled-connect");
+    let router = Router::new().route("order.placed", |_: Meta| async { Ok(()) });
+    let cfg = config(&queue, QueueKind::Classic);
+    let running = common::start_within(&proxy.url(broker.url()), cfg, router, |c| c, BUDGET);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!running.stats.ready(), "the connect hangs");
+
+    let started = std::time::Instant::now();
+    running.shutdown.trigger(Trigger::Api);
+    let report = running.ended().await.expect("a report, not an error");
+    let took = started.elapsed();
+    proxy.stall(false);
+    assert!(
+        took <= BUDGET + Duration::from_secs(1),
+        "shutdown took {took:?} with a budget of {BUDGET:?}"
+    );
+    assert!(report.clean, "nothing was in flight: {report:?}");
+}

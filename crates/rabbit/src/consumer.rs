@@ -223,6 +223,7 @@ async fn run_sessions(
         let started = Instant::now();
         match consume(shared, tracker, crew, stop).await {
             Ok(SessionEnd::Shutdown(session)) => return Ok(Some(session)),
+            Ok(SessionEnd::Stopped) => return Ok(None),
             Ok(SessionEnd::Lost) => {
                 warn!(queue = %shared.queue, "connection lost; in-flight deliveries lose authority");
             }

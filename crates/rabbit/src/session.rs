@@ -120,6 +120,8 @@ pub(crate) enum SessionEnd {
     Shutdown(Arc<Session>),
     /// The connection or the consumer was lost.
     Lost,
+    /// `stop` fired before consuming started.
+    Stopped,
 }
 
 pub(crate) enum SessionError {
@@ -249,13 +251,9 @@ impl Session {
     }
 }
 
-/// Connects, declares the topology and consumes until `stop` fires or the connection is lost.
-pub(crate) async fn consume(
-    shared: &Arc<Shared>,
-    tracker: &TaskTracker,
-    crew: &Arc<Crew<Shared>>,
-    stop: &CancellationToken,
-) -> Result<SessionEnd, SessionError> {
+/// Opens a session up to its consumer: the connection, the topology, the handoff publisher's
+/// connection, the consuming channel with its prefetch, and `basic.consume`.
+async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer), SessionError> {
     let connection = connect(&shared.endpoint, "consuming")
         .await
         .map_err(SessionError::Connect)?;
@@ -287,7 +285,7 @@ pub(crate) async fn consume(
         .basic_qos(shared.config.prefetch, BasicQosOptions::default())
         .await
         .map_err(SessionError::Connect)?;
-    let mut consumer = consuming
+    let consumer = consuming
         .basic_consume(
             shared.queue.as_ref().into(),
             "".into(),
@@ -296,6 +294,22 @@ pub(crate) async fn consume(
         )
         .await
         .map_err(SessionError::Connect)?;
+    Ok((connection, consuming, consumer))
+}
+
+/// Connects, declares the topology and consumes until `stop` fires or the connection is lost.
+/// A `stop` that comes while connecting or declaring ends it at once: a broker that does not
+/// answer must not hold the shutdown there.
+pub(crate) async fn consume(
+    shared: &Arc<Shared>,
+    tracker: &TaskTracker,
+    crew: &Arc<Crew<Shared>>,
+    stop: &CancellationToken,
+) -> Result<SessionEnd, SessionError> {
+    let (connection, consuming, mut consumer) = tokio::select! {
+        opened = open(shared) => opened?,
+        () = stop.cancelled() => return Ok(SessionEnd::Stopped),
+    };
     info!(queue = %shared.queue, host = %redact(&shared.endpoint.url), "consuming");
     let session = Arc::new(Session {
         id: shared.sessions.fetch_add(1, Ordering::Relaxed),
