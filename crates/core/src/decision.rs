@@ -226,6 +226,18 @@ pub fn decide(s: &Situation, policy: &Policy) -> Plan {
     };
     let (kind, retry_after, cause) = match (s.pipeline, s.cleanup, s.transaction) {
         (PipelineResult::Duplicate, _, _) => return Plan::Ack,
+        // The effect may have happened: at the limit it waits for an operator, never the DLQ.
+        (
+            PipelineResult::Succeeded,
+            CleanupResult::Succeeded,
+            TransactionOutcome::CommitAmbiguous,
+        ) if at_limit => {
+            return Plan::Handoff(Handoff {
+                lane: Lane::Parking,
+                kind: Some(FailureKind::Indeterminate),
+                cause: Cause::RequeueLimit,
+            });
+        }
         (PipelineResult::Deferred, _, _)
         | (
             PipelineResult::Succeeded,

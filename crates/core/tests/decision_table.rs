@@ -383,11 +383,11 @@ fn deferral_does_not_consume_an_application_attempt() {
 fn deferral_at_the_requeue_limit_is_dead_lettered() {
     let p = policy();
     let deferred = situation(PipelineResult::Deferred);
-    let ambiguous = Situation {
-        transaction: TransactionOutcome::CommitAmbiguous,
+    let fenced = Situation {
+        transaction: TransactionOutcome::Fenced,
         ..situation(PipelineResult::Succeeded)
     };
-    for s in [deferred, ambiguous] {
+    for s in [deferred, fenced] {
         let at_limit = Situation {
             requeues: p.max_requeues,
             ..s
@@ -398,6 +398,25 @@ fn deferral_at_the_requeue_limit_is_dead_lettered() {
             "{s:?}"
         );
     }
+}
+
+#[test]
+fn ambiguous_commit_at_the_requeue_limit_is_parked_never_dead_lettered() {
+    // The effect may have happened: an operator decides, nothing replays it automatically.
+    let p = policy();
+    let at_limit = Situation {
+        transaction: TransactionOutcome::CommitAmbiguous,
+        requeues: p.max_requeues,
+        ..situation(PipelineResult::Succeeded)
+    };
+    assert_eq!(
+        decide(&at_limit, &p),
+        Plan::Handoff(Handoff {
+            lane: Lane::Parking,
+            kind: Some(FailureKind::Indeterminate),
+            cause: Cause::RequeueLimit,
+        })
+    );
 }
 
 #[test]
