@@ -319,3 +319,31 @@ async fn a_trigger_while_connecting_to_a_stalled_broker_ends_within_the_budget()
     );
     assert!(report.clean, "nothing was in flight: {report:?}");
 }
+
+/// The connection drops in the middle of a `queue.declare`, as a broker restart looks: the
+/// declare's reply never comes and the broker refuses connections for a moment. The consumer
+/// retries with backoff instead of stopping with a topology error, then consumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lost_while_declaring_is_retried_not_fatal() {
+    let broker = Broker::from_env();
+    let proxy = lily_mq_testkit::TcpProxy::start(broker.addr()).await;
+    let queue = Broker::unique("declare-cut");
+    // The parking queue's name appears only in its declare.
+    let parking: &'static str = Box::leak(format!("{queue}.parking").into_boxed_str());
+    proxy.drop_reply_after(parking.as_bytes(), Duration::from_secs(1));
+    let router = Router::new().route("order.placed", |_: Meta| async { Ok(()) });
+    let running = start(
+        &proxy.url(broker.url()),
+        config(&queue, QueueKind::Classic),
+        router,
+    );
+    running.wait_ready().await;
+    assert!(proxy.tripped(), "the declare's reply was dropped");
+    let client = Client::connect(broker.url()).await;
+    client
+        .publish(&queue, b"{}", props("after-restart", "order.placed"))
+        .await;
+    running.wait_for("ack", WAIT, |t| t.acked == 1).await;
+    let report = running.stop().await;
+    assert!(report.clean, "{:?}", report.unresolved);
+}

@@ -11,6 +11,7 @@ use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
     BasicRejectOptions,
 };
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection};
 use lily_mq_core::transport::{
@@ -26,6 +27,7 @@ use crate::error::Error;
 use crate::publisher::Publisher;
 use crate::service::Shared;
 use crate::sync::lock;
+use crate::topology::TopologyMode;
 
 /// How long the consumer's `basic.cancel` may wait for its reply at shutdown; the budget runs.
 const CANCEL_WAIT: Duration = Duration::from_secs(1);
@@ -251,6 +253,23 @@ impl Session {
     }
 }
 
+/// Whether the broker's answer to the topology is final: access refused, a precondition failed
+/// (a queue exists with other arguments), or in Verify mode something missing. Anything else
+/// (the connection dropped in the middle of a declare, as a broker restart looks) is retried
+/// with backoff like any lost connection.
+fn definitive(err: &lapin::Error, mode: TopologyMode) -> bool {
+    let lapin::ErrorKind::ProtocolError(amqp) = err.kind() else {
+        return false;
+    };
+    match amqp.kind() {
+        AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED | AMQPSoftError::PRECONDITIONFAILED) => {
+            true
+        }
+        AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND) => mode == TopologyMode::Verify,
+        _ => false,
+    }
+}
+
 /// Opens a session up to its consumer: the connection, the topology, the handoff publisher's
 /// connection, the consuming channel with its prefetch, and `basic.consume`.
 async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer), SessionError> {
@@ -266,10 +285,14 @@ async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer),
         .apply(&setup, shared.config.topology)
         .await
         .map_err(|source| {
-            SessionError::Fatal(Error::Topology {
-                queue: shared.config.queue.clone(),
-                source,
-            })
+            if definitive(&source, shared.config.topology) {
+                SessionError::Fatal(Error::Topology {
+                    queue: shared.config.queue.clone(),
+                    source,
+                })
+            } else {
+                SessionError::Connect(source)
+            }
         })?;
     let _ = setup.close(200, "topology ready".into()).await;
     shared
