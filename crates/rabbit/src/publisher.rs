@@ -182,7 +182,9 @@ impl Publisher {
         if self.requests.send(Request { copy, reply }).is_err() {
             return HandoffResult::Failed;
         }
-        // A worker always answers by the deadline; it is gone only once the publisher closed.
+        // A worker answers by its batch's deadline, at most shortly after this copy's own (a copy
+        // whose deadline passed while it waited for a worker fails at once, unpublished); the
+        // worker is gone only once the publisher closed.
         result.await.unwrap_or(HandoffResult::Failed)
     }
 
@@ -233,6 +235,16 @@ async fn work(link: Arc<Link>, requests: Requests, closed: CancellationToken) {
             }
             batch
         };
+        // A copy whose deadline passed while it waited for a worker is not published at all.
+        let now = Instant::now();
+        let (expired, batch): (Vec<_>, Vec<_>) =
+            batch.into_iter().partition(|r| r.copy.until <= now);
+        for request in expired {
+            let _ = request.reply.send(link.timed_out());
+        }
+        if batch.is_empty() {
+            continue;
+        }
         let (copies, replies): (Vec<_>, Vec<_>) =
             batch.into_iter().map(|r| (r.copy, r.reply)).unzip();
         let results = link.publish_batch(&mut channel, copies).await;
