@@ -794,3 +794,59 @@ fn start_scoped_with(
 ) -> common::Running {
     common::start_with(url, config, router, |c| c.scope(scope))
 }
+
+/// A delivery dropped while its handler runs (shutdown forced mid-handler) takes its lease's
+/// renewal with it: no orphaned renewal keeps extending the lease, which would make the
+/// redelivery defer as if a live owner still held it, all the way to the DLQ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_delivery_stops_renewing_its_lease() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("orphan");
+    let database = MongoNode::database_name("orphan");
+    let db = direct(&database).await;
+    let scope = MongoScope::connect(
+        MongoNode::from_env().url(),
+        &database,
+        MongoConfig::new("e2e-orphan")
+            .lease_ttl(Duration::from_millis(300), Duration::from_secs(60)),
+    )
+    .await
+    .expect("scope");
+    let router = Router::new().route("order.placed", |_tx: MongoTx| async {
+        std::future::pending::<Result<(), QueueHandlerError>>().await
+    });
+    let cfg = config(&queue, QueueKind::Classic).handler_timeout(Duration::from_secs(300));
+    let running = start_scoped_with(broker.url(), cfg, router, scope);
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    client
+        .publish(&queue, b"{}", props("held-1", "order.placed"))
+        .await;
+
+    let leases = db.collection::<Document>("lily_leases");
+    let expiry = || async {
+        leases
+            .find_one(doc! {})
+            .await
+            .expect("read the lease")
+            .and_then(|lease| lease.get_datetime("expires_at").ok().copied())
+    };
+    let started = Instant::now();
+    while expiry().await.is_none() {
+        assert!(started.elapsed() < WAIT, "the handler never took the lease");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    running.shutdown.force(Trigger::Api);
+    let report = running.stop().await;
+    assert_eq!(report.unresolved.len(), 1, "{:?}", report.unresolved);
+
+    // Renewed every 100 ms while the handler ran; after the drop, never again.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let first = expiry().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        expiry().await,
+        first,
+        "the lease kept being renewed after its delivery was dropped"
+    );
+}

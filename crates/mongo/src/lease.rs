@@ -170,7 +170,7 @@ impl Lease {
     /// Stops renewing and releases the lease if it is still ours.
     pub(crate) async fn release(self) {
         self.renewal.cancel();
-        let filter = doc! { "_id": self.key, "owner": self.owner, "fence": self.fence };
+        let filter = doc! { "_id": self.key.clone(), "owner": &self.owner, "fence": self.fence };
         let _ = self
             .leases
             .update_one(
@@ -178,6 +178,15 @@ impl Lease {
                 doc! { "$set": { "expires_at": DateTime::from_millis(0) } },
             )
             .await;
+    }
+}
+
+impl Drop for Lease {
+    /// A lease dropped without [`Lease::release`] (its delivery was dropped: a timeout, a
+    /// shutdown's abort) stops renewing, so it expires after its TTL instead of being extended
+    /// by a task nobody owns.
+    fn drop(&mut self) {
+        self.renewal.cancel();
     }
 }
 
