@@ -850,3 +850,50 @@ async fn a_dropped_delivery_stops_renewing_its_lease() {
         "the lease kept being renewed after its delivery was dropped"
     );
 }
+
+/// The database stops answering right when a handler fails: the transaction's abort cannot
+/// complete. The delivery still goes on to its retry within the budget instead of waiting on
+/// the abort for as long as the database is silent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_the_database_never_answers_does_not_hold_the_delivery() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("silent-abort");
+    let database = MongoNode::database_name("silent-abort");
+    let proxy = Arc::new(TcpProxy::start(mongo_addr()).await);
+    let scope = MongoScope::connect(
+        &mongo_via(&proxy),
+        &database,
+        MongoConfig::new("e2e-silent-abort"),
+    )
+    .await
+    .expect("scope through the proxy");
+    let stall = Arc::clone(&proxy);
+    let router = Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| {
+        let stall = Arc::clone(&stall);
+        async move {
+            write_effect(&tx, &meta, "silent").await?;
+            // The database goes silent before the transaction is aborted.
+            stall.stall(true);
+            Err(QueueHandlerError::retryable("downstream down"))
+        }
+    });
+    let policy = common::fast_policy()
+        .retry_delays([Duration::from_secs(600)])
+        .settlement_budget(Duration::from_secs(2), Duration::from_millis(500));
+    let running = start_scoped_with(broker.url(), scoped_config(&queue, policy), router, scope);
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    client
+        .publish(&queue, b"{}", props("silent-1", "order.placed"))
+        .await;
+    let stats = running.stats.clone();
+    let retried = eventually(Duration::from_secs(15), || stats.totals().retried == 1).await;
+    proxy.stall(false);
+    assert!(
+        retried,
+        "the delivery waited on the abort: {:?}",
+        stats.totals()
+    );
+    let report = running.stop().await;
+    assert!(report.clean, "{:?}", report.unresolved);
+}

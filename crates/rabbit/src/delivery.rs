@@ -326,8 +326,12 @@ impl Work<'_> {
                     );
                 }
                 Action::Abort => {
-                    if let Some(t) = transaction.take() {
-                        t.abort().await;
+                    // Bounded: a database that stopped answering must not hold the delivery
+                    // (an abandoned transaction ends on the server's own timeout).
+                    if let Some(t) = transaction.take()
+                        && tokio::time::timeout(budget, t.abort()).await.is_err()
+                    {
+                        warn!("the transaction's abort did not complete within the budget");
                     }
                     last = Instant::now();
                     machine.handle_aborted(self.authority(), last);
