@@ -897,3 +897,58 @@ async fn an_abort_the_database_never_answers_does_not_hold_the_delivery() {
     let report = running.stop().await;
     assert!(report.clean, "{:?}", report.unresolved);
 }
+
+/// The database stops answering right after a handler succeeded: the commit times out and its
+/// outcome is unknown, and so would be the deferral count and the lease release after it. All
+/// of it is bounded: the delivery is deferred within the budget instead of waiting on a silent
+/// database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_the_database_never_answers_defers_within_the_budget() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("silent-commit");
+    let database = MongoNode::database_name("silent-commit");
+    let db = direct(&database).await;
+    let proxy = Arc::new(TcpProxy::start(mongo_addr()).await);
+    let scope = MongoScope::connect(
+        &mongo_via(&proxy),
+        &database,
+        MongoConfig::new("e2e-silent-commit"),
+    )
+    .await
+    .expect("scope through the proxy");
+    let stall = Arc::clone(&proxy);
+    let router = Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| {
+        let stall = Arc::clone(&stall);
+        async move {
+            write_effect(&tx, &meta, "silent").await?;
+            // The database goes silent before the commit.
+            stall.stall(true);
+            Ok(())
+        }
+    });
+    let running = start_scoped_with(
+        broker.url(),
+        scoped_config(&queue, deferring_policy(50)),
+        router,
+        scope,
+    );
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    client
+        .publish(&queue, b"{}", props("silent-1", "order.placed"))
+        .await;
+    let stats = running.stats.clone();
+    let deferred = eventually(Duration::from_secs(15), || stats.totals().deferred >= 1).await;
+    proxy.stall(false);
+    assert!(
+        deferred,
+        "the delivery waited on the database: {:?}",
+        stats.totals()
+    );
+    let report = running.stop().await;
+    assert_eq!(report.totals.dead_lettered, 0, "{:?}", report.totals);
+    // Whether the buffered commit reached the database once it answered again is the
+    // database's to say; the effect never exists twice.
+    let docs = effect_docs(&db, "silent-1").await;
+    assert!(docs.len() <= 1, "the effect exists at most once: {docs:?}");
+}

@@ -55,25 +55,39 @@ pub(crate) struct MongoTransaction {
     pub(crate) on_committed: Option<(crate::observer::CommitObserver, lily_mq_core::Meta)>,
 }
 
+/// The least time given to the bookkeeping after a commit once the budget is spent.
+const GRACE: Duration = Duration::from_millis(200);
+
 impl OpenTransaction for MongoTransaction {
     fn commit(self: Box<Self>, deadline: Duration) -> BoxFuture<'static, Committed> {
         Box::pin(async move {
             let this = *self;
+            let end = tokio::time::Instant::now() + deadline;
             let committed = match tokio::time::timeout(deadline, this.commit_inner(deadline)).await
             {
                 Ok(committed) => committed,
                 Err(_) => ambiguous("commit did not finish within the settlement budget"),
             };
+            // What follows is bounded too: a database that stopped answering must not hold the
+            // delivery (an unknown count leaves the count the delivery already had; a lease not
+            // released expires after its TTL, its renewal stopped).
+            let left = || {
+                end.saturating_duration_since(tokio::time::Instant::now())
+                    .max(GRACE)
+            };
             let committed = if committed.outcome == TransactionOutcome::CommitAmbiguous {
                 Committed {
-                    deferrals: this.deferrals.count().await,
+                    deferrals: tokio::time::timeout(left(), this.deferrals.count())
+                        .await
+                        .ok()
+                        .flatten(),
                     ..committed
                 }
             } else {
                 committed
             };
             if let Some(lease) = this.lease {
-                lease.release().await;
+                let _ = tokio::time::timeout(left(), lease.release()).await;
             }
             if let (TransactionOutcome::Committed, Some((observer, meta))) =
                 (committed.outcome, &this.on_committed)
