@@ -952,3 +952,85 @@ async fn a_commit_the_database_never_answers_defers_within_the_budget() {
     let docs = effect_docs(&db, "silent-1").await;
     assert!(docs.len() <= 1, "the effect exists at most once: {docs:?}");
 }
+
+/// Takes one unit of the shared stock and records the effect, inside the transaction. Every
+/// delivery updates the same document, so concurrent transactions conflict.
+async fn take_stock(tx: MongoTx, meta: Meta) -> Result<(), QueueHandlerError> {
+    let fail = |e: lily_mq_mongo::mongodb::error::Error| {
+        if e.contains_label(lily_mq_mongo::mongodb::error::TRANSIENT_TRANSACTION_ERROR) {
+            QueueHandlerError::transient("stock update: write conflict").with_source(e)
+        } else {
+            QueueHandlerError::retryable("stock update failed").with_source(e)
+        }
+    };
+    let database = tx.database();
+    let mut session = tx.session().await;
+    database
+        .collection::<Document>("stock")
+        .update_one(doc! { "_id": "sku" }, doc! { "$inc": { "taken": 1_i64 } })
+        .session(&mut *session)
+        .await
+        .map_err(fail)?;
+    database
+        .collection::<Document>("effects")
+        .insert_one(doc! { "message_id": meta.message_id() })
+        .session(&mut *session)
+        .await
+        .map_err(fail)?;
+    Ok(())
+}
+
+/// Many deliveries update the same document inside their transactions at once, so write
+/// conflicts are everywhere. A transient transaction error runs the whole transaction again
+/// in-process: every message takes its unit exactly once, none uses an application attempt, none
+/// reaches the DLQ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_conflicts_run_the_transaction_again_instead_of_using_attempts() {
+    const ORDERS: usize = 100;
+    let broker = Broker::from_env();
+    let queue = Broker::unique("contended");
+    let database = MongoNode::database_name("contended");
+    let db = direct(&database).await;
+    db.collection::<Document>("stock")
+        .insert_one(doc! { "_id": "sku", "taken": 0_i64 })
+        .await
+        .expect("seed the stock");
+    let scope = scope(&database).await;
+    let router = Router::new().route("order.placed", take_stock);
+    let cfg = config(&queue, QueueKind::Classic)
+        .prefetch(20)
+        .concurrency(20);
+    let running = start_scoped_with(broker.url(), cfg, router, scope);
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    for i in 0..ORDERS {
+        client
+            .publish(&queue, b"{}", props(&format!("c-{i}"), "order.placed"))
+            .await;
+    }
+    running
+        .wait_for("every order taken", WAIT, |t| {
+            t.acked + t.retried + t.dead_lettered >= ORDERS as u64
+        })
+        .await;
+    let report = running.stop().await;
+    let t = &report.totals;
+    assert_eq!(
+        (t.acked, t.retried, t.dead_lettered),
+        (ORDERS as u64, 0, 0),
+        "{t:?}"
+    );
+    assert!(report.clean, "{:?}", report.unresolved);
+    let stock = db
+        .collection::<Document>("stock")
+        .find_one(doc! { "_id": "sku" })
+        .await
+        .expect("read the stock")
+        .expect("the stock");
+    assert_eq!(int(&stock, "taken"), ORDERS as i64, "{stock:?}");
+    for i in 0..ORDERS {
+        let id = format!("c-{i}");
+        assert_eq!(effect_docs(&db, &id).await.len(), 1, "{id}");
+    }
+    assert_dlq_empty(&client, &queue).await;
+}

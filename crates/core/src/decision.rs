@@ -37,6 +37,9 @@ pub enum PipelineResult {
     TimedOut,
     /// Work could not start for an infrastructure reason (a lease held elsewhere).
     Deferred,
+    /// A transient transaction error (write conflict, election) that in-process reruns did not
+    /// get past within the budget: deferral, not an application attempt.
+    Transient,
     /// The inbox shows this message was already handled with the same fingerprint.
     Duplicate,
 }
@@ -61,6 +64,9 @@ pub enum TransactionOutcome {
     Aborted,
     /// The commit outcome is still unknown after bounded retries: deferral.
     CommitAmbiguous,
+    /// The commit failed with a transient transaction error (write conflict, election): the
+    /// transaction runs again in-process, then deferral.
+    Transient,
     /// The commit was refused because this worker's lease was taken over (its fence is stale):
     /// deferral; the new owner's outcome decides.
     Fenced,
@@ -238,11 +244,13 @@ pub fn decide(s: &Situation, policy: &Policy) -> Plan {
                 cause: Cause::RequeueLimit,
             });
         }
-        (PipelineResult::Deferred, _, _)
+        (PipelineResult::Deferred | PipelineResult::Transient, _, _)
         | (
             PipelineResult::Succeeded,
             CleanupResult::Succeeded,
-            TransactionOutcome::CommitAmbiguous | TransactionOutcome::Fenced,
+            TransactionOutcome::CommitAmbiguous
+            | TransactionOutcome::Fenced
+            | TransactionOutcome::Transient,
         ) => {
             return if at_limit {
                 to_dead_letter(FailureKind::Retryable, Cause::RequeueLimit)

@@ -51,6 +51,7 @@ impl fmt::Display for FailureKind {
 #[error("{kind} failure: {reason}")]
 pub struct QueueHandlerError {
     kind: FailureKind,
+    transient: bool,
     reason: Reason,
     retry_after: Option<Duration>,
     #[source]
@@ -62,6 +63,7 @@ impl QueueHandlerError {
     pub fn new(kind: FailureKind, reason: impl Into<Reason>) -> Self {
         Self {
             kind,
+            transient: false,
             reason: reason.into(),
             retry_after: None,
             source: None,
@@ -76,6 +78,18 @@ impl QueueHandlerError {
     /// A failure that cannot succeed when tried again.
     pub fn permanent(reason: impl Into<Reason>) -> Self {
         Self::new(FailureKind::Permanent, reason)
+    }
+
+    /// A transient transaction error (a write conflict, an election, a transient network error
+    /// inside the transaction): the scope's whole transaction runs again in-process, with
+    /// backoff, within the settlement budget, and it never uses an application attempt; still
+    /// transient at the budget, the delivery is deferred. Without a transactional scope it is a
+    /// retryable failure.
+    pub fn transient(reason: impl Into<Reason>) -> Self {
+        Self {
+            transient: true,
+            ..Self::new(FailureKind::Retryable, reason)
+        }
     }
 
     /// A failure whose effect may have happened and cannot be checked.
@@ -101,6 +115,11 @@ impl QueueHandlerError {
     /// How settlement treats this failure.
     pub fn kind(&self) -> FailureKind {
         self.kind
+    }
+
+    /// Whether this is a transient transaction error; see [`QueueHandlerError::transient`].
+    pub fn is_transient(&self) -> bool {
+        self.transient
     }
 
     /// The bounded, sanitized reason.

@@ -14,6 +14,9 @@
 //! - which copy a handoff publishes (the original, or only sanitized metadata for an envelope
 //!   the gate refused);
 //! - the deferral hold before a deferred requeue, so it is never requeued hot;
+//! - a transient transaction error (write conflict): the whole transaction again, after a
+//!   growing backoff, within the settlement budget since arrival, then a deferral; never an
+//!   application attempt;
 //! - the plan ([`decide_at_gate`], [`decide`]) and its settlement ([`Settlement`]).
 //!
 //! Each settle action (ACK, requeue, reject) is handed out at most once, and every terminal
@@ -29,12 +32,22 @@ use crate::decision::{
     RequeueCause, SettleResult, Settlement, Situation, TransactionOutcome, decide, decide_at_gate,
 };
 use crate::envelope::GateRejection;
+use crate::error::FailureKind;
 use crate::ledger::Evidence;
 use crate::policy::Policy;
 use crate::reason::Reason;
 
 /// The reason of a delivery that succeeded.
 static OK: Reason = Reason::from_static("ok");
+
+/// The first backoff before a transaction runs again after a transient error; it doubles.
+const RERUN_BACKOFF: Duration = Duration::from_millis(10);
+
+/// The longest backoff between two runs of a transaction.
+const RERUN_BACKOFF_MAX: Duration = Duration::from_millis(500);
+
+/// The most runs of one delivery's transaction after the first.
+const MAX_RERUNS: u32 = 20;
 
 /// What the gate and dispatch made of a delivery.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -114,6 +127,10 @@ pub enum Action {
     Abort,
     /// Wait this long (cut short by shutdown), then report through [`Delivery::handle_held`].
     Hold(Duration),
+    /// Wait up to this long (the executor picks a random part of it, at least half, so that
+    /// transactions that conflicted do not meet again), then report through
+    /// [`Delivery::handle_held`]; the whole transaction runs again.
+    Backoff(Duration),
     /// Publish the copy within `deadline`; report through [`Delivery::handle_handoff`].
     Publish {
         /// Lane and cause.
@@ -168,6 +185,11 @@ pub struct Delivery<'p> {
     evidence: Notes,
     /// The time of the latest input.
     now: Instant,
+    /// When the delivery arrived: transient transaction errors are run again within the
+    /// settlement budget from here.
+    arrived: Instant,
+    /// Transaction runs started again after a transient transaction error.
+    reruns: u32,
 }
 
 impl<'p> Delivery<'p> {
@@ -204,6 +226,8 @@ impl<'p> Delivery<'p> {
             reason: None,
             evidence: Notes::default(),
             now,
+            arrived: now,
+            reruns: 0,
         };
         match arrival.verdict {
             Verdict::Refused { rejection, reason } => {
@@ -298,6 +322,14 @@ impl<'p> Delivery<'p> {
             return;
         }
         self.evidence.push(Evidence::HandlerReturned);
+        // Without a transaction to run again, a transient error is an ordinary retryable one.
+        let pipeline = match pipeline {
+            PipelineResult::Transient if !self.transaction => PipelineResult::Failed {
+                kind: FailureKind::Retryable,
+                retry_after: None,
+            },
+            other => other,
+        };
         self.ran = Ran { pipeline, cleanup };
         self.reason = reason;
         if !self.transaction {
@@ -325,20 +357,38 @@ impl<'p> Delivery<'p> {
         if reason.is_some() {
             self.reason = reason;
         }
-        self.plan(outcome, authority, now);
+        if outcome == TransactionOutcome::Transient {
+            self.rerun_or_plan(outcome, authority, now);
+        } else {
+            self.plan(outcome, authority, now);
+        }
     }
 
     /// The transaction was aborted.
     pub fn handle_aborted(&mut self, authority: Authority, now: Instant) {
-        if self.waiting_for(Action::Abort) {
+        if !self.waiting_for(Action::Abort) {
+            return;
+        }
+        if self.ran.pipeline == PipelineResult::Transient {
+            self.rerun_or_plan(TransactionOutcome::Aborted, authority, now);
+        } else {
             self.plan(TransactionOutcome::Aborted, authority, now);
         }
     }
 
-    /// The deferral hold is over (or was cut short by shutdown).
+    /// The deferral hold or the backoff is over (a hold may have been cut short by shutdown).
     pub fn handle_held(&mut self, now: Instant) {
-        if matches!(self.step, Step::Waiting(Action::Hold(_))) {
-            self.settle(Plan::Requeue(RequeueCause::Deferred), now);
+        self.now = now;
+        match self.step {
+            Step::Waiting(Action::Hold(_)) => {
+                self.settle(Plan::Requeue(RequeueCause::Deferred), now);
+            }
+            Step::Waiting(Action::Backoff(_)) => {
+                // A fresh scope and transaction, and the handler again.
+                self.transaction = false;
+                self.step = Step::Ready(Action::OpenScope);
+            }
+            _ => {}
         }
     }
 
@@ -392,6 +442,27 @@ impl<'p> Delivery<'p> {
         self.counted
             && self.redelivered
             && !matches!(self.outcome(), Some(Outcome::Requeued(_)) | None)
+    }
+
+    /// After a transient transaction error: the whole transaction again after a backoff, while
+    /// the settlement budget since arrival allows; otherwise the decision table, which defers.
+    fn rerun_or_plan(
+        &mut self,
+        transaction: TransactionOutcome,
+        authority: Authority,
+        now: Instant,
+    ) {
+        let backoff = RERUN_BACKOFF
+            .saturating_mul(1 << self.reruns.min(6))
+            .min(RERUN_BACKOFF_MAX);
+        let window = self.arrived + self.policy.settlement_budget;
+        if authority == Authority::Held && self.reruns < MAX_RERUNS && now + backoff < window {
+            self.reruns += 1;
+            self.step = Step::Ready(Action::Backoff(backoff));
+        } else {
+            self.ran.pipeline = PipelineResult::Transient;
+            self.plan(transaction, authority, now);
+        }
     }
 
     fn waiting_for(&self, action: Action) -> bool {

@@ -400,6 +400,120 @@ fn the_requeue_memory_evicts_the_least_recently_counted_id() {
     assert_eq!(memory.len(), 3);
 }
 
+/// Opens a scoped delivery's scope with a transaction and returns it waiting for its handler.
+fn scoped_and_running(p: &Policy, now: Instant) -> Delivery<'_> {
+    let mut d = Delivery::new(
+        Arrival {
+            scoped: true,
+            ..arrival(Verdict::Dispatched)
+        },
+        p,
+        || HELD,
+        now,
+    );
+    assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
+    d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
+    assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
+    d
+}
+
+#[test]
+fn a_transient_transaction_error_runs_the_whole_transaction_again() {
+    let (p, now) = (policy(), Instant::now());
+    let mut d = scoped_and_running(&p, now);
+    let conflict = Reason::new("write conflict");
+    d.handle_pipeline(
+        PipelineResult::Transient,
+        CleanupResult::Succeeded,
+        Some(conflict),
+        HELD,
+        now,
+    );
+    assert_eq!(d.poll_action(|| HELD), Some(Action::Abort));
+    d.handle_aborted(HELD, now);
+    let Some(Action::Backoff(wait)) = d.poll_action(|| HELD) else {
+        panic!("a backoff before the transaction runs again")
+    };
+    let now = now + wait;
+    d.handle_held(now);
+    assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
+    d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
+    assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
+    d.handle_pipeline(
+        PipelineResult::Succeeded,
+        CleanupResult::Succeeded,
+        None,
+        HELD,
+        now,
+    );
+    assert_eq!(d.poll_action(|| HELD), Some(Action::Commit));
+    // The commit conflicts this time: once more.
+    d.handle_commit(TransactionOutcome::Transient, None, None, HELD, now);
+    let Some(Action::Backoff(second)) = d.poll_action(|| HELD) else {
+        panic!("a backoff after a transient commit")
+    };
+    assert!(second > wait, "the backoff grows");
+    d.handle_held(now + second);
+    assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
+}
+
+#[test]
+fn a_transaction_still_transient_at_the_budget_is_deferred_without_using_an_attempt() {
+    let (p, start) = (policy(), Instant::now());
+    let mut d = scoped_and_running(&p, start);
+    let mut now = start;
+    let mut reruns = 0;
+    let last_attempt = loop {
+        d.handle_pipeline(
+            PipelineResult::Transient,
+            CleanupResult::Succeeded,
+            None,
+            HELD,
+            now,
+        );
+        assert_eq!(d.poll_action(|| HELD), Some(Action::Abort));
+        d.handle_aborted(HELD, now);
+        match d.poll_action(|| HELD) {
+            Some(Action::Backoff(wait)) => {
+                reruns += 1;
+                now += wait;
+                d.handle_held(now);
+                assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
+                d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
+                assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
+            }
+            other => break other,
+        }
+    };
+    assert!(reruns > 0);
+    assert!(
+        now < start + p.settlement_budget,
+        "reruns stay within the budget"
+    );
+    assert!(
+        matches!(last_attempt, Some(Action::Hold(_))),
+        "deferred, not handed off: {last_attempt:?}"
+    );
+}
+
+#[test]
+fn a_transient_error_without_a_transaction_is_an_ordinary_retry() {
+    let (p, now) = (policy(), Instant::now());
+    let mut d = Delivery::new(arrival(Verdict::Dispatched), &p, || HELD, now);
+    d.poll_action(|| HELD);
+    d.handle_pipeline(
+        PipelineResult::Transient,
+        CleanupResult::Succeeded,
+        None,
+        HELD,
+        now,
+    );
+    let Some(Action::Publish { handoff, .. }) = d.poll_action(|| HELD) else {
+        panic!("a retry handoff")
+    };
+    assert!(matches!(handoff.lane, Lane::Retry { .. }));
+}
+
 mod properties {
     use super::*;
     use proptest::prelude::*;
@@ -481,6 +595,7 @@ mod properties {
             Just(PipelineResult::Panicked),
             Just(PipelineResult::TimedOut),
             Just(PipelineResult::Deferred),
+            Just(PipelineResult::Transient),
         ];
         let cleanup = prop_oneof![Just(CleanupResult::Succeeded), Just(CleanupResult::Failed)];
         let commit = (
@@ -489,6 +604,7 @@ mod properties {
                 Just(TransactionOutcome::Aborted),
                 Just(TransactionOutcome::CommitAmbiguous),
                 Just(TransactionOutcome::Fenced),
+                Just(TransactionOutcome::Transient),
             ],
             proptest::option::of(0u32..6),
         );
@@ -546,7 +662,7 @@ mod properties {
         let mut trace = Trace::default();
         let mut authority = s.authority.iter().cycle();
         let mut now = start;
-        for _ in 0..16 {
+        for _ in 0..400 {
             let auth = if *authority.next().unwrap() {
                 Authority::Held
             } else {
@@ -561,7 +677,7 @@ mod properties {
                 Action::RunHandler => d.handle_pipeline(s.pipeline, s.cleanup, None, auth, now),
                 Action::Commit => d.handle_commit(s.commit.0, s.commit.1, None, auth, now),
                 Action::Abort => d.handle_aborted(auth, now),
-                Action::Hold(delay) => {
+                Action::Hold(delay) | Action::Backoff(delay) => {
                     now += delay;
                     d.handle_held(now);
                 }

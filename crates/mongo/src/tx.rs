@@ -170,7 +170,12 @@ fn ambiguous(reason: &'static str) -> Committed {
 fn aborted(err: &mongodb::error::Error, what: &'static str) -> Committed {
     let transient = err.contains_label(TRANSIENT_TRANSACTION_ERROR);
     Committed {
-        outcome: TransactionOutcome::Aborted,
+        // A transient error (a write conflict, an election) runs the transaction again.
+        outcome: if transient {
+            TransactionOutcome::Transient
+        } else {
+            TransactionOutcome::Aborted
+        },
         reason: Some(Reason::new(if transient {
             format!("{what}: transient transaction error")
         } else {

@@ -336,6 +336,13 @@ impl Work<'_> {
                     last = Instant::now();
                     machine.handle_aborted(self.authority(), last);
                 }
+                Action::Backoff(longest) => {
+                    // A random part of it, at least half: transactions that conflicted must
+                    // not meet again in step.
+                    tokio::time::sleep(jittered(longest)).await;
+                    last = Instant::now();
+                    machine.handle_held(last);
+                }
                 Action::Hold(delay) => {
                     // Give what the deferral waits for time to change; shutdown cuts it short.
                     let wait = Box::pin(tokio::time::sleep(delay));
@@ -488,6 +495,15 @@ impl Work<'_> {
             }),
         }
     }
+}
+
+/// Between half of `longest` and all of it, at random.
+fn jittered(longest: Duration) -> Duration {
+    use std::hash::{BuildHasher, RandomState};
+    // A fresh random hash of the clock: good enough to spread a few retries apart.
+    let random = RandomState::new().hash_one(Instant::now());
+    let half = longest / 2;
+    half + half.mul_f64((random % 1024) as f64 / 1024.0)
 }
 
 /// Now, in milliseconds since the Unix epoch, for the copy's failure headers.

@@ -118,6 +118,9 @@ async fn poll_once<F: Future>(mut future: Pin<&mut F>) -> Poll<F::Output> {
 }
 
 fn failed(err: &lily_mq_core::QueueHandlerError) -> PipelineResult {
+    if err.is_transient() {
+        return PipelineResult::Transient;
+    }
     PipelineResult::Failed {
         kind: err.kind(),
         retry_after: err.retry_after(),

@@ -174,15 +174,16 @@ async fn reserve(
 }
 
 /// A database error inside the transaction. A transient transaction error (a write conflict
-/// with a concurrent reservation of the same sku) means the whole transaction may run again.
+/// with a concurrent reservation of the same sku) runs the whole transaction again, in-process,
+/// without using an attempt; anything else is a retryable failure.
 fn database_failure(what: &'static str) -> impl FnOnce(mongodb::error::Error) -> QueueHandlerError {
     move |err| {
-        let reason = if err.contains_label(TRANSIENT_TRANSACTION_ERROR) {
-            format!("{what}: transient transaction error (write conflict)")
+        if err.contains_label(TRANSIENT_TRANSACTION_ERROR) {
+            let reason = format!("{what}: transient transaction error (write conflict)");
+            QueueHandlerError::transient(reason).with_source(err)
         } else {
-            what.to_owned()
-        };
-        QueueHandlerError::retryable(reason).with_source(err)
+            QueueHandlerError::retryable(what).with_source(err)
+        }
     }
 }
 
