@@ -156,6 +156,10 @@ async fn a_held_delivery_is_never_covered_by_the_acks_of_later_ones() {
     let summary = running.stop().await;
     assert_eq!(summary.totals.acked, 50);
     assert_eq!(summary.unresolved.len(), 1, "{:?}", summary.unresolved);
+    assert_eq!(
+        summary.totals.unresolved, 1,
+        "the totals count what the list holds"
+    );
     let back = client
         .take(&queue, WAIT)
         .await

@@ -87,6 +87,10 @@ impl ShutdownReport {
             })
             .collect();
         let overflow = ledger.overflow();
+        // Deliveries still open at the end (aborted, or in flight) are listed as unresolved:
+        // the totals count them too, so the two agree.
+        let mut totals = ledger.totals();
+        totals.unresolved += ledger.in_flight() as u64;
         Self {
             schema: SCHEMA.to_owned(),
             queue: queue.to_owned(),
@@ -95,7 +99,7 @@ impl ShutdownReport {
             phases: clock.timings(now),
             budget_ms: ms(clock.budget().total),
             budget_used_ms: ms(clock.used(now)),
-            totals: ledger.totals(),
+            totals,
             clean: unresolved.is_empty() && overflow == 0,
             unresolved,
             unresolved_overflow: overflow,
