@@ -76,10 +76,18 @@ async fn connection_killed_mid_flight_loses_nothing_and_consumer_resumes() {
     let queue = "orders";
     let calls = Calls::default();
     let seen = calls.clone();
+    // Handlers finish only once the connections were killed, however long killing them takes
+    // on a loaded machine: the first batch is surely in flight when it happens.
+    let killed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let after_kill = std::sync::Arc::clone(&killed);
     let router = Router::new().route("order.placed", move |meta: Meta| {
         let seen = seen.clone();
+        let after_kill = std::sync::Arc::clone(&after_kill);
         async move {
-            tokio::time::sleep(Duration::from_millis(2000)).await;
+            while !after_kill.load(std::sync::atomic::Ordering::Acquire) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
             seen.record(&meta);
             Ok(())
         }
@@ -100,6 +108,7 @@ async fn connection_killed_mid_flight_loses_nothing_and_consumer_resumes() {
         "deliveries in flight"
     );
     broker.close_connections(&vhost);
+    killed.store(true, std::sync::atomic::Ordering::Release);
 
     let done = calls.clone();
     let expected = ids.clone();
