@@ -293,8 +293,10 @@ async fn a_stalled_broker_cannot_hold_shutdown_past_its_budget() {
     let report = running.ended().await.expect("a report, not an error");
     let took = started.elapsed();
     proxy.stall(false);
+    // A hang is what this catches (30 s and more before the fix); the margin is for a loaded
+    // machine's scheduling, not for any wait of Lily's.
     assert!(
-        took <= BUDGET + Duration::from_secs(1),
+        took <= BUDGET + Duration::from_secs(2),
         "shutdown took {took:?} with a budget of {BUDGET:?}"
     );
     // What was in flight when the network stalled could not be proven settled.
@@ -322,8 +324,10 @@ async fn a_trigger_while_connecting_to_a_stalled_broker_ends_within_the_budget()
     let report = running.ended().await.expect("a report, not an error");
     let took = started.elapsed();
     proxy.stall(false);
+    // A hang is what this catches (30 s and more before the fix); the margin is for a loaded
+    // machine's scheduling, not for any wait of Lily's.
     assert!(
-        took <= BUDGET + Duration::from_secs(1),
+        took <= BUDGET + Duration::from_secs(2),
         "shutdown took {took:?} with a budget of {BUDGET:?}"
     );
     assert!(report.clean, "nothing was in flight: {report:?}");
