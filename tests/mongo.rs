@@ -851,6 +851,31 @@ async fn a_dropped_delivery_stops_renewing_its_lease() {
     );
 }
 
+/// A scope reaching `database` through a proxy, and a router whose handler writes its effect,
+/// then stalls the proxy (the database goes silent before the commit or the abort) and returns
+/// `outcome`.
+async fn silent_after_handler(
+    database: &str,
+    outcome: Result<(), QueueHandlerError>,
+) -> (Arc<TcpProxy>, MongoScope, Router) {
+    let proxy = Arc::new(TcpProxy::start(mongo_addr()).await);
+    let scope = MongoScope::connect(&mongo_via(&proxy), database, MongoConfig::new("e2e-silent"))
+        .await
+        .expect("scope through the proxy");
+    let stall = Arc::clone(&proxy);
+    // Handed to the one handler call that fails or succeeds; later calls succeed.
+    let outcome = Arc::new(Mutex::new(Some(outcome)));
+    let router = Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| {
+        let (stall, outcome) = (Arc::clone(&stall), Arc::clone(&outcome));
+        async move {
+            write_effect(&tx, &meta, "silent").await?;
+            stall.stall(true);
+            outcome.lock().unwrap().take().unwrap_or(Ok(()))
+        }
+    });
+    (proxy, scope, router)
+}
+
 /// The database stops answering right when a handler fails: the transaction's abort cannot
 /// complete. The delivery still goes on to its retry within the budget instead of waiting on
 /// the abort for as long as the database is silent.
@@ -859,24 +884,11 @@ async fn an_abort_the_database_never_answers_does_not_hold_the_delivery() {
     let broker = Broker::from_env();
     let queue = Broker::unique("silent-abort");
     let database = MongoNode::database_name("silent-abort");
-    let proxy = Arc::new(TcpProxy::start(mongo_addr()).await);
-    let scope = MongoScope::connect(
-        &mongo_via(&proxy),
+    let (proxy, scope, router) = silent_after_handler(
         &database,
-        MongoConfig::new("e2e-silent-abort"),
+        Err(QueueHandlerError::retryable("downstream down")),
     )
-    .await
-    .expect("scope through the proxy");
-    let stall = Arc::clone(&proxy);
-    let router = Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| {
-        let stall = Arc::clone(&stall);
-        async move {
-            write_effect(&tx, &meta, "silent").await?;
-            // The database goes silent before the transaction is aborted.
-            stall.stall(true);
-            Err(QueueHandlerError::retryable("downstream down"))
-        }
-    });
+    .await;
     let policy = common::fast_policy()
         .retry_delays([Duration::from_secs(600)])
         .settlement_budget(Duration::from_secs(2), Duration::from_millis(500));
@@ -908,24 +920,7 @@ async fn a_commit_the_database_never_answers_defers_within_the_budget() {
     let queue = Broker::unique("silent-commit");
     let database = MongoNode::database_name("silent-commit");
     let db = direct(&database).await;
-    let proxy = Arc::new(TcpProxy::start(mongo_addr()).await);
-    let scope = MongoScope::connect(
-        &mongo_via(&proxy),
-        &database,
-        MongoConfig::new("e2e-silent-commit"),
-    )
-    .await
-    .expect("scope through the proxy");
-    let stall = Arc::clone(&proxy);
-    let router = Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| {
-        let stall = Arc::clone(&stall);
-        async move {
-            write_effect(&tx, &meta, "silent").await?;
-            // The database goes silent before the commit.
-            stall.stall(true);
-            Ok(())
-        }
-    });
+    let (proxy, scope, router) = silent_after_handler(&database, Ok(())).await;
     let running = start_scoped_with(
         broker.url(),
         scoped_config(&queue, deferring_policy(50)),

@@ -257,6 +257,27 @@ async fn a_consumer_that_fails_after_starting_leaves_no_connection_behind() {
     drop(stats);
 }
 
+/// Triggers shutdown with the broker stalled behind `proxy` and returns the report, failing the
+/// test unless `run` ended within `budget`.
+async fn shut_down_within(
+    running: common::Running,
+    proxy: &lily_mq_testkit::TcpProxy,
+    budget: Duration,
+) -> ShutdownReport {
+    let started = std::time::Instant::now();
+    running.shutdown.trigger(Trigger::Api);
+    let report = running.ended().await.expect("a report, not an error");
+    let took = started.elapsed();
+    proxy.stall(false);
+    // A hang is what this catches (30 s and more before the fix); the margin is for a loaded
+    // machine's scheduling, not for any wait of Lily's.
+    assert!(
+        took <= budget + Duration::from_secs(2),
+        "shutdown took {took:?} with a budget of {budget:?}"
+    );
+    report
+}
+
 /// The broker stops answering while deliveries are in flight: the network stalls, nothing is
 /// closed, so only timeouts can notice. Shutdown still ends within its budget and returns a
 /// report that lists what it could not settle.
@@ -266,9 +287,15 @@ async fn a_stalled_broker_cannot_hold_shutdown_past_its_budget() {
     let broker = Broker::from_env();
     let proxy = lily_mq_testkit::TcpProxy::start(broker.addr()).await;
     let queue = Broker::unique("stalled");
-    let router = Router::new().route("order.placed", |_: Meta| async {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        Ok(())
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let router = Router::new().route("order.placed", move |meta: Meta| {
+        let seen = seen.clone();
+        async move {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            seen.record(&meta);
+            Ok(())
+        }
     });
     let cfg = config(&queue, QueueKind::Classic)
         .prefetch(10)
@@ -288,19 +315,15 @@ async fn a_stalled_broker_cannot_hold_shutdown_past_its_budget() {
     );
 
     proxy.stall(true);
-    let started = std::time::Instant::now();
-    running.shutdown.trigger(Trigger::Api);
-    let report = running.ended().await.expect("a report, not an error");
-    let took = started.elapsed();
-    proxy.stall(false);
-    // A hang is what this catches (30 s and more before the fix); the margin is for a loaded
-    // machine's scheduling, not for any wait of Lily's.
-    assert!(
-        took <= BUDGET + Duration::from_secs(2),
-        "shutdown took {took:?} with a budget of {BUDGET:?}"
-    );
+    let report = shut_down_within(running, &proxy, BUDGET).await;
     // What was in flight when the network stalled could not be proven settled.
     assert!(!report.clean, "{report:?}");
+    // From outside: every message is back in the queue or was handled; none is lost.
+    let back: BTreeSet<String> = client.drain_ids(&queue).await.into_keys().collect();
+    let handled: BTreeSet<String> = calls.all().into_iter().map(|c| c.0).collect();
+    let expected: BTreeSet<String> = (0..20).map(|i| format!("s-{i}")).collect();
+    let seen: BTreeSet<String> = back.union(&handled).cloned().collect();
+    assert_eq!(seen, expected, "back {back:?}, handled {handled:?}");
 }
 
 /// The broker stops answering before the consumer is consuming: it hangs while connecting. A
@@ -319,17 +342,7 @@ async fn a_trigger_while_connecting_to_a_stalled_broker_ends_within_the_budget()
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!running.stats.ready(), "the connect hangs");
 
-    let started = std::time::Instant::now();
-    running.shutdown.trigger(Trigger::Api);
-    let report = running.ended().await.expect("a report, not an error");
-    let took = started.elapsed();
-    proxy.stall(false);
-    // A hang is what this catches (30 s and more before the fix); the margin is for a loaded
-    // machine's scheduling, not for any wait of Lily's.
-    assert!(
-        took <= BUDGET + Duration::from_secs(2),
-        "shutdown took {took:?} with a budget of {BUDGET:?}"
-    );
+    let report = shut_down_within(running, &proxy, BUDGET).await;
     assert!(report.clean, "nothing was in flight: {report:?}");
 }
 

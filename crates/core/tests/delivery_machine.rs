@@ -44,6 +44,23 @@ fn evidence(d: &mut Delivery<'_>) -> Vec<Evidence> {
     std::iter::from_fn(|| d.poll_evidence()).collect()
 }
 
+/// Opens a scoped delivery's scope with a transaction and returns it waiting for its handler.
+fn scoped_and_running(p: &Policy, now: Instant) -> Delivery<'_> {
+    let mut d = Delivery::new(
+        Arrival {
+            scoped: true,
+            ..arrival(Verdict::Dispatched)
+        },
+        p,
+        || HELD,
+        now,
+    );
+    assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
+    d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
+    assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
+    d
+}
+
 #[test]
 fn success_runs_the_handler_then_acks() {
     let (p, now) = (policy(), Instant::now());
@@ -72,14 +89,7 @@ fn success_runs_the_handler_then_acks() {
 #[test]
 fn a_scope_commits_after_success_and_aborts_after_failure() {
     let (p, now) = (policy(), Instant::now());
-    let scoped = Arrival {
-        scoped: true,
-        ..arrival(Verdict::Dispatched)
-    };
-    let mut d = Delivery::new(scoped.clone(), &p, || HELD, now);
-    assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
-    d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
-    assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
+    let mut d = scoped_and_running(&p, now);
     d.handle_pipeline(
         PipelineResult::Succeeded,
         CleanupResult::Succeeded,
@@ -91,10 +101,7 @@ fn a_scope_commits_after_success_and_aborts_after_failure() {
     d.handle_commit(TransactionOutcome::Committed, None, None, HELD, now);
     assert_eq!(d.poll_action(|| HELD), Some(Action::Ack));
 
-    let mut d = Delivery::new(scoped, &p, || HELD, now);
-    d.poll_action(|| HELD);
-    d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
-    d.poll_action(|| HELD);
+    let mut d = scoped_and_running(&p, now);
     let reason = Reason::new("stock service down");
     d.handle_pipeline(
         failed(FailureKind::Retryable),
@@ -282,18 +289,7 @@ fn requeues_are_the_highest_of_broker_count_local_count_and_durable_deferrals() 
 #[test]
 fn a_deferred_requeue_holds_first_and_an_ambiguous_commit_at_the_limit_is_parked() {
     let (p, now) = (policy(), Instant::now());
-    let mut d = Delivery::new(
-        Arrival {
-            scoped: true,
-            ..arrival(Verdict::Dispatched)
-        },
-        &p,
-        || HELD,
-        now,
-    );
-    d.poll_action(|| HELD);
-    d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
-    d.poll_action(|| HELD);
+    let mut d = scoped_and_running(&p, now);
     d.handle_pipeline(
         PipelineResult::Succeeded,
         CleanupResult::Succeeded,
@@ -398,23 +394,6 @@ fn the_requeue_memory_evicts_the_least_recently_counted_id() {
     memory.count("f"); // "c" is now the oldest
     assert_eq!(memory.get("c"), 0);
     assert_eq!(memory.len(), 3);
-}
-
-/// Opens a scoped delivery's scope with a transaction and returns it waiting for its handler.
-fn scoped_and_running(p: &Policy, now: Instant) -> Delivery<'_> {
-    let mut d = Delivery::new(
-        Arrival {
-            scoped: true,
-            ..arrival(Verdict::Dispatched)
-        },
-        p,
-        || HELD,
-        now,
-    );
-    assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
-    d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
-    assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
-    d
 }
 
 #[test]
