@@ -41,3 +41,4 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 cargo test --workspace
+cargo test --manifest-path patches/amq-protocol-types/Cargo.toml --quiet

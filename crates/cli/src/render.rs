@@ -55,8 +55,14 @@ fn report(loaded: &Loaded) -> String {
         totals.row(vec![name.into(), value.to_string()]);
     }
     totals.render_body(&mut out, "  ");
+    let i = r.incidents;
+    let _ = writeln!(
+        out,
+        "\nconnections lost: {}, of them to unparseable frames: {}",
+        i.connections_lost, i.unparseable_frames
+    );
 
-    let _ = write!(out, "\nunresolved: {} listed", r.unresolved.len());
+    let _ = write!(out, "unresolved: {} listed", r.unresolved.len());
     if r.unresolved_overflow > 0 {
         let _ = write!(out, ", {} more not listed", r.unresolved_overflow);
     }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use lily_mq_core::transport::Evidence;
 use lily_mq_core::{
-    EXIT_UNRESOLVED, Phase, PhaseTiming, SCHEMA, ShutdownReport, Totals, Trigger,
+    EXIT_UNRESOLVED, Incidents, Phase, PhaseTiming, SCHEMA, ShutdownReport, Totals, Trigger,
     UnresolvedDelivery,
 };
 
@@ -88,6 +88,7 @@ fn report(acked: u64, unresolved: &[&str]) -> ShutdownReport {
         clean: unresolved.is_empty(),
         unresolved,
         unresolved_overflow: 0,
+        incidents: Incidents::default(),
     }
 }
 

@@ -58,7 +58,7 @@ pub use ledger::Totals;
 pub use message::Incoming;
 pub use policy::{Policy, PolicyError};
 pub use reason::Reason;
-pub use report::{EXIT_UNRESOLVED, SCHEMA, ShutdownReport, UnresolvedDelivery};
+pub use report::{EXIT_UNRESOLVED, Incidents, SCHEMA, ShutdownReport, UnresolvedDelivery};
 pub use resources::Resources;
 pub use router::Router;
 pub use scope::{CleanupError, DynHook, Hook};
@@ -75,7 +75,9 @@ pub mod transport {
         Action, Authority, Cause, CleanupResult, Handoff, HandoffResult, PipelineResult, Plan,
         SettleResult, Settlement, Situation, decide, decide_at_gate,
     };
-    pub use crate::envelope::{Envelope, GateRejection, PropertiesView, as_u32, inspect, is_token};
+    pub use crate::envelope::{
+        Envelope, GateRejection, PropertiesView, as_u32, inspect, is_token, not_utf8,
+    };
     pub use crate::extract::DeliveryCancel;
     pub use crate::handler::BoxedHandler;
     pub use crate::handoff::{BatchVerdict, Confirm, HandoffId, attribute_batch};

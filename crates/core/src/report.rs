@@ -65,13 +65,33 @@ pub struct ShutdownReport {
     pub unresolved: Vec<UnresolvedDelivery>,
     /// Unresolved deliveries not listed because the list was full.
     pub unresolved_overflow: u64,
-    /// True when nothing is unresolved.
+    /// What happened to the connection over the process lifetime.
+    #[serde(default)]
+    pub incidents: Incidents,
+    /// True when nothing is unresolved and no frame from the broker was unparseable.
     pub clean: bool,
+}
+
+/// What happened over the process lifetime that no single delivery's outcome shows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Incidents {
+    /// Sessions that ended because the connection or the consumer was lost.
+    pub connections_lost: u64,
+    /// Of those, the ones lost because the client could not parse a frame from the broker. The
+    /// delivery in that frame went back to the queue and came first again on the next session:
+    /// any such loss makes the report unclean, since the queue may have stalled behind it.
+    pub unparseable_frames: u64,
 }
 
 impl ShutdownReport {
     /// Builds the report at `now`.
-    pub fn build(queue: &str, clock: &PhaseClock, ledger: &Ledger, now: Instant) -> Self {
+    pub fn build(
+        queue: &str,
+        clock: &PhaseClock,
+        ledger: &Ledger,
+        incidents: Incidents,
+        now: Instant,
+    ) -> Self {
         let ms = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         let unresolved: Vec<UnresolvedDelivery> = ledger
             .unresolved()
@@ -100,9 +120,10 @@ impl ShutdownReport {
             budget_ms: ms(clock.budget().total),
             budget_used_ms: ms(clock.used(now)),
             totals,
-            clean: unresolved.is_empty() && overflow == 0,
+            clean: unresolved.is_empty() && overflow == 0 && incidents.unparseable_frames == 0,
             unresolved,
             unresolved_overflow: overflow,
+            incidents,
         }
     }
 
@@ -118,7 +139,8 @@ impl ShutdownReport {
         let mut out = format!(
             "lily {} queue={} trigger={} forced={} used={}ms/{}ms acked={} retried={} \
              dead_lettered={} parked={} requeued={} deferred={} rejected={} duplicates={} \
-             authority_lost={} acks_uncertain={} unresolved={}\n",
+             authority_lost={} acks_uncertain={} unresolved={} connections_lost={} \
+             unparseable_frames={}\n",
             if self.clean { "clean" } else { "UNRESOLVED" },
             self.queue,
             self.trigger.map_or("none", |t| match t {
@@ -140,6 +162,8 @@ impl ShutdownReport {
             t.authority_lost,
             t.acks_uncertain,
             self.unresolved.len() as u64 + self.unresolved_overflow,
+            self.incidents.connections_lost,
+            self.incidents.unparseable_frames,
         );
         let limit = TERMINATION_MESSAGE_MAX - 64;
         for (shown, d) in self.unresolved.iter().enumerate() {
@@ -200,7 +224,13 @@ mod tests {
                 Reason::new("budget exhausted")
             });
         }
-        ShutdownReport::build("orders", &clock, &ledger, t0 + Duration::from_secs(1))
+        ShutdownReport::build(
+            "orders",
+            &clock,
+            &ledger,
+            Incidents::default(),
+            t0 + Duration::from_secs(1),
+        )
     }
 
     #[test]

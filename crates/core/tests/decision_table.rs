@@ -127,6 +127,7 @@ fn gate_view(message_id: Option<&str>) -> PropertiesView<'_> {
         kind: Some("order.placed"),
         content_type: Some("application/json"),
         headers: None,
+        not_utf8: None,
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use lily_mq_core::machine::RequeueMemory;
 use lily_mq_core::transport::{Ledger, PhaseClock};
 use lily_mq_core::{
-    DynHook, Hook, Phase, Router, ShutdownReport, Totals, TransactionalScope, Trigger,
+    DynHook, Hook, Incidents, Phase, Router, ShutdownReport, Totals, TransactionalScope, Trigger,
 };
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
@@ -182,6 +182,7 @@ impl Consumer {
             books: Books {
                 ledger: self.ledger,
                 requeues: Mutex::new(RequeueMemory::new(REQUEUE_MEMORY)),
+                incidents: Mutex::new(Incidents::default()),
             },
             signals: Signals::new(),
             ready: self.ready,
@@ -321,7 +322,8 @@ async fn shut_down(
     let mut ledger = lock(&shared.books.ledger);
     // ACKs written on channels that are gone were never confirmed.
     ledger.acks_uncertain(None);
-    ShutdownReport::build(&shared.queue, &clock, &ledger, Instant::now())
+    let incidents = *lock(&shared.books.incidents);
+    ShutdownReport::build(&shared.queue, &clock, &ledger, incidents, Instant::now())
 }
 
 fn enter(shared: &Shared, phase: Phase) {

@@ -11,7 +11,7 @@ use lily_mq_core::machine::{Action, Arrival, CopyOf, Delivery as Machine, ScopeO
 use lily_mq_core::transport::{
     Authority, BoxedHandler, DeliveryCancel, EntryId, Evidence, GateRejection, Handoff,
     HandoffResult, Identity, IncomingParts, PropertiesView, SettleResult, as_u32, inspect,
-    is_token,
+    is_token, not_utf8,
 };
 use lily_mq_core::{Begin, Incoming, Lane, Limits, Meta, Outcome, Reason, Resources, headers};
 use tokio_util::sync::CancellationToken;
@@ -86,6 +86,7 @@ async fn settle_delivery(
         kind: properties.kind().as_ref().map(|s| s.as_str()),
         content_type: properties.content_type().as_ref().map(|s| s.as_str()),
         headers: properties.headers().as_ref(),
+        not_utf8: not_utf8(&properties, &exchange, &routing_key),
     };
     let limits = &shared.config.limits;
     let (verdict, handler, attempt, schema_version, delivery_count) =

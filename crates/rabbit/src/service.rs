@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use lily_mq_core::machine::RequeueMemory;
 use lily_mq_core::transport::Ledger;
-use lily_mq_core::{DynHook, Outcome, Router, TransactionalScope};
+use lily_mq_core::{DynHook, Incidents, Outcome, Router, TransactionalScope};
 use metrics::{Counter, Gauge, Histogram};
 use tokio_util::sync::CancellationToken;
 
@@ -33,10 +33,12 @@ pub(crate) struct Shared {
     pub(crate) metrics: Metrics,
 }
 
-/// What the consumer records: the evidence ledger and the requeue memory.
+/// What the consumer records: the evidence ledger, the requeue memory and the connection's
+/// incidents.
 pub(crate) struct Books {
     pub(crate) ledger: Arc<Mutex<Ledger>>,
     pub(crate) requeues: Mutex<RequeueMemory>,
+    pub(crate) incidents: Mutex<Incidents>,
 }
 
 /// The shutdown signals, one token tree: revoking authority also cancels the handlers.
@@ -68,6 +70,8 @@ pub(crate) struct Metrics {
     pub(crate) in_flight: Gauge,
     pub(crate) handler_duration: Histogram,
     pub(crate) settlement_latency: Histogram,
+    pub(crate) connections_lost: Counter,
+    pub(crate) unparseable_frames: Counter,
 }
 
 impl Metrics {
@@ -79,7 +83,9 @@ impl Metrics {
             }),
             in_flight: metrics::gauge!("lily_in_flight_deliveries", "queue" => q.clone()),
             handler_duration: metrics::histogram!("lily_handler_duration_seconds", "queue" => q.clone()),
-            settlement_latency: metrics::histogram!("lily_settlement_latency_seconds", "queue" => q),
+            settlement_latency: metrics::histogram!("lily_settlement_latency_seconds", "queue" => q.clone()),
+            connections_lost: metrics::counter!("lily_connections_lost_total", "queue" => q.clone()),
+            unparseable_frames: metrics::counter!("lily_unparseable_frames_total", "queue" => q),
         }
     }
 

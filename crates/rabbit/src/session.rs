@@ -348,6 +348,7 @@ pub(crate) async fn consume(
     shared.ready.store(true, Ordering::Release);
     // Registered once for the whole loop, not once per delivery.
     let mut stopped = std::pin::pin!(stop.cancelled());
+    let mut unparseable = false;
     let end = loop {
         // A worker first: it bounds how many deliveries are taken off the consumer.
         let worker = tokio::select! {
@@ -371,7 +372,13 @@ pub(crate) async fn consume(
             }
             Some(Err(err)) => {
                 crew.release(worker);
-                debug!(queue = %shared.queue, error = %err, "consumer error");
+                if matches!(err.kind(), lapin::ErrorKind::ParsingError(_)) {
+                    // Nothing of the frame is logged: it may hold a body.
+                    warn!(queue = %shared.queue, "a frame from the broker could not be parsed");
+                    unparseable = true;
+                } else {
+                    debug!(queue = %shared.queue, error = %err, "consumer error");
+                }
             }
             None => {
                 crew.release(worker);
@@ -382,6 +389,15 @@ pub(crate) async fn consume(
     shared.ready.store(false, Ordering::Release);
     if end.is_none() {
         session.ended.cancel();
+        shared.metrics.connections_lost.increment(1);
+        {
+            let mut incidents = lock(&shared.books.incidents);
+            incidents.connections_lost += 1;
+            if unparseable {
+                shared.metrics.unparseable_frames.increment(1);
+                incidents.unparseable_frames += 1;
+            }
+        }
         // The channel may still be open (the broker cancelled the consumer): confirm what it
         // can; otherwise the ACKs written on it are uncertain.
         session.confirm_acks(shared).await;

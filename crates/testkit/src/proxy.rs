@@ -8,10 +8,13 @@
 //!
 //! It can also swallow the publisher confirms (`basic.ack` from the broker) on their way to the
 //! client, as a broker that never confirms would look: the client's confirms time out.
+//!
+//! And it can rewrite what a client sends ([`FaultProxy::rewrite`]): a publisher behind it
+//! writes bytes its own library would refuse to, such as short strings that are not UTF-8.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -28,7 +31,11 @@ pub struct FaultProxy {
     armed: Arc<AtomicBool>,
     tripped: Arc<AtomicBool>,
     confirms: Arc<Confirms>,
+    rewrites: Rewrites,
 }
+
+/// Byte patterns replaced in the frames clients send, each by bytes of the same length.
+type Rewrites = Arc<Mutex<Vec<(Vec<u8>, Vec<u8>)>>>;
 
 /// Which confirms are swallowed (one in `every`; none when 0), and how many were.
 #[derive(Debug, Default)]
@@ -63,10 +70,12 @@ impl FaultProxy {
         let armed = Arc::new(AtomicBool::new(true));
         let tripped = Arc::new(AtomicBool::new(false));
         let confirms = Arc::new(Confirms::default());
-        let (a, t, c) = (
+        let rewrites = Rewrites::default();
+        let (a, t, c, r) = (
             Arc::clone(&armed),
             Arc::clone(&tripped),
             Arc::clone(&confirms),
+            Arc::clone(&rewrites),
         );
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
@@ -79,6 +88,7 @@ impl FaultProxy {
                     Arc::clone(&a),
                     Arc::clone(&t),
                     Arc::clone(&c),
+                    Arc::clone(&r),
                 ));
             }
         });
@@ -87,6 +97,7 @@ impl FaultProxy {
             armed,
             tripped,
             confirms,
+            rewrites,
         }
     }
 
@@ -115,6 +126,24 @@ impl FaultProxy {
         self.confirms.every.store(every, Ordering::Release);
     }
 
+    /// From now on, every `pattern` in a frame a client sends reaches the broker as
+    /// `replacement`. Frames keep their length, so both must be equally long; a pattern is
+    /// matched within one frame.
+    ///
+    /// # Panics
+    /// When the lengths differ.
+    pub fn rewrite(&self, pattern: &[u8], replacement: &[u8]) {
+        assert_eq!(
+            pattern.len(),
+            replacement.len(),
+            "a rewrite keeps the length"
+        );
+        self.rewrites
+            .lock()
+            .expect("rewrites")
+            .push((pattern.to_vec(), replacement.to_vec()));
+    }
+
     /// How many publisher confirms were swallowed.
     pub fn swallowed(&self) -> u64 {
         self.confirms.swallowed.load(Ordering::Acquire)
@@ -127,6 +156,7 @@ async fn relay(
     armed: Arc<AtomicBool>,
     tripped: Arc<AtomicBool>,
     confirms: Arc<Confirms>,
+    rewrites: Rewrites,
 ) {
     let (mut client_rx, mut client_tx) = client.into_split();
     let (mut server_rx, mut server_tx) = server.into_split();
@@ -176,6 +206,7 @@ async fn relay(
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 break 'relay;
             }
+            rewrite(&mut pending[..len], &rewrites.lock().expect("rewrites"));
             if server_tx.write_all(&pending[..len]).await.is_err() {
                 break 'relay;
             }
@@ -183,6 +214,21 @@ async fn relay(
         }
     }
     downstream.abort();
+}
+
+/// Replaces every occurrence of each pattern in `frame`, in place.
+fn rewrite(frame: &mut [u8], rewrites: &[(Vec<u8>, Vec<u8>)]) {
+    for (pattern, replacement) in rewrites {
+        let mut at = 0;
+        while let Some(found) = frame[at..]
+            .windows(pattern.len())
+            .position(|w| w == pattern.as_slice())
+        {
+            let start = at + found;
+            frame[start..start + pattern.len()].copy_from_slice(replacement);
+            at = start + pattern.len();
+        }
+    }
 }
 
 /// Length of the first complete frame in `buf`, if there is one.
