@@ -1,11 +1,11 @@
-//! Poison messages: metadata the client library could not parse until Lily's patch, against the
-//! real node. Each must end in the DLQ while the messages behind it are handled at once, on the
-//! same connection.
+//! Poison messages and failing lanes, against the real node: metadata the client library could
+//! not parse until Lily's patch, and a DLQ that is gone. Either way the poison must end in the
+//! DLQ while the messages behind it are handled at once.
 
 mod common;
 
 use std::collections::BTreeMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{Calls, config, header_str, props};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
@@ -135,3 +135,113 @@ fn yes() -> AMQPValue {
 }
 
 const WAIT: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_dlq_never_fills_the_prefetch_on_classic() {
+    failing_dlq(QueueKind::Classic).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_dlq_never_fills_the_prefetch_on_quorum() {
+    failing_dlq(QueueKind::Quorum).await;
+}
+
+/// Prefetch 10, the DLQ deleted, 50 permanent failures interleaved with 50 good messages: the
+/// good ones are ACKed at once, the failures wait as held copies, and once the DLQ is back they
+/// all end in it, without a restart; each message handled once, checked by id.
+async fn failing_dlq(kind: QueueKind) {
+    const EACH: usize = 50;
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let router = Router::new().route("order.placed", move |meta: Meta| {
+        let seen = seen.clone();
+        async move {
+            seen.record(&meta);
+            if meta.message_id().starts_with("bad-") {
+                Err(QueueHandlerError::permanent("rejected by a business rule"))
+            } else {
+                Ok(())
+            }
+        }
+    });
+    let (_, queue, client, running) = common::scenario("failing-dlq", router, |q| {
+        config(q, kind).prefetch(10).concurrency(10)
+    })
+    .await;
+    let dlq = format!("{queue}.dlq");
+    client.delete(&dlq).await;
+
+    let started = Instant::now();
+    for i in 0..EACH {
+        for id in [format!("bad-{i}"), format!("good-{i}")] {
+            client
+                .publish(&queue, b"{}", props(&id, "order.placed"))
+                .await;
+        }
+    }
+    running
+        .wait_for("every good message ACKed", PROMPTLY, |t| {
+            t.acked == EACH as u64
+        })
+        .await;
+    let took = started.elapsed();
+    assert!(
+        running.stats.failing_lanes().contains(&dlq),
+        "the failing lane is named: {:?}",
+        running.stats.failing_lanes()
+    );
+    // Held copies come back and, the DLQ still gone, wait again (in the longer bucket).
+    running
+        .wait_for("every failure held twice", WAIT, |t| {
+            t.held >= 2 * EACH as u64
+        })
+        .await;
+    let held = running.stats.totals().held;
+
+    client.declare(&dlq, kind == QueueKind::Quorum).await;
+    running
+        .wait_for("every failure dead-lettered", WAIT, |t| {
+            t.dead_lettered == EACH as u64
+        })
+        .await;
+    assert!(running.stats.failing_lanes().is_empty());
+    let report = running.stop().await;
+    assert!(report.clean, "{report:?}");
+
+    let mut handled: BTreeMap<String, usize> = BTreeMap::new();
+    for (id, _, _) in calls.all() {
+        *handled.entry(id).or_default() += 1;
+    }
+    let ids = |prefix: &'static str| (0..EACH).map(move |i| (format!("{prefix}-{i}"), 1));
+    let every: BTreeMap<String, usize> = ids("bad").chain(ids("good")).collect();
+    assert_eq!(
+        handled, every,
+        "each message handled once, a held copy never"
+    );
+
+    let mut dead: BTreeMap<String, usize> = BTreeMap::new();
+    for message in client.drain(&dlq).await {
+        let properties = &message.delivery.properties;
+        assert_eq!(
+            header_str(properties, "x-lily-reason").as_deref(),
+            Some("handler failure: rejected by a business rule")
+        );
+        assert!(header_str(properties, "x-lily-held-for").is_none());
+        let id = properties
+            .message_id()
+            .as_ref()
+            .expect("id kept")
+            .to_string();
+        *dead.entry(id).or_default() += 1;
+    }
+    let bad: BTreeMap<String, usize> = ids("bad").collect();
+    assert_eq!(dead, bad, "each failure once in the DLQ");
+    assert_eq!(client.depth(&queue).await, 0);
+    for delay in ["1s", "2s"] {
+        assert_eq!(client.depth(&format!("{queue}.retry.{delay}")).await, 0);
+    }
+    eprintln!("{kind:?}: 50 good messages ACKed in {took:?} with the DLQ gone; {held} holds");
+}
+
+/// How long 50 good messages may take behind 50 failing ones at prefetch 10.
+const PROMPTLY: Duration = Duration::from_secs(15);

@@ -112,6 +112,58 @@ pub enum Lane {
     DeadLetter,
     /// The parking lane: never replayed automatically.
     Parking,
+    /// A retry bucket, waited in while `target` fails: the copy keeps its attempt, comes back
+    /// after the bucket's delay and goes straight to `target`, without running the handler.
+    Held {
+        /// Index into [`Policy::retry_delays`].
+        bucket: usize,
+        /// The lane the copy is bound for.
+        target: Terminal,
+    },
+}
+
+/// A lane through which a message leaves the work queue for good.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Terminal {
+    /// The dead-letter queue.
+    DeadLetter,
+    /// The parking lane.
+    Parking,
+}
+
+impl Terminal {
+    /// The lane.
+    pub const fn lane(self) -> Lane {
+        match self {
+            Self::DeadLetter => Lane::DeadLetter,
+            Self::Parking => Lane::Parking,
+        }
+    }
+
+    /// The value of the [`HELD_FOR`](crate::headers::HELD_FOR) header.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::DeadLetter => "dead-letter",
+            Self::Parking => "parking",
+        }
+    }
+
+    /// Reads a [`HELD_FOR`](crate::headers::HELD_FOR) header value.
+    pub fn parse(text: &str) -> Option<Self> {
+        [Self::DeadLetter, Self::Parking]
+            .into_iter()
+            .find(|t| t.as_str() == text)
+    }
+
+    /// The terminal lane `lane` is, or is bound for.
+    pub const fn of(lane: Lane) -> Option<Self> {
+        match lane {
+            Lane::DeadLetter => Some(Self::DeadLetter),
+            Lane::Parking => Some(Self::Parking),
+            Lane::Held { target, .. } => Some(target),
+            Lane::Retry { .. } => None,
+        }
+    }
 }
 
 /// Why a failure takes the path it takes; written to headers and logs.
@@ -137,6 +189,8 @@ pub enum Cause {
     AttemptsExhausted,
     /// The message reached the requeue limit.
     RequeueLimit,
+    /// A held copy came back for its lane: the reason it carries is written unchanged.
+    Held,
 }
 
 impl Cause {
@@ -153,6 +207,7 @@ impl Cause {
             Self::TransactionAborted => "transaction aborted",
             Self::AttemptsExhausted => "attempts exhausted",
             Self::RequeueLimit => "requeue limit reached",
+            Self::Held => "held",
         }
     }
 }
@@ -185,9 +240,6 @@ pub enum Unresolved {
     HandoffConfirmedAckFailed(Lane),
     /// The handoff failed and the budget left no time for the NACK.
     BudgetExhausted,
-    /// The handoff failed and the message had reached the requeue limit: it stays unsettled on
-    /// its channel (no hot loop) until the channel closes.
-    HandoffFailedAtRequeueLimit,
 }
 
 /// A plan for the original delivery, chosen by the decision table.
@@ -340,6 +392,10 @@ pub enum Action {
     Requeue,
     /// Reject the original without requeue, then report through [`Settlement::handle_settled`].
     Reject,
+    /// Wait this long (cut short by shutdown), then report through [`Settlement::handle_held`]:
+    /// a failed handoff backs off before its NACK, or before it is tried again at the requeue
+    /// limit.
+    Hold(Duration),
 }
 
 /// The terminal result of one delivery, counted in totals.
@@ -353,6 +409,9 @@ pub enum Outcome {
     DeadLettered,
     /// A parking copy was confirmed and the original ACKed.
     Parked,
+    /// The dead-letter or parking lane failed; a held copy was confirmed in a retry bucket and
+    /// the original ACKed. The copy comes back to try that lane again.
+    Held,
     /// The original was NACKed with requeue.
     Requeued(RequeueCause),
     /// The original was rejected to the broker's dead-letter exchange (broker-native, weaker
@@ -368,11 +427,12 @@ impl Outcome {
     /// The outcomes' labels, in the order of [`Outcome::slot`]: the name of the
     /// [`Totals`](crate::Totals) field each is counted in, and the `outcome` label of the
     /// `lily_deliveries_total` metric.
-    pub const LABELS: [&'static str; 9] = [
+    pub const LABELS: [&'static str; 10] = [
         "acked",
         "retried",
         "dead_lettered",
         "parked",
+        "held",
         "requeued",
         "deferred",
         "rejected_at_gate",
@@ -387,11 +447,12 @@ impl Outcome {
             Self::Retried => 1,
             Self::DeadLettered => 2,
             Self::Parked => 3,
-            Self::Requeued(RequeueCause::HandoffFailed) => 4,
-            Self::Requeued(RequeueCause::Deferred) => 5,
-            Self::RejectedToDlx => 6,
-            Self::AuthorityLost => 7,
-            Self::Unresolved(_) => 8,
+            Self::Held => 4,
+            Self::Requeued(RequeueCause::HandoffFailed) => 5,
+            Self::Requeued(RequeueCause::Deferred) => 6,
+            Self::RejectedToDlx => 7,
+            Self::AuthorityLost => 8,
+            Self::Unresolved(_) => 9,
         }
     }
 
@@ -415,18 +476,46 @@ enum Stage {
 /// Drive it with [`poll_action`](Self::poll_action) and the `handle_*` methods. Each action is
 /// returned once; evidence for an action that was not handed out is ignored.
 #[derive(Clone, Debug)]
-pub struct Settlement {
+pub struct Settlement<'p> {
     stage: Stage,
     budget: Budget,
     handoff: Option<Lane>,
     may_requeue: bool,
     requeue_cause: RequeueCause,
+    policy: &'p Policy,
+    requeues: u32,
+    /// How many times the message waited as a held copy before.
+    holds: u32,
+    /// Made at the first failed handoff: most settlements never need it.
+    failing: Option<Box<Failing>>,
 }
 
-impl Settlement {
+/// What a settlement keeps once a handoff failed.
+#[derive(Clone, Debug, Default)]
+struct Failing {
+    /// What follows the hold handed out, and when it was to end.
+    after_hold: Option<(AfterHold, Instant)>,
+    /// Since when the delivery is held at the requeue limit, and how many holds it had.
+    held: Option<(Instant, u32)>,
+    /// Whether a held copy was tried for the failed handoff.
+    detoured: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AfterHold {
+    Requeue,
+    Publish(Handoff),
+}
+
+/// The first hold at the requeue limit; each next one doubles, up to [`HOLD_MAX`].
+const HOLD_MIN: Duration = Duration::from_secs(1);
+/// The longest hold at the requeue limit between two tries of the failed handoff.
+const HOLD_MAX: Duration = Duration::from_secs(60);
+
+impl<'p> Settlement<'p> {
     /// Starts settlement of `plan` at `now`. `requeues` is how many times the message has been
     /// requeued already.
-    pub fn start(plan: Plan, requeues: u32, policy: &Policy, now: Instant) -> Self {
+    pub fn start(plan: Plan, requeues: u32, policy: &'p Policy, now: Instant) -> Self {
         let budget = Budget::start(now, policy.settlement_budget, policy.nack_reserve);
         let mut requeue_cause = RequeueCause::HandoffFailed;
         let stage = match plan {
@@ -448,7 +537,25 @@ impl Settlement {
             handoff: None,
             may_requeue: requeues < policy.max_requeues,
             requeue_cause,
+            policy,
+            requeues,
+            holds: 0,
+            failing: None,
         }
+    }
+
+    /// For a copy that was held `holds` times already: its next held copy waits in a longer
+    /// bucket (the last one repeats).
+    #[must_use]
+    pub fn held_before(mut self, holds: u32) -> Self {
+        self.holds = holds;
+        self
+    }
+
+    /// The retry bucket a held copy waits in, if the policy has buckets.
+    fn hold_bucket(&self) -> Option<usize> {
+        let last = self.policy.retry_delays.len().checked_sub(1)?;
+        Some(usize::try_from(self.holds).unwrap_or(usize::MAX).min(last))
     }
 
     /// The next action, handed out once.
@@ -482,10 +589,81 @@ impl Settlement {
             _ if self.budget.remaining(now).is_zero() => {
                 Stage::Done(Outcome::Unresolved(Unresolved::BudgetExhausted))
             }
-            _ if !self.may_requeue => {
-                Stage::Done(Outcome::Unresolved(Unresolved::HandoffFailedAtRequeueLimit))
+            _ => self.after_failed(handoff, now),
+        };
+    }
+
+    /// After a failed handoff, with authority and budget left:
+    ///
+    /// - a copy bound for the DLQ or parking goes to wait in a retry bucket instead (a held
+    ///   copy), once: it leaves the queue, so a failing lane never fills the prefetch and never
+    ///   blocks the queue's head;
+    /// - below the requeue limit, a hold (the deferral delay) and then the NACK;
+    /// - at the limit, holds with growing backoff between tries of the handoff, and a NACK once
+    ///   the delivery was held for [`Policy::release_held_after`] (before the broker's
+    ///   `consumer_timeout` would close the channel) or when shutdown cuts a hold short.
+    fn after_failed(&mut self, handoff: Handoff, now: Instant) -> Stage {
+        let bucket = self.hold_bucket();
+        let failing = self.failing.get_or_insert_default();
+        if let (Some(target), Some(bucket), false) =
+            (Terminal::of(handoff.lane), bucket, failing.detoured)
+        {
+            failing.detoured = true;
+            return Stage::Ready(Action::Publish {
+                handoff: Handoff {
+                    lane: Lane::Held { bucket, target },
+                    ..handoff
+                },
+                deadline: self.budget.for_handoff(now),
+            });
+        }
+        if self.may_requeue {
+            let delay = self.policy.deferral_delay(self.requeues);
+            failing.after_hold = Some((AfterHold::Requeue, now + delay));
+            return Stage::Ready(Action::Hold(delay));
+        }
+        let (since, holds) = *failing.held.get_or_insert((now, 0));
+        let release = since + self.policy.release_held_after;
+        if now >= release {
+            return Stage::Ready(Action::Requeue);
+        }
+        failing.held = Some((since, holds + 1));
+        let retry = match Terminal::of(handoff.lane) {
+            Some(target) => Handoff {
+                lane: target.lane(),
+                ..handoff
+            },
+            None => handoff,
+        };
+        let delay = HOLD_MIN
+            .saturating_mul(1 << holds.min(6))
+            .min(HOLD_MAX)
+            .min(release - now);
+        failing.after_hold = Some((AfterHold::Publish(retry), now + delay));
+        Stage::Ready(Action::Hold(delay))
+    }
+
+    /// The hold is over. A hold at the requeue limit that shutdown cut short releases the
+    /// delivery (NACK) instead of trying its handoff again.
+    pub fn handle_held(&mut self, now: Instant) {
+        let (Stage::Waiting(Action::Hold(_)), Some(failing)) = (self.stage, &mut self.failing)
+        else {
+            return;
+        };
+        let Some((after, until)) = failing.after_hold.take() else {
+            return;
+        };
+        self.stage = match after {
+            AfterHold::Publish(handoff) if now >= until => {
+                failing.detoured = false;
+                let policy = self.policy;
+                self.budget = Budget::start(now, policy.settlement_budget, policy.nack_reserve);
+                Stage::Ready(Action::Publish {
+                    handoff,
+                    deadline: self.budget.for_handoff(now),
+                })
             }
-            _ => Stage::Ready(Action::Requeue),
+            AfterHold::Publish(_) | AfterHold::Requeue => Stage::Ready(Action::Requeue),
         };
     }
 
@@ -495,7 +673,7 @@ impl Settlement {
             return;
         };
         let outcome = match (action, result, self.handoff) {
-            (Action::Publish { .. }, ..) => return,
+            (Action::Publish { .. } | Action::Hold(_), ..) => return,
             (_, SettleResult::Refused, Some(lane)) => {
                 Outcome::Unresolved(Unresolved::HandoffConfirmedAckFailed(lane))
             }
@@ -503,6 +681,7 @@ impl Settlement {
             (Action::Ack, SettleResult::Written, Some(Lane::Retry { .. })) => Outcome::Retried,
             (Action::Ack, SettleResult::Written, Some(Lane::DeadLetter)) => Outcome::DeadLettered,
             (Action::Ack, SettleResult::Written, Some(Lane::Parking)) => Outcome::Parked,
+            (Action::Ack, SettleResult::Written, Some(Lane::Held { .. })) => Outcome::Held,
             (Action::Ack, SettleResult::Written, None) => Outcome::Acked,
             (Action::Requeue, SettleResult::Written, _) => Outcome::Requeued(self.requeue_cause),
             (Action::Reject, SettleResult::Written, _) => Outcome::RejectedToDlx,

@@ -28,6 +28,13 @@ impl FailureKind {
             Self::Indeterminate => "indeterminate",
         }
     }
+
+    /// Reads a name written by [`FailureKind::as_str`].
+    pub fn parse(text: &str) -> Option<Self> {
+        [Self::Retryable, Self::Permanent, Self::Indeterminate]
+            .into_iter()
+            .find(|k| k.as_str() == text)
+    }
 }
 
 impl fmt::Display for FailureKind {

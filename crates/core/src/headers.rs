@@ -39,3 +39,8 @@ pub const ORIGINAL_BCC: &str = "x-lily-original-bcc";
 pub const CC: &str = "CC";
 /// Like [`CC`], and removed by RabbitMQ before delivery.
 pub const BCC: &str = "BCC";
+/// On a held copy: the lane it is bound for (`dead-letter` or `parking`). A delivery carrying it
+/// goes straight to that lane, without running the handler.
+pub const HELD_FOR: &str = "x-lily-held-for";
+/// On a held copy: how many times the message waited for its lane so far.
+pub const HOLDS: &str = "x-lily-holds";

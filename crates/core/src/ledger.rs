@@ -69,7 +69,7 @@ pub struct UnresolvedEntry {
 
 /// Counts of terminal outcomes over the ledger's lifetime.
 ///
-/// `acked`, `retried`, `dead_lettered` and `parked` count ACK frames written; `acks_confirmed`
+/// `acked`, `retried`, `dead_lettered`, `parked` and `held` count ACK frames written; `acks_confirmed`
 /// and `acks_uncertain` say what a later round trip on the same channel proved.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[allow(missing_docs)]
@@ -78,6 +78,9 @@ pub struct Totals {
     pub retried: u64,
     pub dead_lettered: u64,
     pub parked: u64,
+    /// Originals ACKed after a held copy was confirmed (see [`Outcome::Held`]).
+    #[serde(default)]
+    pub held: u64,
     pub requeued: u64,
     pub deferred: u64,
     pub rejected_at_gate: u64,
@@ -91,12 +94,13 @@ pub struct Totals {
 impl Totals {
     /// Every field with its name, in declaration order. The destructuring is exhaustive, so a
     /// new field fails to compile until it is listed here.
-    pub fn fields(&self) -> [(&'static str, u64); 12] {
+    pub fn fields(&self) -> [(&'static str, u64); 13] {
         let Self {
             acked,
             retried,
             dead_lettered,
             parked,
+            held,
             requeued,
             deferred,
             rejected_at_gate,
@@ -111,6 +115,7 @@ impl Totals {
             ("retried", retried),
             ("dead_lettered", dead_lettered),
             ("parked", parked),
+            ("held", held),
             ("requeued", requeued),
             ("deferred", deferred),
             ("rejected_at_gate", rejected_at_gate),
@@ -129,6 +134,7 @@ impl Totals {
             Outcome::Retried => &mut self.retried,
             Outcome::DeadLettered => &mut self.dead_lettered,
             Outcome::Parked => &mut self.parked,
+            Outcome::Held => &mut self.held,
             Outcome::Requeued(RequeueCause::HandoffFailed) => &mut self.requeued,
             Outcome::Requeued(RequeueCause::Deferred) => &mut self.deferred,
             Outcome::RejectedToDlx => &mut self.rejected_at_gate,

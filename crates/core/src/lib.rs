@@ -47,7 +47,7 @@ mod shutdown;
 mod transaction;
 
 pub use codec::{Codec, JsonCodec};
-pub use decision::{Lane, Outcome, RequeueCause, TransactionOutcome, Unresolved};
+pub use decision::{Lane, Outcome, RequeueCause, Terminal, TransactionOutcome, Unresolved};
 pub use envelope::Limits;
 pub use error::{FailureKind, QueueHandlerError};
 pub use extract::{

@@ -14,6 +14,8 @@
 //! - which copy a handoff publishes (the original, or only sanitized metadata for an envelope
 //!   the gate refused);
 //! - the deferral hold before a deferred requeue, so it is never requeued hot;
+//! - a held copy back from its retry bucket ([`HeldCopy`]): straight to its lane, without the
+//!   handler;
 //! - a transient transaction error (write conflict): the whole transaction again, after a
 //!   growing backoff, within the settlement budget since arrival, then a deferral; never an
 //!   application attempt;
@@ -28,14 +30,17 @@ use std::time::{Duration, Instant};
 
 use crate::decision::Action as SettleAction;
 use crate::decision::{
-    Authority, CleanupResult, Handoff, HandoffResult, Lane, Outcome, PipelineResult, Plan,
-    RequeueCause, SettleResult, Settlement, Situation, TransactionOutcome, decide, decide_at_gate,
+    Authority, Cause, CleanupResult, Handoff, HandoffResult, Lane, Outcome, PipelineResult, Plan,
+    RequeueCause, SettleResult, Settlement, Situation, Terminal, TransactionOutcome, decide,
+    decide_at_gate,
 };
-use crate::envelope::GateRejection;
+use crate::envelope::{GateRejection, as_u32};
 use crate::error::FailureKind;
+use crate::headers;
 use crate::ledger::Evidence;
 use crate::policy::Policy;
 use crate::reason::Reason;
+use amq_protocol_types::{AMQPValue, FieldTable};
 
 /// The reason of a delivery that succeeded.
 static OK: Reason = Reason::from_static("ok");
@@ -81,6 +86,45 @@ pub struct Arrival {
     pub local_requeues: Option<u32>,
     /// Whether a transactional scope wraps the handler.
     pub scoped: bool,
+    /// What its [`HELD_FOR`](crate::headers::HELD_FOR) headers say, when it is a held copy.
+    pub held: Option<HeldCopy>,
+}
+
+/// A held copy back from its retry bucket: its lane failed when it was handed off.
+///
+/// Anyone who can publish to the work queue can set these headers; what they buy is their own
+/// message in the dead-letter or parking lane unhandled, nothing more.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldCopy {
+    /// The lane it is bound for.
+    pub target: Terminal,
+    /// The failure's kind, from its headers (`None` for a gate rejection).
+    pub kind: Option<FailureKind>,
+    /// The failure's reason, from its headers, written unchanged on the copy for the lane.
+    pub reason: Reason,
+    /// How many times it waited so far.
+    pub holds: u32,
+}
+
+impl HeldCopy {
+    /// Reads a held copy's headers; `None` unless [`HELD_FOR`](headers::HELD_FOR) names a lane.
+    pub fn from_headers(table: &FieldTable) -> Option<Self> {
+        let text = |key: &str| match table.inner().get(key)? {
+            AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
+            AMQPValue::ShortString(s) => Some(s.as_str()),
+            _ => None,
+        };
+        Some(Self {
+            target: Terminal::parse(text(headers::HELD_FOR)?)?,
+            kind: text(headers::FAILURE_KIND).and_then(FailureKind::parse),
+            reason: Reason::new(text(headers::REASON).unwrap_or("held").to_owned()),
+            holds: table
+                .inner()
+                .get(headers::HOLDS)
+                .and_then(as_u32)
+                .unwrap_or(0),
+        })
+    }
 }
 
 /// What opening the scope found.
@@ -153,12 +197,12 @@ pub enum Action {
 }
 
 #[derive(Clone, Debug)]
-enum Step {
+enum Step<'p> {
     Ready(Action),
     Waiting(Action),
     /// Before the verdict placed the first step.
     Arriving,
-    Settling(Settlement),
+    Settling(Settlement<'p>),
 }
 
 /// The pipeline's result, kept until the transaction's outcome is known.
@@ -172,7 +216,7 @@ struct Ran {
 #[derive(Clone, Debug)]
 pub struct Delivery<'p> {
     policy: &'p Policy,
-    step: Step,
+    step: Step<'p>,
     attempt: u32,
     /// Requeues known at arrival; a scope's durable deferral count can raise it.
     requeues: u32,
@@ -190,6 +234,8 @@ pub struct Delivery<'p> {
     arrived: Instant,
     /// Transaction runs started again after a transient transaction error.
     reruns: u32,
+    /// How many times the message waited as a held copy.
+    holds: u32,
 }
 
 impl<'p> Delivery<'p> {
@@ -228,7 +274,29 @@ impl<'p> Delivery<'p> {
             now,
             arrived: now,
             reruns: 0,
+            holds: 0,
         };
+        let oversized = matches!(
+            arrival.verdict,
+            Verdict::Refused {
+                rejection: GateRejection::Oversized { .. },
+                ..
+            }
+        );
+        if let (Some(held), false) = (arrival.held, oversized) {
+            if matches!(arrival.verdict, Verdict::Refused { .. }) {
+                delivery.copy = CopyOf::Sanitized;
+            }
+            delivery.holds = held.holds;
+            delivery.reason = Some(held.reason);
+            let plan = Plan::Handoff(Handoff {
+                lane: held.target.lane(),
+                kind: held.kind,
+                cause: Cause::Held,
+            });
+            delivery.settle(plan, now);
+            return delivery;
+        }
         match arrival.verdict {
             Verdict::Refused { rejection, reason } => {
                 delivery.copy = CopyOf::Sanitized;
@@ -274,6 +342,7 @@ impl<'p> Delivery<'p> {
                     counted: self.counted,
                 }),
                 SettleAction::Reject => Some(Action::Reject),
+                SettleAction::Hold(delay) => Some(Action::Hold(delay)),
             },
         }
     }
@@ -376,10 +445,11 @@ impl<'p> Delivery<'p> {
         }
     }
 
-    /// The deferral hold or the backoff is over (a hold may have been cut short by shutdown).
+    /// The hold or the backoff is over (a hold may have been cut short by shutdown).
     pub fn handle_held(&mut self, now: Instant) {
         self.now = now;
-        match self.step {
+        match &mut self.step {
+            Step::Settling(settlement) => settlement.handle_held(now),
             Step::Waiting(Action::Hold(_)) => {
                 self.settle(Plan::Requeue(RequeueCause::Deferred), now);
             }
@@ -515,7 +585,9 @@ impl<'p> Delivery<'p> {
             Plan::Ack => {} // the ACK follows at once; its outcome closes the entry
             _ => self.evidence.push(Evidence::Planned),
         }
-        self.step = Step::Settling(Settlement::start(plan, self.requeues, self.policy, now));
+        self.step = Step::Settling(
+            Settlement::start(plan, self.requeues, self.policy, now).held_before(self.holds),
+        );
     }
 }
 

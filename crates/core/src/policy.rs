@@ -24,6 +24,11 @@ pub struct Policy {
     /// entry repeats). Deferrals wait for something to change — a lease to expire, an
     /// abandoned transaction to be aborted — so an immediate requeue would only spin.
     pub deferral_delays: Vec<Duration>,
+    /// How long a delivery at the requeue limit may be held while its DLQ (or parking) handoff
+    /// keeps failing and no held copy can be published, before it is NACKed with requeue. Keep
+    /// it well below the broker's `consumer_timeout` (30 minutes by default), which would
+    /// otherwise close the channel and take every delivery in flight on it.
+    pub release_held_after: Duration,
 }
 
 impl Default for Policy {
@@ -45,6 +50,7 @@ impl Default for Policy {
                 Duration::from_secs(10),
                 Duration::from_secs(30),
             ],
+            release_held_after: Duration::from_secs(15 * 60),
         }
     }
 }
@@ -101,6 +107,13 @@ impl Policy {
     #[must_use]
     pub fn deferral_delays(mut self, delays: impl IntoIterator<Item = Duration>) -> Self {
         self.deferral_delays = delays.into_iter().collect();
+        self
+    }
+
+    /// Sets [`Policy::release_held_after`].
+    #[must_use]
+    pub fn release_held_after(mut self, after: Duration) -> Self {
+        self.release_held_after = after;
         self
     }
 

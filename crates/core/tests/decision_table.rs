@@ -9,7 +9,8 @@ use lily_mq_core::transport::{
     Plan, PropertiesView, SettleResult, Settlement, Situation, decide, decide_at_gate, inspect,
 };
 use lily_mq_core::{
-    FailureKind, Lane, Limits, Outcome, Policy, RequeueCause, TransactionOutcome, Unresolved,
+    FailureKind, Lane, Limits, Outcome, Policy, RequeueCause, Terminal, TransactionOutcome,
+    Unresolved,
 };
 use proptest::prelude::*;
 
@@ -18,8 +19,10 @@ use proptest::prelude::*;
 // ---------------------------------------------------------------------------------------------
 
 /// The default policy: 5 attempts, buckets 5s / 60s / 600s, 5 requeues, 10s budget, 1s reserve.
-fn policy() -> Policy {
-    Policy::default()
+/// The default policy, borrowed for as long as a test's settlements live.
+fn policy() -> &'static Policy {
+    static POLICY: std::sync::LazyLock<Policy> = std::sync::LazyLock::new(Policy::default);
+    &POLICY
 }
 
 fn policy_with(max_attempts: u32, max_requeues: u32) -> Policy {
@@ -105,7 +108,7 @@ fn past_deadline(t0: Instant) -> Instant {
 }
 
 /// Starts a settlement and takes its first action, which must be a publish.
-fn start_publish(plan: Plan, requeues: u32, policy: &Policy, t0: Instant) -> Settlement {
+fn start_publish(plan: Plan, requeues: u32, policy: &Policy, t0: Instant) -> Settlement<'_> {
     let mut s = Settlement::start(plan, requeues, policy, t0);
     assert!(
         matches!(s.poll_action(), Some(Action::Publish { .. })),
@@ -148,7 +151,7 @@ fn oversized_body_is_rejected_to_the_broker_dlx_without_requeue() {
     let plan = decide_at_gate(&rejection);
     assert_eq!(plan, Plan::Reject);
 
-    let mut s = Settlement::start(plan, 0, &policy(), Instant::now());
+    let mut s = Settlement::start(plan, 0, policy(), Instant::now());
     assert_eq!(s.poll_action(), Some(Action::Reject));
     s.handle_settled(SettleResult::Written);
     assert_eq!(s.outcome(), Some(Outcome::RejectedToDlx));
@@ -173,7 +176,7 @@ fn invalid_envelope_is_dead_lettered_with_invalid_envelope_cause() {
 fn unsupported_message_type_is_a_permanent_failure_dead_lettered() {
     // Dispatch reports an unsupported type, schema version or content type as a permanent
     // failure before any scope opens.
-    let plan = decide(&situation(PipelineResult::NotDispatched), &policy());
+    let plan = decide(&situation(PipelineResult::NotDispatched), policy());
     assert_eq!(plan, dead_letter(FailureKind::Permanent, Cause::Dispatch));
 }
 
@@ -184,7 +187,7 @@ fn unsupported_message_type_is_a_permanent_failure_dead_lettered() {
 #[test]
 fn success_with_clean_cleanup_and_no_transaction_acks() {
     assert_eq!(
-        decide(&situation(PipelineResult::Succeeded), &policy()),
+        decide(&situation(PipelineResult::Succeeded), policy()),
         Plan::Ack
     );
 }
@@ -195,12 +198,12 @@ fn success_with_committed_transaction_acks() {
         transaction: TransactionOutcome::Committed,
         ..situation(PipelineResult::Succeeded)
     };
-    assert_eq!(decide(&s, &policy()), Plan::Ack);
+    assert_eq!(decide(&s, policy()), Plan::Ack);
 }
 
 #[test]
 fn acked_success_settles_with_one_ack() {
-    let mut s = Settlement::start(Plan::Ack, 0, &policy(), Instant::now());
+    let mut s = Settlement::start(Plan::Ack, 0, policy(), Instant::now());
     assert_eq!(s.poll_action(), Some(Action::Ack));
     s.handle_settled(SettleResult::Written);
     assert_eq!(s.outcome(), Some(Outcome::Acked));
@@ -217,7 +220,7 @@ fn retryable_failure_with_attempts_left_goes_to_the_bucket_of_its_attempt() {
             ..situation(failed(FailureKind::Retryable))
         };
         assert_eq!(
-            decide(&s, &p),
+            decide(&s, p),
             retry(bucket, attempt + 1, Cause::Handler),
             "attempt {attempt}"
         );
@@ -237,7 +240,7 @@ fn retry_after_hint_picks_the_shortest_bucket_at_least_as_long() {
     for (hint, bucket) in cases {
         let s = situation(failed_after(FailureKind::Retryable, hint));
         assert_eq!(
-            decide(&s, &p),
+            decide(&s, p),
             retry(bucket, 2, Cause::Handler),
             "hint {hint:?}"
         );
@@ -250,7 +253,7 @@ fn retry_after_hint_never_shortens_the_bucket_of_the_attempt() {
         attempt: 3,
         ..situation(failed_after(FailureKind::Retryable, Duration::from_secs(1)))
     };
-    assert_eq!(decide(&s, &policy()), retry(2, 4, Cause::Handler));
+    assert_eq!(decide(&s, policy()), retry(2, 4, Cause::Handler));
 }
 
 #[test]
@@ -260,7 +263,7 @@ fn permanent_failure_goes_to_the_dead_letter_queue() {
         ..situation(failed(FailureKind::Permanent))
     };
     assert_eq!(
-        decide(&s, &policy()),
+        decide(&s, policy()),
         dead_letter(FailureKind::Permanent, Cause::Handler)
     );
 }
@@ -273,7 +276,7 @@ fn retryable_failure_on_the_last_attempt_is_dead_lettered_as_attempts_exhausted(
         ..situation(failed(FailureKind::Retryable))
     };
     assert_eq!(
-        decide(&s, &p),
+        decide(&s, p),
         dead_letter(FailureKind::Retryable, Cause::AttemptsExhausted)
     );
 }
@@ -295,7 +298,7 @@ fn indeterminate_failure_is_parked_never_retried() {
             ..situation(failed(FailureKind::Indeterminate))
         };
         assert_eq!(
-            decide(&s, &policy()),
+            decide(&s, policy()),
             parking(Cause::Handler),
             "attempt {attempt}"
         );
@@ -308,7 +311,7 @@ fn cleanup_failure_turns_success_into_a_retry() {
         cleanup: CleanupResult::Failed,
         ..situation(PipelineResult::Succeeded)
     };
-    assert_eq!(decide(&s, &policy()), retry(0, 2, Cause::Cleanup));
+    assert_eq!(decide(&s, policy()), retry(0, 2, Cause::Cleanup));
 }
 
 #[test]
@@ -320,7 +323,7 @@ fn cleanup_failure_on_the_last_attempt_is_dead_lettered_as_attempts_exhausted() 
         ..situation(PipelineResult::Succeeded)
     };
     assert_eq!(
-        decide(&s, &p),
+        decide(&s, p),
         dead_letter(FailureKind::Retryable, Cause::AttemptsExhausted)
     );
 }
@@ -331,10 +334,7 @@ fn aborted_transaction_is_retried() {
         transaction: TransactionOutcome::Aborted,
         ..situation(PipelineResult::Succeeded)
     };
-    assert_eq!(
-        decide(&s, &policy()),
-        retry(0, 2, Cause::TransactionAborted)
-    );
+    assert_eq!(decide(&s, policy()), retry(0, 2, Cause::TransactionAborted));
 }
 
 #[test]
@@ -347,7 +347,7 @@ fn ambiguous_commit_is_deferred_by_requeue_below_the_limit() {
             ..situation(PipelineResult::Succeeded)
         };
         assert_eq!(
-            decide(&s, &p),
+            decide(&s, p),
             Plan::Requeue(RequeueCause::Deferred),
             "requeues {requeues}"
         );
@@ -363,7 +363,7 @@ fn deferred_pipeline_is_requeued_below_the_limit() {
             ..situation(PipelineResult::Deferred)
         };
         assert_eq!(
-            decide(&s, &p),
+            decide(&s, p),
             Plan::Requeue(RequeueCause::Deferred),
             "requeues {requeues}"
         );
@@ -377,7 +377,7 @@ fn deferral_does_not_consume_an_application_attempt() {
         attempt: p.max_attempts,
         ..situation(PipelineResult::Deferred)
     };
-    assert_eq!(decide(&s, &p), Plan::Requeue(RequeueCause::Deferred));
+    assert_eq!(decide(&s, p), Plan::Requeue(RequeueCause::Deferred));
 }
 
 #[test]
@@ -394,7 +394,7 @@ fn deferral_at_the_requeue_limit_is_dead_lettered() {
             ..s
         };
         assert_eq!(
-            decide(&at_limit, &p),
+            decide(&at_limit, p),
             dead_letter(FailureKind::Retryable, Cause::RequeueLimit),
             "{s:?}"
         );
@@ -411,7 +411,7 @@ fn ambiguous_commit_at_the_requeue_limit_is_parked_never_dead_lettered() {
         ..situation(PipelineResult::Succeeded)
     };
     assert_eq!(
-        decide(&at_limit, &p),
+        decide(&at_limit, p),
         Plan::Handoff(Handoff {
             lane: Lane::Parking,
             kind: Some(FailureKind::Indeterminate),
@@ -425,7 +425,7 @@ fn deferred_requeue_settles_with_one_nack_recorded_as_deferred() {
     let mut s = Settlement::start(
         Plan::Requeue(RequeueCause::Deferred),
         0,
-        &policy(),
+        policy(),
         Instant::now(),
     );
     assert_eq!(s.poll_action(), Some(Action::Requeue));
@@ -442,7 +442,7 @@ fn retryable_failure_at_the_requeue_limit_is_dead_lettered_not_retried() {
         ..situation(failed(FailureKind::Retryable))
     };
     assert_eq!(
-        decide(&s, &p),
+        decide(&s, p),
         dead_letter(FailureKind::Retryable, Cause::RequeueLimit)
     );
 }
@@ -456,7 +456,7 @@ fn indeterminate_failure_at_the_requeue_limit_stays_in_the_parking_lane() {
         requeues: p.max_requeues,
         ..situation(failed(FailureKind::Indeterminate))
     };
-    let plan = decide(&s, &p);
+    let plan = decide(&s, p);
     assert!(
         matches!(
             plan,
@@ -472,7 +472,7 @@ fn indeterminate_failure_at_the_requeue_limit_stays_in_the_parking_lane() {
 #[test]
 fn inbox_conflict_is_dead_lettered_as_a_conflict() {
     assert_eq!(
-        decide(&situation(PipelineResult::Conflict), &policy()),
+        decide(&situation(PipelineResult::Conflict), policy()),
         dead_letter(FailureKind::Permanent, Cause::Conflict)
     );
 }
@@ -480,7 +480,7 @@ fn inbox_conflict_is_dead_lettered_as_a_conflict() {
 #[test]
 fn duplicate_is_acked() {
     assert_eq!(
-        decide(&situation(PipelineResult::Duplicate), &policy()),
+        decide(&situation(PipelineResult::Duplicate), policy()),
         Plan::Ack
     );
 }
@@ -498,9 +498,9 @@ fn lost_authority_abandons_and_sends_nothing() {
             authority: Authority::Lost,
             ..situation(pipeline)
         };
-        assert_eq!(decide(&s, &policy()), Plan::Abandon, "{pipeline:?}");
+        assert_eq!(decide(&s, policy()), Plan::Abandon, "{pipeline:?}");
     }
-    let mut s = Settlement::start(Plan::Abandon, 0, &policy(), Instant::now());
+    let mut s = Settlement::start(Plan::Abandon, 0, policy(), Instant::now());
     assert_eq!(s.outcome(), Some(Outcome::AuthorityLost));
     assert_no_more_actions(&mut s);
 }
@@ -508,7 +508,7 @@ fn lost_authority_abandons_and_sends_nothing() {
 #[test]
 fn handler_panic_is_a_retryable_failure() {
     assert_eq!(
-        decide(&situation(PipelineResult::Panicked), &policy()),
+        decide(&situation(PipelineResult::Panicked), policy()),
         retry(0, 2, Cause::Panic)
     );
 }
@@ -516,7 +516,7 @@ fn handler_panic_is_a_retryable_failure() {
 #[test]
 fn handler_timeout_is_a_retryable_failure() {
     assert_eq!(
-        decide(&situation(PipelineResult::TimedOut), &policy()),
+        decide(&situation(PipelineResult::TimedOut), policy()),
         retry(0, 2, Cause::Timeout)
     );
 }
@@ -537,7 +537,7 @@ fn confirmed_handoff_then_written_ack_ends_in_its_lane() {
         (parking(Cause::Handler), Outcome::Parked),
     ];
     for (plan, outcome) in cases {
-        let mut s = start_publish(plan, 0, &policy(), t0);
+        let mut s = start_publish(plan, 0, policy(), t0);
         s.handle_handoff(HandoffResult::Confirmed, Authority::Held, within_budget(t0));
         assert_eq!(s.poll_action(), Some(Action::Ack));
         s.handle_settled(SettleResult::Written);
@@ -550,7 +550,7 @@ fn confirmed_handoff_then_written_ack_ends_in_its_lane() {
 fn publish_deadline_leaves_the_nack_reserve() {
     let p = policy();
     let plan = Plan::Handoff(some_handoff());
-    let mut s = Settlement::start(plan, 0, &p, Instant::now());
+    let mut s = Settlement::start(plan, 0, p, Instant::now());
     assert_eq!(
         s.poll_action(),
         Some(Action::Publish {
@@ -563,11 +563,10 @@ fn publish_deadline_leaves_the_nack_reserve() {
 #[test]
 fn handoff_returned_as_unroutable_nacks_original_once() {
     let t0 = Instant::now();
-    let mut s = start_publish(Plan::Handoff(some_handoff()), 0, &policy(), t0);
+    let mut s = start_publish(Plan::Handoff(some_handoff()), 0, policy(), t0);
     s.handle_handoff(HandoffResult::Returned, Authority::Held, within_budget(t0));
     assert_eq!(s.confirmed_handoff(), None);
-    assert_eq!(s.poll_action(), Some(Action::Requeue));
-    assert_no_more_actions(&mut s);
+    backs_off_then_requeues(&mut s, within_budget(t0));
     s.handle_settled(SettleResult::Written);
     assert_eq!(
         s.outcome(),
@@ -585,10 +584,9 @@ fn handoff_nacked_failed_timed_out_or_blocked_nacks_original_once() {
         HandoffResult::TimedOut,
         HandoffResult::Blocked,
     ] {
-        let mut s = start_publish(Plan::Handoff(some_handoff()), 0, &policy(), t0);
+        let mut s = start_publish(Plan::Handoff(some_handoff()), 0, policy(), t0);
         s.handle_handoff(result, Authority::Held, within_budget(t0));
-        assert_eq!(s.poll_action(), Some(Action::Requeue), "{result:?}");
-        assert_no_more_actions(&mut s);
+        backs_off_then_requeues(&mut s, within_budget(t0));
         s.handle_settled(SettleResult::Written);
         assert_eq!(
             s.outcome(),
@@ -603,7 +601,7 @@ fn handoff_failure_past_the_deadline_sends_nothing_and_is_unresolved() {
     let t0 = Instant::now();
     let deadline = t0 + policy().settlement_budget;
     for now in [deadline, past_deadline(t0)] {
-        let mut s = start_publish(Plan::Handoff(some_handoff()), 0, &policy(), t0);
+        let mut s = start_publish(Plan::Handoff(some_handoff()), 0, policy(), t0);
         s.handle_handoff(HandoffResult::TimedOut, Authority::Held, now);
         assert_no_more_actions(&mut s);
         assert_eq!(
@@ -618,30 +616,155 @@ fn handoff_failure_in_the_nack_reserve_still_nacks_once() {
     let t0 = Instant::now();
     let p = policy();
     let in_reserve = t0 + p.settlement_budget - p.nack_reserve / 2;
-    let mut s = start_publish(Plan::Handoff(some_handoff()), 0, &p, t0);
+    let mut s = start_publish(Plan::Handoff(some_handoff()), 0, p, t0);
     s.handle_handoff(HandoffResult::TimedOut, Authority::Held, in_reserve);
+    backs_off_then_requeues(&mut s, in_reserve);
+}
+
+/// A first failed handoff: the deferral delay's hold, then one NACK and nothing else.
+fn backs_off_then_requeues(s: &mut Settlement, now: Instant) {
+    let hold = policy().deferral_delay(0);
+    assert_eq!(s.poll_action(), Some(Action::Hold(hold)));
+    assert_no_more_actions(s);
+    s.handle_held(now + hold);
     assert_eq!(s.poll_action(), Some(Action::Requeue));
-    assert_no_more_actions(&mut s);
+    assert_no_more_actions(s);
+}
+
+/// The lane of the publish `s` hands out next.
+fn next_publish_lane(s: &mut Settlement) -> Lane {
+    match s.poll_action() {
+        Some(Action::Publish { handoff, .. }) => handoff.lane,
+        other => panic!("expected a publish, got {other:?}"),
+    }
 }
 
 #[test]
-fn handoff_failure_at_the_requeue_limit_sends_nothing_and_is_unresolved() {
+fn a_failed_dead_letter_handoff_waits_in_a_retry_bucket_as_a_held_copy() {
+    let t0 = Instant::now();
+    let p = policy();
+    let plan = dead_letter(FailureKind::Permanent, Cause::Handler);
+    let mut s = start_publish(plan, 0, p, t0);
+    s.handle_handoff(HandoffResult::Returned, Authority::Held, within_budget(t0));
+    let held = Lane::Held {
+        bucket: 0,
+        target: Terminal::DeadLetter,
+    };
+    assert_eq!(next_publish_lane(&mut s), held);
+    s.handle_handoff(HandoffResult::Confirmed, Authority::Held, within_budget(t0));
+    assert_eq!(s.poll_action(), Some(Action::Ack));
+    s.handle_settled(SettleResult::Written);
+    assert_eq!(s.outcome(), Some(Outcome::Held));
+    assert_eq!(s.confirmed_handoff(), Some(held));
+
+    // A copy held before waits longer; the last bucket repeats.
+    let mut s = Settlement::start(parking(Cause::Handler), 0, p, t0).held_before(7);
+    s.poll_action();
+    s.handle_handoff(HandoffResult::Nacked, Authority::Held, within_budget(t0));
+    assert_eq!(
+        next_publish_lane(&mut s),
+        Lane::Held {
+            bucket: p.retry_delays.len() - 1,
+            target: Terminal::Parking,
+        }
+    );
+}
+
+#[test]
+fn a_failed_retry_handoff_backs_off_before_its_requeue() {
+    let t0 = Instant::now();
+    let p = policy();
+    let mut s = start_publish(retry(0, 2, Cause::Handler), 1, p, t0);
+    s.handle_handoff(HandoffResult::Returned, Authority::Held, within_budget(t0));
+    // No held copy for a retry: it is a bucket already.
+    let hold = p.deferral_delay(1);
+    assert_eq!(s.poll_action(), Some(Action::Hold(hold)));
+    assert_eq!(s.poll_action(), None);
+    s.handle_held(within_budget(t0) + hold);
+    assert_eq!(s.poll_action(), Some(Action::Requeue));
+    s.handle_settled(SettleResult::Written);
+    assert_eq!(
+        s.outcome(),
+        Some(Outcome::Requeued(RequeueCause::HandoffFailed))
+    );
+}
+
+#[test]
+fn without_retry_buckets_a_failed_dead_letter_handoff_backs_off_and_requeues() {
+    let t0 = Instant::now();
+    let mut p = policy_with(1, 3);
+    p.retry_delays.clear();
+    let mut s = start_publish(
+        dead_letter(FailureKind::Permanent, Cause::Handler),
+        0,
+        &p,
+        t0,
+    );
+    s.handle_handoff(HandoffResult::Returned, Authority::Held, within_budget(t0));
+    assert_eq!(s.poll_action(), Some(Action::Hold(p.deferral_delay(0))));
+}
+
+#[test]
+fn at_the_requeue_limit_a_failing_lane_is_tried_again_with_backoff_then_released() {
+    let t0 = Instant::now();
+    let p = policy().clone().release_held_after(Duration::from_secs(20));
+    let plan = dead_letter(FailureKind::Retryable, Cause::RequeueLimit);
+    let mut s = start_publish(plan, p.max_requeues, &p, t0);
+    let mut now = within_budget(t0);
+    s.handle_handoff(HandoffResult::Returned, Authority::Held, now);
+    let mut holds = Vec::new();
+    loop {
+        // The held copy fails too.
+        assert!(matches!(next_publish_lane(&mut s), Lane::Held { .. }));
+        s.handle_handoff(HandoffResult::Returned, Authority::Held, now);
+        match s.poll_action() {
+            Some(Action::Hold(hold)) => {
+                holds.push(hold.as_secs());
+                now += hold;
+                s.handle_held(now);
+                // Then the lane itself again, with a fresh budget.
+                match s.poll_action() {
+                    Some(Action::Publish { handoff, deadline }) => {
+                        assert_eq!(handoff.lane, Lane::DeadLetter);
+                        assert_eq!(deadline, p.settlement_budget - p.nack_reserve);
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
+                s.handle_handoff(HandoffResult::Returned, Authority::Held, now);
+            }
+            // Released: held as long as allowed.
+            Some(Action::Requeue) => break,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    // 1 + 2 + 4 + 8 s, then what is left of the 20 s since the first failure.
+    assert_eq!(holds, vec![1, 2, 4, 8, 5]);
+    s.handle_settled(SettleResult::Written);
+    assert_eq!(
+        s.outcome(),
+        Some(Outcome::Requeued(RequeueCause::HandoffFailed))
+    );
+}
+
+#[test]
+fn a_hold_at_the_requeue_limit_cut_short_by_shutdown_releases_the_delivery() {
     let t0 = Instant::now();
     let p = policy();
     let plan = dead_letter(FailureKind::Retryable, Cause::RequeueLimit);
-    let mut s = start_publish(plan, p.max_requeues, &p, t0);
-    s.handle_handoff(HandoffResult::Returned, Authority::Held, within_budget(t0));
-    assert_no_more_actions(&mut s);
-    assert_eq!(
-        s.outcome(),
-        Some(Outcome::Unresolved(Unresolved::HandoffFailedAtRequeueLimit))
-    );
+    let mut s = start_publish(plan, p.max_requeues, p, t0);
+    let now = within_budget(t0);
+    s.handle_handoff(HandoffResult::Returned, Authority::Held, now);
+    next_publish_lane(&mut s);
+    s.handle_handoff(HandoffResult::Returned, Authority::Held, now);
+    assert_eq!(s.poll_action(), Some(Action::Hold(Duration::from_secs(1))));
+    s.handle_held(now + Duration::from_millis(100));
+    assert_eq!(s.poll_action(), Some(Action::Requeue));
 }
 
 #[test]
 fn handoff_failure_with_authority_lost_sends_nothing() {
     let t0 = Instant::now();
-    let mut s = start_publish(Plan::Handoff(some_handoff()), 0, &policy(), t0);
+    let mut s = start_publish(Plan::Handoff(some_handoff()), 0, policy(), t0);
     s.handle_handoff(HandoffResult::Failed, Authority::Lost, within_budget(t0));
     assert_no_more_actions(&mut s);
     assert_eq!(s.outcome(), Some(Outcome::AuthorityLost));
@@ -651,7 +774,7 @@ fn handoff_failure_with_authority_lost_sends_nothing() {
 fn confirmed_handoff_with_refused_ack_keeps_the_confirmation_and_never_republishes() {
     let t0 = Instant::now();
     let handoff = some_handoff();
-    let mut s = start_publish(Plan::Handoff(handoff), 0, &policy(), t0);
+    let mut s = start_publish(Plan::Handoff(handoff), 0, policy(), t0);
     s.handle_handoff(HandoffResult::Confirmed, Authority::Held, within_budget(t0));
     assert_eq!(s.confirmed_handoff(), Some(handoff.lane));
     assert_eq!(s.poll_action(), Some(Action::Ack));
@@ -673,7 +796,7 @@ fn confirmed_handoff_with_refused_ack_keeps_the_confirmation_and_never_republish
 fn confirmed_handoff_with_authority_lost_is_unresolved_without_ack() {
     let t0 = Instant::now();
     let handoff = some_handoff();
-    let mut s = start_publish(Plan::Handoff(handoff), 0, &policy(), t0);
+    let mut s = start_publish(Plan::Handoff(handoff), 0, policy(), t0);
     s.handle_handoff(HandoffResult::Confirmed, Authority::Lost, within_budget(t0));
     assert_no_more_actions(&mut s);
     assert_eq!(
@@ -690,14 +813,14 @@ fn confirmed_handoff_with_authority_lost_keeps_the_confirmed_lane() {
     // when the ACK that follows fails". Losing authority is the ACK not being possible.
     let t0 = Instant::now();
     let handoff = some_handoff();
-    let mut s = start_publish(Plan::Handoff(handoff), 0, &policy(), t0);
+    let mut s = start_publish(Plan::Handoff(handoff), 0, policy(), t0);
     s.handle_handoff(HandoffResult::Confirmed, Authority::Lost, within_budget(t0));
     assert_eq!(s.confirmed_handoff(), Some(handoff.lane));
 }
 
 #[test]
 fn refused_ack_without_a_handoff_is_recorded_as_authority_lost() {
-    let mut s = Settlement::start(Plan::Ack, 0, &policy(), Instant::now());
+    let mut s = Settlement::start(Plan::Ack, 0, policy(), Instant::now());
     assert_eq!(s.poll_action(), Some(Action::Ack));
     s.handle_settled(SettleResult::Refused);
     assert_eq!(s.outcome(), Some(Outcome::AuthorityLost));
@@ -707,7 +830,7 @@ fn refused_ack_without_a_handoff_is_recorded_as_authority_lost() {
 #[test]
 fn each_action_is_handed_out_exactly_once() {
     let t0 = Instant::now();
-    let mut s = Settlement::start(Plan::Handoff(some_handoff()), 0, &policy(), t0);
+    let mut s = Settlement::start(Plan::Handoff(some_handoff()), 0, policy(), t0);
     assert!(matches!(s.poll_action(), Some(Action::Publish { .. })));
     assert_eq!(s.poll_action(), None, "publish handed out twice");
     s.handle_handoff(HandoffResult::Confirmed, Authority::Held, within_budget(t0));
@@ -725,7 +848,7 @@ fn evidence_for_an_action_not_handed_out_is_ignored() {
     let plan = Plan::Handoff(some_handoff());
 
     // A handoff result before the publish was handed out.
-    let mut s = Settlement::start(plan, 0, &policy(), t0);
+    let mut s = Settlement::start(plan, 0, policy(), t0);
     s.handle_handoff(HandoffResult::Confirmed, Authority::Held, within_budget(t0));
     s.handle_settled(SettleResult::Written);
     assert_eq!(s.outcome(), None);
@@ -751,7 +874,7 @@ fn evidence_for_an_action_not_handed_out_is_ignored() {
 
 #[test]
 fn evidence_before_an_ack_is_handed_out_is_ignored() {
-    let mut s = Settlement::start(Plan::Ack, 0, &policy(), Instant::now());
+    let mut s = Settlement::start(Plan::Ack, 0, policy(), Instant::now());
     s.handle_settled(SettleResult::Refused);
     assert_eq!(s.outcome(), None);
     assert_eq!(s.poll_action(), Some(Action::Ack));
@@ -904,14 +1027,18 @@ fn failing_pipeline() -> impl Strategy<Value = PipelineResult> {
     ]
 }
 
-/// A delivery's actions: one publish and one settling action at most.
-const MAX_ACTIONS_PER_DELIVERY: usize = 2;
+/// A delivery's actions: below the requeue limit, a publish, a held copy's publish, a hold
+/// and the NACK; at the limit, three per hold until the release (15 minutes, the longest hold
+/// a minute).
+const MAX_ACTIONS_PER_DELIVERY: usize = 3 * 25 + 2;
 
 /// What one delivery of a message whose every handoff fails ends in.
 struct Delivery {
     plan: Plan,
     actions: usize,
     outcome: Outcome,
+    /// The time spent in holds.
+    held: Duration,
 }
 
 /// Runs one delivery through decide and settlement; every handoff fails with `failure`, every
@@ -925,8 +1052,8 @@ fn deliver_with_failing_handoffs(
     let plan = decide(s, p);
     let mut settlement = Settlement::start(plan, s.requeues, p, t0);
     let mut actions = 0;
-    // A plan takes at most two actions (publish, then ack or nack); more would be a bug, and a
-    // bounded loop reports it instead of hanging.
+    let (mut now, mut held) = (t0, Duration::ZERO);
+    // A bounded loop reports a runaway settlement instead of hanging.
     for _ in 0..MAX_ACTIONS_PER_DELIVERY + 1 {
         let Some(action) = settlement.poll_action() else {
             break;
@@ -934,7 +1061,13 @@ fn deliver_with_failing_handoffs(
         actions += 1;
         match action {
             Action::Publish { .. } => {
-                settlement.handle_handoff(failure, Authority::Held, within_budget(t0));
+                now += Duration::from_millis(1);
+                settlement.handle_handoff(failure, Authority::Held, now);
+            }
+            Action::Hold(hold) => {
+                held += hold;
+                now += hold;
+                settlement.handle_held(now);
             }
             Action::Ack | Action::Requeue | Action::Reject => {
                 settlement.handle_settled(SettleResult::Written);
@@ -948,6 +1081,7 @@ fn deliver_with_failing_handoffs(
         plan,
         actions,
         outcome,
+        held,
     }
 }
 
@@ -982,7 +1116,7 @@ proptest! {
     ) {
         let p = policy();
         let t0 = Instant::now();
-        let mut s = Settlement::start(plan, requeues, &p, t0);
+        let mut s = Settlement::start(plan, requeues, p, t0);
         let mut publishes = 0;
         let mut settling = 0;
         let mut outcome = s.outcome();
@@ -990,6 +1124,7 @@ proptest! {
             match input {
                 Input::Poll => match s.poll_action() {
                     Some(Action::Publish { .. }) => publishes += 1,
+                    Some(Action::Hold(_)) => {}
                     Some(action) => {
                         prop_assert!(is_settling(&action));
                         settling += 1;
@@ -999,7 +1134,8 @@ proptest! {
                 Input::Handoff(result, authority, at) => s.handle_handoff(result, authority, t0 + at),
                 Input::Settled(result) => s.handle_settled(result),
             }
-            prop_assert!(publishes <= 1, "publish handed out {} times", publishes);
+            // The handoff, then at most its held copy: a hold comes before any other publish.
+            prop_assert!(publishes <= 2, "publish handed out {} times", publishes);
             prop_assert!(settling <= 1, "{} settling actions handed out", settling);
             if outcome.is_some() {
                 prop_assert_eq!(s.outcome(), outcome, "outcome changed after it was final");
@@ -1025,15 +1161,23 @@ proptest! {
             let s = Situation { requeues, attempt, ..situation(pipeline) };
             let delivery = deliver_with_failing_handoffs(&s, &p, failure, t0);
             prop_assert!(delivery.actions <= MAX_ACTIONS_PER_DELIVERY);
-            match delivery.outcome {
-                Outcome::Requeued(_) => requeues += 1,
-                _ => break delivery,
+            if requeues >= max_requeues {
+                break delivery;
             }
+            // Below the limit every requeue after a failed handoff backs off as a deferral
+            // does (the machine holds a deferral before its plan).
+            prop_assert!(matches!(delivery.outcome, Outcome::Requeued(_)));
+            if let Plan::Handoff(_) = delivery.plan {
+                prop_assert!(delivery.held >= p.deferral_delay(requeues));
+            }
+            requeues += 1;
         };
-        prop_assert_eq!(
-            last.outcome,
-            Outcome::Unresolved(Unresolved::HandoffFailedAtRequeueLimit)
-        );
+        // At the limit the delivery was held, trying its lane, until its release: one NACK
+        // per `release_held_after`, never a hot loop.
+        prop_assert_eq!(last.outcome, Outcome::Requeued(RequeueCause::HandoffFailed));
+        // (Less the millisecond each failed publish took.)
+        let publishes = Duration::from_millis(last.actions as u64);
+        prop_assert!(last.held + publishes >= p.release_held_after, "released after {:?}", last.held);
         prop_assert_eq!(requeues, max_requeues);
         match last.plan {
             Plan::Handoff(Handoff { lane: Lane::DeadLetter, cause, .. }) => {

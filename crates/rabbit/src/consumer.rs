@@ -89,6 +89,13 @@ impl Stats {
     pub fn handoffs_blocked(&self) -> bool {
         self.publisher.blocked()
     }
+
+    /// The lanes (queue names: the DLQ, the parking lane, a retry bucket) whose latest handoff
+    /// failed. While the DLQ or the parking lane fails, copies bound for it wait in a retry
+    /// bucket as held copies and come back to try it again.
+    pub fn failing_lanes(&self) -> Vec<String> {
+        self.publisher.failing_lanes()
+    }
 }
 
 impl Consumer {

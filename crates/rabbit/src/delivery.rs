@@ -7,9 +7,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use lapin::BasicProperties;
 use lapin::message::Delivery;
 use lapin::types::ShortString;
-use lily_mq_core::machine::{Action, Arrival, CopyOf, Delivery as Machine, ScopeOpened, Verdict};
+use lily_mq_core::machine::{
+    Action, Arrival, CopyOf, Delivery as Machine, HeldCopy, ScopeOpened, Verdict,
+};
 use lily_mq_core::transport::{
-    Authority, BoxedHandler, DeliveryCancel, EntryId, Evidence, GateRejection, Handoff,
+    Authority, BoxedHandler, Cause, DeliveryCancel, EntryId, Evidence, GateRejection, Handoff,
     HandoffResult, Identity, IncomingParts, PropertiesView, SettleResult, as_u32, inspect,
     is_token, not_utf8,
 };
@@ -162,6 +164,7 @@ async fn settle_delivery(
             }
         }),
         scoped: shared.scope.is_some(),
+        held: view.headers.and_then(HeldCopy::from_headers),
     };
     let source = if refused {
         Source::Refused(Box::new(Refused {
@@ -418,7 +421,11 @@ impl Work<'_> {
         let Some(queue) = destination(&self.shared.topology, handoff.lane) else {
             return HandoffResult::Failed;
         };
-        let reason = Reason::new(format!("{}: {reason}", handoff.cause.as_str()));
+        // A held copy's reason already names its cause.
+        let reason = match handoff.cause {
+            Cause::Held => reason.clone(),
+            cause => Reason::new(format!("{}: {reason}", cause.as_str())),
+        };
         let id = self.settler.next_handoff_id();
         let note = FailureNote {
             lane: handoff.lane,
@@ -483,7 +490,11 @@ impl Work<'_> {
         self.shared.metrics.count(outcome);
         let mut ledger = lock(&self.shared.books.ledger);
         match outcome {
-            Outcome::Acked | Outcome::Retried | Outcome::DeadLettered | Outcome::Parked => {
+            Outcome::Acked
+            | Outcome::Retried
+            | Outcome::DeadLettered
+            | Outcome::Parked
+            | Outcome::Held => {
                 let handoff = lane
                     .and_then(|lane| destination(&self.shared.topology, lane))
                     .map(String::into_boxed_str);

@@ -4,7 +4,7 @@
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lily_mq_core::transport::{HandoffId, is_token};
+use lily_mq_core::transport::{HandoffId, as_u32, is_token};
 use lily_mq_core::{Incoming, Lane, Reason, headers};
 
 use crate::topology::Topology;
@@ -12,7 +12,9 @@ use crate::topology::Topology;
 /// Destination queue of a lane.
 pub(crate) fn destination(topology: &Topology, lane: Lane) -> Option<String> {
     match lane {
-        Lane::Retry { bucket, .. } => topology.bucket(bucket).map(str::to_owned),
+        Lane::Retry { bucket, .. } | Lane::Held { bucket, .. } => {
+            topology.bucket(bucket).map(str::to_owned)
+        }
         Lane::DeadLetter => Some(topology.dead_letter_queue()),
         Lane::Parking => Some(topology.parking_queue()),
     }
@@ -52,6 +54,8 @@ pub(crate) fn copy_properties(incoming: &Incoming, note: &FailureNote<'_>) -> Ba
         .map(|t| t.inner().clone())
         .unwrap_or_default();
     map.remove(headers::DELIVERY_COUNT);
+    let holds = map.remove(headers::HOLDS).as_ref().and_then(as_u32);
+    map.remove(headers::HELD_FOR);
     for (routing, aside) in [
         (headers::CC, headers::ORIGINAL_CC),
         (headers::BCC, headers::ORIGINAL_BCC),
@@ -63,9 +67,10 @@ pub(crate) fn copy_properties(incoming: &Incoming, note: &FailureNote<'_>) -> Ba
     let mut table = FieldTable::from(map);
     let attempt = match note.lane {
         Lane::Retry { next_attempt, .. } => next_attempt,
-        Lane::DeadLetter | Lane::Parking => incoming.attempt(),
+        Lane::DeadLetter | Lane::Parking | Lane::Held { .. } => incoming.attempt(),
     };
     table.insert(headers::ATTEMPT.into(), AMQPValue::LongUInt(attempt));
+    held_headers(&mut table, note.lane, holds);
     table.insert(
         headers::FIRST_FAILURE_AT.into(),
         AMQPValue::LongLongInt(first),
@@ -123,6 +128,12 @@ pub(crate) fn sanitized_properties(
         headers::ORIGINAL_ROUTING_KEY.into(),
         long(Reason::new(routing_key.to_owned()).as_str()),
     );
+    let holds = original
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get(headers::HOLDS))
+        .and_then(as_u32);
+    held_headers(&mut table, note.lane, holds);
     let mut props = BasicProperties::default()
         .with_headers(table)
         .with_delivery_mode(2);
@@ -139,6 +150,15 @@ pub(crate) fn sanitized_properties(
         props = props.with_content_type(ct);
     }
     props
+}
+
+/// On a held copy, the lane it is bound for and how many times it waited, this time included.
+fn held_headers(table: &mut FieldTable, lane: Lane, holds: Option<u32>) {
+    if let Lane::Held { target, .. } = lane {
+        table.insert(headers::HELD_FOR.into(), long(target.as_str()));
+        let holds = holds.unwrap_or(0).saturating_add(1);
+        table.insert(headers::HOLDS.into(), AMQPValue::LongUInt(holds));
+    }
 }
 
 /// `props` without `expiration` and `user_id` (and without headers: the caller sets them).

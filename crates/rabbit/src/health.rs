@@ -4,7 +4,8 @@
 //! the consumer is consuming and 503 otherwise (before it connects, while it reconnects and from
 //! the start of draining), so Kubernetes stops routing to a pod that is shutting down. While the
 //! broker blocks the handoff connection (a resource alarm), `/readyz` still answers 200, since
-//! deliveries are still consumed and ACKed, and its body adds `handoffs blocked`.
+//! deliveries are still consumed and ACKed, and its body adds `handoffs blocked`; likewise
+//! `lane failing: <queue>` for each lane whose latest handoff failed.
 
 use std::net::SocketAddr;
 
@@ -13,6 +14,25 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::consumer::Stats;
+
+/// The `/readyz` status and body. Still consuming, the consumer is ready even while handoffs
+/// wait for the broker or a lane fails: successes are ACKed, failures wait (see
+/// [`Stats::failing_lanes`]).
+fn readiness(stats: &Stats) -> (&'static str, String) {
+    if !stats.ready() {
+        return ("503 Service Unavailable", "not ready\n".to_owned());
+    }
+    let mut body = "ready\n".to_owned();
+    if stats.handoffs_blocked() {
+        body.push_str("handoffs blocked\n");
+    }
+    for lane in stats.failing_lanes() {
+        body.push_str("lane failing: ");
+        body.push_str(&lane);
+        body.push('\n');
+    }
+    ("200 OK", body)
+}
 
 /// Serves `/livez` and `/readyz` on `addr` until the task is aborted.
 ///
@@ -37,18 +57,11 @@ pub async fn serve(
                 };
                 let request = &buf[..n];
                 let (status, body) = if request.starts_with(b"GET /livez ") {
-                    ("200 OK", "live\n")
+                    ("200 OK", "live\n".to_owned())
                 } else if request.starts_with(b"GET /readyz ") {
-                    if stats.ready() && stats.handoffs_blocked() {
-                        // Still consuming and ACKing; failures wait for the broker to unblock.
-                        ("200 OK", "ready\nhandoffs blocked\n")
-                    } else if stats.ready() {
-                        ("200 OK", "ready\n")
-                    } else {
-                        ("503 Service Unavailable", "not ready\n")
-                    }
+                    readiness(&stats)
                 } else {
-                    ("404 Not Found", "not found\n")
+                    ("404 Not Found", "not found\n".to_owned())
                 };
                 let response = format!(
                     "HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",

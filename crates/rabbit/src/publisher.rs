@@ -32,6 +32,7 @@
 //!   are the evidence and no probe is sent; a copy published in the instant an alarm starts can
 //!   still be held by the broker, time out and land after its original was requeued.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
@@ -89,6 +90,40 @@ pub(crate) struct Publisher {
     /// Taken by the first [`Publisher::warm`], which starts the workers.
     pending: Mutex<Option<mpsc::UnboundedReceiver<Request>>>,
     closed: CancellationToken,
+    lanes: Lanes,
+}
+
+/// The lanes whose latest handoff failed, by queue name, each with its `lily_lane_failing`
+/// gauge.
+struct Lanes {
+    queue: String,
+    failing: Mutex<BTreeMap<String, metrics::Gauge>>,
+}
+
+impl Lanes {
+    /// Records how the latest handoff to `lane` went. A blocked connection says nothing about
+    /// the lane: it has its own flag.
+    fn record(&self, lane: &str, result: HandoffResult) {
+        let mut failing = lock(&self.failing);
+        match result {
+            HandoffResult::Confirmed => {
+                if let Some(gauge) = failing.remove(lane) {
+                    gauge.set(0.0);
+                    info!(queue = %self.queue, lane, "handoffs to the lane succeed again");
+                }
+            }
+            HandoffResult::Blocked => {}
+            _ if failing.contains_key(lane) => {}
+            _ => {
+                let gauge = metrics::gauge!(
+                    "lily_lane_failing", "queue" => self.queue.clone(), "lane" => lane.to_owned()
+                );
+                gauge.set(1.0);
+                warn!(queue = %self.queue, lane, ?result, "handoffs to the lane fail");
+                failing.insert(lane.to_owned(), gauge);
+            }
+        }
+    }
 }
 
 /// The connection the workers share.
@@ -123,7 +158,16 @@ impl Publisher {
             requests,
             pending: Mutex::new(Some(pending)),
             closed: CancellationToken::new(),
+            lanes: Lanes {
+                queue: queue.to_owned(),
+                failing: Mutex::new(BTreeMap::new()),
+            },
         }
+    }
+
+    /// The lanes (queue names) whose latest handoff failed.
+    pub(crate) fn failing_lanes(&self) -> Vec<String> {
+        lock(&self.lanes.failing).keys().cloned().collect()
     }
 
     /// Whether the broker blocks the handoff connection (a resource alarm): handoffs wait.
@@ -161,6 +205,19 @@ impl Publisher {
     /// Dropping the future leaves the copy to its worker, which publishes it and judges it
     /// unobserved: the copy may exist. Callers bound the wait with `deadline` instead.
     pub(crate) async fn publish(
+        &self,
+        queue: &str,
+        id: HandoffId,
+        body: &[u8],
+        properties: BasicProperties,
+        deadline: Duration,
+    ) -> HandoffResult {
+        let result = self.send(queue, id, body, properties, deadline).await;
+        self.lanes.record(queue, result);
+        result
+    }
+
+    async fn send(
         &self,
         queue: &str,
         id: HandoffId,

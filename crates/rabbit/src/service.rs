@@ -66,7 +66,7 @@ impl Signals {
 
 /// Handles into the `metrics` facade, registered once per consumer.
 pub(crate) struct Metrics {
-    outcomes: [Counter; 9],
+    outcomes: [Counter; Outcome::LABELS.len()],
     pub(crate) in_flight: Gauge,
     pub(crate) handler_duration: Histogram,
     pub(crate) settlement_latency: Histogram,

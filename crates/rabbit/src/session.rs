@@ -213,7 +213,7 @@ impl Session {
                 channel.basic_reject(delivery_tag, BasicRejectOptions { requeue: false }),
             ),
             // ACKs go through `ack`; a handoff is published on the confirm channel.
-            Action::Ack | Action::Publish { .. } => return SettleResult::Refused,
+            Action::Ack | Action::Publish { .. } | Action::Hold(_) => return SettleResult::Refused,
         });
         if result == SettleResult::Written {
             acks.settled(delivery_tag);

@@ -308,6 +308,29 @@ impl Client {
         ids
     }
 
+    /// Declares `queue`, durable, with `x-queue-type: quorum` when `quorum`: a queue Lily
+    /// declares that way (its DLQ, its parking lane) comes back as it was.
+    pub async fn declare(&self, queue: &str, quorum: bool) {
+        let mut args = FieldTable::default();
+        if quorum {
+            args.insert(
+                "x-queue-type".into(),
+                lapin::types::AMQPValue::LongString("quorum".into()),
+            );
+        }
+        self.channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..QueueDeclareOptions::default()
+                },
+                args,
+            )
+            .await
+            .unwrap_or_else(|e| panic!("declare {queue}: {e}"));
+    }
+
     /// Deletes `queue`.
     pub async fn delete(&self, queue: &str) {
         self.channel
