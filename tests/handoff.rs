@@ -118,49 +118,63 @@ async fn assert_nothing_else(
     client: &Client,
     queue: &str,
     report: &ShutdownReport,
-    (retried, dead_lettered): (usize, usize),
+    (retried, permanent): (usize, usize),
 ) {
     let work = client.drain_ids(queue).await;
     assert!(work.is_empty(), "work queue still holds {work:?}");
     let parked = client.drain_ids(&format!("{queue}.parking")).await;
     assert!(parked.is_empty(), "parking holds {parked:?}");
     assert_eq!(report.totals.retried, retried as u64);
-    assert_eq!(report.totals.dead_lettered, dead_lettered as u64);
+    // A permanent failure's copy was confirmed once: in the DLQ or, held, in the bucket.
+    let t = &report.totals;
+    assert_eq!(t.dead_lettered + t.held, permanent as u64);
     assert!(report.clean, "{:?}", report.unresolved);
+}
+
+/// Drains `bucket`: how many times each id occurs among its retry copies and among its held
+/// copies (bound for the DLQ while it was missing).
+async fn drain_bucket(
+    client: &Client,
+    bucket: &str,
+) -> (BTreeMap<String, usize>, BTreeMap<String, usize>) {
+    let (mut retries, mut held) = (BTreeMap::new(), BTreeMap::new());
+    for message in client.drain(bucket).await {
+        let properties = &message.delivery.properties;
+        let id = properties.message_id().as_ref().expect("id").to_string();
+        let into = match header_str(properties, "x-lily-held-for").as_deref() {
+            Some("dead-letter") => &mut held,
+            None => &mut retries,
+            Some(other) => panic!("a held copy bound for {other}"),
+        };
+        *into.entry(id).or_insert(0) += 1;
+    }
+    (retries, held)
 }
 
 /// Rounds of hundreds of concurrent handoffs at prefetch 50: retryable failures whose copies
 /// are routed to their bucket, and permanent failures whose DLQ copies are returned because the
-/// DLQ was deleted (restored at the end of each round). A return attributed to the wrong
-/// publish would lose a permanent failure (its original ACKed on a return taken as a confirm)
-/// and double a retryable one (its original requeued although its copy was routed).
+/// DLQ was deleted, each then published again to the same bucket as a held copy. A return
+/// attributed to the wrong publish would lose a permanent failure (its original ACKed on a
+/// return taken as a confirm: no copy anywhere) and double a retryable one (its original
+/// requeued although its copy was routed).
 async fn concurrent_handoffs_are_attributed_by_identity(kind: QueueKind) {
     const ROUNDS: usize = 3;
     const RETRYABLE: usize = 200;
-    // Fewer than the prefetch, so the permanent failures, requeued while the DLQ is missing,
-    // never hold every slot.
     const PERMANENT: usize = 40;
 
     let policy = common::fast_policy()
         .max_attempts(2)
         .retry_delays([PARKED])
         .max_requeues(100_000);
-    let (broker, queue, client, running) = common::scenario("attribution", failing_router(), |q| {
+    let (_, queue, client, running) = common::scenario("attribution", failing_router(), |q| {
         config(q, kind).policy(policy).prefetch(50).concurrency(50)
     })
     .await;
     let (bucket, dlq) = (format!("{queue}.retry.10m"), format!("{queue}.dlq"));
 
     let (mut retryable, mut permanent) = (Vec::new(), Vec::new());
-    let mut dead_lettered = BTreeMap::new();
+    client.delete(&dlq).await;
     for round in 0..ROUNDS {
-        // Deleting the DLQ deletes what it holds: count it first.
-        if round > 0 {
-            for (id, n) in client.drain_ids(&dlq).await {
-                *dead_lettered.entry(id).or_insert(0) += n;
-            }
-        }
-        client.delete(&dlq).await;
         let ids = (&mut retryable, &mut permanent);
         publish_mix(
             &client,
@@ -170,24 +184,16 @@ async fn concurrent_handoffs_are_attributed_by_identity(kind: QueueKind) {
             ids,
         )
         .await;
-        let routed = retryable.len() as u32;
+        let routed = (retryable.len() + permanent.len()) as u32;
         // A timeout here is not the verdict: the drain by id at the end says which ids are
         // missing or doubled.
         wait_depth(&client, &bucket, routed).await;
-        // Let the permanent failures be returned a while longer, then give them their DLQ
-        // back (with the binding of the work queue's dead-letter exchange).
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        declare(broker.url(), &dlq, kind).await;
-        let expected = (permanent.len() - dead_lettered.values().sum::<usize>()) as u32;
-        wait_depth(&client, &dlq, expected).await;
     }
     let report = running.stop().await;
 
-    assert_exactly_once(&bucket, &client.drain_ids(&bucket).await, &retryable);
-    for (id, n) in client.drain_ids(&dlq).await {
-        *dead_lettered.entry(id).or_insert(0) += n;
-    }
-    assert_exactly_once(&dlq, &dead_lettered, &permanent);
+    let (retries, held) = drain_bucket(&client, &bucket).await;
+    assert_exactly_once(&bucket, &retries, &retryable);
+    assert_exactly_once(&format!("{bucket} (held)"), &held, &permanent);
     // Lily's claims, held against what the broker holds.
     let counts = (retryable.len(), permanent.len());
     assert_nothing_else(&client, &queue, &report, counts).await;
@@ -264,28 +270,24 @@ async fn timed_out_confirms_are_drained_and_never_taken_for_later_evidence(kind:
             t.retried >= RETRYABLE as u64
         })
         .await;
-    // Permanent failures keep being returned a while longer, then get their DLQ back.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    declare(broker.url(), &dlq, kind).await;
+    // The permanent failures wait in the bucket as held copies, the DLQ being gone.
     running
-        .wait_for("every permanent failure dead-lettered", WAIT, |t| {
-            t.dead_lettered >= PERMANENT as u64
+        .wait_for("every permanent failure held", WAIT, |t| {
+            t.held >= PERMANENT as u64
         })
         .await;
     let report = running.stop().await;
 
     // Copies whose confirm was swallowed exist as well: at least once each, nothing else.
-    let copies = client.drain_ids(&bucket).await;
-    let missing: Vec<_> = retryable
-        .iter()
-        .filter(|id| !copies.contains_key(*id))
-        .collect();
-    assert!(missing.is_empty(), "{bucket}: ids missing: {missing:?}");
-    assert!(
-        copies.keys().all(|id| retryable.contains(id)),
-        "{bucket}: ids that do not belong: {copies:?}"
-    );
-    assert_exactly_once(&dlq, &client.drain_ids(&dlq).await, &permanent);
+    let (retries, held) = drain_bucket(&client, &bucket).await;
+    for (copies, ids) in [(&retries, &retryable), (&held, &permanent)] {
+        let missing: Vec<_> = ids.iter().filter(|id| !copies.contains_key(*id)).collect();
+        assert!(missing.is_empty(), "{bucket}: ids missing: {missing:?}");
+        assert!(
+            copies.keys().all(|id| ids.contains(id)),
+            "{bucket}: ids that do not belong: {copies:?}"
+        );
+    }
     let counts = (retryable.len(), permanent.len());
     assert_nothing_else(&client, &queue, &report, counts).await;
 }

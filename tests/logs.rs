@@ -53,7 +53,8 @@ async fn no_body_or_header_value_reaches_any_log_line() {
     });
     let (_, queue, client, running) =
         common::scenario("no-bodies", router, |q| config(q, QueueKind::Classic)).await;
-    // The DLQ is gone: every dead-letter copy comes back as a return.
+    // The DLQ is gone: every dead-letter copy comes back as a return, then waits as a held
+    // copy.
     client.delete(&format!("{queue}.dlq")).await;
 
     let body = format!(r#"{{"note":"{MARKER}"}}"#);
@@ -82,11 +83,22 @@ async fn no_body_or_header_value_reaches_any_log_line() {
         .with_type(ShortString::from(MARKER))
         .with_app_id(ShortString::from(MARKER));
     client.publish(&queue, body.as_bytes(), refused).await;
+    // A held copy (as a producer could forge one): its reason header must not be logged either.
+    let mut held = with_marker("held-1");
+    if let Some(headers) = held.headers().clone() {
+        let mut headers = headers;
+        headers.insert(
+            "x-lily-held-for".into(),
+            AMQPValue::LongString(LongString::from(b"dead-letter".to_vec())),
+        );
+        held = held.with_headers(headers);
+    }
+    client.publish(&queue, body.as_bytes(), held).await;
 
     let stats = running.stats.clone();
     let taken = lily_mq_testkit::eventually(Duration::from_secs(30), || {
         let t = stats.totals();
-        t.acked >= 10 && t.retried >= 10 && t.requeued >= 10
+        t.acked >= 10 && t.retried >= 10 && t.held >= 10
     })
     .await;
     let output = || String::from_utf8(captured.0.lock().unwrap().clone()).expect("utf-8 logs");

@@ -45,6 +45,9 @@ use amq_protocol_types::{AMQPValue, FieldTable};
 /// The reason of a delivery that succeeded.
 static OK: Reason = Reason::from_static("ok");
 
+/// The reason logged for a held copy back for its lane.
+static HELD: Reason = Reason::from_static("a held copy, back for its lane");
+
 /// The first backoff before a transaction runs again after a transient error; it doubles.
 const RERUN_BACKOFF: Duration = Duration::from_millis(10);
 
@@ -100,8 +103,6 @@ pub struct HeldCopy {
     pub target: Terminal,
     /// The failure's kind, from its headers (`None` for a gate rejection).
     pub kind: Option<FailureKind>,
-    /// The failure's reason, from its headers, written unchanged on the copy for the lane.
-    pub reason: Reason,
     /// How many times it waited so far.
     pub holds: u32,
 }
@@ -117,7 +118,6 @@ impl HeldCopy {
         Some(Self {
             target: Terminal::parse(text(headers::HELD_FOR)?)?,
             kind: text(headers::FAILURE_KIND).and_then(FailureKind::parse),
-            reason: Reason::new(text(headers::REASON).unwrap_or("held").to_owned()),
             holds: table
                 .inner()
                 .get(headers::HOLDS)
@@ -288,7 +288,9 @@ impl<'p> Delivery<'p> {
                 delivery.copy = CopyOf::Sanitized;
             }
             delivery.holds = held.holds;
-            delivery.reason = Some(held.reason);
+            // The copy's own reason is a header value: it goes on to the lane's copy, never to
+            // a log line.
+            delivery.reason = Some(HELD.clone());
             let plan = Plan::Handoff(Handoff {
                 lane: held.target.lane(),
                 kind: held.kind,

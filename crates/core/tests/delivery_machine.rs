@@ -582,7 +582,6 @@ mod properties {
                                 Terminal::DeadLetter
                             },
                             kind: Some(FailureKind::Permanent),
-                            reason: reason(),
                             holds,
                         }),
                     }

@@ -209,6 +209,19 @@ enum Source {
 }
 
 impl Source {
+    /// A text header of the message, if it has one.
+    fn header_text(&self, key: &str) -> Option<&str> {
+        let properties = match self {
+            Self::Passed(incoming) => incoming.properties(),
+            Self::Refused(refused) => &refused.properties,
+        };
+        match properties.headers().as_ref()?.inner().get(key)? {
+            lapin::types::AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
+            lapin::types::AMQPValue::ShortString(s) => Some(s.as_str()),
+            _ => None,
+        }
+    }
+
     /// The message's valid id, if it has one: the key of its requeue count.
     fn message_id(&self, limits: &Limits) -> Option<&str> {
         match self {
@@ -421,9 +434,11 @@ impl Work<'_> {
         let Some(queue) = destination(&self.shared.topology, handoff.lane) else {
             return HandoffResult::Failed;
         };
-        // A held copy's reason already names its cause.
         let reason = match handoff.cause {
-            Cause::Held => reason.clone(),
+            // A held copy's own reason goes on unchanged.
+            Cause::Held => source
+                .header_text(headers::REASON)
+                .map_or_else(|| reason.clone(), |text| Reason::new(text.to_owned())),
             cause => Reason::new(format!("{}: {reason}", cause.as_str())),
         };
         let id = self.settler.next_handoff_id();
