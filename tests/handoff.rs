@@ -167,7 +167,12 @@ async fn concurrent_handoffs_are_attributed_by_identity(kind: QueueKind) {
         .retry_delays([PARKED])
         .max_requeues(100_000);
     let (_, queue, client, running) = common::scenario("attribution", failing_router(), |q| {
-        config(q, kind).policy(policy).prefetch(50).concurrency(50)
+        // Requeued without end: no broker delivery limit.
+        config(q, kind)
+            .policy(policy)
+            .delivery_limit(None)
+            .prefetch(50)
+            .concurrency(50)
     })
     .await;
     let (bucket, dlq) = (format!("{queue}.retry.10m"), format!("{queue}.dlq"));
@@ -232,6 +237,7 @@ async fn timed_out_confirms_are_drained_and_never_taken_for_later_evidence(kind:
         .settlement_budget(Duration::from_secs(1), Duration::from_millis(200));
     let cfg = config(&queue, kind)
         .policy(policy)
+        .delivery_limit(None)
         .prefetch(50)
         .concurrency(50);
     let running = common::start(&proxy.url(broker.url()), cfg, router);

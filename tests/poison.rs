@@ -245,3 +245,84 @@ async fn failing_dlq(kind: QueueKind) {
 
 /// How long 50 good messages may take behind 50 failing ones at prefetch 10.
 const PROMPTLY: Duration = Duration::from_secs(15);
+
+/// A message that keeps taking its consumer down with it (here its connection is closed while
+/// its handler still runs) is never settled by Lily, so no count of Lily's can stop it. The
+/// quorum work queue's delivery limit, declared by Lily, is the backstop: the broker
+/// dead-letters it to the DLQ (at least once) while the message behind it is handled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_keeps_killing_its_consumer_reaches_the_dlq_through_the_delivery_limit() {
+    const LIMIT: u32 = 2;
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let router = Router::new().route(
+        "order.placed",
+        move |meta: Meta, Cancellation(token): Cancellation| {
+            let seen = seen.clone();
+            async move {
+                seen.record(&meta);
+                if meta.message_id() == "killer" {
+                    token.cancelled().await;
+                    return Err(QueueHandlerError::retryable("cancelled"));
+                }
+                Ok(())
+            }
+        },
+    );
+    let policy = common::fast_policy().max_requeues(1);
+    let (broker, queue, client, running) = common::scenario("delivery-limit", router, |q| {
+        config(q, QueueKind::Quorum)
+            .policy(policy)
+            .delivery_limit(Some(LIMIT))
+    })
+    .await;
+    let dlq = format!("{queue}.dlq");
+    for id in ["killer", "fine"] {
+        client
+            .publish(&queue, b"{}", props(id, "order.placed"))
+            .await;
+    }
+    let killed = |calls: &Calls| calls.all().iter().filter(|c| c.0 == "killer").count();
+    let consuming = format!("lily:{queue}:consuming");
+    let mut rounds = 0;
+    while client.depth(&dlq).await == 0 {
+        rounds += 1;
+        assert!(
+            rounds <= LIMIT as usize + 2,
+            "never dead-lettered by the broker"
+        );
+        let seen = calls.clone();
+        let running_again = lily_mq_testkit::eventually(WAIT, || killed(&seen) >= rounds).await;
+        assert!(running_again, "the killer was not delivered again");
+        broker.close_connection_named(&consuming);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    running
+        .wait_for("the message behind it ACKed", WAIT, |t| t.acked >= 1)
+        .await;
+    let report = running.stop().await;
+    assert!(report.incidents.connections_lost >= LIMIT.into());
+
+    let dead = client.drain(&dlq).await;
+    let ids: Vec<_> = dead
+        .iter()
+        .map(|m| {
+            m.delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|id| id.to_string())
+        })
+        .collect();
+    assert_eq!(ids, vec![Some("killer".to_owned())], "dead-lettered once");
+    assert_eq!(
+        header_str(&dead[0].delivery.properties, "x-first-death-reason").as_deref(),
+        Some("delivery_limit")
+    );
+    assert_eq!(
+        killed(&calls),
+        LIMIT as usize + 1,
+        "delivered once past the limit"
+    );
+    assert_eq!(client.depth(&queue).await, 0);
+}

@@ -35,6 +35,13 @@ pub struct ConsumerConfig {
     pub reconnect_max: Duration,
     /// PEM certificates to trust for `amqps://` besides the system roots (a private CA).
     pub tls_ca_pem: Option<String>,
+    /// Quorum work queues only: the broker's own backstop, declared as `x-delivery-limit`
+    /// with at-least-once dead-lettering. A message delivered more often than this (requeued,
+    /// or in flight when its consumer died) goes to `<queue>.dlq` without any Lily code. It
+    /// must exceed `policy.max_requeues`, so Lily's own limit, with its evidence, comes
+    /// first. `None` declares none (RabbitMQ 4 then applies its default of 20). A queue that
+    /// exists without these arguments is refused (406) until it is recreated or this is `None`.
+    pub delivery_limit: Option<u32>,
 }
 
 impl ConsumerConfig {
@@ -53,7 +60,15 @@ impl ConsumerConfig {
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(5),
             tls_ca_pem: None,
+            delivery_limit: Some(20),
         }
+    }
+
+    /// Sets [`ConsumerConfig::delivery_limit`].
+    #[must_use]
+    pub fn delivery_limit(mut self, limit: Option<u32>) -> Self {
+        self.delivery_limit = limit;
+        self
     }
 
     /// Sets the queue type.

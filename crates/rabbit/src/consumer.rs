@@ -23,7 +23,7 @@ use crate::service::{Books, Metrics, Shared, Signals};
 use crate::session::{Session, SessionEnd, SessionError, consume};
 use crate::shutdown::Shutdown;
 use crate::sync::lock;
-use crate::topology::Topology;
+use crate::topology::{QueueKind, Topology};
 
 /// Consumes one work queue with a [`Router`] of handlers.
 ///
@@ -172,11 +172,20 @@ impl Consumer {
         if self.config.queue.is_empty() || self.config.queue.len() > 200 {
             return Err(Error::Config("queue name must be 1..=200 bytes"));
         }
+        if let (QueueKind::Quorum, Some(limit)) =
+            (self.config.queue_kind, self.config.delivery_limit)
+            && limit <= self.config.policy.max_requeues
+        {
+            return Err(Error::Config(
+                "delivery_limit must exceed policy.max_requeues, so Lily's limit comes first",
+            ));
+        }
         let topology = Topology::new(
             &self.config.queue,
             self.config.queue_kind,
             &self.config.policy.retry_delays,
-        );
+        )
+        .delivery_limit(self.config.delivery_limit);
         let shared = Arc::new(Shared {
             queue: self.config.queue.as_str().into(),
             metrics: Metrics::new(&self.config.queue),

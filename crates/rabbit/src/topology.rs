@@ -35,11 +35,17 @@ pub enum TopologyMode {
 /// `orders` (dead-letter exchange `orders.dlx`), `orders.retry.5s` and `orders.retry.1m`
 /// (per-queue TTL, dead-lettering back to `orders`), `orders.dlq` (bound to `orders.dlx`) and
 /// `orders.parking`.
+///
+/// A quorum work queue also carries the broker's own backstop: `x-delivery-limit` (see
+/// [`Topology::delivery_limit`]) with at-least-once dead-lettering (`x-dead-letter-strategy`,
+/// which needs `x-overflow: reject-publish`), so a message redelivered past the limit reaches
+/// the DLQ, or waits for it, and is never dropped.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
     queue: String,
     kind: QueueKind,
     buckets: Vec<(String, Duration)>,
+    delivery_limit: Option<u32>,
 }
 
 impl Topology {
@@ -53,7 +59,16 @@ impl Topology {
             queue: queue.to_owned(),
             kind,
             buckets,
+            delivery_limit: None,
         }
+    }
+
+    /// Declares a quorum work queue with `x-delivery-limit: limit` (and at-least-once
+    /// dead-lettering); `None` declares neither. Classic queues have no delivery limit.
+    #[must_use]
+    pub fn delivery_limit(mut self, limit: Option<u32>) -> Self {
+        self.delivery_limit = limit;
+        self
     }
 
     /// The work queue.
@@ -165,6 +180,14 @@ impl Topology {
             "x-dead-letter-exchange".into(),
             long(&self.dead_letter_exchange()),
         );
+        if let (QueueKind::Quorum, Some(limit)) = (self.kind, self.delivery_limit) {
+            work.insert(
+                "x-delivery-limit".into(),
+                AMQPValue::LongLongInt(limit.into()),
+            );
+            work.insert("x-dead-letter-strategy".into(), long("at-least-once"));
+            work.insert("x-overflow".into(), long("reject-publish"));
+        }
         let mut queues = vec![
             (self.dead_letter_queue(), base()),
             (self.parking_queue(), base()),
