@@ -244,10 +244,13 @@ async fn a_consumer_that_fails_after_starting_leaves_no_connection_behind() {
     broker.close_connection_named(&format!("lily:{queue}:consuming"));
     // A service keeps its stats for /readyz after `run` returned.
     let stats = running.stats.clone();
-    let ended = running.ended().await;
+    // Having started, it ends with a report that says why, never a bare error.
+    let report = running.ended().await.expect("a report, not an error");
+    assert_eq!(report.trigger, Some(Trigger::Error));
+    let error = report.error.as_deref().unwrap_or_default();
     assert!(
-        matches!(ended, Err(lily::rabbit::Error::Topology { .. })),
-        "the missing DLQ stops the consumer: {ended:?}"
+        error.contains("topology") && error.contains("NOT_FOUND"),
+        "the missing DLQ stops the consumer: {error}"
     );
     let gone = lily_mq_testkit::eventually(Duration::from_secs(5), || {
         broker.channels_of(&handoffs).is_none()
@@ -255,6 +258,74 @@ async fn a_consumer_that_fails_after_starting_leaves_no_connection_behind() {
     .await;
     assert!(gone, "the handoff connection outlived the consumer");
     drop(stats);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_credentials_stop_the_consumer_at_once_without_naming_the_password() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("refused");
+    let url = broker
+        .url()
+        .replacen("guest:guest", "guest:not-the-password", 1);
+    let router = Router::new().route("order.placed", |_: Meta| async { Ok(()) });
+    let run =
+        Consumer::new(url, config(&queue, QueueKind::Classic), router).run(Shutdown::default());
+    let ended = tokio::time::timeout(Duration::from_secs(20), run)
+        .await
+        .expect("refused at once, not retried for ever");
+    let err = ended.expect_err("nothing started: an error");
+    assert!(
+        matches!(err, lily::rabbit::Error::Refused { .. }),
+        "{err:?}"
+    );
+    let shown = format!("{err:?} {err}");
+    assert!(!shown.contains("not-the-password"), "{shown}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn access_revoked_after_start_ends_with_a_report_whose_trigger_is_the_error() {
+    let broker = Broker::from_env();
+    let user = Broker::unique("revoked");
+    broker.ctl(&["add_user", &user, "revoked-pw"]);
+    broker.ctl(&["set_permissions", "-p", "/", &user, ".*", ".*", ".*"]);
+    let url = broker
+        .url()
+        .replacen("guest:guest", &format!("{user}:revoked-pw"), 1);
+    let started = std::sync::Arc::new(tokio::sync::Notify::new());
+    let seen = std::sync::Arc::clone(&started);
+    let router = Router::new().route(
+        "order.placed",
+        move |_: Meta, Cancellation(token): Cancellation| {
+            let seen = std::sync::Arc::clone(&seen);
+            async move {
+                seen.notify_one();
+                token.cancelled().await;
+                Ok(())
+            }
+        },
+    );
+    let queue = Broker::unique("revoked");
+    let running = start(&url, config(&queue, QueueKind::Classic), router);
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    client
+        .publish(&queue, b"{}", props("in-flight", "order.placed"))
+        .await;
+    started.notified().await;
+
+    // The user loses the virtual host while a delivery is in its handler; the connection goes.
+    broker.ctl(&["clear_permissions", "-p", "/", &user]);
+    broker.close_connection_named(&format!("lily:{queue}:consuming"));
+    let report = running.ended().await.expect("a report, not an error");
+    broker.ctl(&["delete_user", &user]);
+    assert_eq!(report.trigger, Some(Trigger::Error));
+    let error = report.error.as_deref().unwrap_or_default();
+    assert!(error.contains("refused the connection"), "{error}");
+    assert!(!error.contains("revoked-pw"), "{error}");
+    // The delivery in flight lost its authority with the connection: reported, and back in the
+    // queue for the broker to redeliver.
+    assert_eq!(report.totals.authority_lost, 1, "{report:?}");
+    assert_eq!(client.depth(&queue).await, 1);
 }
 
 /// Triggers shutdown with the broker stalled behind `proxy` and returns the report, failing the

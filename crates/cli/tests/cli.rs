@@ -89,6 +89,7 @@ fn report(acked: u64, unresolved: &[&str]) -> ShutdownReport {
         unresolved,
         unresolved_overflow: 0,
         incidents: Incidents::default(),
+        error: None,
     }
 }
 

@@ -68,6 +68,9 @@ pub struct ShutdownReport {
     /// What happened to the connection over the process lifetime.
     #[serde(default)]
     pub incidents: Incidents,
+    /// Why the consumer stopped, when an error stopped it ([`Trigger::Error`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
     /// True when nothing is unresolved and no frame from the broker was unparseable.
     pub clean: bool,
 }
@@ -124,6 +127,7 @@ impl ShutdownReport {
             unresolved,
             unresolved_overflow: overflow,
             incidents,
+            error: None,
         }
     }
 
@@ -147,6 +151,7 @@ impl ShutdownReport {
                 Trigger::Sigterm => "sigterm",
                 Trigger::Sigint => "sigint",
                 Trigger::Api => "api",
+                Trigger::Error => "error",
             }),
             self.forced,
             self.budget_used_ms,

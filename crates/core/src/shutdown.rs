@@ -42,6 +42,9 @@ pub enum Trigger {
     Sigint,
     /// An API call from the embedding application.
     Api,
+    /// The consumer could not go on after it started: the broker refused it for good (access
+    /// refused, a topology it cannot rely on). The report's `error` says what.
+    Error,
 }
 
 /// How long each phase may take, measured from the trigger.

@@ -12,7 +12,7 @@ use lily_mq_core::{
     DynHook, Hook, Incidents, Phase, Router, ShutdownReport, Totals, TransactionalScope, Trigger,
 };
 use tokio_util::task::TaskTracker;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::config::ConsumerConfig;
 use crate::connect::{Endpoint, redact};
@@ -158,8 +158,17 @@ impl Consumer {
     /// the round trip, the closes) is bounded by what is left of it, so a broker that stopped
     /// answering cannot hold the exit; ACKs it did not confirm are reported uncertain.
     ///
+    /// A lost connection, a connection refused at TCP or closed while opening, a topology
+    /// declaration cut short (a broker restart looks like this) are retried with backoff. What
+    /// retrying cannot fix (the broker refused the credentials or the virtual host, or the
+    /// topology: access refused, a failed precondition, in Verify mode something missing) ends
+    /// the consumer. Once it has consumed, that too ends in a report, with trigger
+    /// [`Trigger::Error`] and the error's text, after the deliveries in flight settled or were
+    /// listed.
+    ///
     /// # Errors
-    /// The policy or configuration is invalid, or the broker refused the topology.
+    /// Before it ever consumed: the policy or configuration is invalid, or the broker refused
+    /// the connection ([`Error::Refused`]) or the topology ([`Error::Topology`]).
     ///
     /// # Cancel safety
     /// Not cancel safe: trigger `shutdown` instead of dropping the future, or in-flight
@@ -216,7 +225,13 @@ impl Consumer {
         let session = run_sessions(&shared, &tracker, &crew, &shutdown).await;
         crew.close();
         match session {
-            Ok(session) => Ok(shut_down(&shared, &tracker, &shutdown, session).await),
+            Ok(session) => Ok(shut_down(&shared, &tracker, &shutdown, session, None).await),
+            // After consuming started, deliveries may be in flight: they settle or are listed,
+            // and the report says why the consumer stopped.
+            Err(err) if shared.sessions.load(Ordering::Relaxed) > 0 => {
+                error!(queue = %shared.queue, error = %ErrorChain(&err), "the consumer cannot go on");
+                Ok(shut_down(&shared, &tracker, &shutdown, None, Some(err)).await)
+            }
             Err(err) => {
                 // The handoff workers hold the publisher's connection: close it on this way
                 // out too.
@@ -276,15 +291,17 @@ async fn shut_down(
     tracker: &TaskTracker,
     shutdown: &Shutdown,
     session: Option<Arc<Session>>,
+    error: Option<Error>,
 ) -> ShutdownReport {
     tracker.close();
     let mut clock = PhaseClock::new(shutdown.budget());
     // The budget runs from the trigger, not from here: leaving the consume loop took some of it.
     let at = shutdown.triggered_at().unwrap_or_else(Instant::now);
-    match shutdown.first_trigger() {
-        Some((trigger, true)) => clock.handle_force(trigger, at),
-        Some((trigger, false)) => clock.handle_trigger(trigger, at),
-        None => clock.handle_trigger(Trigger::Api, at),
+    match (shutdown.first_trigger(), &error) {
+        (Some((trigger, true)), _) => clock.handle_force(trigger, at),
+        (Some((trigger, false)), _) => clock.handle_trigger(trigger, at),
+        (None, Some(_)) => clock.handle_trigger(Trigger::Error, at),
+        (None, None) => clock.handle_trigger(Trigger::Api, at),
     }
     let end = at + shutdown.budget().total;
     let mut phase = Phase::Running;
@@ -339,7 +356,42 @@ async fn shut_down(
     // ACKs written on channels that are gone were never confirmed.
     ledger.acks_uncertain(None);
     let incidents = *lock(&shared.books.incidents);
-    ShutdownReport::build(&shared.queue, &clock, &ledger, incidents, Instant::now())
+    let mut report =
+        ShutdownReport::build(&shared.queue, &clock, &ledger, incidents, Instant::now());
+    report.error = error.map(|err| error_text(&err));
+    report
+}
+
+/// The longest error text a report carries.
+const ERROR_TEXT_MAX: usize = 1024;
+
+/// `err` with its sources, bounded. The broker's reply texts carry no credentials, and the
+/// errors of this crate never hold the URL.
+fn error_text(err: &Error) -> String {
+    let mut text = ErrorChain(err).to_string();
+    if text.len() > ERROR_TEXT_MAX {
+        let mut end = ERROR_TEXT_MAX;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
+    text
+}
+
+/// Displays an error followed by its sources.
+struct ErrorChain<'a>(&'a Error);
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = std::error::Error::source(self.0);
+        while let Some(cause) = source {
+            write!(f, ": {cause}")?;
+            source = cause.source();
+        }
+        Ok(())
+    }
 }
 
 fn enter(shared: &Shared, phase: Phase) {

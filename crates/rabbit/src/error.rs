@@ -10,6 +10,16 @@ pub enum Error {
     /// The configuration cannot work.
     #[error("invalid configuration: {0}")]
     Config(&'static str),
+    /// The broker refused the connection: the credentials, or the user's access to the
+    /// virtual host. Retrying cannot help.
+    #[error("the broker refused the connection for queue {queue:?}")]
+    Refused {
+        /// The work queue.
+        queue: String,
+        /// The broker's error.
+        #[source]
+        source: lapin::Error,
+    },
     /// The broker refused the topology (missing in verify mode, or declared with other
     /// arguments).
     #[error("topology of queue {queue:?} refused by the broker")]

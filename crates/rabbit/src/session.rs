@@ -11,7 +11,7 @@ use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
     BasicRejectOptions,
 };
-use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection};
 use lily_mq_core::transport::{
@@ -270,12 +270,38 @@ fn definitive(err: &lapin::Error, mode: TopologyMode) -> bool {
     }
 }
 
+/// Whether the broker refused a connection for good: wrong credentials (403) or no access to
+/// the virtual host (530). Anything else (refused at TCP, closed while opening, as a broker
+/// restart looks) is retried with backoff.
+fn refused(err: &lapin::Error) -> bool {
+    let lapin::ErrorKind::ProtocolError(amqp) = err.kind() else {
+        return false;
+    };
+    matches!(
+        amqp.kind(),
+        AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
+            | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
+    )
+}
+
+/// A connect error as the session loop sees it: definitive when the broker refused us.
+fn connect_error(shared: &Shared, source: lapin::Error) -> SessionError {
+    if refused(&source) {
+        SessionError::Fatal(Error::Refused {
+            queue: shared.config.queue.clone(),
+            source,
+        })
+    } else {
+        SessionError::Connect(source)
+    }
+}
+
 /// Opens a session up to its consumer: the connection, the topology, the handoff publisher's
 /// connection, the consuming channel with its prefetch, and `basic.consume`.
 async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer), SessionError> {
     let connection = connect(&shared.endpoint, "consuming")
         .await
-        .map_err(SessionError::Connect)?;
+        .map_err(|e| connect_error(shared, e))?;
     let setup = connection
         .create_channel()
         .await
@@ -299,7 +325,7 @@ async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer),
         .publisher
         .warm()
         .await
-        .map_err(SessionError::Connect)?;
+        .map_err(|e| connect_error(shared, e))?;
     let consuming = connection
         .create_channel()
         .await
