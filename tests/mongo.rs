@@ -96,6 +96,47 @@ async fn duplicate_with_same_fingerprint_is_suppressed_and_conflict_goes_to_dlq(
     );
 }
 
+/// Two deliveries of one message at once, without leases: the second's inbox insert conflicts
+/// with the first's open transaction (a write conflict, labelled `TransientTransactionError`).
+/// It opens its scope again in-process, finds the first committed and is suppressed as a
+/// duplicate: one effect, no deferral, no requeue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_concurrent_duplicate_is_suppressed_in_process_not_deferred() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("concurrent-dup");
+    let node = MongoNode::from_env();
+    let scope = MongoScope::connect(
+        node.url(),
+        &MongoNode::database_name("dup"),
+        MongoConfig::new("e2e").without_lease(),
+    )
+    .await
+    .expect("mongo scope");
+    let router = Router::new().route("order.placed", |tx: MongoTx, meta: Meta| async move {
+        record_effect(tx, meta).await?;
+        // The transaction stays open a while: the twin's insert meets it.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        Ok(())
+    });
+    let running = start_scoped(broker.url(), &queue, router, scope.clone());
+    let client = Client::connect(broker.url()).await;
+    common::wait_declared(broker.url(), &queue).await;
+    for _ in 0..2 {
+        client
+            .publish(&queue, b"{\"qty\":1}", props("twin-1", "order.placed"))
+            .await;
+    }
+    running.wait_for("both ACKed", WAIT, |t| t.acked == 2).await;
+    let report = running.stop().await;
+    assert_eq!(effects(&scope, "twin-1").await, 1, "one effect");
+    let t = &report.totals;
+    assert_eq!(
+        (t.duplicates_suppressed, t.deferred, t.requeued),
+        (1, 0, 0),
+        "{t:?}"
+    );
+}
+
 fn start_scoped(url: &str, queue: &str, router: Router, scope: MongoScope) -> common::Running {
     common::start_with(url, config(queue, QueueKind::Classic), router, |c| {
         c.scope(scope)

@@ -662,7 +662,9 @@ async fn verify_mode_refuses_a_missing_topology_and_consumes_a_declared_one() {
         .expect("connect");
     let channel = connection.create_channel().await.expect("channel");
     let policy = common::fast_policy();
+    // As Lily declares it, with the default delivery limit.
     lily::rabbit::Topology::new(&queue, QueueKind::Quorum, &policy.retry_delays)
+        .delivery_limit(cfg().delivery_limit)
         .apply(&channel, TopologyMode::Declare)
         .await
         .expect("declare topology");

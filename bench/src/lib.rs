@@ -93,7 +93,9 @@ async fn try_fresh_topology(
         .create_channel()
         .await
         .map_err(|e| format!("channel: {e}"))?;
-    let topology = Topology::new(queue, kind, retry);
+    // As the consumer declares it, with its default delivery limit.
+    let topology = Topology::new(queue, kind, retry)
+        .delivery_limit(lily::rabbit::ConsumerConfig::new(queue).delivery_limit);
     let mut names = vec![
         queue.to_owned(),
         topology.dead_letter_queue(),

@@ -139,6 +139,8 @@ pub enum ScopeOpened {
     Duplicate,
     /// The inbox holds this message id with another fingerprint.
     Conflict(Reason),
+    /// A transient transaction error while opening: run it all again after a backoff.
+    Transient(Reason),
     /// Work cannot start for an infrastructure reason (a lease held elsewhere).
     Defer {
         /// Why.
@@ -376,6 +378,14 @@ impl<'p> Delivery<'p> {
             ScopeOpened::Defer { reason, deferrals } => {
                 self.raise_requeues(deferrals);
                 self.decided(PipelineResult::Deferred, reason, authority, now);
+            }
+            ScopeOpened::Transient(reason) => {
+                self.reason = Some(reason);
+                self.ran = Ran {
+                    pipeline: PipelineResult::Transient,
+                    cleanup: CleanupResult::Succeeded,
+                };
+                self.rerun_or_plan(TransactionOutcome::NotRequired, authority, now);
             }
         }
     }

@@ -27,6 +27,10 @@ pub enum Begin {
     Duplicate,
     /// Already handled with a different fingerprint: permanent failure, handler not run.
     Conflict(Reason),
+    /// A transient transaction error (a write conflict, an election) while opening: the whole
+    /// transaction runs again in-process after a backoff, within the settlement budget, and is
+    /// deferred only if it stays transient; never an application attempt.
+    Transient(Reason),
     /// Not now (a lease held elsewhere, the database unreachable): requeue without using an
     /// application attempt.
     Defer {

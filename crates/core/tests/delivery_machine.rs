@@ -456,6 +456,64 @@ fn a_transient_transaction_error_runs_the_whole_transaction_again() {
 }
 
 #[test]
+fn a_transient_error_while_opening_the_scope_opens_it_again_then_defers() {
+    let (p, start) = (policy(), Instant::now());
+    let mut d = Delivery::new(
+        Arrival {
+            scoped: true,
+            ..arrival(Verdict::Dispatched)
+        },
+        &p,
+        || HELD,
+        start,
+    );
+    let mut now = start;
+    let mut reruns = 0;
+    let last = loop {
+        assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
+        d.handle_scope(
+            ScopeOpened::Transient(Reason::new("inbox insert: write conflict")),
+            HELD,
+            now,
+        );
+        match d.poll_action(|| HELD) {
+            Some(Action::Backoff(wait)) => {
+                reruns += 1;
+                now += wait;
+                d.handle_held(now);
+            }
+            other => break other,
+        }
+    };
+    assert!(reruns > 1, "opened again in-process first");
+    assert!(now < start + p.settlement_budget, "within the budget");
+    assert!(
+        matches!(last, Some(Action::Hold(_))),
+        "then deferred: {last:?}"
+    );
+
+    // A concurrent delivery that committed meanwhile: the rerun finds the duplicate.
+    let mut d = Delivery::new(
+        Arrival {
+            scoped: true,
+            ..arrival(Verdict::Dispatched)
+        },
+        &p,
+        || HELD,
+        start,
+    );
+    d.poll_action(|| HELD);
+    d.handle_scope(ScopeOpened::Transient(Reason::new("conflict")), HELD, start);
+    let Some(Action::Backoff(wait)) = d.poll_action(|| HELD) else {
+        panic!("a backoff first")
+    };
+    d.handle_held(start + wait);
+    assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
+    d.handle_scope(ScopeOpened::Duplicate, HELD, start + wait);
+    assert_eq!(d.poll_action(|| HELD), Some(Action::Ack));
+}
+
+#[test]
 fn a_transaction_still_transient_at_the_budget_is_deferred_without_using_an_attempt() {
     let (p, start) = (policy(), Instant::now());
     let mut d = scoped_and_running(&p, start);
@@ -591,6 +649,7 @@ mod properties {
             any::<bool>().prop_map(|transaction| ScopeOpened::Proceed { transaction }),
             Just(ScopeOpened::Duplicate),
             Just(ScopeOpened::Conflict(reason())),
+            Just(ScopeOpened::Transient(reason())),
             proptest::option::of(0u32..6).prop_map(|deferrals| ScopeOpened::Defer {
                 reason: reason(),
                 deferrals

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use lily_mq_core::{Begin, BoxFuture, Meta, Reason, Resources, TransactionalScope};
 use mongodb::bson::{Document, doc};
+use mongodb::error::TRANSIENT_TRANSACTION_ERROR;
 use mongodb::options::{Acknowledgment, IndexOptions, ReadConcern, WriteConcern};
 use mongodb::{Client, Collection, Database, IndexModel};
 use tokio::sync::Mutex;
@@ -243,11 +244,18 @@ impl MongoScope {
                 release(lease).await;
                 return self.seen_before(key, &fingerprint, deferrals).await;
             }
+            Err(err) if err.contains_label(TRANSIENT_TRANSACTION_ERROR) => {
+                let _ = session.abort_transaction().await;
+                release(lease).await;
+                // A write conflict: another transaction holds this message's record, a
+                // concurrent delivery (which may commit in a moment, and this one is then a
+                // duplicate) or an abandoned one (a crashed worker, until the server aborts it).
+                // Again shortly, in-process; deferred if it lasts.
+                return Begin::Transient(Reason::new("inbox insert: transient transaction error"));
+            }
             Err(err) => {
                 let _ = session.abort_transaction().await;
                 release(lease).await;
-                // A write conflict means another transaction holds this message's record: an
-                // abandoned one (a crashed worker) or a concurrent delivery. Either way, later.
                 return defer(Reason::new(format!(
                     "inbox insert failed: {}",
                     code_of(&err)

@@ -301,6 +301,7 @@ impl Work<'_> {
                         Begin::Defer { reason, deferrals } => {
                             ScopeOpened::Defer { reason, deferrals }
                         }
+                        Begin::Transient(reason) => ScopeOpened::Transient(reason),
                     };
                     last = Instant::now();
                     machine.handle_scope(opened, self.authority(), last);
