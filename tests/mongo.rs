@@ -137,6 +137,98 @@ async fn a_concurrent_duplicate_is_suppressed_in_process_not_deferred() {
     );
 }
 
+/// A classic-queue message that keeps taking its worker down with it (here: its connection is
+/// closed while the handler runs, and the handler then fails) is never settled, and nothing in
+/// process memory counts it. The scope counts its redeliveries in MongoDB: past the requeue
+/// limit it goes to the DLQ without running again, while the message behind it is handled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_classic_message_that_keeps_killing_its_worker_is_counted_durably_and_dead_lettered() {
+    const MAX_REQUEUES: u32 = 2;
+    let broker = Broker::from_env();
+    let queue = Broker::unique("killer");
+    let node = MongoNode::from_env();
+    let scope = MongoScope::connect(
+        node.url(),
+        &MongoNode::database_name("killer"),
+        MongoConfig::new("e2e").without_lease(),
+    )
+    .await
+    .expect("mongo scope");
+    let calls = Arc::new(Mutex::new(Vec::<String>::new()));
+    let release = Arc::new(tokio::sync::Notify::new());
+    let (seen, gate) = (Arc::clone(&calls), Arc::clone(&release));
+    let router = Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| {
+        let (seen, gate) = (Arc::clone(&seen), Arc::clone(&gate));
+        async move {
+            seen.lock().unwrap().push(meta.message_id().to_owned());
+            if meta.message_id() == "killer" {
+                // Until its connection is gone: then it fails, as a dying worker would.
+                gate.notified().await;
+                return Err(QueueHandlerError::retryable("the worker died"));
+            }
+            record_effect(tx, meta).await
+        }
+    });
+    let policy = common::fast_policy().max_requeues(MAX_REQUEUES);
+    let cfg = config(&queue, QueueKind::Classic).policy(policy);
+    let running = common::start_with(broker.url(), cfg, router, |c| c.scope(scope.clone()));
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    for id in ["killer", "fine"] {
+        client
+            .publish(&queue, b"{}", props(id, "order.placed"))
+            .await;
+    }
+    let killed = || {
+        calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|id| *id == "killer")
+            .count()
+    };
+    let dlq = format!("{queue}.dlq");
+    let consuming = format!("lily:{queue}:consuming");
+    let mut rounds = 0;
+    while client.depth(&dlq).await == 0 {
+        rounds += 1;
+        assert!(rounds <= MAX_REQUEUES as usize + 3, "never dead-lettered");
+        let running_again = eventually(WAIT, || killed() >= rounds).await;
+        if !running_again && client.depth(&dlq).await > 0 {
+            break;
+        }
+        assert!(running_again, "the killer was not delivered again");
+        broker.close_connection_named(&consuming);
+        release.notify_one();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    running
+        .wait_for("the message behind it ACKed", WAIT, |t| {
+            t.acked >= 1 && t.dead_lettered == 1
+        })
+        .await;
+    let report = running.stop().await;
+
+    assert_eq!(
+        killed(),
+        MAX_REQUEUES as usize + 1,
+        "run once, then once per redelivery up to the limit"
+    );
+    let dead = client.drain(&dlq).await;
+    assert_eq!(dead.len(), 1);
+    let properties = &dead[0].delivery.properties;
+    assert_eq!(
+        properties.message_id().as_ref().map(|id| id.as_str()),
+        Some("killer")
+    );
+    let reason = header_str(properties, "x-lily-reason").unwrap_or_default();
+    assert!(reason.contains("without being settled"), "{reason}");
+    assert_eq!(effects(&scope, "killer").await, 0);
+    assert_eq!(effects(&scope, "fine").await, 1);
+    assert_eq!(client.depth(&queue).await, 0);
+    assert!(report.incidents.connections_lost >= u64::from(MAX_REQUEUES));
+}
+
 fn start_scoped(url: &str, queue: &str, router: Router, scope: MongoScope) -> common::Running {
     common::start_with(url, config(queue, QueueKind::Classic), router, |c| {
         c.scope(scope)

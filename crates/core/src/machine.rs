@@ -89,6 +89,10 @@ pub struct Arrival {
     pub local_requeues: Option<u32>,
     /// Whether a transactional scope wraps the handler.
     pub scoped: bool,
+    /// Redeliveries the scope counted durably
+    /// ([`TransactionalScope::count_redelivery`](crate::TransactionalScope::count_redelivery)).
+    /// Past the requeue limit, the handler is not run again: the message goes to the DLQ.
+    pub redeliveries: Option<u32>,
     /// What its [`HELD_FOR`](crate::headers::HELD_FOR) headers say, when it is a held copy.
     pub held: Option<HeldCopy>,
 }
@@ -257,7 +261,8 @@ impl<'p> Delivery<'p> {
                 let local = if arrival.redelivered { local } else { 0 };
                 local.max(arrival.delivery_count.unwrap_or(0))
             }
-        };
+        }
+        .max(arrival.redeliveries.unwrap_or(0));
         let mut delivery = Self {
             policy,
             step: Step::Arriving,
@@ -309,6 +314,19 @@ impl<'p> Delivery<'p> {
             }
             Verdict::Undispatched(reason) => {
                 delivery.decided(PipelineResult::NotDispatched, reason, authority(), now);
+            }
+            // Redelivered past the limit without ever being settled: the worker died with it
+            // each time. Not run again.
+            Verdict::Dispatched
+                if arrival
+                    .redeliveries
+                    .is_some_and(|n| n > policy.max_requeues) =>
+            {
+                let n = arrival.redeliveries.unwrap_or_default();
+                let reason = Reason::new(format!(
+                    "redelivered {n} times without being settled (it may be killing its worker)"
+                ));
+                delivery.decided(PipelineResult::Deferred, reason, authority(), now);
             }
             Verdict::Dispatched if arrival.scoped => delivery.step = Step::Ready(Action::OpenScope),
             Verdict::Dispatched => delivery.step = Step::Ready(Action::RunHandler),

@@ -64,4 +64,19 @@ pub struct Committed {
 pub trait TransactionalScope: Send + Sync + 'static {
     /// Opens the scope for a dispatched delivery, within `deadline`.
     fn begin<'a>(&'a self, meta: &'a Meta, deadline: Duration) -> BoxFuture<'a, Begin>;
+
+    /// Counts one more redelivery of the message durably, within `deadline`, and returns how
+    /// many there were, this one included; `None` when the scope does not count (the default)
+    /// or could not. Called once for each redelivered, dispatched delivery, before
+    /// [`begin`](Self::begin). A message redelivered more often than the policy lets Lily
+    /// requeue it was never settled: the worker died with it each time. Quorum queues count
+    /// this themselves (`x-delivery-count`); classic queues have only this.
+    fn count_redelivery<'a>(
+        &'a self,
+        meta: &'a Meta,
+        deadline: Duration,
+    ) -> BoxFuture<'a, Option<u32>> {
+        let _ = (meta, deadline);
+        Box::pin(std::future::ready(None))
+    }
 }

@@ -32,6 +32,7 @@ fn arrival(verdict: Verdict) -> Arrival {
         local_requeues: Some(0),
         scoped: false,
         held: None,
+        redeliveries: None,
     }
 }
 
@@ -456,6 +457,27 @@ fn a_transient_transaction_error_runs_the_whole_transaction_again() {
 }
 
 #[test]
+fn a_message_redelivered_past_the_limit_without_settlement_is_not_run_again() {
+    let (p, now) = (policy(), Instant::now());
+    let scoped = |redeliveries| Arrival {
+        scoped: true,
+        redelivered: true,
+        redeliveries: Some(redeliveries),
+        ..arrival(Verdict::Dispatched)
+    };
+    // At the limit it still runs: Lily's own requeues reach it.
+    let mut d = Delivery::new(scoped(p.max_requeues), &p, || HELD, now);
+    assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
+    // Past it, the worker died with it: the DLQ, unopened and unrun.
+    let mut d = Delivery::new(scoped(p.max_requeues + 1), &p, || HELD, now);
+    let Some(Action::Publish { handoff, .. }) = d.poll_action(|| HELD) else {
+        panic!("straight to a handoff")
+    };
+    assert_eq!(handoff.lane, Lane::DeadLetter);
+    assert!(d.reason().as_str().contains("without being settled"));
+}
+
+#[test]
 fn a_transient_error_while_opening_the_scope_opens_it_again_then_defers() {
     let (p, start) = (policy(), Instant::now());
     let mut d = Delivery::new(
@@ -633,6 +655,7 @@ mod properties {
                         delivery_count,
                         local_requeues,
                         scoped,
+                        redeliveries: None,
                         held: held.map(|(parking, holds)| HeldCopy {
                             target: if parking {
                                 Terminal::Parking

@@ -20,7 +20,18 @@ impl Deferrals {
 
     /// Counts one more deferral; `None` when the database cannot be reached.
     pub(crate) async fn count(&self) -> Option<u32> {
-        let update = doc! { "$inc": { "n": 1_i64 }, "$set": { "at": DateTime::now() } };
+        // The count is of deferrals so far; the decision compares it with max_requeues.
+        self.increment("n").await.map(|n| n.saturating_sub(1))
+    }
+
+    /// Counts one more redelivery of the message and returns how many there were, this one
+    /// included; `None` when the database cannot be reached.
+    pub(crate) async fn redelivered(&self) -> Option<u32> {
+        self.increment("r").await
+    }
+
+    async fn increment(&self, field: &str) -> Option<u32> {
+        let update = doc! { "$inc": { field: 1_i64 }, "$set": { "at": DateTime::now() } };
         let doc = self
             .collection
             .find_one_and_update(doc! { "_id": self.key.clone() }, update)
@@ -28,12 +39,10 @@ impl Deferrals {
             .return_document(ReturnDocument::After)
             .await
             .ok()??;
-        match doc.get("n") {
+        match doc.get(field) {
             Some(Bson::Int64(n)) => u32::try_from(*n).ok(),
             Some(Bson::Int32(n)) => u32::try_from(*n).ok(),
             _ => None,
         }
-        // The count is of deferrals so far; the decision compares it with max_requeues.
-        .map(|n| n.saturating_sub(1))
     }
 }

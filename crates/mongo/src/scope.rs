@@ -319,4 +319,20 @@ impl TransactionalScope for MongoScope {
             }
         })
     }
+
+    /// Counted in the deferrals collection, next to the message's deferral count.
+    fn count_redelivery<'a>(
+        &'a self,
+        meta: &'a Meta,
+        deadline: Duration,
+    ) -> BoxFuture<'a, Option<u32>> {
+        Box::pin(async move {
+            let key = inbox::key(&self.0.config.consumer, meta.message_id());
+            let count = Deferrals::new(self.0.deferrals.clone(), key);
+            tokio::time::timeout(deadline, count.redelivered())
+                .await
+                .ok()
+                .flatten()
+        })
+    }
 }

@@ -165,6 +165,7 @@ async fn settle_delivery(
         }),
         scoped: shared.scope.is_some(),
         held: view.headers.and_then(HeldCopy::from_headers),
+        redeliveries: None,
     };
     let source = if refused {
         Source::Refused(Box::new(Refused {
@@ -186,6 +187,15 @@ async fn settle_delivery(
             schema_version,
         })))
     };
+    let mut arrival = arrival;
+    if let (true, Some(scope), Source::Passed(incoming), Verdict::Dispatched) =
+        (redelivered, &shared.scope, &source, &arrival.verdict)
+    {
+        // Once per delivery: a transaction opened again after a conflict is not a redelivery.
+        let meta = Meta::new(Arc::clone(incoming));
+        let deadline = shared.config.policy.settlement_budget;
+        arrival.redeliveries = scope.count_redelivery(&meta, deadline).await;
+    }
     let settler = session.settler(delivery_tag, &shared.publisher, &shared.signals.revoked);
     let work = Work {
         shared,

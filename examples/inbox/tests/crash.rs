@@ -267,7 +267,9 @@ async fn crash_in_handler_before_commit_leaves_nothing_and_the_redelivery_does_i
     );
     eprintln!("redelivery settled after {took:?} and {deferred} deferral(s)");
     assert!(
-        second.log().contains("inbox insert failed"),
+        second
+            .log()
+            .contains("inbox insert: transient transaction error"),
         "the abandoned transaction held the inbox key for a while; stderr:\n{}",
         second.log()
     );
