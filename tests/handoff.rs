@@ -38,28 +38,6 @@ fn assert_exactly_once(queue: &str, found: &BTreeMap<String, usize>, expected: &
     );
 }
 
-async fn declare(client_url: &str, queue: &str, kind: QueueKind) {
-    let connection = lapin::Connection::connect(client_url, Default::default())
-        .await
-        .expect("connect");
-    let channel = connection.create_channel().await.expect("channel");
-    let mut args = FieldTable::default();
-    if kind == QueueKind::Quorum {
-        args.insert("x-queue-type".into(), long("quorum"));
-    }
-    channel
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..QueueDeclareOptions::default()
-            },
-            args,
-        )
-        .await
-        .expect("declare");
-}
-
 /// Waits until `queue` holds at least `depth` ready messages; false after [`WAIT`].
 async fn wait_depth(client: &Client, queue: &str, depth: u32) -> bool {
     let start = std::time::Instant::now();
@@ -336,7 +314,8 @@ async fn copies_move_user_id_cc_and_bcc_aside_and_reach_only_their_lane() {
     let running = common::start(broker.url(), cfg, router);
     let bucket = format!("{queue}.retry.10m");
     running.wait_ready().await;
-    declare(broker.url(), &side, QueueKind::Classic).await;
+    let client = Client::connect(broker.url()).await;
+    client.declare(&side, false).await;
 
     let producer = Client::connect(&producer_url).await;
     let routes = || FieldArray::from(vec![long(&side)]);
@@ -362,7 +341,6 @@ async fn copies_move_user_id_cc_and_bcc_aside_and_reach_only_their_lane() {
         ids.push(id);
     }
 
-    let client = Client::connect(broker.url()).await;
     // The drain by id below is the verdict, whether or not this wait timed out.
     wait_depth(&client, &bucket, MESSAGES as u32).await;
     let report = running.stop().await;

@@ -212,37 +212,29 @@ impl Publisher {
         properties: BasicProperties,
         deadline: Duration,
     ) -> HandoffResult {
-        let result = self.send(queue, id, body, properties, deadline).await;
+        let published = async {
+            let Ok(name) = ShortString::try_new(queue) else {
+                return HandoffResult::Failed;
+            };
+            let (reply, result) = oneshot::channel();
+            let copy = Copy {
+                queue: name,
+                id,
+                body: body.to_vec(),
+                properties,
+                until: Instant::now() + deadline,
+            };
+            if self.requests.send(Request { copy, reply }).is_err() {
+                return HandoffResult::Failed;
+            }
+            // A worker answers by its batch's deadline, at most shortly after this copy's own
+            // (a copy whose deadline passed while it waited for a worker fails at once,
+            // unpublished); the worker is gone only once the publisher closed.
+            result.await.unwrap_or(HandoffResult::Failed)
+        };
+        let result = published.await;
         self.lanes.record(queue, result);
         result
-    }
-
-    async fn send(
-        &self,
-        queue: &str,
-        id: HandoffId,
-        body: &[u8],
-        properties: BasicProperties,
-        deadline: Duration,
-    ) -> HandoffResult {
-        let Ok(queue) = ShortString::try_new(queue) else {
-            return HandoffResult::Failed;
-        };
-        let (reply, result) = oneshot::channel();
-        let copy = Copy {
-            queue,
-            id,
-            body: body.to_vec(),
-            properties,
-            until: Instant::now() + deadline,
-        };
-        if self.requests.send(Request { copy, reply }).is_err() {
-            return HandoffResult::Failed;
-        }
-        // A worker answers by its batch's deadline, at most shortly after this copy's own (a copy
-        // whose deadline passed while it waited for a worker fails at once, unpublished); the
-        // worker is gone only once the publisher closed.
-        result.await.unwrap_or(HandoffResult::Failed)
     }
 
     /// Stops the workers and closes the connection, waiting at most `within`: a blocked
