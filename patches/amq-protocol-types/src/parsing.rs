@@ -503,6 +503,15 @@ mod test {
     }
 
     #[test]
+    fn test_short_string_keeps_its_size() {
+        // Every property and every field-table key is one: the flag must not grow them.
+        assert_eq!(
+            std::mem::size_of::<ShortString>(),
+            std::mem::size_of::<String>()
+        );
+    }
+
+    #[test]
     fn test_parse_field_table_key_not_utf8() {
         // One entry: key "k\xc3" (a truncated sequence), value Boolean true.
         let wire = [0, 0, 0, 5, 2, b'k', 0xc3, b't', 1];

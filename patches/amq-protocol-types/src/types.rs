@@ -176,7 +176,7 @@ impl std::error::Error for ShortStringError {}
 #[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize, Serialize)]
 #[serde(transparent)]
 pub struct ShortString {
-    value: String,
+    value: Box<str>,
     #[serde(skip)]
     lossy: bool,
 }
@@ -206,7 +206,7 @@ impl ShortString {
     /// Get a reference to a ShortString as &str
     #[must_use]
     pub fn as_str(&self) -> &str {
-        self.value.as_str()
+        &self.value
     }
 
     /// Whether the wire bytes this was parsed from were not valid UTF-8, so that
@@ -221,15 +221,16 @@ impl ShortString {
     pub(crate) fn from_wire(bytes: Vec<u8>) -> Self {
         match String::from_utf8(bytes) {
             Ok(value) if value.len() <= MAX_SHORT_STRING_LENGTH => Self {
-                value,
+                value: value.into_boxed_str(),
                 lossy: false,
             },
             Ok(value) => Self {
-                value: truncated(value),
+                value: truncated(value).into_boxed_str(),
                 lossy: true,
             },
             Err(err) => Self {
-                value: truncated(String::from_utf8_lossy(err.as_bytes()).into_owned()),
+                value: truncated(String::from_utf8_lossy(err.as_bytes()).into_owned())
+                    .into_boxed_str(),
                 lossy: true,
             },
         }
@@ -242,7 +243,7 @@ impl ShortString {
             return Err(ShortStringError(s.len()));
         }
         Ok(Self {
-            value: s,
+            value: s.into_boxed_str(),
             lossy: false,
         })
     }
@@ -286,7 +287,7 @@ impl fmt::Display for ShortString {
 
 impl From<ShortString> for String {
     fn from(value: ShortString) -> Self {
-        value.value
+        value.value.into_string()
     }
 }
 
