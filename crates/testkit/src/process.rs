@@ -98,6 +98,14 @@ impl ChildProcess {
         assert!(status.success(), "kill -{name} {pid}");
     }
 
+    /// Its exit status, if it has exited; does not wait.
+    ///
+    /// # Panics
+    /// When its status cannot be read.
+    pub fn try_exit(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().expect("child status")
+    }
+
     /// Waits for the process to exit; returns its status and how long the wait took.
     ///
     /// # Panics

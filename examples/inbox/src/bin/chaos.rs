@@ -1,0 +1,761 @@
+//! `chaos`: a seeded soak of the `inbox` service under faults, reconciled by message id from
+//! outside Lily.
+//!
+//! It runs `inbox serve` workers as child processes under a supervisor that restarts them as
+//! Kubernetes would, publishes orders with stable ids (exact duplicates, same-id conflicts and
+//! orders for an unknown sku among them) at a steady rate, and meanwhile injects faults on a
+//! seeded schedule: SIGKILL of a worker, SIGTERM of a worker, every connection closed by the
+//! broker, and a memory alarm. Then it lets the workers drain, stops them, and checks by id:
+//!
+//! - every order for a known sku has exactly one ledger entry and no DLQ copy;
+//! - an order for the unknown sku has no ledger entry and one DLQ copy (`unknown sku`);
+//! - an id published with two bodies has one ledger entry (for one of them) and one DLQ copy
+//!   (`inbox conflict`) for the other;
+//! - stock levels equal what was seeded minus the ledger;
+//! - nothing else is in the DLQ, the parking lane, the work queue or a retry bucket;
+//! - no shutdown report lists a delivery as unresolved that the database does not explain.
+//!
+//! It prints the figures and exits 1, naming each violated id, when anything does not hold.
+//!
+//! ```text
+//! chaos --service target/debug/inbox --messages 2000 --seed 7 --workers 3 --rate 400
+//! ```
+//!
+//! The broker and mongod are the ones `scripts/test.sh` starts (`LILY_AMQP_URL`,
+//! `LILY_RABBIT_DIR`, `LILY_MONGO_URL`): faults use `rabbitmqctl` on that node.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use lapin::BasicProperties;
+use lily_mq_mongo::mongodb::bson::{Bson, Document, doc};
+use lily_mq_mongo::mongodb::{self, Database};
+use lily_mq_testkit::{Broker, ChildProcess, Client, MongoNode};
+use tokio::process::Command;
+
+const SKUS: [&str; 4] = ["SKU-A", "SKU-B", "SKU-C", "SKU-D"];
+const UNKNOWN_SKU: &str = "SKU-NONE";
+
+/// What the soak is asked to do.
+struct Args {
+    service: PathBuf,
+    messages: usize,
+    seed: u64,
+    workers: usize,
+    /// Orders published per second.
+    rate: u32,
+    /// Time between two faults.
+    fault_every: Duration,
+}
+
+impl Args {
+    fn parse() -> Result<Self, String> {
+        let mut args = Self {
+            service: PathBuf::from("target/debug/inbox"),
+            messages: 2000,
+            seed: 1,
+            workers: 3,
+            rate: 400,
+            fault_every: Duration::from_millis(1500),
+        };
+        let mut it = std::env::args().skip(1);
+        while let Some(flag) = it.next() {
+            let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+            let number = || {
+                value
+                    .parse::<u64>()
+                    .map_err(|_| format!("{flag}: not a number"))
+            };
+            match flag.as_str() {
+                "--service" => args.service = PathBuf::from(&value),
+                "--messages" => args.messages = number()? as usize,
+                "--seed" => args.seed = number()?,
+                "--workers" => args.workers = number()?.max(1) as usize,
+                "--rate" => args.rate = u32::try_from(number()?.max(1)).unwrap_or(u32::MAX),
+                "--fault-every-ms" => args.fault_every = Duration::from_millis(number()?.max(100)),
+                other => return Err(format!("unknown flag {other}")),
+            }
+        }
+        Ok(args)
+    }
+}
+
+/// A small deterministic generator (xorshift64*): the same seed gives the same run plan.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// One publish of the plan.
+#[derive(Clone, Debug)]
+struct Order {
+    id: String,
+    sku: &'static str,
+    quantity: i64,
+}
+
+impl Order {
+    fn body(&self) -> Vec<u8> {
+        serde_json::json!({ "order_id": self.id, "sku": self.sku, "quantity": self.quantity })
+            .to_string()
+            .into_bytes()
+    }
+}
+
+/// Every publish, in order: each id once, then exact duplicates and conflicting bodies of some.
+fn plan(args: &Args) -> Vec<Order> {
+    let mut rng = Rng::new(args.seed);
+    let mut orders: Vec<Order> = (0..args.messages)
+        .map(|i| Order {
+            id: format!("order-{i}"),
+            sku: if rng.below(50) == 0 {
+                UNKNOWN_SKU
+            } else {
+                SKUS[rng.below(SKUS.len() as u64) as usize]
+            },
+            quantity: 1,
+        })
+        .collect();
+    let mut extra = Vec::new();
+    for order in &orders {
+        match rng.below(40) {
+            0 | 1 => extra.push(order.clone()),
+            2 if order.sku != UNKNOWN_SKU => extra.push(Order {
+                quantity: 2,
+                ..order.clone()
+            }),
+            _ => {}
+        }
+    }
+    // The extras interleave with the rest, later than their first copy on the whole.
+    for order in extra {
+        let at = orders.len() / 2 + rng.below((orders.len() / 2) as u64 + 1) as usize;
+        orders.insert(at.min(orders.len()), order);
+    }
+    orders
+}
+
+/// A worker slot: the process running in it, and the reports of those that exited.
+struct Slot {
+    process: Option<ChildProcess>,
+    starts: u32,
+}
+
+struct Supervisor {
+    service: PathBuf,
+    queue: String,
+    database: String,
+    slots: Vec<Slot>,
+    reports: Vec<serde_json::Value>,
+    exits: BTreeMap<String, u32>,
+}
+
+impl Supervisor {
+    fn start(&mut self, slot: usize) {
+        let broker = Broker::from_env();
+        let node = MongoNode::from_env();
+        let mut command = Command::new(&self.service);
+        command
+            .arg("serve")
+            .env("LILY_AMQP_URL", broker.url())
+            .env("LILY_MONGO_URL", node.url())
+            .env("LILY_MONGO_DB", &self.database)
+            .env("LILY_QUEUE", &self.queue)
+            .env("LILY_PREFETCH", "10")
+            .env("LILY_LEASE_TTL_MS", "2000")
+            .env("LILY_DEFERRAL_MS", "250")
+            .env("LILY_MAX_REQUEUES", "400")
+            .env("RUST_LOG", "warn")
+            .env_remove("INBOX_FAULT");
+        self.slots[slot].process = Some(ChildProcess::spawn(command));
+        self.slots[slot].starts += 1;
+    }
+
+    /// Restarts every worker that exited, keeping the report it printed.
+    async fn restart_exited(&mut self) {
+        for slot in 0..self.slots.len() {
+            let exited = match self.slots[slot].process.as_mut() {
+                Some(process) => process.try_exit(),
+                None => None,
+            };
+            if let Some(status) = exited {
+                let mut process = self.slots[slot].process.take().expect("process");
+                self.record_exit(&mut process, status).await;
+                self.start(slot);
+            }
+        }
+    }
+
+    async fn record_exit(&mut self, process: &mut ChildProcess, status: std::process::ExitStatus) {
+        let how = match (
+            status.code(),
+            std::os::unix::process::ExitStatusExt::signal(&status),
+        ) {
+            (Some(code), _) => format!("exit {code}"),
+            (None, Some(signal)) => format!("signal {signal}"),
+            _ => "unknown".to_owned(),
+        };
+        *self.exits.entry(how).or_default() += 1;
+        let text = process.stdout().await;
+        if let Ok(report) = serde_json::from_str::<serde_json::Value>(&text) {
+            self.reports.push(report);
+        }
+    }
+
+    fn signal(&self, slot: usize, name: &str) {
+        if let Some(process) = &self.slots[slot].process {
+            process.signal(name);
+        }
+    }
+
+    /// SIGTERM to every worker; waits for them and keeps their reports.
+    async fn stop_all(&mut self) {
+        for slot in 0..self.slots.len() {
+            self.signal(slot, "TERM");
+        }
+        for slot in 0..self.slots.len() {
+            if let Some(mut process) = self.slots[slot].process.take() {
+                let (status, _) = process.exit(Duration::from_secs(60)).await;
+                self.record_exit(&mut process, status).await;
+            }
+        }
+    }
+}
+
+/// The faults, drawn in turn from the seed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Fault {
+    KillWorker,
+    TermWorker,
+    CloseConnections,
+    MemoryAlarm,
+    DlqGone,
+}
+
+const FAULTS: [Fault; 5] = [
+    Fault::KillWorker,
+    Fault::TermWorker,
+    Fault::CloseConnections,
+    Fault::MemoryAlarm,
+    Fault::DlqGone,
+];
+
+/// DLQ copies taken out before a fault deleted the DLQ, by id, with their reasons.
+type Dead = BTreeMap<String, Vec<String>>;
+
+async fn inject(
+    fault: Fault,
+    rng: &mut Rng,
+    broker: &Broker,
+    supervisor: &Supervisor,
+    queue: &str,
+    dead: &mut Dead,
+) {
+    let slot = rng.below(supervisor.slots.len() as u64) as usize;
+    match fault {
+        Fault::KillWorker => supervisor.signal(slot, "KILL"),
+        Fault::TermWorker => supervisor.signal(slot, "TERM"),
+        Fault::CloseConnections => {
+            broker.ctl(&[
+                "close_all_connections",
+                "-p",
+                "/",
+                "chaos: connections closed",
+            ]);
+        }
+        Fault::MemoryAlarm => {
+            broker.ctl(&["set_vm_memory_high_watermark", "absolute", "1"]);
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            broker.ctl(&["set_vm_memory_high_watermark", "0.4"]);
+        }
+        Fault::DlqGone => {
+            // What the DLQ holds is kept first: deleting it deletes its messages.
+            let dlq = format!("{queue}.dlq");
+            let client = Client::connect(broker.url()).await;
+            drain_dead(&client, &dlq, dead).await;
+            client.delete(&dlq).await;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            declare_dlq(broker.url(), queue).await;
+        }
+    }
+}
+
+/// The most deliveries of one id the soak accepts: redeliveries after faults and deferrals, and
+/// each pass of a held copy, but nothing like a requeue hot loop.
+const MAX_DELIVERIES: usize = 60;
+
+/// Turns on RabbitMQ's firehose and binds a queue of its own to the work queue's deliveries;
+/// returns that queue's name.
+async fn trace_deliveries(broker: &Broker, queue: &str) -> String {
+    broker.ctl(&["trace_on", "-p", "/"]);
+    let trace = format!("{queue}.trace");
+    let url = broker.url().to_owned();
+    Client::connect(&url).await.declare(&trace, false).await;
+    let (_connection, channel) = open_confirmed(&url).await.expect("trace channel");
+    channel
+        .queue_bind(
+            trace.as_str().into(),
+            "amq.rabbitmq.trace".into(),
+            format!("deliver.{queue}").as_str().into(),
+            lapin::options::QueueBindOptions::default(),
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .expect("bind the trace queue");
+    trace
+}
+
+/// Counts the broker's deliveries of each id from the firehose; an id delivered more than
+/// [`MAX_DELIVERIES`] times is a violation.
+async fn count_deliveries(broker: &Broker, client: &Client, trace: &str) -> Vec<String> {
+    broker.ctl(&["trace_off", "-p", "/"]);
+    let mut deliveries: BTreeMap<String, usize> = BTreeMap::new();
+    for message in client.drain(trace).await {
+        let id = message
+            .delivery
+            .properties
+            .headers()
+            .as_ref()
+            .and_then(|h| match h.inner().get("properties")? {
+                lapin::types::AMQPValue::FieldTable(p) => match p.inner().get("message_id")? {
+                    lapin::types::AMQPValue::LongString(s) => {
+                        Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+                    }
+                    lapin::types::AMQPValue::ShortString(s) => Some(s.to_string()),
+                    _ => None,
+                },
+                _ => None,
+            })
+            .unwrap_or_default();
+        *deliveries.entry(id).or_default() += 1;
+    }
+    client.delete(trace).await;
+    let total: usize = deliveries.values().sum();
+    let most = deliveries.iter().max_by_key(|(_, n)| **n);
+    println!(
+        "deliveries (firehose): {total} for {} ids; most: {most:?}",
+        deliveries.len()
+    );
+    deliveries
+        .into_iter()
+        .filter(|(_, n)| *n > MAX_DELIVERIES)
+        .map(|(id, n)| format!("{id}: delivered {n} times"))
+        .collect()
+}
+
+/// Takes every message of `dlq`, recording its id and reason.
+async fn drain_dead(client: &Client, dlq: &str, dead: &mut Dead) {
+    for message in client.drain(dlq).await {
+        let properties = &message.delivery.properties;
+        let id = properties
+            .message_id()
+            .as_ref()
+            .map_or_else(String::new, |id| id.to_string());
+        let reason = properties
+            .headers()
+            .as_ref()
+            .and_then(|h| h.inner().get("x-lily-reason").cloned())
+            .map(|v| match v {
+                lapin::types::AMQPValue::LongString(s) => {
+                    String::from_utf8_lossy(s.as_bytes()).into_owned()
+                }
+                other => format!("{other:?}"),
+            })
+            .unwrap_or_else(|| "(broker dead-lettered)".to_owned());
+        dead.entry(id).or_default().push(reason);
+    }
+}
+
+/// The DLQ as the workers declare it: durable, bound to the work queue's dead-letter exchange.
+async fn declare_dlq(url: &str, queue: &str) {
+    let dlq = format!("{queue}.dlq");
+    Client::connect(url).await.declare(&dlq, false).await;
+    let Some((_connection, channel)) = open_confirmed(url).await else {
+        return;
+    };
+    let _ = channel
+        .queue_bind(
+            dlq.as_str().into(),
+            format!("{queue}.dlx").as_str().into(),
+            "".into(),
+            lapin::options::QueueBindOptions::default(),
+            lapin::types::FieldTable::default(),
+        )
+        .await;
+}
+
+async fn seed_stock(database: &Database, each: i64) {
+    let stock = database.collection::<Document>("stock");
+    for sku in SKUS {
+        stock
+            .insert_one(doc! { "_id": sku, "available": each })
+            .await
+            .expect("seed stock");
+    }
+}
+
+fn props(id: &str) -> BasicProperties {
+    BasicProperties::default()
+        .with_message_id(id.into())
+        .with_type("stock.reserved".into())
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2)
+}
+
+/// The queues of the work queue's topology that must end empty, with their depth now.
+async fn leftovers(client: &Client, queue: &str) -> BTreeMap<String, u32> {
+    let mut names = vec![queue.to_owned(), format!("{queue}.parking")];
+    names.extend(["1s", "5s"].map(|d| format!("{queue}.retry.{d}")));
+    let mut left = BTreeMap::new();
+    for name in names {
+        let depth = client.depth(&name).await;
+        if depth > 0 {
+            left.insert(name, depth);
+        }
+    }
+    left
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> ExitCode {
+    let args = match Args::parse() {
+        Ok(args) => args,
+        Err(err) => {
+            eprintln!("chaos: {err}");
+            return ExitCode::from(2);
+        }
+    };
+    let started = Instant::now();
+    let broker = Broker::from_env();
+    let node = MongoNode::from_env();
+    let queue = Broker::unique("chaos");
+    let database_name = MongoNode::database_name("chaos");
+    let mongo = mongodb::Client::with_uri_str(node.url())
+        .await
+        .expect("mongo client");
+    let database = mongo.database(&database_name);
+    let orders = plan(&args);
+    seed_stock(&database, 10 * args.messages as i64).await;
+
+    let mut supervisor = Supervisor {
+        service: args.service.clone(),
+        queue: queue.clone(),
+        database: database_name.clone(),
+        slots: (0..args.workers)
+            .map(|_| Slot {
+                process: None,
+                starts: 0,
+            })
+            .collect(),
+        reports: Vec::new(),
+        exits: BTreeMap::new(),
+    };
+    for slot in 0..args.workers {
+        supervisor.start(slot);
+    }
+    wait_declared(&broker, &queue).await;
+    let trace = trace_deliveries(&broker, &queue).await;
+
+    // Publish at the rate asked, while faults come every `fault_every`.
+    let publisher = {
+        let (url, queue, orders, rate) = (
+            broker.url().to_owned(),
+            queue.clone(),
+            orders.clone(),
+            args.rate,
+        );
+        tokio::spawn(async move { publish(&url, &queue, &orders, rate).await })
+    };
+    let mut rng = Rng::new(args.seed ^ 0xFA17);
+    let mut injected: BTreeMap<Fault, u32> = BTreeMap::new();
+    let mut dead = Dead::new();
+    let mut next_fault = Instant::now() + args.fault_every;
+    let mut turn = rng.below(FAULTS.len() as u64) as usize;
+    while !publisher.is_finished() {
+        supervisor.restart_exited().await;
+        if Instant::now() >= next_fault {
+            let fault = FAULTS[turn % FAULTS.len()];
+            turn += 1;
+            inject(fault, &mut rng, &broker, &supervisor, &queue, &mut dead).await;
+            *injected.entry(fault).or_default() += 1;
+            next_fault = Instant::now() + args.fault_every;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let sent = publisher.await.expect("publisher");
+    // The faults closed every connection, this one's too: a fresh one to inspect the queues.
+    let client = Client::connect(broker.url()).await;
+
+    // Drain: no more faults, workers restarted as they exit, until every queue is empty and
+    // nothing is unacknowledged.
+    let drain_by = Instant::now() + Duration::from_secs(180);
+    loop {
+        supervisor.restart_exited().await;
+        let left = leftovers(&client, &queue).await;
+        if left.is_empty() && broker.messages(&queue) == 0 {
+            break;
+        }
+        if Instant::now() > drain_by {
+            eprintln!("chaos: not drained after 180 s: {left:?}");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    supervisor.stop_all().await;
+
+    drain_dead(&client, &format!("{queue}.dlq"), &mut dead).await;
+    let mut violations = check(&args, &sent, &dead, &client, &queue, &database, &supervisor).await;
+    violations.extend(count_deliveries(&broker, &client, &trace).await);
+    println!(
+        "faults: {injected:?}; worker exits: {:?}; took {:.1} s",
+        supervisor.exits,
+        started.elapsed().as_secs_f64()
+    );
+    let _ = database.drop().await;
+    if violations.is_empty() {
+        println!("chaos: every id accounted for");
+        ExitCode::SUCCESS
+    } else {
+        for violation in &violations {
+            println!("VIOLATION {violation}");
+        }
+        ExitCode::FAILURE
+    }
+}
+
+/// Waits until the workers declared the work queue.
+async fn wait_declared(broker: &Broker, queue: &str) {
+    for _ in 0..300 {
+        let names = broker.ctl(&["list_queues", "-q", "--no-table-headers", "name"]);
+        if names.lines().any(|name| name.trim() == queue) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("{queue} was never declared");
+}
+
+/// Publishes `orders` at `rate` per second with publisher confirms, reconnecting when the
+/// broker closes the connection (a fault does). A publish whose confirm did not come is sent
+/// again, so a message may exist twice: returns how many times each (id, quantity) was sent.
+async fn publish(
+    url: &str,
+    queue: &str,
+    orders: &[Order],
+    rate: u32,
+) -> BTreeMap<(String, i64), u32> {
+    let mut sent: BTreeMap<(String, i64), u32> = BTreeMap::new();
+    let gap = Duration::from_secs(1) / rate;
+    let mut channel: Option<(lapin::Connection, lapin::Channel)> = None;
+    for order in orders {
+        loop {
+            if channel.is_none() {
+                channel = open_confirmed(url).await;
+                if channel.is_none() {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+            }
+            let (_, ch) = channel.as_ref().expect("channel");
+            *sent.entry((order.id.clone(), order.quantity)).or_default() += 1;
+            let confirmed = async {
+                ch.basic_publish(
+                    "".into(),
+                    queue.into(),
+                    lapin::options::BasicPublishOptions {
+                        mandatory: true,
+                        immediate: false,
+                    },
+                    &order.body(),
+                    props(&order.id),
+                )
+                .await?
+                .await
+            };
+            match tokio::time::timeout(Duration::from_secs(10), confirmed).await {
+                Ok(Ok(lapin::Confirmation::Ack(None))) => break,
+                _ => channel = None,
+            }
+        }
+        tokio::time::sleep(gap).await;
+    }
+    sent
+}
+
+async fn open_confirmed(url: &str) -> Option<(lapin::Connection, lapin::Channel)> {
+    let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .ok()?;
+    let channel = connection.create_channel().await.ok()?;
+    channel
+        .confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await
+        .ok()?;
+    Some((connection, channel))
+}
+
+/// Reconciles by id; returns the violations.
+async fn check(
+    args: &Args,
+    sent: &BTreeMap<(String, i64), u32>,
+    dead: &Dead,
+    client: &Client,
+    queue: &str,
+    database: &Database,
+    supervisor: &Supervisor,
+) -> Vec<String> {
+    let mut violations = Vec::new();
+    // What was published, by id: the sku and how often each body (quantity) was sent.
+    let orders = plan(args);
+    let skus: BTreeMap<&str, &str> = orders.iter().map(|o| (o.id.as_str(), o.sku)).collect();
+    let mut published: BTreeMap<&str, (&str, BTreeMap<i64, u32>)> = BTreeMap::new();
+    for ((id, quantity), times) in sent {
+        let sku = skus.get(id.as_str()).copied().unwrap_or(UNKNOWN_SKU);
+        let entry = published.entry(id).or_insert((sku, BTreeMap::new()));
+        entry.1.insert(*quantity, *times);
+    }
+    // The ledger, by id.
+    let mut ledger: BTreeMap<String, Vec<(String, i64)>> = BTreeMap::new();
+    let mut cursor = database
+        .collection::<Document>("ledger")
+        .find(doc! {})
+        .await
+        .expect("read ledger");
+    while cursor.advance().await.expect("ledger cursor") {
+        let entry = cursor.deserialize_current().expect("ledger entry");
+        let id = entry.get_str("message_id").unwrap_or_default().to_owned();
+        let sku = entry.get_str("sku").unwrap_or_default().to_owned();
+        let quantity = match entry.get("quantity") {
+            Some(Bson::Int64(n)) => *n,
+            Some(Bson::Int32(n)) => i64::from(*n),
+            _ => 0,
+        };
+        ledger.entry(id).or_default().push((sku, quantity));
+    }
+    // Unresolved deliveries the reports list, by id.
+    let mut unresolved: BTreeMap<String, u32> = BTreeMap::new();
+    for report in &supervisor.reports {
+        for entry in report["unresolved"].as_array().into_iter().flatten() {
+            if let Some(id) = entry["message_id"].as_str() {
+                *unresolved.entry(id.to_owned()).or_default() += 1;
+            }
+        }
+    }
+
+    let (mut effects, mut conflicts, mut unknown) = (0, 0, 0);
+    for (id, (sku, quantities)) in &published {
+        let entries = ledger.get(*id).map_or(&[][..], Vec::as_slice);
+        let reasons = dead.get(*id).map_or(&[][..], Vec::as_slice);
+        let explained = unresolved.contains_key(*id);
+        // A body sent twice (its confirm lost to a fault) may be dead-lettered twice.
+        if *sku == UNKNOWN_SKU {
+            unknown += 1;
+            let sent = quantities.values().sum::<u32>() as usize;
+            let right = reasons.iter().all(|r| r.contains("unknown sku"));
+            if !entries.is_empty() || reasons.is_empty() || reasons.len() > sent || !right {
+                violations.push(format!(
+                    "{id}: unknown sku, ledger {entries:?}, DLQ {reasons:?}"
+                ));
+            }
+            continue;
+        }
+        let committed = match entries {
+            [(entry_sku, quantity)] if entry_sku == sku && quantities.contains_key(quantity) => {
+                effects += 1;
+                Some(*quantity)
+            }
+            [] if explained => None,
+            [] => {
+                violations.push(format!("{id}: lost (no effect, DLQ {reasons:?})"));
+                None
+            }
+            _ => {
+                violations.push(format!("{id}: {} effects: {entries:?}", entries.len()));
+                None
+            }
+        };
+        // The other body, if any, is a conflict: in the DLQ at least once and at most once per
+        // time it was sent; nothing else may be there.
+        let other: usize = quantities
+            .iter()
+            .filter(|(q, _)| Some(**q) != committed)
+            .map(|(_, times)| *times as usize)
+            .sum();
+        if quantities.len() > 1 {
+            conflicts += 1;
+        }
+        let conflict_copies = reasons
+            .iter()
+            .filter(|r| r.contains("inbox conflict"))
+            .count();
+        let floor = usize::from(quantities.len() > 1);
+        if conflict_copies != reasons.len() || conflict_copies < floor || conflict_copies > other {
+            violations.push(format!(
+                "{id}: DLQ {reasons:?}, expected {floor} to {other} inbox conflict copies"
+            ));
+        }
+    }
+    for id in dead.keys() {
+        if !published.contains_key(id.as_str()) {
+            violations.push(format!("{id}: in the DLQ, never published"));
+        }
+    }
+    for (name, depth) in leftovers(client, queue).await {
+        violations.push(format!("{name}: {depth} messages left"));
+    }
+    // Stock: seeded minus the ledger.
+    let seeded = 10 * args.messages as i64;
+    for sku in SKUS {
+        let taken: i64 = ledger
+            .values()
+            .flatten()
+            .filter(|(s, _)| s == sku)
+            .map(|(_, q)| q)
+            .sum();
+        let available = database
+            .collection::<Document>("stock")
+            .find_one(doc! { "_id": sku })
+            .await
+            .expect("read stock")
+            .and_then(|d| d.get_i64("available").ok())
+            .unwrap_or(i64::MIN);
+        if available != seeded - taken {
+            violations.push(format!(
+                "{sku}: available {available}, expected {}",
+                seeded - taken
+            ));
+        }
+    }
+    let suppressed: u64 = supervisor
+        .reports
+        .iter()
+        .filter_map(|r| r["totals"]["duplicates_suppressed"].as_u64())
+        .sum();
+    println!(
+        "ids {}: effects {effects}, conflicts {conflicts}, unknown sku {unknown}; DLQ copies {}; \
+         suppressed duplicates (reported) {suppressed}; unresolved listed {}; reports {}; \
+         worker starts {}",
+        published.len(),
+        dead.values().map(Vec::len).sum::<usize>(),
+        unresolved.len(),
+        supervisor.reports.len(),
+        supervisor.slots.iter().map(|s| s.starts).sum::<u32>(),
+    );
+    violations
+}
