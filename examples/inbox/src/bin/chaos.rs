@@ -5,7 +5,8 @@
 //! Kubernetes would, publishes orders with stable ids (exact duplicates, same-id conflicts and
 //! orders for an unknown sku among them) at a steady rate, and meanwhile injects faults on a
 //! seeded schedule: SIGKILL of a worker, SIGTERM of a worker, every connection closed by the
-//! broker, and a memory alarm. Then it lets the workers drain, stops them, and checks by id:
+//! broker, a memory alarm, the DLQ deleted for a while, the broker's app stopped and started,
+//! and mongod restarted. Then it lets the workers drain, stops them, and checks by id:
 //!
 //! - every order for a known sku has exactly one ledger entry and no DLQ copy;
 //! - an order for the unknown sku has no ledger entry and one DLQ copy (`unknown sku`);
@@ -246,18 +247,32 @@ enum Fault {
     CloseConnections,
     MemoryAlarm,
     DlqGone,
+    BrokerRestart,
+    MongodRestart,
 }
 
-const FAULTS: [Fault; 5] = [
+const FAULTS: [Fault; 7] = [
     Fault::KillWorker,
     Fault::TermWorker,
     Fault::CloseConnections,
     Fault::MemoryAlarm,
     Fault::DlqGone,
+    Fault::BrokerRestart,
+    Fault::MongodRestart,
 ];
 
-/// DLQ copies taken out before a fault deleted the DLQ, by id, with their reasons.
+/// DLQ copies by id, with their reasons.
 type Dead = BTreeMap<String, Vec<String>>;
+
+/// What the soak takes out of the broker before a fault could destroy it, and at the end.
+#[derive(Default)]
+struct Books {
+    /// The DLQ's copies (deleting the DLQ deletes them).
+    dead: Dead,
+    /// Deliveries by id from the firehose (its messages are transient: a broker restart drops
+    /// them).
+    deliveries: BTreeMap<String, usize>,
+}
 
 async fn inject(
     fault: Fault,
@@ -265,7 +280,7 @@ async fn inject(
     broker: &Broker,
     supervisor: &Supervisor,
     queue: &str,
-    dead: &mut Dead,
+    books: &mut Books,
 ) {
     let slot = rng.below(supervisor.slots.len() as u64) as usize;
     match fault {
@@ -284,11 +299,22 @@ async fn inject(
             tokio::time::sleep(Duration::from_millis(1500)).await;
             broker.ctl(&["set_vm_memory_high_watermark", "0.4"]);
         }
+        Fault::BrokerRestart => {
+            let client = Client::connect(broker.url()).await;
+            drain_trace(&client, &format!("{queue}.trace"), &mut books.deliveries).await;
+            drop(client);
+            broker.ctl(&["stop_app"]);
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            broker.ctl(&["start_app"]);
+            // The firehose is runtime state: on again.
+            broker.ctl(&["trace_on", "-p", "/"]);
+        }
+        Fault::MongodRestart => restart_mongod(),
         Fault::DlqGone => {
             // What the DLQ holds is kept first: deleting it deletes its messages.
             let dlq = format!("{queue}.dlq");
             let client = Client::connect(broker.url()).await;
-            drain_dead(&client, &dlq, dead).await;
+            drain_dead(&client, &dlq, &mut books.dead).await;
             client.delete(&dlq).await;
             tokio::time::sleep(Duration::from_secs(2)).await;
             declare_dlq(broker.url(), queue).await;
@@ -321,11 +347,8 @@ async fn trace_deliveries(broker: &Broker, queue: &str) -> String {
     trace
 }
 
-/// Counts the broker's deliveries of each id from the firehose; an id delivered more than
-/// [`MAX_DELIVERIES`] times is a violation.
-async fn count_deliveries(broker: &Broker, client: &Client, trace: &str) -> Vec<String> {
-    broker.ctl(&["trace_off", "-p", "/"]);
-    let mut deliveries: BTreeMap<String, usize> = BTreeMap::new();
+/// Takes every message of the firehose's queue, counting deliveries by id.
+async fn drain_trace(client: &Client, trace: &str, deliveries: &mut BTreeMap<String, usize>) {
     for message in client.drain(trace).await {
         let id = message
             .delivery
@@ -345,6 +368,18 @@ async fn count_deliveries(broker: &Broker, client: &Client, trace: &str) -> Vec<
             .unwrap_or_default();
         *deliveries.entry(id).or_default() += 1;
     }
+}
+
+/// The broker's deliveries of each id, from the firehose; an id delivered more than
+/// [`MAX_DELIVERIES`] times is a violation.
+async fn count_deliveries(
+    broker: &Broker,
+    client: &Client,
+    trace: &str,
+    mut deliveries: BTreeMap<String, usize>,
+) -> Vec<String> {
+    broker.ctl(&["trace_off", "-p", "/"]);
+    drain_trace(client, trace, &mut deliveries).await;
     client.delete(trace).await;
     let total: usize = deliveries.values().sum();
     let most = deliveries.iter().max_by_key(|(_, n)| **n);
@@ -357,6 +392,35 @@ async fn count_deliveries(broker: &Broker, client: &Client, trace: &str) -> Vec<
         .filter(|(_, n)| *n > MAX_DELIVERIES)
         .map(|(id, n)| format!("{id}: delivered {n} times"))
         .collect()
+}
+
+/// Stops mongod and starts it again on its port and data directory, with the settings
+/// `scripts/test.sh` gives it (a 10 s transaction lifetime unless `LILY_MONGOD_TXN_LIFETIME_S`
+/// says otherwise, TLS when `LILY_TLS_DIR` is set); returns once it is a writable primary.
+fn restart_mongod() {
+    let node = MongoNode::from_env();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/mongod.sh");
+    let port = node
+        .url()
+        .rsplit_once(':')
+        .and_then(|(_, rest)| rest.split(['/', '?']).next())
+        .expect("a port in LILY_MONGO_URL")
+        .to_owned();
+    let dir = node.dir().to_string_lossy().into_owned();
+    let run = |args: &[&str]| {
+        let mut command = std::process::Command::new(script);
+        command.args(args).env(
+            "LILY_MONGOD_TXN_LIFETIME_S",
+            std::env::var("LILY_MONGOD_TXN_LIFETIME_S").unwrap_or_else(|_| "10".to_owned()),
+        );
+        if let Ok(tls) = std::env::var("LILY_TLS_DIR") {
+            command.env("LILY_MONGOD_TLS_DIR", tls);
+        }
+        let status = command.status().expect("run mongod.sh");
+        assert!(status.success(), "mongod.sh {args:?} failed");
+    };
+    run(&["stop", &dir]);
+    run(&["start", &dir, &port]);
 }
 
 /// Takes every message of `dlq`, recording its id and reason.
@@ -484,7 +548,7 @@ async fn main() -> ExitCode {
     };
     let mut rng = Rng::new(args.seed ^ 0xFA17);
     let mut injected: BTreeMap<Fault, u32> = BTreeMap::new();
-    let mut dead = Dead::new();
+    let mut books = Books::default();
     let mut next_fault = Instant::now() + args.fault_every;
     let mut turn = rng.below(FAULTS.len() as u64) as usize;
     while !publisher.is_finished() {
@@ -492,7 +556,7 @@ async fn main() -> ExitCode {
         if Instant::now() >= next_fault {
             let fault = FAULTS[turn % FAULTS.len()];
             turn += 1;
-            inject(fault, &mut rng, &broker, &supervisor, &queue, &mut dead).await;
+            inject(fault, &mut rng, &broker, &supervisor, &queue, &mut books).await;
             *injected.entry(fault).or_default() += 1;
             next_fault = Instant::now() + args.fault_every;
         }
@@ -519,9 +583,10 @@ async fn main() -> ExitCode {
     }
     supervisor.stop_all().await;
 
-    drain_dead(&client, &format!("{queue}.dlq"), &mut dead).await;
-    let mut violations = check(&args, &sent, &dead, &client, &queue, &database, &supervisor).await;
-    violations.extend(count_deliveries(&broker, &client, &trace).await);
+    drain_dead(&client, &format!("{queue}.dlq"), &mut books.dead).await;
+    let dead = &books.dead;
+    let mut violations = check(&args, &sent, dead, &client, &queue, &database, &supervisor).await;
+    violations.extend(count_deliveries(&broker, &client, &trace, books.deliveries).await);
     println!(
         "faults: {injected:?}; worker exits: {:?}; took {:.1} s",
         supervisor.exits,
