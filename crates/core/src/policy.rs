@@ -71,6 +71,9 @@ pub enum PolicyError {
     /// The NACK reserve must leave time for the handoff.
     #[error("nack_reserve must be shorter than settlement_budget")]
     BadReserve,
+    /// A delivery released at once would be redelivered at once: a requeue hot loop.
+    #[error("release_held_after must be at least 1 s")]
+    BadRelease,
 }
 
 impl Policy {
@@ -146,6 +149,9 @@ impl Policy {
         if self.nack_reserve >= self.settlement_budget {
             return Err(PolicyError::BadReserve);
         }
+        if self.release_held_after < Duration::from_secs(1) {
+            return Err(PolicyError::BadRelease);
+        }
         Ok(())
     }
 
@@ -197,6 +203,8 @@ mod tests {
             ..Policy::default()
         };
         assert_eq!(p.validate(), Err(PolicyError::BadReserve));
+        let p = Policy::default().release_held_after(Duration::ZERO);
+        assert_eq!(p.validate(), Err(PolicyError::BadRelease));
     }
 
     #[test]

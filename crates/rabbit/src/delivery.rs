@@ -150,7 +150,7 @@ async fn settle_delivery(
         _ => Evidence::Received,
     };
     let entry = lock(&shared.books.ledger).open_at(identity, evidence);
-    let arrival = Arrival {
+    let mut arrival = Arrival {
         verdict,
         attempt,
         redelivered,
@@ -187,7 +187,6 @@ async fn settle_delivery(
             schema_version,
         })))
     };
-    let mut arrival = arrival;
     if let (true, Some(scope), Source::Passed(incoming), Verdict::Dispatched) =
         (redelivered, &shared.scope, &source, &arrival.verdict)
     {
