@@ -1,6 +1,8 @@
 //! The seeded chaos soak, small: 2 000 orders (duplicates, conflicts and unknown skus among
-//! them) through three `inbox` workers while a fault comes every second (SIGKILL, SIGTERM, every
-//! connection closed, a memory alarm, the DLQ deleted), reconciled by message id by `chaos`.
+//! them) through three `inbox` workers while a fault comes every second, each kind at least
+//! twice (SIGKILL, SIGTERM, every connection closed, a memory alarm, the DLQ deleted, the
+//! broker's app restarted, mongod restarted, the network stalled), reconciled by message id by
+//! `chaos`.
 
 use std::time::Duration;
 
@@ -9,7 +11,14 @@ async fn a_seeded_soak_under_faults_accounts_for_every_id() {
     let run = tokio::process::Command::new(env!("CARGO_BIN_EXE_chaos"))
         .args(["--service", env!("CARGO_BIN_EXE_inbox")])
         .args(["--messages", "2000", "--seed", "7", "--workers", "3"])
-        .args(["--rate", "200", "--fault-every-ms", "1000"])
+        .args([
+            "--rate",
+            "200",
+            "--fault-every-ms",
+            "1000",
+            "--min-each",
+            "2",
+        ])
         .kill_on_drop(true)
         .output();
     let out = tokio::time::timeout(Duration::from_secs(600), run)

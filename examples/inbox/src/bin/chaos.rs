@@ -6,7 +6,7 @@
 //! orders for an unknown sku among them) at a steady rate, and meanwhile injects faults on a
 //! seeded schedule: SIGKILL of a worker, SIGTERM of a worker, every connection closed by the
 //! broker, a memory alarm, the DLQ deleted for a while, the broker's app stopped and started,
-//! and mongod restarted. Then it lets the workers drain, stops them, and checks by id:
+//! mongod restarted, and the workers' network to the broker stalled (nothing closed). Then it lets the workers drain, stops them, and checks by id:
 //!
 //! - every order for a known sku has exactly one ledger entry and no DLQ copy;
 //! - an order for the unknown sku has no ledger entry and one DLQ copy (`unknown sku`);
@@ -19,7 +19,7 @@
 //! It prints the figures and exits 1, naming each violated id, when anything does not hold.
 //!
 //! ```text
-//! chaos --service target/debug/inbox --messages 2000 --seed 7 --workers 3 --rate 400
+//! chaos --service target/debug/inbox --messages 2000 --seed 7 --workers 3 --rate 400 --min-each 1
 //! ```
 //!
 //! The broker and mongod are the ones `scripts/test.sh` starts (`LILY_AMQP_URL`,
@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use lapin::BasicProperties;
 use lily_mq_mongo::mongodb::bson::{Bson, Document, doc};
 use lily_mq_mongo::mongodb::{self, Database};
-use lily_mq_testkit::{Broker, ChildProcess, Client, MongoNode};
+use lily_mq_testkit::{Broker, ChildProcess, Client, MongoNode, TcpProxy};
 use tokio::process::Command;
 
 const SKUS: [&str; 4] = ["SKU-A", "SKU-B", "SKU-C", "SKU-D"];
@@ -49,6 +49,8 @@ struct Args {
     rate: u32,
     /// Time between two faults.
     fault_every: Duration,
+    /// Faults of each kind at least, publishing or not.
+    min_each: u32,
 }
 
 impl Args {
@@ -60,6 +62,7 @@ impl Args {
             workers: 3,
             rate: 400,
             fault_every: Duration::from_millis(1500),
+            min_each: 1,
         };
         let mut it = std::env::args().skip(1);
         while let Some(flag) = it.next() {
@@ -76,6 +79,7 @@ impl Args {
                 "--workers" => args.workers = number()?.max(1) as usize,
                 "--rate" => args.rate = u32::try_from(number()?.max(1)).unwrap_or(u32::MAX),
                 "--fault-every-ms" => args.fault_every = Duration::from_millis(number()?.max(100)),
+                "--min-each" => args.min_each = u32::try_from(number()?).unwrap_or(u32::MAX),
                 other => return Err(format!("unknown flag {other}")),
             }
         }
@@ -160,6 +164,8 @@ struct Slot {
 
 struct Supervisor {
     service: PathBuf,
+    /// The workers reach the broker through it.
+    network: TcpProxy,
     queue: String,
     database: String,
     slots: Vec<Slot>,
@@ -174,7 +180,7 @@ impl Supervisor {
         let mut command = Command::new(&self.service);
         command
             .arg("serve")
-            .env("LILY_AMQP_URL", broker.url())
+            .env("LILY_AMQP_URL", self.network.url(broker.url()))
             .env("LILY_MONGO_URL", node.url())
             .env("LILY_MONGO_DB", &self.database)
             .env("LILY_QUEUE", &self.queue)
@@ -249,9 +255,10 @@ enum Fault {
     DlqGone,
     BrokerRestart,
     MongodRestart,
+    StalledNetwork,
 }
 
-const FAULTS: [Fault; 7] = [
+const FAULTS: [Fault; 8] = [
     Fault::KillWorker,
     Fault::TermWorker,
     Fault::CloseConnections,
@@ -259,6 +266,7 @@ const FAULTS: [Fault; 7] = [
     Fault::DlqGone,
     Fault::BrokerRestart,
     Fault::MongodRestart,
+    Fault::StalledNetwork,
 ];
 
 /// DLQ copies by id, with their reasons.
@@ -310,6 +318,12 @@ async fn inject(
             broker.ctl(&["trace_on", "-p", "/"]);
         }
         Fault::MongodRestart => restart_mongod(),
+        Fault::StalledNetwork => {
+            // Nothing is closed: only timeouts and heartbeats can notice.
+            supervisor.network.stall(true);
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            supervisor.network.stall(false);
+        }
         Fault::DlqGone => {
             // What the DLQ holds is kept first: deleting it deletes its messages.
             let dlq = format!("{queue}.dlq");
@@ -519,6 +533,7 @@ async fn main() -> ExitCode {
 
     let mut supervisor = Supervisor {
         service: args.service.clone(),
+        network: TcpProxy::start(broker.addr()).await,
         queue: queue.clone(),
         database: database_name.clone(),
         slots: (0..args.workers)
@@ -551,7 +566,13 @@ async fn main() -> ExitCode {
     let mut books = Books::default();
     let mut next_fault = Instant::now() + args.fault_every;
     let mut turn = rng.below(FAULTS.len() as u64) as usize;
-    while !publisher.is_finished() {
+    // Faults go on while orders are published, and until each kind came `min_each` times.
+    let short = |injected: &BTreeMap<Fault, u32>| {
+        FAULTS
+            .iter()
+            .any(|f| injected.get(f).copied().unwrap_or(0) < args.min_each)
+    };
+    while !publisher.is_finished() || short(&injected) {
         supervisor.restart_exited().await;
         if Instant::now() >= next_fault {
             let fault = FAULTS[turn % FAULTS.len()];
