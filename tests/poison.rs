@@ -190,6 +190,19 @@ async fn failing_dlq(kind: QueueKind) {
         "the failing lane is named: {:?}",
         running.stats.failing_lanes()
     );
+    // Readiness says so, still ready: the good messages are handled.
+    let (addr, health) = lily::rabbit::health::serve(
+        "127.0.0.1:0".parse().expect("address"),
+        running.stats.clone(),
+    )
+    .await
+    .expect("health endpoint");
+    let readyz = readyz(addr).await;
+    health.abort();
+    assert!(
+        readyz.starts_with("HTTP/1.1 200") && readyz.contains(&format!("lane failing: {dlq}")),
+        "{readyz}"
+    );
     // Held copies come back and, the DLQ still gone, wait again (in the longer bucket).
     running
         .wait_for("every failure held twice", WAIT, |t| {
@@ -325,4 +338,20 @@ async fn a_message_that_keeps_killing_its_consumer_reaches_the_dlq_through_the_d
         "delivered once past the limit"
     );
     assert_eq!(client.depth(&queue).await, 0);
+}
+
+/// The whole `/readyz` response.
+async fn readyz(addr: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    stream
+        .write_all(b"GET /readyz HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .expect("request");
+    let mut response = String::new();
+    stream
+        .read_to_string(&mut response)
+        .await
+        .expect("response");
+    response
 }
