@@ -9,9 +9,10 @@
 //! mongod restarted, and the workers' network to the broker stalled (nothing closed). Then it lets the workers drain, stops them, and checks by id:
 //!
 //! - every order for a known sku has exactly one ledger entry and no DLQ copy;
-//! - an order for the unknown sku has no ledger entry and one DLQ copy (`unknown sku`);
-//! - an id published with two bodies has one ledger entry (for one of them) and one DLQ copy
+//! - an order for the unknown sku has no ledger entry and its DLQ copy (`unknown sku`);
+//! - an id published with two bodies has one ledger entry (for one of them) and a DLQ copy
 //!   (`inbox conflict`) for the other;
+//! - a DLQ copy may exist twice (an ACK lost after its confirm): counted, not a violation;
 //! - stock levels equal what was seeded minus the ledger;
 //! - nothing else is in the DLQ, the parking lane, the work queue or a retry bucket;
 //! - no shutdown report lists a delivery as unresolved that the database does not explain.
@@ -744,17 +745,20 @@ async fn check(
         }
     }
 
-    let (mut effects, mut conflicts, mut unknown) = (0, 0, 0);
+    let (mut effects, mut conflicts, mut unknown, mut doubled_copies) = (0, 0, 0, 0);
     for (id, (sku, quantities)) in &published {
         let entries = ledger.get(*id).map_or(&[][..], Vec::as_slice);
         let reasons = dead.get(*id).map_or(&[][..], Vec::as_slice);
         let explained = unresolved.contains_key(*id);
-        // A body sent twice (its confirm lost to a fault) may be dead-lettered twice.
+        // A DLQ copy may exist twice: a body sent twice (its publish confirm lost to a fault),
+        // or an ACK lost after the copy's confirm (the redelivery hands off again). Counted,
+        // not a violation: the original is never lost for it.
         if *sku == UNKNOWN_SKU {
             unknown += 1;
             let sent = quantities.values().sum::<u32>() as usize;
+            doubled_copies += reasons.len().saturating_sub(sent);
             let right = reasons.iter().all(|r| r.contains("unknown sku"));
-            if !entries.is_empty() || reasons.is_empty() || reasons.len() > sent || !right {
+            if !entries.is_empty() || reasons.is_empty() || !right {
                 violations.push(format!(
                     "{id}: unknown sku, ledger {entries:?}, DLQ {reasons:?}"
                 ));
@@ -791,9 +795,10 @@ async fn check(
             .filter(|r| r.contains("inbox conflict"))
             .count();
         let floor = usize::from(quantities.len() > 1);
-        if conflict_copies != reasons.len() || conflict_copies < floor || conflict_copies > other {
+        doubled_copies += conflict_copies.saturating_sub(other);
+        if conflict_copies != reasons.len() || conflict_copies < floor {
             violations.push(format!(
-                "{id}: DLQ {reasons:?}, expected {floor} to {other} inbox conflict copies"
+                "{id}: DLQ {reasons:?}, expected at least {floor} inbox conflict copy and nothing else"
             ));
         }
     }
@@ -834,9 +839,9 @@ async fn check(
         .filter_map(|r| r["totals"]["duplicates_suppressed"].as_u64())
         .sum();
     println!(
-        "ids {}: effects {effects}, conflicts {conflicts}, unknown sku {unknown}; DLQ copies {}; \
-         suppressed duplicates (reported) {suppressed}; unresolved listed {}; reports {}; \
-         worker starts {}",
+        "ids {}: effects {effects}, conflicts {conflicts}, unknown sku {unknown}; DLQ copies {} \
+         ({doubled_copies} doubled); suppressed duplicates (reported) {suppressed}; unresolved \
+         listed {}; reports {}; worker starts {}",
         published.len(),
         dead.values().map(Vec::len).sum::<usize>(),
         unresolved.len(),
