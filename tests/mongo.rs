@@ -31,8 +31,12 @@ async fn record_effect(tx: MongoTx, meta: Meta) -> Result<(), QueueHandlerError>
 }
 
 async fn scope(database: &str) -> MongoScope {
+    scope_with(database, MongoConfig::new("e2e")).await
+}
+
+async fn scope_with(database: &str, config: MongoConfig) -> MongoScope {
     let node = MongoNode::from_env();
-    MongoScope::connect(node.url(), database, MongoConfig::new("e2e"))
+    MongoScope::connect(node.url(), database, config)
         .await
         .expect("mongo scope")
 }
@@ -104,14 +108,8 @@ async fn duplicate_with_same_fingerprint_is_suppressed_and_conflict_goes_to_dlq(
 async fn a_concurrent_duplicate_is_suppressed_in_process_not_deferred() {
     let broker = Broker::from_env();
     let queue = Broker::unique("concurrent-dup");
-    let node = MongoNode::from_env();
-    let scope = MongoScope::connect(
-        node.url(),
-        &MongoNode::database_name("dup"),
-        MongoConfig::new("e2e").without_lease(),
-    )
-    .await
-    .expect("mongo scope");
+    let database = MongoNode::database_name("dup");
+    let scope = scope_with(&database, MongoConfig::new("e2e").without_lease()).await;
     let router = Router::new().route("order.placed", |tx: MongoTx, meta: Meta| async move {
         record_effect(tx, meta).await?;
         // The transaction stays open a while: the twin's insert meets it.
@@ -146,14 +144,8 @@ async fn a_classic_message_that_keeps_killing_its_worker_is_counted_durably_and_
     const MAX_REQUEUES: u32 = 2;
     let broker = Broker::from_env();
     let queue = Broker::unique("killer");
-    let node = MongoNode::from_env();
-    let scope = MongoScope::connect(
-        node.url(),
-        &MongoNode::database_name("killer"),
-        MongoConfig::new("e2e").without_lease(),
-    )
-    .await
-    .expect("mongo scope");
+    let database = MongoNode::database_name("killer");
+    let scope = scope_with(&database, MongoConfig::new("e2e").without_lease()).await;
     let calls = Arc::new(Mutex::new(Vec::<String>::new()));
     let release = Arc::new(tokio::sync::Notify::new());
     let (seen, gate) = (Arc::clone(&calls), Arc::clone(&release));

@@ -192,6 +192,15 @@ pub fn is_token(text: &str, max: usize) -> bool {
     !text.is_empty() && text.len() <= max && text.bytes().all(|b| b.is_ascii_graphic())
 }
 
+/// Reads a string header: a short or long string that is valid UTF-8.
+pub fn as_text(value: &AMQPValue) -> Option<&str> {
+    match value {
+        AMQPValue::ShortString(s) => Some(s.as_str()),
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
+        _ => None,
+    }
+}
+
 /// Reads a non-negative integer header that fits in `u32`; decimal strings are accepted.
 pub fn as_u32(value: &AMQPValue) -> Option<u32> {
     let wide: i128 = match value {

@@ -196,11 +196,7 @@ impl Headers {
 
     /// A string header (short or long string, valid UTF-8).
     pub fn get_str(&self, key: &str) -> Option<&str> {
-        match self.get(key)? {
-            AMQPValue::ShortString(s) => Some(s.as_str()),
-            AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
-            _ => None,
-        }
+        crate::envelope::as_text(self.get(key)?)
     }
 
     /// All headers, in key order.

@@ -34,13 +34,13 @@ use crate::decision::{
     RequeueCause, SettleResult, Settlement, Situation, Terminal, TransactionOutcome, decide,
     decide_at_gate,
 };
-use crate::envelope::{GateRejection, as_u32};
+use crate::envelope::{GateRejection, as_text, as_u32};
 use crate::error::FailureKind;
 use crate::headers;
 use crate::ledger::Evidence;
 use crate::policy::Policy;
 use crate::reason::Reason;
-use amq_protocol_types::{AMQPValue, FieldTable};
+use amq_protocol_types::FieldTable;
 
 /// The reason of a delivery that succeeded.
 static OK: Reason = Reason::from_static("ok");
@@ -114,11 +114,7 @@ pub struct HeldCopy {
 impl HeldCopy {
     /// Reads a held copy's headers; `None` unless [`HELD_FOR`](headers::HELD_FOR) names a lane.
     pub fn from_headers(table: &FieldTable) -> Option<Self> {
-        let text = |key: &str| match table.inner().get(key)? {
-            AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
-            AMQPValue::ShortString(s) => Some(s.as_str()),
-            _ => None,
-        };
+        let text = |key: &str| as_text(table.inner().get(key)?);
         Some(Self {
             target: Terminal::parse(text(headers::HELD_FOR)?)?,
             kind: text(headers::FAILURE_KIND).and_then(FailureKind::parse),

@@ -12,7 +12,7 @@ use lily_mq_core::machine::{
 };
 use lily_mq_core::transport::{
     Authority, BoxedHandler, Cause, DeliveryCancel, EntryId, Evidence, GateRejection, Handoff,
-    HandoffResult, Identity, IncomingParts, PropertiesView, SettleResult, as_u32, inspect,
+    HandoffResult, Identity, IncomingParts, PropertiesView, SettleResult, as_text, as_u32, inspect,
     is_token, not_utf8,
 };
 use lily_mq_core::{Begin, Incoming, Lane, Limits, Meta, Outcome, Reason, Resources, headers};
@@ -224,11 +224,7 @@ impl Source {
             Self::Passed(incoming) => incoming.properties(),
             Self::Refused(refused) => &refused.properties,
         };
-        match properties.headers().as_ref()?.inner().get(key)? {
-            lapin::types::AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
-            lapin::types::AMQPValue::ShortString(s) => Some(s.as_str()),
-            _ => None,
-        }
+        as_text(properties.headers().as_ref()?.inner().get(key)?)
     }
 
     /// The message's valid id, if it has one: the key of its requeue count.

@@ -32,6 +32,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use lapin::BasicProperties;
+use lily::core::transport::as_text;
 use lily_mq_mongo::mongodb::bson::{Bson, Document, doc};
 use lily_mq_mongo::mongodb::{self, Database};
 use lily_mq_testkit::{Broker, ChildProcess, Client, MongoNode, TcpProxy};
@@ -371,16 +372,11 @@ async fn drain_trace(client: &Client, trace: &str, deliveries: &mut BTreeMap<Str
             .headers()
             .as_ref()
             .and_then(|h| match h.inner().get("properties")? {
-                lapin::types::AMQPValue::FieldTable(p) => match p.inner().get("message_id")? {
-                    lapin::types::AMQPValue::LongString(s) => {
-                        Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
-                    }
-                    lapin::types::AMQPValue::ShortString(s) => Some(s.to_string()),
-                    _ => None,
-                },
+                lapin::types::AMQPValue::FieldTable(p) => as_text(p.inner().get("message_id")?),
                 _ => None,
             })
-            .unwrap_or_default();
+            .unwrap_or_default()
+            .to_owned();
         *deliveries.entry(id).or_default() += 1;
     }
 }
@@ -449,14 +445,9 @@ async fn drain_dead(client: &Client, dlq: &str, dead: &mut Dead) {
         let reason = properties
             .headers()
             .as_ref()
-            .and_then(|h| h.inner().get("x-lily-reason").cloned())
-            .map(|v| match v {
-                lapin::types::AMQPValue::LongString(s) => {
-                    String::from_utf8_lossy(s.as_bytes()).into_owned()
-                }
-                other => format!("{other:?}"),
-            })
-            .unwrap_or_else(|| "(broker dead-lettered)".to_owned());
+            .and_then(|h| as_text(h.inner().get("x-lily-reason")?))
+            .unwrap_or("(broker dead-lettered)")
+            .to_owned();
         dead.entry(id).or_default().push(reason);
     }
 }
