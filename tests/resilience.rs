@@ -444,3 +444,64 @@ async fn a_connection_lost_while_declaring_is_retried_not_fatal() {
     let report = running.stop().await;
     assert!(report.clean, "{:?}", report.unresolved);
 }
+
+/// The work queue is deleted under a running consumer (an operator, a cluster event): the
+/// broker cancels the consumer with `basic.cancel`. Lily must notice, declare the topology
+/// again and resume; otherwise it looks alive and consumes nothing, forever.
+async fn consumer_cancelled_by_the_broker(kind: QueueKind) {
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let router = Router::new().route("order.placed", move |meta: Meta| {
+        let seen = seen.clone();
+        async move {
+            seen.record(&meta);
+            Ok(())
+        }
+    });
+    let (broker, queue, client, running) =
+        common::scenario("cancelled", router, |q| config(q, kind)).await;
+    let publish = |range: std::ops::Range<u32>| {
+        let (client, queue) = (&client, queue.clone());
+        async move {
+            for i in range {
+                let id = format!("c-{i}");
+                client.publish(&queue, b"{}", props(&id, "order.placed")).await;
+            }
+        }
+    };
+    publish(0..20).await;
+    let settled = eventually(WAIT, || calls.count() >= 20 && broker.messages(&queue) == 0).await;
+    assert!(settled, "the first batch is handled and ACKed");
+
+    client.delete(&queue).await;
+    common::wait_declared(broker.url(), &queue).await;
+    publish(20..40).await;
+    let resumed = eventually(WAIT, || calls.count() >= 40 && broker.messages(&queue) == 0).await;
+    let mut handled = std::collections::BTreeMap::<String, usize>::new();
+    for (id, _, _) in calls.all() {
+        *handled.entry(id).or_default() += 1;
+    }
+    assert!(
+        resumed,
+        "consuming resumed after the broker's cancel: handled {handled:?}, {} left in the queue",
+        broker.messages(&queue)
+    );
+    running.stop().await;
+    for i in 0..40 {
+        let id = format!("c-{i}");
+        assert_eq!(handled.get(&id), Some(&1), "{id} handled exactly once");
+    }
+    assert_eq!(handled.len(), 40, "nothing else handled: {handled:?}");
+    assert_eq!(broker.messages(&queue), 0);
+    assert_eq!(broker.messages(&format!("{queue}.dlq")), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_cancelled_by_the_broker_declares_again_and_resumes_on_classic() {
+    consumer_cancelled_by_the_broker(QueueKind::Classic).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_cancelled_by_the_broker_declares_again_and_resumes_on_quorum() {
+    consumer_cancelled_by_the_broker(QueueKind::Quorum).await;
+}

@@ -40,7 +40,9 @@
 //! | `LILY_DEFERRAL_MS` | how long a deferred delivery waits before its requeue, default 1000 |
 //! | `LILY_LEASE_TTL_MS` | per-message lease TTL, default 30000 |
 //! | `LILY_MAX_REQUEUES` | deferrals (and failed handoffs) before the DLQ, default 100 |
+//! | `LILY_QUEUE_TYPE` | `classic` (default) or `quorum`; a quorum work queue gets `x-delivery-limit` `LILY_MAX_REQUEUES` + 20 |
 //! | `INBOX_FAULT` | `serve` only, for crash tests: `abort_after_commit` or `abort_in_handler` |
+//! | `INBOX_FLAKY_ONE_IN` | `serve` only, for soaks: the first attempt of one order in N (chosen by its message id) fails with a retryable error before any write, so it goes through a retry bucket; 0 (default) never |
 //!
 //! Keep `LILY_MAX_REQUEUES × LILY_DEFERRAL_MS` longer than `LILY_LEASE_TTL_MS` plus mongod's
 //! `transactionLifetimeLimitSeconds` (60 s unless configured): after a crash in the handler, the
@@ -62,7 +64,7 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueuePurgeOption
 use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
 use lily::core::Totals;
 use lily::prelude::*;
-use lily::rabbit::Topology;
+use lily::rabbit::{QueueKind, Topology};
 use lily_mq_example_support::{DeadLetter, drain_dead_letters, error_chain};
 use lily_mq_mongo::mongodb::bson::{Bson, Document, doc};
 use lily_mq_mongo::mongodb::error::{ErrorKind, TRANSIENT_TRANSACTION_ERROR};
@@ -118,10 +120,16 @@ impl Fault {
 /// static text: they end up in headers and logs, bodies never do.
 async fn reserve(
     fault: Option<Fault>,
+    flaky_one_in: u32,
     Json(order): Json<StockReserved>,
     meta: Meta,
     tx: MongoTx,
 ) -> Result<(), QueueHandlerError> {
+    if meta.attempt() == 1 && flaky_one_in > 0 && fnv1a(meta.message_id()) % u64::from(flaky_one_in) == 0 {
+        return Err(QueueHandlerError::retryable(
+            "INBOX_FLAKY_ONE_IN: the first attempt of this order fails",
+        ));
+    }
     if order.quantity == 0 {
         return Err(QueueHandlerError::permanent("quantity must be at least 1"));
     }
@@ -173,6 +181,13 @@ async fn reserve(
     Ok(()) // Lily commits, then ACKs
 }
 
+/// FNV-1a of `text`: picks the flaky orders the same way in every process.
+fn fnv1a(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 /// A database error inside the transaction. A transient transaction error (a write conflict
 /// with a concurrent reservation of the same sku) runs the whole transaction again, in-process,
 /// without using an attempt; anything else is a retryable failure.
@@ -198,6 +213,8 @@ struct Settings {
     deferral: Duration,
     lease_ttl: Duration,
     max_requeues: u32,
+    queue_kind: QueueKind,
+    flaky_one_in: u32,
 }
 
 fn env_number<T: std::str::FromStr>(name: &str, default: T) -> Result<T, String> {
@@ -234,6 +251,12 @@ impl Settings {
             deferral,
             lease_ttl,
             max_requeues: env_number("LILY_MAX_REQUEUES", 100)?,
+            queue_kind: match std::env::var("LILY_QUEUE_TYPE").as_deref() {
+                Err(_) | Ok("" | "classic") => QueueKind::Classic,
+                Ok("quorum") => QueueKind::Quorum,
+                Ok(_) => return Err("LILY_QUEUE_TYPE must be classic or quorum".into()),
+            },
+            flaky_one_in: env_number("INBOX_FLAKY_ONE_IN", 0)?,
         })
     }
 
@@ -249,6 +272,9 @@ impl Settings {
 
     fn consumer_config(&self, prefetch: u16) -> ConsumerConfig {
         ConsumerConfig::new(&self.queue)
+            .queue_kind(self.queue_kind)
+            // Above the requeues Lily allows itself: the broker's limit is the backstop.
+            .delivery_limit(Some(self.max_requeues.saturating_add(20)))
             .policy(self.policy())
             .prefetch(prefetch)
             .concurrency(usize::from(prefetch))
@@ -278,10 +304,12 @@ impl Settings {
     }
 }
 
-fn router(fault: Option<Fault>) -> Router {
+fn router(fault: Option<Fault>, flaky_one_in: u32) -> Router {
     Router::new().route(
         STOCK_RESERVED,
-        move |order: Json<StockReserved>, meta: Meta, tx: MongoTx| reserve(fault, order, meta, tx),
+        move |order: Json<StockReserved>, meta: Meta, tx: MongoTx| {
+            reserve(fault, flaky_one_in, order, meta, tx)
+        },
     )
 }
 
@@ -338,7 +366,8 @@ fn usage() -> &'static str {
      \n  serve  consume until SIGTERM or Ctrl-C, then print the shutdown report (JSON)\
      \n\nenvironment: LILY_AMQP_URL, LILY_MONGO_URL (required); LILY_MONGO_DB (inbox_demo), \
      LILY_QUEUE (stock), LILY_PREFETCH (10), LILY_DEFERRAL_MS (1000), LILY_LEASE_TTL_MS (30000), \
-     LILY_MAX_REQUEUES (100), INBOX_FAULT, RUST_LOG"
+     LILY_MAX_REQUEUES (100), LILY_QUEUE_TYPE (classic), INBOX_FAULT, INBOX_FLAKY_ONE_IN (0), \
+     RUST_LOG"
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -357,7 +386,7 @@ async fn serve(settings: &Settings, fault: Option<Fault>) -> Result<ExitCode, Bo
     let consumer = Consumer::new(
         settings.amqp_url.clone(),
         settings.consumer_config(settings.prefetch),
-        router(fault),
+        router(fault, settings.flaky_one_in),
     )
     .scope(scope);
     let report = consumer.run(shutdown).await?;
@@ -458,7 +487,7 @@ async fn demo(settings: &Settings) -> Result<ExitCode, BoxError> {
     let config = settings.consumer_config(1);
     let topology = Topology::new(
         &settings.queue,
-        QueueKind::Classic,
+        settings.queue_kind,
         &config.policy.retry_delays,
     );
     println!("Lily inbox demo");
@@ -522,7 +551,7 @@ async fn demo(settings: &Settings) -> Result<ExitCode, BoxError> {
 
     // The consumer runs in its own task until `shutdown` fires.
     let scope = settings.scope(None).await?;
-    let consumer = Consumer::new(settings.amqp_url.clone(), config, router(None)).scope(scope);
+    let consumer = Consumer::new(settings.amqp_url.clone(), config, router(None, 0)).scope(scope);
     let stats = consumer.stats();
     let shutdown = Shutdown::default();
     let mut task = tokio::spawn(consumer.run(shutdown.clone()));

@@ -503,6 +503,17 @@ mod test {
     }
 
     #[test]
+    fn test_short_string_hashes_like_the_str_it_borrows_as() {
+        // lapin finds a consumer by the `&str` tag of a broker's `basic.cancel`.
+        let mut map = std::collections::HashMap::new();
+        map.insert(ShortString::from("amq.ctag-1"), 1);
+        assert_eq!(map.get("amq.ctag-1"), Some(&1));
+        let (_, lossy) = parse_short_string(&[2, b'k', 0xff][..]).unwrap();
+        map.insert(lossy, 2);
+        assert_eq!(map.get("k\u{fffd}"), Some(&2));
+    }
+
+    #[test]
     fn test_short_string_keeps_its_size() {
         // Every property and every field-table key is one: the flag must not grow them.
         assert_eq!(

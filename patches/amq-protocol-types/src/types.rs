@@ -172,13 +172,22 @@ impl std::error::Error for ShortStringError {}
 /// Parsed leniently: wire bytes that are not valid UTF-8 are decoded with U+FFFD replacement
 /// characters (truncated, at a character boundary, to [MAX_SHORT_STRING_LENGTH] bytes), and
 /// [ShortString::is_lossy] tells the two apart. Such a string compares unequal to a valid one
-/// with the same text.
-#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize, Serialize)]
+/// with the same text, but hashes like its text: maps keyed by `ShortString` are looked up by
+/// `&str` (see the `Borrow<str>` impl), as lapin does with consumer tags.
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Deserialize, Serialize)]
 #[serde(transparent)]
 pub struct ShortString {
     value: Box<str>,
     #[serde(skip)]
     lossy: bool,
+}
+
+impl std::hash::Hash for ShortString {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        // Exactly as the `&str` it borrows as: `Borrow` requires it. Equal strings still hash
+        // equally; a lossy one merely shares its text's bucket.
+        self.value.hash(state);
+    }
 }
 /// A String
 #[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize, Serialize)]

@@ -6,7 +6,11 @@
 //! orders for an unknown sku among them) at a steady rate, and meanwhile injects faults on a
 //! seeded schedule: SIGKILL of a worker, SIGTERM of a worker, every connection closed by the
 //! broker, a memory alarm, the DLQ deleted for a while, the broker's app stopped and started,
-//! mongod restarted, and the workers' network to the broker stalled (nothing closed). Then it lets the workers drain, stops them, and checks by id:
+//! mongod restarted, the workers' network to the broker stalled (nothing closed), publisher
+//! confirms nacked by the retry buckets and the DLQ (a policy with `max-length` 0 and
+//! `overflow: reject-publish`), and the consumers cancelled by the broker (the work queue
+//! deleted and declared again). One order in 25 fails its first attempt, so retry buckets are
+//! always in use. Then it lets the workers drain, stops them, and checks by id:
 //!
 //! - every order for a known sku has exactly one ledger entry and no DLQ copy;
 //! - an order for the unknown sku has no ledger entry and its DLQ copy (`unknown sku`);
@@ -20,7 +24,8 @@
 //! It prints the figures and exits 1, naming each violated id, when anything does not hold.
 //!
 //! ```text
-//! chaos --service target/debug/inbox --messages 2000 --seed 7 --workers 3 --rate 400 --min-each 1
+//! chaos --service target/debug/inbox --messages 2000 --seed 7 --workers 3 --rate 400 --min-each 1 \
+//!   --queue-type quorum
 //! ```
 //!
 //! The broker and mongod are the ones `scripts/test.sh` starts (`LILY_AMQP_URL`,
@@ -33,10 +38,12 @@ use std::time::{Duration, Instant};
 
 use lapin::BasicProperties;
 use lily::core::transport::as_text;
+use lily::rabbit::{QueueKind, Topology, TopologyMode};
 use lily_mq_mongo::mongodb::bson::{Bson, Document, doc};
 use lily_mq_mongo::mongodb::{self, Database};
 use lily_mq_testkit::{Broker, ChildProcess, Client, MongoNode, TcpProxy};
 use tokio::process::Command;
+use tokio::sync::watch;
 
 const SKUS: [&str; 4] = ["SKU-A", "SKU-B", "SKU-C", "SKU-D"];
 const UNKNOWN_SKU: &str = "SKU-NONE";
@@ -53,7 +60,21 @@ struct Args {
     fault_every: Duration,
     /// Faults of each kind at least, publishing or not.
     min_each: u32,
+    /// The type of the work queue and its companions.
+    kind: QueueKind,
+    /// The kinds of fault injected, in turn.
+    faults: Vec<Fault>,
 }
+
+/// Failed injections of one kind after which the soak stops insisting on it.
+const REFUSALS: u32 = 5;
+/// The workers' `LILY_MAX_REQUEUES`: deferrals wait on a dead worker's lease and on its
+/// abandoned transaction (mongod's lifetime limit), 250 ms each.
+const MAX_REQUEUES: u32 = 400;
+/// The retry delays of the inbox service.
+const RETRY_DELAYS: [Duration; 2] = [Duration::from_secs(1), Duration::from_secs(5)];
+/// One order in this many fails its first attempt (`INBOX_FLAKY_ONE_IN`).
+const FLAKY_ONE_IN: &str = "25";
 
 impl Args {
     fn parse() -> Result<Self, String> {
@@ -65,6 +86,8 @@ impl Args {
             rate: 400,
             fault_every: Duration::from_millis(1500),
             min_each: 1,
+            kind: QueueKind::Classic,
+            faults: FAULTS.to_vec(),
         };
         let mut it = std::env::args().skip(1);
         while let Some(flag) = it.next() {
@@ -82,6 +105,24 @@ impl Args {
                 "--rate" => args.rate = u32::try_from(number()?.max(1)).unwrap_or(u32::MAX),
                 "--fault-every-ms" => args.fault_every = Duration::from_millis(number()?.max(100)),
                 "--min-each" => args.min_each = u32::try_from(number()?).unwrap_or(u32::MAX),
+                "--faults" => {
+                    args.faults = value
+                        .split(',')
+                        .map(|name| {
+                            FAULTS
+                                .into_iter()
+                                .find(|f| format!("{f:?}").eq_ignore_ascii_case(name))
+                                .ok_or_else(|| format!("--faults: no fault named {name}"))
+                        })
+                        .collect::<Result<_, _>>()?;
+                }
+                "--queue-type" => {
+                    args.kind = match value.as_str() {
+                        "classic" => QueueKind::Classic,
+                        "quorum" => QueueKind::Quorum,
+                        _ => return Err("--queue-type: classic or quorum".into()),
+                    }
+                }
                 other => return Err(format!("unknown flag {other}")),
             }
         }
@@ -169,6 +210,7 @@ struct Supervisor {
     /// The workers reach the broker through it.
     network: TcpProxy,
     queue: String,
+    kind: QueueKind,
     database: String,
     slots: Vec<Slot>,
     reports: Vec<serde_json::Value>,
@@ -189,7 +231,15 @@ impl Supervisor {
             .env("LILY_PREFETCH", "10")
             .env("LILY_LEASE_TTL_MS", "2000")
             .env("LILY_DEFERRAL_MS", "250")
-            .env("LILY_MAX_REQUEUES", "400")
+            .env("LILY_MAX_REQUEUES", MAX_REQUEUES.to_string())
+            .env(
+                "LILY_QUEUE_TYPE",
+                match self.kind {
+                    QueueKind::Classic => "classic",
+                    QueueKind::Quorum => "quorum",
+                },
+            )
+            .env("INBOX_FLAKY_ONE_IN", FLAKY_ONE_IN)
             .env("RUST_LOG", "warn")
             .env_remove("INBOX_FAULT");
         self.slots[slot].process = Some(ChildProcess::spawn(command));
@@ -258,9 +308,11 @@ enum Fault {
     BrokerRestart,
     MongodRestart,
     StalledNetwork,
+    NackedConfirms,
+    ConsumerCancel,
 }
 
-const FAULTS: [Fault; 8] = [
+const FAULTS: [Fault; 10] = [
     Fault::KillWorker,
     Fault::TermWorker,
     Fault::CloseConnections,
@@ -269,6 +321,8 @@ const FAULTS: [Fault; 8] = [
     Fault::BrokerRestart,
     Fault::MongodRestart,
     Fault::StalledNetwork,
+    Fault::NackedConfirms,
+    Fault::ConsumerCancel,
 ];
 
 /// DLQ copies by id, with their reasons.
@@ -284,14 +338,18 @@ struct Books {
     deliveries: BTreeMap<String, usize>,
 }
 
+/// Injects `fault`; returns false when it could not be (the queues never came to rest for a
+/// consumer cancel).
 async fn inject(
     fault: Fault,
     rng: &mut Rng,
     broker: &Broker,
-    supervisor: &Supervisor,
-    queue: &str,
+    supervisor: &mut Supervisor,
     books: &mut Books,
-) {
+    pause: &watch::Sender<bool>,
+) -> bool {
+    let queue = supervisor.queue.clone();
+    let queue = queue.as_str();
     let slot = rng.below(supervisor.slots.len() as u64) as usize;
     match fault {
         Fault::KillWorker => supervisor.signal(slot, "KILL"),
@@ -333,9 +391,96 @@ async fn inject(
             drain_dead(&client, &dlq, &mut books.dead).await;
             client.delete(&dlq).await;
             tokio::time::sleep(Duration::from_secs(2)).await;
-            declare_dlq(broker.url(), queue).await;
+            declare_topology(broker.url(), queue, supervisor.kind).await;
         }
+        Fault::NackedConfirms => {
+            // Every publish to a retry bucket or the DLQ is refused with a `basic.nack`.
+            let pattern = format!("^{}\\.(retry\\..+|dlq)$", regex_escape(queue));
+            broker.ctl(&[
+                "set_policy",
+                "--apply-to",
+                "queues",
+                "--priority",
+                "10",
+                "chaos-nack",
+                &pattern,
+                r#"{"max-length":0,"overflow":"reject-publish"}"#,
+            ]);
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            broker.ctl(&["clear_policy", "chaos-nack"]);
+        }
+        Fault::ConsumerCancel => return cancel_consumers(broker, supervisor, pause).await,
     }
+    true
+}
+
+/// Deletes the work queue, so the broker cancels every consumer (`basic.cancel`), and declares
+/// it again. Deleting a queue destroys what it holds, which no consumer can prevent: the
+/// publisher pauses first, and the queue is deleted only once it and the retry buckets (which
+/// dead-letter into it) hold nothing, ready or unacknowledged; on a classic queue `if-empty`
+/// refuses the delete should a message arrive in between. Returns false if they never came to
+/// rest.
+async fn cancel_consumers(
+    broker: &Broker,
+    supervisor: &mut Supervisor,
+    pause: &watch::Sender<bool>,
+) -> bool {
+    let queue = supervisor.queue.clone();
+    let topology = Topology::new(&queue, supervisor.kind, &RETRY_DELAYS);
+    let mut watched = vec![queue.clone()];
+    watched.extend(topology.buckets().map(|(name, _)| name.to_owned()));
+    pause.send_replace(true);
+    let by = Instant::now() + Duration::from_secs(30);
+    let mut deleted = false;
+    while Instant::now() < by {
+        supervisor.restart_exited().await;
+        let depths = depths(broker);
+        if watched.iter().all(|q| depths.get(q) == Some(&0)) {
+            deleted = delete_queue(broker.url(), &queue, supervisor.kind).await;
+            if deleted {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    if deleted {
+        declare_topology(broker.url(), &queue, supervisor.kind).await;
+    }
+    pause.send_replace(false);
+    deleted
+}
+
+/// Ready plus unacknowledged messages of every queue, as the broker counts them.
+fn depths(broker: &Broker) -> BTreeMap<String, u64> {
+    let out = broker.ctl(&["list_queues", "-q", "--no-table-headers", "name", "messages"]);
+    out.lines()
+        .filter_map(|line| {
+            let mut cols = line.split_whitespace();
+            Some((cols.next()?.to_owned(), cols.next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Deletes `queue`, `if-empty` for a classic queue (quorum queues refuse the flag).
+async fn delete_queue(url: &str, queue: &str, kind: QueueKind) -> bool {
+    let Some((_connection, channel)) = open_confirmed(url).await else {
+        return false;
+    };
+    let options = lapin::options::QueueDeleteOptions {
+        if_empty: kind == QueueKind::Classic,
+        ..lapin::options::QueueDeleteOptions::default()
+    };
+    channel.queue_delete(queue.into(), options).await.is_ok()
+}
+
+/// `text` with the regular expression metacharacters a queue name may hold escaped.
+fn regex_escape(text: &str) -> String {
+    text.chars()
+        .flat_map(|c| {
+            let escape = matches!(c, '.' | '-' | '+' | '*' | '?' | '(' | ')' | '[' | ']');
+            escape.then_some('\\').into_iter().chain([c])
+        })
+        .collect()
 }
 
 /// The most deliveries of one id the soak accepts: redeliveries after faults and deferrals, and
@@ -452,22 +597,15 @@ async fn drain_dead(client: &Client, dlq: &str, dead: &mut Dead) {
     }
 }
 
-/// The DLQ as the workers declare it: durable, bound to the work queue's dead-letter exchange.
-async fn declare_dlq(url: &str, queue: &str) {
-    let dlq = format!("{queue}.dlq");
-    Client::connect(url).await.declare(&dlq, false).await;
+/// The work queue's topology as the workers declare it (an operator's redeclare after a
+/// deletion); failures are left to the workers, which declare it too.
+async fn declare_topology(url: &str, queue: &str, kind: QueueKind) {
     let Some((_connection, channel)) = open_confirmed(url).await else {
         return;
     };
-    let _ = channel
-        .queue_bind(
-            dlq.as_str().into(),
-            format!("{queue}.dlx").as_str().into(),
-            "".into(),
-            lapin::options::QueueBindOptions::default(),
-            lapin::types::FieldTable::default(),
-        )
-        .await;
+    let topology = Topology::new(queue, kind, &RETRY_DELAYS)
+        .delivery_limit(Some(MAX_REQUEUES.saturating_add(20)));
+    let _ = topology.apply(&channel, TopologyMode::Declare).await;
 }
 
 async fn seed_stock(database: &Database, each: i64) {
@@ -490,8 +628,9 @@ fn props(id: &str) -> BasicProperties {
 
 /// The queues of the work queue's topology that must end empty, with their depth now.
 async fn leftovers(client: &Client, queue: &str) -> BTreeMap<String, u32> {
-    let mut names = vec![queue.to_owned(), format!("{queue}.parking")];
-    names.extend(["1s", "5s"].map(|d| format!("{queue}.retry.{d}")));
+    let topology = Topology::new(queue, QueueKind::Classic, &RETRY_DELAYS);
+    let mut names = vec![queue.to_owned(), topology.parking_queue()];
+    names.extend(topology.buckets().map(|(name, _)| name.to_owned()));
     let mut left = BTreeMap::new();
     for name in names {
         let depth = client.depth(&name).await;
@@ -527,6 +666,7 @@ async fn main() -> ExitCode {
         service: args.service.clone(),
         network: TcpProxy::start(broker.addr()).await,
         queue: queue.clone(),
+        kind: args.kind,
         database: database_name.clone(),
         slots: (0..args.workers)
             .map(|_| Slot {
@@ -544,6 +684,7 @@ async fn main() -> ExitCode {
     let trace = trace_deliveries(&broker, &queue).await;
 
     // Publish at the rate asked, while faults come every `fault_every`.
+    let (pause, paused) = watch::channel(false);
     let publisher = {
         let (url, queue, orders, rate) = (
             broker.url().to_owned(),
@@ -551,26 +692,32 @@ async fn main() -> ExitCode {
             orders.clone(),
             args.rate,
         );
-        tokio::spawn(async move { publish(&url, &queue, &orders, rate).await })
+        tokio::spawn(async move { publish(&url, &queue, &orders, rate, paused).await })
     };
     let mut rng = Rng::new(args.seed ^ 0xFA17);
     let mut injected: BTreeMap<Fault, u32> = BTreeMap::new();
     let mut books = Books::default();
     let mut next_fault = Instant::now() + args.fault_every;
-    let mut turn = rng.below(FAULTS.len() as u64) as usize;
+    let faults = &args.faults;
+    let mut turn = rng.below(faults.len() as u64) as usize;
     // Faults go on while orders are published, and until each kind came `min_each` times.
-    let short = |injected: &BTreeMap<Fault, u32>| {
-        FAULTS
-            .iter()
-            .any(|f| injected.get(f).copied().unwrap_or(0) < args.min_each)
+    // A kind that could not be injected this many times in all is given up, as a violation.
+    let mut refused: BTreeMap<Fault, u32> = BTreeMap::new();
+    let short = |injected: &BTreeMap<Fault, u32>, refused: &BTreeMap<Fault, u32>| {
+        faults.iter().any(|f| {
+            injected.get(f).copied().unwrap_or(0) < args.min_each
+                && refused.get(f).copied().unwrap_or(0) < REFUSALS
+        })
     };
-    while !publisher.is_finished() || short(&injected) {
+    while !publisher.is_finished() || short(&injected, &refused) {
         supervisor.restart_exited().await;
         if Instant::now() >= next_fault {
-            let fault = FAULTS[turn % FAULTS.len()];
+            let fault = faults[turn % faults.len()];
             turn += 1;
-            inject(fault, &mut rng, &broker, &supervisor, &queue, &mut books).await;
-            *injected.entry(fault).or_default() += 1;
+            let done = inject(fault, &mut rng, &broker, &mut supervisor, &mut books, &pause).await;
+            *if done { &mut injected } else { &mut refused }
+                .entry(fault)
+                .or_default() += 1;
             next_fault = Instant::now() + args.fault_every;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -600,8 +747,13 @@ async fn main() -> ExitCode {
     let dead = &books.dead;
     let mut violations = check(&args, &sent, dead, &client, &queue, &database, &supervisor).await;
     violations.extend(count_deliveries(&broker, &client, &trace, books.deliveries).await);
+    for &fault in faults {
+        if injected.get(&fault).copied().unwrap_or(0) < args.min_each {
+            violations.push(format!("{fault:?}: injected fewer than {} times", args.min_each));
+        }
+    }
     println!(
-        "faults: {injected:?}; worker exits: {:?}; took {:.1} s",
+        "faults: {injected:?}; could not inject: {refused:?}; worker exits: {:?}; took {:.1} s",
         supervisor.exits,
         started.elapsed().as_secs_f64()
     );
@@ -632,16 +784,20 @@ async fn wait_declared(broker: &Broker, queue: &str) {
 /// Publishes `orders` at `rate` per second with publisher confirms, reconnecting when the
 /// broker closes the connection (a fault does). A publish whose confirm did not come is sent
 /// again, so a message may exist twice: returns how many times each (id, quantity) was sent.
+/// It waits while `paused` says so.
 async fn publish(
     url: &str,
     queue: &str,
     orders: &[Order],
     rate: u32,
+    mut paused: watch::Receiver<bool>,
 ) -> BTreeMap<(String, i64), u32> {
     let mut sent: BTreeMap<(String, i64), u32> = BTreeMap::new();
     let gap = Duration::from_secs(1) / rate;
     let mut channel: Option<(lapin::Connection, lapin::Channel)> = None;
     for order in orders {
+        // A closed sender means the soak is over: publish on.
+        let _ = paused.wait_for(|paused| !paused).await;
         loop {
             if channel.is_none() {
                 channel = open_confirmed(url).await;
