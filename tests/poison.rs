@@ -138,18 +138,41 @@ const WAIT: Duration = Duration::from_secs(30);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_dlq_never_fills_the_prefetch_on_classic() {
-    failing_dlq(QueueKind::Classic).await;
+    failing_dlq(QueueKind::Classic, DlqFault::Deleted).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_dlq_never_fills_the_prefetch_on_quorum() {
-    failing_dlq(QueueKind::Quorum).await;
+    failing_dlq(QueueKind::Quorum, DlqFault::Deleted).await;
 }
 
-/// Prefetch 10, the DLQ deleted, 50 permanent failures interleaved with 50 good messages: the
-/// good ones are ACKed at once, the failures wait as held copies, and once the DLQ is back they
-/// all end in it, without a restart; each message handled once, checked by id.
-async fn failing_dlq(kind: QueueKind) {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_dlq_never_fills_the_prefetch_and_takes_copies_once_drained_on_classic() {
+    failing_dlq(QueueKind::Classic, DlqFault::Full).await;
+}
+
+/// RabbitMQ tells each channel publishing to a full quorum queue that it is full, and (3.10 to
+/// 4.0, rabbitmq-server#12206) may never tell it otherwise once the limit is lifted: a channel
+/// that was nacked must not be used again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_dlq_never_fills_the_prefetch_and_takes_copies_once_drained_on_quorum() {
+    failing_dlq(QueueKind::Quorum, DlqFault::Full).await;
+}
+
+/// How the DLQ fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DlqFault {
+    /// Deleted, then declared again: copies come back unroutable.
+    Deleted,
+    /// Full (a policy: `max-length` 0, `overflow: reject-publish`), then the policy is cleared:
+    /// copies are nacked.
+    Full,
+}
+
+/// Prefetch 10, the DLQ failing, 50 permanent failures interleaved with 50 good messages: the
+/// good ones are ACKed at once, the failures wait as held copies, and once the DLQ takes copies
+/// again they all end in it, without a restart; each message handled once, checked by id.
+async fn failing_dlq(kind: QueueKind, fault: DlqFault) {
     const EACH: usize = 50;
     let calls = Calls::default();
     let seen = calls.clone();
@@ -164,12 +187,26 @@ async fn failing_dlq(kind: QueueKind) {
             }
         }
     });
-    let (_, queue, client, running) = common::scenario("failing-dlq", router, |q| {
+    let (broker, queue, client, running) = common::scenario("failing-dlq", router, |q| {
         config(q, kind).prefetch(10).concurrency(10)
     })
     .await;
     let dlq = format!("{queue}.dlq");
-    client.delete(&dlq).await;
+    let policy = format!("full-{queue}");
+    match fault {
+        DlqFault::Deleted => client.delete(&dlq).await,
+        DlqFault::Full => {
+            let pattern = format!("^{}$", dlq.replace('.', "\\."));
+            broker.ctl(&[
+                "set_policy",
+                "--apply-to",
+                "queues",
+                &policy,
+                &pattern,
+                r#"{"max-length":0,"overflow":"reject-publish"}"#,
+            ]);
+        }
+    }
 
     let started = Instant::now();
     for i in 0..EACH {
@@ -211,7 +248,12 @@ async fn failing_dlq(kind: QueueKind) {
         .await;
     let held = running.stats.totals().held;
 
-    client.declare(&dlq, kind == QueueKind::Quorum).await;
+    match fault {
+        DlqFault::Deleted => client.declare(&dlq, kind == QueueKind::Quorum).await,
+        DlqFault::Full => {
+            broker.ctl(&["clear_policy", &policy]);
+        }
+    }
     running
         .wait_for("every failure dead-lettered", WAIT, |t| {
             t.dead_lettered == EACH as u64
@@ -253,7 +295,7 @@ async fn failing_dlq(kind: QueueKind) {
     for delay in ["1s", "2s"] {
         assert_eq!(client.depth(&format!("{queue}.retry.{delay}")).await, 0);
     }
-    eprintln!("{kind:?}: 50 good messages ACKed in {took:?} with the DLQ gone; {held} holds");
+    eprintln!("{kind:?}, {fault:?}: 50 good messages ACKed in {took:?}; {held} holds");
 }
 
 /// How long 50 good messages may take behind 50 failing ones at prefetch 10.

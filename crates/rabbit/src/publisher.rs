@@ -20,7 +20,10 @@
 //! - **Channels.** A channel whose batch was not accounted for in full (a timeout, a channel
 //!   error, a stray return) is dropped, and lapin closes it with its last handle, which also
 //!   discards the confirms it still kept for publishes nobody awaits any more; the worker opens
-//!   a new one for its next batch.
+//!   a new one for its next batch. So is a channel that was nacked: a quorum queue with
+//!   `overflow: reject-publish` tells each channel publishing to it that it is full, and
+//!   RabbitMQ may never tell that channel otherwise once the queue takes messages again
+//!   (rabbitmq-server#12206: a cleared `max-length` policy), so the lane would fail for good.
 //! - **Blocked.** While the broker blocks the connection, no batch publishes: it waits for the
 //!   unblock within its handoffs' deadline and otherwise fails them as
 //!   [`HandoffResult::Blocked`], so no copy lands later, after its original was requeued.
@@ -357,7 +360,8 @@ impl Link {
         let verdict = attribute_batch(&members, &returned);
         if verdict.channel_clean {
             self.confirmed();
-            if channel.status().connected() {
+            let nacked = members.iter().any(|(_, seen)| *seen == Confirm::Nack);
+            if channel.status().connected() && !nacked {
                 *slot = Some(channel);
             }
         }
