@@ -465,7 +465,9 @@ async fn consumer_cancelled_by_the_broker(kind: QueueKind) {
         async move {
             for i in range {
                 let id = format!("c-{i}");
-                client.publish(&queue, b"{}", props(&id, "order.placed")).await;
+                client
+                    .publish(&queue, b"{}", props(&id, "order.placed"))
+                    .await;
             }
         }
     };

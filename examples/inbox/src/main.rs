@@ -125,7 +125,10 @@ async fn reserve(
     meta: Meta,
     tx: MongoTx,
 ) -> Result<(), QueueHandlerError> {
-    if meta.attempt() == 1 && flaky_one_in > 0 && fnv1a(meta.message_id()) % u64::from(flaky_one_in) == 0 {
+    if meta.attempt() == 1
+        && flaky_one_in > 0
+        && fnv1a(meta.message_id()).is_multiple_of(u64::from(flaky_one_in))
+    {
         return Err(QueueHandlerError::retryable(
             "INBOX_FLAKY_ONE_IN: the first attempt of this order fails",
         ));

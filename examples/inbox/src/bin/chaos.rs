@@ -394,18 +394,26 @@ async fn inject(
             declare_topology(broker.url(), queue, supervisor.kind).await;
         }
         Fault::NackedConfirms => {
-            // Every publish to a retry bucket or the DLQ is refused with a `basic.nack`.
+            // Every publish to a retry bucket or the DLQ is refused with a `basic.nack`. The
+            // overflow comes first: a classic queue given `max-length` while its overflow is
+            // still `drop-head` drops what it holds above the limit, and these hold copies
+            // whose originals were ACKed.
             let pattern = format!("^{}\\.(retry\\..+|dlq)$", regex_escape(queue));
-            broker.ctl(&[
-                "set_policy",
-                "--apply-to",
-                "queues",
-                "--priority",
-                "10",
-                "chaos-nack",
-                &pattern,
+            for definition in [
+                r#"{"overflow":"reject-publish"}"#,
                 r#"{"max-length":0,"overflow":"reject-publish"}"#,
-            ]);
+            ] {
+                broker.ctl(&[
+                    "set_policy",
+                    "--apply-to",
+                    "queues",
+                    "--priority",
+                    "10",
+                    "chaos-nack",
+                    &pattern,
+                    definition,
+                ]);
+            }
             tokio::time::sleep(Duration::from_secs(2)).await;
             broker.ctl(&["clear_policy", "chaos-nack"]);
         }
@@ -452,7 +460,13 @@ async fn cancel_consumers(
 
 /// Ready plus unacknowledged messages of every queue, as the broker counts them.
 fn depths(broker: &Broker) -> BTreeMap<String, u64> {
-    let out = broker.ctl(&["list_queues", "-q", "--no-table-headers", "name", "messages"]);
+    let out = broker.ctl(&[
+        "list_queues",
+        "-q",
+        "--no-table-headers",
+        "name",
+        "messages",
+    ]);
     out.lines()
         .filter_map(|line| {
             let mut cols = line.split_whitespace();
@@ -714,7 +728,15 @@ async fn main() -> ExitCode {
         if Instant::now() >= next_fault {
             let fault = faults[turn % faults.len()];
             turn += 1;
-            let done = inject(fault, &mut rng, &broker, &mut supervisor, &mut books, &pause).await;
+            let done = inject(
+                fault,
+                &mut rng,
+                &broker,
+                &mut supervisor,
+                &mut books,
+                &pause,
+            )
+            .await;
             *if done { &mut injected } else { &mut refused }
                 .entry(fault)
                 .or_default() += 1;
@@ -749,7 +771,10 @@ async fn main() -> ExitCode {
     violations.extend(count_deliveries(&broker, &client, &trace, books.deliveries).await);
     for &fault in faults {
         if injected.get(&fault).copied().unwrap_or(0) < args.min_each {
-            violations.push(format!("{fault:?}: injected fewer than {} times", args.min_each));
+            violations.push(format!(
+                "{fault:?}: injected fewer than {} times",
+                args.min_each
+            ));
         }
     }
     println!(
@@ -980,11 +1005,22 @@ async fn check(
             ));
         }
     }
-    let suppressed: u64 = supervisor
-        .reports
-        .iter()
-        .filter_map(|r| r["totals"]["duplicates_suppressed"].as_u64())
-        .sum();
+    let total = |field: &str| -> u64 {
+        supervisor
+            .reports
+            .iter()
+            .filter_map(|r| r["totals"][field].as_u64())
+            .sum()
+    };
+    let suppressed = total("duplicates_suppressed");
+    println!(
+        "reported: retried {}, held {}, requeued {}, deferred {}, authority lost {}",
+        total("retried"),
+        total("held"),
+        total("requeued"),
+        total("deferred"),
+        total("authority_lost"),
+    );
     println!(
         "ids {}: effects {effects}, conflicts {conflicts}, unknown sku {unknown}; DLQ copies {} \
          ({doubled_copies} doubled); suppressed duplicates (reported) {suppressed}; unresolved \
