@@ -56,6 +56,11 @@ struct Args {
     workers: usize,
     /// Orders published per second.
     rate: u32,
+    /// Orders published back to back, then a pause that keeps the rate: failures then come
+    /// together and their handoffs share batches.
+    burst: u32,
+    /// One order in this many fails its first attempt (`INBOX_FLAKY_ONE_IN`).
+    flaky_one_in: u32,
     /// Time between two faults.
     fault_every: Duration,
     /// Faults of each kind at least, publishing or not.
@@ -73,8 +78,6 @@ const REFUSALS: u32 = 5;
 const MAX_REQUEUES: u32 = 400;
 /// The retry delays of the inbox service.
 const RETRY_DELAYS: [Duration; 2] = [Duration::from_secs(1), Duration::from_secs(5)];
-/// One order in this many fails its first attempt (`INBOX_FLAKY_ONE_IN`).
-const FLAKY_ONE_IN: &str = "25";
 
 impl Args {
     fn parse() -> Result<Self, String> {
@@ -84,6 +87,8 @@ impl Args {
             seed: 1,
             workers: 3,
             rate: 400,
+            burst: 1,
+            flaky_one_in: 25,
             fault_every: Duration::from_millis(1500),
             min_each: 1,
             kind: QueueKind::Classic,
@@ -103,6 +108,8 @@ impl Args {
                 "--seed" => args.seed = number()?,
                 "--workers" => args.workers = number()?.max(1) as usize,
                 "--rate" => args.rate = u32::try_from(number()?.max(1)).unwrap_or(u32::MAX),
+                "--flaky-one-in" => args.flaky_one_in = u32::try_from(number()?).unwrap_or(0),
+                "--burst" => args.burst = u32::try_from(number()?.max(1)).unwrap_or(u32::MAX),
                 "--fault-every-ms" => args.fault_every = Duration::from_millis(number()?.max(100)),
                 "--min-each" => args.min_each = u32::try_from(number()?).unwrap_or(u32::MAX),
                 "--faults" => {
@@ -211,6 +218,7 @@ struct Supervisor {
     network: TcpProxy,
     queue: String,
     kind: QueueKind,
+    flaky_one_in: u32,
     database: String,
     slots: Vec<Slot>,
     reports: Vec<serde_json::Value>,
@@ -239,7 +247,7 @@ impl Supervisor {
                     QueueKind::Quorum => "quorum",
                 },
             )
-            .env("INBOX_FLAKY_ONE_IN", FLAKY_ONE_IN)
+            .env("INBOX_FLAKY_ONE_IN", self.flaky_one_in.to_string())
             .env("RUST_LOG", "warn")
             .env_remove("INBOX_FAULT");
         self.slots[slot].process = Some(ChildProcess::spawn(command));
@@ -681,6 +689,7 @@ async fn main() -> ExitCode {
         network: TcpProxy::start(broker.addr()).await,
         queue: queue.clone(),
         kind: args.kind,
+        flaky_one_in: args.flaky_one_in,
         database: database_name.clone(),
         slots: (0..args.workers)
             .map(|_| Slot {
@@ -700,13 +709,13 @@ async fn main() -> ExitCode {
     // Publish at the rate asked, while faults come every `fault_every`.
     let (pause, paused) = watch::channel(false);
     let publisher = {
-        let (url, queue, orders, rate) = (
+        let (url, queue, orders, pace) = (
             broker.url().to_owned(),
             queue.clone(),
             orders.clone(),
-            args.rate,
+            (args.rate, args.burst),
         );
-        tokio::spawn(async move { publish(&url, &queue, &orders, rate, paused).await })
+        tokio::spawn(async move { publish(&url, &queue, &orders, pace, paused).await })
     };
     let mut rng = Rng::new(args.seed ^ 0xFA17);
     let mut injected: BTreeMap<Fault, u32> = BTreeMap::new();
@@ -806,7 +815,7 @@ async fn wait_declared(broker: &Broker, queue: &str) {
     panic!("{queue} was never declared");
 }
 
-/// Publishes `orders` at `rate` per second with publisher confirms, reconnecting when the
+/// Publishes `orders` at `rate` per second, `burst` of them back to back, with publisher confirms, reconnecting when the
 /// broker closes the connection (a fault does). A publish whose confirm did not come is sent
 /// again, so a message may exist twice: returns how many times each (id, quantity) was sent.
 /// It waits while `paused` says so.
@@ -814,13 +823,13 @@ async fn publish(
     url: &str,
     queue: &str,
     orders: &[Order],
-    rate: u32,
+    (rate, burst): (u32, u32),
     mut paused: watch::Receiver<bool>,
 ) -> BTreeMap<(String, i64), u32> {
     let mut sent: BTreeMap<(String, i64), u32> = BTreeMap::new();
-    let gap = Duration::from_secs(1) / rate;
+    let gap = Duration::from_secs(1) * burst / rate;
     let mut channel: Option<(lapin::Connection, lapin::Channel)> = None;
-    for order in orders {
+    for (n, order) in (1..).zip(orders) {
         // A closed sender means the soak is over: publish on.
         let _ = paused.wait_for(|paused| !paused).await;
         loop {
@@ -852,7 +861,9 @@ async fn publish(
                 _ => channel = None,
             }
         }
-        tokio::time::sleep(gap).await;
+        if n % burst == 0 {
+            tokio::time::sleep(gap).await;
+        }
     }
     sent
 }
