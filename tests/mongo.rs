@@ -1154,3 +1154,96 @@ async fn write_conflicts_run_the_transaction_again_instead_of_using_attempts() {
     }
     assert_dlq_empty(&client, &queue).await;
 }
+
+/// An operator replays the DLQ into the work queue as it is, copies and headers untouched (a
+/// shovel, a script): the copies keep the message's identity, so the inbox decides. A
+/// conflicting body is a conflict again, never a second effect; a message that failed for good
+/// runs once now that its cause is fixed; replaying it a second time by mistake is a suppressed
+/// duplicate. Checked from outside: the effects in the database and the queues, by id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replaying_the_dlq_keeps_identity_so_the_inbox_prevents_a_second_effect() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("replay");
+    let scope = scope(&MongoNode::database_name("replay")).await;
+    let broken = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let rule = Arc::clone(&broken);
+    let router = Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| {
+        let broken = rule.load(Ordering::Acquire);
+        async move {
+            if broken {
+                return Err(QueueHandlerError::permanent("rejected by a business rule"));
+            }
+            record_effect(tx, meta).await
+        }
+    });
+    let running = start_scoped(broker.url(), &queue, router, scope.clone());
+    let client = Client::connect(broker.url()).await;
+    common::wait_declared(broker.url(), &queue).await;
+    let dlq = format!("{queue}.dlq");
+    let settled = |depth: u64| {
+        let (broker, queue, dlq) = (&broker, &queue, &dlq);
+        async move {
+            eventually(WAIT, || {
+                broker.messages(queue) == 0 && broker.messages(dlq) == depth
+            })
+            .await
+        }
+    };
+
+    client
+        .publish(&queue, b"{\"qty\":1}", props("order-a", "order.placed"))
+        .await;
+    // ACKed (so committed): nothing ready or unacknowledged, the DLQ empty.
+    assert!(settled(0).await, "order-a is handled");
+    client
+        .publish(&queue, b"{\"qty\":9}", props("order-a", "order.placed"))
+        .await;
+    assert!(settled(1).await, "the conflict is dead-lettered");
+    broken.store(true, Ordering::Release);
+    client
+        .publish(&queue, b"{\"qty\":2}", props("order-b", "order.placed"))
+        .await;
+    assert!(settled(2).await, "the failure is dead-lettered");
+    broken.store(false, Ordering::Release);
+
+    // The replay: every copy back into the work queue, as it is; order-b's copy kept aside for a
+    // second replay by mistake.
+    let copies = client.drain(&dlq).await;
+    assert_eq!(copies.len(), 2);
+    let mut again = None;
+    for copy in &copies {
+        let properties = copy.delivery.properties.clone();
+        if properties.message_id().as_ref().map(|id| id.as_str()) == Some("order-b") {
+            again = Some((copy.delivery.data.clone(), properties.clone()));
+        }
+        client
+            .publish(&queue, &copy.delivery.data, properties)
+            .await;
+    }
+    assert!(settled(1).await, "the conflict is dead-lettered again");
+    let (body, properties) = again.expect("order-b's copy");
+    client.publish(&queue, &body, properties).await;
+    assert!(settled(1).await, "the second replay is settled");
+    let report = running.stop().await;
+
+    assert_eq!(effects(&scope, "order-a").await, 1, "order-a: one effect");
+    assert_eq!(effects(&scope, "order-b").await, 1, "order-b: one effect");
+    assert_eq!(
+        report.totals.duplicates_suppressed, 1,
+        "{:?}",
+        report.totals
+    );
+    let left = client.drain(&dlq).await;
+    assert_eq!(left.len(), 1);
+    let properties = &left[0].delivery.properties;
+    assert_eq!(
+        properties.message_id().as_ref().map(|id| id.as_str()),
+        Some("order-a")
+    );
+    assert!(
+        header_str(properties, "x-lily-reason")
+            .unwrap_or_default()
+            .contains("inbox conflict")
+    );
+    assert_eq!(left[0].delivery.data, b"{\"qty\":9}");
+}
