@@ -2,13 +2,14 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::{Calls, config, header, header_str, header_u32, props, start};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lily::prelude::*;
-use lily_mq_testkit::{Broker, Client};
+use lily_mq_testkit::{Broker, Client, eventually};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -41,8 +42,10 @@ async fn success_path(kind: QueueKind) {
             .publish(&queue, &order(2), props(&format!("m-{i}"), "order.placed"))
             .await;
     }
-    running.wait_for("20 acks", WAIT, |t| t.acked == 20).await;
+    common::wait_depths("every message ACKed", WAIT, &[(&queue, 0)]).await;
     let summary = running.stop().await;
+    let once: BTreeMap<String, usize> = (0..20).map(|i| (format!("m-{i}"), 1)).collect();
+    assert_eq!(calls.by_id(), once, "each message handled once");
     assert_eq!(summary.totals.acked, 20);
     assert_eq!(
         summary.totals.acks_confirmed, 20,
@@ -50,7 +53,6 @@ async fn success_path(kind: QueueKind) {
     );
     assert_eq!(summary.totals.acks_uncertain, 0);
     assert!(summary.clean, "{:?}", summary.unresolved);
-    assert_eq!(calls.count(), 20);
     // After the consumer's connection closed, an unacked message would be ready again.
     assert_eq!(client.depth(&queue).await, 0);
     assert_eq!(client.depth(&format!("{queue}.dlq")).await, 0);
@@ -96,7 +98,7 @@ async fn concurrency_below_prefetch_bounds_running_handlers() {
             .publish(&queue, &order(1), props(&format!("c-{i}"), "order.placed"))
             .await;
     }
-    running.wait_for("40 acks", WAIT, |t| t.acked == 40).await;
+    common::wait_depths("every message ACKed", WAIT, &[(&queue, 0)]).await;
     let summary = running.stop().await;
     assert_eq!(summary.totals.acked, 40);
     assert!(summary.clean, "{:?}", summary.unresolved);
@@ -137,7 +139,8 @@ async fn a_held_delivery_is_never_covered_by_the_acks_of_later_ones() {
             .publish(&queue, &body, props(&id, "order.placed"))
             .await;
     }
-    running.wait_for("50 acks", WAIT, |t| t.acked == 50).await;
+    // The broker holds exactly one: the held delivery, unacknowledged.
+    common::wait_depths("50 ACKed", WAIT, &[(&queue, 1)]).await;
     let unacked = || {
         let listing = broker.ctl(&["list_queues", "-q", "name", "messages_unacknowledged"]);
         listing.lines().find_map(|line| {
@@ -190,15 +193,17 @@ async fn retry_then_success(kind: QueueKind) {
         .publish(&queue, &order(1), props("retry-1", "order.placed"))
         .await;
 
-    // First failure: the copy waits in the 1 s bucket with attempt 2.
-    running
-        .wait_for("first retry", WAIT, |t| t.retried == 1)
-        .await;
+    // Two copies through the buckets, then the ACK: the broker holds nothing anywhere.
     let first_bucket = format!("{queue}.retry.1s");
-    running
-        .wait_for("second retry", WAIT, |t| t.retried == 2)
-        .await;
-    running.wait_for("final ack", WAIT, |t| t.acked == 1).await;
+    let second_bucket = format!("{queue}.retry.2s");
+    let handled = eventually(WAIT, || calls.count() == 3).await;
+    assert!(handled, "three attempts: {:?}", calls.all());
+    common::wait_depths(
+        "the third attempt ACKed",
+        WAIT,
+        &[(&queue, 0), (&first_bucket, 0), (&second_bucket, 0)],
+    )
+    .await;
     let summary = running.stop().await;
 
     let attempts: Vec<u32> = calls.all().iter().map(|c| c.1).collect();
@@ -212,8 +217,6 @@ async fn retry_then_success(kind: QueueKind) {
         "message id is preserved"
     );
     assert_eq!((summary.totals.retried, summary.totals.acked), (2, 1));
-    assert_eq!(client.depth(&first_bucket).await, 0);
-    assert_eq!(client.depth(&format!("{queue}.retry.2s")).await, 0);
     assert_eq!(client.depth(&format!("{queue}.dlq")).await, 0);
 }
 
@@ -232,13 +235,12 @@ async fn retryable_failure_waits_in_bucket_and_comes_back_with_next_attempt() {
     client
         .publish(&queue, &order(1), props("bucketed", "order.placed"))
         .await;
-    running
-        .wait_for("retry handoff", WAIT, |t| t.retried == 1)
-        .await;
+    let bucket = format!("{queue}.retry.30s");
+    common::wait_depths("the copy in the bucket", WAIT, &[(&queue, 0), (&bucket, 1)]).await;
     let summary = running.stop().await;
     assert_eq!(summary.totals.retried, 1);
     let copy = client
-        .take(&format!("{queue}.retry.30s"), Duration::from_secs(2))
+        .take(&bucket, Duration::from_secs(2))
         .await
         .expect("copy in the 30 s bucket");
     let p = &copy.delivery.properties;
@@ -291,9 +293,14 @@ async fn attempts_exhausted_goes_to_dlq_with_failure_headers_and_message_id() {
         .with_headers(headers)
         .with_correlation_id("corr-9".into());
     client.publish(&queue, &order(1), original).await;
-    running
-        .wait_for("dead-lettered", WAIT, |t| t.dead_lettered == 1)
-        .await;
+    let dlq = format!("{queue}.dlq");
+    let (first, second) = (format!("{queue}.retry.1s"), format!("{queue}.retry.2s"));
+    common::wait_depths(
+        "dead-lettered",
+        WAIT,
+        &[(&queue, 0), (&first, 0), (&second, 0), (&dlq, 1)],
+    )
+    .await;
     let summary = running.stop().await;
     assert_eq!(
         (summary.totals.retried, summary.totals.dead_lettered),
@@ -374,9 +381,8 @@ async fn permanent_failure_and_unknown_type_go_straight_to_dlq() {
             props("xml", "order.placed").with_content_type("application/xml".into()),
         )
         .await;
-    running
-        .wait_for("five dead letters", WAIT, |t| t.dead_lettered == 5)
-        .await;
+    let dlq = format!("{queue}.dlq");
+    common::wait_depths("five dead letters", WAIT, &[(&queue, 0), (&dlq, 5)]).await;
     let summary = running.stop().await;
     assert_eq!(summary.totals.retried, 0);
     assert_eq!(
@@ -449,11 +455,9 @@ async fn oversized_body_is_rejected_to_broker_dlx_without_calling_handler() {
     client
         .publish(&queue, &order(1), props("small", "order.placed"))
         .await;
-    running
-        .wait_for("reject and ack", WAIT, |t| {
-            t.rejected_at_gate == 1 && t.acked == 1
-        })
-        .await;
+    // The broker dead-letters the rejected one through the work queue's DLX.
+    let dlq = format!("{queue}.dlq");
+    common::wait_depths("reject and ACK", WAIT, &[(&queue, 0), (&dlq, 1)]).await;
     let summary = running.stop().await;
     assert_eq!(
         summary.totals.dead_lettered, 0,
@@ -515,9 +519,8 @@ async fn invalid_envelope_goes_to_dlq_with_sanitized_reason_without_calling_hand
             props("crowded", "order.placed").with_headers(hostile),
         )
         .await;
-    running
-        .wait_for("two dead letters", WAIT, |t| t.dead_lettered == 2)
-        .await;
+    let dlq = format!("{queue}.dlq");
+    common::wait_depths("two dead letters", WAIT, &[(&queue, 0), (&dlq, 2)]).await;
     let summary = running.stop().await;
     assert_eq!(calls.count(), 0, "handler never called");
     assert_eq!(summary.totals.acked, 0);
@@ -583,13 +586,13 @@ async fn handler_panic_is_retried_and_consumer_stays_alive() {
     client
         .publish(&queue, &order(1), props("boom", "order.placed"))
         .await;
-    running
-        .wait_for("panic retried", WAIT, |t| t.retried == 1)
-        .await;
     client
         .publish(&queue, &order(1), props("after", "order.placed"))
         .await;
-    running.wait_for("both acked", WAIT, |t| t.acked == 2).await;
+    let handled = eventually(WAIT, || calls.count() == 3).await;
+    assert!(handled, "boom twice, after once: {:?}", calls.all());
+    let bucket = format!("{queue}.retry.1s");
+    common::wait_depths("both ACKed", WAIT, &[(&queue, 0), (&bucket, 0)]).await;
     let summary = running.stop().await;
     assert_eq!(summary.totals.retried, 1);
     let mut ids: Vec<(String, u32)> = calls.all().into_iter().map(|c| (c.0, c.1)).collect();
@@ -629,12 +632,12 @@ async fn handler_timeout_is_retried_and_fires_the_cancellation_token() {
     client
         .publish(&queue, &order(1), props("slow", "order.placed"))
         .await;
-    running
-        .wait_for("retried then acked", WAIT, |t| {
-            t.retried == 1 && t.acked == 1
-        })
-        .await;
-    running.stop().await;
+    let fired = eventually(WAIT, || cancelled.count() == 1).await;
+    assert!(fired, "the token fires when the timeout expires");
+    let bucket = format!("{queue}.retry.1s");
+    common::wait_depths("retried, then ACKed", WAIT, &[(&queue, 0), (&bucket, 0)]).await;
+    let summary = running.stop().await;
+    assert_eq!((summary.totals.retried, summary.totals.acked), (1, 1));
     assert_eq!(
         cancelled.count(),
         1,
@@ -674,7 +677,7 @@ async fn verify_mode_refuses_a_missing_topology_and_consumes_a_declared_one() {
     client
         .publish(&queue, &order(1), props("verified", "order.placed"))
         .await;
-    running.wait_for("ack", WAIT, |t| t.acked == 1).await;
-    running.stop().await;
-    assert_eq!(client.depth(&queue).await, 0);
+    common::wait_depths("ACKed", WAIT, &[(&queue, 0)]).await;
+    let summary = running.stop().await;
+    assert_eq!(summary.totals.acked, 1);
 }

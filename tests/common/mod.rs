@@ -156,6 +156,15 @@ impl Calls {
         self.0.lock().unwrap().clone()
     }
 
+    /// How many times each message id was handled.
+    pub fn by_id(&self) -> std::collections::BTreeMap<String, usize> {
+        let mut by_id = std::collections::BTreeMap::new();
+        for (id, _, _) in self.all() {
+            *by_id.entry(id).or_default() += 1;
+        }
+        by_id
+    }
+
     pub fn count(&self) -> usize {
         self.0.lock().unwrap().len()
     }
@@ -181,6 +190,26 @@ pub fn header_u32(props: &BasicProperties, key: &str) -> Option<u32> {
 }
 
 /// Waits until `queue` exists (the consumer declares it on connect).
+/// Waits until the broker counts exactly `depth` messages, ready and unacknowledged, in each
+/// queue: the broker's facts, not Lily's counters.
+pub async fn wait_depths(what: &str, timeout: Duration, depths: &[(&str, u64)]) {
+    let broker = Broker::from_env();
+    let reached = eventually(timeout, || {
+        depths
+            .iter()
+            .all(|(queue, depth)| broker.messages(queue) == *depth)
+    })
+    .await;
+    let now: Vec<(&str, u64)> = depths
+        .iter()
+        .map(|(q, _)| (*q, broker.messages(q)))
+        .collect();
+    assert!(
+        reached,
+        "timed out waiting for {what}: depths {now:?}, expected {depths:?}"
+    );
+}
+
 pub async fn wait_declared(url: &str, queue: &str) {
     for _ in 0..300 {
         let (u, q) = (url.to_owned(), queue.to_owned());
