@@ -64,23 +64,16 @@ async fn duplicate_with_same_fingerprint_is_suppressed_and_conflict_goes_to_dlq(
     client
         .publish(&queue, b"{\"qty\":1}", props("order-1", "order.placed"))
         .await;
-    running
-        .wait_for("first handled", WAIT, |t| t.acked == 1)
-        .await;
+    let dlq = format!("{queue}.dlq");
+    common::wait_depths("first handled", WAIT, &[(&queue, 0)]).await;
     client
         .publish(&queue, b"{\"qty\":1}", props("order-1", "order.placed"))
         .await;
-    running
-        .wait_for("duplicate suppressed", WAIT, |t| {
-            t.acked == 2 && t.duplicates_suppressed == 1
-        })
-        .await;
+    common::wait_depths("duplicate settled", WAIT, &[(&queue, 0)]).await;
     client
         .publish(&queue, b"{\"qty\":9}", props("order-1", "order.placed"))
         .await;
-    running
-        .wait_for("conflict dead-lettered", WAIT, |t| t.dead_lettered == 1)
-        .await;
+    common::wait_depths("conflict dead-lettered", WAIT, &[(&queue, 0), (&dlq, 1)]).await;
     let report = running.stop().await;
 
     assert_eq!(
@@ -124,7 +117,7 @@ async fn a_concurrent_duplicate_is_suppressed_in_process_not_deferred() {
             .publish(&queue, b"{\"qty\":1}", props("twin-1", "order.placed"))
             .await;
     }
-    running.wait_for("both ACKed", WAIT, |t| t.acked == 2).await;
+    common::wait_depths("both ACKed", WAIT, &[(&queue, 0)]).await;
     let report = running.stop().await;
     assert_eq!(effects(&scope, "twin-1").await, 1, "one effect");
     let t = &report.totals;

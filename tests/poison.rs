@@ -82,11 +82,13 @@ async fn not_utf8_goes_to_the_dlq(kind: QueueKind) {
         }
     }
 
-    running
-        .wait_for("good ones ACKed and poison dead-lettered", WAIT, |t| {
-            t.acked == good.len() as u64 && t.dead_lettered == CASES.len() as u64
-        })
-        .await;
+    let dlq = format!("{queue}.dlq");
+    common::wait_depths(
+        "good ones ACKed and poison dead-lettered",
+        WAIT,
+        &[(&queue, 0), (&dlq, CASES.len() as u64)],
+    )
+    .await;
     let report = running.stop().await;
     assert_eq!(
         report.incidents,
@@ -216,11 +218,8 @@ async fn failing_dlq(kind: QueueKind, fault: DlqFault) {
                 .await;
         }
     }
-    running
-        .wait_for("every good message ACKed", PROMPTLY, |t| {
-            t.acked == EACH as u64
-        })
-        .await;
+    // The work queue empties: the good ones ACKed, every failure out as a held copy.
+    common::wait_depths("every good message ACKed", PROMPTLY, &[(&queue, 0)]).await;
     let took = started.elapsed();
     assert!(
         running.stats.failing_lanes().contains(&dlq),
@@ -254,11 +253,13 @@ async fn failing_dlq(kind: QueueKind, fault: DlqFault) {
             broker.ctl(&["clear_policy", &policy]);
         }
     }
-    running
-        .wait_for("every failure dead-lettered", WAIT, |t| {
-            t.dead_lettered == EACH as u64
-        })
-        .await;
+    let (first, second) = (format!("{queue}.retry.1s"), format!("{queue}.retry.2s"));
+    common::wait_depths(
+        "every failure dead-lettered",
+        WAIT,
+        &[(&queue, 0), (&first, 0), (&second, 0), (&dlq, EACH as u64)],
+    )
+    .await;
     assert!(running.stats.failing_lanes().is_empty());
     let report = running.stop().await;
     assert!(report.clean, "{report:?}");

@@ -31,11 +31,13 @@ async fn unroutable_handoff_nacks_original_once_per_delivery_and_never_loses_it(
         .await;
 
     let max_requeues = common::fast_policy().max_requeues;
-    running
-        .wait_for("dead-lettered after the requeue limit", WAIT, |t| {
-            t.dead_lettered == 1
-        })
-        .await;
+    let dlq = format!("{queue}.dlq");
+    common::wait_depths(
+        "dead-lettered after the requeue limit",
+        WAIT,
+        &[(&queue, 0), (&dlq, 1)],
+    )
+    .await;
     let summary = running.stop().await;
     assert_eq!(
         summary.totals.requeued,
