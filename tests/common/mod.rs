@@ -194,19 +194,17 @@ pub fn header_u32(props: &BasicProperties, key: &str) -> Option<u32> {
 /// queue: the broker's facts, not Lily's counters.
 pub async fn wait_depths(what: &str, timeout: Duration, depths: &[(&str, u64)]) {
     let broker = Broker::from_env();
-    let reached = eventually(timeout, || {
+    let at_depth = |now: &std::collections::BTreeMap<String, u64>| {
         depths
             .iter()
-            .all(|(queue, depth)| broker.messages(queue) == *depth)
-    })
-    .await;
-    let now: Vec<(&str, u64)> = depths
-        .iter()
-        .map(|(q, _)| (*q, broker.messages(q)))
-        .collect();
+            .all(|(queue, depth)| now.get(*queue) == Some(depth))
+    };
+    let reached = eventually(timeout, || at_depth(&broker.depths())).await;
+    let now = broker.depths();
+    let seen: Vec<_> = depths.iter().map(|(q, _)| (*q, now.get(*q))).collect();
     assert!(
         reached,
-        "timed out waiting for {what}: depths {now:?}, expected {depths:?}"
+        "timed out waiting for {what}: depths {seen:?}, expected {depths:?}"
     );
 }
 

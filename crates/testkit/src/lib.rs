@@ -125,6 +125,16 @@ impl Broker {
     /// # Panics
     /// When the queue is not listed.
     pub fn messages(&self, queue: &str) -> u64 {
+        let depths = self.depths();
+        depths
+            .get(queue)
+            .copied()
+            .unwrap_or_else(|| panic!("queue {queue} not listed: {depths:?}"))
+    }
+
+    /// Messages in every queue of the default vhost, ready and unacknowledged, as the broker
+    /// counts them, by queue name: one `rabbitmqctl` call.
+    pub fn depths(&self) -> BTreeMap<String, u64> {
         let out = self.ctl(&[
             "list_queues",
             "-q",
@@ -135,10 +145,9 @@ impl Broker {
         out.lines()
             .filter_map(|line| {
                 let mut cols = line.split_whitespace();
-                (cols.next()? == queue).then(|| cols.next()?.parse().ok())?
+                Some((cols.next()?.to_owned(), cols.next()?.parse().ok()?))
             })
-            .next()
-            .unwrap_or_else(|| panic!("queue {queue} not listed:\n{out}"))
+            .collect()
     }
 
     /// Channels open on the client connection named `name` (its `connection_name` client

@@ -450,7 +450,7 @@ async fn cancel_consumers(
     let mut deleted = false;
     while Instant::now() < by {
         supervisor.restart_exited().await;
-        let depths = depths(broker);
+        let depths = broker.depths();
         if watched.iter().all(|q| depths.get(q) == Some(&0)) {
             deleted = delete_queue(broker.url(), &queue, supervisor.kind).await;
             if deleted {
@@ -464,23 +464,6 @@ async fn cancel_consumers(
     }
     pause.send_replace(false);
     deleted
-}
-
-/// Ready plus unacknowledged messages of every queue, as the broker counts them.
-fn depths(broker: &Broker) -> BTreeMap<String, u64> {
-    let out = broker.ctl(&[
-        "list_queues",
-        "-q",
-        "--no-table-headers",
-        "name",
-        "messages",
-    ]);
-    out.lines()
-        .filter_map(|line| {
-            let mut cols = line.split_whitespace();
-            Some((cols.next()?.to_owned(), cols.next()?.parse().ok()?))
-        })
-        .collect()
 }
 
 /// Deletes `queue`, `if-empty` for a classic queue (quorum queues refuse the flag).
