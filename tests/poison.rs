@@ -38,14 +38,7 @@ async fn text_that_is_not_utf8_goes_to_the_dlq_without_dropping_the_connection_o
 
 async fn not_utf8_goes_to_the_dlq(kind: QueueKind) {
     let calls = Calls::default();
-    let seen = calls.clone();
-    let router = Router::new().route("order.placed", move |meta: Meta| {
-        let seen = seen.clone();
-        async move {
-            seen.record(&meta);
-            Ok(())
-        }
-    });
+    let router = calls.recording_router();
     let (broker, queue, client, running) =
         common::scenario("not-utf8", router, |q| config(q, kind).prefetch(10)).await;
 

@@ -452,14 +452,7 @@ async fn a_connection_lost_while_declaring_is_retried_not_fatal() {
 /// again and resume; otherwise it looks alive and consumes nothing, forever.
 async fn consumer_cancelled_by_the_broker(kind: QueueKind) {
     let calls = Calls::default();
-    let seen = calls.clone();
-    let router = Router::new().route("order.placed", move |meta: Meta| {
-        let seen = seen.clone();
-        async move {
-            seen.record(&meta);
-            Ok(())
-        }
-    });
+    let router = calls.recording_router();
     let (broker, queue, client, running) =
         common::scenario("cancelled", router, |q| config(q, kind)).await;
     let publish = |range: std::ops::Range<u32>| {

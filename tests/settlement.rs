@@ -436,14 +436,7 @@ async fn oversized_body_is_rejected_to_broker_dlx_without_calling_handler() {
     let broker = Broker::from_env();
     let queue = Broker::unique("oversized");
     let calls = Calls::default();
-    let seen = calls.clone();
-    let router = Router::new().route("order.placed", move |meta: Meta| {
-        let seen = seen.clone();
-        async move {
-            seen.record(&meta);
-            Ok(())
-        }
-    });
+    let router = calls.recording_router();
     let mut cfg = config(&queue, QueueKind::Classic);
     cfg.limits.max_body_bytes = 1024;
     let running = start(broker.url(), cfg, router);
@@ -491,14 +484,7 @@ async fn oversized_body_is_rejected_to_broker_dlx_without_calling_handler() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_envelope_goes_to_dlq_with_sanitized_reason_without_calling_handler() {
     let calls = Calls::default();
-    let seen = calls.clone();
-    let router = Router::new().route("order.placed", move |meta: Meta| {
-        let seen = seen.clone();
-        async move {
-            seen.record(&meta);
-            Ok(())
-        }
-    });
+    let router = calls.recording_router();
     let (_, queue, client, running) =
         common::scenario("invalid", router, |q| config(q, QueueKind::Classic)).await;
     // No type property.

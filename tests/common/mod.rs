@@ -156,6 +156,18 @@ impl Calls {
         self.0.lock().unwrap().clone()
     }
 
+    /// A router whose `order.placed` handler records each call and succeeds.
+    pub fn recording_router(&self) -> Router {
+        let seen = self.clone();
+        Router::new().route("order.placed", move |meta: Meta| {
+            let seen = seen.clone();
+            async move {
+                seen.record(&meta);
+                Ok(())
+            }
+        })
+    }
+
     /// How many times each message id was handled.
     pub fn by_id(&self) -> std::collections::BTreeMap<String, usize> {
         let mut by_id = std::collections::BTreeMap::new();
