@@ -3,23 +3,14 @@
 //! second, each kind at least twice (SIGKILL, SIGTERM, every connection closed, a memory alarm,
 //! the DLQ deleted, the broker's app restarted, mongod restarted, the network stalled, publisher
 //! confirms nacked, the consumers cancelled by the broker), reconciled by message id by `chaos`;
-//! on classic and on quorum queues.
+//! on classic and on quorum queues; then a run heavy with handoffs.
 
 use std::time::Duration;
 
-async fn soak(queue_type: &str, seed: &str) {
+async fn soak(args: &[&str]) {
     let run = tokio::process::Command::new(env!("CARGO_BIN_EXE_chaos"))
-        .args(["--service", env!("CARGO_BIN_EXE_inbox")])
-        .args(["--messages", "2000", "--seed", seed, "--workers", "3"])
-        .args([
-            "--rate",
-            "200",
-            "--fault-every-ms",
-            "1000",
-            "--min-each",
-            "2",
-        ])
-        .args(["--queue-type", queue_type])
+        .args(["--service", env!("CARGO_BIN_EXE_inbox"), "--workers", "3"])
+        .args(args)
         .kill_on_drop(true)
         .output();
     let out = tokio::time::timeout(Duration::from_secs(600), run)
@@ -36,9 +27,50 @@ async fn soak(queue_type: &str, seed: &str) {
     assert!(stdout.contains("every id accounted for"), "{stdout}");
 }
 
-// One test, so the two run one after the other: each restarts the broker's app and mongod.
+// One test, so the runs come one after the other: each restarts the broker's app and mongod.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_seeded_soak_under_faults_accounts_for_every_id() {
-    soak("classic", "7").await;
-    soak("quorum", "8").await;
+    let every_fault = [
+        "--messages",
+        "2000",
+        "--rate",
+        "200",
+        "--fault-every-ms",
+        "1000",
+    ];
+    soak(&[&every_fault[..], &["--min-each", "2", "--seed", "7"]].concat()).await;
+    let quorum = ["--min-each", "2", "--seed", "8", "--queue-type", "quorum"];
+    soak(&[&every_fault[..], &quorum[..]].concat()).await;
+    // Handoffs by the thousand, in bursts, while the DLQ is deleted or nacks and connections
+    // close: returned, nacked and routed copies share batches. Attributing returns by order
+    // instead of by `x-lily-handoff-id` loses unknown-sku orders here (their DLQ copy missing).
+    let handoffs = [
+        "--messages",
+        "3000",
+        "--seed",
+        "9",
+        "--rate",
+        "400",
+        "--burst",
+        "200",
+    ];
+    let mix = [
+        "--flaky-one-in",
+        "2",
+        "--unknown-one-in",
+        "3",
+        "--min-each",
+        "4",
+    ];
+    let faults = ["--faults", "DlqGone,NackedConfirms,CloseConnections"];
+    soak(
+        &[
+            &handoffs[..],
+            &mix[..],
+            &faults[..],
+            &["--fault-every-ms", "1000"],
+        ]
+        .concat(),
+    )
+    .await;
 }

@@ -61,6 +61,8 @@ struct Args {
     burst: u32,
     /// One order in this many fails its first attempt (`INBOX_FLAKY_ONE_IN`).
     flaky_one_in: u32,
+    /// One order in this many is for the unknown sku (a permanent failure: a DLQ copy).
+    unknown_one_in: u64,
     /// Time between two faults.
     fault_every: Duration,
     /// Faults of each kind at least, publishing or not.
@@ -89,6 +91,7 @@ impl Args {
             rate: 400,
             burst: 1,
             flaky_one_in: 25,
+            unknown_one_in: 50,
             fault_every: Duration::from_millis(1500),
             min_each: 1,
             kind: QueueKind::Classic,
@@ -109,6 +112,7 @@ impl Args {
                 "--workers" => args.workers = number()?.max(1) as usize,
                 "--rate" => args.rate = u32::try_from(number()?.max(1)).unwrap_or(u32::MAX),
                 "--flaky-one-in" => args.flaky_one_in = u32::try_from(number()?).unwrap_or(0),
+                "--unknown-one-in" => args.unknown_one_in = number()?.max(1),
                 "--burst" => args.burst = u32::try_from(number()?.max(1)).unwrap_or(u32::MAX),
                 "--fault-every-ms" => args.fault_every = Duration::from_millis(number()?.max(100)),
                 "--min-each" => args.min_each = u32::try_from(number()?).unwrap_or(u32::MAX),
@@ -179,7 +183,7 @@ fn plan(args: &Args) -> Vec<Order> {
     let mut orders: Vec<Order> = (0..args.messages)
         .map(|i| Order {
             id: format!("order-{i}"),
-            sku: if rng.below(50) == 0 {
+            sku: if rng.below(args.unknown_one_in) == 0 {
                 UNKNOWN_SKU
             } else {
                 SKUS[rng.below(SKUS.len() as u64) as usize]
