@@ -7,10 +7,11 @@
 
 use std::time::Duration;
 
-async fn soak(args: &[&str]) {
+/// Runs `chaos` with `args` (split at spaces) and fails on any violation it names.
+async fn soak(args: &str) {
     let run = tokio::process::Command::new(env!("CARGO_BIN_EXE_chaos"))
         .args(["--service", env!("CARGO_BIN_EXE_inbox"), "--workers", "3"])
-        .args(args)
+        .args(args.split_whitespace())
         .kill_on_drop(true)
         .output();
     let out = tokio::time::timeout(Duration::from_secs(600), run)
@@ -21,7 +22,7 @@ async fn soak(args: &[&str]) {
     println!("{stdout}");
     assert!(
         out.status.success(),
-        "the soak found violations:\n{stdout}\nstderr:\n{}",
+        "the soak found violations ({args}):\n{stdout}\nstderr:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains("every id accounted for"), "{stdout}");
@@ -30,47 +31,15 @@ async fn soak(args: &[&str]) {
 // One test, so the runs come one after the other: each restarts the broker's app and mongod.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_seeded_soak_under_faults_accounts_for_every_id() {
-    let every_fault = [
-        "--messages",
-        "2000",
-        "--rate",
-        "200",
-        "--fault-every-ms",
-        "1000",
-    ];
-    soak(&[&every_fault[..], &["--min-each", "2", "--seed", "7"]].concat()).await;
-    let quorum = ["--min-each", "2", "--seed", "8", "--queue-type", "quorum"];
-    soak(&[&every_fault[..], &quorum[..]].concat()).await;
-    // Handoffs by the thousand, in bursts, while the DLQ is deleted or nacks and connections
-    // close: returned, nacked and routed copies share batches. Attributing returns by order
-    // instead of by `x-lily-handoff-id` loses unknown-sku orders here (their DLQ copy missing).
-    let handoffs = [
-        "--messages",
-        "3000",
-        "--seed",
-        "9",
-        "--rate",
-        "400",
-        "--burst",
-        "200",
-    ];
-    let mix = [
-        "--flaky-one-in",
-        "2",
-        "--unknown-one-in",
-        "3",
-        "--min-each",
-        "4",
-    ];
-    let faults = ["--faults", "DlqGone,NackedConfirms,CloseConnections"];
+    let every_fault = "--messages 2000 --rate 200 --fault-every-ms 1000 --min-each 2";
+    soak(&format!("{every_fault} --seed 7")).await;
+    soak(&format!("{every_fault} --seed 8 --queue-type quorum")).await;
+    // Handoffs by the thousand, in bursts, while the DLQ is deleted or nacks: returned, nacked
+    // and routed copies share batches. Attributing returns by order instead of by
+    // `x-lily-handoff-id` loses unknown-sku orders here (their DLQ copy missing).
     soak(
-        &[
-            &handoffs[..],
-            &mix[..],
-            &faults[..],
-            &["--fault-every-ms", "1000"],
-        ]
-        .concat(),
+        "--messages 3000 --seed 9 --rate 400 --burst 200 --flaky-one-in 2 --unknown-one-in 3 \
+         --faults DlqGone,NackedConfirms --min-each 8 --fault-every-ms 1000",
     )
     .await;
 }

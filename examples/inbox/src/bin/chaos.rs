@@ -351,7 +351,7 @@ struct Books {
 }
 
 /// Injects `fault`; returns false when it could not be (the queues never came to rest for a
-/// consumer cancel).
+/// consumer cancel or a DLQ deletion).
 async fn inject(
     fault: Fault,
     rng: &mut Rng,
@@ -397,11 +397,18 @@ async fn inject(
             supervisor.network.stall(false);
         }
         Fault::DlqGone => {
-            // What the DLQ holds is kept first: deleting it deletes its messages.
+            // What the DLQ holds is kept first: deleting it deletes its messages. Nothing may
+            // arrive between the drain and the delete, so the workers are let come to rest
+            // first; the orders published meanwhile find the DLQ gone.
+            if !at_rest(broker, supervisor, pause).await {
+                pause.send_replace(false);
+                return false;
+            }
             let dlq = format!("{queue}.dlq");
             let client = Client::connect(broker.url()).await;
             drain_dead(&client, &dlq, &mut books.dead).await;
             client.delete(&dlq).await;
+            pause.send_replace(false);
             tokio::time::sleep(Duration::from_secs(2)).await;
             declare_topology(broker.url(), queue, supervisor.kind).await;
         }
@@ -434,35 +441,44 @@ async fn inject(
     true
 }
 
-/// Deletes the work queue, so the broker cancels every consumer (`basic.cancel`), and declares
-/// it again. Deleting a queue destroys what it holds, which no consumer can prevent: the
-/// publisher pauses first, and the queue is deleted only once it and the retry buckets (which
-/// dead-letter into it) hold nothing, ready or unacknowledged; on a classic queue `if-empty`
-/// refuses the delete should a message arrive in between. Returns false if they never came to
-/// rest.
-async fn cancel_consumers(
+/// Pauses the publisher and waits until the work queue and the retry buckets (which
+/// dead-letter into it) hold nothing, ready or unacknowledged: then no worker holds a delivery
+/// and no copy can be published. Returns false if that did not happen within 30 s. The
+/// publisher stays paused either way.
+async fn at_rest(
     broker: &Broker,
     supervisor: &mut Supervisor,
     pause: &watch::Sender<bool>,
 ) -> bool {
     let queue = supervisor.queue.clone();
     let topology = Topology::new(&queue, supervisor.kind, &RETRY_DELAYS);
-    let mut watched = vec![queue.clone()];
+    let mut watched = vec![queue];
     watched.extend(topology.buckets().map(|(name, _)| name.to_owned()));
     pause.send_replace(true);
     let by = Instant::now() + Duration::from_secs(30);
-    let mut deleted = false;
     while Instant::now() < by {
         supervisor.restart_exited().await;
         let depths = broker.depths();
         if watched.iter().all(|q| depths.get(q) == Some(&0)) {
-            deleted = delete_queue(broker.url(), &queue, supervisor.kind).await;
-            if deleted {
-                break;
-            }
+            return true;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    false
+}
+
+/// Deletes the work queue, so the broker cancels every consumer (`basic.cancel`), and declares
+/// it again. Deleting a queue destroys what it holds, which no consumer can prevent: it is
+/// deleted only at rest (see [`at_rest`]); on a classic queue `if-empty` refuses the delete
+/// should a message arrive in between. Returns false if it was not deleted.
+async fn cancel_consumers(
+    broker: &Broker,
+    supervisor: &mut Supervisor,
+    pause: &watch::Sender<bool>,
+) -> bool {
+    let queue = supervisor.queue.clone();
+    let deleted = at_rest(broker, supervisor, pause).await
+        && delete_queue(broker.url(), &queue, supervisor.kind).await;
     if deleted {
         declare_topology(broker.url(), &queue, supervisor.kind).await;
     }
