@@ -34,6 +34,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lapin::BasicProperties;
@@ -43,7 +44,7 @@ use lily_mq_mongo::mongodb::bson::{Bson, Document, doc};
 use lily_mq_mongo::mongodb::{self, Database};
 use lily_mq_testkit::{Broker, ChildProcess, Client, MongoNode, TcpProxy};
 use tokio::process::Command;
-use tokio::sync::watch;
+use tokio::sync::RwLock;
 
 const SKUS: [&str; 4] = ["SKU-A", "SKU-B", "SKU-C", "SKU-D"];
 const UNKNOWN_SKU: &str = "SKU-NONE";
@@ -358,7 +359,7 @@ async fn inject(
     broker: &Broker,
     supervisor: &mut Supervisor,
     books: &mut Books,
-    pause: &watch::Sender<bool>,
+    publishing: &RwLock<()>,
 ) -> bool {
     let queue = supervisor.queue.clone();
     let queue = queue.as_str();
@@ -400,15 +401,15 @@ async fn inject(
             // What the DLQ holds is kept first: deleting it deletes its messages. Nothing may
             // arrive between the drain and the delete, so the workers are let come to rest
             // first; the orders published meanwhile find the DLQ gone.
-            if !at_rest(broker, supervisor, pause).await {
-                pause.send_replace(false);
+            let paused = publishing.write().await;
+            if !at_rest(broker, supervisor).await {
                 return false;
             }
             let dlq = format!("{queue}.dlq");
             let client = Client::connect(broker.url()).await;
             drain_dead(&client, &dlq, &mut books.dead).await;
             client.delete(&dlq).await;
-            pause.send_replace(false);
+            drop(paused);
             tokio::time::sleep(Duration::from_secs(2)).await;
             declare_topology(broker.url(), queue, supervisor.kind).await;
         }
@@ -436,32 +437,33 @@ async fn inject(
             tokio::time::sleep(Duration::from_secs(2)).await;
             broker.ctl(&["clear_policy", "chaos-nack"]);
         }
-        Fault::ConsumerCancel => return cancel_consumers(broker, supervisor, pause).await,
+        Fault::ConsumerCancel => {
+            let _paused = publishing.write().await;
+            return cancel_consumers(broker, supervisor).await;
+        }
     }
     true
 }
 
-/// Pauses the publisher and waits until the work queue and the retry buckets (which
-/// dead-letter into it) hold nothing, ready or unacknowledged: then no worker holds a delivery
-/// and no copy can be published. Returns false if that did not happen within 30 s. The
-/// publisher stays paused either way.
-async fn at_rest(
-    broker: &Broker,
-    supervisor: &mut Supervisor,
-    pause: &watch::Sender<bool>,
-) -> bool {
+/// With the publisher paused (no publish unconfirmed), waits until the work queue and the
+/// retry buckets (which dead-letter into it) hold nothing, ready or unacknowledged, twice in a
+/// row 200 ms apart: then no worker holds a delivery, no copy can be published and none is on
+/// its way from a bucket. Returns false if that did not happen within 30 s.
+async fn at_rest(broker: &Broker, supervisor: &mut Supervisor) -> bool {
     let queue = supervisor.queue.clone();
     let topology = Topology::new(&queue, supervisor.kind, &RETRY_DELAYS);
     let mut watched = vec![queue];
     watched.extend(topology.buckets().map(|(name, _)| name.to_owned()));
-    pause.send_replace(true);
     let by = Instant::now() + Duration::from_secs(30);
+    let mut empty_before = false;
     while Instant::now() < by {
         supervisor.restart_exited().await;
         let depths = broker.depths();
-        if watched.iter().all(|q| depths.get(q) == Some(&0)) {
+        let empty = watched.iter().all(|q| depths.get(q) == Some(&0));
+        if empty && empty_before {
             return true;
         }
+        empty_before = empty;
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     false
@@ -470,19 +472,15 @@ async fn at_rest(
 /// Deletes the work queue, so the broker cancels every consumer (`basic.cancel`), and declares
 /// it again. Deleting a queue destroys what it holds, which no consumer can prevent: it is
 /// deleted only at rest (see [`at_rest`]); on a classic queue `if-empty` refuses the delete
-/// should a message arrive in between. Returns false if it was not deleted.
-async fn cancel_consumers(
-    broker: &Broker,
-    supervisor: &mut Supervisor,
-    pause: &watch::Sender<bool>,
-) -> bool {
+/// should a message arrive in between. Returns false if it was not deleted. The publisher is
+/// paused by the caller.
+async fn cancel_consumers(broker: &Broker, supervisor: &mut Supervisor) -> bool {
     let queue = supervisor.queue.clone();
-    let deleted = at_rest(broker, supervisor, pause).await
+    let deleted = at_rest(broker, supervisor).await
         && delete_queue(broker.url(), &queue, supervisor.kind).await;
     if deleted {
         declare_topology(broker.url(), &queue, supervisor.kind).await;
     }
-    pause.send_replace(false);
     deleted
 }
 
@@ -710,7 +708,9 @@ async fn main() -> ExitCode {
     let trace = trace_deliveries(&broker, &queue).await;
 
     // Publish at the rate asked, while faults come every `fault_every`.
-    let (pause, paused) = watch::channel(false);
+    // The publisher holds it for reading from each publish to its confirm; a fault that needs
+    // the publisher paused takes it for writing.
+    let publishing = Arc::new(RwLock::new(()));
     let publisher = {
         let (url, queue, orders, pace) = (
             broker.url().to_owned(),
@@ -718,7 +718,8 @@ async fn main() -> ExitCode {
             orders.clone(),
             (args.rate, args.burst),
         );
-        tokio::spawn(async move { publish(&url, &queue, &orders, pace, paused).await })
+        let gate = Arc::clone(&publishing);
+        tokio::spawn(async move { publish(&url, &queue, &orders, pace, &gate).await })
     };
     let mut rng = Rng::new(args.seed ^ 0xFA17);
     let mut injected: BTreeMap<Fault, u32> = BTreeMap::new();
@@ -746,7 +747,7 @@ async fn main() -> ExitCode {
                 &broker,
                 &mut supervisor,
                 &mut books,
-                &pause,
+                &publishing,
             )
             .await;
             *if done { &mut injected } else { &mut refused }
@@ -821,20 +822,19 @@ async fn wait_declared(broker: &Broker, queue: &str) {
 /// Publishes `orders` at `rate` per second, `burst` of them back to back, with publisher confirms, reconnecting when the
 /// broker closes the connection (a fault does). A publish whose confirm did not come is sent
 /// again, so a message may exist twice: returns how many times each (id, quantity) was sent.
-/// It waits while `paused` says so.
+/// Each order, from its first publish to its confirm, holds `gate` for reading.
 async fn publish(
     url: &str,
     queue: &str,
     orders: &[Order],
     (rate, burst): (u32, u32),
-    mut paused: watch::Receiver<bool>,
+    gate: &RwLock<()>,
 ) -> BTreeMap<(String, i64), u32> {
     let mut sent: BTreeMap<(String, i64), u32> = BTreeMap::new();
     let gap = Duration::from_secs(1) * burst / rate;
     let mut channel: Option<(lapin::Connection, lapin::Channel)> = None;
     for (n, order) in (1..).zip(orders) {
-        // A closed sender means the soak is over: publish on.
-        let _ = paused.wait_for(|paused| !paused).await;
+        let _publishing = gate.read().await;
         loop {
             if channel.is_none() {
                 channel = open_confirmed(url).await;
