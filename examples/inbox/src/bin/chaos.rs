@@ -555,10 +555,10 @@ async fn count_deliveries(
     broker: &Broker,
     client: &Client,
     trace: &str,
-    mut deliveries: BTreeMap<String, usize>,
+    deliveries: &mut BTreeMap<String, usize>,
 ) -> Vec<String> {
     broker.ctl(&["trace_off", "-p", "/"]);
-    drain_trace(client, trace, &mut deliveries).await;
+    drain_trace(client, trace, deliveries).await;
     client.delete(trace).await;
     let total: usize = deliveries.values().sum();
     let most = deliveries.iter().max_by_key(|(_, n)| **n);
@@ -567,8 +567,8 @@ async fn count_deliveries(
         deliveries.len()
     );
     deliveries
-        .into_iter()
-        .filter(|(_, n)| *n > MAX_DELIVERIES)
+        .iter()
+        .filter(|(_, n)| **n > MAX_DELIVERIES)
         .map(|(id, n)| format!("{id}: delivered {n} times"))
         .collect()
 }
@@ -779,9 +779,19 @@ async fn main() -> ExitCode {
     supervisor.stop_all().await;
 
     drain_dead(&client, &format!("{queue}.dlq"), &mut books.dead).await;
-    let dead = &books.dead;
-    let mut violations = check(&args, &sent, dead, &client, &queue, &database, &supervisor).await;
-    violations.extend(count_deliveries(&broker, &client, &trace, books.deliveries).await);
+    let mut violations = count_deliveries(&broker, &client, &trace, &mut books.deliveries).await;
+    violations.extend(
+        check(
+            &args,
+            &sent,
+            &books,
+            &client,
+            &queue,
+            &database,
+            &supervisor,
+        )
+        .await,
+    );
     for &fault in faults {
         if injected.get(&fault).copied().unwrap_or(0) < args.min_each {
             violations.push(format!(
@@ -887,12 +897,13 @@ async fn open_confirmed(url: &str) -> Option<(lapin::Connection, lapin::Channel)
 async fn check(
     args: &Args,
     sent: &BTreeMap<(String, i64), u32>,
-    dead: &Dead,
+    books: &Books,
     client: &Client,
     queue: &str,
     database: &Database,
     supervisor: &Supervisor,
 ) -> Vec<String> {
+    let (dead, deliveries) = (&books.dead, &books.deliveries);
     let mut violations = Vec::new();
     // What was published, by id: the sku and how often each body (quantity) was sent.
     let orders = plan(args);
@@ -945,8 +956,10 @@ async fn check(
             doubled_copies += reasons.len().saturating_sub(sent);
             let right = reasons.iter().all(|r| r.contains("unknown sku"));
             if !entries.is_empty() || reasons.is_empty() || !right {
+                let delivered = deliveries.get(*id).copied().unwrap_or(0);
                 violations.push(format!(
-                    "{id}: unknown sku, ledger {entries:?}, DLQ {reasons:?}"
+                    "{id}: unknown sku, ledger {entries:?}, DLQ {reasons:?}, delivered {delivered} \
+                     times"
                 ));
             }
             continue;
@@ -958,7 +971,10 @@ async fn check(
             }
             [] if explained => None,
             [] => {
-                violations.push(format!("{id}: lost (no effect, DLQ {reasons:?})"));
+                let delivered = deliveries.get(*id).copied().unwrap_or(0);
+                violations.push(format!(
+                    "{id}: lost (no effect, DLQ {reasons:?}, delivered {delivered} times)"
+                ));
                 None
             }
             _ => {
