@@ -1240,3 +1240,55 @@ async fn replaying_the_dlq_keeps_identity_so_the_inbox_prevents_a_second_effect(
     );
     assert_eq!(left[0].delivery.data, b"{\"qty\":9}");
 }
+
+/// The failure matrix's row "the dedup record expires before a delayed redelivery": Lily does
+/// not block it. The inbox record lives `inbox_retention` (a TTL index on `at`); once mongod's
+/// TTL monitor has removed it, as this test does by hand, a redelivery runs the handler again.
+/// The boundary the README states: keep the retention longer than the redelivery horizon.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_after_its_inbox_record_expired_runs_again() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("expired");
+    let database = MongoNode::database_name("expired");
+    let retention = Duration::from_secs(3600);
+    let scope = scope_with(
+        &database,
+        MongoConfig::new("e2e").inbox_retention(retention),
+    )
+    .await;
+    let router = Router::new().route("order.placed", record_effect);
+    let running = start_scoped(broker.url(), &queue, router, scope.clone());
+    let client = Client::connect(broker.url()).await;
+    common::wait_declared(broker.url(), &queue).await;
+    let db = direct(&database).await;
+
+    // The record expires through a TTL index of exactly the retention.
+    let inbox = db.collection::<Document>("lily_inbox");
+    let mut indexes = inbox.list_indexes().await.expect("list indexes");
+    let mut ttl = None;
+    while indexes.advance().await.expect("index cursor") {
+        let index = indexes.deserialize_current().expect("index");
+        if index.keys == doc! { "at": 1 } {
+            ttl = index.options.and_then(|o| o.expire_after);
+        }
+    }
+    assert_eq!(ttl, Some(retention));
+
+    client
+        .publish(&queue, b"{\"qty\":1}", props("late-1", "order.placed"))
+        .await;
+    common::wait_depths("handled", WAIT, &[(&queue, 0)]).await;
+    assert_eq!(effects(&scope, "late-1").await, 1);
+    let removed = inbox.delete_many(doc! {}).await.expect("expire");
+    assert_eq!(removed.deleted_count, 1, "one inbox record");
+    client
+        .publish(&queue, b"{\"qty\":1}", props("late-1", "order.placed"))
+        .await;
+    common::wait_depths("redelivery handled", WAIT, &[(&queue, 0)]).await;
+    running.stop().await;
+    assert_eq!(
+        effects(&scope, "late-1").await,
+        2,
+        "past the retention the inbox cannot recognise the message"
+    );
+}
