@@ -583,9 +583,7 @@ async fn handler_outliving_a_lease_renewal_still_commits() {
     client
         .publish(&queue, b"{\"qty\":1}", props("renewal-1", "order.placed"))
         .await;
-    running
-        .wait_for("settled for good", WAIT, |t| t.acked + t.dead_lettered == 1)
-        .await;
+    common::wait_settled("ACKed", &queue, 0).await;
     let report = running.stop().await;
 
     let dead = client
@@ -638,11 +636,7 @@ async fn lost_commit_reply_defers_and_the_redelivery_is_suppressed_as_duplicate(
     client
         .publish(&queue, b"{\"qty\":1}", props("ambiguous-1", "order.placed"))
         .await;
-    running
-        .wait_for("duplicate suppressed and acked", WAIT, |t| {
-            t.acked == 1 && t.duplicates_suppressed == 1
-        })
-        .await;
+    common::wait_settled("ACKed", &queue, 0).await;
     let report = running.stop().await;
 
     assert!(proxy.tripped(), "the commit's reply was dropped");
@@ -710,11 +704,7 @@ async fn lease_held_by_a_live_owner_defers_with_spacing_then_dead_letters_at_the
     client
         .publish(&queue, b"{\"qty\":1}", props("held-1", "order.placed"))
         .await;
-    running
-        .wait_for("dead-lettered at the requeue limit", WAIT, |t| {
-            t.dead_lettered == 1
-        })
-        .await;
+    common::wait_settled("dead-lettered at the requeue limit", &queue, 1).await;
     // Nothing keeps spinning after the DLQ handoff.
     tokio::time::sleep(Duration::from_millis(800)).await;
     let report = running.stop().await;
@@ -827,9 +817,7 @@ async fn database_unreachable_defers_without_acking_then_handles_once_when_back(
     );
 
     proxy.refuse(false);
-    running
-        .wait_for("handled once the database is back", WAIT, |t| t.acked == 1)
-        .await;
+    common::wait_settled("handled once the database is back", &queue, 0).await;
     let report = running.stop().await;
 
     let docs = effect_docs(&db, "down-1").await;
@@ -884,11 +872,7 @@ async fn handler_failure_aborts_its_transaction_and_the_retry_writes_the_only_ef
     client
         .publish(&queue, b"{\"qty\":1}", props("abort-1", "order.placed"))
         .await;
-    running
-        .wait_for("retried then acked", WAIT, |t| {
-            t.retried == 1 && t.acked == 1
-        })
-        .await;
+    common::wait_settled("retried, then ACKed", &queue, 0).await;
     let report = running.stop().await;
 
     let docs = effect_docs(&db, "abort-1").await;
@@ -1121,11 +1105,7 @@ async fn write_conflicts_run_the_transaction_again_instead_of_using_attempts() {
             .publish(&queue, b"{}", props(&format!("c-{i}"), "order.placed"))
             .await;
     }
-    running
-        .wait_for("every order taken", WAIT, |t| {
-            t.acked + t.retried + t.dead_lettered >= ORDERS as u64
-        })
-        .await;
+    common::wait_settled("every order ACKed", &queue, 0).await;
     let report = running.stop().await;
     let t = &report.totals;
     assert_eq!(

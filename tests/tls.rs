@@ -10,7 +10,6 @@ use lily_mq_mongo::mongodb::bson::{Document, doc};
 use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};
 use lily_mq_testkit::{Broker, Client, MongoNode, eventually};
 
-const WAIT: Duration = Duration::from_secs(30);
 
 /// `(amqps URL, CA PEM, TLS MongoDB URL)` exported by scripts/test.sh.
 fn tls_env() -> (String, String, String) {
@@ -54,9 +53,7 @@ async fn amqps_with_the_local_ca_consumes_and_mongo_tls_commits() {
     client
         .publish(&queue, b"{}", props("tls-1", "order.placed"))
         .await;
-    running
-        .wait_for("ack over amqps", WAIT, |t| t.acked == 1)
-        .await;
+    common::wait_settled("ACKed over amqps", &queue, 0).await;
     let report = running.stop().await;
     assert!(report.clean);
     let effects = scope

@@ -220,6 +220,17 @@ pub async fn wait_depths(what: &str, timeout: Duration, depths: &[(&str, u64)]) 
     );
 }
 
+/// Waits until the broker holds nothing for `queue` but `dead` messages in its DLQ: the work
+/// queue and the retry buckets of [`fast_policy`] empty, ready and unacknowledged.
+pub async fn wait_settled(what: &str, queue: &str, dead: u64) {
+    let topology =
+        lily::rabbit::Topology::new(queue, QueueKind::Classic, &fast_policy().retry_delays);
+    let dlq = topology.dead_letter_queue();
+    let mut depths: Vec<(&str, u64)> = vec![(queue, 0), (&dlq, dead)];
+    depths.extend(topology.buckets().map(|(bucket, _)| (bucket, 0)));
+    wait_depths(what, Duration::from_secs(60), &depths).await;
+}
+
 pub async fn wait_declared(url: &str, queue: &str) {
     for _ in 0..300 {
         let (u, q) = (url.to_owned(), queue.to_owned());
