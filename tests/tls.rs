@@ -10,7 +10,6 @@ use lily_mq_mongo::mongodb::bson::{Document, doc};
 use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};
 use lily_mq_testkit::{Broker, Client, MongoNode, eventually};
 
-
 /// `(amqps URL, CA PEM, TLS MongoDB URL)` exported by scripts/test.sh.
 fn tls_env() -> (String, String, String) {
     let get = |name: &str| {
