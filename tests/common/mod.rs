@@ -201,7 +201,6 @@ pub fn header_u32(props: &BasicProperties, key: &str) -> Option<u32> {
     lily::core::transport::as_u32(header(props, key)?)
 }
 
-/// Waits until `queue` exists (the consumer declares it on connect).
 /// Waits until the broker counts exactly `depth` messages, ready and unacknowledged, in each
 /// queue: the broker's facts, not Lily's counters.
 pub async fn wait_depths(what: &str, timeout: Duration, depths: &[(&str, u64)]) {
@@ -231,6 +230,7 @@ pub async fn wait_settled(what: &str, queue: &str, dead: u64) {
     wait_depths(what, Duration::from_secs(60), &depths).await;
 }
 
+/// Waits until `queue` exists (the consumer declares it on connect).
 pub async fn wait_declared(url: &str, queue: &str) {
     for _ in 0..300 {
         let (u, q) = (url.to_owned(), queue.to_owned());
