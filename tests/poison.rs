@@ -211,9 +211,15 @@ async fn failing_dlq(kind: QueueKind, fault: DlqFault) {
                 .await;
         }
     }
-    // The work queue empties: the good ones ACKed, every failure out as a held copy.
-    common::wait_depths("every good message ACKed", PROMPTLY, &[(&queue, 0)]).await;
+    // Timed by Lily's count (a `rabbitmqctl` round trip would dwarf it), then checked on the
+    // broker: the work queue empty, the good ones ACKed and every failure out as a held copy.
+    running
+        .wait_for("every good message ACKed", PROMPTLY, |t| {
+            t.acked == EACH as u64
+        })
+        .await;
     let took = started.elapsed();
+    common::wait_depths("the work queue empty", PROMPTLY, &[(&queue, 0)]).await;
     assert!(
         running.stats.failing_lanes().contains(&dlq),
         "the failing lane is named: {:?}",
