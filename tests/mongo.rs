@@ -1153,30 +1153,21 @@ async fn replaying_the_dlq_keeps_identity_so_the_inbox_prevents_a_second_effect(
     let client = Client::connect(broker.url()).await;
     common::wait_declared(broker.url(), &queue).await;
     let dlq = format!("{queue}.dlq");
-    let settled = |depth: u64| {
-        let (broker, queue, dlq) = (&broker, &queue, &dlq);
-        async move {
-            eventually(WAIT, || {
-                broker.messages(queue) == 0 && broker.messages(dlq) == depth
-            })
-            .await
-        }
-    };
 
     client
         .publish(&queue, b"{\"qty\":1}", props("order-a", "order.placed"))
         .await;
     // ACKed (so committed): nothing ready or unacknowledged, the DLQ empty.
-    assert!(settled(0).await, "order-a is handled");
+    common::wait_settled("order-a handled", &queue, 0).await;
     client
         .publish(&queue, b"{\"qty\":9}", props("order-a", "order.placed"))
         .await;
-    assert!(settled(1).await, "the conflict is dead-lettered");
+    common::wait_settled("the conflict dead-lettered", &queue, 1).await;
     broken.store(true, Ordering::Release);
     client
         .publish(&queue, b"{\"qty\":2}", props("order-b", "order.placed"))
         .await;
-    assert!(settled(2).await, "the failure is dead-lettered");
+    common::wait_settled("the failure dead-lettered", &queue, 2).await;
     broken.store(false, Ordering::Release);
 
     // The replay: every copy back into the work queue, as it is; order-b's copy kept aside for a
@@ -1193,10 +1184,10 @@ async fn replaying_the_dlq_keeps_identity_so_the_inbox_prevents_a_second_effect(
             .publish(&queue, &copy.delivery.data, properties)
             .await;
     }
-    assert!(settled(1).await, "the conflict is dead-lettered again");
+    common::wait_settled("the conflict dead-lettered again", &queue, 1).await;
     let (body, properties) = again.expect("order-b's copy");
     client.publish(&queue, &body, properties).await;
-    assert!(settled(1).await, "the second replay is settled");
+    common::wait_settled("the second replay settled", &queue, 1).await;
     let report = running.stop().await;
 
     assert_eq!(effects(&scope, "order-a").await, 1, "order-a: one effect");
