@@ -232,7 +232,7 @@ async fn failing_dlq(kind: QueueKind, fault: DlqFault) {
     )
     .await
     .expect("health endpoint");
-    let readyz = readyz(addr).await;
+    let readyz = lily_mq_testkit::http_get(addr, "/readyz").await;
     health.abort();
     assert!(
         readyz.starts_with("HTTP/1.1 200") && readyz.contains(&format!("lane failing: {dlq}")),
@@ -380,20 +380,4 @@ async fn a_message_that_keeps_killing_its_consumer_reaches_the_dlq_through_the_d
         "delivered once past the limit"
     );
     assert_eq!(client.depth(&queue).await, 0);
-}
-
-/// The whole `/readyz` response.
-async fn readyz(addr: std::net::SocketAddr) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    stream
-        .write_all(b"GET /readyz HTTP/1.1\r\nhost: x\r\n\r\n")
-        .await
-        .expect("request");
-    let mut response = String::new();
-    stream
-        .read_to_string(&mut response)
-        .await
-        .expect("response");
-    response
 }

@@ -349,6 +349,27 @@ impl Client {
     }
 }
 
+/// The whole response to `GET path` over HTTP/1.1 from `addr` (a health endpoint).
+///
+/// # Panics
+/// When the connection, the request or the read fails.
+pub async fn http_get(addr: impl tokio::net::ToSocketAddrs, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect to the HTTP endpoint");
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
+        .await
+        .expect("request");
+    let mut response = String::new();
+    stream
+        .read_to_string(&mut response)
+        .await
+        .expect("response");
+    response
+}
+
 /// Polls `check` every 50 ms until it is true or `timeout` passes; returns the last value.
 pub async fn eventually<F: FnMut() -> bool>(timeout: Duration, mut check: F) -> bool {
     let start = Instant::now();

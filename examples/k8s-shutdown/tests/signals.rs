@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 use lapin::BasicProperties;
 use lily_mq_testkit::{Broker, ChildProcess, Client, TcpProxy};
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
 
 /// A running service, what it printed on stderr, and where it writes its report.
@@ -121,19 +120,9 @@ fn phases(report: &Value) -> Vec<String> {
         .collect()
 }
 
+/// The status line of `GET path` on the health port.
 async fn http_get(addr: &str, path: &str) -> String {
-    let mut stream = tokio::net::TcpStream::connect(addr)
-        .await
-        .expect("health port");
-    stream
-        .write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
-        .await
-        .expect("request");
-    let mut response = String::new();
-    stream
-        .read_to_string(&mut response)
-        .await
-        .expect("response");
+    let response = lily_mq_testkit::http_get(addr, path).await;
     response.lines().next().unwrap_or_default().to_owned()
 }
 
