@@ -9,6 +9,14 @@
 #                                        using the certificates of scripts/tls.sh)
 #   scripts/rabbitmq.sh stop DIR         stop the node started with DIR (by its PID)
 #   scripts/rabbitmq.sh ctl DIR ARGS...  run rabbitmqctl against that node
+#   scripts/rabbitmq.sh cluster-start DIR PORT
+#                                        a three-node cluster: nodes in DIR/n1..n3, AMQP on
+#                                        127.0.0.1:PORT, PORT+10 and PORT+20 (each node's
+#                                        distribution port is its AMQP port + 1; the three share
+#                                        epmd on PORT+2 and one private cookie)
+#   scripts/rabbitmq.sh cluster-stop DIR stop the three nodes of that cluster (by their PIDs)
+#   scripts/rabbitmq.sh kill DIR         kill -9 the node started with DIR (a crash); `start DIR
+#                                        PORT` brings it back with its data
 #
 # Each node has its own data directory, AMQP port, distribution port, epmd port and Erlang
 # cookie, so it never touches another node on the machine. Nothing listens beyond 127.0.0.1.
@@ -35,7 +43,8 @@ node_env() {
   export RABBITMQ_NODE_PORT="$port"
   export RABBITMQ_DIST_PORT=$((port + 1))
   export ERL_EPMD_ADDRESS=127.0.0.1
-  export ERL_EPMD_PORT=$((port + 2))
+  # A cluster's nodes share one epmd (they find each other through it) and one cookie.
+  export ERL_EPMD_PORT=${LILY_RABBIT_EPMD_PORT:-$((port + 2))}
   export RABBITMQ_MNESIA_BASE="$dir/mnesia"
   export RABBITMQ_LOG_BASE="$dir/log"
   export RABBITMQ_PID_FILE="$dir/rabbit.pid"
@@ -48,6 +57,10 @@ start() {
   local dir port
   dir=$(mkdir -p "$1" && cd "$1" && pwd) port=$2
   install
+  # A node brought back (after `kill`) keeps the epmd its cluster shares.
+  if [ -z "${LILY_RABBIT_EPMD_PORT:-}" ] && [ -f "$dir/epmd_port" ]; then
+    LILY_RABBIT_EPMD_PORT=$(cat "$dir/epmd_port")
+  fi
   node_env "$dir" "$port"
   mkdir -p "$dir/mnesia" "$dir/log"
   echo "[]." >"$RABBITMQ_ENABLED_PLUGINS_FILE"
@@ -72,6 +85,12 @@ ssl_options.fail_if_no_peer_cert = false
 CONF
   fi
   echo "$port" >"$dir/port"
+  echo "$ERL_EPMD_PORT" >"$dir/epmd_port"
+  if [ -n "${LILY_RABBIT_COOKIE:-}" ]; then
+    rm -f "$dir/.erlang.cookie"
+    printf '%s' "$LILY_RABBIT_COOKIE" >"$dir/.erlang.cookie"
+    chmod 400 "$dir/.erlang.cookie"
+  fi
   "$RABBIT_BIN/rabbitmq-server" >"$dir/log/stdout.log" 2>&1 &
   echo $! >"$dir/server.pid"
   # wait for the node and its AMQP listener
@@ -92,10 +111,17 @@ CONF
   return 1
 }
 
+# The environment of the node already set up in DIR, with the epmd port it was started with.
+known_env() {
+  local dir=$1
+  LILY_RABBIT_EPMD_PORT=$(cat "$dir/epmd_port" 2>/dev/null || echo $(($(cat "$dir/port") + 2))) \
+    node_env "$dir" "$(cat "$dir/port")"
+}
+
 stop() {
   local dir=$1
   [ -f "$dir/port" ] || return 0
-  node_env "$dir" "$(cat "$dir/port")"
+  known_env "$dir"
   "$RABBIT_BIN/rabbitmqctl" -q stop >/dev/null 2>&1 || true
   local pid
   for f in server.pid rabbit.pid; do
@@ -112,8 +138,49 @@ stop() {
 ctl() {
   local dir=$1
   shift
-  node_env "$dir" "$(cat "$dir/port")"
+  known_env "$dir"
   "$RABBIT_BIN/rabbitmqctl" "$@"
+}
+
+# kill -9 of the node's Erlang VM: no clean stop, as a crash or an OOM kill looks.
+kill_node() {
+  local dir=$1 pid
+  pid=$(cat "$dir/rabbit.pid" 2>/dev/null || true)
+  [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null || true
+  pid=$(cat "$dir/server.pid" 2>/dev/null || true)
+  [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null || true
+  # the node's port stays recorded: `start DIR PORT` brings it back with its data
+}
+
+cluster_start() {
+  local dir port
+  dir=$(mkdir -p "$1" && cd "$1" && pwd) port=$2
+  install
+  export LILY_RABBIT_EPMD_PORT=$((port + 2))
+  # One private cookie for the three nodes and the CLI.
+  export LILY_RABBIT_COOKIE="lily-cluster-$(od -An -N12 -tx1 /dev/urandom | tr -d ' \n')"
+  local i pids=()
+  for i in 1 2 3; do
+    start "$dir/n$i" $((port + (i - 1) * 10)) &
+    pids+=($!)
+  done
+  for i in "${pids[@]}"; do wait "$i"; done
+  local first="lily$port@localhost"
+  for i in 2 3; do
+    ctl "$dir/n$i" -q stop_app
+    ctl "$dir/n$i" -q join_cluster "$first"
+    ctl "$dir/n$i" -q start_app
+  done
+  ctl "$dir/n1" -q await_online_nodes 3
+  echo "lily: three-node cluster ready on 127.0.0.1:$port, $((port + 10)), $((port + 20)) (data $dir)" >&2
+}
+
+cluster_stop() {
+  local dir=$1 i
+  for i in 3 2 1; do
+    [ -d "$dir/n$i" ] && stop "$dir/n$i"
+  done
+  return 0
 }
 
 cmd=${1:-}
@@ -123,5 +190,8 @@ case "$cmd" in
   start) start "$@" ;;
   stop) stop "$@" ;;
   ctl) ctl "$@" ;;
-  *) sed -n '2,9p' "$0" >&2; exit 2 ;;
+  kill) kill_node "$@" ;;
+  cluster-start) cluster_start "$@" ;;
+  cluster-stop) cluster_stop "$@" ;;
+  *) sed -n '2,18p' "$0" >&2; exit 2 ;;
 esac

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use lily_mq_core::{Limits, Policy};
 
-use crate::topology::{QueueKind, TopologyMode};
+use crate::topology::{LeaderLocator, QueueKind, TopologyMode};
 
 /// How one work queue is consumed.
 #[derive(Clone, Debug)]
@@ -29,7 +29,19 @@ pub struct ConsumerConfig {
     pub policy: Policy,
     /// Unresolved deliveries kept in the ledger before counting them as overflow.
     pub unresolved_cap: usize,
-    /// First reconnect delay; doubles up to `reconnect_max`.
+    /// More nodes of the same cluster, as `host` or `host:port` (the port defaults to the
+    /// URL scheme's), tried after the URL's own host. The URL still gives the scheme, the
+    /// credentials, the virtual host and the query. Every connect resolves each name again,
+    /// and a name that resolves to several IP addresses (a headless service) counts as that
+    /// many nodes. A lost connection is opened again on the node after the one it had, so it
+    /// moves off a node that went down; the consuming and the handoff connection dial on
+    /// their own and may land on different nodes.
+    pub addresses: Vec<String>,
+    /// How long connecting to one node may take (TCP, TLS and the AMQP handshake) before the
+    /// next is tried: a node that drops packets must not hold a reconnect for minutes.
+    pub connect_timeout: Duration,
+    /// First reconnect delay, after every node failed once; doubles up to `reconnect_max`.
+    /// Each wait is jittered to between half of it and all of it.
     pub reconnect_min: Duration,
     /// Longest reconnect delay.
     pub reconnect_max: Duration,
@@ -42,6 +54,11 @@ pub struct ConsumerConfig {
     /// first. `None` declares none (RabbitMQ 4 then applies its default of 20). A queue that
     /// exists without these arguments is refused (406) until it is recreated or this is `None`.
     pub delivery_limit: Option<u32>,
+    /// Quorum queues only: where the broker places the leader of each queue Lily declares
+    /// (`x-queue-leader-locator`). `None` leaves it to the broker (`client-local`: every queue
+    /// led by the node the consumer happened to connect to). RabbitMQ reads it at declaration
+    /// only, so it changes nothing for a queue that exists.
+    pub leader_locator: Option<LeaderLocator>,
 }
 
 impl ConsumerConfig {
@@ -57,11 +74,35 @@ impl ConsumerConfig {
             limits: Limits::default(),
             policy: Policy::default(),
             unresolved_cap: 1000,
+            addresses: Vec::new(),
+            connect_timeout: Duration::from_secs(5),
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(5),
             tls_ca_pem: None,
             delivery_limit: Some(20),
+            leader_locator: None,
         }
+    }
+
+    /// Sets [`ConsumerConfig::addresses`]: more nodes of the cluster, `host` or `host:port`.
+    #[must_use]
+    pub fn addresses<A: Into<String>>(mut self, addresses: impl IntoIterator<Item = A>) -> Self {
+        self.addresses = addresses.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Sets [`ConsumerConfig::connect_timeout`].
+    #[must_use]
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Sets [`ConsumerConfig::leader_locator`].
+    #[must_use]
+    pub fn leader_locator(mut self, locator: Option<LeaderLocator>) -> Self {
+        self.leader_locator = locator;
+        self
     }
 
     /// Sets [`ConsumerConfig::delivery_limit`].

@@ -1,43 +1,301 @@
-//! Opening a connection to the broker: the consuming one and the handoff one.
+//! Opening a connection to the broker, the consuming one and the handoff one, through one of
+//! several addresses (the nodes of a cluster).
+//!
+//! The URL gives the scheme, the credentials, the virtual host and the query; the addresses
+//! give the nodes: the URL's own host first, then [`ConsumerConfig::addresses`]. Each address
+//! is resolved again at every connect, and a name that resolves to several IP addresses (a
+//! Kubernetes headless service, say) counts as that many nodes. A [`Dialer`] walks them from
+//! where its last success left off, so a connection lost with its node is opened again on
+//! another one first. The consuming and the handoff connection dial on their own and may land
+//! on different nodes.
+//!
+//! [`ConsumerConfig::addresses`]: crate::ConsumerConfig::addresses
 
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use lapin::tcp::{AsyncTcpStream, OwnedTLSConfig};
 use lapin::types::LongString;
+use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{Connection, ConnectionProperties};
+use tracing::{debug, info, warn};
 
-/// Where and how to connect.
+/// Where and how to connect. Not `Debug`: the URL carries credentials.
 #[derive(Clone)]
 pub(crate) struct Endpoint {
-    /// `amqp://` or `amqps://` URL; it may hold credentials, so it is never logged.
-    pub(crate) url: String,
+    /// The parsed URL; its host is the first address.
+    uri: AMQPUri,
+    /// The nodes, in the order given: `(host, port)`.
+    addresses: Vec<(String, u16)>,
     /// PEM certificates to trust for `amqps://` besides the system roots.
-    pub(crate) tls_ca_pem: Option<String>,
+    tls_ca_pem: Option<String>,
     /// The work queue, part of each connection's name.
-    pub(crate) queue: String,
+    queue: String,
+    /// How long one address may take to connect (TCP, TLS and the AMQP handshake).
+    connect_timeout: Duration,
 }
 
-/// Opens a connection named `lily:<queue>:<role>` (the name the broker's tools show).
-pub(crate) async fn connect(endpoint: &Endpoint, role: &str) -> lapin::Result<Connection> {
-    let name = format!("lily:{}:{role}", endpoint.queue);
-    let props =
-        ConnectionProperties::default().with_connection_name(LongString::from(name.into_bytes()));
-    match &endpoint.tls_ca_pem {
-        None => Connection::connect(&endpoint.url, props).await,
-        Some(ca) => {
-            let tls = lapin::tcp::OwnedTLSConfig {
-                identity: None,
-                cert_chain: Some(ca.clone()),
-            };
-            let runtime = lapin::runtime::default_runtime()?;
-            Connection::connect_with_config(&endpoint.url, props, tls, runtime).await
+/// Why an endpoint cannot be built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EndpointError {
+    /// The URL does not parse (its text is not repeated: it may hold a password).
+    Url,
+    /// An address is not `host` or `host:port`.
+    Address,
+}
+
+impl Endpoint {
+    /// The endpoint of `url` and the further `addresses` (`host` or `host:port`, the port
+    /// defaulting to the URL scheme's).
+    pub(crate) fn new(
+        url: &str,
+        addresses: &[String],
+        tls_ca_pem: Option<String>,
+        queue: &str,
+        connect_timeout: Duration,
+    ) -> Result<Self, EndpointError> {
+        let uri = AMQPUri::from_str(url).map_err(|_| EndpointError::Url)?;
+        let default_port = match uri.scheme {
+            AMQPScheme::AMQP => 5672,
+            AMQPScheme::AMQPS => 5671,
+        };
+        let mut nodes = vec![(uri.authority.host.clone(), uri.authority.port)];
+        for address in addresses {
+            let node = parse_address(address, default_port).ok_or(EndpointError::Address)?;
+            if !nodes.contains(&node) {
+                nodes.push(node);
+            }
+        }
+        Ok(Self {
+            uri,
+            addresses: nodes,
+            tls_ca_pem,
+            queue: queue.to_owned(),
+            connect_timeout,
+        })
+    }
+
+    /// The first address, as `scheme://host:port/vhost`, for logs.
+    pub(crate) fn display(&self) -> String {
+        let (host, port) = &self.addresses[0];
+        self.display_node(host, *port, None)
+    }
+
+    fn display_node(&self, host: &str, port: u16, ip: Option<SocketAddr>) -> String {
+        let scheme = match self.uri.scheme {
+            AMQPScheme::AMQP => "amqp",
+            AMQPScheme::AMQPS => "amqps",
+        };
+        let vhost = &self.uri.vhost;
+        match ip {
+            Some(ip) if ip.ip().to_string() != host => {
+                format!("{scheme}://{host}:{port}/{vhost} ({ip})")
+            }
+            _ => format!("{scheme}://{host}:{port}/{vhost}"),
+        }
+    }
+
+    /// Every node to try, in the order given, each name resolved now, and the error of the
+    /// last name that did not resolve.
+    async fn nodes(&self) -> (Vec<Node>, Option<std::io::Error>) {
+        let mut nodes = Vec::new();
+        let mut unresolved = None;
+        for (host, port) in &self.addresses {
+            match tokio::net::lookup_host((host.as_str(), *port)).await {
+                Ok(ips) => {
+                    let before = nodes.len();
+                    for ip in ips {
+                        let node = Node::new(host, *port, ip);
+                        if !nodes[before..].contains(&node) {
+                            nodes.push(node);
+                        }
+                    }
+                }
+                Err(err) => {
+                    debug!(host = %host, error = %err, "address does not resolve");
+                    unresolved = Some(err);
+                }
+            }
+        }
+        (nodes, unresolved)
+    }
+
+    /// Opens a connection to `node`, named `lily:<queue>:<role>` (the name the broker's tools
+    /// show), within the connect timeout.
+    async fn dial(&self, node: &Node, role: &str) -> lapin::Result<Connection> {
+        let name = format!("lily:{}:{role}", self.queue);
+        let props = ConnectionProperties::default()
+            .with_connection_name(LongString::from(name.into_bytes()));
+        let mut uri = self.uri.clone();
+        uri.authority.host.clone_from(&node.host);
+        uri.authority.port = node.port;
+        let tls = OwnedTLSConfig {
+            identity: None,
+            cert_chain: self.tls_ca_pem.clone(),
+        };
+        let runtime = lapin::runtime::default_runtime()?;
+        let ip = node.ip;
+        let opening = Connection::connector(
+            uri,
+            runtime,
+            async move |uri: AMQPUri, runtime| {
+                // TCP to the resolved address; TLS checks the certificate against the name.
+                let stream = AsyncTcpStream::connect(&runtime, ip).await?;
+                Ok(match uri.scheme {
+                    AMQPScheme::AMQP => stream,
+                    AMQPScheme::AMQPS => stream.into_tls(&uri.authority.host, tls.as_ref()).await?,
+                })
+            },
+            props,
+        );
+        match tokio::time::timeout(self.connect_timeout, opening).await {
+            Ok(result) => result,
+            Err(_) => Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "connect timed out",
+            )
+            .into()),
         }
     }
 }
 
-/// `scheme://host:port/vhost` without user or password.
-pub(crate) fn redact(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap_or(("amqp", url));
-    let rest = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
-    let host = rest.split(['?', '#']).next().unwrap_or(rest);
-    format!("{scheme}://{host}")
+/// One node to try: an address and one of the IP addresses its name resolved to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Node {
+    host: String,
+    port: u16,
+    ip: SocketAddr,
+}
+
+impl Node {
+    fn new(host: &str, port: u16, ip: SocketAddr) -> Self {
+        Self {
+            host: host.to_owned(),
+            port,
+            ip,
+        }
+    }
+}
+
+/// `host`, `host:port`, `[v6]` or `[v6]:port`.
+fn parse_address(address: &str, default_port: u16) -> Option<(String, u16)> {
+    let address = address.trim();
+    let (host, port) = if let Some(rest) = address.strip_prefix('[') {
+        let (host, rest) = rest.split_once(']')?;
+        match rest {
+            "" => (host, None),
+            rest => (host, Some(rest.strip_prefix(':')?)),
+        }
+    } else {
+        match address.rsplit_once(':') {
+            Some((host, port)) if !host.contains(':') => (host, Some(port)),
+            Some(_) => return None,
+            None => (address, None),
+        }
+    };
+    let valid = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | ':');
+    if host.is_empty() || !host.chars().all(valid) {
+        return None;
+    }
+    let port = match port {
+        Some(port) => port.parse().ok().filter(|p| *p != 0)?,
+        None => default_port,
+    };
+    Some((host.to_owned(), port))
+}
+
+/// Connects one role (consuming or handoffs) through an endpoint's nodes in rotation.
+pub(crate) struct Dialer {
+    endpoint: Endpoint,
+    role: &'static str,
+    /// Where the next connect starts: just after the node of the last success.
+    next: AtomicUsize,
+}
+
+impl Dialer {
+    pub(crate) fn new(endpoint: Endpoint, role: &'static str) -> Self {
+        Self {
+            endpoint,
+            role,
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// The endpoint dialled.
+    pub(crate) fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// Opens a connection on the first node that takes it, trying each once, starting after
+    /// the node of the last success. A node that refuses the credentials or the virtual host
+    /// ends the round at once: the nodes of a cluster share their users.
+    ///
+    /// # Errors
+    /// Every node failed: the last node's error, or the refusal.
+    pub(crate) async fn connect(&self) -> lapin::Result<Connection> {
+        let (nodes, unresolved) = self.endpoint.nodes().await;
+        if nodes.is_empty() {
+            let err = unresolved.unwrap_or_else(|| std::io::Error::other("no address resolved"));
+            return Err(err.into());
+        }
+        let start = self.next.load(Ordering::Relaxed) % nodes.len();
+        // The next round starts elsewhere, unless a node below takes the connection.
+        self.next.store(start + 1, Ordering::Relaxed);
+        let mut last = None;
+        for offset in 0..nodes.len() {
+            let index = (start + offset) % nodes.len();
+            let node = &nodes[index];
+            let shown = self.endpoint.display_node(&node.host, node.port, Some(node.ip));
+            match self.endpoint.dial(node, self.role).await {
+                Ok(connection) => {
+                    self.next.store(index + 1, Ordering::Relaxed);
+                    info!(role = self.role, node = %shown, "connected");
+                    return Ok(connection);
+                }
+                Err(err) if refused(&err) => return Err(err),
+                Err(err) => {
+                    if nodes.len() > 1 {
+                        warn!(role = self.role, node = %shown, error = %err, "node unreachable; trying the next");
+                    }
+                    last = Some(err);
+                }
+            }
+        }
+        Err(last.expect("at least one node was tried"))
+    }
+}
+
+/// Whether the broker refused a connection for good: wrong credentials (403) or no access to
+/// the virtual host (530). Anything else (refused at TCP, closed while opening, as a broker
+/// restart looks) is retried with backoff.
+pub(crate) fn refused(err: &lapin::Error) -> bool {
+    use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+    let lapin::ErrorKind::ProtocolError(amqp) = err.kind() else {
+        return false;
+    };
+    matches!(
+        amqp.kind(),
+        AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
+            | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
+    )
+}
+
+/// `delay` with equal jitter: somewhere in `[delay / 2, delay]`, so consumers that lost the
+/// same node do not all come back in the same instant.
+pub(crate) fn jittered(delay: Duration) -> Duration {
+    use std::hash::BuildHasher;
+    // `RandomState` is seeded randomly for each instance: enough entropy for a jitter.
+    let random = std::collections::hash_map::RandomState::new().hash_one(0u8);
+    spread(delay, random)
+}
+
+/// The jitter arithmetic: `random` picks a point of `[delay / 2, delay]`.
+fn spread(delay: Duration, random: u64) -> Duration {
+    let half = delay / 2;
+    let span = u64::try_from((delay - half).as_nanos()).unwrap_or(u64::MAX);
+    half + Duration::from_nanos(random.checked_rem(span.saturating_add(1)).unwrap_or(0))
 }
 
 #[cfg(test)]
@@ -45,11 +303,82 @@ mod tests {
     use super::*;
 
     #[test]
-    fn urls_are_logged_without_credentials() {
+    fn addresses_parse_with_the_scheme_port_as_default() {
+        assert_eq!(parse_address("rabbit-1", 5672), Some(("rabbit-1".into(), 5672)));
+        assert_eq!(parse_address(" rabbit-1:5673 ", 5672), Some(("rabbit-1".into(), 5673)));
+        assert_eq!(parse_address("10.0.0.2:5671", 5672), Some(("10.0.0.2".into(), 5671)));
+        assert_eq!(parse_address("[::1]:5673", 5672), Some(("::1".into(), 5673)));
+        assert_eq!(parse_address("[::1]", 5671), Some(("::1".into(), 5671)));
+        for bad in ["", ":5672", "host:", "host:0", "host:99999", "::1", "a b:1", "u:p@h:1", "[::1]x"] {
+            assert_eq!(parse_address(bad, 5672), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_urls_host_comes_first_and_duplicates_go() {
+        let endpoint = Endpoint::new(
+            "amqp://user:s3cret@node-a:5680/vh",
+            &["node-b".into(), "node-a:5680".into(), "node-c:5690".into()],
+            None,
+            "orders",
+            Duration::from_secs(1),
+        )
+        .ok()
+        .expect("valid");
         assert_eq!(
-            redact("amqp://user:s3cret@127.0.0.1:5672/%2f?heartbeat=10"),
-            "amqp://127.0.0.1:5672/%2f"
+            endpoint.addresses,
+            [
+                ("node-a".to_owned(), 5680),
+                ("node-b".to_owned(), 5672),
+                ("node-c".to_owned(), 5690)
+            ]
         );
-        assert_eq!(redact("amqps://host/vh"), "amqps://host/vh");
+        assert_eq!(endpoint.display(), "amqp://node-a:5680/vh");
+        let shown = endpoint.display_node("node-b", 5672, Some("10.1.2.3:5672".parse().unwrap()));
+        assert_eq!(shown, "amqp://node-b:5672/vh (10.1.2.3:5672)");
+        assert!(matches!(
+            Endpoint::new("http://x", &[], None, "q", Duration::from_secs(1)),
+            Err(EndpointError::Url)
+        ));
+        assert!(matches!(
+            Endpoint::new("amqp://x", &["a:b:c".into()], None, "q", Duration::from_secs(1)),
+            Err(EndpointError::Address)
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_name_that_resolves_to_several_addresses_is_several_nodes() {
+        let endpoint = Endpoint::new(
+            "amqp://127.0.0.1:5672/%2f",
+            &["127.0.0.1:5673".into(), "localhost:5674".into()],
+            None,
+            "orders",
+            Duration::from_secs(1),
+        )
+        .ok()
+        .expect("valid");
+        let (nodes, unresolved) = endpoint.nodes().await;
+        assert!(unresolved.is_none());
+        let ips: Vec<_> = nodes.iter().map(|n| n.ip).collect();
+        assert_eq!(ips[0], "127.0.0.1:5672".parse().unwrap());
+        assert_eq!(ips[1], "127.0.0.1:5673".parse().unwrap());
+        // `localhost` is one node per address it resolves to (127.0.0.1, often ::1 too).
+        let resolved: Vec<_> = tokio::net::lookup_host(("localhost", 5674))
+            .await
+            .unwrap()
+            .collect();
+        assert_eq!(nodes.len(), 2 + resolved.len());
+        assert!(nodes[2..].iter().all(|n| n.host == "localhost" && n.port == 5674));
+    }
+
+    #[test]
+    fn jitter_stays_between_half_the_delay_and_the_delay() {
+        let delay = Duration::from_millis(800);
+        for random in [0, 1, 399_999_999, 400_000_000, 400_000_001, u64::MAX] {
+            let d = spread(delay, random);
+            assert!(d >= delay / 2 && d <= delay, "{d:?}");
+        }
+        assert_eq!(spread(Duration::ZERO, 7), Duration::ZERO);
+        assert_ne!(jittered(delay), jittered(delay), "two draws differ (1 in 4e8 they don't)");
     }
 }

@@ -15,7 +15,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
 use crate::config::ConsumerConfig;
-use crate::connect::{Endpoint, redact};
+use crate::connect::{Dialer, Endpoint, EndpointError, jittered};
 use crate::crew::Crew;
 use crate::error::Error;
 use crate::publisher::Publisher;
@@ -49,7 +49,8 @@ use crate::topology::{QueueKind, Topology};
 /// # Ok(()) }
 /// ```
 pub struct Consumer {
-    endpoint: Endpoint,
+    /// `amqp://` or `amqps://`; it may hold credentials, so it is never logged.
+    url: String,
     publisher: Arc<Publisher>,
     config: ConsumerConfig,
     router: Router,
@@ -99,17 +100,13 @@ impl Stats {
 }
 
 impl Consumer {
-    /// A consumer of `config.queue` at `url` (`amqp://` or `amqps://`).
+    /// A consumer of `config.queue` at `url` (`amqp://` or `amqps://`), and at the further
+    /// nodes of [`ConsumerConfig::addresses`].
     pub fn new(url: impl Into<String>, config: ConsumerConfig, router: Router) -> Self {
         let ledger = Arc::new(Mutex::new(Ledger::new(config.unresolved_cap)));
-        let endpoint = Endpoint {
-            url: url.into(),
-            tls_ca_pem: config.tls_ca_pem.clone(),
-            queue: config.queue.clone(),
-        };
         Self {
-            publisher: Arc::new(Publisher::new(endpoint.clone(), &config.queue)),
-            endpoint,
+            publisher: Arc::new(Publisher::new(&config.queue)),
+            url: url.into(),
             config,
             router,
             hooks: Vec::new(),
@@ -189,16 +186,34 @@ impl Consumer {
                 "delivery_limit must exceed policy.max_requeues, so Lily's limit comes first",
             ));
         }
+        if self.config.connect_timeout.is_zero() {
+            return Err(Error::Config("connect_timeout must be above zero"));
+        }
+        let endpoint = Endpoint::new(
+            &self.url,
+            &self.config.addresses,
+            self.config.tls_ca_pem.clone(),
+            &self.config.queue,
+            self.config.connect_timeout,
+        )
+        .map_err(|err| {
+            Error::Config(match err {
+                EndpointError::Url => "the broker URL does not parse as amqp:// or amqps://",
+                EndpointError::Address => "an address is not host, host:port or [v6]:port",
+            })
+        })?;
+        info!(queue = %self.config.queue, node = %endpoint.display(), nodes = 1 + self.config.addresses.len(), "starting");
         let topology = Topology::new(
             &self.config.queue,
             self.config.queue_kind,
             &self.config.policy.retry_delays,
         )
-        .delivery_limit(self.config.delivery_limit);
+        .delivery_limit(self.config.delivery_limit)
+        .leader_locator(self.config.leader_locator);
         let shared = Arc::new(Shared {
             queue: self.config.queue.as_str().into(),
             metrics: Metrics::new(&self.config.queue),
-            endpoint: self.endpoint,
+            dialer: Dialer::new(endpoint, "consuming"),
             publisher: self.publisher,
             router: self.router,
             hooks: self.hooks,
@@ -261,14 +276,14 @@ async fn run_sessions(
             }
             Err(SessionError::Fatal(err)) => return Err(err),
             Err(SessionError::Connect(err)) => {
-                warn!(queue = %shared.queue, error = %err, host = %redact(&shared.endpoint.url), "connect failed");
+                warn!(queue = %shared.queue, error = %err, "connect failed on every node");
             }
         }
         if started.elapsed() > shared.config.reconnect_max * 2 {
             delay = shared.config.reconnect_min;
         }
         tokio::select! {
-            () = tokio::time::sleep(delay) => {}
+            () = tokio::time::sleep(jittered(delay)) => {}
             () = stop.cancelled() => break,
         }
         delay = (delay * 2).min(shared.config.reconnect_max);

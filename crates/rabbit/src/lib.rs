@@ -32,7 +32,7 @@ pub use consumer::{Consumer, Stats};
 pub use error::Error;
 pub use report::{ReportSinks, emit};
 pub use shutdown::Shutdown;
-pub use topology::{QueueKind, Topology, TopologyMode};
+pub use topology::{LeaderLocator, QueueKind, Topology, TopologyMode};
 
 /// A `tracing` filter directive that silences lapin's log of returned messages: lapin logs each
 /// message the broker returns, body and headers included, at WARN. Add it to every filter, also

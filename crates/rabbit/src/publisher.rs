@@ -51,7 +51,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::connect::{Endpoint, connect};
+use crate::connect::{Dialer, Endpoint};
 use crate::sync::lock;
 
 /// Confirm channels publishing copies, one batch in flight on each.
@@ -131,7 +131,8 @@ impl Lanes {
 
 /// The connection the workers share.
 struct Link {
-    endpoint: Endpoint,
+    /// Set by the first [`Publisher::warm`].
+    dialer: std::sync::OnceLock<Dialer>,
     /// The current connection; replaced when it is lost.
     current: Mutex<Option<Arc<Connection>>>,
     /// Held while connecting, so the workers open one connection, not one each.
@@ -146,11 +147,11 @@ struct Link {
 }
 
 impl Publisher {
-    pub(crate) fn new(endpoint: Endpoint, queue: &str) -> Self {
+    pub(crate) fn new(queue: &str) -> Self {
         let (requests, pending) = mpsc::unbounded_channel();
         Self {
             link: Arc::new(Link {
-                endpoint,
+                dialer: std::sync::OnceLock::new(),
                 current: Mutex::new(None),
                 connecting: tokio::sync::Mutex::new(()),
                 next_id: AtomicU64::new(0),
@@ -179,8 +180,12 @@ impl Publisher {
     }
 
     /// Opens the connection ahead of the first handoff, so a broker that refuses it is known at
-    /// start, and starts the workers the first time.
-    pub(crate) async fn warm(&self) -> lapin::Result<()> {
+    /// start, and the first time takes `endpoint`, which it dials on its own (the handoff
+    /// connection may land on another node than the consuming one), and starts the workers.
+    pub(crate) async fn warm(&self, endpoint: &Endpoint) -> lapin::Result<()> {
+        self.link
+            .dialer
+            .get_or_init(|| Dialer::new(endpoint.clone(), "handoffs"));
         self.link.connection().await?;
         if let Some(pending) = lock(&self.pending).take() {
             let requests: Requests = Arc::new(tokio::sync::Mutex::new(pending));
@@ -421,7 +426,10 @@ impl Link {
         if let Some(connection) = self.open() {
             return Ok(connection);
         }
-        let connection = Arc::new(connect(&self.endpoint, "handoffs").await?);
+        let dialer = self.dialer.get().ok_or_else(|| {
+            lapin::Error::from(std::io::Error::other("the handoff publisher was not started"))
+        })?;
+        let connection = Arc::new(dialer.connect().await?);
         *lock(&self.last_confirm) = None;
         self.blocked.store(false, Ordering::Release);
         self.blocked_gauge.set(0.0);

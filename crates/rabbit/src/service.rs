@@ -11,14 +11,15 @@ use metrics::{Counter, Gauge, Histogram};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::ConsumerConfig;
-use crate::connect::Endpoint;
+use crate::connect::Dialer;
 use crate::publisher::Publisher;
 use crate::topology::Topology;
 
 /// Everything the sessions and delivery tasks share: the service's fixed setup, its books, its
 /// shutdown signals.
 pub(crate) struct Shared {
-    pub(crate) endpoint: Endpoint,
+    /// Dials the consuming connection.
+    pub(crate) dialer: Dialer,
     pub(crate) publisher: Arc<Publisher>,
     pub(crate) config: ConsumerConfig,
     pub(crate) router: Router,

@@ -11,7 +11,7 @@ use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
     BasicRejectOptions,
 };
-use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection};
 use lily_mq_core::transport::{
@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use crate::connect::{connect, redact};
+use crate::connect::refused;
 use crate::crew::Crew;
 use crate::error::Error;
 use crate::publisher::Publisher;
@@ -270,20 +270,6 @@ fn definitive(err: &lapin::Error, mode: TopologyMode) -> bool {
     }
 }
 
-/// Whether the broker refused a connection for good: wrong credentials (403) or no access to
-/// the virtual host (530). Anything else (refused at TCP, closed while opening, as a broker
-/// restart looks) is retried with backoff.
-fn refused(err: &lapin::Error) -> bool {
-    let lapin::ErrorKind::ProtocolError(amqp) = err.kind() else {
-        return false;
-    };
-    matches!(
-        amqp.kind(),
-        AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
-            | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
-    )
-}
-
 /// A connect error as the session loop sees it: definitive when the broker refused us.
 fn connect_error(shared: &Shared, source: lapin::Error) -> SessionError {
     if refused(&source) {
@@ -299,7 +285,9 @@ fn connect_error(shared: &Shared, source: lapin::Error) -> SessionError {
 /// Opens a session up to its consumer: the connection, the topology, the handoff publisher's
 /// connection, the consuming channel with its prefetch, and `basic.consume`.
 async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer), SessionError> {
-    let connection = connect(&shared.endpoint, "consuming")
+    let connection = shared
+        .dialer
+        .connect()
         .await
         .map_err(|e| connect_error(shared, e))?;
     let setup = connection
@@ -323,7 +311,7 @@ async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer),
     let _ = setup.close(200, "topology ready".into()).await;
     shared
         .publisher
-        .warm()
+        .warm(shared.dialer.endpoint())
         .await
         .map_err(|e| connect_error(shared, e))?;
     let consuming = connection
@@ -359,7 +347,7 @@ pub(crate) async fn consume(
         opened = open(shared) => opened?,
         () = stop.cancelled() => return Ok(SessionEnd::Stopped),
     };
-    info!(queue = %shared.queue, host = %redact(&shared.endpoint.url), "consuming");
+    info!(queue = %shared.queue, "consuming");
     let session = Arc::new(Session {
         id: shared.sessions.fetch_add(1, Ordering::Relaxed),
         connection,

@@ -17,6 +17,26 @@ pub enum QueueKind {
     Quorum,
 }
 
+/// Where a quorum queue's leader is placed when it is declared (`x-queue-leader-locator`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LeaderLocator {
+    /// On the node the declaring connection is on (the broker's default).
+    ClientLocal,
+    /// On the node leading the fewest queues, so the work queue, its buckets and its lanes
+    /// spread over the cluster and one node going down moves only some of their leaders.
+    Balanced,
+}
+
+impl LeaderLocator {
+    fn name(self) -> &'static str {
+        match self {
+            Self::ClientLocal => "client-local",
+            Self::Balanced => "balanced",
+        }
+    }
+}
+
 /// Whether Lily declares the topology or only checks that it exists.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum TopologyMode {
@@ -46,6 +66,7 @@ pub struct Topology {
     kind: QueueKind,
     buckets: Vec<(String, Duration)>,
     delivery_limit: Option<u32>,
+    leader_locator: Option<LeaderLocator>,
 }
 
 impl Topology {
@@ -60,7 +81,16 @@ impl Topology {
             kind,
             buckets,
             delivery_limit: None,
+            leader_locator: None,
         }
+    }
+
+    /// Declares quorum queues with `x-queue-leader-locator`; `None` declares none. Classic
+    /// queues live on the node that declares them.
+    #[must_use]
+    pub fn leader_locator(mut self, locator: Option<LeaderLocator>) -> Self {
+        self.leader_locator = locator;
+        self
     }
 
     /// Declares a quorum work queue with `x-delivery-limit: limit` (and at-least-once
@@ -172,6 +202,9 @@ impl Topology {
             };
             if let Some(kind) = kind {
                 args.insert("x-queue-type".into(), long(kind));
+            }
+            if let (QueueKind::Quorum, Some(locator)) = (self.kind, self.leader_locator) {
+                args.insert("x-queue-leader-locator".into(), long(locator.name()));
             }
             args
         };
