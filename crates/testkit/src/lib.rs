@@ -4,11 +4,13 @@
 //! `LILY_RABBIT_DIR`. [`Broker::from_env`] fails loudly when they are missing: a test that cannot
 //! reach its broker never passes.
 
+mod cluster;
 mod mongo;
 mod process;
 mod proxy;
 mod tcp_proxy;
 
+pub use cluster::Cluster;
 pub use mongo::MongoNode;
 pub use process::ChildProcess;
 pub use proxy::FaultProxy;

@@ -1,0 +1,354 @@
+//! Lily on a three-node RabbitMQ cluster with quorum queues, while the node leading the work
+//! queue and then the node leading a retry bucket go down mid-flight (`stop_app`, and kill -9
+//! of the VM) and come back. Checked from outside, by message id: every id ends handled and
+//! ACKed, in the DLQ when it should, or named unresolved in the report; nothing stays in the
+//! work queue or the buckets, and every DLQ-bound id is in the DLQ (a handoff taken as
+//! confirmed without evidence would lose it there).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::props;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::{Confirmation, Connection, ConnectionProperties};
+use lily::prelude::*;
+use lily_mq_testkit::{Broker, Client, Cluster, eventually};
+
+/// The faults take nodes of the one cluster down: one scenario at a time.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Orders published a second, until both faults are over.
+const RATE: usize = 250;
+
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    /// `rabbitmqctl stop_app`, then `start_app`.
+    StopApp,
+    /// kill -9 of the node's VM, then a start with its data.
+    Kill,
+}
+
+/// What the handler did, by message id.
+#[derive(Clone, Default)]
+struct Handled(Arc<Mutex<BTreeMap<String, Vec<Result<(), ()>>>>>);
+
+impl Handled {
+    fn succeeded(&self) -> usize {
+        let all = self.0.lock().unwrap();
+        all.values().filter(|r| r.iter().any(Result::is_ok)).count()
+    }
+
+    fn ok_count(&self, id: &str) -> usize {
+        let all = self.0.lock().unwrap();
+        all.get(id).map_or(0, |r| r.iter().filter(|r| r.is_ok()).count())
+    }
+
+    fn calls(&self, id: &str) -> usize {
+        self.0.lock().unwrap().get(id).map_or(0, Vec::len)
+    }
+}
+
+/// Order `n`: 1 in 5 fails for good (DLQ), 1 in 5 fails its first attempt (a retry bucket),
+/// the rest succeed.
+fn expected_dead(n: usize) -> bool {
+    n % 5 == 0
+}
+
+fn router(handled: &Handled) -> Router {
+    let handled = handled.clone();
+    Router::new().route("order.placed", move |meta: Meta| {
+        let handled = handled.clone();
+        async move {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            let id = meta.message_id().to_owned();
+            let n: usize = id.trim_start_matches("order-").parse().unwrap_or(0);
+            let result = if expected_dead(n) {
+                Err(QueueHandlerError::permanent("refused by the test"))
+            } else if n % 5 == 1 && meta.attempt() == 1 {
+                Err(QueueHandlerError::retryable("first attempt fails"))
+            } else {
+                Ok(())
+            };
+            handled
+                .0
+                .lock()
+                .unwrap()
+                .entry(id)
+                .or_default()
+                .push(result.as_ref().map(|_| ()).map_err(|_| ()));
+            result
+        }
+    })
+}
+
+/// Publishes orders at `RATE` a second, 25 to a batch, each batch confirmed, until `stop`;
+/// returns how many. A batch whose publish or confirms fail (its node went down) is published
+/// again through the next node, so an id may be published twice but never not at all.
+async fn publish_until(cluster: Cluster, queue: String, stop: Arc<AtomicBool>) -> usize {
+    let mut node = 2;
+    let mut channel = None;
+    let batch = 25;
+    let started = Instant::now();
+    let mut n = 0;
+    while !stop.load(Ordering::Acquire) {
+        let due = started + Duration::from_secs_f64(n as f64 / RATE as f64);
+        tokio::time::sleep_until(due.into()).await;
+        if channel.is_none() {
+            channel = open_confirmed(&cluster.url(node)).await;
+            if channel.is_none() {
+                node = (node + 1) % 3;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        }
+        let ch: &lapin::Channel = &channel.as_ref().unwrap().1;
+        let mut confirms = Vec::new();
+        let mut ok = true;
+        for i in n..n + batch {
+            let body = format!(r#"{{"n":{i}}}"#);
+            match ch
+                .basic_publish(
+                    "".into(),
+                    queue.as_str().into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        immediate: false,
+                    },
+                    body.as_bytes(),
+                    props(&format!("order-{i}"), "order.placed"),
+                )
+                .await
+            {
+                Ok(confirm) => confirms.push(confirm),
+                Err(_) => {
+                    ok = false;
+                    break;
+                }
+            }
+        }
+        for confirm in confirms {
+            let confirmed = tokio::time::timeout(Duration::from_secs(10), confirm).await;
+            ok &= matches!(confirmed, Ok(Ok(Confirmation::Ack(None))));
+        }
+        if ok {
+            n += batch;
+        } else {
+            channel = None;
+            node = (node + 1) % 3;
+        }
+    }
+    n
+}
+
+async fn open_confirmed(url: &str) -> Option<(Connection, lapin::Channel)> {
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .ok()?;
+    let channel = connection.create_channel().await.ok()?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .ok()?;
+    Some((connection, channel))
+}
+
+/// Takes `node` down as `fault` says.
+fn take_down(cluster: &Cluster, node: usize, fault: Fault) {
+    match fault {
+        Fault::StopApp => cluster.stop_app(node),
+        Fault::Kill => cluster.kill(node),
+    }
+}
+
+/// Brings `node` back after `fault`.
+fn bring_back(cluster: &Cluster, node: usize, fault: Fault) {
+    match fault {
+        Fault::StopApp => cluster.start_app(node),
+        Fault::Kill => cluster.restart(node),
+    }
+}
+
+/// Waits until `more` further orders than now were handled to success: consuming goes on.
+async fn progress(handled: &Handled, more: usize, what: &str) {
+    let target = handled.succeeded() + more;
+    let resumed = eventually(Duration::from_secs(90), || handled.succeeded() >= target).await;
+    assert!(
+        resumed,
+        "{what}: consuming did not resume ({} succeeded, waiting for {target})",
+        handled.succeeded()
+    );
+}
+
+/// One scenario: Lily consumes through node 0 (the URL), with nodes 1 and 2 as further
+/// addresses; the leaders are placed by `locator`.
+async fn leader_loss(fault: Fault, locator: LeaderLocator) {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let cluster = Cluster::from_env();
+    cluster.heal();
+    let queue = Broker::unique(&format!("cluster-{fault:?}-{locator:?}").to_lowercase());
+    let handled = Handled::default();
+    let policy = common::fast_policy().max_requeues(10);
+    let config = common::config(&queue, QueueKind::Quorum)
+        .policy(policy)
+        .prefetch(50)
+        .concurrency(50)
+        .addresses([cluster.address(1), cluster.address(2)])
+        .leader_locator(Some(locator));
+    let running = common::start(&cluster.url(0), config, router(&handled));
+    running.wait_ready().await;
+    let topology = lily::rabbit::Topology::new(&queue, QueueKind::Quorum, &common::fast_policy().retry_delays);
+    let bucket = topology.bucket(0).expect("a bucket").to_owned();
+    let dlq = topology.dead_letter_queue();
+    let parking = topology.parking_queue();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let publisher = tokio::spawn(publish_until(
+        cluster.clone(),
+        queue.clone(),
+        Arc::clone(&stop),
+    ));
+
+    // Mid-flight: the node leading the work queue goes down, consuming resumes elsewhere.
+    progress(&handled, 300, "before the first fault").await;
+    let first = cluster.leader(&queue).expect("the work queue has a leader");
+    if locator == LeaderLocator::ClientLocal {
+        // Declared through Lily's connection: the node going down is the one Lily is on.
+        assert_eq!(first, 0, "client-local placed the leader on Lily's node");
+    }
+    eprintln!("{fault:?}: node {first} leads {queue}; taking it down");
+    take_down(&cluster, first, fault);
+    progress(&handled, 200, "with the work queue's leader down").await;
+    let moved = cluster.leader(&queue);
+    assert!(
+        moved.is_some_and(|n| n != first),
+        "the work queue got no other leader: {moved:?}"
+    );
+    bring_back(&cluster, first, fault);
+    assert!(
+        cluster.await_members(&queue).await,
+        "node {first} did not catch up"
+    );
+
+    // Then the node leading the first retry bucket, while copies go to it.
+    let second = cluster.leader(&bucket).expect("the bucket has a leader");
+    eprintln!("{fault:?}: node {second} leads {bucket}; taking it down");
+    take_down(&cluster, second, fault);
+    progress(&handled, 200, "with the bucket's leader down").await;
+    bring_back(&cluster, second, fault);
+    assert!(
+        cluster.await_members(&bucket).await,
+        "node {second} did not catch up"
+    );
+    progress(&handled, 100, "with every node back").await;
+
+    // Orders kept coming through both faults. Now every one must settle: nothing left in the
+    // work queue or the buckets.
+    stop.store(true, Ordering::Release);
+    let orders = publisher.await.expect("publisher");
+    let empty = |depths: &BTreeMap<String, u64>| {
+        std::iter::once(queue.as_str())
+            .chain(topology.buckets().map(|(b, _)| b))
+            .all(|q| depths.get(q) == Some(&0))
+    };
+    let mut settled = false;
+    for _ in 0..2 {
+        // Quorum counts can lag: two readings a second apart.
+        settled = eventually(Duration::from_secs(120), || empty(&cluster.depths())).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let report = running.stop().await;
+    assert!(settled, "not settled: {:?}", cluster.depths());
+
+    // Read back through the node that went down last: the cluster serves through it again.
+    let client = Client::connect(&cluster.url(second)).await;
+    let dead = client.drain_ids(&dlq).await;
+    let parked = client.drain_ids(&parking).await;
+    let mut left = client.drain_ids(&queue).await;
+    for (b, _) in topology.buckets() {
+        left.extend(client.drain_ids(b).await);
+    }
+    let unresolved: Vec<String> = report
+        .unresolved
+        .iter()
+        .filter_map(|u| u.message_id.clone())
+        .collect();
+
+    let mut violations = Vec::new();
+    for n in 0..orders {
+        let id = format!("order-{n}");
+        let in_dlq = dead.get(&id).copied().unwrap_or(0);
+        let named = unresolved.contains(&id);
+        if left.contains_key(&id) && !named {
+            violations.push(format!("{id}: left in the work queue or a bucket"));
+        }
+        if parked.contains_key(&id) {
+            violations.push(format!("{id}: parked"));
+        }
+        if expected_dead(n) {
+            if in_dlq == 0 && !named {
+                violations.push(format!(
+                    "{id}: lost (not in the DLQ, {} calls)",
+                    handled.calls(&id)
+                ));
+            }
+        } else {
+            if handled.ok_count(&id) == 0 && !named {
+                violations.push(format!(
+                    "{id}: lost (never handled to success, {} calls)",
+                    handled.calls(&id)
+                ));
+            }
+            if in_dlq > 0 {
+                violations.push(format!("{id}: a valid order in the DLQ"));
+            }
+        }
+    }
+    let strangers: Vec<_> = dead
+        .keys()
+        .chain(parked.keys())
+        .filter(|id| {
+            id.trim_start_matches("order-")
+                .parse::<usize>()
+                .map_or(true, |n| n >= orders)
+        })
+        .collect();
+    assert!(strangers.is_empty(), "ids that were never published: {strangers:?}");
+    let doubled = dead.values().filter(|n| **n > 1).count();
+    let rerun = (0..orders)
+        .filter(|n| handled.ok_count(&format!("order-{n}")) > 1)
+        .count();
+    eprintln!(
+        "{fault:?}: {orders} orders, {} in the DLQ ({doubled} doubled), {rerun} handled to \
+         success more than once, {} unresolved, connections lost {}, totals {:?}",
+        dead.len(),
+        unresolved.len(),
+        report.incidents.connections_lost,
+        report.totals
+    );
+    assert!(violations.is_empty(), "{} violations: {violations:#?}", violations.len());
+    if locator == LeaderLocator::ClientLocal {
+        assert!(
+            report.incidents.connections_lost >= 1,
+            "Lily's node went down, yet its connection was never lost"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_node_lily_and_the_leaders_are_on_stopped_mid_flight_loses_nothing() {
+    leader_loss(Fault::StopApp, LeaderLocator::ClientLocal).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_node_lily_and_the_leaders_are_on_killed_mid_flight_loses_nothing() {
+    leader_loss(Fault::Kill, LeaderLocator::ClientLocal).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn balanced_leaders_of_the_work_queue_and_a_bucket_killed_mid_flight_lose_nothing() {
+    leader_loss(Fault::Kill, LeaderLocator::Balanced).await;
+}
