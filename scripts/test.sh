@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: installs what is missing (rustfmt, clippy,
-# rabbitmq-server, mongod), starts a private RabbitMQ node and a private MongoDB replica set on
-# loopback, runs fmt, clippy, docs and all tests against them, and stops both.
+# rabbitmq-server, mongod), starts a private RabbitMQ node, a private three-node RabbitMQ
+# cluster and a private MongoDB replica set on loopback, runs fmt, clippy, docs and all tests
+# against them, and stops them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,7 +21,14 @@ scripts/tls.sh "$TLS_DIR"
 LILY_RABBIT_TLS_DIR="$TLS_DIR" scripts/rabbitmq.sh start "$DIR" "$PORT"
 MONGO_PORT=${LILY_TEST_MONGO_PORT:-27517}
 MONGO_DIR="$PWD/target/lily-mongod-test"
-trap 'scripts/mongod.sh stop "$MONGO_DIR" || true; scripts/rabbitmq.sh stop "$DIR"' EXIT
+CLUSTER_PORT=${LILY_TEST_CLUSTER_PORT:-26672}
+CLUSTER_DIR="$PWD/target/lily-rabbit-cluster-test"
+trap 'scripts/mongod.sh stop "$MONGO_DIR" || true; scripts/rabbitmq.sh cluster-stop "$CLUSTER_DIR" || true; scripts/rabbitmq.sh stop "$DIR"' EXIT
+# The cluster starts in the background while the checks below build and run.
+scripts/rabbitmq.sh cluster-stop "$CLUSTER_DIR" || true
+rm -rf "$CLUSTER_DIR"
+scripts/rabbitmq.sh cluster-start "$CLUSTER_DIR" "$CLUSTER_PORT" &
+CLUSTER_PID=$!
 export LILY_AMQP_URL="amqp://guest:guest@127.0.0.1:$PORT/%2f"
 export LILY_AMQPS_URL="amqps://guest:guest@127.0.0.1:$((PORT + 3))/%2f"
 export LILY_RABBIT_DIR="$DIR"
@@ -36,9 +44,12 @@ LILY_MONGOD_TXN_LIFETIME_S=10 LILY_MONGOD_TLS_DIR="$TLS_DIR" \
 export LILY_MONGO_URL="mongodb://127.0.0.1:$MONGO_PORT/?replicaSet=lily&directConnection=true"
 export LILY_MONGO_TLS_URL="$LILY_MONGO_URL&tls=true&tlsCAFile=$TLS_DIR/ca.pem"
 export LILY_MONGOD_DIR="$MONGO_DIR"
+export LILY_CLUSTER_DIR="$CLUSTER_DIR"
+export LILY_CLUSTER_PORT="$CLUSTER_PORT"
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
+wait "$CLUSTER_PID" || { echo "lily: the three-node cluster did not start" >&2; exit 1; }
 cargo test --workspace
 cargo test --manifest-path patches/amq-protocol-types/Cargo.toml --quiet

@@ -352,3 +352,31 @@ async fn the_node_lily_and_the_leaders_are_on_killed_mid_flight_loses_nothing() 
 async fn balanced_leaders_of_the_work_queue_and_a_bucket_killed_mid_flight_lose_nothing() {
     leader_loss(Fault::Kill, LeaderLocator::Balanced).await;
 }
+
+/// RabbitMQ compares `x-queue-leader-locator` on a redeclare: turning the locator on for a
+/// topology that exists without it is refused at start, naming the argument, in both modes.
+#[tokio::test]
+async fn a_leader_locator_over_queues_declared_without_one_is_refused_at_start() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("locator");
+    let first = common::start(
+        broker.url(),
+        common::config(&queue, QueueKind::Quorum),
+        Router::new(),
+    );
+    first.wait_ready().await;
+    first.stop().await;
+    let config =
+        common::config(&queue, QueueKind::Quorum).leader_locator(Some(LeaderLocator::Balanced));
+    for mode in [TopologyMode::Declare, TopologyMode::Verify] {
+        let consumer = Consumer::new(broker.url(), config.clone().topology(mode), Router::new());
+        let ended = tokio::time::timeout(Duration::from_secs(20), consumer.run(Shutdown::default()))
+            .await
+            .expect("refused at start");
+        let Err(err @ lily::rabbit::Error::Topology { .. }) = ended else {
+            panic!("{mode:?}: not refused: {:?}", ended.map(|r| r.clean));
+        };
+        let text = format!("{:?}", std::error::Error::source(&err));
+        assert!(text.contains("x-queue-leader-locator"), "{mode:?}: {text}");
+    }
+}

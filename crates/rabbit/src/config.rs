@@ -55,9 +55,12 @@ pub struct ConsumerConfig {
     /// exists without these arguments is refused (406) until it is recreated or this is `None`.
     pub delivery_limit: Option<u32>,
     /// Quorum queues only: where the broker places the leader of each queue Lily declares
-    /// (`x-queue-leader-locator`). `None` leaves it to the broker (`client-local`: every queue
-    /// led by the node the consumer happened to connect to). RabbitMQ reads it at declaration
-    /// only, so it changes nothing for a queue that exists.
+    /// (`x-queue-leader-locator`). `None` declares none, which leaves it to the broker's
+    /// policy or default (`client-local`: every queue led by the node the consumer happened to
+    /// connect to). RabbitMQ compares the argument when a queue is declared again, so a queue
+    /// that exists without it (or with another value) is refused at start (406); for those,
+    /// keep `None` and set the `queue-leader-locator` policy key, which places queues declared
+    /// after it.
     pub leader_locator: Option<LeaderLocator>,
 }
 
