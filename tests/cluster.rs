@@ -44,7 +44,8 @@ impl Handled {
 
     fn ok_count(&self, id: &str) -> usize {
         let all = self.0.lock().unwrap();
-        all.get(id).map_or(0, |r| r.iter().filter(|r| r.is_ok()).count())
+        all.get(id)
+            .map_or(0, |r| r.iter().filter(|r| r.is_ok()).count())
     }
 
     fn calls(&self, id: &str) -> usize {
@@ -200,7 +201,11 @@ async fn leader_loss(fault: Fault, locator: LeaderLocator) {
         .leader_locator(Some(locator));
     let running = common::start(&cluster.url(0), config, router(&handled));
     running.wait_ready().await;
-    let topology = lily::rabbit::Topology::new(&queue, QueueKind::Quorum, &common::fast_policy().retry_delays);
+    let topology = lily::rabbit::Topology::new(
+        &queue,
+        QueueKind::Quorum,
+        &common::fast_policy().retry_delays,
+    );
     let bucket = topology.bucket(0).expect("a bucket").to_owned();
     let dlq = topology.dead_letter_queue();
     let parking = topology.parking_queue();
@@ -316,20 +321,33 @@ async fn leader_loss(fault: Fault, locator: LeaderLocator) {
                 .map_or(true, |n| n >= orders)
         })
         .collect();
-    assert!(strangers.is_empty(), "ids that were never published: {strangers:?}");
+    assert!(
+        strangers.is_empty(),
+        "ids that were never published: {strangers:?}"
+    );
     let doubled = dead.values().filter(|n| **n > 1).count();
-    let rerun = (0..orders)
-        .filter(|n| handled.ok_count(&format!("order-{n}")) > 1)
-        .count();
+    // A second success is allowed (at least once; the inbox absorbs it): an order published
+    // twice, a delivery whose authority was lost, or an ACK the broker lost with its leader.
+    let rerun: Vec<String> = (0..orders)
+        .map(|n| format!("order-{n}"))
+        .filter(|id| handled.ok_count(id) > 1)
+        .collect();
+    let rerun_unnamed = rerun.iter().filter(|id| !unresolved.contains(id)).count();
     eprintln!(
-        "{fault:?}: {orders} orders, {} in the DLQ ({doubled} doubled), {rerun} handled to \
-         success more than once, {} unresolved, connections lost {}, totals {:?}",
+        "{fault:?} {locator:?}: {orders} orders, {} in the DLQ ({doubled} doubled), {} handled \
+         to success more than once ({rerun_unnamed} of them not named unresolved), {} \
+         unresolved, connections lost {}, totals {:?}",
         dead.len(),
+        rerun.len(),
         unresolved.len(),
         report.incidents.connections_lost,
         report.totals
     );
-    assert!(violations.is_empty(), "{} violations: {violations:#?}", violations.len());
+    assert!(
+        violations.is_empty(),
+        "{} violations: {violations:#?}",
+        violations.len()
+    );
     if locator == LeaderLocator::ClientLocal {
         assert!(
             report.incidents.connections_lost >= 1,
@@ -370,9 +388,10 @@ async fn a_leader_locator_over_queues_declared_without_one_is_refused_at_start()
         common::config(&queue, QueueKind::Quorum).leader_locator(Some(LeaderLocator::Balanced));
     for mode in [TopologyMode::Declare, TopologyMode::Verify] {
         let consumer = Consumer::new(broker.url(), config.clone().topology(mode), Router::new());
-        let ended = tokio::time::timeout(Duration::from_secs(20), consumer.run(Shutdown::default()))
-            .await
-            .expect("refused at start");
+        let ended =
+            tokio::time::timeout(Duration::from_secs(20), consumer.run(Shutdown::default()))
+                .await
+                .expect("refused at start");
         let Err(err @ lily::rabbit::Error::Topology { .. }) = ended else {
             panic!("{mode:?}: not refused: {:?}", ended.map(|r| r.clean));
         };

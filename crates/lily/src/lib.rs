@@ -43,6 +43,7 @@ pub mod prelude {
     };
     pub use lily_mq_core::{ShutdownBudget, ShutdownReport, Trigger};
     pub use lily_mq_rabbit::{
-        Consumer, ConsumerConfig, LeaderLocator, QueueKind, ReportSinks, Shutdown, TopologyMode, emit,
+        Consumer, ConsumerConfig, LeaderLocator, QueueKind, ReportSinks, Shutdown, TopologyMode,
+        emit,
     };
 }

@@ -152,11 +152,9 @@ impl Endpoint {
         );
         match tokio::time::timeout(self.connect_timeout, opening).await {
             Ok(result) => result,
-            Err(_) => Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                "connect timed out",
-            )
-            .into()),
+            Err(_) => {
+                Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out").into())
+            }
         }
     }
 }
@@ -247,7 +245,9 @@ impl Dialer {
         for offset in 0..nodes.len() {
             let index = (start + offset) % nodes.len();
             let node = &nodes[index];
-            let shown = self.endpoint.display_node(&node.host, node.port, Some(node.ip));
+            let shown = self
+                .endpoint
+                .display_node(&node.host, node.port, Some(node.ip));
             match self.endpoint.dial(node, self.role).await {
                 Ok(connection) => {
                     self.next.store(index + 1, Ordering::Relaxed);
@@ -304,12 +304,34 @@ mod tests {
 
     #[test]
     fn addresses_parse_with_the_scheme_port_as_default() {
-        assert_eq!(parse_address("rabbit-1", 5672), Some(("rabbit-1".into(), 5672)));
-        assert_eq!(parse_address(" rabbit-1:5673 ", 5672), Some(("rabbit-1".into(), 5673)));
-        assert_eq!(parse_address("10.0.0.2:5671", 5672), Some(("10.0.0.2".into(), 5671)));
-        assert_eq!(parse_address("[::1]:5673", 5672), Some(("::1".into(), 5673)));
+        assert_eq!(
+            parse_address("rabbit-1", 5672),
+            Some(("rabbit-1".into(), 5672))
+        );
+        assert_eq!(
+            parse_address(" rabbit-1:5673 ", 5672),
+            Some(("rabbit-1".into(), 5673))
+        );
+        assert_eq!(
+            parse_address("10.0.0.2:5671", 5672),
+            Some(("10.0.0.2".into(), 5671))
+        );
+        assert_eq!(
+            parse_address("[::1]:5673", 5672),
+            Some(("::1".into(), 5673))
+        );
         assert_eq!(parse_address("[::1]", 5671), Some(("::1".into(), 5671)));
-        for bad in ["", ":5672", "host:", "host:0", "host:99999", "::1", "a b:1", "u:p@h:1", "[::1]x"] {
+        for bad in [
+            "",
+            ":5672",
+            "host:",
+            "host:0",
+            "host:99999",
+            "::1",
+            "a b:1",
+            "u:p@h:1",
+            "[::1]x",
+        ] {
             assert_eq!(parse_address(bad, 5672), None, "{bad:?}");
         }
     }
@@ -341,7 +363,13 @@ mod tests {
             Err(EndpointError::Url)
         ));
         assert!(matches!(
-            Endpoint::new("amqp://x", &["a:b:c".into()], None, "q", Duration::from_secs(1)),
+            Endpoint::new(
+                "amqp://x",
+                &["a:b:c".into()],
+                None,
+                "q",
+                Duration::from_secs(1)
+            ),
             Err(EndpointError::Address)
         ));
     }
@@ -368,7 +396,11 @@ mod tests {
             .unwrap()
             .collect();
         assert_eq!(nodes.len(), 2 + resolved.len());
-        assert!(nodes[2..].iter().all(|n| n.host == "localhost" && n.port == 5674));
+        assert!(
+            nodes[2..]
+                .iter()
+                .all(|n| n.host == "localhost" && n.port == 5674)
+        );
     }
 
     #[test]
@@ -379,6 +411,10 @@ mod tests {
             assert!(d >= delay / 2 && d <= delay, "{d:?}");
         }
         assert_eq!(spread(Duration::ZERO, 7), Duration::ZERO);
-        assert_ne!(jittered(delay), jittered(delay), "two draws differ (1 in 4e8 they don't)");
+        assert_ne!(
+            jittered(delay),
+            jittered(delay),
+            "two draws differ (1 in 4e8 they don't)"
+        );
     }
 }

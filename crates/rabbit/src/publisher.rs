@@ -427,7 +427,9 @@ impl Link {
             return Ok(connection);
         }
         let dialer = self.dialer.get().ok_or_else(|| {
-            lapin::Error::from(std::io::Error::other("the handoff publisher was not started"))
+            lapin::Error::from(std::io::Error::other(
+                "the handoff publisher was not started",
+            ))
         })?;
         let connection = Arc::new(dialer.connect().await?);
         *lock(&self.last_confirm) = None;

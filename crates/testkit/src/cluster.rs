@@ -108,7 +108,13 @@ impl Cluster {
 
     /// Messages in every queue of the default vhost, ready and unacknowledged, by name.
     pub fn depths(&self) -> BTreeMap<String, u64> {
-        let out = self.ctl(&["list_queues", "-q", "--no-table-headers", "name", "messages"]);
+        let out = self.ctl(&[
+            "list_queues",
+            "-q",
+            "--no-table-headers",
+            "name",
+            "messages",
+        ]);
         out.lines()
             .filter_map(|line| {
                 let mut cols = line.split_whitespace();
@@ -124,7 +130,11 @@ impl Cluster {
     /// When the node refuses.
     pub fn stop_app(&self, node: usize) {
         let out = self.ctl_on(node, &["stop_app"]);
-        assert!(out.status.success(), "stop_app: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "stop_app: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     /// Starts the application of `node` again and waits for it to run.
@@ -133,7 +143,11 @@ impl Cluster {
     /// When it does not start.
     pub fn start_app(&self, node: usize) {
         let out = self.ctl_on(node, &["start_app"]);
-        assert!(out.status.success(), "start_app: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "start_app: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         self.await_online();
     }
 
@@ -141,7 +155,11 @@ impl Cluster {
     pub fn kill(&self, node: usize) {
         let dir = self.node_dir(node);
         let out = self.script(&["kill", dir.to_str().expect("utf-8 path")]);
-        assert!(out.status.success(), "kill: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "kill: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     /// Starts the VM of `node` again, after [`Cluster::kill`], with its data: it rejoins.
@@ -152,7 +170,11 @@ impl Cluster {
         let dir = self.node_dir(node);
         let port = self.ports[node].to_string();
         let out = self.script(&["start", dir.to_str().expect("utf-8 path"), &port]);
-        assert!(out.status.success(), "restart: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "restart: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         self.await_online();
     }
 

@@ -11,7 +11,9 @@
 //! | variable | meaning |
 //! |---|---|
 //! | `LILY_AMQP_URL` | broker URL (required) |
+//! | `LILY_AMQP_ADDRESSES` | more nodes of the cluster, `host:port,host:port` |
 //! | `LILY_QUEUE` | work queue, default `work` |
+//! | `LILY_QUEUE_TYPE` | `classic` (default) or `quorum` |
 //! | `LILY_PREFETCH` | prefetch and concurrency, default 50 |
 //! | `LILY_SHUTDOWN_BUDGET_MS` | whole shutdown budget, default 25000 |
 //! | `LILY_HEALTH_ADDR` | serve `/livez` and `/readyz` here, e.g. `0.0.0.0:8080` |
@@ -106,7 +108,15 @@ async fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
     let router = Router::new().route("work.item", move |cancel: Cancellation| {
         work_item(work, cancel)
     });
+    let addresses = std::env::var("LILY_AMQP_ADDRESSES").unwrap_or_default();
+    let kind = match std::env::var("LILY_QUEUE_TYPE").as_deref() {
+        Err(_) | Ok("classic") => QueueKind::Classic,
+        Ok("quorum") => QueueKind::Quorum,
+        Ok(_) => return Err("LILY_QUEUE_TYPE must be classic or quorum".into()),
+    };
     let config = ConsumerConfig::new(&queue)
+        .queue_kind(kind)
+        .addresses(addresses.split(',').filter(|a| !a.trim().is_empty()))
         .prefetch(prefetch)
         .concurrency(usize::from(prefetch))
         .handler_timeout(Duration::from_secs(300));

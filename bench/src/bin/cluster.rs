@@ -1,0 +1,245 @@
+//! Lily on a three-node cluster beside one node: the success and handoff paths on quorum
+//! queues, each run against the single node and against the cluster in turn, with the raw lapin
+//! consumer of the throughput benchmark beside Lily, in one run.
+//!
+//! ```text
+//! scripts/bench.sh cluster [--messages N] [--reps R] [--prefetch P] [--quick] [--out DIR]
+//! ```
+//!
+//! The single node is `LILY_AMQP_URL`; the cluster is `LILY_CLUSTER_URL` (node 1; its queues
+//! have three replicas, led by the node the declaring client is on). Each run re-creates the
+//! topology, publishes N messages (not timed) and times from consumer start until N are
+//! settled. Results go to `target/bench/cluster.{json,md}`.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use lily::prelude::QueueKind;
+use lily_mq_bench::throughput::{HANDOFF_DELAY, Path, Sample, lily_run, raw, revision};
+use lily_mq_bench::{body_512, broker_url, fresh_topology, median, publish};
+use serde::Serialize;
+
+const USAGE: &str = "usage: cluster [--messages N] [--reps R] [--prefetch P] [--quick] [--out DIR]";
+
+struct Args {
+    messages: u64,
+    reps: u32,
+    prefetch: u16,
+    out: PathBuf,
+}
+
+fn parse_args() -> Args {
+    let mut args = Args {
+        messages: 50_000,
+        reps: 3,
+        prefetch: 50,
+        out: PathBuf::from("target/bench"),
+    };
+    let fail = |msg: String| -> ! {
+        eprintln!("{msg}\n{USAGE}");
+        std::process::exit(2)
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .unwrap_or_else(|| fail(format!("{flag} needs a value")))
+        };
+        match flag.as_str() {
+            "--messages" | "-n" => {
+                args.messages = value()
+                    .replace('_', "")
+                    .parse()
+                    .unwrap_or_else(|e| fail(format!("--messages: {e}")));
+            }
+            "--reps" | "-r" => {
+                args.reps = value()
+                    .parse()
+                    .unwrap_or_else(|e| fail(format!("--reps: {e}")));
+            }
+            "--prefetch" => {
+                args.prefetch = value()
+                    .parse()
+                    .ok()
+                    .filter(|p| *p > 0)
+                    .unwrap_or_else(|| fail("--prefetch: a count above zero".into()));
+            }
+            "--quick" => {
+                args.messages = 20_000;
+                args.reps = 2;
+            }
+            "--out" => args.out = PathBuf::from(value()),
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => fail(format!("unknown argument {other}")),
+        }
+    }
+    if args.messages == 0 || args.reps == 0 {
+        fail("--messages and --reps must be above zero".into());
+    }
+    args
+}
+
+/// One path's medians, in messages a second.
+#[derive(Serialize)]
+struct Case {
+    path: &'static str,
+    single_raw: f64,
+    single_lily: f64,
+    cluster_raw: f64,
+    cluster_lily: f64,
+    /// Lily on the cluster over Lily on the single node.
+    lily_cluster_over_single: f64,
+    /// Lily over raw lapin on the cluster.
+    lily_over_raw_on_cluster: f64,
+    /// Lily over raw lapin on the single node.
+    lily_over_raw_on_single: f64,
+    incomplete_runs: usize,
+}
+
+#[derive(Serialize)]
+struct Results {
+    benchmark: &'static str,
+    queue_type: &'static str,
+    prefetch: u16,
+    message_bytes: usize,
+    messages_per_run: u64,
+    repetitions: u32,
+    lily_revision: String,
+    wall_secs: f64,
+    cases: Vec<Case>,
+}
+
+async fn run_once(url: &str, path: Path, lily: bool, prefetch: u16, n: u64) -> Sample {
+    let queue = "lily-bench-cluster";
+    let delays = match path {
+        Path::Success => lily_run::success_delays(),
+        Path::Handoff => vec![HANDOFF_DELAY],
+    };
+    let topology = fresh_topology(url, queue, QueueKind::Quorum, &delays).await;
+    let count = usize::try_from(n).expect("message count fits usize");
+    publish(url, queue, count, &body_512()).await;
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let bucket = topology.bucket(0).expect("a retry bucket").to_owned();
+    match (path, lily) {
+        (Path::Success, false) => raw::success(url, queue, prefetch, n).await,
+        (Path::Success, true) => {
+            lily_run::success(url, queue, QueueKind::Quorum, prefetch, n).await
+        }
+        (Path::Handoff, false) => raw::handoff(url, queue, &bucket, prefetch, n).await,
+        (Path::Handoff, true) => {
+            lily_run::handoff(url, queue, QueueKind::Quorum, prefetch, n).await
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let args = parse_args();
+    let single = broker_url();
+    let cluster = std::env::var("LILY_CLUSTER_URL")
+        .expect("LILY_CLUSTER_URL is unset: run it through scripts/bench.sh cluster");
+    let started = Instant::now();
+    println!(
+        "Lily on a three-node cluster beside one node: quorum queues, prefetch {}, {} messages a \
+         run, {} repetition(s)",
+        args.prefetch, args.messages, args.reps
+    );
+    let mut cases = Vec::new();
+    for path in [Path::Success, Path::Handoff] {
+        // single raw, single lily, cluster raw, cluster lily
+        let mut rates: [Vec<f64>; 4] = Default::default();
+        let mut incomplete = 0;
+        for rep in 1..=args.reps {
+            for (slot, (url, lily)) in [
+                (&single, false),
+                (&single, true),
+                (&cluster, false),
+                (&cluster, true),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let sample = run_once(url, path, lily, args.prefetch, args.messages).await;
+                incomplete += usize::from(!sample.complete);
+                eprintln!(
+                    "  {} rep {rep}/{} {:<7} {:<4} {:>8.0} msgs/s ({:.2} s){}",
+                    path.name(),
+                    args.reps,
+                    if slot < 2 { "single" } else { "cluster" },
+                    if lily { "lily" } else { "raw" },
+                    sample.msgs_per_sec,
+                    sample.secs,
+                    if sample.complete { "" } else { ", INCOMPLETE" },
+                );
+                rates[slot].push(sample.msgs_per_sec);
+            }
+        }
+        let [mut sr, mut sl, mut cr, mut cl] = rates;
+        let (sr, sl, cr, cl) = (
+            median(&mut sr),
+            median(&mut sl),
+            median(&mut cr),
+            median(&mut cl),
+        );
+        cases.push(Case {
+            path: path.name(),
+            single_raw: sr,
+            single_lily: sl,
+            cluster_raw: cr,
+            cluster_lily: cl,
+            lily_cluster_over_single: cl / sl,
+            lily_over_raw_on_cluster: cl / cr,
+            lily_over_raw_on_single: sl / sr,
+            incomplete_runs: incomplete,
+        });
+    }
+    let results = Results {
+        benchmark: "cluster",
+        queue_type: "quorum",
+        prefetch: args.prefetch,
+        message_bytes: body_512().len(),
+        messages_per_run: args.messages,
+        repetitions: args.reps,
+        lily_revision: revision(),
+        wall_secs: started.elapsed().as_secs_f64(),
+        cases,
+    };
+    let mut table = String::from(
+        "| path | one node: raw | one node: Lily | cluster: raw | cluster: Lily | Lily cluster / one node | Lily / raw, cluster | Lily / raw, one node |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for c in &results.cases {
+        table.push_str(&format!(
+            "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} |\n",
+            c.path,
+            c.single_raw,
+            c.single_lily,
+            c.cluster_raw,
+            c.cluster_lily,
+            c.lily_cluster_over_single,
+            c.lily_over_raw_on_cluster,
+            c.lily_over_raw_on_single,
+        ));
+    }
+    let header = format!(
+        "Quorum queues, prefetch {}, {} persistent {}-byte messages a run, medians of {} \
+         repetitions (msgs/s), revision {}; the three nodes share this machine's cores with \
+         the client.\n\n",
+        results.prefetch,
+        results.messages_per_run,
+        results.message_bytes,
+        results.repetitions,
+        results.lily_revision
+    );
+    println!("\n{header}{table}");
+    std::fs::create_dir_all(&args.out).expect("create the output directory");
+    let json = serde_json::to_string_pretty(&results).expect("json") + "\n";
+    for (name, text) in [("cluster.json", json), ("cluster.md", header + &table)] {
+        let file = args.out.join(name);
+        std::fs::write(&file, text).expect("write results");
+        println!("wrote {}", file.display());
+    }
+}
