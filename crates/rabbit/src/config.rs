@@ -57,10 +57,11 @@ pub struct ConsumerConfig {
     /// Quorum queues only: where the broker places the leader of each queue Lily declares
     /// (`x-queue-leader-locator`). `None` declares none, which leaves it to the broker's
     /// policy or default (`client-local`: every queue led by the node the consumer happened to
-    /// connect to). RabbitMQ compares the argument when a queue is declared again, so a queue
-    /// that exists without it (or with another value) is refused at start (406); for those,
-    /// keep `None` and set the `queue-leader-locator` policy key, which places queues declared
-    /// after it.
+    /// connect to). RabbitMQ compares the argument when a queue is declared again, so it must
+    /// match how the queues were first declared: a queue that exists without it, with another
+    /// value, or with it while this is `None`, is refused at start (406). For existing queues,
+    /// keep it as they were and set the `queue-leader-locator` policy key, which places queues
+    /// declared after it.
     pub leader_locator: Option<LeaderLocator>,
 }
 

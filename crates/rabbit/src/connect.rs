@@ -97,13 +97,28 @@ impl Endpoint {
         }
     }
 
-    /// Every node to try, in the order given, each name resolved now, and the error of the
-    /// last name that did not resolve.
+    /// How many addresses were given, the URL's own host included, duplicates dropped.
+    pub(crate) fn address_count(&self) -> usize {
+        self.addresses.len()
+    }
+
+    /// Every node to try, in the order given, each name resolved now (within the connect
+    /// timeout: a resolver that does not answer must not hold a reconnect), and the error of
+    /// the last name that did not resolve.
     async fn nodes(&self) -> (Vec<Node>, Option<std::io::Error>) {
         let mut nodes = Vec::new();
         let mut unresolved = None;
         for (host, port) in &self.addresses {
-            match tokio::net::lookup_host((host.as_str(), *port)).await {
+            let lookup = tokio::net::lookup_host((host.as_str(), *port));
+            let resolved = tokio::time::timeout(self.connect_timeout, lookup)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "name resolution timed out",
+                    ))
+                });
+            match resolved {
                 Ok(ips) => {
                     let before = nodes.len();
                     for ip in ips {
@@ -345,7 +360,6 @@ mod tests {
             "orders",
             Duration::from_secs(1),
         )
-        .ok()
         .expect("valid");
         assert_eq!(
             endpoint.addresses,
@@ -383,7 +397,6 @@ mod tests {
             "orders",
             Duration::from_secs(1),
         )
-        .ok()
         .expect("valid");
         let (nodes, unresolved) = endpoint.nodes().await;
         assert!(unresolved.is_none());

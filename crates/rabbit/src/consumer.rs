@@ -202,7 +202,7 @@ impl Consumer {
                 EndpointError::Address => "an address is not host, host:port or [v6]:port",
             })
         })?;
-        info!(queue = %self.config.queue, node = %endpoint.display(), nodes = 1 + self.config.addresses.len(), "starting");
+        info!(queue = %self.config.queue, node = %endpoint.display(), addresses = endpoint.address_count(), "starting");
         let topology = Topology::new(
             &self.config.queue,
             self.config.queue_kind,

@@ -108,19 +108,7 @@ impl Cluster {
 
     /// Messages in every queue of the default vhost, ready and unacknowledged, by name.
     pub fn depths(&self) -> BTreeMap<String, u64> {
-        let out = self.ctl(&[
-            "list_queues",
-            "-q",
-            "--no-table-headers",
-            "name",
-            "messages",
-        ]);
-        out.lines()
-            .filter_map(|line| {
-                let mut cols = line.split_whitespace();
-                Some((cols.next()?.to_owned(), cols.next()?.parse().ok()?))
-            })
-            .collect()
+        crate::depths(&self.ctl(&crate::DEPTHS))
     }
 
     /// Stops the RabbitMQ application of `node` (`rabbitmqctl stop_app`): its connections

@@ -137,19 +137,7 @@ impl Broker {
     /// Messages in every queue of the default vhost, ready and unacknowledged, as the broker
     /// counts them, by queue name: one `rabbitmqctl` call.
     pub fn depths(&self) -> BTreeMap<String, u64> {
-        let out = self.ctl(&[
-            "list_queues",
-            "-q",
-            "--no-table-headers",
-            "name",
-            "messages",
-        ]);
-        out.lines()
-            .filter_map(|line| {
-                let mut cols = line.split_whitespace();
-                Some((cols.next()?.to_owned(), cols.next()?.parse().ok()?))
-            })
-            .collect()
+        depths(&self.ctl(&DEPTHS))
     }
 
     /// Channels open on the client connection named `name` (its `connection_name` client
@@ -200,6 +188,25 @@ impl Broker {
             "lily test: connection killed",
         ]);
     }
+}
+
+/// The `rabbitmqctl` arguments that list every queue's messages, ready and unacknowledged.
+const DEPTHS: [&str; 5] = [
+    "list_queues",
+    "-q",
+    "--no-table-headers",
+    "name",
+    "messages",
+];
+
+/// The depths by queue name in the output of `rabbitmqctl` run with [`DEPTHS`].
+fn depths(out: &str) -> BTreeMap<String, u64> {
+    out.lines()
+        .filter_map(|line| {
+            let mut cols = line.split_whitespace();
+            Some((cols.next()?.to_owned(), cols.next()?.parse().ok()?))
+        })
+        .collect()
 }
 
 /// A plain lapin client for publishing and inspecting queues.
