@@ -20,7 +20,7 @@ use lapin::tcp::{AsyncTcpStream, OwnedTLSConfig};
 use lapin::types::LongString;
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{Connection, ConnectionProperties};
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 /// Where and how to connect. Not `Debug`: the URL carries credentials.
 #[derive(Clone)]
@@ -225,6 +225,8 @@ pub(crate) struct Dialer {
     role: &'static str,
     /// Where the next connect starts: just after the node of the last success.
     next: AtomicUsize,
+    /// The node of the last success, for logs.
+    last: std::sync::Mutex<String>,
 }
 
 impl Dialer {
@@ -233,7 +235,13 @@ impl Dialer {
             endpoint,
             role,
             next: AtomicUsize::new(0),
+            last: std::sync::Mutex::new(String::new()),
         }
+    }
+
+    /// The node of the last connection opened, as `scheme://host:port/vhost (ip)`.
+    pub(crate) fn node(&self) -> String {
+        crate::sync::lock(&self.last).clone()
     }
 
     /// The endpoint dialled.
@@ -266,7 +274,8 @@ impl Dialer {
             match self.endpoint.dial(node, self.role).await {
                 Ok(connection) => {
                     self.next.store(index + 1, Ordering::Relaxed);
-                    info!(role = self.role, node = %shown, "connected");
+                    debug!(role = self.role, node = %shown, "connected");
+                    *crate::sync::lock(&self.last) = shown;
                     return Ok(connection);
                 }
                 Err(err) if refused(&err) => return Err(err),

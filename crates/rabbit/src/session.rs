@@ -347,7 +347,7 @@ pub(crate) async fn consume(
         opened = open(shared) => opened?,
         () = stop.cancelled() => return Ok(SessionEnd::Stopped),
     };
-    info!(queue = %shared.queue, "consuming");
+    info!(queue = %shared.queue, node = %shared.dialer.node(), "consuming");
     let session = Arc::new(Session {
         id: shared.sessions.fetch_add(1, Ordering::Relaxed),
         connection,
