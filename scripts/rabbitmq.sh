@@ -64,7 +64,12 @@ start() {
   node_env "$dir" "$port"
   mkdir -p "$dir/mnesia" "$dir/log"
   echo "[]." >"$RABBITMQ_ENABLED_PLUGINS_FILE"
-  echo "[]." >"$RABBITMQ_ADVANCED_CONFIG_FILE"
+  # A node brought back keeps the advanced configuration it was started with.
+  if [ -n "${LILY_RABBIT_ADVANCED:-}" ]; then
+    echo "$LILY_RABBIT_ADVANCED" >"$RABBITMQ_ADVANCED_CONFIG_FILE"
+  elif [ ! -f "$RABBITMQ_ADVANCED_CONFIG_FILE" ]; then
+    echo "[]." >"$RABBITMQ_ADVANCED_CONFIG_FILE"
+  fi
   cat >"$RABBITMQ_CONFIG_FILE" <<CONF
 listeners.tcp.default = 127.0.0.1:$port
 loopback_users = none
@@ -159,6 +164,10 @@ cluster_start() {
   export LILY_RABBIT_EPMD_PORT=$((port + 2))
   # One private cookie for the three nodes and the CLI.
   export LILY_RABBIT_COOKIE="lily-cluster-$(od -An -N12 -tx1 /dev/urandom | tr -d ' \n')"
+  # At-least-once dead-lettering (the retry buckets back to the work queue) resends what a
+  # leader change left unconfirmed after this long; RabbitMQ's default of 3 min stalls every
+  # retry behind 32 such copies for that long (see the README, "Running on a cluster").
+  export LILY_RABBIT_ADVANCED="[{rabbit, [{dead_letter_worker_publisher_confirm_timeout, 5000}]}]."
   local i pids=()
   for i in 1 2 3; do
     start "$dir/n$i" $((port + (i - 1) * 10)) &
