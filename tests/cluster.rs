@@ -90,14 +90,17 @@ fn router(handled: &Handled) -> Router {
 }
 
 /// Publishes orders at `RATE` a second, 25 to a batch, each batch confirmed, until `stop`;
-/// returns how many. A batch whose publish or confirms fail (its node went down) is published
-/// again through the next node, so an id may be published twice but never not at all.
-async fn publish_until(cluster: Cluster, queue: String, stop: Arc<AtomicBool>) -> usize {
+/// returns how many were confirmed and how many were tried (a batch that failed last may have
+/// reached the queue in part). A batch whose publish or confirms fail (its node went down) is
+/// published again through the next node, so an id may be published twice but never not at
+/// all.
+async fn publish_until(cluster: Cluster, queue: String, stop: Arc<AtomicBool>) -> (usize, usize) {
     let mut node = 2;
     let mut channel = None;
     let batch = 25;
     let started = Instant::now();
     let mut n = 0;
+    let mut tried = 0;
     while !stop.load(Ordering::Acquire) {
         let due = started + Duration::from_secs_f64(n as f64 / RATE as f64);
         tokio::time::sleep_until(due.into()).await;
@@ -112,6 +115,7 @@ async fn publish_until(cluster: Cluster, queue: String, stop: Arc<AtomicBool>) -
         let ch: &lapin::Channel = &channel.as_ref().unwrap().1;
         let mut confirms = Vec::new();
         let mut ok = true;
+        tried = tried.max(n + batch);
         for i in n..n + batch {
             let body = format!(r#"{{"n":{i}}}"#);
             match ch
@@ -145,7 +149,7 @@ async fn publish_until(cluster: Cluster, queue: String, stop: Arc<AtomicBool>) -
             node = (node + 1) % 3;
         }
     }
-    n
+    (n, tried)
 }
 
 async fn open_confirmed(url: &str) -> Option<(Connection, lapin::Channel)> {
@@ -256,7 +260,7 @@ async fn leader_loss(fault: Fault, locator: LeaderLocator) {
     // Orders kept coming through both faults. Now every one must settle: nothing left in the
     // work queue or the buckets.
     stop.store(true, Ordering::Release);
-    let orders = publisher.await.expect("publisher");
+    let (orders, tried) = publisher.await.expect("publisher");
     let empty = |depths: &BTreeMap<String, u64>| {
         std::iter::once(queue.as_str())
             .chain(topology.buckets().map(|(b, _)| b))
@@ -327,7 +331,7 @@ async fn leader_loss(fault: Fault, locator: LeaderLocator) {
         .filter(|id| {
             id.trim_start_matches("order-")
                 .parse::<usize>()
-                .map_or(true, |n| n >= orders)
+                .map_or(true, |n| n >= tried)
         })
         .collect();
     assert!(

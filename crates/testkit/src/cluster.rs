@@ -106,7 +106,8 @@ impl Cluster {
         self.nodes().find(|n| self.name(*n) == leader)
     }
 
-    /// Messages in every queue of the default vhost, ready and unacknowledged, by name.
+    /// Messages in every queue of the default vhost, ready and unacknowledged, by name. Copies
+    /// a quorum queue's at-least-once dead-lettering holds on their way out are not counted.
     pub fn depths(&self) -> BTreeMap<String, u64> {
         crate::depths(&self.ctl(&crate::DEPTHS))
     }
