@@ -288,4 +288,29 @@ mod tests {
         assert_eq!(t.parking_queue(), "orders.parking");
         assert_eq!(t.dead_letter_exchange(), "orders.dlx");
     }
+
+    #[test]
+    fn a_leader_locator_is_declared_on_every_quorum_queue_and_never_on_classic_ones() {
+        let delays = [Duration::from_secs(5)];
+        let locator = |kind| {
+            Topology::new("orders", kind, &delays)
+                .leader_locator(Some(LeaderLocator::Balanced))
+                .queues(TopologyMode::Declare)
+                .into_iter()
+                .map(|(name, args)| (name, args.inner().get("x-queue-leader-locator").cloned()))
+                .collect::<Vec<_>>()
+        };
+        let quorum = locator(QueueKind::Quorum);
+        assert_eq!(quorum.len(), 4);
+        assert!(
+            quorum.iter().all(|(_, l)| *l == Some(long("balanced"))),
+            "{quorum:?}"
+        );
+        assert!(locator(QueueKind::Classic).iter().all(|(_, l)| l.is_none()));
+        let none = Topology::new("orders", QueueKind::Quorum, &delays).queues(TopologyMode::Verify);
+        assert!(
+            none.iter()
+                .all(|(_, a)| !a.inner().contains_key("x-queue-leader-locator"))
+        );
+    }
 }
