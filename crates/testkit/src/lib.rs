@@ -1,8 +1,9 @@
-//! Fixtures for Lily's tests against the real local RabbitMQ node.
+//! Fixtures for Lily's tests against the real local RabbitMQ node and three-node cluster.
 //!
 //! `scripts/test.sh` starts a private node on loopback and exports `LILY_AMQP_URL` and
-//! `LILY_RABBIT_DIR`. [`Broker::from_env`] fails loudly when they are missing: a test that cannot
-//! reach its broker never passes.
+//! `LILY_RABBIT_DIR`, and a private cluster, exporting `LILY_CLUSTER_DIR` and
+//! `LILY_CLUSTER_PORT`. [`Broker::from_env`] and [`Cluster::from_env`] fail loudly when they are
+//! missing: a test that cannot reach its broker never passes.
 
 mod cluster;
 mod mongo;
