@@ -96,6 +96,11 @@ pub struct Situation {
     pub requeues: u32,
     /// Whether settlement is still possible.
     pub authority: Authority,
+    /// The lane an operator replayed the message from ([`REPLAYED_FROM`]). Replayed from
+    /// [`Terminal::Parking`], it is never retried automatically: a retry goes back to parking.
+    ///
+    /// [`REPLAYED_FROM`]: crate::headers::REPLAYED_FROM
+    pub replayed_from: Option<Terminal>,
 }
 
 /// Where a handoff publishes the failed message.
@@ -148,7 +153,8 @@ impl Terminal {
         }
     }
 
-    /// Reads a [`HELD_FOR`](crate::headers::HELD_FOR) header value.
+    /// Reads a [`HELD_FOR`](crate::headers::HELD_FOR) or
+    /// [`REPLAYED_FROM`](crate::headers::REPLAYED_FROM) header value.
     pub fn parse(text: &str) -> Option<Self> {
         [Self::DeadLetter, Self::Parking]
             .into_iter()
@@ -331,6 +337,16 @@ pub fn decide(s: &Situation, policy: &Policy) -> Plan {
         return to_dead_letter(kind, Cause::RequeueLimit);
     }
     match kind {
+        // The operator who replayed it from parking decides again, not a retry bucket.
+        FailureKind::Retryable
+            if s.attempt < policy.max_attempts && s.replayed_from == Some(Terminal::Parking) =>
+        {
+            Plan::Handoff(Handoff {
+                lane: Lane::Parking,
+                kind: Some(kind),
+                cause,
+            })
+        }
         FailureKind::Retryable if s.attempt < policy.max_attempts => Plan::Handoff(Handoff {
             lane: Lane::Retry {
                 bucket: policy.bucket_for(s.attempt, retry_after),

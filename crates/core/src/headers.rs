@@ -44,3 +44,11 @@ pub const BCC: &str = "BCC";
 pub const HELD_FOR: &str = "x-lily-held-for";
 /// On a held copy: how many times the message waited for its lane so far.
 pub const HOLDS: &str = "x-lily-holds";
+/// On a message an operator replayed from a lane (`lily dlq replay`, `lily parking replay`): the
+/// lane it came from (`dead-letter` or `parking`). A message replayed from the parking lane never
+/// enters a retry bucket: where the decision table would retry it, it goes back to parking.
+pub const REPLAYED_FROM: &str = "x-lily-replayed-from";
+/// On a replayed message: milliseconds since the Unix epoch of its latest replay.
+pub const REPLAYED_AT: &str = "x-lily-replayed-at";
+/// On a replayed message: how many times an operator replayed it.
+pub const REPLAYS: &str = "x-lily-replays";

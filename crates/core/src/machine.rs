@@ -95,6 +95,13 @@ pub struct Arrival {
     pub redeliveries: Option<u32>,
     /// What its [`HELD_FOR`](crate::headers::HELD_FOR) headers say, when it is a held copy.
     pub held: Option<HeldCopy>,
+    /// The lane an operator replayed it from ([`replayed_from`]).
+    pub replayed_from: Option<Terminal>,
+}
+
+/// The lane its [`REPLAYED_FROM`](headers::REPLAYED_FROM) header names, if any.
+pub fn replayed_from(table: &FieldTable) -> Option<Terminal> {
+    Terminal::parse(as_text(table.inner().get(headers::REPLAYED_FROM)?)?)
 }
 
 /// A held copy back from its retry bucket: its lane failed when it was handed off.
@@ -238,6 +245,7 @@ pub struct Delivery<'p> {
     reruns: u32,
     /// How many times the message waited as a held copy.
     holds: u32,
+    replayed_from: Option<Terminal>,
 }
 
 impl<'p> Delivery<'p> {
@@ -278,6 +286,7 @@ impl<'p> Delivery<'p> {
             arrived: now,
             reruns: 0,
             holds: 0,
+            replayed_from: arrival.replayed_from,
         };
         let oversized = matches!(
             arrival.verdict,
@@ -594,6 +603,7 @@ impl<'p> Delivery<'p> {
             attempt: self.attempt,
             requeues: self.requeues,
             authority,
+            replayed_from: self.replayed_from,
         };
         match decide(&situation, self.policy) {
             Plan::Requeue(RequeueCause::Deferred) => {

@@ -41,6 +41,7 @@ fn situation(pipeline: PipelineResult) -> Situation {
         attempt: 1,
         requeues: 0,
         authority: Authority::Held,
+        replayed_from: None,
     }
 }
 
@@ -486,6 +487,46 @@ fn duplicate_is_acked() {
 }
 
 #[test]
+fn a_retryable_failure_after_a_replay_from_parking_goes_back_to_parking_not_a_bucket() {
+    let p = policy();
+    for replayed_from in [None, Some(Terminal::DeadLetter), Some(Terminal::Parking)] {
+        let s = Situation {
+            replayed_from,
+            ..situation(failed(FailureKind::Retryable))
+        };
+        let lane = match decide(&s, &p) {
+            Plan::Handoff(h) => h.lane,
+            other => panic!("{other:?}"),
+        };
+        match replayed_from {
+            Some(Terminal::Parking) => assert_eq!(lane, Lane::Parking),
+            _ => assert!(
+                matches!(
+                    lane,
+                    Lane::Retry {
+                        next_attempt: 2,
+                        ..
+                    }
+                ),
+                "{lane:?}"
+            ),
+        }
+    }
+    // A permanent failure still goes to the DLQ: an operator's lane either way.
+    let s = Situation {
+        replayed_from: Some(Terminal::Parking),
+        ..situation(failed(FailureKind::Permanent))
+    };
+    assert!(matches!(
+        decide(&s, &p),
+        Plan::Handoff(Handoff {
+            lane: Lane::DeadLetter,
+            ..
+        })
+    ));
+}
+
+#[test]
 fn lost_authority_abandons_and_sends_nothing() {
     let pipelines = [
         PipelineResult::Succeeded,
@@ -496,6 +537,7 @@ fn lost_authority_abandons_and_sends_nothing() {
     for pipeline in pipelines {
         let s = Situation {
             authority: Authority::Lost,
+            replayed_from: None,
             ..situation(pipeline)
         };
         assert_eq!(decide(&s, policy()), Plan::Abandon, "{pipeline:?}");
@@ -929,15 +971,22 @@ fn situation_strategy() -> impl Strategy<Value = Situation> {
         1u32..20,
         0u32..20,
         authority(),
+        proptest::option::of(prop_oneof![
+            Just(Terminal::DeadLetter),
+            Just(Terminal::Parking)
+        ]),
     )
         .prop_map(
-            |(pipeline, cleanup, transaction, attempt, requeues, authority)| Situation {
-                pipeline,
-                cleanup,
-                transaction,
-                attempt,
-                requeues,
-                authority,
+            |(pipeline, cleanup, transaction, attempt, requeues, authority, replayed_from)| {
+                Situation {
+                    pipeline,
+                    cleanup,
+                    transaction,
+                    attempt,
+                    requeues,
+                    authority,
+                    replayed_from,
+                }
             },
         )
 }
@@ -1105,6 +1154,17 @@ proptest! {
             prop_assert_eq!(next_attempt, s.attempt + 1);
             prop_assert!(bucket < p.retry_delays.len());
             prop_assert_eq!(kind, Some(FailureKind::Retryable));
+            prop_assert_ne!(s.replayed_from, Some(Terminal::Parking), "replayed from parking");
+        }
+        // A replay from parking changes where a retry goes, nothing else.
+        if s.replayed_from == Some(Terminal::Parking) {
+            let unreplayed = decide(&Situation { replayed_from: None, ..s }, &p);
+            match unreplayed {
+                Plan::Handoff(Handoff { lane: Lane::Retry { .. }, kind, cause }) => {
+                    prop_assert_eq!(plan, Plan::Handoff(Handoff { lane: Lane::Parking, kind, cause }));
+                }
+                other => prop_assert_eq!(plan, other),
+            }
         }
     }
 

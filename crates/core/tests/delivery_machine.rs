@@ -32,6 +32,7 @@ fn arrival(verdict: Verdict) -> Arrival {
         local_requeues: Some(0),
         scoped: false,
         held: None,
+        replayed_from: None,
         redeliveries: None,
     }
 }
@@ -656,6 +657,7 @@ mod properties {
                         local_requeues,
                         scoped,
                         redeliveries: None,
+                        replayed_from: None,
                         held: held.map(|(parking, holds)| HeldCopy {
                             target: if parking {
                                 Terminal::Parking

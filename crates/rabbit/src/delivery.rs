@@ -8,7 +8,7 @@ use lapin::BasicProperties;
 use lapin::message::Delivery;
 use lapin::types::ShortString;
 use lily_mq_core::machine::{
-    Action, Arrival, CopyOf, Delivery as Machine, HeldCopy, ScopeOpened, Verdict,
+    Action, Arrival, CopyOf, Delivery as Machine, HeldCopy, ScopeOpened, Verdict, replayed_from,
 };
 use lily_mq_core::transport::{
     Authority, BoxedHandler, Cause, DeliveryCancel, EntryId, Evidence, GateRejection, Handoff,
@@ -165,6 +165,7 @@ async fn settle_delivery(
         }),
         scoped: shared.scope.is_some(),
         held: view.headers.and_then(HeldCopy::from_headers),
+        replayed_from: view.headers.and_then(replayed_from),
         redeliveries: None,
     };
     let source = if refused {

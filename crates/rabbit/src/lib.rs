@@ -20,6 +20,7 @@ mod handoff;
 pub mod health;
 mod pipeline;
 mod publisher;
+pub mod replay;
 mod report;
 mod service;
 mod session;

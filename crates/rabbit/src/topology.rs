@@ -131,6 +131,44 @@ impl Topology {
         format!("{}.dlx", self.queue)
     }
 
+    /// The work queue's replay exchange: a direct exchange whose only binding routes the work
+    /// queue's name to the work queue. Replays publish through it (see [`crate::replay`]).
+    pub fn replay_exchange(&self) -> String {
+        format!("{}.replay", self.queue)
+    }
+
+    /// Declares the replay exchange and its binding (idempotent). Lily itself never publishes
+    /// to it; `lily dlq replay` calls this before it replays. Needs the `configure` permission
+    /// on the exchange and `write` on it plus `read` on the work queue for the binding.
+    ///
+    /// # Errors
+    /// The broker refused the declaration or the binding.
+    pub async fn declare_replay(&self, channel: &Channel) -> lapin::Result<String> {
+        let exchange = self.replay_exchange();
+        let options = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        channel
+            .exchange_declare(
+                exchange.as_str().into(),
+                ExchangeKind::Direct,
+                options,
+                FieldTable::default(),
+            )
+            .await?;
+        channel
+            .queue_bind(
+                self.queue.as_str().into(),
+                exchange.as_str().into(),
+                self.queue.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        Ok(exchange)
+    }
+
     /// Declares or verifies everything.
     ///
     /// In [`TopologyMode::Verify`] each queue must exist (a passive declare) and hold the
@@ -287,6 +325,7 @@ mod tests {
         assert_eq!(t.dead_letter_queue(), "orders.dlq");
         assert_eq!(t.parking_queue(), "orders.parking");
         assert_eq!(t.dead_letter_exchange(), "orders.dlx");
+        assert_eq!(t.replay_exchange(), "orders.replay");
     }
 
     #[test]

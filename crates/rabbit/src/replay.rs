@@ -1,0 +1,335 @@
+//! What a replay publishes: the inverse of a handoff's copy.
+//!
+//! A copy in the dead-letter or parking lane keeps the message's body, `message_id` and
+//! properties, and moves aside what RabbitMQ would act on in the lane (see the handoff's
+//! `copy_properties`). [`replay_properties`] turns such a copy back into the message the
+//! producer sent: it restores `expiration`, `user_id`, `CC` and `BCC`, drops Lily's failure
+//! headers (so the attempt starts again at 1) and records the replay in
+//! [`REPLAYED_FROM`](headers::REPLAYED_FROM), [`REPLAYED_AT`](headers::REPLAYED_AT) and
+//! [`REPLAYS`](headers::REPLAYS). What the copy learnt on the way (`x-death`, the original
+//! exchange and routing key) stays.
+//!
+//! A replay is published to the work queue's replay exchange ([`Topology::replay_exchange`]),
+//! never the default exchange: the restored `CC` and `BCC` name routing keys of the original
+//! exchange, and on the default exchange they would name queues, sending the message to
+//! queues it was never meant for. The replay exchange routes only the work queue's name.
+//!
+//! [`Topology::replay_exchange`]: crate::Topology::replay_exchange
+
+use std::fmt;
+
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lily_mq_core::transport::{as_text, as_u32};
+use lily_mq_core::{Terminal, headers};
+
+/// Lily's headers about a failure, dropped on replay: the replayed message starts again.
+const FAILURE_HEADERS: [&str; 10] = [
+    headers::ATTEMPT,
+    headers::FIRST_FAILURE_AT,
+    headers::LAST_FAILURE_AT,
+    headers::FAILURE_KIND,
+    headers::REASON,
+    headers::SOURCE_QUEUE,
+    headers::HANDOFF_ID,
+    headers::HELD_FOR,
+    headers::HOLDS,
+    headers::DELIVERY_COUNT,
+];
+
+/// How to replay a copy.
+#[derive(Clone, Debug)]
+pub struct Replay<'a> {
+    /// The lane the copy is in.
+    pub from: Terminal,
+    /// When the replay happens, in milliseconds since the Unix epoch.
+    pub at_millis: i64,
+    /// The user the replay publishes as.
+    pub user: &'a str,
+    /// Leave an original `user_id` that is not `user` in its
+    /// [`ORIGINAL_USER_ID`](headers::ORIGINAL_USER_ID) header instead of refusing the copy.
+    pub keep_user_id_aside: bool,
+}
+
+/// Why a copy cannot be replayed as it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The original `user_id` is another user's: RabbitMQ refuses a publish whose `user_id` is
+    /// not the publishing user.
+    UserId {
+        /// The original `user_id`.
+        original: String,
+    },
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::UserId { original } => write!(
+                f,
+                "its original user_id {:?} is not the replaying user, and RabbitMQ refuses such a \
+                 publish: replay as that user, or keep the user_id aside",
+                original.escape_debug().to_string()
+            ),
+        }
+    }
+}
+
+/// The properties a replay of `copy` publishes: the producer's message, the attempt reset, the
+/// replay recorded.
+///
+/// # Errors
+/// [`Refusal::UserId`] when the original `user_id` is not `replay.user` and
+/// [`Replay::keep_user_id_aside`] is off.
+pub fn replay_properties(
+    copy: &BasicProperties,
+    replay: &Replay<'_>,
+) -> Result<BasicProperties, Refusal> {
+    let mut map = copy
+        .headers()
+        .as_ref()
+        .map(|t| t.inner().clone())
+        .unwrap_or_default();
+    for key in FAILURE_HEADERS {
+        map.remove(key);
+    }
+    for (aside, routing) in [
+        (headers::ORIGINAL_CC, headers::CC),
+        (headers::ORIGINAL_BCC, headers::BCC),
+    ] {
+        if let Some(value) = map.remove(aside) {
+            map.insert(routing.into(), value);
+        }
+    }
+    let text = |value: Option<&AMQPValue>| value.and_then(as_text).map(str::to_owned);
+    let mut props = copy.clone();
+    if let Some(expiration) = text(map.get(headers::ORIGINAL_EXPIRATION)) {
+        map.remove(headers::ORIGINAL_EXPIRATION);
+        props = props.with_expiration(ShortString::from(expiration));
+    }
+    if let Some(user_id) = text(map.get(headers::ORIGINAL_USER_ID)) {
+        if user_id == replay.user {
+            map.remove(headers::ORIGINAL_USER_ID);
+            props = props.with_user_id(ShortString::from(user_id));
+        } else if !replay.keep_user_id_aside {
+            return Err(Refusal::UserId { original: user_id });
+        }
+    }
+    let replays = map
+        .get(headers::REPLAYS)
+        .and_then(as_u32)
+        .unwrap_or(0)
+        .saturating_add(1);
+    map.insert(headers::REPLAYED_FROM.into(), long(replay.from.as_str()));
+    map.insert(
+        headers::REPLAYED_AT.into(),
+        AMQPValue::LongLongInt(replay.at_millis),
+    );
+    map.insert(headers::REPLAYS.into(), AMQPValue::LongUInt(replays));
+    Ok(props.with_headers(FieldTable::from(map)))
+}
+
+fn long(text: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(text.as_bytes().to_vec()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use lily_mq_core::transport::{HandoffId, IncomingParts};
+    use lily_mq_core::{Incoming, Lane, Reason};
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::handoff::{FailureNote, copy_properties};
+
+    fn copy_of(original: &BasicProperties, lane: Lane) -> BasicProperties {
+        let incoming = Incoming::from_parts(IncomingParts {
+            body: b"{}".to_vec(),
+            properties: original.clone(),
+            exchange: "shop".into(),
+            routing_key: "order.placed".into(),
+            queue: Arc::from("orders"),
+            delivery_tag: 1,
+            redelivered: false,
+            attempt: 3,
+            schema_version: 1,
+        });
+        let reason = Reason::new("stock service down");
+        copy_properties(
+            &incoming,
+            &FailureNote {
+                lane,
+                kind: "retryable",
+                reason: &reason,
+                source_queue: "orders",
+                id: HandoffId::new(7),
+                at_millis: 1_700_000_000_000,
+            },
+        )
+    }
+
+    fn replay(from: Terminal, user: &str) -> Replay<'_> {
+        Replay {
+            from,
+            at_millis: 1_800_000_000_000,
+            user,
+            keep_user_id_aside: false,
+        }
+    }
+
+    fn header<'a>(p: &'a BasicProperties, key: &str) -> Option<&'a AMQPValue> {
+        p.headers().as_ref()?.inner().get(key)
+    }
+
+    /// The replay headers and the history a copy keeps, removed to compare with the original.
+    fn without_replay_and_history(mut p: BasicProperties) -> BasicProperties {
+        let mut map = p.headers().as_ref().map(|t| t.inner().clone());
+        if let Some(map) = map.as_mut() {
+            for key in [
+                headers::REPLAYED_FROM,
+                headers::REPLAYED_AT,
+                headers::REPLAYS,
+                headers::ORIGINAL_EXCHANGE,
+                headers::ORIGINAL_ROUTING_KEY,
+            ] {
+                map.remove(key);
+            }
+        }
+        p = p.with_headers(FieldTable::from(map.unwrap_or_default()));
+        p
+    }
+
+    #[test]
+    fn a_replay_restores_what_the_copy_moved_aside_and_records_itself() {
+        let mut table = FieldTable::default();
+        table.insert(headers::CC.into(), long("audit.orders"));
+        table.insert(headers::BCC.into(), long("hidden"));
+        table.insert("customer".into(), long("kept"));
+        let original = BasicProperties::default()
+            .with_headers(table)
+            .with_expiration("60000".into())
+            .with_user_id("producer".into())
+            .with_message_id("order-1".into())
+            .with_type("order.placed".into())
+            .with_delivery_mode(2);
+        let copy = copy_of(&original, Lane::Parking);
+        let replayed =
+            replay_properties(&copy, &replay(Terminal::Parking, "producer")).expect("replayable");
+
+        assert_eq!(replayed.expiration(), original.expiration());
+        assert_eq!(replayed.user_id(), original.user_id());
+        assert_eq!(header(&replayed, headers::CC), Some(&long("audit.orders")));
+        assert_eq!(header(&replayed, headers::BCC), Some(&long("hidden")));
+        assert_eq!(header(&replayed, headers::ATTEMPT), None, "attempt reset");
+        assert_eq!(header(&replayed, headers::REASON), None);
+        assert_eq!(
+            header(&replayed, headers::REPLAYED_FROM),
+            Some(&long("parking"))
+        );
+        assert_eq!(
+            header(&replayed, headers::REPLAYS),
+            Some(&AMQPValue::LongUInt(1))
+        );
+        assert_eq!(
+            header(&replayed, headers::ORIGINAL_EXCHANGE),
+            Some(&long("shop"))
+        );
+        // Replayed, it fails again and is replayed again: the count goes on.
+        let again = replay_properties(
+            &copy_of(&replayed, Lane::DeadLetter),
+            &replay(Terminal::DeadLetter, "producer"),
+        )
+        .expect("replayable");
+        assert_eq!(
+            header(&again, headers::REPLAYS),
+            Some(&AMQPValue::LongUInt(2))
+        );
+        assert_eq!(
+            header(&again, headers::REPLAYED_FROM),
+            Some(&long("dead-letter"))
+        );
+    }
+
+    #[test]
+    fn another_users_user_id_is_refused_or_kept_aside_never_published() {
+        let original = BasicProperties::default()
+            .with_user_id("producer".into())
+            .with_message_id("order-1".into());
+        let copy = copy_of(&original, Lane::DeadLetter);
+        let refused = replay_properties(&copy, &replay(Terminal::DeadLetter, "operator"));
+        assert_eq!(
+            refused,
+            Err(Refusal::UserId {
+                original: "producer".into()
+            })
+        );
+        let aside = replay_properties(
+            &copy,
+            &Replay {
+                keep_user_id_aside: true,
+                ..replay(Terminal::DeadLetter, "operator")
+            },
+        )
+        .expect("kept aside");
+        assert_eq!(aside.user_id(), &None);
+        assert_eq!(
+            header(&aside, headers::ORIGINAL_USER_ID),
+            Some(&long("producer"))
+        );
+    }
+
+    fn text() -> impl Strategy<Value = String> {
+        "[a-z0-9.]{1,12}"
+    }
+
+    proptest! {
+        /// Copy, then replay: the producer's properties and headers come back, whatever they
+        /// were, with only the replay's record and the copy's history added.
+        #[test]
+        fn a_replay_of_a_copy_is_the_original(
+            expiration in proptest::option::of("[1-9][0-9]{0,6}"),
+            cc in proptest::option::of(text()),
+            bcc in proptest::option::of(text()),
+            extra in proptest::collection::btree_map("[a-w][a-z]{0,8}", text(), 0..4),
+            priority in proptest::option::of(0u8..10),
+            correlation in proptest::option::of(text()),
+            parking in proptest::bool::ANY,
+        ) {
+            let mut table = FieldTable::default();
+            if let Some(cc) = &cc {
+                table.insert(headers::CC.into(), long(cc));
+            }
+            if let Some(bcc) = &bcc {
+                table.insert(headers::BCC.into(), long(bcc));
+            }
+            for (k, v) in &extra {
+                table.insert(k.as_str().into(), long(v));
+            }
+            let mut original = BasicProperties::default()
+                .with_headers(table)
+                .with_message_id("order-9".into())
+                .with_type("order.placed".into())
+                .with_user_id("producer".into())
+                .with_delivery_mode(2);
+            if let Some(e) = &expiration {
+                original = original.with_expiration(e.as_str().into());
+            }
+            if let Some(p) = priority {
+                original = original.with_priority(p);
+            }
+            if let Some(c) = &correlation {
+                original = original.with_correlation_id(c.as_str().into());
+            }
+            let (lane, from) = if parking {
+                (Lane::Parking, Terminal::Parking)
+            } else {
+                (Lane::DeadLetter, Terminal::DeadLetter)
+            };
+            let replayed = replay_properties(&copy_of(&original, lane), &replay(from, "producer"))
+                .expect("replayable");
+            prop_assert_eq!(without_replay_and_history(replayed), original);
+        }
+    }
+}
