@@ -1,91 +1,217 @@
-//! `lily`: reads the shutdown reports Lily services write and renders, sums or compares them.
+//! `lily`: renders, sums and compares the shutdown reports Lily services write, and inspects,
+//! replays and purges a work queue's dead-letter and parking queues.
 //!
 //! ```text
-//! lily report show FILE...      each report as readable text
-//! lily report summary FILE...   one line per report, a TOTAL line, repeatedly unresolved ids
-//! lily report diff A B          B minus A
+//! lily report show FILE...             each report as readable text
+//! lily report summary FILE...          one line per report, a TOTAL line, repeated ids
+//! lily report diff A B                 B minus A
+//! lily dlq list -q QUEUE               the DLQ grouped by reason, failure kind and type
+//! lily dlq show -q QUEUE ID            one message's properties and Lily headers
+//! lily dlq replay -q QUEUE SELECTION   back to the work queue: confirm, then ACK
+//! lily dlq purge -q QUEUE [SELECTION]  delete, after a count and a prompt (or --yes)
+//! lily parking ...                     the same for the parking queue
+//! lily completions SHELL               shell completions
 //! ```
 //!
-//! `-` reads standard input. Exit status: 0 all reports clean, 1 an input could not be read or
-//! parsed, 2 usage, [`EXIT_UNRESOLVED`] some report is unresolved (`show` and `summary`).
+//! Exit status: 0 success (every report clean), 1 an input, the broker or a message could not
+//! be read or written, 2 usage, [`EXIT_UNRESOLVED`](lily_mq_core::EXIT_UNRESOLVED) some report
+//! is unresolved, 4 some selected messages were left in their lane (see `lily dlq replay`).
 
+mod broker;
+mod lanes;
 mod loaded;
 mod render;
+mod report;
+mod select;
 mod summary;
 
-use std::ffi::{OsStr, OsString};
-use std::io::{self, Read, Write};
-use std::path::Path;
+use std::ffi::OsString;
+use std::io::{self, Write};
+use std::num::NonZeroU64;
 use std::process::ExitCode;
 
-use lily_mq_core::{EXIT_UNRESOLVED, SCHEMA, ShutdownReport};
-use serde_json::{Value, error::Category};
+use clap::{Args, CommandFactory, Parser, Subcommand};
+use lily_mq_core::Terminal;
 
-use crate::loaded::Loaded;
+use crate::select::Selection;
 
-/// Printed on stderr for `--help` and any usage error.
-const USAGE: &str = "\
-usage: lily report show FILE...
-       lily report summary FILE...
-       lily report diff A B
-
-Reads Lily shutdown reports (JSON, schema lily.shutdown-report.v1). `-` reads stdin.
-
-  show     each report: header, phases, totals, unresolved deliveries
-  summary  one line per report, a TOTAL line, message ids unresolved in several reports
-  diff     totals of B minus A, phases side by side, unresolved ids only in A / only in B / both
-
-exit status: 0 all clean, 1 unreadable or invalid input, 2 usage, 3 some report unresolved
-";
-
-/// Exit status when an input cannot be read or parsed.
+/// Exit status when an input, the broker or a message cannot be read or written.
 const EXIT_INPUT: u8 = 1;
-/// Exit status for a usage error.
+/// Exit status for a usage error (clap's own).
 const EXIT_USAGE: u8 = 2;
+/// Exit status when some selected messages were left in their lane.
+const EXIT_LEFT: u8 = 4;
 
-/// A `lily report` subcommand.
-#[derive(Clone, Copy, PartialEq, Eq)]
+/// Reads Lily shutdown reports, and operates the dead-letter and parking queues of a work queue.
+#[derive(Parser)]
+#[command(name = "lily", version, propagate_version = true)]
+#[command(after_help = "\
+exit status: 0 success, 1 unreadable input or a broker error, 2 usage, \
+3 some report unresolved, 4 some selected messages left in their lane")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
 enum Command {
-    Show,
-    Summary,
-    Diff,
+    /// Render, sum or compare shutdown reports (JSON, schema lily.shutdown-report.v1).
+    #[command(subcommand)]
+    Report(ReportCommand),
+    /// Inspect, replay or purge the dead-letter queue (`<queue>.dlq`) of a work queue.
+    #[command(subcommand)]
+    Dlq(LaneCommand),
+    /// Inspect, replay or purge the parking queue (`<queue>.parking`): messages whose effect may
+    /// have happened, which Lily never replays on its own.
+    #[command(subcommand)]
+    Parking(LaneCommand),
+    /// Print shell completions for `lily` to stdout.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+}
+
+#[derive(Subcommand)]
+enum ReportCommand {
+    /// Each report: header, phases, totals, unresolved deliveries.
+    Show {
+        /// Report files; `-` reads stdin.
+        #[arg(required = true)]
+        files: Vec<OsString>,
+    },
+    /// One line per report, a TOTAL line, message ids unresolved in several reports.
+    Summary {
+        /// Report files; `-` reads stdin.
+        #[arg(required = true)]
+        files: Vec<OsString>,
+    },
+    /// Totals of B minus A, phases side by side, unresolved ids only in A, only in B, in both.
+    Diff {
+        /// The earlier report.
+        a: OsString,
+        /// The later report.
+        b: OsString,
+    },
+}
+
+/// The broker and the work queue whose lane a command reads.
+#[derive(Args, Clone)]
+pub(crate) struct Target {
+    /// The work queue (not the lane): `orders` for `orders.dlq` and `orders.parking`.
+    #[arg(short, long, env = "LILY_QUEUE")]
+    pub(crate) queue: String,
+    /// The broker, as an AMQP URL (amqps:// for TLS). Never printed.
+    #[arg(
+        long,
+        env = "LILY_AMQP_URL",
+        hide_env_values = true,
+        default_value = "amqp://127.0.0.1:5672/%2f"
+    )]
+    pub(crate) url: String,
+    /// PEM certificates to trust for amqps:// besides the system roots.
+    #[arg(long, env = "LILY_TLS_CA", value_name = "FILE")]
+    pub(crate) tls_ca: Option<std::path::PathBuf>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Subcommand)]
+enum LaneCommand {
+    /// Messages grouped by reason, failure kind and type, with counts and oldest/newest age.
+    List {
+        #[command(flatten)]
+        target: Target,
+    },
+    /// One message's properties and Lily headers; the body only with --body.
+    Show {
+        #[command(flatten)]
+        target: Target,
+        /// The message id.
+        id: String,
+        /// Also print the body (escaped, never by default).
+        #[arg(long)]
+        body: bool,
+    },
+    /// Send selected messages back to the work queue: publish with confirm, then ACK here.
+    ///
+    /// Keeps the body, message_id and properties, restores what Lily moved aside (expiration,
+    /// user_id, CC, BCC), resets the attempt and records the replay in x-lily-replayed-*
+    /// headers. A crash mid-replay loses nothing: at worst one message exists twice, which an
+    /// inbox absorbs.
+    Replay {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        selection: Selection,
+        /// Show what would be replayed; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Replay at most this many messages, then stop.
+        #[arg(long, value_name = "N")]
+        batch: Option<NonZeroU64>,
+        /// Replay a message whose original user_id is another user's with the user_id left in
+        /// x-lily-original-user-id (RabbitMQ refuses a publish whose user_id is not the
+        /// publishing user); without it such a message stays in the lane.
+        #[arg(long)]
+        keep_user_id_aside: bool,
+    },
+    /// Delete selected messages (--all for every one), after showing the count and asking.
+    Purge {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        selection: Selection,
+        /// Do not ask for confirmation.
+        #[arg(short, long)]
+        yes: bool,
+    },
+}
+
+/// What a command prints on stdout and the status it exits with.
+pub(crate) struct Outcome {
+    stdout: String,
+    code: u8,
+}
+
+impl Outcome {
+    /// Prints `stdout`, exits with `code`.
+    pub(crate) fn text(stdout: String, code: u8) -> Self {
+        Self { stdout, code }
+    }
+
+    /// Prints nothing (the problem went to stderr), exits with `code`.
+    pub(crate) fn code(code: u8) -> Self {
+        Self::text(String::new(), code)
+    }
 }
 
 fn main() -> ExitCode {
-    let args: Vec<OsString> = std::env::args_os().skip(1).collect();
-    let (command, files) = match parse_args(&args) {
-        Ok(parsed) => parsed,
-        Err(problem) => {
-            if !problem.is_empty() {
-                eprintln!("lily: {problem}\n");
-            }
-            eprint!("{USAGE}");
-            return ExitCode::from(EXIT_USAGE);
+    let cli = Cli::parse();
+    let outcome = match cli.command {
+        Command::Report(command) => {
+            let (command, files) = match &command {
+                ReportCommand::Show { files } => (report::Command::Show, files.iter().collect()),
+                ReportCommand::Summary { files } => {
+                    (report::Command::Summary, files.iter().collect())
+                }
+                ReportCommand::Diff { a, b } => (report::Command::Diff, vec![a, b]),
+            };
+            let files: Vec<&std::ffi::OsStr> = files.into_iter().map(OsString::as_os_str).collect();
+            report::run(command, &files)
+        }
+        Command::Dlq(command) => lane(Terminal::DeadLetter, command),
+        Command::Parking(command) => lane(Terminal::Parking, command),
+        Command::Completions { shell } => {
+            let mut out = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "lily", &mut out);
+            Outcome::text(String::from_utf8_lossy(&out).into_owned(), 0)
         }
     };
-    let mut reports = Vec::with_capacity(files.len());
-    let mut failed = false;
-    for file in files {
-        match load(file) {
-            Ok(loaded) => reports.push(loaded),
-            Err(problem) => {
-                eprintln!("lily: {problem}");
-                failed = true;
-            }
-        }
-    }
-    if failed {
-        return ExitCode::from(EXIT_INPUT);
-    }
-    let (text, code) = match (command, reports.as_slice()) {
-        (Command::Show, all) => (render::show(all), status(all)),
-        (Command::Summary, all) => (summary::summary(all), status(all)),
-        (Command::Diff, [a, b]) => (summary::diff(a, b), 0),
-        (Command::Diff, _) => return ExitCode::from(EXIT_USAGE),
-    };
-    match io::stdout().lock().write_all(text.as_bytes()) {
-        Ok(()) => ExitCode::from(code),
-        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => ExitCode::from(code),
+    match io::stdout().lock().write_all(outcome.stdout.as_bytes()) {
+        Ok(()) => ExitCode::from(outcome.code),
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => ExitCode::from(outcome.code),
         Err(e) => {
             eprintln!("lily: cannot write output: {e}");
             ExitCode::from(EXIT_INPUT)
@@ -93,117 +219,54 @@ fn main() -> ExitCode {
     }
 }
 
-/// Splits the arguments into a command and its files; `Err` holds the problem (empty for help).
-fn parse_args(args: &[OsString]) -> Result<(Command, Vec<&OsStr>), String> {
-    let word = |arg: &OsString| arg.to_str().unwrap_or("").to_owned();
-    let Some((group, rest)) = args.split_first() else {
-        return Err("missing command".into());
-    };
-    match word(group).as_str() {
-        "report" => {}
-        "-h" | "--help" | "help" => return Err(String::new()),
-        other => return Err(format!("unknown command `{}`", other.escape_debug())),
-    }
-    let Some((verb, rest)) = rest.split_first() else {
-        return Err("missing subcommand of `report`".into());
-    };
-    let command = match word(verb).as_str() {
-        "show" => Command::Show,
-        "summary" => Command::Summary,
-        "diff" => Command::Diff,
-        "-h" | "--help" | "help" => return Err(String::new()),
-        other => return Err(format!("unknown subcommand `{}`", other.escape_debug())),
-    };
-    let mut files = Vec::new();
-    let mut options_ended = false;
-    for arg in rest {
-        if !options_ended && arg == "--" {
-            options_ended = true;
-        } else if !options_ended && arg != "-" && arg.to_string_lossy().starts_with('-') {
-            return Err(format!(
-                "unknown option `{}`",
-                arg.to_string_lossy().escape_debug()
-            ));
-        } else {
-            files.push(arg.as_os_str());
+/// Runs a lane command on its own runtime.
+fn lane(lane: Terminal, command: LaneCommand) -> Outcome {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("lily: cannot start: {e}");
+            return Outcome::code(EXIT_INPUT);
         }
-    }
-    match (command, files.len()) {
-        (Command::Diff, 2) => Ok((command, files)),
-        (Command::Diff, _) => Err("`diff` takes exactly two files".into()),
-        (_, 0) => Err("no report file given".into()),
-        _ => Ok((command, files)),
-    }
-}
-
-/// Reads and parses one report; `-` is stdin. The error names the input, never its content.
-fn load(arg: &OsStr) -> Result<Loaded, String> {
-    let (name, read) = if arg == "-" {
-        let mut text = String::new();
-        let read = io::stdin().read_to_string(&mut text).map(|_| text);
-        ("<stdin>".to_owned(), read)
-    } else {
-        (
-            Path::new(arg).display().to_string(),
-            std::fs::read_to_string(arg),
-        )
     };
-    let text = read.map_err(|e| format!("{name}: cannot read: {e}"))?;
-    let report = parse_report(&text).map_err(|problem| format!("{name}: {problem}"))?;
-    Ok(Loaded { name, report })
-}
-
-/// Parses a report, refusing any schema other than [`SCHEMA`].
-fn parse_report(text: &str) -> Result<ShutdownReport, String> {
-    let value: Value = serde_json::from_str(text).map_err(|e| describe(&e))?;
-    match value.get("schema") {
-        Some(Value::String(schema)) if schema == SCHEMA => {}
-        Some(Value::String(schema)) => {
-            let shown: String = schema.chars().take(64).collect();
-            return Err(format!(
-                "unsupported report schema {shown:?}; this lily reads only {SCHEMA:?}"
-            ));
+    let result = runtime.block_on(async {
+        match command {
+            LaneCommand::List { target } => lanes::list(lane, &target).await,
+            LaneCommand::Show { target, id, body } => lanes::show(lane, &target, &id, body).await,
+            LaneCommand::Replay {
+                target,
+                selection,
+                dry_run,
+                batch,
+                keep_user_id_aside,
+            } => {
+                let options = lanes::ReplayOptions {
+                    dry_run,
+                    batch,
+                    keep_user_id_aside,
+                };
+                match selection.check() {
+                    Ok(filter) => lanes::replay(lane, &target, &filter, &options).await,
+                    Err(problem) => Err(lanes::Failure::usage(problem)),
+                }
+            }
+            LaneCommand::Purge {
+                target,
+                selection,
+                yes,
+            } => match selection.check() {
+                Ok(filter) => lanes::purge(lane, &target, &filter, yes).await,
+                Err(problem) => Err(lanes::Failure::usage(problem)),
+            },
         }
-        _ => {
-            return Err(format!(
-                "no string \"schema\" field: not a Lily shutdown report (expected {SCHEMA:?})"
-            ));
+    });
+    result.unwrap_or_else(|failure| {
+        eprintln!("lily: {}", failure.message);
+        if failure.code == EXIT_USAGE {
+            eprintln!("\nFor more information, try '--help'.");
         }
-    }
-    serde_json::from_str(text).map_err(|e| describe(&e))
-}
-
-/// Describes a parse error by its line, column and kind, without quoting input values.
-fn describe(e: &serde_json::Error) -> String {
-    let full = e.to_string();
-    let message = match full.rsplit_once(" at line ") {
-        Some((message, _)) if e.line() > 0 => message,
-        _ => full.as_str(),
-    };
-    // Data errors quote the offending value ("invalid type: string \"…\", expected u64");
-    // keep only their kind and what was expected.
-    let message = match (e.classify(), message.split_once(", expected ")) {
-        (Category::Data, Some((head, expected))) => {
-            let kind: Vec<&str> = head.split_whitespace().take(2).collect();
-            format!(
-                "{}, expected {expected}",
-                kind.join(" ").trim_end_matches(':')
-            )
-        }
-        _ => message.to_owned(),
-    };
-    format!(
-        "invalid report at line {}, column {}: {message}",
-        e.line(),
-        e.column()
-    )
-}
-
-/// 0 when every report is clean, [`EXIT_UNRESOLVED`] otherwise.
-fn status(reports: &[Loaded]) -> u8 {
-    if reports.iter().all(|l| l.report.clean) {
-        0
-    } else {
-        u8::try_from(EXIT_UNRESOLVED).unwrap_or(EXIT_INPUT)
-    }
+        Outcome::code(failure.code)
+    })
 }

@@ -137,64 +137,58 @@ pub(crate) fn text(value: &str) -> String {
     }
 }
 
-/// A plain-text table with aligned columns.
+/// A borderless table with aligned columns, drawn by `comfy-table`.
 pub(crate) struct Table {
-    head: Vec<String>,
-    right: Vec<bool>,
-    rows: Vec<Vec<String>>,
+    table: comfy_table::Table,
+    columns: usize,
 }
 
 impl Table {
     /// A table with these column headings; `align` has one `l` or `r` per column.
     pub(crate) fn new(head: &[&str], align: &str) -> Self {
-        Self {
-            head: head.iter().map(|h| (*h).to_owned()).collect(),
-            right: align.chars().map(|c| c == 'r').collect(),
-            rows: Vec::new(),
+        use comfy_table::{CellAlignment, ContentArrangement, presets};
+        let mut table = comfy_table::Table::new();
+        table
+            .load_preset(presets::NOTHING)
+            .set_content_arrangement(ContentArrangement::Disabled)
+            .set_header(head.iter().copied());
+        let columns = head.len();
+        for (i, column) in table.column_iter_mut().enumerate() {
+            let right = align.as_bytes().get(i) == Some(&b'r');
+            column.set_cell_alignment(if right {
+                CellAlignment::Right
+            } else {
+                CellAlignment::Left
+            });
+            // Two spaces between columns, none before the first or after the last.
+            column.set_padding((0, if i + 1 < columns { 2 } else { 0 }));
         }
+        Self { table, columns }
     }
 
     /// Adds a row.
     pub(crate) fn row(&mut self, cells: Vec<String>) {
-        self.rows.push(cells);
+        debug_assert_eq!(cells.len(), self.columns);
+        self.table.add_row(cells);
     }
 
     /// Writes the headings and rows, each line prefixed by `indent`.
     pub(crate) fn render(&self, out: &mut String, indent: &str) {
-        self.write(out, indent, true);
+        self.write(out, indent, 0);
     }
 
     /// Writes the rows only (key/value lists).
     pub(crate) fn render_body(&self, out: &mut String, indent: &str) {
-        self.write(out, indent, false);
+        self.write(out, indent, 1);
     }
 
-    fn write(&self, out: &mut String, indent: &str, with_head: bool) {
-        let lines: Vec<&Vec<String>> = if with_head {
-            std::iter::once(&self.head).chain(&self.rows).collect()
-        } else {
-            self.rows.iter().collect()
-        };
-        let mut widths = vec![0; self.head.len()];
-        for line in &lines {
-            for (width, cell) in widths.iter_mut().zip(line.iter()) {
-                *width = (*width).max(cell.chars().count());
-            }
+    fn write(&self, out: &mut String, indent: &str, skip: usize) {
+        if self.table.row_count() == 0 && skip == 1 {
+            return;
         }
-        for line in lines {
-            let mut text = String::from(indent);
-            for (i, cell) in line.iter().enumerate() {
-                let width = widths.get(i).copied().unwrap_or(0);
-                if i > 0 {
-                    text.push_str("  ");
-                }
-                if self.right.get(i).copied().unwrap_or(false) {
-                    let _ = write!(text, "{cell:>width$}");
-                } else {
-                    let _ = write!(text, "{cell:<width$}");
-                }
-            }
-            out.push_str(text.trim_end());
+        for line in self.table.lines().skip(skip) {
+            out.push_str(indent);
+            out.push_str(line.trim_end());
             out.push('\n');
         }
     }

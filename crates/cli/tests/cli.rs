@@ -312,19 +312,57 @@ fn a_report_with_another_schema_is_refused() {
 }
 
 #[test]
-fn help_and_unknown_commands_print_usage_on_stderr_and_exit_2() {
+fn usage_errors_print_usage_on_stderr_and_exit_2() {
     for args in [
-        &["--help"][..],
-        &[],
+        &[][..],
         &["frobnicate"],
         &["report", "show"],
         &["report", "diff", "a.json"],
         &["report", "show", "--verbose", "a.json"],
+        &["dlq", "replay", "-q", "orders"],
+        &["dlq", "replay", "-q", "orders", "--all", "--id", "x"],
+        &["parking", "list"],
+        &["dlq", "replay", "-q", "orders", "--since", "yesterday"],
     ] {
         let args: Vec<&Path> = args.iter().map(|a| p(a)).collect();
         let out = lily(&args);
-        assert_eq!(out.status.code(), Some(2), "{args:?}");
-        assert!(stderr(&out).contains("usage: lily report show FILE..."));
-        assert!(stdout(&out).is_empty());
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("Usage:") || stderr(&out).contains("--help"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+        assert!(stdout(&out).is_empty(), "{args:?}");
     }
+}
+
+#[test]
+fn every_subcommand_has_help_and_completions_are_generated() {
+    for (args, expect) in [
+        (&["--help"][..], "Usage: lily"),
+        (&["report", "show", "--help"], "Report files"),
+        (&["dlq", "list", "--help"], "--queue"),
+        (&["dlq", "show", "--help"], "--body"),
+        (&["dlq", "replay", "--help"], "--dry-run"),
+        (&["parking", "replay", "--help"], "--keep-user-id-aside"),
+        (&["parking", "purge", "--help"], "--yes"),
+        (&["completions", "bash"], "_lily"),
+    ] {
+        let args: Vec<&Path> = args.iter().map(|a| p(a)).collect();
+        let out = lily(&args);
+        assert_eq!(out.status.code(), Some(0), "{args:?}");
+        assert!(stdout(&out).contains(expect), "{args:?}: {}", stdout(&out));
+    }
+}
+
+#[test]
+fn help_never_shows_the_url_from_the_environment() {
+    let out = Command::new(env!("CARGO_BIN_EXE_lily"))
+        .args(["dlq", "list", "--help"])
+        .env("LILY_AMQP_URL", "amqp://ops:hunter2@example:5672/%2f")
+        .output()
+        .expect("run lily");
+    assert_eq!(out.status.code(), Some(0));
+    assert!(stdout(&out).contains("LILY_AMQP_URL"));
+    assert!(!stdout(&out).contains("hunter2"), "{}", stdout(&out));
 }

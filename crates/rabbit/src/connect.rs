@@ -291,6 +291,35 @@ impl Dialer {
     }
 }
 
+/// Opens one connection to `url` the way a consumer opens its own (TLS trusting `tls_ca_pem`
+/// besides the system roots, within 5 s), named `lily:<queue>:<role>` in the broker's tools.
+/// For tools such as `lily dlq`. Returns the connection and its node as
+/// `scheme://host:port/vhost`, which never shows the credentials.
+///
+/// # Errors
+/// [`Error::Config`](crate::Error::Config) when the URL does not parse,
+/// [`Error::Refused`](crate::Error::Refused) when the broker refused the credentials or the
+/// virtual host, [`Error::Connect`](crate::Error::Connect) otherwise.
+pub async fn connect(
+    url: &str,
+    tls_ca_pem: Option<String>,
+    queue: &str,
+    role: &'static str,
+) -> Result<(Connection, String), crate::Error> {
+    let endpoint = Endpoint::new(url, &[], tls_ca_pem, queue, Duration::from_secs(5))
+        .map_err(|_| crate::Error::Config("the broker URL does not parse as amqp:// or amqps://"))?;
+    let node = endpoint.display();
+    let dialer = Dialer::new(endpoint, role);
+    match dialer.connect().await {
+        Ok(connection) => Ok((connection, node)),
+        Err(source) if refused(&source) => Err(crate::Error::Refused {
+            queue: queue.to_owned(),
+            source,
+        }),
+        Err(source) => Err(crate::Error::Connect { node, source }),
+    }
+}
+
 /// Whether the broker refused a connection for good: wrong credentials (403) or no access to
 /// the virtual host (530). Anything else (refused at TCP, closed while opening, as a broker
 /// restart looks) is retried with backoff.

@@ -20,6 +20,15 @@ pub enum Error {
         #[source]
         source: lapin::Error,
     },
+    /// No node took the connection (see [`connect`](crate::connect)).
+    #[error("cannot connect to {node}")]
+    Connect {
+        /// The node, as `scheme://host:port/vhost`: never the credentials.
+        node: String,
+        /// The last node's error.
+        #[source]
+        source: lapin::Error,
+    },
     /// The broker refused the topology (missing in verify mode, or declared with other
     /// arguments).
     #[error("topology of queue {queue:?} refused by the broker")]

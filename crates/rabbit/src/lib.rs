@@ -29,6 +29,7 @@ mod sync;
 mod topology;
 
 pub use config::ConsumerConfig;
+pub use connect::connect;
 pub use consumer::{Consumer, Stats};
 pub use error::Error;
 pub use report::{ReportSinks, emit};

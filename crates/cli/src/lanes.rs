@@ -1,0 +1,528 @@
+//! `lily dlq` and `lily parking`: list, show, replay and purge a work queue's lane.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::{BufRead, IsTerminal};
+use std::num::NonZeroU64;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use lapin::types::AMQPValue;
+use lily_mq_core::transport::as_text;
+use lily_mq_core::{Terminal, headers};
+use lily_mq_rabbit::replay::{Replay, replay_properties};
+use lily_mq_rabbit::{QueueKind, Topology};
+use serde_json::json;
+
+use crate::broker::{Pass, Published};
+use crate::render::{Table, text};
+use crate::select::{Seen, Selection, clean, now_millis};
+use crate::{EXIT_INPUT, EXIT_LEFT, EXIT_USAGE, Outcome, Target};
+
+/// Why a lane command stopped: printed on stderr, with its exit status.
+#[derive(Debug)]
+pub(crate) struct Failure {
+    pub(crate) message: String,
+    pub(crate) code: u8,
+}
+
+impl Failure {
+    pub(crate) fn broker(message: String) -> Self {
+        Self {
+            message,
+            code: EXIT_INPUT,
+        }
+    }
+
+    pub(crate) fn usage(message: String) -> Self {
+        Self {
+            message,
+            code: EXIT_USAGE,
+        }
+    }
+}
+
+/// The lane's queue and the topology it belongs to.
+fn names(lane: Terminal, target: &Target) -> (Topology, String) {
+    let topology = Topology::new(&target.queue, QueueKind::Classic, &[]);
+    let queue = match lane {
+        Terminal::DeadLetter => topology.dead_letter_queue(),
+        Terminal::Parking => topology.parking_queue(),
+    };
+    (topology, queue)
+}
+
+/// Messages sharing a reason, failure kind and type.
+#[derive(Default, serde::Serialize)]
+struct Group {
+    count: u64,
+    oldest_ms: Option<i64>,
+    newest_ms: Option<i64>,
+}
+
+/// `list`: one pass, every message put back.
+pub(crate) async fn list(lane: Terminal, target: &Target) -> Result<Outcome, Failure> {
+    let (_, queue) = names(lane, target);
+    let mut pass = Pass::open(target, &queue).await?;
+    let progress = progress(target, u64::from(pass.size), "reading");
+    let mut groups: BTreeMap<(String, String, String), Group> = BTreeMap::new();
+    let mut total = 0u64;
+    while let Some(message) = pass.next().await? {
+        pass.hold(&message);
+        progress.inc(1);
+        let seen = Seen::of(&message.delivery.properties);
+        let key = (
+            seen.reason,
+            seen.kind,
+            seen.message_type.unwrap_or_else(|| "-".into()),
+        );
+        let group = groups.entry(key).or_default();
+        group.count += 1;
+        if let Some(at) = seen.failed_at_ms {
+            group.oldest_ms = Some(group.oldest_ms.map_or(at, |o| o.min(at)));
+            group.newest_ms = Some(group.newest_ms.map_or(at, |n| n.max(at)));
+        }
+        total += 1;
+    }
+    pass.close().await?;
+    progress.finish_and_clear();
+    let mut groups: Vec<_> = groups.into_iter().collect();
+    groups.sort_by(|a, b| b.1.count.cmp(&a.1.count).then_with(|| a.0.cmp(&b.0)));
+    if target.json {
+        let groups: Vec<_> = groups
+            .iter()
+            .map(|((reason, kind, message_type), g)| {
+                json!({"reason": reason, "kind": kind, "type": message_type,
+                       "count": g.count, "oldest_ms": g.oldest_ms, "newest_ms": g.newest_ms})
+            })
+            .collect();
+        return Ok(json_out(
+            &json!({"queue": queue, "messages": total, "groups": groups}),
+            0,
+        ));
+    }
+    let mut out = format!(
+        "{queue}: {total} message{} in {} group{}\n",
+        plural(total),
+        groups.len(),
+        plural(groups.len() as u64)
+    );
+    if !groups.is_empty() {
+        let now = now_millis();
+        let mut table = Table::new(
+            &["count", "kind", "type", "oldest", "newest", "reason"],
+            "rlllll",
+        );
+        for ((reason, kind, message_type), g) in &groups {
+            table.row(vec![
+                g.count.to_string(),
+                text(kind),
+                text(message_type),
+                age(now, g.oldest_ms),
+                age(now, g.newest_ms),
+                text(reason),
+            ]);
+        }
+        out.push('\n');
+        table.render(&mut out, "");
+    }
+    Ok(Outcome::text(out, 0))
+}
+
+/// `show`: the first message with this id; every message put back.
+pub(crate) async fn show(
+    lane: Terminal,
+    target: &Target,
+    id: &str,
+    body: bool,
+) -> Result<Outcome, Failure> {
+    let (_, queue) = names(lane, target);
+    let mut pass = Pass::open(target, &queue).await?;
+    let mut found = None;
+    let mut copies = 0u32;
+    while let Some(message) = pass.next().await? {
+        pass.hold(&message);
+        let props = &message.delivery.properties;
+        if props.message_id().as_ref().map(|s| s.as_str()) == Some(id) {
+            copies += 1;
+            if found.is_none() {
+                found = Some(message);
+            }
+        }
+    }
+    pass.close().await?;
+    let Some(message) = found else {
+        return Err(Failure::broker(format!(
+            "no message with id {:?} in {queue}",
+            id.escape_debug().to_string()
+        )));
+    };
+    let props = &message.delivery.properties;
+    let mut fields: Vec<(&str, String)> = Vec::new();
+    let mut field = |name, value: Option<String>| {
+        if let Some(value) = value {
+            fields.push((name, value));
+        }
+    };
+    let short = |v: &Option<lapin::types::ShortString>| v.as_ref().map(|s| clean(s.as_str()));
+    field("message_id", short(props.message_id()));
+    field("type", short(props.kind()));
+    field("content_type", short(props.content_type()));
+    field("content_encoding", short(props.content_encoding()));
+    field("correlation_id", short(props.correlation_id()));
+    field("app_id", short(props.app_id()));
+    field("timestamp", props.timestamp().map(|t| t.to_string()));
+    field("delivery_mode", props.delivery_mode().map(|m| m.to_string()));
+    field("priority", props.priority().map(|p| p.to_string()));
+    field("redelivered", Some(message.delivery.redelivered.to_string()));
+    field("body_bytes", Some(message.delivery.data.len().to_string()));
+    let table = props.headers().as_ref().map(|t| t.inner().clone());
+    let mut lily = Vec::new();
+    let mut others = Vec::new();
+    for (key, value) in table.iter().flatten() {
+        let key = key.as_str();
+        if key.starts_with("x-lily-") || key == headers::SCHEMA_VERSION {
+            lily.push((clean(key), value_text(value)));
+        } else {
+            others.push(clean(key));
+        }
+    }
+    let body_text = body.then(|| String::from_utf8_lossy(&message.delivery.data).escape_debug().to_string());
+    if target.json {
+        let fields: serde_json::Map<_, _> = fields
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), json!(v)))
+            .collect();
+        let lily: serde_json::Map<_, _> = lily.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
+        return Ok(json_out(
+            &json!({"queue": queue, "copies": copies, "properties": fields,
+                    "lily_headers": lily, "other_headers": others, "body": body_text}),
+            0,
+        ));
+    }
+    let mut out = format!("{queue}: message {}", text(id));
+    if copies > 1 {
+        let _ = write!(out, " ({copies} copies; the first shown)");
+    }
+    out.push_str("\n\nproperties\n");
+    let mut t = Table::new(&["", ""], "ll");
+    for (k, v) in &fields {
+        t.row(vec![(*k).to_owned(), v.clone()]);
+    }
+    t.render_body(&mut out, "  ");
+    out.push_str("\nLily headers\n");
+    let mut t = Table::new(&["", ""], "ll");
+    for (k, v) in &lily {
+        t.row(vec![k.clone(), v.clone()]);
+    }
+    t.render_body(&mut out, "  ");
+    if !others.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nother headers (values not shown): {}",
+            others.join(", ")
+        );
+    }
+    match body_text {
+        Some(body) => {
+            let _ = writeln!(out, "\nbody\n  {body}");
+        }
+        None => out.push_str("\nbody not shown (--body shows it)\n"),
+    }
+    Ok(Outcome::text(out, 0))
+}
+
+/// How a replay runs.
+pub(crate) struct ReplayOptions {
+    pub(crate) dry_run: bool,
+    pub(crate) batch: Option<NonZeroU64>,
+    pub(crate) keep_user_id_aside: bool,
+}
+
+/// `replay`: each selected message published to the work queue's replay exchange with a
+/// confirm, and only then ACKed here; one at a time, so a crash leaves at most one message in
+/// both places.
+pub(crate) async fn replay(
+    lane: Terminal,
+    target: &Target,
+    selection: &Selection,
+    options: &ReplayOptions,
+) -> Result<Outcome, Failure> {
+    let (topology, queue) = names(lane, target);
+    let user = replaying_user(&target.url);
+    let mut pass = Pass::open(target, &queue).await?;
+    let exchange = if options.dry_run {
+        topology.replay_exchange()
+    } else {
+        topology
+            .declare_replay(pass.channel())
+            .await
+            .map_err(|e| {
+                Failure::broker(format!(
+                    "cannot declare the replay exchange {:?} bound to {:?}: {e}",
+                    topology.replay_exchange(),
+                    target.queue
+                ))
+            })?
+    };
+    let progress = progress(target, u64::from(pass.size), "replaying");
+    let limit = options.batch.map_or(u64::MAX, NonZeroU64::get);
+    let (mut replayed, mut selected) = (Vec::new(), 0u64);
+    let mut left: Vec<(String, String)> = Vec::new();
+    let mut stopped = None;
+    while let Some(message) = pass.next().await? {
+        progress.inc(1);
+        let seen = Seen::of(&message.delivery.properties);
+        if !selection.takes(&seen) {
+            pass.hold(&message);
+            continue;
+        }
+        selected += 1;
+        let id = seen.message_id.clone().unwrap_or_else(|| "-".into());
+        let replay = Replay {
+            from: lane,
+            at_millis: now_millis(),
+            user: &user,
+            keep_user_id_aside: options.keep_user_id_aside,
+        };
+        let properties = match replay_properties(&message.delivery.properties, &replay) {
+            Ok(properties) => properties,
+            Err(refusal) => {
+                pass.hold(&message);
+                left.push((id, refusal.to_string()));
+                continue;
+            }
+        };
+        if options.dry_run {
+            pass.hold(&message);
+            replayed.push(id);
+        } else {
+            let published = pass
+                .publish(&exchange, &target.queue, &message.delivery.data, properties)
+                .await;
+            match published {
+                Ok(Published::Confirmed) => {
+                    pass.ack(&message).await?;
+                    replayed.push(id);
+                }
+                other => {
+                    pass.hold(&message);
+                    let why = match other {
+                        Ok(Published::Returned) => format!(
+                            "the replay exchange did not route it to {:?} (binding missing?)",
+                            target.queue
+                        ),
+                        Ok(_) => "the broker nacked the publish".to_owned(),
+                        Err(failure) => failure.message,
+                    };
+                    left.push((id, why.clone()));
+                    stopped = Some(why);
+                    break;
+                }
+            }
+        }
+        if replayed.len() as u64 >= limit {
+            break;
+        }
+    }
+    // The close puts back what was held and proves every ACK arrived. After a broker error
+    // the channel is gone: the broker put back what it held, and processed every ACK sent
+    // before the error.
+    match pass.close().await {
+        Err(failure) if stopped.is_none() => return Err(failure),
+        _ => {}
+    }
+    progress.finish_and_clear();
+    let code = if left.is_empty() { 0 } else { EXIT_LEFT };
+    if target.json {
+        let left: Vec<_> = left
+            .iter()
+            .map(|(id, why)| json!({"message_id": id, "why": why}))
+            .collect();
+        return Ok(json_out(
+            &json!({"queue": queue, "to": target.queue, "dry_run": options.dry_run,
+                    "selected": selected, "replayed": replayed, "left": left,
+                    "stopped": stopped}),
+            code,
+        ));
+    }
+    let verb = if options.dry_run {
+        "would replay"
+    } else {
+        "replayed"
+    };
+    let mut out = format!(
+        "{verb} {} message{} from {queue} to {}",
+        replayed.len(),
+        plural(replayed.len() as u64),
+        target.queue
+    );
+    if (replayed.len() as u64) < selected {
+        let _ = write!(out, " ({selected} selected so far)");
+    }
+    out.push('\n');
+    if options.dry_run {
+        for id in &replayed {
+            let _ = writeln!(out, "  {}", text(id));
+        }
+    }
+    if !left.is_empty() {
+        let _ = writeln!(out, "left in {queue}: {}", left.len());
+        for (id, why) in &left {
+            let _ = writeln!(out, "  {}: {why}", text(id));
+        }
+    }
+    if let Some(why) = stopped {
+        let _ = writeln!(out, "stopped: {why}");
+    }
+    Ok(Outcome::text(out, code))
+}
+
+/// `purge`: a count, a confirmation, then the selected messages ACKed away (or the whole lane
+/// purged for `--all`).
+pub(crate) async fn purge(
+    lane: Terminal,
+    target: &Target,
+    selection: &Selection,
+    yes: bool,
+) -> Result<Outcome, Failure> {
+    let (_, queue) = names(lane, target);
+    let mut pass = Pass::open(target, &queue).await?;
+    let mut taken = Vec::new();
+    let count = if selection.is_all() {
+        u64::from(pass.size)
+    } else {
+        while let Some(message) = pass.next().await? {
+            if selection.takes(&Seen::of(&message.delivery.properties)) {
+                taken.push(message);
+            } else {
+                pass.hold(&message);
+            }
+        }
+        taken.len() as u64
+    };
+    if count > 0 && !yes {
+        if let Err(failure) = confirm(&format!(
+            "purge {count} message{} from {queue}? type yes to confirm: ",
+            plural(count)
+        )) {
+            for message in &taken {
+                pass.hold(message);
+            }
+            pass.close().await?;
+            return Err(failure);
+        }
+    }
+    let purged = if selection.is_all() {
+        u64::from(pass.purge().await?)
+    } else {
+        for message in &taken {
+            pass.ack(message).await?;
+        }
+        count
+    };
+    pass.close().await?;
+    if target.json {
+        return Ok(json_out(&json!({"queue": queue, "purged": purged}), 0));
+    }
+    Ok(Outcome::text(
+        format!("purged {purged} message{} from {queue}\n", plural(purged)),
+        0,
+    ))
+}
+
+/// Asks on the terminal; anything but `yes` aborts. Without a terminal, refuses.
+fn confirm(question: &str) -> Result<(), Failure> {
+    let stdin = std::io::stdin();
+    if !stdin.is_terminal() {
+        return Err(Failure::usage(
+            "refusing to purge without confirmation: stdin is not a terminal; pass --yes".into(),
+        ));
+    }
+    eprint!("{question}");
+    let mut answer = String::new();
+    let _ = stdin.lock().read_line(&mut answer);
+    if answer.trim() == "yes" {
+        Ok(())
+    } else {
+        Err(Failure::broker("not confirmed: nothing purged".into()))
+    }
+}
+
+/// The user a replay publishes as: the URL's, or RabbitMQ's default `guest`.
+fn replaying_user(url: &str) -> String {
+    url.parse::<lapin::uri::AMQPUri>()
+        .map(|uri| uri.authority.userinfo.username)
+        .unwrap_or_else(|_| "guest".into())
+}
+
+/// A progress bar on stderr, only when it is a terminal and the output is text.
+fn progress(target: &Target, len: u64, what: &'static str) -> ProgressBar {
+    if target.json || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
+    if let Ok(style) = ProgressStyle::with_template("{msg} {bar:40} {pos}/{len} ({eta})") {
+        bar.set_style(style);
+    }
+    bar.set_message(what);
+    bar
+}
+
+fn json_out(value: &serde_json::Value, code: u8) -> Outcome {
+    let mut text = serde_json::to_string_pretty(value).unwrap_or_default();
+    text.push('\n');
+    Outcome::text(text, code)
+}
+
+/// A header value as text, bounded; tables and arrays by their size only.
+fn value_text(value: &AMQPValue) -> String {
+    if let Some(text) = as_text(value) {
+        return clean(text);
+    }
+    match value {
+        AMQPValue::FieldTable(t) => format!("(table of {})", t.inner().len()),
+        AMQPValue::FieldArray(a) => format!("(array of {})", a.as_slice().len()),
+        AMQPValue::ByteArray(b) => format!("({} bytes)", b.as_slice().len()),
+        other => clean(&format!("{other:?}").replace(['(', ')'], " ")),
+    }
+}
+
+/// `3m`, `2h 5m`, `4d 1h`: how long ago `at` was.
+fn age(now: i64, at: Option<i64>) -> String {
+    let Some(at) = at else {
+        return "-".into();
+    };
+    let seconds = now.saturating_sub(at).max(0) / 1000;
+    let (d, h, m) = (seconds / 86_400, seconds / 3600 % 24, seconds / 60 % 60);
+    match (d, h, m) {
+        (0, 0, 0) => format!("{seconds}s"),
+        (0, 0, m) => format!("{m}m"),
+        (0, h, m) => format!("{h}h {m}m"),
+        (d, h, _) => format!("{d}d {h}h"),
+    }
+}
+
+fn plural(n: u64) -> &'static str {
+    if n == 1 { "" } else { "s" }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ages_read_at_a_glance() {
+        let now = 1_000_000_000;
+        assert_eq!(age(now, None), "-");
+        assert_eq!(age(now, Some(now - 42_000)), "42s");
+        assert_eq!(age(now, Some(now - 3 * 60_000)), "3m");
+        assert_eq!(age(now, Some(now - 7_500_000)), "2h 5m");
+        assert_eq!(age(now, Some(now - 90_000_000)), "1d 1h");
+    }
+
+    #[test]
+    fn the_replaying_user_comes_from_the_url() {
+        assert_eq!(replaying_user("amqp://ops:secret@host/%2f"), "ops");
+        assert_eq!(replaying_user("amqp://127.0.0.1:5672/%2f"), "guest");
+    }
+}
