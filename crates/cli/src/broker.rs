@@ -5,12 +5,12 @@
 use std::future::Future;
 use std::time::Duration;
 
+use lapin::Confirmation;
 use lapin::message::BasicGetMessage;
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions, ConfirmSelectOptions,
     QueuePurgeOptions,
 };
-use lapin::Confirmation;
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection};
 

@@ -171,9 +171,15 @@ pub(crate) async fn show(
     field("correlation_id", short(props.correlation_id()));
     field("app_id", short(props.app_id()));
     field("timestamp", props.timestamp().map(|t| t.to_string()));
-    field("delivery_mode", props.delivery_mode().map(|m| m.to_string()));
+    field(
+        "delivery_mode",
+        props.delivery_mode().map(|m| m.to_string()),
+    );
     field("priority", props.priority().map(|p| p.to_string()));
-    field("redelivered", Some(message.delivery.redelivered.to_string()));
+    field(
+        "redelivered",
+        Some(message.delivery.redelivered.to_string()),
+    );
     field("body_bytes", Some(message.delivery.data.len().to_string()));
     let table = props.headers().as_ref().map(|t| t.inner().clone());
     let mut lily = Vec::new();
@@ -186,7 +192,11 @@ pub(crate) async fn show(
             others.push(clean(key));
         }
     }
-    let body_text = body.then(|| String::from_utf8_lossy(&message.delivery.data).escape_debug().to_string());
+    let body_text = body.then(|| {
+        String::from_utf8_lossy(&message.delivery.data)
+            .escape_debug()
+            .to_string()
+    });
     if target.json {
         let fields: serde_json::Map<_, _> = fields
             .iter()
@@ -253,16 +263,13 @@ pub(crate) async fn replay(
     let exchange = if options.dry_run {
         topology.replay_exchange()
     } else {
-        topology
-            .declare_replay(pass.channel())
-            .await
-            .map_err(|e| {
-                Failure::broker(format!(
-                    "cannot declare the replay exchange {:?} bound to {:?}: {e}",
-                    topology.replay_exchange(),
-                    target.queue
-                ))
-            })?
+        topology.declare_replay(pass.channel()).await.map_err(|e| {
+            Failure::broker(format!(
+                "cannot declare the replay exchange {:?} bound to {:?}: {e}",
+                topology.replay_exchange(),
+                target.queue
+            ))
+        })?
     };
     let progress = progress(target, u64::from(pass.size), "replaying");
     let limit = options.batch.map_or(u64::MAX, NonZeroU64::get);
@@ -400,17 +407,19 @@ pub(crate) async fn purge(
         }
         taken.len() as u64
     };
-    if count > 0 && !yes {
-        if let Err(failure) = confirm(&format!(
-            "purge {count} message{} from {queue}? type yes to confirm: ",
-            plural(count)
-        )) {
-            for message in &taken {
-                pass.hold(message);
-            }
-            pass.close().await?;
-            return Err(failure);
+    let question = format!(
+        "purge {count} message{} from {queue}? type yes to confirm: ",
+        plural(count)
+    );
+    if count > 0
+        && !yes
+        && let Err(failure) = confirm(&question)
+    {
+        for message in &taken {
+            pass.hold(message);
         }
+        pass.close().await?;
+        return Err(failure);
     }
     let purged = if selection.is_all() {
         u64::from(pass.purge().await?)

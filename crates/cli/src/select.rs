@@ -134,8 +134,10 @@ impl Selection {
         if any || self.all {
             Ok(self)
         } else {
-            Err("say which messages: --id, --reason, --kind, --type, --since, --until, or --all"
-                .into())
+            Err(
+                "say which messages: --id, --reason, --kind, --type, --since, --until, or --all"
+                    .into(),
+            )
         }
     }
 

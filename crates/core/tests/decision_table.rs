@@ -494,7 +494,7 @@ fn a_retryable_failure_after_a_replay_from_parking_goes_back_to_parking_not_a_bu
             replayed_from,
             ..situation(failed(FailureKind::Retryable))
         };
-        let lane = match decide(&s, &p) {
+        let lane = match decide(&s, p) {
             Plan::Handoff(h) => h.lane,
             other => panic!("{other:?}"),
         };
@@ -518,7 +518,7 @@ fn a_retryable_failure_after_a_replay_from_parking_goes_back_to_parking_not_a_bu
         ..situation(failed(FailureKind::Permanent))
     };
     assert!(matches!(
-        decide(&s, &p),
+        decide(&s, p),
         Plan::Handoff(Handoff {
             lane: Lane::DeadLetter,
             ..

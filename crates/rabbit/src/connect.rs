@@ -306,8 +306,10 @@ pub async fn connect(
     queue: &str,
     role: &'static str,
 ) -> Result<(Connection, String), crate::Error> {
-    let endpoint = Endpoint::new(url, &[], tls_ca_pem, queue, Duration::from_secs(5))
-        .map_err(|_| crate::Error::Config("the broker URL does not parse as amqp:// or amqps://"))?;
+    let endpoint =
+        Endpoint::new(url, &[], tls_ca_pem, queue, Duration::from_secs(5)).map_err(|_| {
+            crate::Error::Config("the broker URL does not parse as amqp:// or amqps://")
+        })?;
     let node = endpoint.display();
     let dialer = Dialer::new(endpoint, role);
     match dialer.connect().await {

@@ -1,0 +1,677 @@
+//! `lily dlq` and `lily parking` against the real RabbitMQ node (and mongod for the inbox),
+//! with a real Lily consumer where the lane's messages come from or go to. Every check is made
+//! from outside, by message id: the queues drained, the handler's calls, the effects in the
+//! database.
+
+#[path = "../../../tests/common/mod.rs"]
+mod common;
+
+use std::collections::BTreeMap;
+use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{config, fast_policy, header_str, header_u32, props};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lily::prelude::*;
+use lily_mq_mongo::mongodb::bson::{Document, doc};
+use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};
+use lily_mq_testkit::{Broker, Client, MongoNode, eventually};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Runs `lily` with `args`, the broker's URL in the environment, stdin closed.
+fn lily(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lily"))
+        .args(args)
+        .env("LILY_AMQP_URL", Broker::from_env().url())
+        .stdin(Stdio::null())
+        .output()
+        .expect("run lily")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}{}", stdout(out), stderr(out)))
+}
+
+fn long(text: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(text.as_bytes().to_vec()))
+}
+
+fn kinds() -> [QueueKind; 2] {
+    [QueueKind::Classic, QueueKind::Quorum]
+}
+
+/// What the handler saw on each call: the attempt and the headers a replay restores or adds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Seen {
+    attempt: u32,
+    cc: Option<String>,
+    replayed_from: Option<String>,
+    replays: Option<u32>,
+}
+
+type Calls = Arc<Mutex<BTreeMap<String, Vec<Seen>>>>;
+
+/// `order.placed` fails for good while `broken` is set and succeeds otherwise, recording every
+/// call; `order.refunded` has no handler, so it is a dispatch failure.
+fn shop(broken: &Arc<AtomicBool>, calls: &Calls) -> Router {
+    let (broken, calls) = (Arc::clone(broken), Arc::clone(calls));
+    Router::new().route("order.placed", move |meta: Meta, headers: Headers| {
+        let (broken, calls) = (broken.load(Ordering::Acquire), Arc::clone(&calls));
+        let seen = Seen {
+            attempt: meta.attempt(),
+            cc: headers
+                .get_str("CC")
+                .map(str::to_owned)
+                .or_else(|| match headers.get("CC") {
+                    Some(AMQPValue::FieldArray(a)) => a.as_slice().first().and_then(|v| match v {
+                        AMQPValue::LongString(s) => {
+                            Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+                        }
+                        _ => None,
+                    }),
+                    _ => None,
+                }),
+            replayed_from: headers.get_str("x-lily-replayed-from").map(str::to_owned),
+            replays: headers
+                .get("x-lily-replays")
+                .and_then(lily::core::transport::as_u32),
+        };
+        calls
+            .lock()
+            .unwrap()
+            .entry(meta.message_id().to_owned())
+            .or_default()
+            .push(seen);
+        async move {
+            if broken {
+                return Err(QueueHandlerError::permanent("stock rule refused the order"));
+            }
+            Ok(())
+        }
+    })
+}
+
+/// The DLQ grouped by reason, kind and type; a replay by reason sends back exactly those
+/// messages, once each, with their identity, the attempt reset, `CC` and `expiration` restored
+/// and the replay recorded; the other group stays. Classic and quorum queues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_by_reason_sends_back_that_group_once_each_with_its_identity_restored() {
+    for kind in kinds() {
+        let broker = Broker::from_env();
+        let queue = Broker::unique("dlq-replay");
+        let broken = Arc::new(AtomicBool::new(true));
+        let calls = Calls::default();
+        let running = common::start(
+            broker.url(),
+            config(&queue, kind).prefetch(50),
+            shop(&broken, &calls),
+        );
+        running.wait_ready().await;
+        let client = Client::connect(broker.url()).await;
+        let dlq = format!("{queue}.dlq");
+
+        let placed: Vec<String> = (0..40).map(|i| format!("placed-{i}")).collect();
+        let refunded: Vec<String> = (0..7).map(|i| format!("refunded-{i}")).collect();
+        for id in &placed {
+            let mut table = FieldTable::default();
+            // Routes nowhere yet; a replay must restore it, and must not send a copy anywhere
+            // through it.
+            table.insert(
+                "CC".into(),
+                AMQPValue::FieldArray(vec![long(&format!("audit-of-{queue}"))].into()),
+            );
+            let p = props(id, "order.placed")
+                .with_headers(table)
+                .with_expiration("600000".into());
+            client.publish(&queue, b"{\"qty\":1}", p).await;
+        }
+        for id in &refunded {
+            client
+                .publish(&queue, b"{}", props(id, "order.refunded"))
+                .await;
+        }
+        common::wait_settled("every order dead-lettered", &queue, 47).await;
+
+        let out = lily(&["dlq", "list", "-q", &queue, "--json"]);
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        let listed = json(&out);
+        assert_eq!(listed["messages"], 47, "{listed}");
+        let groups = listed["groups"].as_array().expect("groups");
+        assert_eq!(groups.len(), 2, "{listed}");
+        assert_eq!(groups[0]["count"], 40);
+        assert_eq!(groups[0]["type"], "order.placed");
+        assert_eq!(groups[0]["kind"], "permanent");
+        assert!(
+            groups[0]["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("stock rule")),
+            "{listed}"
+        );
+        assert_eq!(groups[1]["count"], 7);
+        assert_eq!(groups[1]["type"], "order.refunded");
+        let text = lily(&["dlq", "list", "-q", &queue]);
+        let text = stdout(&text);
+        assert!(
+            text.contains(&format!("{dlq}: 47 messages in 2 groups")),
+            "{text}"
+        );
+        assert!(
+            text.lines()
+                .any(|l| l.trim_start().starts_with("40  permanent  order.placed")),
+            "{text}"
+        );
+        // Listing put everything back.
+        assert_eq!(client.depth(&dlq).await, 47);
+
+        // A queue named as the CC key: a replay through the default exchange would route a
+        // copy to it.
+        let audit = format!("audit-of-{queue}");
+        client.declare(&audit, false).await;
+        broken.store(false, Ordering::Release);
+        let before: BTreeMap<String, usize> = calls
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(id, c)| (id.clone(), c.len()))
+            .collect();
+        let out = lily(&["dlq", "replay", "-q", &queue, "--reason", "stock rule"]);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}{}",
+            stdout(&out),
+            stderr(&out)
+        );
+        assert!(
+            stdout(&out).contains(&format!("replayed 40 messages from {dlq} to {queue}")),
+            "{}",
+            stdout(&out)
+        );
+        common::wait_settled("the replayed orders handled", &queue, 7).await;
+        let report = running.stop().await;
+
+        let calls = calls.lock().unwrap().clone();
+        for id in &placed {
+            let after = &calls[id][before[id]..];
+            assert_eq!(
+                after.len(),
+                1,
+                "{id} handled once after the replay: {after:?}"
+            );
+            assert_eq!(
+                after[0],
+                Seen {
+                    attempt: 1,
+                    cc: Some(format!("audit-of-{queue}")),
+                    replayed_from: Some("dead-letter".into()),
+                    replays: Some(1),
+                },
+                "{id}"
+            );
+        }
+        assert_eq!(report.totals.acked, 40, "{:?}", report.totals);
+        let left = client.drain_ids(&dlq).await;
+        let expected: BTreeMap<String, usize> = refunded.iter().map(|id| (id.clone(), 1)).collect();
+        assert_eq!(left, expected, "{kind:?}: only the other group stays");
+        assert_eq!(client.depth(&audit).await, 0, "nothing routed by CC");
+        client.delete(&audit).await;
+    }
+}
+
+/// DLQ copies as Lily writes them, published straight into a lane that exists.
+async fn seed_lane(client: &Client, lane: &str, ids: impl IntoIterator<Item = String>) {
+    for id in ids {
+        let mut table = FieldTable::default();
+        table.insert("x-lily-failure-kind".into(), long("permanent"));
+        table.insert("x-lily-reason".into(), long("handler failure: unknown sku"));
+        table.insert("x-lily-attempt".into(), AMQPValue::LongUInt(3));
+        table.insert(
+            "x-lily-last-failure-at".into(),
+            AMQPValue::LongLongInt(1_764_000_000_000),
+        );
+        let p = props(&id, "order.placed").with_headers(table);
+        client.publish(lane, b"{\"qty\":1}", p).await;
+    }
+}
+
+/// Declares the work queue and its lanes as Lily would, without a consumer.
+async fn topology(client: &Client, queue: &str, kind: QueueKind) {
+    let quorum = kind == QueueKind::Quorum;
+    for name in [
+        queue.to_owned(),
+        format!("{queue}.dlq"),
+        format!("{queue}.parking"),
+    ] {
+        client.declare(&name, quorum).await;
+    }
+}
+
+/// The CLI is killed with SIGKILL in the middle of a replay of 3 000 messages: every message is
+/// in the DLQ or the work queue, at most one in both, none twice in one; a second replay
+/// finishes the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_killed_midway_loses_nothing_and_doubles_at_most_one_message() {
+    const N: usize = 3000;
+    for kind in kinds() {
+        let broker = Broker::from_env();
+        let queue = Broker::unique("dlq-kill");
+        let client = Client::connect(broker.url()).await;
+        topology(&client, &queue, kind).await;
+        let dlq = format!("{queue}.dlq");
+        let ids: Vec<String> = (0..N).map(|i| format!("order-{i}")).collect();
+        seed_lane(&client, &dlq, ids.iter().cloned()).await;
+
+        let mut child = Command::new(env!("CARGO_BIN_EXE_lily"))
+            .args(["dlq", "replay", "-q", &queue, "--all"])
+            .env("LILY_AMQP_URL", broker.url())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run lily");
+        let midway = eventually(WAIT, || {
+            broker.depths().get(&queue).copied().unwrap_or(0) >= (N / 5) as u64
+        })
+        .await;
+        assert!(midway, "the replay never got going");
+        child.kill().expect("SIGKILL");
+        let status = child.wait().expect("wait");
+        assert!(!status.success(), "killed before it finished");
+
+        // After the kill the broker puts the unacknowledged messages back into the DLQ.
+        let settled = eventually(WAIT, || {
+            let depths = broker.depths();
+            depths.get(&dlq).copied().unwrap_or(0) + depths.get(&queue).copied().unwrap_or(0)
+                >= N as u64
+        })
+        .await;
+        assert!(settled, "messages missing: {:?}", broker.depths());
+        let in_dlq = client.drain_ids(&dlq).await;
+        let in_work = client.drain_ids(&queue).await;
+        assert!(!in_work.is_empty() && !in_dlq.is_empty(), "killed midway");
+        let mut both = 0;
+        for id in &ids {
+            let (d, w) = (
+                in_dlq.get(id).copied().unwrap_or(0),
+                in_work.get(id).copied().unwrap_or(0),
+            );
+            assert!(d + w >= 1, "{kind:?}: {id} lost");
+            assert!(d <= 1 && w <= 1, "{kind:?}: {id} twice in one queue");
+            both += usize::from(d + w == 2);
+        }
+        assert!(both <= 1, "{kind:?}: {both} messages in both queues");
+        assert_eq!(in_dlq.len() + in_work.len(), N + both);
+
+        // Put the DLQ's share back and finish: everything ends in the work queue, once.
+        seed_lane(&client, &dlq, in_dlq.keys().cloned()).await;
+        let out = lily(&["dlq", "replay", "-q", &queue, "--all", "--json"]);
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        assert_eq!(
+            json(&out)["replayed"].as_array().map(Vec::len),
+            Some(in_dlq.len())
+        );
+        let work = client.drain_ids(&queue).await;
+        assert_eq!(work.len(), in_dlq.len());
+        assert_eq!(client.depth(&dlq).await, 0);
+        for queue in [queue.clone(), dlq, format!("{queue}.parking")] {
+            client.delete(&queue).await;
+        }
+    }
+}
+
+/// `show` prints properties and Lily's headers, never the body unless asked; `replay
+/// --dry-run` and `--batch` do what they say; a message whose `user_id` belongs to another
+/// user stays in the lane unless kept aside; `purge` asks first and refuses without a
+/// terminal or `--yes`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn show_dry_run_batch_user_id_and_purge_each_do_what_they_say() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("dlq-ops");
+    let client = Client::connect(broker.url()).await;
+    topology(&client, &queue, QueueKind::Classic).await;
+    let dlq = format!("{queue}.dlq");
+    seed_lane(&client, &dlq, (0..5).map(|i| format!("order-{i}"))).await;
+    let mut table = FieldTable::default();
+    table.insert("x-lily-failure-kind".into(), long("retryable"));
+    table.insert("x-lily-reason".into(), long("attempts exhausted"));
+    table.insert("x-lily-original-user-id".into(), long("producer"));
+    table.insert("customer-secret".into(), long("MARKER-IN-HEADER"));
+    client
+        .publish(
+            &dlq,
+            b"MARKER-IN-BODY",
+            props("foreign", "order.placed").with_headers(table),
+        )
+        .await;
+
+    let out = lily(&["dlq", "show", "-q", &queue, "foreign"]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    for expected in [
+        "message_id",
+        "foreign",
+        "x-lily-reason",
+        "attempts exhausted",
+        "x-lily-original-user-id",
+        "customer-secret",
+        "body not shown",
+    ] {
+        assert!(text.contains(expected), "{expected}: {text}");
+    }
+    assert!(
+        !text.contains("MARKER-IN-BODY") && !text.contains("MARKER-IN-HEADER"),
+        "{text}"
+    );
+    let out = lily(&["dlq", "show", "-q", &queue, "foreign", "--body"]);
+    assert!(stdout(&out).contains("MARKER-IN-BODY"), "{}", stdout(&out));
+    let out = lily(&["dlq", "show", "-q", &queue, "nobody"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("no message with id"),
+        "{}",
+        stderr(&out)
+    );
+
+    let out = lily(&["dlq", "replay", "-q", &queue, "--all", "--dry-run"]);
+    assert_eq!(out.status.code(), Some(4), "{}", stdout(&out));
+    assert!(
+        stdout(&out).contains("would replay 5 messages"),
+        "{}",
+        stdout(&out)
+    );
+    assert!(
+        stdout(&out).contains("foreign: its original user_id"),
+        "{}",
+        stdout(&out)
+    );
+    assert_eq!(
+        (client.depth(&dlq).await, client.depth(&queue).await),
+        (6, 0)
+    );
+
+    let out = lily(&["dlq", "replay", "-q", &queue, "--all", "--batch", "2"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+    assert_eq!(
+        (client.depth(&dlq).await, client.depth(&queue).await),
+        (4, 2)
+    );
+    let out = lily(&["dlq", "replay", "-q", &queue, "--all"]);
+    assert_eq!(out.status.code(), Some(4), "{}", stdout(&out));
+    assert_eq!(
+        (client.depth(&dlq).await, client.depth(&queue).await),
+        (1, 5)
+    );
+    let out = lily(&[
+        "dlq",
+        "replay",
+        "-q",
+        &queue,
+        "--id",
+        "foreign",
+        "--keep-user-id-aside",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+    let replayed = client.drain(&queue).await;
+    let foreign = replayed
+        .iter()
+        .find(|m| {
+            m.delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.as_str())
+                == Some("foreign")
+        })
+        .expect("foreign replayed");
+    assert_eq!(foreign.delivery.properties.user_id(), &None);
+    assert_eq!(
+        header_str(&foreign.delivery.properties, "x-lily-original-user-id").as_deref(),
+        Some("producer")
+    );
+    assert_eq!(
+        header_u32(&foreign.delivery.properties, "x-lily-attempt"),
+        None
+    );
+
+    seed_lane(&client, &dlq, (0..4).map(|i| format!("purge-{i}"))).await;
+    let out = lily(&["dlq", "purge", "-q", &queue, "--all"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("pass --yes"), "{}", stderr(&out));
+    assert_eq!(
+        client.depth(&dlq).await,
+        4,
+        "nothing purged without confirmation"
+    );
+    let out = lily(&[
+        "dlq", "purge", "-q", &queue, "--id", "purge-1", "--yes", "--json",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(json(&out)["purged"], 1);
+    let out = lily(&["dlq", "purge", "-q", &queue, "--all", "--yes"]);
+    assert!(
+        stdout(&out).contains("purged 3 messages"),
+        "{}",
+        stdout(&out)
+    );
+    assert_eq!(client.depth(&dlq).await, 0);
+    let out = lily(&["parking", "list", "-q", "no-such-queue-anywhere"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("no-such-queue-anywhere.parking"),
+        "{}",
+        stderr(&out)
+    );
+    for queue in [queue.clone(), dlq, format!("{queue}.parking")] {
+        client.delete(&queue).await;
+    }
+}
+
+/// The effect: one document per handled order, in the inbox's transaction.
+async fn record_effect(tx: &MongoTx, meta: &Meta) -> Result<(), QueueHandlerError> {
+    let effects = tx.database().collection::<Document>("effects");
+    let mut session = tx.session().await;
+    effects
+        .insert_one(doc! { "message_id": meta.message_id() })
+        .session(&mut *session)
+        .await
+        .map_err(|e| QueueHandlerError::retryable("effect write failed").with_source(e))?;
+    Ok(())
+}
+
+async fn effects(scope: &MongoScope, message_id: &str) -> u64 {
+    scope
+        .database()
+        .collection::<Document>("effects")
+        .count_documents(doc! { "message_id": message_id })
+        .await
+        .expect("count effects")
+}
+
+/// How the `parked` handler answers.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    Indeterminate,
+    Retryable,
+    Succeed,
+}
+
+/// Row 13 of the failure matrix, through `lily parking replay` with the Mongo inbox:
+/// - a parked message whose effect had in fact committed is replayed: the inbox suppresses it,
+///   no second effect;
+/// - a parked message replayed while its cause persists fails retryably and goes back to
+///   parking, not to a retry bucket: it is not retried without an operator;
+/// - replayed again once fixed, it commits its one effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parking_replay_is_judged_by_the_inbox_and_never_retried_without_an_operator() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("parking-replay");
+    let node = MongoNode::from_env();
+    let scope = MongoScope::connect(
+        node.url(),
+        &MongoNode::database_name("parking"),
+        MongoConfig::new("cli-parking"),
+    )
+    .await
+    .expect("mongo scope");
+    let answer = Arc::new(Mutex::new(Answer::Succeed));
+    let calls = Arc::new(Mutex::new(BTreeMap::<String, u32>::new()));
+    let (rule, seen) = (Arc::clone(&answer), Arc::clone(&calls));
+    let router = Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| {
+        let answer = *rule.lock().unwrap();
+        *seen
+            .lock()
+            .unwrap()
+            .entry(meta.message_id().to_owned())
+            .or_default() += 1;
+        async move {
+            match answer {
+                Answer::Indeterminate => Err(QueueHandlerError::indeterminate(
+                    "payment gateway timed out; charge unknown",
+                )),
+                Answer::Retryable => Err(QueueHandlerError::retryable("gateway still down")),
+                Answer::Succeed => record_effect(&tx, &meta).await,
+            }
+        }
+    });
+    let cfg = config(&queue, QueueKind::Quorum).policy(fast_policy());
+    let running = common::start_with(broker.url(), cfg, router, |c| c.scope(scope.clone()));
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    let parking = format!("{queue}.parking");
+    let topology =
+        lily::rabbit::Topology::new(&queue, QueueKind::Quorum, &fast_policy().retry_delays);
+    let mut quiet: Vec<(&str, u64)> = vec![(&queue, 0)];
+    quiet.extend(topology.buckets().map(|(b, _)| (b, 0)));
+
+    // charged-1 commits its effect. Its copy then reaches parking as an ambiguous commit's
+    // would: same id, body and type.
+    client
+        .publish(&queue, b"{\"qty\":1}", props("charged-1", "order.placed"))
+        .await;
+    running
+        .wait_for("charged-1 acked", WAIT, |t| t.acked == 1)
+        .await;
+    let mut charged = FieldTable::default();
+    charged.insert("x-lily-failure-kind".into(), long("indeterminate"));
+    charged.insert("x-lily-reason".into(), long("requeue limit reached"));
+    client
+        .publish(
+            &parking,
+            b"{\"qty\":1}",
+            props("charged-1", "order.placed").with_headers(charged.clone()),
+        )
+        .await;
+    // unknown-1 is parked by the handler itself.
+    *answer.lock().unwrap() = Answer::Indeterminate;
+    client
+        .publish(&queue, b"{\"qty\":2}", props("unknown-1", "order.placed"))
+        .await;
+    let mut depths = quiet.clone();
+    depths.push((&parking, 2));
+    common::wait_depths("both parked", WAIT, &depths).await;
+
+    // The operator checked the gateway: replay. It is still down for unknown-1.
+    *answer.lock().unwrap() = Answer::Retryable;
+    let out = lily(&["parking", "replay", "-q", &queue, "--all"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    assert!(
+        stdout(&out).contains("replayed 2 messages"),
+        "{}",
+        stdout(&out)
+    );
+    running
+        .wait_for("charged-1 suppressed", WAIT, |t| {
+            t.duplicates_suppressed == 1
+        })
+        .await;
+    let mut back = quiet.clone();
+    back.push((&parking, 1));
+    common::wait_depths("unknown-1 back in parking", WAIT, &back).await;
+    // Longer than both retry delays: a bucket would have brought it back by now.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    common::wait_depths("still parked", WAIT, &back).await;
+    assert_eq!(
+        calls.lock().unwrap().get("unknown-1"),
+        Some(&2),
+        "no automatic retry"
+    );
+    let parked = client.drain(&parking).await;
+    let ids: Vec<_> = parked
+        .iter()
+        .map(|m| {
+            m.delivery
+                .properties
+                .message_id()
+                .clone()
+                .map(|s| s.to_string())
+        })
+        .collect();
+    assert_eq!(ids, [Some("unknown-1".to_owned())]);
+    let p = &parked[0].delivery.properties;
+    assert_eq!(
+        header_str(p, "x-lily-replayed-from").as_deref(),
+        Some("parking")
+    );
+    assert_eq!(
+        header_str(p, "x-lily-failure-kind").as_deref(),
+        Some("retryable")
+    );
+    // Drained to look at it: put it back as it was, and charged-1's copy once more.
+    client
+        .publish(&parking, &parked[0].delivery.data, p.clone())
+        .await;
+    client
+        .publish(
+            &parking,
+            b"{\"qty\":1}",
+            props("charged-1", "order.placed").with_headers(charged.clone()),
+        )
+        .await;
+
+    // Fixed: the next replay commits unknown-1 once, and charged-1 is suppressed again.
+    *answer.lock().unwrap() = Answer::Succeed;
+    let out = lily(&["parking", "replay", "-q", &queue, "--all"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let mut done = quiet.clone();
+    done.push((&parking, 0));
+    common::wait_depths("parking empty", WAIT, &done).await;
+    running
+        .wait_for("charged-1 suppressed twice", WAIT, |t| {
+            t.duplicates_suppressed == 2
+        })
+        .await;
+    running.stop().await;
+    assert_eq!(
+        effects(&scope, "charged-1").await,
+        1,
+        "charged-1: one effect"
+    );
+    assert_eq!(
+        effects(&scope, "unknown-1").await,
+        1,
+        "unknown-1: one effect"
+    );
+    assert_eq!(
+        calls.lock().unwrap().get("charged-1"),
+        Some(&1),
+        "suppressed, not run"
+    );
+}
