@@ -176,18 +176,18 @@ pub(crate) async fn show(
         props.delivery_mode().map(|m| m.to_string()),
     );
     field("priority", props.priority().map(|p| p.to_string()));
-    field(
-        "redelivered",
-        Some(message.delivery.redelivered.to_string()),
-    );
     field("body_bytes", Some(message.delivery.data.len().to_string()));
     let table = props.headers().as_ref().map(|t| t.inner().clone());
     let mut lily = Vec::new();
     let mut others = Vec::new();
     for (key, value) in table.iter().flatten() {
         let key = key.as_str();
-        if key.starts_with("x-lily-") || key == headers::SCHEMA_VERSION {
-            lily.push((clean(key), value_text(value)));
+        if key.starts_with("x-lily-")
+            || key.starts_with("x-first-death-")
+            || key == "x-death"
+            || key == headers::SCHEMA_VERSION
+        {
+            lily.push((clean(key), value_text(key, value)));
         } else {
             others.push(clean(key));
         }
@@ -219,7 +219,7 @@ pub(crate) async fn show(
         t.row(vec![(*k).to_owned(), v.clone()]);
     }
     t.render_body(&mut out, "  ");
-    out.push_str("\nLily headers\n");
+    out.push_str("\nLily's and the broker's headers\n");
     let mut t = Table::new(&["", ""], "ll");
     for (k, v) in &lily {
         t.row(vec![k.clone(), v.clone()]);
@@ -483,16 +483,36 @@ fn json_out(value: &serde_json::Value, code: u8) -> Outcome {
     Outcome::text(text, code)
 }
 
-/// A header value as text, bounded; tables and arrays by their size only.
-fn value_text(value: &AMQPValue) -> String {
+/// A header value as text, bounded; times also as RFC 3339, tables and arrays by their size.
+fn value_text(key: &str, value: &AMQPValue) -> String {
     if let Some(text) = as_text(value) {
-        return clean(text);
+        return if text.is_empty() {
+            "\"\"".into()
+        } else {
+            clean(text)
+        };
     }
     match value {
+        AMQPValue::LongLongInt(ms) if key.ends_with("-at") => {
+            let at = u64::try_from(*ms)
+                .ok()
+                .map(|ms| std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms));
+            match at {
+                Some(at) => format!("{ms} ({})", humantime::format_rfc3339_millis(at)),
+                None => ms.to_string(),
+            }
+        }
         AMQPValue::FieldTable(t) => format!("(table of {})", t.inner().len()),
         AMQPValue::FieldArray(a) => format!("(array of {})", a.as_slice().len()),
         AMQPValue::ByteArray(b) => format!("({} bytes)", b.as_slice().len()),
-        other => clean(&format!("{other:?}").replace(['(', ')'], " ")),
+        AMQPValue::Boolean(b) => b.to_string(),
+        other => match lily_mq_core::transport::as_u32(other) {
+            Some(n) => n.to_string(),
+            None => match other {
+                AMQPValue::LongLongInt(n) => n.to_string(),
+                _ => "(not shown)".into(),
+            },
+        },
     }
 }
 

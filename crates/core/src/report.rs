@@ -171,6 +171,15 @@ impl ShutdownReport {
             self.incidents.connections_lost,
             self.incidents.unparseable_frames,
         );
+        if t.dead_lettered > 0 || t.parked > 0 {
+            // Queue names are at most 255 bytes: the line always fits.
+            let _ = writeln!(
+                out,
+                "waiting for an operator: `lily dlq list -q {0}`, `lily parking list -q {0}` \
+                 (README: Operating the DLQ)",
+                self.queue
+            );
+        }
         let limit = TERMINATION_MESSAGE_MAX - 64;
         for (shown, d) in self.unresolved.iter().enumerate() {
             let mut line = String::new();
@@ -237,6 +246,17 @@ mod tests {
             Incidents::default(),
             t0 + Duration::from_secs(1),
         )
+    }
+
+    #[test]
+    fn the_summary_points_operators_to_the_lanes_only_when_something_waits_there() {
+        let mut report = report_with_unresolved(0);
+        assert!(!report.termination_summary().contains("lily dlq"));
+        report.totals.parked = 1;
+        let summary = report.termination_summary();
+        let line = summary.lines().nth(1).expect("a second line");
+        assert!(line.contains("`lily dlq list -q orders`"), "{summary}");
+        assert!(line.contains("`lily parking list -q orders`"), "{summary}");
     }
 
     #[test]
