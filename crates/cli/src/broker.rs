@@ -38,8 +38,10 @@ pub(crate) struct Pass {
     channel: Channel,
     /// The lane's queue.
     queue: String,
-    /// Messages the lane held when the pass began: the pass looks at no more, so messages that
-    /// arrive meanwhile wait for the next one.
+    /// Messages the lane held when the pass began: the pass looks at no more. A queue hands
+    /// out its messages in order and the pass puts none back before it ends, so these are the
+    /// messages that were there: a replayed message that fails again at once, back at the tail,
+    /// waits for the next pass.
     pub(crate) size: u32,
     /// Messages got so far.
     got: u32,
@@ -113,16 +115,15 @@ impl Pass {
     }
 
     /// Keeps a message in the lane: it is put back when the pass ends.
-    pub(crate) fn hold(&mut self, message: &BasicGetMessage) {
-        self.held = self.held.max(Some(message.delivery.delivery_tag));
+    pub(crate) fn hold(&mut self, tag: u64) {
+        self.held = self.held.max(Some(tag));
     }
 
     /// Removes a message from the lane.
-    pub(crate) async fn ack(&self, message: &BasicGetMessage) -> Result<(), Failure> {
+    pub(crate) async fn ack(&self, tag: u64) -> Result<(), Failure> {
         within(
             "ACK",
-            self.channel
-                .basic_ack(message.delivery.delivery_tag, BasicAckOptions::default()),
+            self.channel.basic_ack(tag, BasicAckOptions::default()),
         )
         .await
     }

@@ -67,7 +67,7 @@ pub(crate) async fn list(lane: Terminal, target: &Target) -> Result<Outcome, Fai
     let mut groups: BTreeMap<(String, String, String), Group> = BTreeMap::new();
     let mut total = 0u64;
     while let Some(message) = pass.next().await? {
-        pass.hold(&message);
+        pass.hold(message.delivery.delivery_tag);
         progress.inc(1);
         let seen = Seen::of(&message.delivery.properties);
         let key = (
@@ -140,7 +140,7 @@ pub(crate) async fn show(
     let mut found = None;
     let mut copies = 0u32;
     while let Some(message) = pass.next().await? {
-        pass.hold(&message);
+        pass.hold(message.delivery.delivery_tag);
         let props = &message.delivery.properties;
         if props.message_id().as_ref().map(|s| s.as_str()) == Some(id) {
             copies += 1;
@@ -280,7 +280,7 @@ pub(crate) async fn replay(
         progress.inc(1);
         let seen = Seen::of(&message.delivery.properties);
         if !selection.takes(&seen) {
-            pass.hold(&message);
+            pass.hold(message.delivery.delivery_tag);
             continue;
         }
         selected += 1;
@@ -294,13 +294,13 @@ pub(crate) async fn replay(
         let properties = match replay_properties(&message.delivery.properties, &replay) {
             Ok(properties) => properties,
             Err(refusal) => {
-                pass.hold(&message);
+                pass.hold(message.delivery.delivery_tag);
                 left.push((id, refusal.to_string()));
                 continue;
             }
         };
         if options.dry_run {
-            pass.hold(&message);
+            pass.hold(message.delivery.delivery_tag);
             replayed.push(id);
         } else {
             let published = pass
@@ -308,11 +308,11 @@ pub(crate) async fn replay(
                 .await;
             match published {
                 Ok(Published::Confirmed) => {
-                    pass.ack(&message).await?;
+                    pass.ack(message.delivery.delivery_tag).await?;
                     replayed.push(id);
                 }
                 other => {
-                    pass.hold(&message);
+                    pass.hold(message.delivery.delivery_tag);
                     let why = match other {
                         Ok(Published::Returned) => format!(
                             "the replay exchange did not route it to {:?} (binding missing?)",
@@ -394,15 +394,17 @@ pub(crate) async fn purge(
 ) -> Result<Outcome, Failure> {
     let (_, queue) = names(lane, target);
     let mut pass = Pass::open(target, &queue).await?;
+    // Delivery tags only: a large selection holds no bodies.
     let mut taken = Vec::new();
     let count = if selection.is_all() {
         u64::from(pass.size)
     } else {
         while let Some(message) = pass.next().await? {
+            let tag = message.delivery.delivery_tag;
             if selection.takes(&Seen::of(&message.delivery.properties)) {
-                taken.push(message);
+                taken.push(tag);
             } else {
-                pass.hold(&message);
+                pass.hold(tag);
             }
         }
         taken.len() as u64
@@ -415,8 +417,8 @@ pub(crate) async fn purge(
         && !yes
         && let Err(failure) = confirm(&question)
     {
-        for message in &taken {
-            pass.hold(message);
+        for tag in &taken {
+            pass.hold(*tag);
         }
         pass.close().await?;
         return Err(failure);
@@ -424,8 +426,8 @@ pub(crate) async fn purge(
     let purged = if selection.is_all() {
         u64::from(pass.purge().await?)
     } else {
-        for message in &taken {
-            pass.ack(message).await?;
+        for tag in &taken {
+            pass.ack(*tag).await?;
         }
         count
     };

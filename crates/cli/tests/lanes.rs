@@ -103,9 +103,10 @@ fn shop(broken: &Arc<AtomicBool>, calls: &Calls) -> Router {
     })
 }
 
-/// The DLQ grouped by reason, kind and type; a replay by reason sends back exactly those
-/// messages, once each, with their identity, the attempt reset, `CC` and `expiration` restored
-/// and the replay recorded; the other group stays. Classic and quorum queues.
+/// The DLQ grouped by reason, kind and type. A replay while the cause persists replays each
+/// message once, though each is back in the DLQ before the pass ends. Once fixed, a replay by
+/// reason sends back exactly that group, once each, with its identity, the attempt reset, `CC`
+/// restored and the replay recorded; the other group stays. Classic and quorum queues.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_by_reason_sends_back_that_group_once_each_with_its_identity_restored() {
     for kind in kinds() {
@@ -175,6 +176,28 @@ async fn a_replay_by_reason_sends_back_that_group_once_each_with_its_identity_re
         // Listing put everything back.
         assert_eq!(client.depth(&dlq).await, 47);
 
+        // Replayed while the cause persists, every message fails again at once and is back in
+        // the DLQ while the pass goes on: each is still replayed exactly once (the pass takes
+        // only as many messages as the DLQ held, from its head).
+        let out = lily(&["dlq", "replay", "-q", &queue, "--all"]);
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        assert!(
+            stdout(&out).contains("replayed 47 messages"),
+            "{}",
+            stdout(&out)
+        );
+        common::wait_settled("every order dead-lettered again", &queue, 47).await;
+        let twice = calls.lock().unwrap().clone();
+        for id in &placed {
+            assert_eq!(
+                twice[id].len(),
+                2,
+                "{kind:?}: {id} replayed once: {:?}",
+                twice[id]
+            );
+        }
+        assert_eq!(client.depth(&dlq).await, 47);
+
         // A queue named as the CC key: a replay through the default exchange would route a
         // copy to it.
         let audit = format!("audit-of-{queue}");
@@ -216,7 +239,7 @@ async fn a_replay_by_reason_sends_back_that_group_once_each_with_its_identity_re
                     attempt: 1,
                     cc: Some(format!("audit-of-{queue}")),
                     replayed_from: Some("dead-letter".into()),
-                    replays: Some(1),
+                    replays: Some(2),
                 },
                 "{id}"
             );
