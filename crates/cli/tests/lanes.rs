@@ -31,6 +31,19 @@ fn lily(args: &[&str]) -> Output {
         .expect("run lily")
 }
 
+/// Runs `lily` with `args` and checks its exit status, showing its output when it differs.
+fn exits(code: i32, args: &[&str]) -> Output {
+    let out = lily(args);
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "lily {args:?}:\n{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    out
+}
+
 fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
@@ -145,8 +158,7 @@ async fn a_replay_by_reason_sends_back_that_group_once_each_with_its_identity_re
         }
         common::wait_settled("every order dead-lettered", &queue, 47).await;
 
-        let out = lily(&["dlq", "list", "-q", &queue, "--json"]);
-        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        let out = exits(0, &["dlq", "list", "-q", &queue, "--json"]);
         let listed = json(&out);
         assert_eq!(listed["messages"], 47, "{listed}");
         let groups = listed["groups"].as_array().expect("groups");
@@ -179,8 +191,7 @@ async fn a_replay_by_reason_sends_back_that_group_once_each_with_its_identity_re
         // Replayed while the cause persists, every message fails again at once and is back in
         // the DLQ while the pass goes on: each is still replayed exactly once (the pass takes
         // only as many messages as the DLQ held, from its head).
-        let out = lily(&["dlq", "replay", "-q", &queue, "--all"]);
-        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        let out = exits(0, &["dlq", "replay", "-q", &queue, "--all"]);
         assert!(
             stdout(&out).contains("replayed 47 messages"),
             "{}",
@@ -209,13 +220,9 @@ async fn a_replay_by_reason_sends_back_that_group_once_each_with_its_identity_re
             .iter()
             .map(|(id, c)| (id.clone(), c.len()))
             .collect();
-        let out = lily(&["dlq", "replay", "-q", &queue, "--reason", "stock rule"]);
-        assert_eq!(
-            out.status.code(),
-            Some(0),
-            "{}{}",
-            stdout(&out),
-            stderr(&out)
+        let out = exits(
+            0,
+            &["dlq", "replay", "-q", &queue, "--reason", "stock rule"],
         );
         assert!(
             stdout(&out).contains(&format!("replayed 40 messages from {dlq} to {queue}")),
@@ -339,8 +346,7 @@ async fn a_replay_killed_midway_loses_nothing_and_doubles_at_most_one_message() 
 
         // Put the DLQ's share back and finish: everything ends in the work queue, once.
         seed_lane(&client, &dlq, in_dlq.keys().cloned()).await;
-        let out = lily(&["dlq", "replay", "-q", &queue, "--all", "--json"]);
-        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        let out = exits(0, &["dlq", "replay", "-q", &queue, "--all", "--json"]);
         assert_eq!(
             json(&out)["replayed"].as_array().map(Vec::len),
             Some(in_dlq.len())
@@ -379,9 +385,7 @@ async fn show_dry_run_batch_user_id_and_purge_each_do_what_they_say() {
         )
         .await;
 
-    let out = lily(&["dlq", "show", "-q", &queue, "foreign"]);
-    let text = stdout(&out);
-    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let text = stdout(&exits(0, &["dlq", "show", "-q", &queue, "foreign"]));
     for expected in [
         "message_id",
         "foreign",
@@ -397,18 +401,16 @@ async fn show_dry_run_batch_user_id_and_purge_each_do_what_they_say() {
         !text.contains("MARKER-IN-BODY") && !text.contains("MARKER-IN-HEADER"),
         "{text}"
     );
-    let out = lily(&["dlq", "show", "-q", &queue, "foreign", "--body"]);
+    let out = exits(0, &["dlq", "show", "-q", &queue, "foreign", "--body"]);
     assert!(stdout(&out).contains("MARKER-IN-BODY"), "{}", stdout(&out));
-    let out = lily(&["dlq", "show", "-q", &queue, "nobody"]);
-    assert_eq!(out.status.code(), Some(1));
+    let out = exits(1, &["dlq", "show", "-q", &queue, "nobody"]);
     assert!(
         stderr(&out).contains("no message with id"),
         "{}",
         stderr(&out)
     );
 
-    let out = lily(&["dlq", "replay", "-q", &queue, "--all", "--dry-run"]);
-    assert_eq!(out.status.code(), Some(4), "{}", stdout(&out));
+    let out = exits(4, &["dlq", "replay", "-q", &queue, "--all", "--dry-run"]);
     assert!(
         stdout(&out).contains("would replay 5 messages"),
         "{}",
@@ -424,28 +426,28 @@ async fn show_dry_run_batch_user_id_and_purge_each_do_what_they_say() {
         (6, 0)
     );
 
-    let out = lily(&["dlq", "replay", "-q", &queue, "--all", "--batch", "2"]);
-    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+    let out = exits(0, &["dlq", "replay", "-q", &queue, "--all", "--batch", "2"]);
     assert_eq!(
         (client.depth(&dlq).await, client.depth(&queue).await),
         (4, 2)
     );
-    let out = lily(&["dlq", "replay", "-q", &queue, "--all"]);
-    assert_eq!(out.status.code(), Some(4), "{}", stdout(&out));
+    let out = exits(4, &["dlq", "replay", "-q", &queue, "--all"]);
     assert_eq!(
         (client.depth(&dlq).await, client.depth(&queue).await),
         (1, 5)
     );
-    let out = lily(&[
-        "dlq",
-        "replay",
-        "-q",
-        &queue,
-        "--id",
-        "foreign",
-        "--keep-user-id-aside",
-    ]);
-    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+    let out = exits(
+        0,
+        &[
+            "dlq",
+            "replay",
+            "-q",
+            &queue,
+            "--id",
+            "foreign",
+            "--keep-user-id-aside",
+        ],
+    );
     let replayed = client.drain(&queue).await;
     let foreign = replayed
         .iter()
@@ -469,18 +471,19 @@ async fn show_dry_run_batch_user_id_and_purge_each_do_what_they_say() {
     );
 
     seed_lane(&client, &dlq, (0..4).map(|i| format!("purge-{i}"))).await;
-    let out = lily(&["dlq", "purge", "-q", &queue, "--all"]);
-    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let out = exits(2, &["dlq", "purge", "-q", &queue, "--all"]);
     assert!(stderr(&out).contains("pass --yes"), "{}", stderr(&out));
     assert_eq!(
         client.depth(&dlq).await,
         4,
         "nothing purged without confirmation"
     );
-    let out = lily(&[
-        "dlq", "purge", "-q", &queue, "--id", "purge-1", "--yes", "--json",
-    ]);
-    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let out = exits(
+        0,
+        &[
+            "dlq", "purge", "-q", &queue, "--id", "purge-1", "--yes", "--json",
+        ],
+    );
     assert_eq!(json(&out)["purged"], 1);
     let out = lily(&["dlq", "purge", "-q", &queue, "--all", "--yes"]);
     assert!(
@@ -489,8 +492,7 @@ async fn show_dry_run_batch_user_id_and_purge_each_do_what_they_say() {
         stdout(&out)
     );
     assert_eq!(client.depth(&dlq).await, 0);
-    let out = lily(&["parking", "list", "-q", "no-such-queue-anywhere"]);
-    assert_eq!(out.status.code(), Some(1));
+    let out = exits(1, &["parking", "list", "-q", "no-such-queue-anywhere"]);
     assert!(
         stderr(&out).contains("no-such-queue-anywhere.parking"),
         "{}",
@@ -607,14 +609,7 @@ async fn a_parking_replay_is_judged_by_the_inbox_and_never_retried_without_an_op
 
     // The operator checked the gateway: replay. It is still down for unknown-1.
     *answer.lock().unwrap() = Answer::Retryable;
-    let out = lily(&["parking", "replay", "-q", &queue, "--all"]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}{}",
-        stdout(&out),
-        stderr(&out)
-    );
+    let out = exits(0, &["parking", "replay", "-q", &queue, "--all"]);
     assert!(
         stdout(&out).contains("replayed 2 messages"),
         "{}",
@@ -671,8 +666,7 @@ async fn a_parking_replay_is_judged_by_the_inbox_and_never_retried_without_an_op
 
     // Fixed: the next replay commits unknown-1 once, and charged-1 is suppressed again.
     *answer.lock().unwrap() = Answer::Succeed;
-    let out = lily(&["parking", "replay", "-q", &queue, "--all"]);
-    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let out = exits(0, &["parking", "replay", "-q", &queue, "--all"]);
     let mut done = quiet.clone();
     done.push((&parking, 0));
     common::wait_depths("parking empty", WAIT, &done).await;
