@@ -426,17 +426,17 @@ async fn show_dry_run_batch_user_id_and_purge_each_do_what_they_say() {
         (6, 0)
     );
 
-    let out = exits(0, &["dlq", "replay", "-q", &queue, "--all", "--batch", "2"]);
+    exits(0, &["dlq", "replay", "-q", &queue, "--all", "--batch", "2"]);
     assert_eq!(
         (client.depth(&dlq).await, client.depth(&queue).await),
         (4, 2)
     );
-    let out = exits(4, &["dlq", "replay", "-q", &queue, "--all"]);
+    exits(4, &["dlq", "replay", "-q", &queue, "--all"]);
     assert_eq!(
         (client.depth(&dlq).await, client.depth(&queue).await),
         (1, 5)
     );
-    let out = exits(
+    exits(
         0,
         &[
             "dlq",
@@ -666,7 +666,7 @@ async fn a_parking_replay_is_judged_by_the_inbox_and_never_retried_without_an_op
 
     // Fixed: the next replay commits unknown-1 once, and charged-1 is suppressed again.
     *answer.lock().unwrap() = Answer::Succeed;
-    let out = exits(0, &["parking", "replay", "-q", &queue, "--all"]);
+    exits(0, &["parking", "replay", "-q", &queue, "--all"]);
     let mut done = quiet.clone();
     done.push((&parking, 0));
     common::wait_depths("parking empty", WAIT, &done).await;
