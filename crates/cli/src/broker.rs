@@ -58,7 +58,7 @@ impl Pass {
             })?),
             None => None,
         };
-        let (connection, _node) = lily_mq_rabbit::connect(&target.url, ca, &target.queue, "cli")
+        let connection = lily_mq_rabbit::connect(&target.url, ca, &target.queue, "cli")
             .await
             .map_err(|e| Failure::broker(describe(&e)))?;
         let channel = within("open a channel", connection.create_channel()).await?;

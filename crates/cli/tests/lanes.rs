@@ -692,3 +692,75 @@ async fn a_parking_replay_is_judged_by_the_inbox_and_never_retried_without_an_op
         "suppressed, not run"
     );
 }
+
+/// The README's `set_permissions` line is enough for every command, and a missing permission
+/// stops the command naming the resource, with nothing lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_permissions_suffice_and_a_missing_one_is_named() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("dlq-perms");
+    let client = Client::connect(broker.url()).await;
+    topology(&client, &queue, QueueKind::Classic).await;
+    let dlq = format!("{queue}.dlq");
+    seed_lane(&client, &dlq, (0..3).map(|i| format!("order-{i}"))).await;
+    let user = Broker::unique("ops");
+    broker.ctl(&["add_user", &user, "ops-password"]);
+    let escaped = queue.replace('-', "\\-");
+    let grant = |configure: &str| {
+        broker.ctl(&[
+            "set_permissions",
+            &user,
+            configure,
+            &format!("^{escaped}(\\.replay)?$"),
+            &format!("^{escaped}\\.(dlq|parking|replay)$"),
+        ]);
+    };
+    let url = broker
+        .url()
+        .replacen("guest:guest", &format!("{user}:ops-password"), 1);
+    let run = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--url", &url]);
+        Command::new(env!("CARGO_BIN_EXE_lily"))
+            .args(&all)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run lily")
+    };
+
+    // Without `configure` on the replay exchange: refused, named, nothing moved.
+    grant("^$");
+    let out = run(&["dlq", "replay", "-q", &queue, "--all"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!("exchange '{queue}.replay'")),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!stderr(&out).contains("ops-password"));
+    assert_eq!(client.depth(&dlq).await, 3);
+
+    grant(&format!("^{escaped}\\.replay$"));
+    for args in [
+        &["dlq", "list", "-q", &queue][..],
+        &["parking", "list", "-q", &queue],
+        &["dlq", "show", "-q", &queue, "order-0"],
+        &["dlq", "replay", "-q", &queue, "--id", "order-0"],
+        &["dlq", "purge", "-q", &queue, "--id", "order-1", "--yes"],
+    ] {
+        let out = run(args);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {}", stderr(&out));
+    }
+    assert_eq!(
+        client.drain_ids(&queue).await.keys().collect::<Vec<_>>(),
+        ["order-0"]
+    );
+    assert_eq!(
+        client.drain_ids(&dlq).await.keys().collect::<Vec<_>>(),
+        ["order-2"]
+    );
+    broker.ctl(&["delete_user", &user]);
+    for queue in [queue.clone(), dlq, format!("{queue}.parking")] {
+        client.delete(&queue).await;
+    }
+}

@@ -293,8 +293,7 @@ impl Dialer {
 
 /// Opens one connection to `url` the way a consumer opens its own (TLS trusting `tls_ca_pem`
 /// besides the system roots, within 5 s), named `lily:<queue>:<role>` in the broker's tools.
-/// For tools such as `lily dlq`. Returns the connection and its node as
-/// `scheme://host:port/vhost`, which never shows the credentials.
+/// For tools such as `lily dlq`.
 ///
 /// # Errors
 /// [`Error::Config`](crate::Error::Config) when the URL does not parse,
@@ -305,7 +304,7 @@ pub async fn connect(
     tls_ca_pem: Option<String>,
     queue: &str,
     role: &'static str,
-) -> Result<(Connection, String), crate::Error> {
+) -> Result<Connection, crate::Error> {
     let endpoint =
         Endpoint::new(url, &[], tls_ca_pem, queue, Duration::from_secs(5)).map_err(|_| {
             crate::Error::Config("the broker URL does not parse as amqp:// or amqps://")
@@ -313,7 +312,7 @@ pub async fn connect(
     let node = endpoint.display();
     let dialer = Dialer::new(endpoint, role);
     match dialer.connect().await {
-        Ok(connection) => Ok((connection, node)),
+        Ok(connection) => Ok(connection),
         Err(source) if refused(&source) => Err(crate::Error::Refused {
             queue: queue.to_owned(),
             source,

@@ -138,8 +138,8 @@ impl Topology {
     }
 
     /// Declares the replay exchange and its binding (idempotent). Lily itself never publishes
-    /// to it; `lily dlq replay` calls this before it replays. Needs the `configure` permission
-    /// on the exchange and `write` on it plus `read` on the work queue for the binding.
+    /// to it; `lily dlq replay` calls this before it replays. Needs `configure` on the exchange,
+    /// and for the binding `read` on the exchange and `write` on the work queue.
     ///
     /// # Errors
     /// The broker refused the declaration or the binding.
