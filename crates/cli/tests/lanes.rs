@@ -426,7 +426,9 @@ async fn show_dry_run_batch_user_id_and_purge_each_do_what_they_say() {
         (6, 0)
     );
 
-    exits(0, &["dlq", "replay", "-q", &queue, "--all", "--batch", "2"]);
+    let out = exits(0, &["dlq", "replay", "-q", &queue, "--all", "--batch", "2"]);
+    // No progress bar when stderr is not a terminal.
+    assert_eq!(stderr(&out), "");
     assert_eq!(
         (client.depth(&dlq).await, client.depth(&queue).await),
         (4, 2)
