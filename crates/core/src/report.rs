@@ -136,6 +136,11 @@ impl ShutdownReport {
         if self.clean { 0 } else { EXIT_UNRESOLVED }
     }
 
+    /// The report's [`exit_code`](Self::exit_code) as an [`ExitCode`](std::process::ExitCode).
+    pub fn exit_status(&self) -> std::process::ExitCode {
+        std::process::ExitCode::from(if self.clean { 0 } else { EXIT_UNRESOLVED as u8 })
+    }
+
     /// A short summary for the Kubernetes termination message, at most
     /// [`TERMINATION_MESSAGE_MAX`] bytes however many deliveries are unresolved.
     pub fn termination_summary(&self) -> String {
@@ -213,6 +218,14 @@ fn truncate(text: &mut String, max: usize) {
     }
 }
 
+/// `main` can return the report: exit status 0 when settlement is clean, [`EXIT_UNRESOLVED`]
+/// otherwise.
+impl std::process::Termination for ShutdownReport {
+    fn report(self) -> std::process::ExitCode {
+        self.exit_status()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -246,6 +259,16 @@ mod tests {
             Incidents::default(),
             t0 + Duration::from_secs(1),
         )
+    }
+
+    #[test]
+    fn main_can_return_the_report_exit_status_3_when_unresolved() {
+        use std::process::{ExitCode, Termination};
+        let clean = report_with_unresolved(0);
+        assert_eq!(clean.report(), ExitCode::SUCCESS);
+        let unresolved = report_with_unresolved(2);
+        assert_eq!(unresolved.exit_status(), ExitCode::from(3));
+        assert_eq!(unresolved.report(), ExitCode::from(3));
     }
 
     #[test]

@@ -19,15 +19,16 @@
 //!     Ok(())
 //! }
 //!
-//! # async fn run() -> Result<(), lily::rabbit::Error> {
-//! let router = Router::new().route("order.placed", place);
-//! let consumer = Consumer::new("amqp://127.0.0.1:5672/%2f", ConsumerConfig::new("orders"), router);
-//! let shutdown = Shutdown::default(); // 25 s budget: fits Kubernetes' 30 s grace period
-//! shutdown.listen_for_signals().expect("signal handlers"); // SIGTERM drains, a second forces
-//! let report = consumer.run(shutdown).await?;
-//! emit(&report, &ReportSinks::default()).expect("report written");
-//! std::process::exit(report.exit_code()); // 0 clean, 3 unresolved
-//! # Ok(()) }
+//! #[tokio::main]
+//! async fn main() -> Result<ShutdownReport, lily::rabbit::Error> {
+//!     let router = Router::new().route("order.placed", place);
+//!     let config = ConsumerConfig::new("orders");
+//!     // SIGTERM drains within 25 s, a second forces; the report is logged, printed and
+//!     // written to /dev/termination-log. Exit status 0: clean; 3: something unresolved.
+//!     Consumer::new("amqp://127.0.0.1:5672/%2f", config, router)
+//!         .run_until_signal(ReportSinks::default())
+//!         .await
+//! }
 //! ```
 
 pub use lily_mq_core as core;

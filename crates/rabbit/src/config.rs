@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use lily_mq_core::{Limits, Policy};
+use lily_mq_core::{Limits, Policy, ShutdownBudget};
 
 use crate::topology::{LeaderLocator, QueueKind, TopologyMode};
 
@@ -63,6 +63,11 @@ pub struct ConsumerConfig {
     /// keep it as they were and set the `queue-leader-locator` policy key, which places queues
     /// declared after it.
     pub leader_locator: Option<LeaderLocator>,
+    /// The budget [`Consumer::run_until_signal`](crate::Consumer::run_until_signal) shuts down
+    /// within (25 s by default, under Kubernetes' 30 s grace period). [`Consumer::run`]
+    /// (crate::Consumer::run) takes its budget from the [`Shutdown`](crate::Shutdown) it is
+    /// given.
+    pub shutdown_budget: ShutdownBudget,
 }
 
 impl ConsumerConfig {
@@ -85,7 +90,15 @@ impl ConsumerConfig {
             tls_ca_pem: None,
             delivery_limit: Some(20),
             leader_locator: None,
+            shutdown_budget: ShutdownBudget::default(),
         }
+    }
+
+    /// Sets [`ConsumerConfig::shutdown_budget`].
+    #[must_use]
+    pub fn shutdown_budget(mut self, budget: ShutdownBudget) -> Self {
+        self.shutdown_budget = budget;
+        self
     }
 
     /// Sets [`ConsumerConfig::addresses`]: more nodes of the cluster, `host` or `host:port`.

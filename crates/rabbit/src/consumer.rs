@@ -19,6 +19,7 @@ use crate::connect::{Dialer, Endpoint, EndpointError, jittered};
 use crate::crew::Crew;
 use crate::error::Error;
 use crate::publisher::Publisher;
+use crate::report::ReportSinks;
 use crate::service::{Books, Metrics, Shared, Signals};
 use crate::session::{Session, SessionEnd, SessionError, consume};
 use crate::shutdown::Shutdown;
@@ -139,6 +140,47 @@ impl Consumer {
             ready: Arc::clone(&self.ready),
             publisher: Arc::clone(&self.publisher),
         }
+    }
+
+    /// Runs until SIGTERM or SIGINT, then shuts down within
+    /// [`ConsumerConfig::shutdown_budget`] (a second signal forces it), writes the report to
+    /// `sinks` ([`emit`](crate::emit)) and returns it. `ShutdownReport` is a
+    /// [`Termination`](std::process::Termination), so `main` can return it: exit status 0 when
+    /// settlement is clean, 3 when anything is unresolved.
+    ///
+    /// ```no_run
+    /// use lily_mq_core::{Meta, QueueHandlerError, Router, ShutdownReport};
+    /// use lily_mq_rabbit::{Consumer, ConsumerConfig, ReportSinks};
+    ///
+    /// async fn place(meta: Meta) -> Result<(), QueueHandlerError> {
+    ///     let _ = meta.message_id();
+    ///     Ok(())
+    /// }
+    ///
+    /// #[tokio::main]
+    /// async fn main() -> Result<ShutdownReport, lily_mq_rabbit::Error> {
+    ///     let router = Router::new().route("order.placed", place);
+    ///     Consumer::new("amqp://127.0.0.1:5672/%2f", ConsumerConfig::new("orders"), router)
+    ///         .run_until_signal(ReportSinks::default())
+    ///         .await
+    /// }
+    /// ```
+    ///
+    /// A report that cannot be written is logged as an error; the report is still returned.
+    ///
+    /// # Errors
+    /// As [`Consumer::run`], and [`Error::Signals`] when the signal handlers cannot be
+    /// installed.
+    pub async fn run_until_signal(self, sinks: ReportSinks) -> Result<ShutdownReport, Error> {
+        let shutdown = Shutdown::new(self.config.shutdown_budget);
+        let signals = shutdown.listen_for_signals().map_err(Error::Signals)?;
+        let report = self.run(shutdown).await;
+        signals.abort();
+        let report = report?;
+        if let Err(err) = crate::report::emit(&report, &sinks) {
+            error!(error = %err, "the shutdown report could not be written");
+        }
+        Ok(report)
     }
 
     /// Consumes until `shutdown` is triggered, reconnecting with backoff when the connection is

@@ -20,6 +20,10 @@ pub enum Error {
         #[source]
         source: lapin::Error,
     },
+    /// The signal handlers could not be installed
+    /// ([`Consumer::run_until_signal`](crate::Consumer::run_until_signal)).
+    #[error("cannot listen for SIGTERM and SIGINT")]
+    Signals(#[source] std::io::Error),
     /// No node took the connection (see [`connect`](crate::connect)).
     #[error("cannot connect to {node}")]
     Connect {

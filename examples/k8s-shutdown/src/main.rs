@@ -23,7 +23,7 @@
 //! | `WORK_AFTER_CANCEL_MS` | when cancelled, finish after this long; unset: stop at once |
 //! | `WORK_IGNORES_CANCEL` | `1`: ignore cancellation entirely (a badly behaved handler) |
 
-use std::process::ExitCode;
+use std::process::{ExitCode, Termination};
 use std::time::Duration;
 
 use lily::prelude::*;
@@ -81,7 +81,7 @@ async fn main() -> ExitCode {
         .with_ansi(false)
         .init();
     match run().await {
-        Ok(code) => code,
+        Ok(report) => report.report(),
         Err(err) => {
             eprintln!("k8s-shutdown: {err}");
             ExitCode::from(1)
@@ -89,7 +89,7 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
+async fn run() -> Result<ShutdownReport, Box<dyn std::error::Error>> {
     let url = std::env::var("LILY_AMQP_URL").map_err(|_| "LILY_AMQP_URL is not set")?;
     let queue = std::env::var("LILY_QUEUE").unwrap_or_else(|_| "work".into());
     let prefetch: u16 = std::env::var("LILY_PREFETCH")
@@ -119,7 +119,8 @@ async fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
         .addresses(addresses.split(',').filter(|a| !a.trim().is_empty()))
         .prefetch(prefetch)
         .concurrency(usize::from(prefetch))
-        .handler_timeout(Duration::from_secs(300));
+        .handler_timeout(Duration::from_secs(300))
+        .shutdown_budget(ShutdownBudget::new(budget));
     let consumer = Consumer::new(url, config, router);
 
     if let Ok(addr) = std::env::var("LILY_HEALTH_ADDR") {
@@ -130,10 +131,6 @@ async fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
         eprintln!("k8s-shutdown: health on http://{bound}/livez and /readyz");
     }
 
-    let shutdown = Shutdown::new(ShutdownBudget::new(budget));
-    shutdown.listen_for_signals()?;
-    let report = consumer.run(shutdown).await?;
-
     let mut sinks = ReportSinks::default();
     if let Ok(path) = std::env::var("LILY_REPORT_FILE") {
         sinks = sinks.json_file(path);
@@ -141,8 +138,5 @@ async fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
     if let Ok(path) = std::env::var("LILY_TERMINATION_LOG") {
         sinks = sinks.termination_log(path);
     }
-    emit(&report, &sinks)?;
-    Ok(ExitCode::from(
-        u8::try_from(report.exit_code()).unwrap_or(1),
-    ))
+    Ok(consumer.run_until_signal(sinks).await?)
 }

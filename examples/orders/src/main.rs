@@ -145,15 +145,10 @@ fn usage() -> &'static str {
 // serve
 
 async fn serve(url: &str, queue: &str) -> Result<ExitCode, BoxError> {
-    let shutdown = Shutdown::default();
-    shutdown.listen_for_signals()?;
     eprintln!("orders: consuming {queue}; SIGTERM or Ctrl-C drains, a second one forces");
     let consumer = Consumer::new(url, config(queue), router());
-    let report = consumer.run(shutdown).await?;
-    emit(&report, &ReportSinks::default())?;
-    Ok(ExitCode::from(
-        u8::try_from(report.exit_code()).unwrap_or(1),
-    ))
+    let report = consumer.run_until_signal(ReportSinks::default()).await?;
+    Ok(report.exit_status())
 }
 
 fn print_unresolved(report: &ShutdownReport) {
