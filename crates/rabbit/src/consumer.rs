@@ -40,14 +40,13 @@ use crate::topology::{QueueKind, Topology};
 ///     Ok(())
 /// }
 ///
-/// # async fn run() -> Result<(), lily_mq_rabbit::Error> {
+/// # async fn run() -> Result<lily_mq_core::ShutdownReport, lily_mq_rabbit::Error> {
 /// let router = Router::new().route("order.placed", place);
 /// let consumer = Consumer::new("amqp://127.0.0.1:5672/%2f", ConsumerConfig::new("orders"), router);
+/// // Trigger it from anywhere: shutdown.trigger(Trigger::Api). Or use `run_until_signal`.
 /// let shutdown = Shutdown::default();
-/// shutdown.listen_for_signals().expect("signal handlers");
-/// let report = consumer.run(shutdown).await?;
-/// std::process::exit(report.exit_code());
-/// # Ok(()) }
+/// consumer.run(shutdown).await
+/// # }
 /// ```
 pub struct Consumer {
     /// `amqp://` or `amqps://`; it may hold credentials, so it is never logged.

@@ -394,9 +394,7 @@ async fn serve(settings: &Settings, fault: Option<Fault>) -> Result<ExitCode, Bo
     .scope(scope);
     let report = consumer.run(shutdown).await?;
     emit(&report, &ReportSinks::default())?;
-    Ok(ExitCode::from(
-        u8::try_from(report.exit_code()).unwrap_or(1),
-    ))
+    Ok(report.exit_status())
 }
 
 // ---------------------------------------------------------------------------------------------
