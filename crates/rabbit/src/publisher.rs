@@ -143,7 +143,10 @@ struct Link {
     last_confirm: Mutex<Option<Instant>>,
     /// Whether the broker blocks the current connection, as its last notice said.
     blocked: Arc<AtomicBool>,
-    blocked_gauge: metrics::Gauge,
+    /// Registered on first use, so a recorder installed after [`Publisher::new`] (by
+    /// `health::serve`, say) still gets it.
+    blocked_gauge: std::sync::OnceLock<metrics::Gauge>,
+    queue: String,
 }
 
 impl Publisher {
@@ -157,7 +160,8 @@ impl Publisher {
                 next_id: AtomicU64::new(0),
                 last_confirm: Mutex::new(None),
                 blocked: Arc::new(AtomicBool::new(false)),
-                blocked_gauge: metrics::gauge!("lily_handoff_blocked", "queue" => queue.to_owned()),
+                blocked_gauge: std::sync::OnceLock::new(),
+                queue: queue.to_owned(),
             }),
             requests,
             pending: Mutex::new(Some(pending)),
@@ -434,11 +438,14 @@ impl Link {
         let connection = Arc::new(dialer.connect().await?);
         *lock(&self.last_confirm) = None;
         self.blocked.store(false, Ordering::Release);
-        self.blocked_gauge.set(0.0);
+        let gauge = self
+            .blocked_gauge
+            .get_or_init(|| metrics::gauge!("lily_handoff_blocked", "queue" => self.queue.clone()));
+        gauge.set(0.0);
         tokio::spawn(watch_blocked(
             connection.events_listener(),
             Arc::clone(&self.blocked),
-            self.blocked_gauge.clone(),
+            gauge.clone(),
         ));
         *lock(&self.current) = Some(Arc::clone(&connection));
         Ok(connection)

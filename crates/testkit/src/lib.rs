@@ -359,25 +359,51 @@ impl Client {
     }
 }
 
-/// The whole response to `GET path` over HTTP/1.1 from `addr` (a health endpoint).
+/// An HTTP response, as a real client read it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HttpResponse {
+    /// The status code.
+    pub status: u16,
+    /// The `content-type` header, empty when absent.
+    pub content_type: String,
+    /// The body.
+    pub body: String,
+}
+
+/// `GET http://{addr}{path}` with a real HTTP client (`ureq`), within 10 s; any status is a
+/// response.
 ///
 /// # Panics
-/// When the connection, the request or the read fails.
-pub async fn http_get(addr: impl tokio::net::ToSocketAddrs, path: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr)
-        .await
-        .expect("connect to the HTTP endpoint");
-    stream
-        .write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
-        .await
-        .expect("request");
-    let mut response = String::new();
-    stream
-        .read_to_string(&mut response)
-        .await
-        .expect("response");
-    response
+/// When the request fails: the endpoint cannot be reached or does not speak HTTP.
+pub async fn http_get(addr: impl std::fmt::Display, path: &str) -> HttpResponse {
+    let url = format!("http://{addr}{path}");
+    tokio::task::spawn_blocking(move || {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(10)))
+            .build()
+            .into();
+        let mut response = agent
+            .get(&url)
+            .call()
+            .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+        let content_type = response
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        HttpResponse {
+            status: response.status().as_u16(),
+            content_type,
+            body: response
+                .body_mut()
+                .read_to_string()
+                .unwrap_or_else(|e| panic!("GET {url}: body: {e}")),
+        }
+    })
+    .await
+    .expect("the HTTP request task")
 }
 
 /// Polls `check` every 50 ms until it is true or `timeout` passes; returns the last value.
