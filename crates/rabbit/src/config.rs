@@ -64,9 +64,9 @@ pub struct ConsumerConfig {
     /// declared after it.
     pub leader_locator: Option<LeaderLocator>,
     /// The budget [`Consumer::run_until_signal`](crate::Consumer::run_until_signal) shuts down
-    /// within (25 s by default, under Kubernetes' 30 s grace period). [`Consumer::run`]
-    /// (crate::Consumer::run) takes its budget from the [`Shutdown`](crate::Shutdown) it is
-    /// given.
+    /// within (25 s by default, under Kubernetes' 30 s grace period).
+    /// [`Consumer::run`](crate::Consumer::run) takes its budget from the
+    /// [`Shutdown`](crate::Shutdown) it is given.
     pub shutdown_budget: ShutdownBudget,
 }
 
