@@ -21,15 +21,13 @@ pub fn fast_policy() -> Policy {
 }
 
 pub fn config(queue: &str, kind: QueueKind) -> ConsumerConfig {
-    let mut config = ConsumerConfig::new(queue)
+    ConsumerConfig::new(queue)
         .queue_kind(kind)
         .policy(fast_policy())
         .prefetch(20)
         .concurrency(20)
-        .handler_timeout(Duration::from_secs(5));
-    config.reconnect_min = Duration::from_millis(100);
-    config.reconnect_max = Duration::from_millis(500);
-    config
+        .handler_timeout(Duration::from_secs(5))
+        .reconnect(Duration::from_millis(100), Duration::from_millis(500))
 }
 
 pub fn props(message_id: &str, kind: &str) -> BasicProperties {

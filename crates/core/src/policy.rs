@@ -60,20 +60,23 @@ impl Default for Policy {
 #[non_exhaustive]
 pub enum PolicyError {
     /// `max_attempts` is zero.
-    #[error("max_attempts must be at least 1")]
+    #[error("policy.max_attempts must be at least 1")]
     NoAttempts,
     /// Attempts above one need at least one retry bucket.
-    #[error("retries need at least one retry delay")]
+    #[error("policy.retry_delays must not be empty when policy.max_attempts is above 1")]
     NoRetryDelays,
     /// Retry delays must be increasing, non-zero and fit a queue TTL.
-    #[error("retry delays must be increasing, above zero and at most 2^32-1 ms")]
+    #[error("policy.retry_delays must be increasing, above zero and at most 2^32-1 ms")]
     BadRetryDelays,
     /// The NACK reserve must leave time for the handoff.
-    #[error("nack_reserve must be shorter than settlement_budget")]
+    #[error("policy.nack_reserve must be shorter than policy.settlement_budget")]
     BadReserve,
     /// A delivery released at once would be redelivered at once: a requeue hot loop.
-    #[error("release_held_after must be at least 1 s")]
+    #[error("policy.release_held_after must be at least 1 s")]
     BadRelease,
+    /// A deferral without a wait would be a requeue hot loop.
+    #[error("policy.deferral_delays must not be empty, and each must be above zero")]
+    BadDeferralDelays,
 }
 
 impl Policy {
@@ -103,6 +106,13 @@ impl Policy {
     pub fn settlement_budget(mut self, budget: Duration, nack_reserve: Duration) -> Self {
         self.settlement_budget = budget;
         self.nack_reserve = nack_reserve;
+        self
+    }
+
+    /// Sets [`Policy::nack_reserve`] alone.
+    #[must_use]
+    pub fn nack_reserve(mut self, reserve: Duration) -> Self {
+        self.nack_reserve = reserve;
         self
     }
 
@@ -151,6 +161,9 @@ impl Policy {
         }
         if self.release_held_after < Duration::from_secs(1) {
             return Err(PolicyError::BadRelease);
+        }
+        if self.deferral_delays.is_empty() || self.deferral_delays.iter().any(Duration::is_zero) {
+            return Err(PolicyError::BadDeferralDelays);
         }
         Ok(())
     }
@@ -205,6 +218,23 @@ mod tests {
         assert_eq!(p.validate(), Err(PolicyError::BadReserve));
         let p = Policy::default().release_held_after(Duration::ZERO);
         assert_eq!(p.validate(), Err(PolicyError::BadRelease));
+        for delays in [vec![], vec![Duration::from_secs(1), Duration::ZERO]] {
+            let p = Policy::default().deferral_delays(delays);
+            assert_eq!(p.validate(), Err(PolicyError::BadDeferralDelays));
+        }
+        let p = Policy::default().nack_reserve(Duration::from_secs(30));
+        assert_eq!(p.validate(), Err(PolicyError::BadReserve));
+        // Every message names the field it is about.
+        for e in [
+            PolicyError::NoAttempts,
+            PolicyError::NoRetryDelays,
+            PolicyError::BadRetryDelays,
+            PolicyError::BadReserve,
+            PolicyError::BadRelease,
+            PolicyError::BadDeferralDelays,
+        ] {
+            assert!(e.to_string().starts_with("policy."), "{e}");
+        }
     }
 
     #[test]

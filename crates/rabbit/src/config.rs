@@ -153,7 +153,22 @@ impl ConsumerConfig {
     /// Sets how many deliveries are handled at once (capped at the prefetch).
     #[must_use]
     pub fn concurrency(mut self, concurrency: usize) -> Self {
-        self.concurrency = concurrency.max(1);
+        self.concurrency = concurrency;
+        self
+    }
+
+    /// Sets [`ConsumerConfig::reconnect_min`] and [`ConsumerConfig::reconnect_max`].
+    #[must_use]
+    pub fn reconnect(mut self, min: Duration, max: Duration) -> Self {
+        self.reconnect_min = min;
+        self.reconnect_max = max;
+        self
+    }
+
+    /// Sets [`ConsumerConfig::unresolved_cap`].
+    #[must_use]
+    pub fn unresolved_cap(mut self, cap: usize) -> Self {
+        self.unresolved_cap = cap;
         self
     }
 
@@ -183,5 +198,141 @@ impl ConsumerConfig {
     pub fn policy(mut self, policy: Policy) -> Self {
         self.policy = policy;
         self
+    }
+
+    /// Checks every setting, the policy's included. [`Consumer::run`](crate::Consumer::run)
+    /// calls it first, before anything is sent.
+    ///
+    /// # Errors
+    /// [`Error::Config`](crate::Error::Config) naming the first setting that cannot work, or
+    /// [`Error::Policy`](crate::Error::Policy).
+    pub fn validate(&self) -> Result<(), crate::Error> {
+        let rule = |ok: bool, field, problem| {
+            if ok {
+                Ok(())
+            } else {
+                Err(crate::Error::Config(ConfigError { field, problem }))
+            }
+        };
+        rule(
+            (1..=200).contains(&self.queue.len()),
+            "queue",
+            "must be 1..=200 bytes",
+        )?;
+        rule(self.prefetch >= 1, "prefetch", "must be at least 1")?;
+        rule(self.concurrency >= 1, "concurrency", "must be at least 1")?;
+        rule(
+            !self.handler_timeout.is_zero(),
+            "handler_timeout",
+            "must be above zero",
+        )?;
+        rule(
+            !self.connect_timeout.is_zero(),
+            "connect_timeout",
+            "must be above zero",
+        )?;
+        rule(
+            !self.reconnect_min.is_zero(),
+            "reconnect_min",
+            "must be above zero: reconnecting at once would spin",
+        )?;
+        rule(
+            self.reconnect_max >= self.reconnect_min,
+            "reconnect_max",
+            "must be at least reconnect_min",
+        )?;
+        if let (QueueKind::Quorum, Some(limit)) = (self.queue_kind, self.delivery_limit) {
+            rule(
+                limit > self.policy.max_requeues,
+                "delivery_limit",
+                "must exceed policy.max_requeues, so Lily's limit comes first",
+            )?;
+        }
+        self.policy.validate()?;
+        Ok(())
+    }
+}
+
+/// A setting that cannot work: its field and why.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field} {problem}")]
+pub struct ConfigError {
+    /// The field of [`ConsumerConfig`] (or `url`, `addresses`).
+    pub field: &'static str,
+    /// What is wrong with it.
+    pub problem: &'static str,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field_of(config: &ConsumerConfig) -> Option<&'static str> {
+        match config.validate() {
+            Ok(()) => None,
+            Err(crate::Error::Config(e)) => Some(e.field),
+            Err(crate::Error::Policy(_)) => Some("policy"),
+            Err(other) => panic!("{other}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn run_refuses_a_setting_that_cannot_work_before_it_dials() {
+        use crate::{Consumer, Error, Shutdown};
+        // Nothing listens on port 9: a consumer that dialled would retry, not return.
+        let run = |url: &str, config| {
+            Consumer::new(url, config, lily_mq_core::Router::new()).run(Shutdown::default())
+        };
+        let refused = |result: Result<_, Error>| match result {
+            Err(Error::Config(e)) => e.field,
+            other => panic!("{:?}", other.map(|_| ())),
+        };
+        let url = "amqp://127.0.0.1:9/%2f";
+        let config = ConsumerConfig::new("orders");
+        assert_eq!(
+            refused(run(url, config.clone().prefetch(0)).await),
+            "prefetch"
+        );
+        assert_eq!(refused(run("http://x", config.clone()).await), "url");
+        let addresses = config.addresses(["host:port:what"]);
+        assert_eq!(refused(run(url, addresses).await), "addresses");
+    }
+
+    #[test]
+    fn every_rule_names_its_field() {
+        let base = || ConsumerConfig::new("orders");
+        assert_eq!(field_of(&base()), None);
+        let cases: [(ConsumerConfig, &str); 9] = [
+            (ConsumerConfig::new(""), "queue"),
+            (ConsumerConfig::new("q".repeat(201)), "queue"),
+            (base().prefetch(0), "prefetch"),
+            (base().concurrency(0), "concurrency"),
+            (base().handler_timeout(Duration::ZERO), "handler_timeout"),
+            (base().connect_timeout(Duration::ZERO), "connect_timeout"),
+            (
+                base().reconnect(Duration::ZERO, Duration::from_secs(1)),
+                "reconnect_min",
+            ),
+            (
+                base().reconnect(Duration::from_secs(2), Duration::from_secs(1)),
+                "reconnect_max",
+            ),
+            (
+                base()
+                    .queue_kind(QueueKind::Quorum)
+                    .delivery_limit(Some(5))
+                    .policy(Policy::default().max_requeues(5)),
+                "delivery_limit",
+            ),
+        ];
+        for (config, field) in cases {
+            assert_eq!(field_of(&config), Some(field));
+            let shown = config.validate().expect_err(field).to_string();
+            assert!(shown.contains(field), "{shown}");
+        }
+        let policy = base().policy(Policy::default().max_attempts(0));
+        assert_eq!(field_of(&policy), Some("policy"));
+        let shown = policy.validate().expect_err("policy").to_string();
+        assert!(shown.contains("policy.max_attempts"), "{shown}");
     }
 }

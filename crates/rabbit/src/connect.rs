@@ -307,7 +307,10 @@ pub async fn connect(
 ) -> Result<Connection, crate::Error> {
     let endpoint =
         Endpoint::new(url, &[], tls_ca_pem, queue, Duration::from_secs(5)).map_err(|_| {
-            crate::Error::Config("the broker URL does not parse as amqp:// or amqps://")
+            crate::Error::Config(crate::config::ConfigError {
+                field: "url",
+                problem: "does not parse as amqp:// or amqps://",
+            })
         })?;
     let node = endpoint.display();
     let dialer = Dialer::new(endpoint, role);

@@ -14,7 +14,7 @@ use lily_mq_core::{
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
-use crate::config::ConsumerConfig;
+use crate::config::{ConfigError, ConsumerConfig};
 use crate::connect::{Dialer, Endpoint, EndpointError, jittered};
 use crate::crew::Crew;
 use crate::error::Error;
@@ -24,7 +24,7 @@ use crate::service::{Books, Metrics, Shared, Signals};
 use crate::session::{Session, SessionEnd, SessionError, consume};
 use crate::shutdown::Shutdown;
 use crate::sync::lock;
-use crate::topology::{QueueKind, Topology};
+use crate::topology::Topology;
 
 /// Consumes one work queue with a [`Router`] of handlers.
 ///
@@ -212,24 +212,7 @@ impl Consumer {
     /// Not cancel safe: trigger `shutdown` instead of dropping the future, or in-flight
     /// deliveries lose their settlement authority unreported.
     pub async fn run(self, shutdown: Shutdown) -> Result<ShutdownReport, Error> {
-        self.config.policy.validate()?;
-        if self.config.prefetch == 0 {
-            return Err(Error::Config("prefetch must be at least 1"));
-        }
-        if self.config.queue.is_empty() || self.config.queue.len() > 200 {
-            return Err(Error::Config("queue name must be 1..=200 bytes"));
-        }
-        if let (QueueKind::Quorum, Some(limit)) =
-            (self.config.queue_kind, self.config.delivery_limit)
-            && limit <= self.config.policy.max_requeues
-        {
-            return Err(Error::Config(
-                "delivery_limit must exceed policy.max_requeues, so Lily's limit comes first",
-            ));
-        }
-        if self.config.connect_timeout.is_zero() {
-            return Err(Error::Config("connect_timeout must be above zero"));
-        }
+        self.config.validate()?;
         let endpoint = Endpoint::new(
             &self.url,
             &self.config.addresses,
@@ -239,8 +222,14 @@ impl Consumer {
         )
         .map_err(|err| {
             Error::Config(match err {
-                EndpointError::Url => "the broker URL does not parse as amqp:// or amqps://",
-                EndpointError::Address => "an address is not host, host:port or [v6]:port",
+                EndpointError::Url => ConfigError {
+                    field: "url",
+                    problem: "does not parse as amqp:// or amqps://",
+                },
+                EndpointError::Address => ConfigError {
+                    field: "addresses",
+                    problem: "must each be host, host:port or [v6]:port",
+                },
             })
         })?;
         info!(queue = %self.config.queue, node = %endpoint.display(), addresses = endpoint.address_count(), "starting");

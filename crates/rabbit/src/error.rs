@@ -5,11 +5,11 @@
 #[non_exhaustive]
 pub enum Error {
     /// The policy cannot work.
-    #[error("invalid policy")]
-    Policy(#[from] lily_mq_core::PolicyError),
-    /// The configuration cannot work.
     #[error("invalid configuration: {0}")]
-    Config(&'static str),
+    Policy(#[from] lily_mq_core::PolicyError),
+    /// A setting cannot work; the error names it.
+    #[error("invalid configuration: {0}")]
+    Config(crate::config::ConfigError),
     /// The broker refused the connection: the credentials, or the user's access to the
     /// virtual host. Retrying cannot help.
     #[error("the broker refused the connection for queue {queue:?}")]

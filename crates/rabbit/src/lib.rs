@@ -28,7 +28,7 @@ mod shutdown;
 mod sync;
 mod topology;
 
-pub use config::ConsumerConfig;
+pub use config::{ConfigError, ConsumerConfig};
 pub use connect::connect;
 pub use consumer::{Consumer, Stats};
 pub use error::Error;
