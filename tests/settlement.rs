@@ -58,6 +58,51 @@ async fn success_path(kind: QueueKind) {
     assert_eq!(client.depth(&format!("{queue}.dlq")).await, 0);
 }
 
+/// State given once with `Router::with_state` reaches every call, across handlers, with no
+/// clone-and-`async move` closure: each call of `place` records its id in the shared `Ledger`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_given_with_with_state_reaches_every_call() {
+    #[derive(Clone, Default)]
+    struct Ledger(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+    async fn place(State(ledger): State<Ledger>, meta: Meta) -> Result<(), QueueHandlerError> {
+        ledger.0.lock().unwrap().push(meta.message_id().to_owned());
+        Ok(())
+    }
+    async fn cancel(State(ledger): State<Ledger>, meta: Meta) -> Result<(), QueueHandlerError> {
+        ledger
+            .0
+            .lock()
+            .unwrap()
+            .push(format!("cancel:{}", meta.message_id()));
+        Ok(())
+    }
+    let ledger = Ledger::default();
+    let router = Router::new()
+        .route("order.placed", place)
+        .route("order.cancelled", cancel)
+        .with_state(ledger.clone());
+    let (_, queue, client, running) =
+        common::scenario("state", router, |q| config(q, QueueKind::Classic)).await;
+    for i in 0..10 {
+        client
+            .publish(&queue, &order(1), props(&format!("m-{i}"), "order.placed"))
+            .await;
+    }
+    client
+        .publish(&queue, &order(1), props("m-x", "order.cancelled"))
+        .await;
+    running
+        .wait_for("every message ACKed", WAIT, |t| t.acked == 11)
+        .await;
+    running.stop().await;
+    let mut seen = ledger.0.lock().unwrap().clone();
+    seen.sort();
+    let mut expected: Vec<String> = (0..10).map(|i| format!("m-{i}")).collect();
+    expected.push("cancel:m-x".into());
+    expected.sort();
+    assert_eq!(seen, expected);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn success_acks_and_leaves_classic_queue_empty() {
     success_path(QueueKind::Classic).await;

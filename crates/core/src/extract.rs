@@ -65,6 +65,18 @@ pub struct Context<'a> {
     pub cancel: &'a DeliveryCancel<'a>,
     /// Resources of the delivery's transactional scope, if any.
     pub resources: &'a Resources,
+    /// The state given with [`Router::with_state`](crate::Router::with_state).
+    pub state: &'a Resources,
+}
+
+/// A type of state an extractor takes from the router ([`State`]), checked when the consumer
+/// starts, so a missing one stops it instead of failing deliveries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateNeed {
+    /// The state's type.
+    pub id: std::any::TypeId,
+    /// Its name, for the error.
+    pub name: &'static str,
 }
 
 /// A value a handler can take as an argument.
@@ -72,7 +84,7 @@ pub struct Context<'a> {
     message = "`{Self}` cannot be a Lily handler argument",
     label = "not an extractor",
     note = "handler arguments implement `FromDelivery`: Json<T>, Payload<T, C>, Meta, Headers, \
-            Attempt, Cancellation or RawDelivery"
+            Attempt, Cancellation, RawDelivery or State<S>"
 )]
 pub trait FromDelivery: Sized + Send + 'static {
     /// Extracts the value.
@@ -80,6 +92,53 @@ pub trait FromDelivery: Sized + Send + 'static {
     /// # Errors
     /// A permanent failure saying why the value is not there.
     fn from_delivery(cx: &Context<'_>) -> Result<Self, QueueHandlerError>;
+
+    /// The router state this extractor takes, if any (only [`State`] takes one).
+    fn state_need() -> Option<StateNeed> {
+        None
+    }
+}
+
+/// State shared by every delivery, given once with
+/// [`Router::with_state`](crate::Router::with_state): `async fn place(State(stock): State<Stock>,
+/// ...)`. Each call gets a clone, so share an `Arc` (or a pool) inside.
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::sync::atomic::{AtomicU64, Ordering};
+/// use lily_mq_core::{QueueHandlerError, Router, State};
+///
+/// #[derive(Clone, Default)]
+/// struct Counter(Arc<AtomicU64>);
+///
+/// async fn count(State(counter): State<Counter>) -> Result<(), QueueHandlerError> {
+///     counter.0.fetch_add(1, Ordering::Relaxed);
+///     Ok(())
+/// }
+///
+/// let router = Router::new().route("order.placed", count).with_state(Counter::default());
+/// assert_eq!(router.missing_state(), None);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct State<S>(pub S);
+
+impl<S: Clone + Send + Sync + 'static> FromDelivery for State<S> {
+    fn from_delivery(cx: &Context<'_>) -> Result<Self, QueueHandlerError> {
+        // The consumer does not start without it (`Router::missing_state`).
+        cx.state
+            .get::<S>()
+            .map(|s| Self(S::clone(&s)))
+            .ok_or_else(|| {
+                QueueHandlerError::permanent("the router was not given this handler's state")
+            })
+    }
+
+    fn state_need() -> Option<StateNeed> {
+        Some(StateNeed {
+            id: std::any::TypeId::of::<S>(),
+            name: std::any::type_name::<S>(),
+        })
+    }
 }
 
 /// A payload decoded by codec `C` (see [`Codec`]); `Payload(value, _)` destructures it.

@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use crate::error::QueueHandlerError;
-use crate::extract::{Context, FromDelivery};
+use crate::extract::{Context, FromDelivery, StateNeed};
 
 /// A boxed, sendable future.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -28,6 +28,11 @@ pub trait Handler<Args>: Clone + Send + Sync + 'static {
     /// Extracts the arguments and starts the call. An extractor failure becomes the result
     /// without running the function.
     fn call(&self, cx: Context<'_>) -> BoxFuture<'static, HandlerResult>;
+
+    /// The router state its arguments take ([`State`](crate::State)).
+    fn state_needs(&self) -> Vec<StateNeed> {
+        Vec::new()
+    }
 }
 
 macro_rules! impl_handler {
@@ -47,6 +52,13 @@ macro_rules! impl_handler {
                     };
                 )*
                 Box::pin((self)($($arg),*))
+            }
+
+            fn state_needs(&self) -> Vec<StateNeed> {
+                #[allow(unused_mut)]
+                let mut needs = Vec::new();
+                $(needs.extend($arg::state_need());)*
+                needs
             }
         }
     };

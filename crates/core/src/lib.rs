@@ -51,7 +51,8 @@ pub use decision::{Lane, Outcome, RequeueCause, Terminal, TransactionOutcome, Un
 pub use envelope::Limits;
 pub use error::{FailureKind, QueueHandlerError};
 pub use extract::{
-    Attempt, Cancellation, Context, FromDelivery, Headers, Json, Meta, Payload, RawDelivery,
+    Attempt, Cancellation, Context, FromDelivery, Headers, Json, Meta, Payload, RawDelivery, State,
+    StateNeed,
 };
 pub use handler::{BoxFuture, Handler, HandlerResult};
 pub use ledger::Totals;

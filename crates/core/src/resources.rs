@@ -1,6 +1,6 @@
-//! What a scope hands the handler's extractors, looked up by type.
+//! What a scope or the router hands the handler's extractors, looked up by type.
 
-use std::any::Any;
+use std::any::{Any, TypeId};
 use std::sync::Arc;
 
 /// Resources a scope gives the handler's extractors, looked up by type.
@@ -13,9 +13,15 @@ impl Resources {
         Self(Vec::new())
     }
 
-    /// Adds a resource.
+    /// Adds a resource, replacing one of the same type.
     pub fn insert<T: Any + Send + Sync>(&mut self, resource: Arc<T>) {
+        self.0.retain(|r| (**r).type_id() != TypeId::of::<T>());
         self.0.push(resource);
+    }
+
+    /// Whether a resource of this type is there.
+    pub fn contains(&self, id: TypeId) -> bool {
+        self.0.iter().any(|r| (**r).type_id() == id)
     }
 
     /// The resource of type `T`, if the scope provided one.

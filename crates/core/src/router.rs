@@ -1,8 +1,12 @@
 //! Routing by message type and schema version.
 
+use std::sync::Arc;
+
 use crate::codec::{Codec, JsonCodec};
 use crate::error::QueueHandlerError;
+use crate::extract::StateNeed;
 use crate::handler::{BoxedHandler, Handler};
+use crate::resources::Resources;
 
 /// Maps `(type, schema version)` to a handler and checks the content type.
 ///
@@ -15,6 +19,9 @@ use crate::handler::{BoxedHandler, Handler};
 pub struct Router {
     routes: Vec<(Box<str>, u32, BoxedHandler)>,
     content_types: Vec<&'static str>,
+    state: Resources,
+    /// The state types the routed handlers take.
+    needs: Vec<StateNeed>,
 }
 
 impl Default for Router {
@@ -29,6 +36,8 @@ impl Router {
         Self {
             routes: Vec::new(),
             content_types: vec![JsonCodec::CONTENT_TYPE],
+            state: Resources::new(),
+            needs: Vec::new(),
         }
     }
 
@@ -49,9 +58,33 @@ impl Router {
     ) -> Self {
         self.routes
             .retain(|(k, v, _)| !(**k == *kind && *v == version));
+        self.needs.extend(handler.state_needs());
         self.routes
             .push((kind.into(), version, BoxedHandler::new(handler)));
         self
+    }
+
+    /// Gives every handler taking [`State<S>`](crate::State) a clone of `state`, as axum's
+    /// `with_state` does; before or after the routes. A second call with the same type
+    /// replaces the first. The consumer does not start while a handler takes a state no call
+    /// gave ([`Router::missing_state`]).
+    #[must_use]
+    pub fn with_state<S: Clone + Send + Sync + 'static>(mut self, state: S) -> Self {
+        self.state.insert(Arc::new(state));
+        self
+    }
+
+    /// The state handlers take from the router.
+    pub fn state(&self) -> &Resources {
+        &self.state
+    }
+
+    /// The type name of a state some handler takes and [`Router::with_state`] never gave.
+    pub fn missing_state(&self) -> Option<&'static str> {
+        self.needs
+            .iter()
+            .find(|need| !self.state.contains(need.id))
+            .map(|need| need.name)
     }
 
     /// Also accepts messages whose content type is `codec`'s.

@@ -40,7 +40,7 @@ pub use lily_mq_rabbit as rabbit;
 pub mod prelude {
     pub use lily_mq_core::{
         Attempt, Cancellation, CleanupError, FailureKind, Headers, Hook, Json, Meta, Payload,
-        Policy, QueueHandlerError, RawDelivery, Router,
+        Policy, QueueHandlerError, RawDelivery, Router, State,
     };
     pub use lily_mq_core::{ShutdownBudget, ShutdownReport, Trigger};
     pub use lily_mq_rabbit::{

@@ -207,11 +207,14 @@ impl ConsumerConfig {
     /// [`Error::Config`](crate::Error::Config) naming the first setting that cannot work, or
     /// [`Error::Policy`](crate::Error::Policy).
     pub fn validate(&self) -> Result<(), crate::Error> {
-        let rule = |ok: bool, field, problem| {
+        let rule = |ok: bool, field, problem: &'static str| {
             if ok {
                 Ok(())
             } else {
-                Err(crate::Error::Config(ConfigError { field, problem }))
+                Err(crate::Error::Config(ConfigError {
+                    field,
+                    problem: problem.into(),
+                }))
             }
         };
         rule(
@@ -254,13 +257,13 @@ impl ConsumerConfig {
 }
 
 /// A setting that cannot work: its field and why.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{field} {problem}")]
 pub struct ConfigError {
-    /// The field of [`ConsumerConfig`] (or `url`, `addresses`).
+    /// The field of [`ConsumerConfig`] (or `url`, `addresses`, `router`).
     pub field: &'static str,
     /// What is wrong with it.
-    pub problem: &'static str,
+    pub problem: std::borrow::Cow<'static, str>,
 }
 
 #[cfg(test)]
@@ -294,8 +297,30 @@ mod tests {
             "prefetch"
         );
         assert_eq!(refused(run("http://x", config.clone()).await), "url");
-        let addresses = config.addresses(["host:port:what"]);
+        let addresses = config.clone().addresses(["host:port:what"]);
         assert_eq!(refused(run(url, addresses).await), "addresses");
+
+        // A handler taking a state the router was never given: refused, the type named.
+        #[derive(Clone)]
+        struct Stock;
+        async fn reserve(_: lily_mq_core::State<Stock>) -> lily_mq_core::HandlerResult {
+            Ok(())
+        }
+        let router = lily_mq_core::Router::new().route("order.placed", reserve);
+        let result = Consumer::new(url, config.clone(), router.clone())
+            .run(Shutdown::default())
+            .await;
+        match result {
+            Err(Error::Config(e)) => {
+                assert_eq!(e.field, "router");
+                assert!(
+                    e.problem.contains("State<") && e.problem.contains("Stock>"),
+                    "{e}"
+                );
+            }
+            other => panic!("{:?}", other.map(|_| ())),
+        }
+        assert!(router.with_state(Stock).missing_state().is_none());
     }
 
     #[test]

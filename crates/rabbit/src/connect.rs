@@ -309,7 +309,7 @@ pub async fn connect(
         Endpoint::new(url, &[], tls_ca_pem, queue, Duration::from_secs(5)).map_err(|_| {
             crate::Error::Config(crate::config::ConfigError {
                 field: "url",
-                problem: "does not parse as amqp:// or amqps://",
+                problem: "does not parse as amqp:// or amqps://".into(),
             })
         })?;
     let node = endpoint.display();

@@ -213,6 +213,15 @@ impl Consumer {
     /// deliveries lose their settlement authority unreported.
     pub async fn run(self, shutdown: Shutdown) -> Result<ShutdownReport, Error> {
         self.config.validate()?;
+        if let Some(state) = self.router.missing_state() {
+            return Err(Error::Config(ConfigError {
+                field: "router",
+                problem: format!(
+                    "has a handler taking State<{state}> that Router::with_state never gave"
+                )
+                .into(),
+            }));
+        }
         let endpoint = Endpoint::new(
             &self.url,
             &self.config.addresses,
@@ -224,11 +233,11 @@ impl Consumer {
             Error::Config(match err {
                 EndpointError::Url => ConfigError {
                     field: "url",
-                    problem: "does not parse as amqp:// or amqps://",
+                    problem: "does not parse as amqp:// or amqps://".into(),
                 },
                 EndpointError::Address => ConfigError {
                     field: "addresses",
-                    problem: "must each be host, host:port or [v6]:port",
+                    problem: "must each be host, host:port or [v6]:port".into(),
                 },
             })
         })?;

@@ -324,6 +324,7 @@ impl Work<'_> {
                         incoming,
                         &cancel,
                         &resources,
+                        shared.router.state(),
                         shared.config.handler_timeout,
                     )
                     .await;

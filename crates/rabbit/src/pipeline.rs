@@ -28,6 +28,7 @@ pub(crate) async fn run(
     incoming: &Arc<Incoming>,
     cancel: &DeliveryCancel<'_>,
     resources: &Resources,
+    state: &Resources,
     timeout: Duration,
 ) -> PipelineOutput {
     let meta = Meta::new(Arc::clone(incoming));
@@ -55,6 +56,7 @@ pub(crate) async fn run(
                 incoming,
                 cancel,
                 resources,
+                state,
             };
             let call = catch_unwind(AssertUnwindSafe(|| handler.call(cx)));
             match call {
@@ -219,6 +221,7 @@ mod tests {
             &incoming(),
             &DeliveryCancel::new(&CancellationToken::new()),
             &Resources::new(),
+            router.state(),
             Duration::from_millis(100),
         )
         .await
@@ -285,6 +288,7 @@ mod tests {
             &incoming(),
             &cancel,
             &Resources::new(),
+            router.state(),
             Duration::from_millis(50),
         )
         .await;
