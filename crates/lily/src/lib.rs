@@ -30,6 +30,15 @@
 //!         .await
 //! }
 //! ```
+//!
+//! # Features
+//!
+//! | feature | what it adds |
+//! |---|---|
+//! | `health` | `lily::rabbit::health::serve`: `/livez`, `/readyz` and `/metrics` (Prometheus) over HTTP |
+//! | `mongo` | `lily::mongo`: the MongoDB transaction scope, transactional inbox and fenced lease; [`prelude`] gains `MongoScope`, `MongoConfig` and the `MongoTx` extractor |
+//!
+//! Neither is on by default.
 
 pub use lily_mq_core as core;
 #[cfg(feature = "mongo")]
@@ -42,9 +51,13 @@ pub mod prelude {
         Attempt, Cancellation, CleanupError, FailureKind, Headers, Hook, Json, Meta, Payload,
         Policy, QueueHandlerError, RawDelivery, Router, State,
     };
-    pub use lily_mq_core::{ShutdownBudget, ShutdownReport, Trigger};
+    pub use lily_mq_core::{HandlerResult, ShutdownBudget, ShutdownReport, Trigger};
     pub use lily_mq_rabbit::{
         Consumer, ConsumerConfig, LeaderLocator, QueueKind, ReportSinks, Shutdown, TopologyMode,
         emit,
     };
+
+    /// The Mongo scope and its extractor (feature `mongo`).
+    #[cfg(feature = "mongo")]
+    pub use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};
 }
