@@ -14,8 +14,17 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection};
 
-use crate::Target;
-use crate::lanes::Failure;
+use crate::outcome::Failure;
+
+/// The broker a pass reads from.
+pub(crate) struct Broker<'a> {
+    /// The AMQP URL; it may hold a password, so it is never shown.
+    pub(crate) url: &'a str,
+    /// PEM certificates to trust for `amqps://`.
+    pub(crate) tls_ca: Option<&'a std::path::Path>,
+    /// The work queue, for the connection's name.
+    pub(crate) queue: &'a str,
+}
 
 /// How long one broker operation may take before the command gives up (a publish blocked by a
 /// resource alarm waits here, and its message stays in the lane).
@@ -51,14 +60,14 @@ pub(crate) struct Pass {
 
 impl Pass {
     /// Connects and opens a pass over `queue`.
-    pub(crate) async fn open(target: &Target, queue: &str) -> Result<Self, Failure> {
-        let ca = match &target.tls_ca {
+    pub(crate) async fn open(broker: &Broker<'_>, queue: &str) -> Result<Self, Failure> {
+        let ca = match broker.tls_ca {
             Some(path) => Some(std::fs::read_to_string(path).map_err(|e| {
                 Failure::broker(format!("cannot read --tls-ca {}: {e}", path.display()))
             })?),
             None => None,
         };
-        let connection = lily_mq_rabbit::connect(&target.url, ca, &target.queue, "cli")
+        let connection = lily_mq_rabbit::connect(broker.url, ca, broker.queue, "cli")
             .await
             .map_err(|e| Failure::broker(describe(&e)))?;
         let channel = within("open a channel", connection.create_channel()).await?;

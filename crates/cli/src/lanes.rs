@@ -13,30 +13,40 @@ use lily_mq_rabbit::replay::{Replay, replay_properties};
 use lily_mq_rabbit::{QueueKind, Topology};
 use serde_json::json;
 
-use crate::broker::{Pass, Published};
+use crate::broker::{Broker, Pass, Published};
+use crate::outcome::{EXIT_LEFT, Failure, Outcome};
 use crate::render::{Table, text};
 use crate::select::{Seen, Selection, clean, now_millis};
-use crate::{EXIT_INPUT, EXIT_LEFT, EXIT_USAGE, Outcome, Target};
 
-/// Why a lane command stopped: printed on stderr, with its exit status.
-#[derive(Debug)]
-pub(crate) struct Failure {
-    pub(crate) message: String,
-    pub(crate) code: u8,
+/// The broker and the work queue whose lane a command reads.
+#[derive(clap::Args, Clone)]
+pub(crate) struct Target {
+    /// The work queue (not the lane): `orders` for `orders.dlq` and `orders.parking`.
+    #[arg(short, long, env = "LILY_QUEUE")]
+    pub(crate) queue: String,
+    /// The broker, as an AMQP URL (amqps:// for TLS). Never printed.
+    #[arg(
+        long,
+        env = "LILY_AMQP_URL",
+        hide_env_values = true,
+        default_value = "amqp://127.0.0.1:5672/%2f"
+    )]
+    pub(crate) url: String,
+    /// PEM certificates to trust for amqps:// besides the system roots.
+    #[arg(long, env = "LILY_TLS_CA", value_name = "FILE")]
+    pub(crate) tls_ca: Option<std::path::PathBuf>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
-impl Failure {
-    pub(crate) fn broker(message: String) -> Self {
-        Self {
-            message,
-            code: EXIT_INPUT,
-        }
-    }
-
-    pub(crate) fn usage(message: String) -> Self {
-        Self {
-            message,
-            code: EXIT_USAGE,
+impl Target {
+    /// Where the broker is, for [`Pass::open`].
+    fn broker(&self) -> Broker<'_> {
+        Broker {
+            url: &self.url,
+            tls_ca: self.tls_ca.as_deref(),
+            queue: &self.queue,
         }
     }
 }
@@ -62,7 +72,7 @@ struct Group {
 /// `list`: one pass, every message put back.
 pub(crate) async fn list(lane: Terminal, target: &Target) -> Result<Outcome, Failure> {
     let (_, queue) = names(lane, target);
-    let mut pass = Pass::open(target, &queue).await?;
+    let mut pass = Pass::open(&target.broker(), &queue).await?;
     let progress = progress(target, u64::from(pass.size), "reading");
     let mut groups: BTreeMap<(String, String, String), Group> = BTreeMap::new();
     let mut total = 0u64;
@@ -136,7 +146,7 @@ pub(crate) async fn show(
     body: bool,
 ) -> Result<Outcome, Failure> {
     let (_, queue) = names(lane, target);
-    let mut pass = Pass::open(target, &queue).await?;
+    let mut pass = Pass::open(&target.broker(), &queue).await?;
     let mut found = None;
     let mut copies = 0u32;
     while let Some(message) = pass.next().await? {
@@ -259,7 +269,7 @@ pub(crate) async fn replay(
 ) -> Result<Outcome, Failure> {
     let (topology, queue) = names(lane, target);
     let user = replaying_user(&target.url);
-    let mut pass = Pass::open(target, &queue).await?;
+    let mut pass = Pass::open(&target.broker(), &queue).await?;
     let exchange = if options.dry_run {
         topology.replay_exchange()
     } else {
@@ -393,7 +403,7 @@ pub(crate) async fn purge(
     yes: bool,
 ) -> Result<Outcome, Failure> {
     let (_, queue) = names(lane, target);
-    let mut pass = Pass::open(target, &queue).await?;
+    let mut pass = Pass::open(&target.broker(), &queue).await?;
     // Delivery tags only: a large selection holds no bodies.
     let mut taken = Vec::new();
     let count = if selection.is_all() {

@@ -20,6 +20,7 @@
 mod broker;
 mod lanes;
 mod loaded;
+mod outcome;
 mod render;
 mod report;
 mod select;
@@ -30,17 +31,12 @@ use std::io::{self, Write};
 use std::num::NonZeroU64;
 use std::process::ExitCode;
 
-use clap::{Args, CommandFactory, Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use lily_mq_core::Terminal;
 
+use crate::lanes::Target;
+use crate::outcome::{EXIT_INPUT, EXIT_USAGE, Outcome};
 use crate::select::Selection;
-
-/// Exit status when an input, the broker or a message cannot be read or written.
-const EXIT_INPUT: u8 = 1;
-/// Exit status for a usage error (clap's own).
-const EXIT_USAGE: u8 = 2;
-/// Exit status when some selected messages were left in their lane.
-const EXIT_LEFT: u8 = 4;
 
 /// Reads Lily shutdown reports, and operates the dead-letter and parking queues of a work queue.
 #[derive(Parser)]
@@ -95,28 +91,6 @@ enum ReportCommand {
     },
 }
 
-/// The broker and the work queue whose lane a command reads.
-#[derive(Args, Clone)]
-pub(crate) struct Target {
-    /// The work queue (not the lane): `orders` for `orders.dlq` and `orders.parking`.
-    #[arg(short, long, env = "LILY_QUEUE")]
-    pub(crate) queue: String,
-    /// The broker, as an AMQP URL (amqps:// for TLS). Never printed.
-    #[arg(
-        long,
-        env = "LILY_AMQP_URL",
-        hide_env_values = true,
-        default_value = "amqp://127.0.0.1:5672/%2f"
-    )]
-    pub(crate) url: String,
-    /// PEM certificates to trust for amqps:// besides the system roots.
-    #[arg(long, env = "LILY_TLS_CA", value_name = "FILE")]
-    pub(crate) tls_ca: Option<std::path::PathBuf>,
-    /// Print JSON instead of text.
-    #[arg(long)]
-    pub(crate) json: bool,
-}
-
 #[derive(Subcommand)]
 enum LaneCommand {
     /// Messages grouped by reason, failure kind and type, with counts and oldest/newest age.
@@ -167,24 +141,6 @@ enum LaneCommand {
         #[arg(short, long)]
         yes: bool,
     },
-}
-
-/// What a command prints on stdout and the status it exits with.
-pub(crate) struct Outcome {
-    stdout: String,
-    code: u8,
-}
-
-impl Outcome {
-    /// Prints `stdout`, exits with `code`.
-    pub(crate) fn text(stdout: String, code: u8) -> Self {
-        Self { stdout, code }
-    }
-
-    /// Prints nothing (the problem went to stderr), exits with `code`.
-    pub(crate) fn code(code: u8) -> Self {
-        Self::text(String::new(), code)
-    }
 }
 
 fn main() -> ExitCode {
@@ -249,7 +205,7 @@ fn lane(lane: Terminal, command: LaneCommand) -> Outcome {
                 };
                 match selection.check() {
                     Ok(filter) => lanes::replay(lane, &target, &filter, &options).await,
-                    Err(problem) => Err(lanes::Failure::usage(problem)),
+                    Err(problem) => Err(outcome::Failure::usage(problem)),
                 }
             }
             LaneCommand::Purge {
@@ -258,7 +214,7 @@ fn lane(lane: Terminal, command: LaneCommand) -> Outcome {
                 yes,
             } => match selection.check() {
                 Ok(filter) => lanes::purge(lane, &target, &filter, yes).await,
-                Err(problem) => Err(lanes::Failure::usage(problem)),
+                Err(problem) => Err(outcome::Failure::usage(problem)),
             },
         }
     });

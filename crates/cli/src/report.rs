@@ -9,7 +9,8 @@ use lily_mq_core::{EXIT_UNRESOLVED, SCHEMA, ShutdownReport};
 use serde_json::{Value, error::Category};
 
 use crate::loaded::Loaded;
-use crate::{EXIT_INPUT, EXIT_USAGE, Outcome, render, summary};
+use crate::outcome::{EXIT_INPUT, EXIT_USAGE, Outcome};
+use crate::{render, summary};
 
 /// A `lily report` subcommand.
 #[derive(Clone, Copy, PartialEq, Eq)]

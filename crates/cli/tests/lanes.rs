@@ -185,8 +185,9 @@ async fn a_replay_by_reason_sends_back_that_group_once_each_with_its_identity_re
                 .any(|l| l.trim_start().starts_with("40  permanent  order.placed")),
             "{text}"
         );
-        // Listing put everything back.
-        assert_eq!(client.depth(&dlq).await, 47);
+        // Listing put everything back (a quorum queue makes returned messages ready a moment
+        // after the channel closed).
+        assert_eq!(ready_soon(&client, &dlq, 47).await, 47);
 
         // Replayed while the cause persists, every message fails again at once and is back in
         // the DLQ while the pass goes on: each is still replayed exactly once (the pass takes
@@ -207,7 +208,7 @@ async fn a_replay_by_reason_sends_back_that_group_once_each_with_its_identity_re
                 twice[id]
             );
         }
-        assert_eq!(client.depth(&dlq).await, 47);
+        assert_eq!(ready_soon(&client, &dlq, 47).await, 47);
 
         // A queue named as the CC key: a replay through the default exchange would route a
         // copy to it.
@@ -257,6 +258,18 @@ async fn a_replay_by_reason_sends_back_that_group_once_each_with_its_identity_re
         assert_eq!(left, expected, "{kind:?}: only the other group stays");
         assert_eq!(client.depth(&audit).await, 0, "nothing routed by CC");
         client.delete(&audit).await;
+    }
+}
+
+/// The ready messages of `queue` once they reach `expected`, or after 10 s.
+async fn ready_soon(client: &Client, queue: &str, expected: u32) -> u32 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let depth = client.depth(queue).await;
+        if depth == expected || std::time::Instant::now() > deadline {
+            return depth;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -740,7 +753,7 @@ async fn the_documented_permissions_suffice_and_a_missing_one_is_named() {
         stderr(&out)
     );
     assert!(!stderr(&out).contains("ops-password"));
-    assert_eq!(client.depth(&dlq).await, 3);
+    assert_eq!(ready_soon(&client, &dlq, 3).await, 3);
 
     grant(&format!("^{escaped}\\.replay$"));
     for args in [

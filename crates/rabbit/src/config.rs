@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use lily_mq_core::{Limits, Policy, ShutdownBudget};
 
+use crate::error::{ConfigError, Error};
 use crate::topology::{LeaderLocator, QueueKind, TopologyMode};
 
 /// How one work queue is consumed.
@@ -206,12 +207,12 @@ impl ConsumerConfig {
     /// # Errors
     /// [`Error::Config`](crate::Error::Config) naming the first setting that cannot work, or
     /// [`Error::Policy`](crate::Error::Policy).
-    pub fn validate(&self) -> Result<(), crate::Error> {
+    pub fn validate(&self) -> Result<(), Error> {
         let rule = |ok: bool, field, problem: &'static str| {
             if ok {
                 Ok(())
             } else {
-                Err(crate::Error::Config(ConfigError {
+                Err(Error::Config(ConfigError {
                     field,
                     problem: problem.into(),
                 }))
@@ -256,16 +257,6 @@ impl ConsumerConfig {
     }
 }
 
-/// A setting that cannot work: its field and why.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{field} {problem}")]
-pub struct ConfigError {
-    /// The field of [`ConsumerConfig`] (or `url`, `addresses`, `router`).
-    pub field: &'static str,
-    /// What is wrong with it.
-    pub problem: std::borrow::Cow<'static, str>,
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -273,15 +264,15 @@ mod tests {
     fn field_of(config: &ConsumerConfig) -> Option<&'static str> {
         match config.validate() {
             Ok(()) => None,
-            Err(crate::Error::Config(e)) => Some(e.field),
-            Err(crate::Error::Policy(_)) => Some("policy"),
+            Err(Error::Config(e)) => Some(e.field),
+            Err(Error::Policy(_)) => Some("policy"),
             Err(other) => panic!("{other}"),
         }
     }
 
     #[tokio::test]
     async fn run_refuses_a_setting_that_cannot_work_before_it_dials() {
-        use crate::{Consumer, Error, Shutdown};
+        use crate::{Consumer, Shutdown};
         // Nothing listens on port 9: a consumer that dialled would retry, not return.
         let run = |url: &str, config| {
             Consumer::new(url, config, lily_mq_core::Router::new()).run(Shutdown::default())

@@ -307,7 +307,7 @@ pub async fn connect(
 ) -> Result<Connection, crate::Error> {
     let endpoint =
         Endpoint::new(url, &[], tls_ca_pem, queue, Duration::from_secs(5)).map_err(|_| {
-            crate::Error::Config(crate::config::ConfigError {
+            crate::Error::Config(crate::error::ConfigError {
                 field: "url",
                 problem: "does not parse as amqp:// or amqps://".into(),
             })

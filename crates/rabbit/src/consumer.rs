@@ -14,10 +14,10 @@ use lily_mq_core::{
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
-use crate::config::{ConfigError, ConsumerConfig};
+use crate::config::ConsumerConfig;
 use crate::connect::{Dialer, Endpoint, EndpointError, jittered};
 use crate::crew::Crew;
-use crate::error::Error;
+use crate::error::{ConfigError, Error};
 use crate::publisher::Publisher;
 use crate::report::ReportSinks;
 use crate::service::{Books, Metrics, Shared, Signals};

@@ -9,7 +9,7 @@ pub enum Error {
     Policy(#[from] lily_mq_core::PolicyError),
     /// A setting cannot work; the error names it.
     #[error("invalid configuration: {0}")]
-    Config(crate::config::ConfigError),
+    Config(ConfigError),
     /// The broker refused the connection: the credentials, or the user's access to the
     /// virtual host. Retrying cannot help.
     #[error("the broker refused the connection for queue {queue:?}")]
@@ -43,4 +43,14 @@ pub enum Error {
         #[source]
         source: lapin::Error,
     },
+}
+
+/// A setting that cannot work: its field and why.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field} {problem}")]
+pub struct ConfigError {
+    /// The field of [`ConsumerConfig`](crate::ConsumerConfig) (or `url`, `addresses`, `router`).
+    pub field: &'static str,
+    /// What is wrong with it.
+    pub problem: std::borrow::Cow<'static, str>,
 }

@@ -28,10 +28,10 @@ mod shutdown;
 mod sync;
 mod topology;
 
-pub use config::{ConfigError, ConsumerConfig};
+pub use config::ConsumerConfig;
 pub use connect::connect;
 pub use consumer::{Consumer, Stats};
-pub use error::Error;
+pub use error::{ConfigError, Error};
 pub use report::{ReportSinks, emit};
 pub use shutdown::Shutdown;
 pub use topology::{LeaderLocator, QueueKind, Topology, TopologyMode};
