@@ -62,7 +62,7 @@ fn names(lane: Terminal, target: &Target) -> (Topology, String) {
 }
 
 /// Messages sharing a reason, failure kind and type.
-#[derive(Default, serde::Serialize)]
+#[derive(Default)]
 struct Group {
     count: u64,
     oldest_ms: Option<i64>,

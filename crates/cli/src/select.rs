@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use clap::Args;
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable};
-use lily_mq_core::transport::{as_text, as_u32};
+use lily_mq_core::transport::as_text;
 use lily_mq_core::{Reason, headers};
 
 /// The failure kind of a message the broker dead-lettered itself (an oversized message Lily
@@ -13,7 +13,7 @@ use lily_mq_core::{Reason, headers};
 pub(crate) const BROKER: &str = "broker";
 
 /// One message in a lane, as its properties and headers describe it. Never its body.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug)]
 pub(crate) struct Seen {
     /// The `message_id` property.
     pub(crate) message_id: Option<String>,
@@ -21,16 +21,11 @@ pub(crate) struct Seen {
     /// [`BROKER`], or `unknown`.
     pub(crate) kind: String,
     /// The `type` property.
-    #[serde(rename = "type")]
     pub(crate) message_type: Option<String>,
     /// Lily's bounded, sanitized reason, or what the broker's `x-death` says.
     pub(crate) reason: String,
     /// When it failed (last), in milliseconds since the Unix epoch.
     pub(crate) failed_at_ms: Option<i64>,
-    /// The attempt it failed on.
-    pub(crate) attempt: Option<u32>,
-    /// How many times an operator replayed it before.
-    pub(crate) replays: u32,
 }
 
 impl Seen {
@@ -58,8 +53,6 @@ impl Seen {
             message_type: props.kind().as_ref().map(|s| clean(s.as_str())),
             reason,
             failed_at_ms,
-            attempt: header(headers::ATTEMPT).and_then(as_u32),
-            replays: header(headers::REPLAYS).and_then(as_u32).unwrap_or(0),
         }
     }
 }
