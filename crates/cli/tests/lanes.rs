@@ -289,15 +289,38 @@ async fn seed_lane(client: &Client, lane: &str, ids: impl IntoIterator<Item = St
     }
 }
 
-/// Declares the work queue and its lanes as Lily would, without a consumer.
-async fn topology(client: &Client, queue: &str, kind: QueueKind) {
-    let quorum = kind == QueueKind::Quorum;
-    for name in [
-        queue.to_owned(),
-        format!("{queue}.dlq"),
-        format!("{queue}.parking"),
-    ] {
-        client.declare(&name, quorum).await;
+/// A work queue and its lanes, declared as Lily would but without a consumer, with a DLQ
+/// holding `seeded` copies `order-0`, `order-1`, ...
+struct Lanes {
+    broker: Broker,
+    client: Client,
+    queue: String,
+    dlq: String,
+}
+
+impl Lanes {
+    async fn new(prefix: &str, kind: QueueKind, seeded: usize) -> Self {
+        let broker = Broker::from_env();
+        let queue = Broker::unique(prefix);
+        let client = Client::connect(broker.url()).await;
+        let dlq = format!("{queue}.dlq");
+        for name in [&queue, &dlq, &format!("{queue}.parking")] {
+            client.declare(name, kind == QueueKind::Quorum).await;
+        }
+        seed_lane(&client, &dlq, (0..seeded).map(|i| format!("order-{i}"))).await;
+        Self {
+            broker,
+            client,
+            queue,
+            dlq,
+        }
+    }
+
+    /// Deletes the queues.
+    async fn remove(self) {
+        for name in [&self.queue, &self.dlq, &format!("{}.parking", self.queue)] {
+            self.client.delete(name).await;
+        }
     }
 }
 
@@ -308,13 +331,10 @@ async fn topology(client: &Client, queue: &str, kind: QueueKind) {
 async fn a_replay_killed_midway_loses_nothing_and_doubles_at_most_one_message() {
     const N: usize = 3000;
     for kind in kinds() {
-        let broker = Broker::from_env();
-        let queue = Broker::unique("dlq-kill");
-        let client = Client::connect(broker.url()).await;
-        topology(&client, &queue, kind).await;
-        let dlq = format!("{queue}.dlq");
+        let lanes = Lanes::new("dlq-kill", kind, N).await;
+        let (broker, client) = (&lanes.broker, &lanes.client);
+        let (queue, dlq) = (lanes.queue.clone(), lanes.dlq.clone());
         let ids: Vec<String> = (0..N).map(|i| format!("order-{i}")).collect();
-        seed_lane(&client, &dlq, ids.iter().cloned()).await;
 
         let mut child = Command::new(env!("CARGO_BIN_EXE_lily"))
             .args(["dlq", "replay", "-q", &queue, "--all"])
@@ -358,7 +378,7 @@ async fn a_replay_killed_midway_loses_nothing_and_doubles_at_most_one_message() 
         assert_eq!(in_dlq.len() + in_work.len(), N + both);
 
         // Put the DLQ's share back and finish: everything ends in the work queue, once.
-        seed_lane(&client, &dlq, in_dlq.keys().cloned()).await;
+        seed_lane(client, &dlq, in_dlq.keys().cloned()).await;
         let out = exits(0, &["dlq", "replay", "-q", &queue, "--all", "--json"]);
         assert_eq!(
             json(&out)["replayed"].as_array().map(Vec::len),
@@ -367,9 +387,7 @@ async fn a_replay_killed_midway_loses_nothing_and_doubles_at_most_one_message() 
         let work = client.drain_ids(&queue).await;
         assert_eq!(work.len(), in_dlq.len());
         assert_eq!(client.depth(&dlq).await, 0);
-        for queue in [queue.clone(), dlq, format!("{queue}.parking")] {
-            client.delete(&queue).await;
-        }
+        lanes.remove().await;
     }
 }
 
@@ -379,12 +397,9 @@ async fn a_replay_killed_midway_loses_nothing_and_doubles_at_most_one_message() 
 /// terminal or `--yes`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn show_dry_run_batch_user_id_and_purge_each_do_what_they_say() {
-    let broker = Broker::from_env();
-    let queue = Broker::unique("dlq-ops");
-    let client = Client::connect(broker.url()).await;
-    topology(&client, &queue, QueueKind::Classic).await;
-    let dlq = format!("{queue}.dlq");
-    seed_lane(&client, &dlq, (0..5).map(|i| format!("order-{i}"))).await;
+    let lanes = Lanes::new("dlq-ops", QueueKind::Classic, 5).await;
+    let client = &lanes.client;
+    let (queue, dlq) = (lanes.queue.clone(), lanes.dlq.clone());
     let mut table = FieldTable::default();
     table.insert("x-lily-failure-kind".into(), long("retryable"));
     table.insert("x-lily-reason".into(), long("attempts exhausted"));
@@ -485,7 +500,7 @@ async fn show_dry_run_batch_user_id_and_purge_each_do_what_they_say() {
         None
     );
 
-    seed_lane(&client, &dlq, (0..4).map(|i| format!("purge-{i}"))).await;
+    seed_lane(client, &dlq, (0..4).map(|i| format!("purge-{i}"))).await;
     let out = exits(2, &["dlq", "purge", "-q", &queue, "--all"]);
     assert!(stderr(&out).contains("pass --yes"), "{}", stderr(&out));
     assert_eq!(
@@ -513,9 +528,7 @@ async fn show_dry_run_batch_user_id_and_purge_each_do_what_they_say() {
         "{}",
         stderr(&out)
     );
-    for queue in [queue.clone(), dlq, format!("{queue}.parking")] {
-        client.delete(&queue).await;
-    }
+    lanes.remove().await;
 }
 
 /// The effect: one document per handled order, in the inbox's transaction.
@@ -712,12 +725,9 @@ async fn a_parking_replay_is_judged_by_the_inbox_and_never_retried_without_an_op
 /// stops the command naming the resource, with nothing lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_documented_permissions_suffice_and_a_missing_one_is_named() {
-    let broker = Broker::from_env();
-    let queue = Broker::unique("dlq-perms");
-    let client = Client::connect(broker.url()).await;
-    topology(&client, &queue, QueueKind::Classic).await;
-    let dlq = format!("{queue}.dlq");
-    seed_lane(&client, &dlq, (0..3).map(|i| format!("order-{i}"))).await;
+    let lanes = Lanes::new("dlq-perms", QueueKind::Classic, 3).await;
+    let (broker, client) = (&lanes.broker, &lanes.client);
+    let (queue, dlq) = (lanes.queue.clone(), lanes.dlq.clone());
     let user = Broker::unique("ops");
     broker.ctl(&["add_user", &user, "ops-password"]);
     let escaped = queue.replace('-', "\\-");
@@ -753,7 +763,7 @@ async fn the_documented_permissions_suffice_and_a_missing_one_is_named() {
         stderr(&out)
     );
     assert!(!stderr(&out).contains("ops-password"));
-    assert_eq!(ready_soon(&client, &dlq, 3).await, 3);
+    assert_eq!(ready_soon(client, &dlq, 3).await, 3);
 
     grant(&format!("^{escaped}\\.replay$"));
     for args in [
@@ -775,7 +785,5 @@ async fn the_documented_permissions_suffice_and_a_missing_one_is_named() {
         ["order-2"]
     );
     broker.ctl(&["delete_user", &user]);
-    for queue in [queue.clone(), dlq, format!("{queue}.parking")] {
-        client.delete(&queue).await;
-    }
+    lanes.remove().await;
 }

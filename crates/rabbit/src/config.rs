@@ -273,9 +273,15 @@ mod tests {
     #[tokio::test]
     async fn run_refuses_a_setting_that_cannot_work_before_it_dials() {
         use crate::{Consumer, Shutdown};
-        // Nothing listens on port 9: a consumer that dialled would retry, not return.
+        // Nothing listens on port 9: a consumer that dialled would retry, not return; the
+        // timeout turns that into a failure.
+        let within = |run| async move {
+            tokio::time::timeout(Duration::from_secs(5), run)
+                .await
+                .expect("refused before dialling, not retrying")
+        };
         let run = |url: &str, config| {
-            Consumer::new(url, config, lily_mq_core::Router::new()).run(Shutdown::default())
+            within(Consumer::new(url, config, lily_mq_core::Router::new()).run(Shutdown::default()))
         };
         let refused = |result: Result<_, Error>| match result {
             Err(Error::Config(e)) => e.field,
@@ -298,9 +304,9 @@ mod tests {
             Ok(())
         }
         let router = lily_mq_core::Router::new().route("order.placed", reserve);
-        let result = Consumer::new(url, config.clone(), router.clone())
-            .run(Shutdown::default())
-            .await;
+        let result =
+            within(Consumer::new(url, config.clone(), router.clone()).run(Shutdown::default()))
+                .await;
         match result {
             Err(Error::Config(e)) => {
                 assert_eq!(e.field, "router");
