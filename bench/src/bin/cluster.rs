@@ -19,65 +19,39 @@ use lily_mq_bench::throughput::{HANDOFF_DELAY, Path, Sample, lily_run, raw, revi
 use lily_mq_bench::{body_512, broker_url, fresh_topology, median, publish};
 use serde::Serialize;
 
-const USAGE: &str = "usage: cluster [--messages N] [--reps R] [--prefetch P] [--quick] [--out DIR]";
-
+/// Lily and raw lapin on a three-node cluster against the single node, side by side.
+#[derive(clap::Parser)]
 struct Args {
+    /// Messages per run (`_` separators allowed).
+    #[arg(short = 'n', long, default_value = "50000", value_parser = count)]
     messages: u64,
+    /// Repetitions of each case.
+    #[arg(short, long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     reps: u32,
+    /// Prefetch of every consumer.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u16).range(1..))]
     prefetch: u16,
+    /// 20 000 messages and 2 repetitions, whatever --messages and --reps say.
+    #[arg(long)]
+    quick: bool,
+    /// Where the JSON and the table go.
+    #[arg(long, default_value = "target/bench")]
     out: PathBuf,
 }
 
-fn parse_args() -> Args {
-    let mut args = Args {
-        messages: 50_000,
-        reps: 3,
-        prefetch: 50,
-        out: PathBuf::from("target/bench"),
-    };
-    let fail = |msg: String| -> ! {
-        eprintln!("{msg}\n{USAGE}");
-        std::process::exit(2)
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .unwrap_or_else(|| fail(format!("{flag} needs a value")))
-        };
-        match flag.as_str() {
-            "--messages" | "-n" => {
-                args.messages = value()
-                    .replace('_', "")
-                    .parse()
-                    .unwrap_or_else(|e| fail(format!("--messages: {e}")));
-            }
-            "--reps" | "-r" => {
-                args.reps = value()
-                    .parse()
-                    .unwrap_or_else(|e| fail(format!("--reps: {e}")));
-            }
-            "--prefetch" => {
-                args.prefetch = value()
-                    .parse()
-                    .ok()
-                    .filter(|p| *p > 0)
-                    .unwrap_or_else(|| fail("--prefetch: a count above zero".into()));
-            }
-            "--quick" => {
-                args.messages = 20_000;
-                args.reps = 2;
-            }
-            "--out" => args.out = PathBuf::from(value()),
-            "--help" | "-h" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            other => fail(format!("unknown argument {other}")),
-        }
+/// A message count above zero.
+fn count(text: &str) -> Result<u64, String> {
+    match text.replace('_', "").parse() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err("a count above zero".into()),
     }
-    if args.messages == 0 || args.reps == 0 {
-        fail("--messages and --reps must be above zero".into());
+}
+
+fn parse_args() -> Args {
+    let mut args = <Args as clap::Parser>::parse();
+    if args.quick {
+        args.messages = 20_000;
+        args.reps = 2;
     }
     args
 }
