@@ -96,6 +96,19 @@ pub enum GateRejection {
     Invalid(Reason),
 }
 
+impl GateRejection {
+    /// Why, in words, for the copy's reason header and logs (never quoting the body).
+    pub fn reason(&self, limits: &Limits) -> Reason {
+        match self {
+            Self::Oversized { len } => Reason::new(format!(
+                "body of {len} bytes is over the {} byte limit",
+                limits.max_body_bytes
+            )),
+            Self::Invalid(reason) => reason.clone(),
+        }
+    }
+}
+
 /// Checks a delivery against `limits` before any application code runs.
 ///
 /// # Errors

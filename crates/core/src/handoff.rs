@@ -46,9 +46,14 @@ impl HandoffId {
         AMQPValue::LongLongInt(i64::from_ne_bytes(self.0.to_ne_bytes()))
     }
 
-    /// The id a message's headers carry, if any.
+    /// The id a message's headers carry in [`headers::HANDOFF_ID`], if any.
     pub fn from_headers(table: Option<&FieldTable>) -> Option<Self> {
-        match table?.inner().get(headers::HANDOFF_ID)? {
+        Self::from_header(table, headers::HANDOFF_ID)
+    }
+
+    /// The id a message's headers carry in `key`, if any.
+    pub fn from_header(table: Option<&FieldTable>, key: &str) -> Option<Self> {
+        match table?.inner().get(key)? {
             AMQPValue::LongLongInt(n) => Some(Self(u64::from_ne_bytes(n.to_ne_bytes()))),
             _ => None,
         }

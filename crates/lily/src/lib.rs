@@ -36,14 +36,17 @@
 //! | feature | what it adds |
 //! |---|---|
 //! | `health` | `lily::rabbit::health::serve`: `/livez`, `/readyz` and `/metrics` (Prometheus) over HTTP |
+//! | `testing` | [`testing`]: settle a synthetic delivery through the real gate, hooks, handler and decision machine, in process, with no broker |
 //! | `mongo` | `lily::mongo`: the MongoDB transaction scope, transactional inbox and fenced lease; [`prelude`] gains `MongoScope`, `MongoConfig` and the `MongoTx` extractor |
 //!
-//! Neither is on by default.
+//! None is on by default.
 
 pub use lily_mq_core as core;
 #[cfg(feature = "mongo")]
 pub use lily_mq_mongo as mongo;
 pub use lily_mq_rabbit as rabbit;
+#[cfg(feature = "testing")]
+pub use lily_mq_rabbit::testing;
 
 /// What most services need.
 pub mod prelude {
@@ -53,8 +56,8 @@ pub mod prelude {
     };
     pub use lily_mq_core::{HandlerResult, ShutdownBudget, ShutdownReport, Trigger};
     pub use lily_mq_rabbit::{
-        Consumer, ConsumerConfig, LeaderLocator, QueueKind, ReportSinks, Shutdown, TopologyMode,
-        emit,
+        Consumer, ConsumerConfig, Destination, LeaderLocator, Outgoing, Published, Publisher,
+        PublisherConfig, QueueKind, ReportSinks, Shutdown, TopologyMode, emit,
     };
 
     /// The Mongo scope and its extractor (feature `mongo`).

@@ -201,6 +201,21 @@ impl ConsumerConfig {
         self
     }
 
+    /// [`Self::validate`], and that `router` was given every state its handlers extract.
+    pub(crate) fn validate_for(&self, router: &lily_mq_core::Router) -> Result<(), Error> {
+        self.validate()?;
+        match router.missing_state() {
+            None => Ok(()),
+            Some(state) => Err(Error::Config(ConfigError {
+                field: "router",
+                problem: format!(
+                    "has a handler taking State<{state}> that Router::with_state never gave"
+                )
+                .into(),
+            })),
+        }
+    }
+
     /// Checks every setting, the policy's included. [`Consumer::run`](crate::Consumer::run)
     /// calls it first, before anything is sent.
     ///

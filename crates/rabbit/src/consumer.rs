@@ -18,7 +18,7 @@ use crate::config::ConsumerConfig;
 use crate::connect::{Dialer, Endpoint, EndpointError, jittered};
 use crate::crew::Crew;
 use crate::error::{ConfigError, Error};
-use crate::publisher::Publisher;
+use crate::handoff::HandoffPublisher;
 use crate::report::ReportSinks;
 use crate::service::{Books, Metrics, Shared, Signals};
 use crate::session::{Session, SessionEnd, SessionError, consume};
@@ -51,7 +51,7 @@ use crate::topology::Topology;
 pub struct Consumer {
     /// `amqp://` or `amqps://`; it may hold credentials, so it is never logged.
     url: String,
-    publisher: Arc<Publisher>,
+    publisher: Arc<HandoffPublisher>,
     config: ConsumerConfig,
     router: Router,
     hooks: Vec<Arc<dyn DynHook>>,
@@ -65,7 +65,7 @@ pub struct Consumer {
 pub struct Stats {
     ledger: Arc<Mutex<Ledger>>,
     ready: Arc<AtomicBool>,
-    publisher: Arc<Publisher>,
+    publisher: Arc<HandoffPublisher>,
 }
 
 impl Stats {
@@ -105,7 +105,7 @@ impl Consumer {
     pub fn new(url: impl Into<String>, config: ConsumerConfig, router: Router) -> Self {
         let ledger = Arc::new(Mutex::new(Ledger::new(config.unresolved_cap)));
         Self {
-            publisher: Arc::new(Publisher::new(&config.queue)),
+            publisher: Arc::new(HandoffPublisher::new(&config.queue)),
             url: url.into(),
             config,
             router,
@@ -212,16 +212,7 @@ impl Consumer {
     /// Not cancel safe: trigger `shutdown` instead of dropping the future, or in-flight
     /// deliveries lose their settlement authority unreported.
     pub async fn run(self, shutdown: Shutdown) -> Result<ShutdownReport, Error> {
-        self.config.validate()?;
-        if let Some(state) = self.router.missing_state() {
-            return Err(Error::Config(ConfigError {
-                field: "router",
-                problem: format!(
-                    "has a handler taking State<{state}> that Router::with_state never gave"
-                )
-                .into(),
-            }));
-        }
+        self.config.validate_for(&self.router)?;
         let endpoint = Endpoint::new(
             &self.url,
             &self.config.addresses,
@@ -337,7 +328,7 @@ const PUBLISHER_CLOSE: Duration = Duration::from_secs(1);
 const CLOSE_FLOOR: Duration = Duration::from_millis(100);
 
 /// Message ids whose requeues the consumer remembers (classic queues do not count them).
-const REQUEUE_MEMORY: usize = 10_000;
+pub(crate) const REQUEUE_MEMORY: usize = 10_000;
 
 /// Walks the shutdown phases and builds the report.
 async fn shut_down(

@@ -4,23 +4,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use lapin::BasicProperties;
 use lapin::message::Delivery;
-use lapin::types::ShortString;
-use lily_mq_core::machine::{
-    Action, Arrival, CopyOf, Delivery as Machine, HeldCopy, ScopeOpened, Verdict, replayed_from,
-};
+use lily_mq_core::machine::{Action, Arrival, CopyOf, Delivery as Machine, ScopeOpened, Verdict};
 use lily_mq_core::transport::{
-    Authority, BoxedHandler, Cause, DeliveryCancel, EntryId, Evidence, GateRejection, Handoff,
-    HandoffResult, Identity, IncomingParts, PropertiesView, SettleResult, as_text, as_u32, inspect,
-    is_token, not_utf8,
+    Authority, BoxedHandler, DeliveryCancel, EntryId, Evidence, Handoff, HandoffResult, Identity,
+    SettleResult,
 };
-use lily_mq_core::{Begin, Incoming, Lane, Limits, Meta, Outcome, Reason, Resources, headers};
+use lily_mq_core::{Begin, Lane, Meta, Outcome, Reason, Resources};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::crew::Settle;
-use crate::handoff::{FailureNote, copy_properties, destination, sanitized_properties};
+use crate::admit::{Admitted, CopyFacts, Raw, Source, admit};
+use crate::handoff::destination;
 use crate::pipeline;
 use crate::service::Shared;
 use crate::session::{Session, Settler};
@@ -83,111 +79,46 @@ async fn settle_delivery(
         // Settled on the session's channel instead: see `Session::settle`.
         acker: _,
     } = delivery;
-    let view = PropertiesView {
-        message_id: properties.message_id().as_ref().map(|s| s.as_str()),
-        kind: properties.kind().as_ref().map(|s| s.as_str()),
-        content_type: properties.content_type().as_ref().map(|s| s.as_str()),
-        headers: properties.headers().as_ref(),
-        not_utf8: not_utf8(&properties, &exchange, &routing_key),
+    let raw = Raw {
+        body: data,
+        properties,
+        exchange,
+        routing_key,
+        delivery_tag,
+        redelivered,
     };
     let limits = &shared.config.limits;
-    let (verdict, handler, attempt, schema_version, delivery_count) =
-        match inspect(&view, data.len(), limits) {
-            Ok(env) => {
-                let (verdict, handler) =
-                    match shared
-                        .router
-                        .dispatch(env.kind, env.schema_version, env.content_type)
-                    {
-                        Ok(handler) => (Verdict::Dispatched, Some(handler.clone())),
-                        Err(err) => (Verdict::Undispatched(err.reason().clone()), None),
-                    };
-                let (attempt, version, count) =
-                    (env.attempt, env.schema_version, env.delivery_count);
-                (verdict, handler, attempt, version, count)
-            }
-            Err(rejection) => {
-                let reason = match &rejection {
-                    GateRejection::Oversized { len } => Reason::new(format!(
-                        "body of {len} bytes is over the {} byte limit",
-                        limits.max_body_bytes
-                    )),
-                    GateRejection::Invalid(reason) => reason.clone(),
-                };
-                let delivery_count = view
-                    .headers
-                    .and_then(|h| h.inner().get(headers::DELIVERY_COUNT))
-                    .and_then(as_u32);
-                let verdict = Verdict::Refused { rejection, reason };
-                (verdict, None, 1, 1, delivery_count)
-            }
-        };
-    let refused = matches!(verdict, Verdict::Refused { .. });
-    // The gate already validated the id of a delivery it passed; a refused one is checked here.
-    let valid_id = if refused {
-        view.message_id
-            .filter(|id| is_token(id, limits.max_message_id_len))
-    } else {
-        view.message_id
-    };
+    let scoped = shared.scope.is_some();
+    let Admitted {
+        mut arrival,
+        source,
+        handler,
+    } = admit(raw, &shared.router, limits, &shared.queue, scoped);
+    let valid_id = source.message_id(limits);
     let identity = Identity {
         queue: Arc::clone(&shared.queue),
         message_id: valid_id.map(Box::from),
         delivery_tag,
-        attempt,
+        attempt: arrival.attempt,
         redelivered,
     };
     let span = info_span!(
         "delivery",
         queue = %shared.queue,
         message_id = valid_id.unwrap_or("-"),
-        attempt,
+        attempt = arrival.attempt,
         delivery_tag,
         outcome = tracing::field::Empty,
     );
-    let evidence = match verdict {
+    let evidence = match arrival.verdict {
         Verdict::Dispatched => Evidence::Dispatched,
         _ => Evidence::Received,
     };
     let entry = lock(&shared.books.ledger).open_at(identity, evidence);
-    let mut arrival = Arrival {
-        verdict,
-        attempt,
-        redelivered,
-        delivery_count,
-        // Only a redelivery can have been requeued.
-        local_requeues: valid_id.map(|id| {
-            if redelivered {
-                lock(&shared.books.requeues).get(id)
-            } else {
-                0
-            }
-        }),
-        scoped: shared.scope.is_some(),
-        held: view.headers.and_then(HeldCopy::from_headers),
-        replayed_from: view.headers.and_then(replayed_from),
-        redeliveries: None,
-    };
-    let source = if refused {
-        Source::Refused(Box::new(Refused {
-            body: data,
-            properties,
-            exchange,
-            routing_key,
-        }))
-    } else {
-        Source::Passed(Arc::new(Incoming::from_parts(IncomingParts {
-            body: data,
-            properties,
-            exchange,
-            routing_key,
-            queue: Arc::clone(&shared.queue),
-            delivery_tag,
-            redelivered,
-            attempt,
-            schema_version,
-        })))
-    };
+    // Only a redelivery can have been requeued.
+    if let (true, Some(id)) = (redelivered, valid_id) {
+        arrival.local_requeues = Some(lock(&shared.books.requeues).get(id));
+    }
     if let (true, Some(scope), Source::Passed(incoming), Verdict::Dispatched) =
         (redelivered, &shared.scope, &source, &arrival.verdict)
     {
@@ -208,46 +139,6 @@ async fn settle_delivery(
     work.run(arrival, &source, handler.as_ref())
         .instrument(span)
         .await;
-}
-
-/// The message as the handler and the copies see it.
-enum Source {
-    /// It passed the gate.
-    Passed(Arc<Incoming>),
-    /// The gate refused it: a copy carries only sanitized metadata.
-    Refused(Box<Refused>),
-}
-
-impl Source {
-    /// A text header of the message, if it has one.
-    fn header_text(&self, key: &str) -> Option<&str> {
-        let properties = match self {
-            Self::Passed(incoming) => incoming.properties(),
-            Self::Refused(refused) => &refused.properties,
-        };
-        as_text(properties.headers().as_ref()?.inner().get(key)?)
-    }
-
-    /// The message's valid id, if it has one: the key of its requeue count.
-    fn message_id(&self, limits: &Limits) -> Option<&str> {
-        match self {
-            Self::Passed(incoming) => Some(incoming.message_id()),
-            Self::Refused(refused) => refused
-                .properties
-                .message_id()
-                .as_ref()
-                .map(|s| s.as_str())
-                .filter(|id| is_token(id, limits.max_message_id_len)),
-        }
-    }
-}
-
-/// What a copy of a refused message is made from.
-struct Refused {
-    body: Vec<u8>,
-    properties: BasicProperties,
-    exchange: ShortString,
-    routing_key: ShortString,
 }
 
 struct Work<'a> {
@@ -442,48 +333,14 @@ impl Work<'_> {
         let Some(queue) = destination(&self.shared.topology, handoff.lane) else {
             return HandoffResult::Failed;
         };
-        let reason = match handoff.cause {
-            // A held copy's own reason goes on unchanged.
-            Cause::Held => source
-                .header_text(headers::REASON)
-                .map_or_else(|| reason.clone(), |text| Reason::new(text.to_owned())),
-            cause => Reason::new(format!("{}: {reason}", cause.as_str())),
-        };
-        let id = self.settler.next_handoff_id();
-        let note = FailureNote {
-            lane: handoff.lane,
-            kind: handoff.kind.map_or("rejected", |k| k.as_str()),
-            reason: &reason,
+        let facts = CopyFacts {
             source_queue: &self.shared.queue,
-            id,
+            id: self.settler.next_handoff_id(),
             at_millis: epoch_millis(),
+            limits: &self.shared.config.limits,
         };
-        let limits = &self.shared.config.limits;
-        let (body, properties) = match (copy, source) {
-            (CopyOf::Original, Source::Passed(incoming)) => {
-                (incoming.body(), copy_properties(incoming, &note))
-            }
-            (CopyOf::Sanitized, Source::Passed(incoming)) => (
-                incoming.body(),
-                sanitized_properties(
-                    incoming.properties(),
-                    incoming.exchange(),
-                    incoming.routing_key(),
-                    &note,
-                    limits,
-                ),
-            ),
-            (_, Source::Refused(refused)) => (
-                refused.body.as_slice(),
-                sanitized_properties(
-                    &refused.properties,
-                    refused.exchange.as_str(),
-                    refused.routing_key.as_str(),
-                    &note,
-                    limits,
-                ),
-            ),
-        };
+        let (body, properties) = source.copy(handoff, reason, copy, &facts);
+        let id = facts.id;
         self.settler
             .publish(&queue, id, body, properties, deadline)
             .await
@@ -542,7 +399,7 @@ fn jittered(longest: Duration) -> Duration {
 }
 
 /// Now, in milliseconds since the Unix epoch, for the copy's failure headers.
-fn epoch_millis() -> i64 {
+pub(crate) fn epoch_millis() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))

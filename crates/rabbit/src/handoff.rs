@@ -1,13 +1,120 @@
 //! What a handoff publishes: the destination of a lane and the properties of the copy, built
-//! from the note alone (its time included), so the same inputs always give the same copy. The
-//! [`Publisher`](crate::publisher::Publisher) publishes it and attributes the evidence.
+//! from the note alone (its time included), so the same inputs always give the same copy; and
+//! the [`HandoffPublisher`], which publishes copies on a [`Confirms`] pool of their own and
+//! attributes the evidence.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::Duration;
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lily_mq_core::transport::{HandoffId, as_u32, is_token};
+use lily_mq_core::transport::{HandoffId, HandoffResult, as_u32, is_token};
 use lily_mq_core::{Incoming, Lane, Reason, headers};
+use tracing::{info, warn};
 
+use crate::confirms::{Confirms, Role, Route};
+use crate::connect::Endpoint;
+use crate::sync::lock;
 use crate::topology::Topology;
+
+/// Publishes handoff copies to their lanes through the default exchange, and knows which lanes
+/// fail.
+#[derive(Debug)]
+pub(crate) struct HandoffPublisher {
+    confirms: Confirms,
+    queue: String,
+    /// The lanes whose latest handoff failed, by queue name, each with its `lily_lane_failing`
+    /// gauge.
+    failing: Mutex<BTreeMap<String, metrics::Gauge>>,
+}
+
+impl HandoffPublisher {
+    pub(crate) fn new(queue: &str) -> Self {
+        let role = Role {
+            name: "handoffs",
+            id_header: headers::HANDOFF_ID,
+            blocked_gauge: "lily_handoff_blocked",
+        };
+        Self {
+            confirms: Confirms::new(queue, role),
+            queue: queue.to_owned(),
+            failing: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// The lanes (queue names) whose latest handoff failed.
+    pub(crate) fn failing_lanes(&self) -> Vec<String> {
+        lock(&self.failing).keys().cloned().collect()
+    }
+
+    /// Whether the broker blocks the handoff connection (a resource alarm): handoffs wait.
+    pub(crate) fn blocked(&self) -> bool {
+        self.confirms.blocked()
+    }
+
+    /// See [`Confirms::warm`].
+    pub(crate) async fn warm(&self, endpoint: &Endpoint) -> lapin::Result<()> {
+        self.confirms.warm(endpoint).await
+    }
+
+    /// A fresh id for the next copy to carry in its headers.
+    pub(crate) fn next_id(&self) -> HandoffId {
+        self.confirms.next_id()
+    }
+
+    /// Publishes the copy `body` with `properties`, which carry `id` (from [`Self::next_id`]),
+    /// to `queue`; see [`Confirms::publish`].
+    pub(crate) async fn publish(
+        &self,
+        queue: &str,
+        id: HandoffId,
+        body: &[u8],
+        properties: BasicProperties,
+        deadline: Duration,
+    ) -> HandoffResult {
+        let result = match Route::new("", queue) {
+            Some(route) => {
+                let body = body.to_vec();
+                self.confirms
+                    .publish(route, id, body, properties, deadline)
+                    .await
+            }
+            None => HandoffResult::Failed,
+        };
+        self.record(queue, result);
+        result
+    }
+
+    /// See [`Confirms::close`].
+    pub(crate) async fn close(&self, within: Duration) {
+        self.confirms.close(within).await;
+    }
+
+    /// Records how the latest handoff to `lane` went. A blocked connection says nothing about
+    /// the lane: it has its own flag.
+    fn record(&self, lane: &str, result: HandoffResult) {
+        let mut failing = lock(&self.failing);
+        match result {
+            HandoffResult::Confirmed => {
+                if let Some(gauge) = failing.remove(lane) {
+                    gauge.set(0.0);
+                    info!(queue = %self.queue, lane, "handoffs to the lane succeed again");
+                }
+            }
+            HandoffResult::Blocked => {}
+            _ if failing.contains_key(lane) => {}
+            _ => {
+                let gauge = metrics::gauge!(
+                    "lily_lane_failing", "queue" => self.queue.clone(), "lane" => lane.to_owned()
+                );
+                gauge.set(1.0);
+                warn!(queue = %self.queue, lane, ?result, "handoffs to the lane fail");
+                failing.insert(lane.to_owned(), gauge);
+            }
+        }
+    }
+}
 
 /// Destination queue of a lane.
 pub(crate) fn destination(topology: &Topology, lane: Lane) -> Option<String> {

@@ -9,6 +9,7 @@
 //! shutdown whose [`ShutdownReport`](lily_mq_core::ShutdownReport) lists every delivery whose
 //! settlement is unresolved; [`emit`] writes it out.
 
+mod admit;
 mod config;
 mod connect;
 mod consumer;
@@ -19,6 +20,7 @@ mod handoff;
 #[cfg(feature = "health")]
 pub mod health;
 mod pipeline;
+mod confirms;
 mod publisher;
 pub mod replay;
 mod report;
@@ -26,12 +28,15 @@ mod service;
 mod session;
 mod shutdown;
 mod sync;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod topology;
 
 pub use config::ConsumerConfig;
 pub use connect::connect;
 pub use consumer::{Consumer, Stats};
 pub use error::{ConfigError, Error};
+pub use publisher::{Destination, HeaderValue, Outgoing, PUBLISH_ID, Published, Publisher, PublisherConfig};
 pub use report::{ReportSinks, emit};
 pub use shutdown::Shutdown;
 pub use topology::{LeaderLocator, QueueKind, Topology, TopologyMode};

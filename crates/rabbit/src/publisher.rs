@@ -1,571 +1,518 @@
-//! The handoff publisher: a connection of its own, and a few confirm channels that each carry
-//! one batch of copies at a time.
+//! [`Publisher`]: publishes messages a Lily consumer takes, and says what became of each.
 //!
-//! - **Own connection.** RabbitMQ blocks a publishing connection during a memory or disk alarm,
-//!   and lapin then writes nothing on it. Publishing copies on the consuming connection would
-//!   stall its ACKs, the `basic.qos` round trips that confirm them, `basic.cancel` and close.
-//! - **Batches.** Handoffs queue for [`WORKERS`] workers, each owning one confirm channel. A
-//!   worker takes every handoff waiting (up to [`MAX_BATCH`]), queues the copies back to back,
-//!   each carrying its [`HandoffId`], without waiting for one to be written before the next,
-//!   and awaits every confirm of the batch before it judges any of them with
-//!   [`attribute_batch`]: a return counts only against the copy whose id it carries, and an ACK
-//!   proves nothing until the whole batch is accounted for. While one worker waits for its
-//!   confirms, the others publish, so copies stream as a hand-tuned publisher's do and the
-//!   broker batches its confirms.
-//! - **Channel errors.** A channel error fails every copy of its batch that has no evidence yet
-//!   (their originals are requeued: at worst a copy exists twice). No copy is known to cause
-//!   one: what RabbitMQ checks per message (`user_id`, `expiration`, `CC`/`BCC`) is moved aside
-//!   on copies, publishing goes through the default exchange for every lane, and the broker's
-//!   `max_message_size` counts the body, which is the original's.
-//! - **Channels.** A channel whose batch was not accounted for in full (a timeout, a channel
-//!   error, a stray return) is dropped, and lapin closes it with its last handle, which also
-//!   discards the confirms it still kept for publishes nobody awaits any more; the worker opens
-//!   a new one for its next batch. So is a channel that was nacked: a quorum queue with
-//!   `overflow: reject-publish` tells each channel publishing to it that it is full, and
-//!   RabbitMQ may never tell that channel otherwise once the queue takes messages again
-//!   (rabbitmq-server#12206: a cleared `max-length` policy), so the lane would fail for good.
-//! - **Blocked.** While the broker blocks the connection, no batch publishes: it waits for the
-//!   unblock within its handoffs' deadline and otherwise fails them as
-//!   [`HandoffResult::Blocked`], so no copy lands later, after its original was requeued.
-//!   RabbitMQ only says a connection is blocked once it publishes during the alarm, and that
-//!   publish stays unread until the alarm clears. So when the connection has had no confirm for
-//!   [`PROBE_AFTER`], a batch first publishes a probe that RabbitMQ drops (not mandatory, to a
-//!   queue name no queue can have) and awaits its confirm: if an alarm started in the quiet, the
-//!   probe is what stays stuck, not a copy. Under a steady stream of handoffs their own confirms
-//!   are the evidence and no probe is sent; a copy published in the instant an alarm starts can
-//!   still be held by the broker, time out and land after its original was requeued.
+//! Every message is persistent and mandatory, published with a confirm on a connection of the
+//! publisher's own, and checked first against the gate of the consumer that will read it: what
+//! the gate would refuse is not published. Confirms are batched the way the handoff publisher
+//! batches them (see `confirms.rs`): four channels, each carrying a batch of back-to-back
+//! publishes whose confirms are awaited together, and a return counts only against the message
+//! whose publish id it carries.
 
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::task::Poll;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use futures_core::Stream;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::types::ShortString;
-use lapin::{BasicProperties, Channel, Confirmation, Connection, Event, PublisherConfirm};
-use lily_mq_core::transport::{Confirm, HandoffId, HandoffResult, attribute_batch};
-use tokio::sync::{mpsc, oneshot};
-use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lily_mq_core::transport::{HandoffId, HandoffResult, PropertiesView, inspect};
+use lily_mq_core::{Limits, Reason, headers};
+use serde::Serialize;
 
-use crate::connect::{Dialer, Endpoint};
-use crate::sync::lock;
+use crate::confirms::{Confirms, Role, Route};
+use crate::connect::Endpoint;
+use crate::error::{ConfigError, Error};
 
-/// Confirm channels publishing copies, one batch in flight on each.
-const WORKERS: usize = 4;
+/// The header a message carries its publish id in, so a `basic.return` is matched to the one
+/// message it concerns. The id is numbered per publisher and means nothing downstream.
+pub const PUBLISH_ID: &str = "x-lily-publish-id";
 
-/// The most copies one batch publishes.
-const MAX_BATCH: usize = 256;
-
-/// How often a batch waiting for the broker to unblock the connection looks again.
-const BLOCKED_POLL: Duration = Duration::from_millis(25);
-
-/// How long without a confirm on the connection before a batch probes it first.
-const PROBE_AFTER: Duration = Duration::from_millis(100);
-
-/// Routing key of the probe: RabbitMQ reserves `amq.` queue names, so nothing can route it.
-const PROBE_ROUTE: &str = "amq.lily.probe";
-
-/// One copy to publish.
-struct Copy {
-    queue: ShortString,
-    id: HandoffId,
-    body: Vec<u8>,
-    properties: BasicProperties,
-    until: Instant,
+/// What became of one message: the evidence of its publish.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Published {
+    /// The broker confirmed it and did not return it: a queue holds it.
+    Confirmed,
+    /// The broker returned it: no queue was bound for its route. It is not in any queue.
+    Returned,
+    /// The broker nacked it: it could not take it (a full quorum queue with `reject-publish`).
+    Nacked,
+    /// No confirm came within the publisher's timeout: it may or may not be in a queue.
+    TimedOut,
+    /// The broker blocked the connection (a resource alarm) for the whole timeout: it was not
+    /// published.
+    Blocked,
+    /// The publish or its confirm failed on the channel or the connection: it may or may not
+    /// be in a queue.
+    Failed,
+    /// The message breaks the consumer's gate (id, type, headers, body size) and was not
+    /// published. The reason never quotes the body.
+    Refused(Reason),
 }
 
-/// A copy, and where its result goes.
-struct Request {
-    copy: Copy,
-    reply: oneshot::Sender<HandoffResult>,
+impl Published {
+    /// Whether the broker confirmed the message into a queue.
+    pub fn is_confirmed(&self) -> bool {
+        *self == Self::Confirmed
+    }
+
+    /// Whether the message is certainly in no queue, so publishing it again cannot make a
+    /// duplicate.
+    pub fn is_absent(&self) -> bool {
+        matches!(
+            self,
+            Self::Returned | Self::Nacked | Self::Blocked | Self::Refused(_)
+        )
+    }
 }
 
-type Requests = Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<Request>>>;
-
-/// Publishes handoff copies on a connection of its own.
-pub(crate) struct Publisher {
-    link: Arc<Link>,
-    requests: mpsc::UnboundedSender<Request>,
-    /// Taken by the first [`Publisher::warm`], which starts the workers.
-    pending: Mutex<Option<mpsc::UnboundedReceiver<Request>>>,
-    closed: CancellationToken,
-    lanes: Lanes,
-}
-
-/// The lanes whose latest handoff failed, by queue name, each with its `lily_lane_failing`
-/// gauge.
-struct Lanes {
-    queue: String,
-    failing: Mutex<BTreeMap<String, metrics::Gauge>>,
-}
-
-impl Lanes {
-    /// Records how the latest handoff to `lane` went. A blocked connection says nothing about
-    /// the lane: it has its own flag.
-    fn record(&self, lane: &str, result: HandoffResult) {
-        let mut failing = lock(&self.failing);
+impl From<HandoffResult> for Published {
+    fn from(result: HandoffResult) -> Self {
         match result {
-            HandoffResult::Confirmed => {
-                if let Some(gauge) = failing.remove(lane) {
-                    gauge.set(0.0);
-                    info!(queue = %self.queue, lane, "handoffs to the lane succeed again");
-                }
-            }
-            HandoffResult::Blocked => {}
-            _ if failing.contains_key(lane) => {}
-            _ => {
-                let gauge = metrics::gauge!(
-                    "lily_lane_failing", "queue" => self.queue.clone(), "lane" => lane.to_owned()
-                );
-                gauge.set(1.0);
-                warn!(queue = %self.queue, lane, ?result, "handoffs to the lane fail");
-                failing.insert(lane.to_owned(), gauge);
-            }
+            HandoffResult::Confirmed => Self::Confirmed,
+            HandoffResult::Returned => Self::Returned,
+            HandoffResult::Nacked => Self::Nacked,
+            HandoffResult::TimedOut => Self::TimedOut,
+            HandoffResult::Blocked => Self::Blocked,
+            HandoffResult::Failed => Self::Failed,
         }
     }
 }
 
-/// The connection the workers share.
-struct Link {
-    /// Set by the first [`Publisher::warm`].
-    dialer: std::sync::OnceLock<Dialer>,
-    /// The current connection; replaced when it is lost.
-    current: Mutex<Option<Arc<Connection>>>,
-    /// Held while connecting, so the workers open one connection, not one each.
-    connecting: tokio::sync::Mutex<()>,
-    /// The next [`HandoffId`], counted for the consumer's life.
-    next_id: AtomicU64,
-    /// When the broker last confirmed a publish on the current connection: it was reading it.
-    last_confirm: Mutex<Option<Instant>>,
-    /// Whether the broker blocks the current connection, as its last notice said.
-    blocked: Arc<AtomicBool>,
-    /// Registered on first use, so a recorder installed after [`Publisher::new`] (by
-    /// `health::serve`, say) still gets it.
-    blocked_gauge: std::sync::OnceLock<metrics::Gauge>,
-    queue: String,
+/// Where a message goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Destination {
+    exchange: String,
+    routing_key: String,
 }
 
-impl Publisher {
-    pub(crate) fn new(queue: &str) -> Self {
-        let (requests, pending) = mpsc::unbounded_channel();
+impl Destination {
+    /// The queue `name`, through the default exchange.
+    pub fn queue(name: &str) -> Self {
         Self {
-            link: Arc::new(Link {
-                dialer: std::sync::OnceLock::new(),
-                current: Mutex::new(None),
-                connecting: tokio::sync::Mutex::new(()),
-                next_id: AtomicU64::new(0),
-                last_confirm: Mutex::new(None),
-                blocked: Arc::new(AtomicBool::new(false)),
-                blocked_gauge: std::sync::OnceLock::new(),
-                queue: queue.to_owned(),
-            }),
-            requests,
-            pending: Mutex::new(Some(pending)),
-            closed: CancellationToken::new(),
-            lanes: Lanes {
-                queue: queue.to_owned(),
-                failing: Mutex::new(BTreeMap::new()),
-            },
+            exchange: String::new(),
+            routing_key: name.to_owned(),
         }
     }
 
-    /// The lanes (queue names) whose latest handoff failed.
-    pub(crate) fn failing_lanes(&self) -> Vec<String> {
-        lock(&self.lanes.failing).keys().cloned().collect()
-    }
-
-    /// Whether the broker blocks the handoff connection (a resource alarm): handoffs wait.
-    pub(crate) fn blocked(&self) -> bool {
-        self.link.blocked.load(Ordering::Acquire)
-    }
-
-    /// Opens the connection ahead of the first handoff, so a broker that refuses it is known at
-    /// start, and the first time takes `endpoint`, which it dials on its own (the handoff
-    /// connection may land on another node than the consuming one), and starts the workers.
-    pub(crate) async fn warm(&self, endpoint: &Endpoint) -> lapin::Result<()> {
-        self.link
-            .dialer
-            .get_or_init(|| Dialer::new(endpoint.clone(), "handoffs"));
-        self.link.connection().await?;
-        if let Some(pending) = lock(&self.pending).take() {
-            let requests: Requests = Arc::new(tokio::sync::Mutex::new(pending));
-            for _ in 0..WORKERS {
-                tokio::spawn(work(
-                    Arc::clone(&self.link),
-                    Arc::clone(&requests),
-                    self.closed.clone(),
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// A fresh id for the next copy to carry in its headers.
-    pub(crate) fn next_id(&self) -> HandoffId {
-        HandoffId::new(self.link.next_id.fetch_add(1, Ordering::Relaxed))
-    }
-
-    /// Publishes the copy `body` with `properties`, which carry `id` (from [`Self::next_id`]),
-    /// to `queue` through the default exchange (mandatory, so a missing queue comes back as a
-    /// return) and awaits its confirm, all within `deadline`.
-    ///
-    /// # Cancel safety
-    /// Dropping the future leaves the copy to its worker, which publishes it and judges it
-    /// unobserved: the copy may exist. Callers bound the wait with `deadline` instead.
-    pub(crate) async fn publish(
-        &self,
-        queue: &str,
-        id: HandoffId,
-        body: &[u8],
-        properties: BasicProperties,
-        deadline: Duration,
-    ) -> HandoffResult {
-        let published = async {
-            let Ok(name) = ShortString::try_new(queue) else {
-                return HandoffResult::Failed;
-            };
-            let (reply, result) = oneshot::channel();
-            let copy = Copy {
-                queue: name,
-                id,
-                body: body.to_vec(),
-                properties,
-                until: Instant::now() + deadline,
-            };
-            if self.requests.send(Request { copy, reply }).is_err() {
-                return HandoffResult::Failed;
-            }
-            // A worker answers by its batch's deadline, at most shortly after this copy's own
-            // (a copy whose deadline passed while it waited for a worker fails at once,
-            // unpublished); the worker is gone only once the publisher closed.
-            result.await.unwrap_or(HandoffResult::Failed)
-        };
-        let result = published.await;
-        self.lanes.record(queue, result);
-        result
-    }
-
-    /// Stops the workers and closes the connection, waiting at most `within`: a blocked
-    /// connection writes nothing, not even its close.
-    pub(crate) async fn close(&self, within: Duration) {
-        self.closed.cancel();
-        let Some(connection) = lock(&self.link.current).take() else {
-            return;
-        };
-        let closing = connection.close(200, "lily shutdown".into());
-        if tokio::time::timeout(within, closing).await.is_err() {
-            warn!("handoff connection did not close in time; dropping it");
+    /// The exchange `name`, with `routing_key`.
+    pub fn exchange(name: &str, routing_key: &str) -> Self {
+        Self {
+            exchange: name.to_owned(),
+            routing_key: routing_key.to_owned(),
         }
     }
 }
 
-impl std::fmt::Debug for Publisher {
-    // Not derived: the endpoint's URL may carry credentials.
+/// A message to publish: body, `message_id`, `type`, `schema-version` header and content type,
+/// and any further headers.
+///
+/// ```
+/// use lily_mq_rabbit::Outgoing;
+///
+/// #[derive(serde::Serialize)]
+/// struct OrderPlaced { order_id: String, quantity: u32 }
+///
+/// let order = OrderPlaced { order_id: "o-17".into(), quantity: 2 };
+/// let message = Outgoing::json("order.placed", "o-17", &order)?
+///     .schema_version(2)
+///     .header("tenant", "acme");
+/// assert_eq!(message.message_id(), "o-17");
+/// # Ok::<(), serde_json::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Outgoing {
+    body: Vec<u8>,
+    message_id: String,
+    kind: String,
+    content_type: String,
+    schema_version: u32,
+    headers: Vec<(String, AMQPValue)>,
+}
+
+impl Outgoing {
+    /// `value` as JSON (`application/json`), of type `kind`, with id `message_id`, schema
+    /// version 1.
+    ///
+    /// # Errors
+    /// `value` does not serialize (a map with keys that are not strings, say).
+    pub fn json<T: Serialize + ?Sized>(
+        kind: &str,
+        message_id: &str,
+        value: &T,
+    ) -> Result<Self, serde_json::Error> {
+        let body = serde_json::to_vec(value)?;
+        Ok(Self::bytes(kind, message_id, "application/json", body))
+    }
+
+    /// `body` as it is, of type `kind` and `content_type`, with id `message_id`, schema
+    /// version 1.
+    pub fn bytes(kind: &str, message_id: &str, content_type: &str, body: Vec<u8>) -> Self {
+        Self {
+            body,
+            message_id: message_id.to_owned(),
+            kind: kind.to_owned(),
+            content_type: content_type.to_owned(),
+            schema_version: 1,
+            headers: Vec::new(),
+        }
+    }
+
+    /// Sets the `schema-version` header (1 unless set).
+    #[must_use]
+    pub fn schema_version(mut self, version: u32) -> Self {
+        self.schema_version = version;
+        self
+    }
+
+    /// Adds a header; a header of the same key is replaced.
+    #[must_use]
+    pub fn header(mut self, key: &str, value: impl Into<HeaderValue>) -> Self {
+        self.headers.retain(|(k, _)| k != key);
+        self.headers.push((key.to_owned(), value.into().0));
+        self
+    }
+
+    /// The `message_id`.
+    pub fn message_id(&self) -> &str {
+        &self.message_id
+    }
+
+    /// The body.
+    pub fn body(&self) -> &[u8] {
+        &self.body
+    }
+
+    /// The properties to publish with, or why the consumer's gate would refuse the message.
+    fn properties(&self, id: HandoffId, limits: &Limits) -> Result<BasicProperties, Reason> {
+        let short = |what: &str, text: &str| {
+            ShortString::try_new(text).map_err(|_| Reason::new(format!("{what} is over 255 bytes")))
+        };
+        let mut table = FieldTable::default();
+        for (key, value) in &self.headers {
+            if key.starts_with("x-lily-") || key == headers::SCHEMA_VERSION {
+                return Err(Reason::new(format!(
+                    "header {key:?} is Lily's own; set it through Outgoing's methods"
+                )));
+            }
+            table.insert(short("a header key", key)?, value.clone());
+        }
+        table.insert(
+            headers::SCHEMA_VERSION.into(),
+            AMQPValue::LongUInt(self.schema_version),
+        );
+        let view = PropertiesView {
+            message_id: Some(&self.message_id),
+            kind: Some(&self.kind),
+            content_type: Some(&self.content_type),
+            headers: Some(&table),
+            not_utf8: None,
+        };
+        if let Err(rejection) = inspect(&view, self.body.len(), limits) {
+            return Err(rejection.reason(limits));
+        }
+        table.insert(PUBLISH_ID.into(), id.header_value());
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        Ok(BasicProperties::default()
+            .with_message_id(short("message_id", &self.message_id)?)
+            .with_type(short("type", &self.kind)?)
+            .with_content_type(short("content_type", &self.content_type)?)
+            .with_delivery_mode(2)
+            .with_timestamp(now)
+            .with_headers(table))
+    }
+}
+
+impl std::fmt::Debug for Outgoing {
+    // Not derived: the body and header values are the application's, never logged.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Publisher")
-            .field("blocked", &self.blocked())
+        f.debug_struct("Outgoing")
+            .field("message_id", &self.message_id)
+            .field("kind", &self.kind)
+            .field("schema_version", &self.schema_version)
+            .field("body_len", &self.body.len())
+            .field(
+                "headers",
+                &self.headers.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+/// A header value: text, a number, a flag, or any AMQP value.
+#[derive(Clone, Debug)]
+pub struct HeaderValue(pub(crate) AMQPValue);
+
+impl From<&str> for HeaderValue {
+    fn from(text: &str) -> Self {
+        Self(AMQPValue::LongString(text.into()))
+    }
+}
+
+impl From<String> for HeaderValue {
+    fn from(text: String) -> Self {
+        Self(AMQPValue::LongString(text.into()))
+    }
+}
+
+impl From<i64> for HeaderValue {
+    fn from(n: i64) -> Self {
+        Self(AMQPValue::LongLongInt(n))
+    }
+}
+
+impl From<bool> for HeaderValue {
+    fn from(flag: bool) -> Self {
+        Self(AMQPValue::Boolean(flag))
+    }
+}
+
+impl From<AMQPValue> for HeaderValue {
+    fn from(value: AMQPValue) -> Self {
+        Self(value)
+    }
+}
+
+/// How a [`Publisher`] connects and how long it waits.
+#[derive(Clone)]
+pub struct PublisherConfig {
+    name: String,
+    tls_ca_pem: Option<String>,
+    addresses: Vec<String>,
+    confirm_timeout: Duration,
+    connect_timeout: Duration,
+    limits: Limits,
+}
+
+impl Default for PublisherConfig {
+    fn default() -> Self {
+        Self {
+            name: "app".to_owned(),
+            tls_ca_pem: None,
+            addresses: Vec::new(),
+            confirm_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(5),
+            limits: Limits::default(),
+        }
+    }
+}
+
+impl PublisherConfig {
+    /// The name in the connection's name `lily:<name>:publisher` and in the
+    /// `lily_publisher_blocked{queue=<name>}` gauge (`app` unless set).
+    #[must_use]
+    pub fn name(mut self, name: &str) -> Self {
+        name.clone_into(&mut self.name);
+        self
+    }
+
+    /// PEM certificates to trust for `amqps://` besides the system roots.
+    #[must_use]
+    pub fn tls_ca_pem(mut self, pem: String) -> Self {
+        self.tls_ca_pem = Some(pem);
+        self
+    }
+
+    /// Further nodes (`host` or `host:port`) to try when the URL's own does not answer.
+    #[must_use]
+    pub fn addresses(mut self, addresses: Vec<String>) -> Self {
+        self.addresses = addresses;
+        self
+    }
+
+    /// How long one publish may wait for its confirm, from the call (10 s unless set).
+    #[must_use]
+    pub fn confirm_timeout(mut self, timeout: Duration) -> Self {
+        self.confirm_timeout = timeout;
+        self
+    }
+
+    /// How long one node may take to connect (5 s unless set).
+    #[must_use]
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// The gate limits of the consumers that read what this publisher sends
+    /// ([`Limits::default`] unless set): a message that breaks them is refused unpublished.
+    #[must_use]
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+}
+
+impl std::fmt::Debug for PublisherConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PublisherConfig")
+            .field("name", &self.name)
+            .field("tls_ca_pem", &self.tls_ca_pem.is_some())
+            .field("addresses", &self.addresses)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .field("connect_timeout", &self.connect_timeout)
             .finish_non_exhaustive()
     }
 }
 
-/// A worker: takes every waiting request (up to [`MAX_BATCH`]), publishes them as one batch on
-/// its channel and answers each, until the publisher closes.
-async fn work(link: Arc<Link>, requests: Requests, closed: CancellationToken) {
-    let mut channel = None;
-    loop {
-        let batch = {
-            let mut requests = tokio::select! {
-                guard = requests.lock() => guard,
-                () = closed.cancelled() => return,
-            };
-            let first = tokio::select! {
-                request = requests.recv() => request,
-                () = closed.cancelled() => return,
-            };
-            let Some(first) = first else { return };
-            let mut batch = vec![first];
-            while batch.len() < MAX_BATCH {
-                match requests.try_recv() {
-                    Ok(request) => batch.push(request),
-                    Err(_) => break,
-                }
-            }
-            batch
-        };
-        // A copy whose deadline passed while it waited for a worker is not published at all.
-        let now = Instant::now();
-        let (expired, batch): (Vec<_>, Vec<_>) =
-            batch.into_iter().partition(|r| r.copy.until <= now);
-        for request in expired {
-            let _ = request.reply.send(link.timed_out());
-        }
-        if batch.is_empty() {
-            continue;
-        }
-        let (copies, replies): (Vec<_>, Vec<_>) =
-            batch.into_iter().map(|r| (r.copy, r.reply)).unzip();
-        let results = link.publish_batch(&mut channel, copies).await;
-        for (reply, result) in replies.into_iter().zip(results) {
-            let _ = reply.send(result);
-        }
-    }
+/// Publishes messages a Lily consumer takes, each persistent and mandatory with a publisher
+/// confirm, and returns the evidence of each: [`Published`]. It never logs bodies.
+///
+/// Calls may run concurrently (the publisher is `Sync`; share it in an `Arc`): concurrent
+/// publishes are batched onto four confirm channels, so many small publishes in flight cost
+/// about what one batch does. The connection is opened again when it is lost.
+///
+/// ```no_run
+/// use lily_mq_rabbit::{Destination, Outgoing, Published, Publisher};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let publisher = Publisher::connect("amqp://127.0.0.1:5672/%2f").await?;
+/// let orders = Destination::queue("orders");
+/// let message = Outgoing::json("order.placed", "o-17", &serde_json::json!({"quantity": 2}))?;
+/// match publisher.publish(&orders, message).await {
+///     Published::Confirmed => {}
+///     other if other.is_absent() => eprintln!("not published: {other:?}"),
+///     other => eprintln!("unknown, publish again (the consumer deduplicates): {other:?}"),
+/// }
+/// publisher.close().await;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct Publisher {
+    confirms: Confirms,
+    config: PublisherConfig,
 }
 
-impl Link {
-    /// Publishes `copies` back to back on `slot`'s channel (a new one if there is none), awaits
-    /// every confirm by the earliest deadline and judges the batch. The channel goes back into
-    /// `slot` only when the batch was accounted for in full.
-    async fn publish_batch(
-        &self,
-        slot: &mut Option<Channel>,
-        copies: Vec<Copy>,
-    ) -> Vec<HandoffResult> {
-        let until = copies
-            .iter()
-            .map(|c| c.until)
-            .min()
-            .unwrap_or_else(Instant::now);
-        let all = |result| vec![result; copies.len()];
-        let channel = match tokio::time::timeout_at(until, self.channel(slot)).await {
-            Ok(Ok(channel)) => channel,
-            Ok(Err(_)) => return all(HandoffResult::Failed),
-            Err(_) => return all(self.timed_out()),
-        };
-        if lock(&self.last_confirm).is_none_or(|at| at.elapsed() > PROBE_AFTER) {
-            // The channel is dropped (and closed) unless the probe was confirmed.
-            match tokio::time::timeout_at(until, probe(&channel)).await {
-                Ok(Ok(())) => self.confirmed(),
-                Ok(Err(_)) => return all(HandoffResult::Failed),
-                Err(_) => return all(self.timed_out()),
-            }
-        }
-        let ids: Vec<HandoffId> = copies.iter().map(|copy| copy.id).collect();
-        let confirms = publish_all(&channel, copies, until).await;
-        let mut members = Vec::with_capacity(ids.len());
-        let mut returned = Vec::new();
-        for (id, confirm) in ids.into_iter().zip(confirms) {
-            let seen = match confirm {
-                Err(seen) => seen,
-                // Past the deadline this still takes a confirm that has arrived.
-                Ok(confirm) => match tokio::time::timeout_at(until, confirm).await {
-                    Err(_) => Confirm::TimedOut,
-                    Ok(Err(_) | Ok(Confirmation::NotRequested)) => Confirm::Failed,
-                    Ok(Ok(Confirmation::Ack(message))) => {
-                        returned.extend(message.map(|m| returned_id(&m)));
-                        Confirm::Ack
-                    }
-                    Ok(Ok(Confirmation::Nack(message))) => {
-                        returned.extend(message.map(|m| returned_id(&m)));
-                        Confirm::Nack
-                    }
-                },
-            };
-            members.push((id, seen));
-        }
-        let verdict = attribute_batch(&members, &returned);
-        if verdict.channel_clean {
-            self.confirmed();
-            let nacked = members.iter().any(|(_, seen)| *seen == Confirm::Nack);
-            if channel.status().connected() && !nacked {
-                *slot = Some(channel);
-            }
-        }
-        // Otherwise the channel is dropped here, and lapin closes it with its last handle,
-        // discarding whatever it still kept for it.
-        let blocked = self.blocked();
-        verdict
-            .results
-            .into_iter()
-            .map(|r| match r {
-                HandoffResult::TimedOut if blocked => HandoffResult::Blocked,
-                r => r,
+impl Publisher {
+    /// Connects to `url` with [`PublisherConfig::default`].
+    ///
+    /// # Errors
+    /// See [`Publisher::connect_with`].
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        Self::connect_with(url, PublisherConfig::default()).await
+    }
+
+    /// Connects to `url` (or one of the further addresses) with `config`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the URL or an address does not parse or a timeout is zero,
+    /// [`Error::Refused`] when the broker refused the credentials or the virtual host,
+    /// [`Error::Connect`] when no node answered.
+    pub async fn connect_with(url: &str, config: PublisherConfig) -> Result<Self, Error> {
+        let refuse = |field, problem: &'static str| {
+            Error::Config(ConfigError {
+                field,
+                problem: problem.into(),
             })
-            .collect()
-    }
-
-    /// A wait that ran out: blocked if the broker said so meanwhile.
-    fn timed_out(&self) -> HandoffResult {
-        if self.blocked() {
-            HandoffResult::Blocked
-        } else {
-            HandoffResult::TimedOut
+        };
+        if config.confirm_timeout.is_zero() {
+            return Err(refuse("confirm_timeout", "must be positive"));
         }
-    }
-
-    fn blocked(&self) -> bool {
-        self.blocked.load(Ordering::Acquire)
-    }
-
-    fn confirmed(&self) {
-        *lock(&self.last_confirm) = Some(Instant::now());
-    }
-
-    /// `slot`'s channel if it is still open, or a new one; waits while the broker blocks the
-    /// connection.
-    async fn channel(&self, slot: &mut Option<Channel>) -> lapin::Result<Channel> {
-        loop {
-            let connection = self.connection().await?;
-            if connection.status().blocked() {
-                tokio::time::sleep(BLOCKED_POLL).await;
-                continue;
+        if config.connect_timeout.is_zero() {
+            return Err(refuse("connect_timeout", "must be positive"));
+        }
+        let endpoint = Endpoint::new(
+            url,
+            &config.addresses,
+            config.tls_ca_pem.clone(),
+            &config.name,
+            config.connect_timeout,
+        )
+        .map_err(|e| match e {
+            crate::connect::EndpointError::Url => {
+                refuse("url", "does not parse as amqp:// or amqps://")
             }
-            // A channel of a lost connection is closed; it is simply dropped.
-            return match slot.take().filter(|c| c.status().connected()) {
-                Some(channel) => Ok(channel),
-                None => confirm_channel(&connection).await,
-            };
-        }
-    }
-
-    /// The current connection, opened again when it was lost.
-    async fn connection(&self) -> lapin::Result<Arc<Connection>> {
-        if let Some(connection) = self.open() {
-            return Ok(connection);
-        }
-        let _connecting = self.connecting.lock().await;
-        if let Some(connection) = self.open() {
-            return Ok(connection);
-        }
-        let dialer = self.dialer.get().ok_or_else(|| {
-            lapin::Error::from(std::io::Error::other(
-                "the handoff publisher was not started",
-            ))
+            crate::connect::EndpointError::Address => {
+                refuse("addresses", "an address is not host or host:port")
+            }
         })?;
-        let connection = Arc::new(dialer.connect().await?);
-        *lock(&self.last_confirm) = None;
-        self.blocked.store(false, Ordering::Release);
-        let gauge = self
-            .blocked_gauge
-            .get_or_init(|| metrics::gauge!("lily_handoff_blocked", "queue" => self.queue.clone()));
-        gauge.set(0.0);
-        tokio::spawn(watch_blocked(
-            connection.events_listener(),
-            Arc::clone(&self.blocked),
-            gauge.clone(),
-        ));
-        *lock(&self.current) = Some(Arc::clone(&connection));
-        Ok(connection)
-    }
-
-    fn open(&self) -> Option<Arc<Connection>> {
-        lock(&self.current)
-            .as_ref()
-            .filter(|c| c.status().connected())
-            .cloned()
-    }
-}
-
-/// Follows the broker's `connection.blocked` and `connection.unblocked` notices for logs,
-/// the `lily_handoff_blocked` gauge and [`Publisher::blocked`], until the connection is gone.
-async fn watch_blocked(
-    events: impl Stream<Item = Event> + Send + 'static,
-    blocked: Arc<AtomicBool>,
-    gauge: metrics::Gauge,
-) {
-    let mut events = std::pin::pin!(events);
-    while let Some(event) = std::future::poll_fn(|cx| events.as_mut().poll_next(cx)).await {
-        match event {
-            Event::ConnectionBlocked(reason) => {
-                // The reason is the broker's own text (for example "low on memory").
-                warn!(%reason, "broker blocked the handoff connection; handoffs wait");
-                blocked.store(true, Ordering::Release);
-                gauge.set(1.0);
-            }
-            Event::ConnectionUnblocked => {
-                info!("broker unblocked the handoff connection");
-                blocked.store(false, Ordering::Release);
-                gauge.set(0.0);
-            }
-            Event::Error(_) => break,
-            _ => {}
+        let role = Role {
+            name: "publisher",
+            id_header: PUBLISH_ID,
+            blocked_gauge: "lily_publisher_blocked",
+        };
+        let confirms = Confirms::new(&config.name, role);
+        if let Err(source) = confirms.warm(&endpoint).await {
+            return Err(if crate::connect::refused(&source) {
+                Error::Refused {
+                    queue: config.name.clone(),
+                    source,
+                }
+            } else {
+                Error::Connect {
+                    node: endpoint.display(),
+                    source,
+                }
+            });
         }
+        Ok(Self { confirms, config })
+    }
+
+    /// Publishes `message` to `to` and waits for its evidence, at most the confirm timeout.
+    ///
+    /// # Cancel safety
+    /// Dropping the future does not withdraw the message: it may still be published.
+    pub async fn publish(&self, to: &Destination, message: Outgoing) -> Published {
+        let Some(route) = Route::new(&to.exchange, &to.routing_key) else {
+            return Published::Refused(Reason::new("exchange or routing key over 255 bytes"));
+        };
+        let id = self.confirms.next_id();
+        let properties = match message.properties(id, &self.config.limits) {
+            Ok(properties) => properties,
+            Err(reason) => return Published::Refused(reason),
+        };
+        let deadline = self.config.confirm_timeout;
+        self.confirms
+            .publish(route, id, message.body, properties, deadline)
+            .await
+            .into()
+    }
+
+    /// Publishes every message to `to`, concurrently, and returns their evidence in order.
+    pub async fn publish_all(
+        &self,
+        to: &Destination,
+        messages: impl IntoIterator<Item = Outgoing>,
+    ) -> Vec<Published> {
+        let publishes: Vec<_> = messages
+            .into_iter()
+            .map(|message| Box::pin(self.publish(to, message)))
+            .collect();
+        join_all(publishes).await
+    }
+
+    /// Whether the broker blocks the publisher's connection (a resource alarm): publishes wait,
+    /// and end [`Published::Blocked`] if it lasts their whole timeout.
+    pub fn blocked(&self) -> bool {
+        self.confirms.blocked()
+    }
+
+    /// Closes the connection, waiting at most the confirm timeout. Publishes still waiting end
+    /// [`Published::Failed`].
+    pub async fn close(self) {
+        self.confirms.close(self.config.confirm_timeout).await;
     }
 }
 
-/// Publishes `copies` on `channel` back to back, in order, without waiting for one to be
-/// written before the next is queued (lapin numbers a publish and queues its frames when it is
-/// first polled, then waits for its I/O thread to write them). Each ends in its confirm to
-/// await, or in why there is none.
-async fn publish_all(
-    channel: &Channel,
-    copies: Vec<Copy>,
-    until: Instant,
-) -> Vec<Result<PublisherConfirm, Confirm>> {
-    let mut publishes: Vec<_> = copies
-        .into_iter()
-        .map(|copy| {
-            Box::pin(async move {
-                channel
-                    .basic_publish(
-                        ShortString::from(""),
-                        copy.queue,
-                        BasicPublishOptions {
-                            mandatory: true,
-                            immediate: false,
-                        },
-                        &copy.body,
-                        copy.properties,
-                    )
-                    .await
-            })
-        })
-        .collect();
-    let mut done: Vec<Option<Result<PublisherConfirm, Confirm>>> = std::iter::repeat_with(|| None)
-        .take(publishes.len())
-        .collect();
-    // Polled in order, so the first round numbers and queues them in order.
-    let all = std::future::poll_fn(|cx| {
+/// Awaits every future, polling all of them on each wake, and returns their outputs in order.
+async fn join_all<F: Future + Unpin>(mut futures: Vec<F>) -> Vec<F::Output> {
+    let mut done: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
         let mut pending = false;
-        for (publish, slot) in publishes.iter_mut().zip(done.iter_mut()) {
-            if slot.is_some() {
-                continue;
-            }
-            match publish.as_mut().poll(cx) {
-                Poll::Ready(result) => *slot = Some(result.map_err(|_| Confirm::Failed)),
-                Poll::Pending => pending = true,
+        for (future, slot) in futures.iter_mut().zip(done.iter_mut()) {
+            if slot.is_none() {
+                match std::pin::Pin::new(&mut *future).poll(cx) {
+                    std::task::Poll::Ready(output) => *slot = Some(output),
+                    std::task::Poll::Pending => pending = true,
+                }
             }
         }
         if pending {
-            Poll::Pending
+            std::task::Poll::Pending
         } else {
-            Poll::Ready(())
+            std::task::Poll::Ready(())
         }
-    });
-    // A publish not written by the deadline may still be: its handoff timed out.
-    let _ = tokio::time::timeout_at(until, all).await;
+    })
+    .await;
     done.into_iter()
-        .map(|slot| slot.unwrap_or(Err(Confirm::TimedOut)))
+        .map(|slot| slot.expect("every future is ready"))
         .collect()
-}
-
-/// The handoff id a returned copy carries (`None`: none, so not one of Lily's copies).
-fn returned_id(message: &lapin::message::BasicReturnMessage) -> Option<HandoffId> {
-    HandoffId::from_headers(message.delivery.properties.headers().as_ref())
-}
-
-/// Publishes a probe that RabbitMQ confirms and drops, and awaits the confirm.
-async fn probe(channel: &Channel) -> lapin::Result<()> {
-    channel
-        .basic_publish(
-            ShortString::from(""),
-            ShortString::from(PROBE_ROUTE),
-            BasicPublishOptions::default(),
-            &[],
-            BasicProperties::default(),
-        )
-        .await?
-        .await
-        .map(drop)
-}
-
-async fn confirm_channel(connection: &Connection) -> lapin::Result<Channel> {
-    let channel = connection.create_channel().await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
-    Ok(channel)
 }

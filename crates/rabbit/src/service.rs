@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::ConsumerConfig;
 use crate::connect::Dialer;
-use crate::publisher::Publisher;
+use crate::handoff::HandoffPublisher;
 use crate::topology::Topology;
 
 /// Everything the sessions and delivery tasks share: the service's fixed setup, its books, its
@@ -20,7 +20,7 @@ use crate::topology::Topology;
 pub(crate) struct Shared {
     /// Dials the consuming connection.
     pub(crate) dialer: Dialer,
-    pub(crate) publisher: Arc<Publisher>,
+    pub(crate) publisher: Arc<HandoffPublisher>,
     pub(crate) config: ConsumerConfig,
     pub(crate) router: Router,
     pub(crate) hooks: Vec<Arc<dyn DynHook>>,

@@ -1,6 +1,6 @@
 //! The consuming connection: topology, the consuming channel, the consume loop and the round
 //! trips that confirm ACKs. Handoffs publish on a connection of their own (see
-//! [`Publisher`]).
+//! [`HandoffPublisher`]).
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -24,7 +24,7 @@ use tracing::{debug, info, warn};
 use crate::connect::refused;
 use crate::crew::Crew;
 use crate::error::Error;
-use crate::publisher::Publisher;
+use crate::handoff::HandoffPublisher;
 use crate::service::Shared;
 use crate::sync::lock;
 use crate::topology::TopologyMode;
@@ -51,7 +51,7 @@ pub(crate) struct Session {
 /// handoff connection. Nothing is written once authority is revoked.
 pub(crate) struct Settler<'a> {
     session: &'a Session,
-    publisher: &'a Publisher,
+    publisher: &'a HandoffPublisher,
     revoked: &'a CancellationToken,
     delivery_tag: u64,
 }
@@ -102,7 +102,7 @@ impl Settler<'_> {
         self.publisher.next_id()
     }
 
-    /// Publishes a copy carrying `id` to `queue`; see [`Publisher::publish`].
+    /// Publishes a copy carrying `id` to `queue`; see [`HandoffPublisher::publish`].
     pub(crate) async fn publish(
         &self,
         queue: &str,
@@ -136,7 +136,7 @@ impl Session {
     pub(crate) fn settler<'a>(
         &'a self,
         delivery_tag: u64,
-        publisher: &'a Publisher,
+        publisher: &'a HandoffPublisher,
         revoked: &'a CancellationToken,
     ) -> Settler<'a> {
         Settler {

@@ -1,0 +1,222 @@
+//! A delivery before and after the gate: what the consumer and [`testing`](crate::testing) both
+//! build the machine's [`Arrival`] from, and the copy a handoff publishes.
+
+use std::sync::Arc;
+
+use lapin::BasicProperties;
+use lapin::types::ShortString;
+use lily_mq_core::machine::{Arrival, CopyOf, HeldCopy, Verdict, replayed_from};
+use lily_mq_core::transport::{
+    BoxedHandler, Cause, Handoff, HandoffId, IncomingParts, PropertiesView, as_text, as_u32,
+    inspect, is_token, not_utf8,
+};
+use lily_mq_core::{Incoming, Limits, Reason, Router, headers};
+
+use crate::handoff::{FailureNote, copy_properties, sanitized_properties};
+
+/// A delivery as the broker handed it over.
+pub(crate) struct Raw {
+    pub(crate) body: Vec<u8>,
+    pub(crate) properties: BasicProperties,
+    pub(crate) exchange: ShortString,
+    pub(crate) routing_key: ShortString,
+    pub(crate) delivery_tag: u64,
+    pub(crate) redelivered: bool,
+}
+
+/// What the gate and dispatch made of a delivery.
+pub(crate) struct Admitted {
+    /// What the machine starts from. Its `local_requeues` is 0 for a valid id (`None`
+    /// otherwise) and `redeliveries` is `None`: the consumer fills in what its books and scope
+    /// know.
+    pub(crate) arrival: Arrival,
+    pub(crate) source: Source,
+    pub(crate) handler: Option<BoxedHandler>,
+}
+
+/// Runs the gate over `raw` and, if it passes, dispatches it through `router`.
+pub(crate) fn admit(
+    raw: Raw,
+    router: &Router,
+    limits: &Limits,
+    queue: &Arc<str>,
+    scoped: bool,
+) -> Admitted {
+    let Raw {
+        body,
+        properties,
+        exchange,
+        routing_key,
+        delivery_tag,
+        redelivered,
+    } = raw;
+    let view = PropertiesView {
+        message_id: properties.message_id().as_ref().map(|s| s.as_str()),
+        kind: properties.kind().as_ref().map(|s| s.as_str()),
+        content_type: properties.content_type().as_ref().map(|s| s.as_str()),
+        headers: properties.headers().as_ref(),
+        not_utf8: not_utf8(&properties, &exchange, &routing_key),
+    };
+    let (verdict, handler, attempt, schema_version, delivery_count) =
+        match inspect(&view, body.len(), limits) {
+            Ok(env) => {
+                let (verdict, handler) =
+                    match router.dispatch(env.kind, env.schema_version, env.content_type) {
+                        Ok(handler) => (Verdict::Dispatched, Some(handler.clone())),
+                        Err(err) => (Verdict::Undispatched(err.reason().clone()), None),
+                    };
+                let (attempt, version, count) =
+                    (env.attempt, env.schema_version, env.delivery_count);
+                (verdict, handler, attempt, version, count)
+            }
+            Err(rejection) => {
+                let reason = rejection.reason(limits);
+                let delivery_count = view
+                    .headers
+                    .and_then(|h| h.inner().get(headers::DELIVERY_COUNT))
+                    .and_then(as_u32);
+                let verdict = Verdict::Refused { rejection, reason };
+                (verdict, None, 1, 1, delivery_count)
+            }
+        };
+    let refused = matches!(verdict, Verdict::Refused { .. });
+    let arrival = Arrival {
+        verdict,
+        attempt,
+        redelivered,
+        delivery_count,
+        local_requeues: None,
+        scoped,
+        held: view.headers.and_then(HeldCopy::from_headers),
+        replayed_from: view.headers.and_then(replayed_from),
+        redeliveries: None,
+    };
+    let source = if refused {
+        Source::Refused(Box::new(Refused {
+            body,
+            properties,
+            exchange,
+            routing_key,
+        }))
+    } else {
+        Source::Passed(Arc::new(Incoming::from_parts(IncomingParts {
+            body,
+            properties,
+            exchange,
+            routing_key,
+            queue: Arc::clone(queue),
+            delivery_tag,
+            redelivered,
+            attempt,
+            schema_version,
+        })))
+    };
+    let mut admitted = Admitted {
+        arrival,
+        source,
+        handler,
+    };
+    // The key of its requeue count: none without a valid id.
+    admitted.arrival.local_requeues = admitted.source.message_id(limits).map(|_| 0);
+    admitted
+}
+
+/// The message as the handler and the copies see it.
+pub(crate) enum Source {
+    /// It passed the gate.
+    Passed(Arc<Incoming>),
+    /// The gate refused it: a copy carries only sanitized metadata.
+    Refused(Box<Refused>),
+}
+
+/// What a copy of a refused message is made from.
+pub(crate) struct Refused {
+    body: Vec<u8>,
+    properties: BasicProperties,
+    exchange: ShortString,
+    routing_key: ShortString,
+}
+
+/// What a handoff's copy says, besides what the machine chose.
+pub(crate) struct CopyFacts<'a> {
+    /// The work queue the original came from.
+    pub(crate) source_queue: &'a str,
+    pub(crate) id: HandoffId,
+    /// Now, in milliseconds since the Unix epoch.
+    pub(crate) at_millis: i64,
+    pub(crate) limits: &'a Limits,
+}
+
+impl Source {
+    /// A text header of the message, if it has one.
+    fn header_text(&self, key: &str) -> Option<&str> {
+        let properties = match self {
+            Self::Passed(incoming) => incoming.properties(),
+            Self::Refused(refused) => &refused.properties,
+        };
+        as_text(properties.headers().as_ref()?.inner().get(key)?)
+    }
+
+    /// The message's valid id, if it has one: the key of its requeue count.
+    pub(crate) fn message_id(&self, limits: &Limits) -> Option<&str> {
+        match self {
+            Self::Passed(incoming) => Some(incoming.message_id()),
+            Self::Refused(refused) => refused
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.as_str())
+                .filter(|id| is_token(id, limits.max_message_id_len)),
+        }
+    }
+
+    /// The body and properties of the copy `handoff` publishes; `reason` is the machine's.
+    pub(crate) fn copy(
+        &self,
+        handoff: Handoff,
+        reason: &Reason,
+        copy: CopyOf,
+        facts: &CopyFacts<'_>,
+    ) -> (&[u8], BasicProperties) {
+        let reason = match handoff.cause {
+            // A held copy's own reason goes on unchanged.
+            Cause::Held => self
+                .header_text(headers::REASON)
+                .map_or_else(|| reason.clone(), |text| Reason::new(text.to_owned())),
+            cause => Reason::new(format!("{}: {reason}", cause.as_str())),
+        };
+        let note = FailureNote {
+            lane: handoff.lane,
+            kind: handoff.kind.map_or("rejected", |k| k.as_str()),
+            reason: &reason,
+            source_queue: facts.source_queue,
+            id: facts.id,
+            at_millis: facts.at_millis,
+        };
+        match (copy, self) {
+            (CopyOf::Original, Self::Passed(incoming)) => {
+                (incoming.body(), copy_properties(incoming, &note))
+            }
+            (CopyOf::Sanitized, Self::Passed(incoming)) => (
+                incoming.body(),
+                sanitized_properties(
+                    incoming.properties(),
+                    incoming.exchange(),
+                    incoming.routing_key(),
+                    &note,
+                    facts.limits,
+                ),
+            ),
+            (_, Self::Refused(refused)) => (
+                refused.body.as_slice(),
+                sanitized_properties(
+                    &refused.properties,
+                    refused.exchange.as_str(),
+                    refused.routing_key.as_str(),
+                    &note,
+                    facts.limits,
+                ),
+            ),
+        }
+    }
+}

@@ -1,0 +1,363 @@
+//! Handlers tested without a broker (feature `testing`).
+//!
+//! A [`TestConsumer`] takes a [`Router`], its hooks and the [`ConsumerConfig`] the service runs
+//! with, and settles one synthetic delivery in process: through the same gate, dispatch,
+//! pipeline (hooks, timeout, panic guard), decision machine and copy building as the real
+//! consumer, with the broker's part played by a recording stand-in that confirms every handoff
+//! (or fails those to a lane you name) and accepts every ACK and NACK. It answers what the
+//! real consumer would do, [`Settled`], and the copy it would publish, headers included.
+//!
+//! Waits the consumer would sleep through (a deferral's hold, the backoff between transaction
+//! runs) are added up in [`Settled::held_for`] instead. The MongoDB scope is not part of it: a
+//! transaction's outcome is mongod's, so test it against a real one.
+//!
+//! ```
+//! use lily_mq_rabbit::testing::{TestConsumer, TestDelivery};
+//! use lily_mq_rabbit::ConsumerConfig;
+//! use lily_mq_core::{Json, Lane, Outcome, QueueHandlerError, Router};
+//!
+//! #[derive(serde::Deserialize, serde::Serialize)]
+//! struct OrderPlaced { quantity: u32 }
+//!
+//! async fn place(Json(order): Json<OrderPlaced>) -> Result<(), QueueHandlerError> {
+//!     match order.quantity {
+//!         0 => Err(QueueHandlerError::permanent("quantity must be positive")),
+//!         _ => Err(QueueHandlerError::retryable("stock service unavailable")),
+//!     }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let router = Router::new().route("order.placed", place);
+//! let consumer = TestConsumer::new(ConsumerConfig::new("orders"), router).unwrap();
+//!
+//! let settled = consumer.deliver(TestDelivery::json("order.placed", "o-1", &OrderPlaced { quantity: 2 })).await;
+//! assert_eq!(settled.outcome, Outcome::Retried);
+//! let copy = settled.copy.unwrap();
+//! assert_eq!(copy.lane, Lane::Retry { bucket: 0, next_attempt: 2 });
+//! assert_eq!(copy.attempt(), Some(2));
+//!
+//! let settled = consumer.deliver(TestDelivery::json("order.placed", "o-2", &OrderPlaced { quantity: 0 })).await;
+//! assert_eq!(settled.outcome, Outcome::DeadLettered);
+//! assert_eq!(settled.copy.unwrap().queue, "orders.dlq");
+//! # }
+//! ```
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lily_mq_core::machine::{Action, Delivery as Machine, RequeueMemory};
+use lily_mq_core::transport::{
+    Authority, DeliveryCancel, HandoffId, HandoffResult, SettleResult, as_text, as_u32,
+};
+use lily_mq_core::{DynHook, Hook, Lane, Outcome, Reason, Resources, Router, headers};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::admit::{Admitted, CopyFacts, Raw, Source, admit};
+use crate::config::ConsumerConfig;
+use crate::delivery::epoch_millis;
+use crate::error::Error;
+use crate::handoff::destination;
+use crate::pipeline;
+use crate::publisher::HeaderValue;
+use crate::sync::lock;
+use crate::topology::Topology;
+
+/// A consumer that settles synthetic deliveries in process; see the [module](self).
+pub struct TestConsumer {
+    config: ConsumerConfig,
+    router: Router,
+    hooks: Vec<Arc<dyn DynHook>>,
+    topology: Topology,
+    queue: Arc<str>,
+    /// Lanes (queue names) whose handoffs come back returned.
+    failing: BTreeSet<String>,
+    /// Requeues counted by message id, as the consumer keeps them.
+    requeues: Mutex<RequeueMemory>,
+    next_tag: AtomicU64,
+}
+
+impl std::fmt::Debug for TestConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestConsumer")
+            .field("queue", &self.queue)
+            .field("failing", &self.failing)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TestConsumer {
+    /// A test consumer of `config.queue` with `router`.
+    ///
+    /// # Errors
+    /// What [`Consumer::run`](crate::Consumer::run) refuses at start: a setting that cannot
+    /// work, or state a handler extracts that the router was not given.
+    pub fn new(config: ConsumerConfig, router: Router) -> Result<Self, Error> {
+        config.validate_for(&router)?;
+        let topology = Topology::new(
+            &config.queue,
+            config.queue_kind,
+            &config.policy.retry_delays,
+        );
+        Ok(Self {
+            queue: config.queue.as_str().into(),
+            requeues: Mutex::new(RequeueMemory::new(crate::consumer::REQUEUE_MEMORY)),
+            config,
+            router,
+            hooks: Vec::new(),
+            topology,
+            failing: BTreeSet::new(),
+            next_tag: AtomicU64::new(1),
+        })
+    }
+
+    /// Adds a hook around every handler call, as [`Consumer::hook`](crate::Consumer::hook).
+    #[must_use]
+    pub fn hook(mut self, hook: impl Hook) -> Self {
+        self.hooks.push(Arc::new(hook));
+        self
+    }
+
+    /// Makes every handoff to `queue` (the DLQ, the parking lane or a retry bucket, by name)
+    /// come back returned, as if the lane were missing.
+    #[must_use]
+    pub fn failing_lane(mut self, queue: &str) -> Self {
+        self.failing.insert(queue.to_owned());
+        self
+    }
+
+    /// Settles `delivery` as the consumer would.
+    pub async fn deliver(&self, delivery: TestDelivery) -> Settled {
+        let raw = Raw {
+            body: delivery.body,
+            properties: delivery.properties,
+            exchange: ShortString::from(""),
+            routing_key: ShortString::from(&*self.queue),
+            delivery_tag: self.next_tag.fetch_add(1, Ordering::Relaxed),
+            redelivered: delivery.redelivered,
+        };
+        let limits = &self.config.limits;
+        let Admitted {
+            mut arrival,
+            source,
+            handler,
+        } = admit(raw, &self.router, limits, &self.queue, false);
+        let message_id = source.message_id(limits);
+        if let (true, Some(id)) = (delivery.redelivered, message_id) {
+            arrival.local_requeues = Some(lock(&self.requeues).get(id));
+        }
+        let policy = &self.config.policy;
+        // Virtual time: a wait moves it on instead of sleeping.
+        let mut now = Instant::now();
+        let mut held_for = Duration::ZERO;
+        let mut machine = Machine::new(arrival, policy, || Authority::Held, now);
+        let mut copy = None;
+        let shutdown = CancellationToken::new();
+        let mut next_id = 0;
+        while let Some(action) = machine.poll_action(|| Authority::Held) {
+            while machine.poll_evidence().is_some() {}
+            match action {
+                Action::RunHandler => {
+                    let (Some(handler), Source::Passed(incoming)) = (handler.as_ref(), &source)
+                    else {
+                        unreachable!("the machine runs a handler only for a dispatched delivery")
+                    };
+                    let cancel = DeliveryCancel::new(&shutdown);
+                    let out = pipeline::run(
+                        handler,
+                        &self.hooks,
+                        incoming,
+                        &cancel,
+                        &Resources::new(),
+                        self.router.state(),
+                        self.config.handler_timeout,
+                    )
+                    .await;
+                    now = Instant::now().max(now);
+                    machine.handle_pipeline(out.result, out.cleanup, out.reason, Authority::Held, now);
+                }
+                Action::OpenScope | Action::Commit | Action::Abort => {
+                    unreachable!("a test consumer has no transactional scope")
+                }
+                Action::Backoff(wait) | Action::Hold(wait) => {
+                    held_for += wait;
+                    now += wait;
+                    machine.handle_held(now);
+                }
+                Action::Publish {
+                    handoff,
+                    copy: of,
+                    ..
+                } => {
+                    let Some(queue) = destination(&self.topology, handoff.lane) else {
+                        machine.handle_handoff(HandoffResult::Failed, Authority::Held, now);
+                        continue;
+                    };
+                    next_id += 1;
+                    let facts = CopyFacts {
+                        source_queue: &self.queue,
+                        id: HandoffId::new(next_id),
+                        at_millis: epoch_millis(),
+                        limits,
+                    };
+                    let (body, properties) = source.copy(handoff, machine.reason(), of, &facts);
+                    let result = if self.failing.contains(&queue) {
+                        HandoffResult::Returned
+                    } else {
+                        copy = Some(Copy {
+                            queue,
+                            lane: handoff.lane,
+                            body: body.to_vec(),
+                            properties,
+                        });
+                        HandoffResult::Confirmed
+                    };
+                    machine.handle_handoff(result, Authority::Held, now);
+                }
+                Action::Requeue { counted } => {
+                    if let (true, Some(id)) = (counted, message_id) {
+                        lock(&self.requeues).count(id);
+                    }
+                    machine.handle_settled(SettleResult::Written);
+                }
+                Action::Ack | Action::Reject => machine.handle_settled(SettleResult::Written),
+            }
+        }
+        if let (true, Some(id)) = (machine.forgets_requeues(), message_id) {
+            lock(&self.requeues).forget(id);
+        }
+        Settled {
+            outcome: machine.outcome().unwrap_or(Outcome::AuthorityLost),
+            reason: machine.reason().clone(),
+            copy,
+            held_for,
+        }
+    }
+}
+
+/// A synthetic delivery: body, properties (headers included) and the `redelivered` flag.
+#[derive(Clone, Debug)]
+pub struct TestDelivery {
+    body: Vec<u8>,
+    properties: BasicProperties,
+    redelivered: bool,
+}
+
+impl TestDelivery {
+    /// `value` as JSON, of type `kind`, with id `message_id`, as a
+    /// [`Publisher`](crate::Publisher) sends it.
+    ///
+    /// # Panics
+    /// When `value` does not serialize to JSON.
+    pub fn json<T: Serialize + ?Sized>(kind: &str, message_id: &str, value: &T) -> Self {
+        let body = serde_json::to_vec(value).expect("the test payload serializes to JSON");
+        let properties = BasicProperties::default()
+            .with_message_id(message_id.into())
+            .with_type(kind.into())
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2);
+        Self::new(body, properties)
+    }
+
+    /// `body` with `properties` exactly as given: for deliveries the gate should refuse.
+    pub fn new(body: Vec<u8>, properties: BasicProperties) -> Self {
+        Self {
+            body,
+            properties,
+            redelivered: false,
+        }
+    }
+
+    /// Sets a header; a header of the same key is replaced.
+    #[must_use]
+    pub fn header(mut self, key: &str, value: impl Into<HeaderValue>) -> Self {
+        let mut table = self.properties.headers().clone().unwrap_or_default();
+        table.insert(key.into(), value.into().0);
+        self.properties = self.properties.with_headers(table);
+        self
+    }
+
+    /// The application attempt, as a retry copy carries it in `x-lily-attempt`.
+    #[must_use]
+    pub fn attempt(self, attempt: u32) -> Self {
+        self.header(headers::ATTEMPT, AMQPValue::LongUInt(attempt))
+    }
+
+    /// The `schema-version` header.
+    #[must_use]
+    pub fn schema_version(self, version: u32) -> Self {
+        self.header(headers::SCHEMA_VERSION, AMQPValue::LongUInt(version))
+    }
+
+    /// The broker's `redelivered` flag.
+    #[must_use]
+    pub fn redelivered(mut self, redelivered: bool) -> Self {
+        self.redelivered = redelivered;
+        self
+    }
+}
+
+/// What the consumer would do with a delivery.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Settled {
+    /// How it would settle.
+    pub outcome: Outcome,
+    /// Why it took its path (`ok` after a success). Never the body.
+    pub reason: Reason,
+    /// The copy it would publish and have confirmed before it ACKs the original: to a retry
+    /// bucket, the DLQ or the parking lane.
+    pub copy: Option<Copy>,
+    /// How long it would wait in all before settling: a deferral's hold before its NACK.
+    pub held_for: Duration,
+}
+
+/// A copy a handoff would publish.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Copy {
+    /// The queue it goes to.
+    pub queue: String,
+    /// The lane that queue is.
+    pub lane: Lane,
+    /// Its body: the original's.
+    pub body: Vec<u8>,
+    /// Its properties: the original's and Lily's failure headers.
+    pub properties: BasicProperties,
+}
+
+impl Copy {
+    /// A header of the copy.
+    pub fn header(&self, key: &str) -> Option<&AMQPValue> {
+        self.headers()?.inner().get(key)
+    }
+
+    /// A text header of the copy.
+    pub fn header_text(&self, key: &str) -> Option<&str> {
+        as_text(self.header(key)?)
+    }
+
+    /// The attempt it carries (`x-lily-attempt`).
+    pub fn attempt(&self) -> Option<u32> {
+        as_u32(self.header(headers::ATTEMPT)?)
+    }
+
+    /// The failure's reason it carries (`x-lily-reason`).
+    pub fn reason(&self) -> Option<&str> {
+        self.header_text(headers::REASON)
+    }
+
+    /// The failure's kind it carries (`x-lily-failure-kind`).
+    pub fn failure_kind(&self) -> Option<&str> {
+        self.header_text(headers::FAILURE_KIND)
+    }
+
+    fn headers(&self) -> Option<&FieldTable> {
+        self.properties.headers().as_ref()
+    }
+}
