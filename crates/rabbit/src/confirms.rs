@@ -429,9 +429,9 @@ impl Link {
         let connection = Arc::new(dialer.connect().await?);
         *lock(&self.last_confirm) = None;
         self.blocked.store(false, Ordering::Release);
-        let gauge = self
-            .blocked_gauge
-            .get_or_init(|| metrics::gauge!(self.role.blocked_gauge, "queue" => self.label.clone()));
+        let gauge = self.blocked_gauge.get_or_init(
+            || metrics::gauge!(self.role.blocked_gauge, "queue" => self.label.clone()),
+        );
         gauge.set(0.0);
         tokio::spawn(watch_blocked(
             self.role.name,
@@ -534,7 +534,6 @@ async fn publish_all(
         .map(|slot| slot.unwrap_or(Err(Confirm::TimedOut)))
         .collect()
 }
-
 
 /// Publishes a probe that RabbitMQ confirms and drops, and awaits the confirm.
 async fn probe(channel: &Channel) -> lapin::Result<()> {

@@ -14,8 +14,8 @@ use lily_mq_core::{Begin, Lane, Meta, Outcome, Reason, Resources};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::crew::Settle;
 use crate::admit::{Admitted, CopyFacts, Raw, Source, admit};
+use crate::crew::Settle;
 use crate::handoff::destination;
 use crate::pipeline;
 use crate::service::Shared;

@@ -11,6 +11,7 @@
 
 mod admit;
 mod config;
+mod confirms;
 mod connect;
 mod consumer;
 mod crew;
@@ -20,7 +21,6 @@ mod handoff;
 #[cfg(feature = "health")]
 pub mod health;
 mod pipeline;
-mod confirms;
 mod publisher;
 pub mod replay;
 mod report;
@@ -36,7 +36,9 @@ pub use config::ConsumerConfig;
 pub use connect::connect;
 pub use consumer::{Consumer, Stats};
 pub use error::{ConfigError, Error};
-pub use publisher::{Destination, HeaderValue, Outgoing, PUBLISH_ID, Published, Publisher, PublisherConfig};
+pub use publisher::{
+    Destination, HeaderValue, Outgoing, PUBLISH_ID, Published, Publisher, PublisherConfig,
+};
 pub use report::{ReportSinks, emit};
 pub use shutdown::Shutdown;
 pub use topology::{LeaderLocator, QueueKind, Topology, TopologyMode};

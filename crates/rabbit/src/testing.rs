@@ -179,7 +179,13 @@ impl TestConsumer {
                     )
                     .await;
                     now = Instant::now().max(now);
-                    machine.handle_pipeline(out.result, out.cleanup, out.reason, Authority::Held, now);
+                    machine.handle_pipeline(
+                        out.result,
+                        out.cleanup,
+                        out.reason,
+                        Authority::Held,
+                        now,
+                    );
                 }
                 Action::OpenScope | Action::Commit | Action::Abort => {
                     unreachable!("a test consumer has no transactional scope")
@@ -190,9 +196,7 @@ impl TestConsumer {
                     machine.handle_held(now);
                 }
                 Action::Publish {
-                    handoff,
-                    copy: of,
-                    ..
+                    handoff, copy: of, ..
                 } => {
                     let Some(queue) = destination(&self.topology, handoff.lane) else {
                         machine.handle_handoff(HandoffResult::Failed, Authority::Held, now);

@@ -337,6 +337,11 @@ impl Client {
                 lapin::types::AMQPValue::LongString("quorum".into()),
             );
         }
+        self.declare_with(queue, args).await;
+    }
+
+    /// Declares `queue`, durable, with `args`.
+    pub async fn declare_with(&self, queue: &str, args: FieldTable) {
         self.channel
             .queue_declare(
                 queue.into(),
