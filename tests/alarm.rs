@@ -8,7 +8,6 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::props;
 use lily::prelude::*;
 use lily_mq_testkit::{Broker, Client, eventually};
 
@@ -56,15 +55,11 @@ async fn a_memory_alarm_blocks_handoffs_but_not_acks_and_loses_or_doubles_nothin
     let (mut good, mut failing) = (Vec::new(), Vec::new());
     for i in 0..GOOD {
         let id = format!("g-{i}");
-        client
-            .publish(&queue, b"{}", props(&id, "order.placed"))
-            .await;
+        client.send(&queue, "order.placed", &id, b"{}").await;
         good.push(id);
         if i % (GOOD / FAILING) == 0 {
             let id = format!("f-{i}");
-            client
-                .publish(&queue, b"{}", props(&id, "order.placed"))
-                .await;
+            client.send(&queue, "order.placed", &id, b"{}").await;
             failing.push(id);
         }
     }

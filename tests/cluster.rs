@@ -12,9 +12,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::props;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::{Confirmation, Connection, ConnectionProperties};
 use lily::prelude::*;
 use lily_mq_testkit::{Broker, Client, Cluster, eventually};
 
@@ -96,7 +93,8 @@ fn router(handled: &Handled) -> Router {
 /// all.
 async fn publish_until(cluster: Cluster, queue: String, stop: Arc<AtomicBool>) -> (usize, usize) {
     let mut node = 2;
-    let mut channel = None;
+    let mut publisher: Option<Publisher> = None;
+    let to = Destination::queue(&queue);
     let batch = 25;
     let started = Instant::now();
     let mut n = 0;
@@ -104,64 +102,33 @@ async fn publish_until(cluster: Cluster, queue: String, stop: Arc<AtomicBool>) -
     while !stop.load(Ordering::Acquire) {
         let due = started + Duration::from_secs_f64(n as f64 / RATE as f64);
         tokio::time::sleep_until(due.into()).await;
-        if channel.is_none() {
-            channel = open_confirmed(&cluster.url(node)).await;
-            if channel.is_none() {
+        let Some(open) = &publisher else {
+            publisher = Publisher::connect(&cluster.url(node)).await.ok();
+            if publisher.is_none() {
                 node = (node + 1) % 3;
                 tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
             }
-        }
-        let ch: &lapin::Channel = &channel.as_ref().unwrap().1;
-        let mut confirms = Vec::new();
-        let mut ok = true;
+            continue;
+        };
         tried = tried.max(n + batch);
-        for i in n..n + batch {
-            let body = format!(r#"{{"n":{i}}}"#);
-            match ch
-                .basic_publish(
-                    "".into(),
-                    queue.as_str().into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        immediate: false,
-                    },
-                    body.as_bytes(),
-                    props(&format!("order-{i}"), "order.placed"),
-                )
-                .await
-            {
-                Ok(confirm) => confirms.push(confirm),
-                Err(_) => {
-                    ok = false;
-                    break;
-                }
-            }
-        }
-        for confirm in confirms {
-            let confirmed = tokio::time::timeout(Duration::from_secs(10), confirm).await;
-            ok &= matches!(confirmed, Ok(Ok(Confirmation::Ack(None))));
-        }
-        if ok {
+        let messages = (n..n + batch).map(|i| {
+            let body = format!(r#"{{"n":{i}}}"#).into_bytes();
+            Outgoing::bytes(
+                "order.placed",
+                &format!("order-{i}"),
+                "application/json",
+                body,
+            )
+        });
+        let published = open.publish_all(&to, messages).await;
+        if published.iter().all(Published::is_confirmed) {
             n += batch;
         } else {
-            channel = None;
+            publisher = None;
             node = (node + 1) % 3;
         }
     }
     (n, tried)
-}
-
-async fn open_confirmed(url: &str) -> Option<(Connection, lapin::Channel)> {
-    let connection = Connection::connect(url, ConnectionProperties::default())
-        .await
-        .ok()?;
-    let channel = connection.create_channel().await.ok()?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .ok()?;
-    Some((connection, channel))
 }
 
 /// Takes `node` down as `fault` says.

@@ -76,15 +76,11 @@ async fn publish_mix(
 ) {
     for i in 0..retryable {
         let id = format!("r-{tag}-{i}");
-        client
-            .publish(queue, b"{}", props(&id, "order.placed"))
-            .await;
+        client.send(queue, "order.placed", &id, b"{}").await;
         ids.0.push(id);
         if i % (retryable / permanent) == 0 {
             let id = format!("p-{tag}-{i}");
-            client
-                .publish(queue, b"{}", props(&id, "order.placed"))
-                .await;
+            client.send(queue, "order.placed", &id, b"{}").await;
             ids.1.push(id);
         }
     }

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{config, props};
+use common::config;
 use lily::prelude::*;
 use lily_mq_testkit::{Broker, Client, http_get};
 
@@ -45,12 +45,12 @@ async fn livez_readyz_and_metrics_answer_over_http_and_count_what_the_broker_saw
     let client = Client::connect(broker.url()).await;
     for i in 0..12 {
         client
-            .publish(&queue, b"{}", props(&format!("good-{i}"), "order.placed"))
+            .send(&queue, "order.placed", &format!("good-{i}"), b"{}")
             .await;
     }
     for i in 0..3 {
         client
-            .publish(&queue, b"{}", props(&format!("bad-{i}"), "order.placed"))
+            .send(&queue, "order.placed", &format!("bad-{i}"), b"{}")
             .await;
     }
     common::wait_settled("every order settled", &queue, 3).await;

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{config, header_str, props};
+use common::{config, header_str};
 use lily::core::{Begin, BoxFuture, TransactionalScope};
 use lily::prelude::*;
 use lily_mq_mongo::mongodb::bson::{Bson, DateTime, Document, doc};
@@ -62,16 +62,16 @@ async fn duplicate_with_same_fingerprint_is_suppressed_and_conflict_goes_to_dlq(
     common::wait_declared(broker.url(), &queue).await;
 
     client
-        .publish(&queue, b"{\"qty\":1}", props("order-1", "order.placed"))
+        .send(&queue, "order.placed", "order-1", b"{\"qty\":1}")
         .await;
     let dlq = format!("{queue}.dlq");
     common::wait_depths("first handled", WAIT, &[(&queue, 0)]).await;
     client
-        .publish(&queue, b"{\"qty\":1}", props("order-1", "order.placed"))
+        .send(&queue, "order.placed", "order-1", b"{\"qty\":1}")
         .await;
     common::wait_depths("duplicate settled", WAIT, &[(&queue, 0)]).await;
     client
-        .publish(&queue, b"{\"qty\":9}", props("order-1", "order.placed"))
+        .send(&queue, "order.placed", "order-1", b"{\"qty\":9}")
         .await;
     common::wait_depths("conflict dead-lettered", WAIT, &[(&queue, 0), (&dlq, 1)]).await;
     let report = running.stop().await;
@@ -114,7 +114,7 @@ async fn a_concurrent_duplicate_is_suppressed_in_process_not_deferred() {
     common::wait_declared(broker.url(), &queue).await;
     for _ in 0..2 {
         client
-            .publish(&queue, b"{\"qty\":1}", props("twin-1", "order.placed"))
+            .send(&queue, "order.placed", "twin-1", b"{\"qty\":1}")
             .await;
     }
     common::wait_depths("both ACKed", WAIT, &[(&queue, 0)]).await;
@@ -160,9 +160,7 @@ async fn a_classic_message_that_keeps_killing_its_worker_is_counted_durably_and_
     running.wait_ready().await;
     let client = Client::connect(broker.url()).await;
     for id in ["killer", "fine"] {
-        client
-            .publish(&queue, b"{}", props(id, "order.placed"))
-            .await;
+        client.send(&queue, "order.placed", id, b"{}").await;
     }
     let killed = || {
         calls
@@ -394,7 +392,7 @@ async fn stale_owner_cut_off_mid_handler_is_fenced_and_the_redelivery_commits_on
     let stats_a = running_a.stats.clone();
     assert!(eventually(WAIT, || stats_a.ready()).await, "A consuming");
     client
-        .publish(&queue, b"{\"qty\":1}", props("takeover-1", "order.placed"))
+        .send(&queue, "order.placed", "takeover-1", b"{\"qty\":1}")
         .await;
     assert!(
         eventually(WAIT, || a_calls.get() == 1).await,
@@ -498,7 +496,7 @@ async fn stale_owner_still_holding_its_delivery_defers_instead_of_retrying() {
     let stats_a = running_a.stats.clone();
     assert!(eventually(WAIT, || stats_a.ready()).await, "A consuming");
     client
-        .publish(&queue, b"{\"qty\":1}", props("stale-1", "order.placed"))
+        .send(&queue, "order.placed", "stale-1", b"{\"qty\":1}")
         .await;
     assert!(
         eventually(WAIT, || a_calls.get() == 1).await,
@@ -506,7 +504,7 @@ async fn stale_owner_still_holding_its_delivery_defers_instead_of_retrying() {
     );
     // A's prefetch is full: the second copy waits for B.
     client
-        .publish(&queue, b"{\"qty\":1}", props("stale-1", "order.placed"))
+        .send(&queue, "order.placed", "stale-1", b"{\"qty\":1}")
         .await;
     let scope_b = MongoScope::connect(node.url(), &database, MongoConfig::new(consumer))
         .await
@@ -581,7 +579,7 @@ async fn handler_outliving_a_lease_renewal_still_commits() {
     common::wait_declared(broker.url(), &queue).await;
     let client = Client::connect(broker.url()).await;
     client
-        .publish(&queue, b"{\"qty\":1}", props("renewal-1", "order.placed"))
+        .send(&queue, "order.placed", "renewal-1", b"{\"qty\":1}")
         .await;
     common::wait_settled("ACKed", &queue, 0).await;
     let report = running.stop().await;
@@ -634,7 +632,7 @@ async fn lost_commit_reply_defers_and_the_redelivery_is_suppressed_as_duplicate(
     // longer than the settlement budget, so the commit's bounded retries end unknown.
     proxy.drop_reply_after(b"commitTransaction", budget * 2);
     client
-        .publish(&queue, b"{\"qty\":1}", props("ambiguous-1", "order.placed"))
+        .send(&queue, "order.placed", "ambiguous-1", b"{\"qty\":1}")
         .await;
     common::wait_settled("ACKed", &queue, 0).await;
     let report = running.stop().await;
@@ -702,7 +700,7 @@ async fn lease_held_by_a_live_owner_defers_with_spacing_then_dead_letters_at_the
     common::wait_declared(broker.url(), &queue).await;
     let client = Client::connect(broker.url()).await;
     client
-        .publish(&queue, b"{\"qty\":1}", props("held-1", "order.placed"))
+        .send(&queue, "order.placed", "held-1", b"{\"qty\":1}")
         .await;
     common::wait_settled("dead-lettered at the requeue limit", &queue, 1).await;
     // Nothing keeps spinning after the DLQ handoff.
@@ -791,7 +789,7 @@ async fn database_unreachable_defers_without_acking_then_handles_once_when_back(
     proxy.refuse(true);
     proxy.cut();
     client
-        .publish(&queue, b"{\"qty\":1}", props("down-1", "order.placed"))
+        .send(&queue, "order.placed", "down-1", b"{\"qty\":1}")
         .await;
     running
         .wait_for("deferrals while the database is down", WAIT, |t| {
@@ -870,7 +868,7 @@ async fn handler_failure_aborts_its_transaction_and_the_retry_writes_the_only_ef
     common::wait_declared(broker.url(), &queue).await;
     let client = Client::connect(broker.url()).await;
     client
-        .publish(&queue, b"{\"qty\":1}", props("abort-1", "order.placed"))
+        .send(&queue, "order.placed", "abort-1", b"{\"qty\":1}")
         .await;
     common::wait_settled("retried, then ACKed", &queue, 0).await;
     let report = running.stop().await;
@@ -921,9 +919,7 @@ async fn a_dropped_delivery_stops_renewing_its_lease() {
     let running = start_scoped_with(broker.url(), cfg, router, scope);
     running.wait_ready().await;
     let client = Client::connect(broker.url()).await;
-    client
-        .publish(&queue, b"{}", props("held-1", "order.placed"))
-        .await;
+    client.send(&queue, "order.placed", "held-1", b"{}").await;
 
     let leases = db.collection::<Document>("lily_leases");
     let expiry = || async {
@@ -997,9 +993,7 @@ async fn an_abort_the_database_never_answers_does_not_hold_the_delivery() {
     let running = start_scoped_with(broker.url(), scoped_config(&queue, policy), router, scope);
     running.wait_ready().await;
     let client = Client::connect(broker.url()).await;
-    client
-        .publish(&queue, b"{}", props("silent-1", "order.placed"))
-        .await;
+    client.send(&queue, "order.placed", "silent-1", b"{}").await;
     let stats = running.stats.clone();
     let retried = eventually(Duration::from_secs(15), || stats.totals().retried == 1).await;
     proxy.stall(false);
@@ -1031,9 +1025,7 @@ async fn a_commit_the_database_never_answers_defers_within_the_budget() {
     );
     running.wait_ready().await;
     let client = Client::connect(broker.url()).await;
-    client
-        .publish(&queue, b"{}", props("silent-1", "order.placed"))
-        .await;
+    client.send(&queue, "order.placed", "silent-1", b"{}").await;
     let stats = running.stats.clone();
     let deferred = eventually(Duration::from_secs(15), || stats.totals().deferred >= 1).await;
     proxy.stall(false);
@@ -1102,7 +1094,7 @@ async fn write_conflicts_run_the_transaction_again_instead_of_using_attempts() {
     let client = Client::connect(broker.url()).await;
     for i in 0..ORDERS {
         client
-            .publish(&queue, b"{}", props(&format!("c-{i}"), "order.placed"))
+            .send(&queue, "order.placed", &format!("c-{i}"), b"{}")
             .await;
     }
     common::wait_settled("every order ACKed", &queue, 0).await;
@@ -1155,17 +1147,17 @@ async fn replaying_the_dlq_keeps_identity_so_the_inbox_prevents_a_second_effect(
     let dlq = format!("{queue}.dlq");
 
     client
-        .publish(&queue, b"{\"qty\":1}", props("order-a", "order.placed"))
+        .send(&queue, "order.placed", "order-a", b"{\"qty\":1}")
         .await;
     // ACKed (so committed): nothing ready or unacknowledged, the DLQ empty.
     common::wait_settled("order-a handled", &queue, 0).await;
     client
-        .publish(&queue, b"{\"qty\":9}", props("order-a", "order.placed"))
+        .send(&queue, "order.placed", "order-a", b"{\"qty\":9}")
         .await;
     common::wait_settled("the conflict dead-lettered", &queue, 1).await;
     broken.store(true, Ordering::Release);
     client
-        .publish(&queue, b"{\"qty\":2}", props("order-b", "order.placed"))
+        .send(&queue, "order.placed", "order-b", b"{\"qty\":2}")
         .await;
     common::wait_settled("the failure dead-lettered", &queue, 2).await;
     broken.store(false, Ordering::Release);
@@ -1246,14 +1238,14 @@ async fn a_redelivery_after_its_inbox_record_expired_runs_again() {
     assert_eq!(ttl, Some(retention));
 
     client
-        .publish(&queue, b"{\"qty\":1}", props("late-1", "order.placed"))
+        .send(&queue, "order.placed", "late-1", b"{\"qty\":1}")
         .await;
     common::wait_depths("handled", WAIT, &[(&queue, 0)]).await;
     assert_eq!(effects(&scope, "late-1").await, 1);
     let removed = inbox.delete_many(doc! {}).await.expect("expire");
     assert_eq!(removed.deleted_count, 1, "one inbox record");
     client
-        .publish(&queue, b"{\"qty\":1}", props("late-1", "order.placed"))
+        .send(&queue, "order.placed", "late-1", b"{\"qty\":1}")
         .await;
     common::wait_depths("redelivery handled", WAIT, &[(&queue, 0)]).await;
     running.stop().await;

@@ -68,9 +68,7 @@ async fn not_utf8_goes_to_the_dlq(kind: QueueKind) {
         publisher.publish(&queue, id.as_bytes(), poison).await;
         for i in 0..BEHIND {
             let id = format!("good-{n}-{i}");
-            publisher
-                .publish(&queue, b"{}", props(&id, "order.placed"))
-                .await;
+            publisher.send(&queue, "order.placed", &id, b"{}").await;
             good.push(id);
         }
     }
@@ -206,9 +204,7 @@ async fn failing_dlq(kind: QueueKind, fault: DlqFault) {
     let started = Instant::now();
     for i in 0..EACH {
         for id in [format!("bad-{i}"), format!("good-{i}")] {
-            client
-                .publish(&queue, b"{}", props(&id, "order.placed"))
-                .await;
+            client.send(&queue, "order.placed", &id, b"{}").await;
         }
     }
     // Timed by Lily's count (a `rabbitmqctl` round trip would dwarf it), then checked on the
@@ -333,9 +329,7 @@ async fn a_message_that_keeps_killing_its_consumer_reaches_the_dlq_through_the_d
     .await;
     let dlq = format!("{queue}.dlq");
     for id in ["killer", "fine"] {
-        client
-            .publish(&queue, b"{}", props(id, "order.placed"))
-            .await;
+        client.send(&queue, "order.placed", id, b"{}").await;
     }
     let killed = |calls: &Calls| calls.all().iter().filter(|c| c.0 == "killer").count();
     let consuming = format!("lily:{queue}:consuming");

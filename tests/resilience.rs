@@ -5,7 +5,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use common::{Calls, config, header_str, props, start};
+use common::{Calls, config, header_str, start};
 use lily::prelude::*;
 use lily_mq_testkit::{Broker, Client, eventually};
 
@@ -27,7 +27,7 @@ async fn unroutable_handoff_nacks_original_once_per_delivery_and_never_loses_it(
     // The bucket disappears: the mandatory retry publish comes back unroutable.
     client.delete(&format!("{queue}.retry.1s")).await;
     client
-        .publish(&queue, b"{}", props("lost-bucket", "order.placed"))
+        .send(&queue, "order.placed", "lost-bucket", b"{}")
         .await;
 
     let max_requeues = common::fast_policy().max_requeues;
@@ -99,9 +99,7 @@ async fn connection_killed_mid_flight_loses_nothing_and_consumer_resumes() {
     common::wait_declared(&url, queue).await;
     let ids: BTreeSet<String> = (0..30).map(|i| format!("k-{i}")).collect();
     for id in &ids {
-        client
-            .publish(queue, b"{}", props(id, "order.placed"))
-            .await;
+        client.send(queue, "order.placed", id, b"{}").await;
     }
     // Let a batch be in flight, then kill every connection of the vhost.
     let stats = running.stats.clone();
@@ -166,9 +164,7 @@ async fn confirmed_handoff_with_unconfirmed_ack_is_unresolved_and_keeps_the_hand
     );
     let client = Client::connect(broker.url()).await;
     common::wait_declared(broker.url(), &queue).await;
-    client
-        .publish(&queue, b"{}", props("in-doubt", "order.placed"))
-        .await;
+    client.send(&queue, "order.placed", "in-doubt", b"{}").await;
 
     // The retry copy is confirmed, the ACK that follows never reaches the broker, the
     // connection is cut; the consumer reconnects and the original comes back.
@@ -311,7 +307,7 @@ async fn access_revoked_after_start_ends_with_a_report_whose_trigger_is_the_erro
     running.wait_ready().await;
     let client = Client::connect(broker.url()).await;
     client
-        .publish(&queue, b"{}", props("in-flight", "order.placed"))
+        .send(&queue, "order.placed", "in-flight", b"{}")
         .await;
     started.notified().await;
 
@@ -378,7 +374,7 @@ async fn a_stalled_broker_cannot_hold_shutdown_past_its_budget() {
     let client = Client::connect(broker.url()).await;
     for i in 0..20 {
         client
-            .publish(&queue, b"{}", props(&format!("s-{i}"), "order.placed"))
+            .send(&queue, "order.placed", &format!("s-{i}"), b"{}")
             .await;
     }
     let stats = running.stats.clone();
@@ -440,7 +436,7 @@ async fn a_connection_lost_while_declaring_is_retried_not_fatal() {
     assert!(proxy.tripped(), "the declare's reply was dropped");
     let client = Client::connect(broker.url()).await;
     client
-        .publish(&queue, b"{}", props("after-restart", "order.placed"))
+        .send(&queue, "order.placed", "after-restart", b"{}")
         .await;
     running.wait_for("ack", WAIT, |t| t.acked == 1).await;
     let report = running.stop().await;
@@ -460,9 +456,7 @@ async fn consumer_cancelled_by_the_broker(kind: QueueKind) {
         async move {
             for i in range {
                 let id = format!("c-{i}");
-                client
-                    .publish(&queue, b"{}", props(&id, "order.placed"))
-                    .await;
+                client.send(&queue, "order.placed", &id, b"{}").await;
             }
         }
     };

@@ -39,7 +39,7 @@ async fn success_path(kind: QueueKind) {
         common::scenario("success", router, |q| config(q, kind)).await;
     for i in 0..20 {
         client
-            .publish(&queue, &order(2), props(&format!("m-{i}"), "order.placed"))
+            .send(&queue, "order.placed", &format!("m-{i}"), &order(2))
             .await;
     }
     common::wait_depths("every message ACKed", WAIT, &[(&queue, 0)]).await;
@@ -85,11 +85,11 @@ async fn state_given_with_with_state_reaches_every_call() {
         common::scenario("state", router, |q| config(q, QueueKind::Classic)).await;
     for i in 0..10 {
         client
-            .publish(&queue, &order(1), props(&format!("m-{i}"), "order.placed"))
+            .send(&queue, "order.placed", &format!("m-{i}"), &order(1))
             .await;
     }
     client
-        .publish(&queue, &order(1), props("m-x", "order.cancelled"))
+        .send(&queue, "order.cancelled", "m-x", &order(1))
         .await;
     running
         .wait_for("every message ACKed", WAIT, |t| t.acked == 11)
@@ -140,7 +140,7 @@ async fn concurrency_below_prefetch_bounds_running_handlers() {
     .await;
     for i in 0..40 {
         client
-            .publish(&queue, &order(1), props(&format!("c-{i}"), "order.placed"))
+            .send(&queue, "order.placed", &format!("c-{i}"), &order(1))
             .await;
     }
     common::wait_depths("every message ACKed", WAIT, &[(&queue, 0)]).await;
@@ -180,9 +180,7 @@ async fn a_held_delivery_is_never_covered_by_the_acks_of_later_ones() {
             20 => (order(0), "held".to_owned()),
             _ => (order(1), format!("f-{i}")),
         };
-        client
-            .publish(&queue, &body, props(&id, "order.placed"))
-            .await;
+        client.send(&queue, "order.placed", &id, &body).await;
     }
     // The broker holds exactly one: the held delivery, unacknowledged.
     common::wait_depths("50 ACKed", WAIT, &[(&queue, 1)]).await;
@@ -235,7 +233,7 @@ async fn retry_then_success(kind: QueueKind) {
     });
     let (_, queue, client, running) = common::scenario("retry", router, |q| config(q, kind)).await;
     client
-        .publish(&queue, &order(1), props("retry-1", "order.placed"))
+        .send(&queue, "order.placed", "retry-1", &order(1))
         .await;
 
     // Two copies through the buckets, then the ACK: the broker holds nothing anywhere.
@@ -278,7 +276,7 @@ async fn retryable_failure_waits_in_bucket_and_comes_back_with_next_attempt() {
     let client = Client::connect(broker.url()).await;
     common::wait_declared(broker.url(), &queue).await;
     client
-        .publish(&queue, &order(1), props("bucketed", "order.placed"))
+        .send(&queue, "order.placed", "bucketed", &order(1))
         .await;
     let bucket = format!("{queue}.retry.30s");
     common::wait_depths("the copy in the bucket", WAIT, &[(&queue, 0), (&bucket, 1)]).await;
@@ -404,14 +402,12 @@ async fn permanent_failure_and_unknown_type_go_straight_to_dlq() {
     });
     let (_, queue, client, running) =
         common::scenario("permanent", router, |q| config(q, QueueKind::Classic)).await;
+    client.send(&queue, "order.placed", "zero", &order(0)).await;
     client
-        .publish(&queue, &order(0), props("zero", "order.placed"))
+        .send(&queue, "order.cancelled", "unknown", &order(1))
         .await;
     client
-        .publish(&queue, &order(1), props("unknown", "order.cancelled"))
-        .await;
-    client
-        .publish(&queue, b"{not json", props("garbled", "order.placed"))
+        .send(&queue, "order.placed", "garbled", b"{not json")
         .await;
     let v2 = props("v2", "order.placed").with_headers({
         let mut h = FieldTable::default();
@@ -491,7 +487,7 @@ async fn oversized_body_is_rejected_to_broker_dlx_without_calling_handler() {
         .publish(&queue, &vec![b'x'; 4096], props("big", "order.placed"))
         .await;
     client
-        .publish(&queue, &order(1), props("small", "order.placed"))
+        .send(&queue, "order.placed", "small", &order(1))
         .await;
     // The broker dead-letters the rejected one through the work queue's DLX.
     let dlq = format!("{queue}.dlq");
@@ -614,11 +610,9 @@ async fn handler_panic_is_retried_and_consumer_stays_alive() {
     });
     let (_, queue, client, running) =
         common::scenario("panic", router, |q| config(q, QueueKind::Classic)).await;
+    client.send(&queue, "order.placed", "boom", &order(1)).await;
     client
-        .publish(&queue, &order(1), props("boom", "order.placed"))
-        .await;
-    client
-        .publish(&queue, &order(1), props("after", "order.placed"))
+        .send(&queue, "order.placed", "after", &order(1))
         .await;
     let handled = eventually(WAIT, || calls.count() == 3).await;
     assert!(handled, "boom twice, after once: {:?}", calls.all());
@@ -660,9 +654,7 @@ async fn handler_timeout_is_retried_and_fires_the_cancellation_token() {
         config(q, QueueKind::Classic).handler_timeout(Duration::from_millis(300))
     })
     .await;
-    client
-        .publish(&queue, &order(1), props("slow", "order.placed"))
-        .await;
+    client.send(&queue, "order.placed", "slow", &order(1)).await;
     let fired = eventually(WAIT, || cancelled.count() == 1).await;
     assert!(fired, "the token fires when the timeout expires");
     let bucket = format!("{queue}.retry.1s");
@@ -706,7 +698,7 @@ async fn verify_mode_refuses_a_missing_topology_and_consumes_a_declared_one() {
     let running = start(broker.url(), cfg(), router());
     let client = Client::connect(broker.url()).await;
     client
-        .publish(&queue, &order(1), props("verified", "order.placed"))
+        .send(&queue, "order.placed", "verified", &order(1))
         .await;
     common::wait_depths("ACKed", WAIT, &[(&queue, 0)]).await;
     let summary = running.stop().await;

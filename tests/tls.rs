@@ -4,7 +4,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{config, props, start_with};
+use common::{config, start_with};
 use lily::prelude::*;
 use lily_mq_mongo::mongodb::bson::{Document, doc};
 use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};
@@ -49,9 +49,7 @@ async fn amqps_with_the_local_ca_consumes_and_mongo_tls_commits() {
     let running = start_with(&amqps, cfg, router, |c| c.scope(consumer_scope));
     common::wait_declared(broker.url(), &queue).await;
     let client = Client::connect(broker.url()).await;
-    client
-        .publish(&queue, b"{}", props("tls-1", "order.placed"))
-        .await;
+    client.send(&queue, "order.placed", "tls-1", b"{}").await;
     common::wait_settled("ACKed over amqps", &queue, 0).await;
     let report = running.stop().await;
     assert!(report.clean);

@@ -8,10 +8,10 @@ pub mod cost;
 
 use std::time::Duration;
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions};
-use lapin::{BasicProperties, Connection, ConnectionProperties};
+use lapin::options::QueueDeleteOptions;
+use lapin::{Connection, ConnectionProperties};
 use lily::prelude::{QueueKind, TopologyMode};
-use lily::rabbit::Topology;
+use lily::rabbit::{Destination, Outgoing, Publisher, Topology};
 use serde::{Deserialize, Serialize};
 
 /// The broker named by `LILY_AMQP_URL` (set by `scripts/bench.sh`).
@@ -115,43 +115,31 @@ async fn try_fresh_topology(
     declared.map(|()| topology)
 }
 
-/// Publishes `n` persistent copies of `body` (type `order.placed`, a message id each) with
-/// publisher confirms, pipelined in windows of 2 000.
+/// Publishes `n` persistent copies of `body` (type `order.placed`, a message id each) through
+/// [`Publisher`], in windows of 2 000 publishes in flight.
 pub async fn publish(url: &str, queue: &str, n: usize, body: &[u8]) {
     publish_typed(url, queue, n, body, "order.placed").await;
 }
 
 /// [`publish`] with the message type `kind`.
+///
+/// # Panics
+/// When a publish is not confirmed.
 pub async fn publish_typed(url: &str, queue: &str, n: usize, body: &[u8], kind: &str) {
-    let connection = Connection::connect(url, ConnectionProperties::default())
+    let publisher = Publisher::connect(url)
         .await
-        .expect("connect");
-    let channel = connection.create_channel().await.expect("channel");
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .expect("confirm_select");
-    for i in 0..n {
-        channel
-            .basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions::default(),
-                body,
-                BasicProperties::default()
-                    .with_message_id(format!("m-{i}").into())
-                    .with_type(kind.into())
-                    .with_content_type("application/json".into())
-                    .with_delivery_mode(2),
-            )
-            .await
-            .expect("publish");
-        if i % 2000 == 1999 {
-            channel.wait_for_confirms().await.expect("confirms");
+        .expect("connect the publisher");
+    let to = Destination::queue(queue);
+    for window in (0..n).collect::<Vec<_>>().chunks(2000) {
+        let messages = window
+            .iter()
+            .map(|i| Outgoing::bytes(kind, &format!("m-{i}"), "application/json", body.to_vec()));
+        let published = publisher.publish_all(&to, messages).await;
+        if let Some(failed) = published.iter().find(|p| !p.is_confirmed()) {
+            panic!("a benchmark publish was not confirmed: {failed:?}");
         }
     }
-    channel.wait_for_confirms().await.expect("confirms");
-    let _ = connection.close(200, "published".into()).await;
+    publisher.close().await;
 }
 
 /// Median of `values` (sorted in place).

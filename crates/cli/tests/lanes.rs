@@ -152,9 +152,7 @@ async fn a_replay_by_reason_sends_back_that_group_once_each_with_its_identity_re
             client.publish(&queue, b"{\"qty\":1}", p).await;
         }
         for id in &refunded {
-            client
-                .publish(&queue, b"{}", props(id, "order.refunded"))
-                .await;
+            client.send(&queue, "order.refunded", id, b"{}").await;
         }
         common::wait_settled("every order dead-lettered", &queue, 47).await;
 
@@ -611,7 +609,7 @@ async fn a_parking_replay_is_judged_by_the_inbox_and_never_retried_without_an_op
     // charged-1 commits its effect. Its copy then reaches parking as an ambiguous commit's
     // would: same id, body and type.
     client
-        .publish(&queue, b"{\"qty\":1}", props("charged-1", "order.placed"))
+        .send(&queue, "order.placed", "charged-1", b"{\"qty\":1}")
         .await;
     running
         .wait_for("charged-1 acked", WAIT, |t| t.acked == 1)
@@ -629,7 +627,7 @@ async fn a_parking_replay_is_judged_by_the_inbox_and_never_retried_without_an_op
     // unknown-1 is parked by the handler itself.
     *answer.lock().unwrap() = Answer::Indeterminate;
     client
-        .publish(&queue, b"{\"qty\":2}", props("unknown-1", "order.placed"))
+        .send(&queue, "order.placed", "unknown-1", b"{\"qty\":2}")
         .await;
     let mut depths = quiet.clone();
     depths.push((&parking, 2));

@@ -30,6 +30,7 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use lily_mq_rabbit::{Destination, Outgoing, Published, Publisher, PublisherConfig};
 
 /// The private RabbitMQ node the test command started.
 #[derive(Clone, Debug)]
@@ -210,10 +211,15 @@ fn depths(out: &str) -> BTreeMap<String, u64> {
         .collect()
 }
 
-/// A plain lapin client for publishing and inspecting queues.
+/// A client for publishing and inspecting queues: well-formed messages go through Lily's own
+/// [`Publisher`] ([`Client::send`]); a plain lapin channel publishes what that publisher would
+/// refuse ([`Client::publish`]) and inspects queues.
 pub struct Client {
     _connection: Connection,
     channel: Channel,
+    url: String,
+    /// Opened by the first [`Client::send`].
+    publisher: tokio::sync::OnceCell<Publisher>,
 }
 
 impl Client {
@@ -233,10 +239,35 @@ impl Client {
         Self {
             _connection: connection,
             channel,
+            url: url.to_owned(),
+            publisher: tokio::sync::OnceCell::new(),
         }
     }
 
-    /// Publishes to `queue` through the default exchange and waits for the confirm.
+    /// Publishes a JSON message of type `kind` with id `id` to `queue` through Lily's
+    /// [`Publisher`] and asserts that it was confirmed.
+    pub async fn send(&self, queue: &str, kind: &str, id: &str, body: &[u8]) {
+        let publisher = self
+            .publisher
+            .get_or_init(|| async {
+                let config = PublisherConfig::default().name("testkit");
+                Publisher::connect_with(&self.url, config)
+                    .await
+                    .unwrap_or_else(|e| panic!("cannot reach the test broker: {e}"))
+            })
+            .await;
+        let message = Outgoing::bytes(kind, id, "application/json", body.to_vec());
+        let published = publisher.publish(&Destination::queue(queue), message).await;
+        assert_eq!(
+            published,
+            Published::Confirmed,
+            "test publish of {id} to {queue}"
+        );
+    }
+
+    /// Publishes to `queue` through the default exchange, with exactly `properties`, and waits
+    /// for the confirm: for messages [`Client::send`] would refuse (no id, Lily's own headers,
+    /// `user_id`, `CC`).
     pub async fn publish(&self, queue: &str, body: &[u8], properties: BasicProperties) {
         let confirm = self
             .channel

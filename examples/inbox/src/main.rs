@@ -60,8 +60,8 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueuePurgeOptions};
-use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
+use lapin::options::QueuePurgeOptions;
+use lapin::{Connection, ConnectionProperties};
 use lily::core::Totals;
 use lily::prelude::*;
 use lily::rabbit::{QueueKind, Topology};
@@ -557,46 +557,33 @@ async fn demo(settings: &Settings) -> Result<ExitCode, BoxError> {
     let shutdown = Shutdown::default();
     let mut task = tokio::spawn(consumer.run(shutdown.clone()));
 
-    let publisher = connection.create_channel().await?;
-    publisher
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
+    let publisher = Publisher::connect(&settings.amqp_url)
+        .await
+        .map_err(|e| format!("cannot connect the publisher: {e}"))?;
+    let to = Destination::queue(&settings.queue);
     println!();
     println!(
         "published {} messages of type {STOCK_RESERVED} (persistent, publisher-confirmed):",
         SAMPLES.len()
     );
     for sample in &SAMPLES {
-        let properties = BasicProperties::default()
-            .with_message_id(sample.message_id.into())
-            .with_type(STOCK_RESERVED.into())
-            .with_content_type("application/json".into())
-            .with_delivery_mode(2);
-        let confirm = publisher
-            .basic_publish(
-                "".into(),
-                settings.queue.as_str().into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    immediate: false,
-                },
-                &sample.body(),
-                properties,
-            )
-            .await?
-            .await?;
-        if confirm != Confirmation::Ack(None) {
-            return Err(format!(
-                "publish of {} not confirmed: {confirm:?}",
-                sample.message_id
-            )
-            .into());
+        let message = Outgoing::bytes(
+            STOCK_RESERVED,
+            sample.message_id,
+            "application/json",
+            sample.body(),
+        );
+        let published = publisher.publish(&to, message).await;
+        if !published.is_confirmed() {
+            let id = sample.message_id;
+            return Err(format!("publish of {id} not confirmed: {published:?}").into());
         }
         println!(
             "  {:<9} {} {} x{:<2} expect: {}",
             sample.message_id, sample.order_id, sample.sku, sample.quantity, sample.expect
         );
     }
+    publisher.close().await;
 
     // Wait for every outcome.
     println!();

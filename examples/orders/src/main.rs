@@ -27,8 +27,8 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueuePurgeOptions};
-use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
+use lapin::options::QueuePurgeOptions;
+use lapin::{Connection, ConnectionProperties};
 use lily::core::Totals;
 use lily::prelude::*;
 use lily::rabbit::Topology;
@@ -315,35 +315,21 @@ async fn demo(url: &str, queue: &str) -> Result<ExitCode, BoxError> {
     let mut task = tokio::spawn(consumer.run(shutdown.clone()));
 
     let samples = samples();
-    let publisher = connection.create_channel().await?;
-    publisher
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
-    let mut confirms = Vec::with_capacity(samples.len());
-    for sample in &samples {
-        let properties = BasicProperties::default()
-            .with_message_id(sample.message_id.into())
-            .with_type(sample.kind.into())
-            .with_content_type("application/json".into())
-            .with_delivery_mode(2);
-        let confirm = publisher
-            .basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    immediate: false,
-                },
-                &sample.body,
-                properties,
-            )
-            .await?;
-        confirms.push((sample.message_id, confirm));
-    }
-    for (id, confirm) in confirms {
-        match confirm.await? {
-            Confirmation::Ack(None) => {}
-            other => return Err(format!("publish of {id} not confirmed: {other:?}").into()),
+    let publisher = Publisher::connect(url)
+        .await
+        .map_err(|e| format!("cannot connect the publisher: {e}"))?;
+    let messages = samples.iter().map(|sample| {
+        let body = sample.body.clone();
+        Outgoing::bytes(sample.kind, sample.message_id, "application/json", body)
+    });
+    let published = publisher
+        .publish_all(&Destination::queue(queue), messages)
+        .await;
+    publisher.close().await;
+    for (sample, published) in samples.iter().zip(published) {
+        if !published.is_confirmed() {
+            let id = sample.message_id;
+            return Err(format!("publish of {id} not confirmed: {published:?}").into());
         }
     }
     println!();

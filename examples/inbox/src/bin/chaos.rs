@@ -37,9 +37,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lapin::BasicProperties;
 use lily::core::transport::as_text;
-use lily::rabbit::{QueueKind, Topology, TopologyMode};
+use lily::rabbit::{Destination, Outgoing, Publisher, QueueKind, Topology, TopologyMode};
 use lily_mq_mongo::mongodb::bson::{Bson, Document, doc};
 use lily_mq_mongo::mongodb::{self, Database};
 use lily_mq_testkit::{Broker, ChildProcess, Client, MongoNode, TcpProxy};
@@ -486,7 +485,7 @@ async fn cancel_consumers(broker: &Broker, supervisor: &mut Supervisor) -> bool 
 
 /// Deletes `queue`, `if-empty` for a classic queue (quorum queues refuse the flag).
 async fn delete_queue(url: &str, queue: &str, kind: QueueKind) -> bool {
-    let Some((_connection, channel)) = open_confirmed(url).await else {
+    let Some((_connection, channel)) = open_channel(url).await else {
         return false;
     };
     let options = lapin::options::QueueDeleteOptions {
@@ -517,7 +516,7 @@ async fn trace_deliveries(broker: &Broker, queue: &str) -> String {
     let trace = format!("{queue}.trace");
     let url = broker.url().to_owned();
     Client::connect(&url).await.declare(&trace, false).await;
-    let (_connection, channel) = open_confirmed(&url).await.expect("trace channel");
+    let (_connection, channel) = open_channel(&url).await.expect("trace channel");
     channel
         .queue_bind(
             trace.as_str().into(),
@@ -623,7 +622,7 @@ async fn drain_dead(client: &Client, dlq: &str, dead: &mut Dead) {
 /// The work queue's topology as the workers declare it (an operator's redeclare after a
 /// deletion); failures are left to the workers, which declare it too.
 async fn declare_topology(url: &str, queue: &str, kind: QueueKind) {
-    let Some((_connection, channel)) = open_confirmed(url).await else {
+    let Some((_connection, channel)) = open_channel(url).await else {
         return;
     };
     let topology = Topology::new(queue, kind, &RETRY_DELAYS)
@@ -639,14 +638,6 @@ async fn seed_stock(database: &Database, each: i64) {
             .await
             .expect("seed stock");
     }
-}
-
-fn props(id: &str) -> BasicProperties {
-    BasicProperties::default()
-        .with_message_id(id.into())
-        .with_type("stock.reserved".into())
-        .with_content_type("application/json".into())
-        .with_delivery_mode(2)
 }
 
 /// The queues of the work queue's topology that must end empty, with their depth now.
@@ -855,54 +846,48 @@ async fn publish(
 ) -> BTreeMap<(String, i64), u32> {
     let mut sent: BTreeMap<(String, i64), u32> = BTreeMap::new();
     let gap = Duration::from_secs(1) * burst / rate;
-    let mut channel: Option<(lapin::Connection, lapin::Channel)> = None;
+    let mut publisher: Option<Publisher> = None;
+    let to = Destination::queue(queue);
     for (n, order) in (1..).zip(orders) {
         let _publishing = gate.read().await;
         loop {
-            if channel.is_none() {
-                channel = open_confirmed(url).await;
-                if channel.is_none() {
+            let Some(open) = &publisher else {
+                // The broker may be down or behind a fault: connect again until it answers.
+                publisher = Publisher::connect(url).await.ok();
+                if publisher.is_none() {
                     tokio::time::sleep(Duration::from_millis(200)).await;
-                    continue;
                 }
-            }
-            let (_, ch) = channel.as_ref().expect("channel");
-            *sent.entry((order.id.clone(), order.quantity)).or_default() += 1;
-            let confirmed = async {
-                ch.basic_publish(
-                    "".into(),
-                    queue.into(),
-                    lapin::options::BasicPublishOptions {
-                        mandatory: true,
-                        immediate: false,
-                    },
-                    &order.body(),
-                    props(&order.id),
-                )
-                .await?
-                .await
+                continue;
             };
-            match tokio::time::timeout(Duration::from_secs(10), confirmed).await {
-                Ok(Ok(lapin::Confirmation::Ack(None))) => break,
-                _ => channel = None,
+            *sent.entry((order.id.clone(), order.quantity)).or_default() += 1;
+            let message = Outgoing::bytes(
+                "stock.reserved",
+                &order.id,
+                "application/json",
+                order.body(),
+            );
+            // Anything short of a confirm is published again: the inbox deduplicates.
+            if open.publish(&to, message).await.is_confirmed() {
+                break;
             }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
         if n % burst == 0 {
             tokio::time::sleep(gap).await;
         }
     }
+    if let Some(publisher) = publisher {
+        publisher.close().await;
+    }
     sent
 }
 
-async fn open_confirmed(url: &str) -> Option<(lapin::Connection, lapin::Channel)> {
+/// A channel for the soak's own operations on the broker (declare, delete, bind).
+async fn open_channel(url: &str) -> Option<(lapin::Connection, lapin::Channel)> {
     let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
         .await
         .ok()?;
     let channel = connection.create_channel().await.ok()?;
-    channel
-        .confirm_select(lapin::options::ConfirmSelectOptions::default())
-        .await
-        .ok()?;
     Some((connection, channel))
 }
 
