@@ -52,3 +52,60 @@ pub const REPLAYED_FROM: &str = "x-lily-replayed-from";
 pub const REPLAYED_AT: &str = "x-lily-replayed-at";
 /// On a replayed message: how many times an operator replayed it.
 pub const REPLAYS: &str = "x-lily-replays";
+/// W3C Trace Context: the trace and parent span a message belongs to,
+/// `00-<32 hex trace id>-<16 hex span id>-<2 hex flags>`. With feature `otel` of the transport
+/// it becomes the parent of the delivery's span; every copy carries it on.
+pub const TRACEPARENT: &str = "traceparent";
+/// W3C Trace Context: vendor-specific trace state that goes with [`TRACEPARENT`].
+pub const TRACESTATE: &str = "tracestate";
+
+/// Whether `text` is a W3C `traceparent` of version `00` with a trace id and a span id that
+/// are not all zeros.
+pub fn is_traceparent(text: &str) -> bool {
+    let hex = |s: &str| {
+        s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    let mut parts = text.split('-');
+    let (Some(version), Some(trace), Some(span), Some(flags), None) = (
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+    ) else {
+        return false;
+    };
+    let nonzero = |s: &str| s.bytes().any(|b| b != b'0');
+    version == "00"
+        && trace.len() == 32
+        && span.len() == 16
+        && flags.len() == 2
+        && [trace, span, flags].into_iter().all(hex)
+        && nonzero(trace)
+        && nonzero(span)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_traceparent;
+
+    #[test]
+    fn traceparents_are_checked_to_the_letter() {
+        assert!(is_traceparent(
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        ));
+        for bad in [
+            "",
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+        ] {
+            assert!(!is_traceparent(bad), "{bad}");
+        }
+    }
+}

@@ -148,13 +148,17 @@ pub(crate) struct CopyFacts<'a> {
 }
 
 impl Source {
-    /// A text header of the message, if it has one.
-    fn header_text(&self, key: &str) -> Option<&str> {
-        let properties = match self {
+    /// The message's properties, headers included.
+    pub(crate) fn properties(&self) -> &BasicProperties {
+        match self {
             Self::Passed(incoming) => incoming.properties(),
             Self::Refused(refused) => &refused.properties,
-        };
-        as_text(properties.headers().as_ref()?.inner().get(key)?)
+        }
+    }
+
+    /// A text header of the message, if it has one.
+    fn header_text(&self, key: &str) -> Option<&str> {
+        as_text(self.properties().headers().as_ref()?.inner().get(key)?)
     }
 
     /// The message's valid id, if it has one: the key of its requeue count.

@@ -110,6 +110,7 @@ async fn settle_delivery(
         delivery_tag,
         outcome = tracing::field::Empty,
     );
+    crate::trace::adopt(&span, source.properties().headers().as_ref());
     let evidence = match arrival.verdict {
         Verdict::Dispatched => Evidence::Dispatched,
         _ => Evidence::Received,

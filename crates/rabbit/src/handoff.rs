@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lily_mq_core::transport::{HandoffId, HandoffResult, as_u32, is_token};
+use lily_mq_core::transport::{HandoffId, HandoffResult, as_text, as_u32, is_token};
 use lily_mq_core::{Incoming, Lane, Reason, headers};
 use tracing::{info, warn};
 
@@ -241,6 +241,17 @@ pub(crate) fn sanitized_properties(
         .and_then(|h| h.inner().get(headers::HOLDS))
         .and_then(as_u32);
     held_headers(&mut table, note.lane, holds);
+    // The trace goes on, when the original names one in the W3C form: nothing else of the
+    // refused message's headers is kept.
+    let traceparent = original
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get(headers::TRACEPARENT))
+        .and_then(as_text)
+        .filter(|text| headers::is_traceparent(text));
+    if let Some(traceparent) = traceparent {
+        table.insert(headers::TRACEPARENT.into(), long(traceparent));
+    }
     let mut props = BasicProperties::default()
         .with_headers(table)
         .with_delivery_mode(2);

@@ -31,6 +31,7 @@ mod sync;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod topology;
+mod trace;
 
 pub use config::ConsumerConfig;
 pub use connect::connect;

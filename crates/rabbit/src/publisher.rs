@@ -207,6 +207,20 @@ impl Outgoing {
             return Err(rejection.reason(limits));
         }
         table.insert(PUBLISH_ID.into(), id.header_value());
+        if !table.inner().contains_key(headers::TRACEPARENT)
+            && let Some((parent, state)) = crate::trace::current()
+        {
+            table.insert(
+                headers::TRACEPARENT.into(),
+                AMQPValue::LongString(parent.into()),
+            );
+            if let Some(state) = state {
+                table.insert(
+                    headers::TRACESTATE.into(),
+                    AMQPValue::LongString(state.into()),
+                );
+            }
+        }
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
