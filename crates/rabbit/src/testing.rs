@@ -298,6 +298,11 @@ impl TestDelivery {
         self.header(headers::SCHEMA_VERSION, AMQPValue::LongUInt(version))
     }
 
+    /// Its properties, headers included.
+    pub fn properties(&self) -> &BasicProperties {
+        &self.properties
+    }
+
     /// The broker's `redelivered` flag.
     #[must_use]
     pub fn redelivered(mut self, redelivered: bool) -> Self {

@@ -3,17 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use lapin::BasicProperties;
 use lily_mq_testkit::{Broker, ChildProcess, Client, http_get};
 use tokio::process::Command;
-
-fn order(id: &str) -> BasicProperties {
-    BasicProperties::default()
-        .with_message_id(id.into())
-        .with_type("order.placed".into())
-        .with_content_type("application/json".into())
-        .with_delivery_mode(2)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_short_service_handles_serves_metrics_and_exits_with_its_report() {
@@ -41,11 +32,16 @@ async fn the_short_service_handles_serves_metrics_and_exits_with_its_report() {
     let client = Client::connect(broker.url()).await;
     for i in 0..5 {
         client
-            .publish(&queue, br#"{"quantity":2}"#, order(&format!("ok-{i}")))
+            .send(
+                &queue,
+                "order.placed",
+                &format!("ok-{i}"),
+                br#"{"quantity":2}"#,
+            )
             .await;
     }
     client
-        .publish(&queue, br#"{"quantity":0}"#, order("zero"))
+        .send(&queue, "order.placed", "zero", br#"{"quantity":0}"#)
         .await;
     let acked_line = format!("lily_deliveries_total{{queue=\"{queue}\",outcome=\"acked\"}} ");
     let deadline = Instant::now() + Duration::from_secs(30);
