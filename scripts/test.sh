@@ -49,6 +49,8 @@ export LILY_CLUSTER_PORT="$CLUSTER_PORT"
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# The transport alone, without the features the workspace turns on (otel, testing, health).
+cargo clippy -p lily-mq-rabbit --lib -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 wait "$CLUSTER_PID" || { echo "lily: the three-node cluster did not start" >&2; exit 1; }
 cargo test --workspace

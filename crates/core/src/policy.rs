@@ -3,6 +3,18 @@
 use std::time::Duration;
 
 /// How failures are retried and how often an original may be requeued.
+///
+/// ```
+/// use std::time::Duration;
+/// use lily_mq_core::Policy;
+///
+/// // Three attempts: the first, then one after 5 s and one after 1 min; then the DLQ.
+/// let policy = Policy::default()
+///     .max_attempts(3)
+///     .retry_delays([Duration::from_secs(5), Duration::from_secs(60)])
+///     .max_requeues(3);
+/// assert!(policy.validate().is_ok());
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Policy {

@@ -15,6 +15,32 @@ use crate::resources::Resources;
 ///
 /// Routes are kept in a short list and matched by comparison: services route a handful of
 /// types, and comparing a few strings is cheaper per delivery than hashing one.
+///
+/// ```
+/// use lily_mq_core::{Json, Meta, QueueHandlerError, Router, State};
+///
+/// #[derive(serde::Deserialize)]
+/// struct OrderPlaced { quantity: u32 }
+///
+/// #[derive(Clone)]
+/// struct Prices { unit_cents: u64 }
+///
+/// async fn place(State(prices): State<Prices>, Json(o): Json<OrderPlaced>) -> Result<(), QueueHandlerError> {
+///     let _total = prices.unit_cents * u64::from(o.quantity);
+///     Ok(())
+/// }
+///
+/// async fn place_v2(meta: Meta) -> Result<(), QueueHandlerError> {
+///     let _ = meta.schema_version(); // 2
+///     Ok(())
+/// }
+///
+/// let router = Router::new()
+///     .route("order.placed", place) // schema version 1
+///     .route_version("order.placed", 2, place_v2)
+///     .with_state(Prices { unit_cents: 250 });
+/// assert!(router.missing_state().is_none());
+/// ```
 #[derive(Debug, Clone)]
 pub struct Router {
     routes: Vec<(Box<str>, u32, BoxedHandler)>,

@@ -19,6 +19,21 @@ pub struct CleanupError(pub Reason);
 /// delivery. `after_delivery` always runs once the handler is done, whatever happened: success,
 /// failure, panic or timeout. If it fails, a success becomes a retryable failure (the decision
 /// sees pipeline and cleanup results separately).
+///
+/// ```
+/// use lily_mq_core::transport::PipelineResult;
+/// use lily_mq_core::{CleanupError, Hook, Meta};
+///
+/// /// Logs how each delivery went, by id (never the body).
+/// struct Audit;
+///
+/// impl Hook for Audit {
+///     async fn after_delivery(&self, meta: &Meta, result: PipelineResult) -> Result<(), CleanupError> {
+///         eprintln!("{} handled: {result:?}", meta.message_id());
+///         Ok(())
+///     }
+/// }
+/// ```
 pub trait Hook: Send + Sync + 'static {
     /// Runs before the handler.
     fn before_delivery(

@@ -31,12 +31,17 @@
 //! }
 //! ```
 //!
+//! [`Publisher`](rabbit::Publisher) sends what a consumer takes, each message with its own
+//! evidence ([`Published`](rabbit::Published)); with feature `testing`, `lily::testing` settles a
+//! synthetic delivery through the consumer's own gate, handler and decision machine, with no
+//! broker.
+//!
 //! # Features
 //!
 //! | feature | what it adds |
 //! |---|---|
 //! | `health` | `lily::rabbit::health::serve`: `/livez`, `/readyz` and `/metrics` (Prometheus) over HTTP |
-//! | `testing` | [`testing`]: settle a synthetic delivery through the real gate, hooks, handler and decision machine, in process, with no broker |
+//! | `testing` | `lily::testing`: settle a synthetic delivery through the real gate, hooks, handler and decision machine, in process, with no broker |
 //! | `otel` | a delivery's W3C `traceparent` header becomes the parent of its `delivery` span, through `tracing-opentelemetry`; the publisher writes the current span's context into what it sends. Copies carry the header with or without it |
 //! | `mongo` | `lily::mongo`: the MongoDB transaction scope, transactional inbox and fenced lease; [`prelude`] gains `MongoScope`, `MongoConfig` and the `MongoTx` extractor |
 //!

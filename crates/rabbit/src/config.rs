@@ -8,6 +8,19 @@ use crate::error::{ConfigError, Error};
 use crate::topology::{LeaderLocator, QueueKind, TopologyMode};
 
 /// How one work queue is consumed.
+///
+/// ```
+/// use std::time::Duration;
+/// use lily_mq_rabbit::{ConsumerConfig, QueueKind};
+///
+/// let config = ConsumerConfig::new("orders")
+///     .queue_kind(QueueKind::Quorum)
+///     .prefetch(100)
+///     .concurrency(32)
+///     .handler_timeout(Duration::from_secs(10));
+/// assert!(config.validate().is_ok());
+/// assert!(ConsumerConfig::new("orders").prefetch(0).validate().is_err());
+/// ```
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct ConsumerConfig {
