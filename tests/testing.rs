@@ -296,3 +296,65 @@ async fn failing_lanes_follow_the_machine() {
         [requeued, requeued, requeued, Outcome::DeadLettered]
     );
 }
+
+/// A scope that opens every delivery the same way, as a lease held elsewhere or an inbox that
+/// has the message already would.
+struct FixedScope(fn() -> lily::core::Begin);
+
+impl lily::core::TransactionalScope for FixedScope {
+    fn begin<'a>(
+        &'a self,
+        _meta: &'a Meta,
+        _deadline: Duration,
+    ) -> lily::core::BoxFuture<'a, lily::core::Begin> {
+        Box::pin(std::future::ready((self.0)()))
+    }
+}
+
+/// With a scope, the test consumer runs the consumer's loop through it: a deferral holds and
+/// requeues without an attempt until its requeues are spent; a duplicate is ACKed without the
+/// handler.
+#[tokio::test]
+async fn a_scope_defers_and_suppresses_duplicates_as_in_the_consumer() {
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let counted = calls.clone();
+    let router = Router::new().route("order.placed", move |_: Meta| {
+        counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        async { Ok(()) }
+    });
+    let config = ConsumerConfig::new("orders").policy(fast_policy());
+    let held = || lily::core::Begin::Defer {
+        reason: lily::core::Reason::new("lease held by another worker"),
+        deferrals: None,
+    };
+    let deferring = TestConsumer::new(config.clone(), router.clone())
+        .unwrap()
+        .scope(FixedScope(held));
+    let mut outcomes = Vec::new();
+    for redelivered in [false, true, true, true] {
+        let delivery = TestDelivery::json("order.placed", "d-1", &Order { act: "ok".into() })
+            .redelivered(redelivered);
+        let settled = deferring.deliver(delivery).await;
+        outcomes.push((settled.outcome, settled.held_for > Duration::ZERO));
+    }
+    let deferred = (Outcome::Requeued(lily::core::RequeueCause::Deferred), true);
+    assert_eq!(outcomes[..3], [deferred; 3]);
+    assert_eq!(outcomes[3].0, Outcome::DeadLettered, "its requeues spent");
+
+    let duplicates = TestConsumer::new(config, router)
+        .unwrap()
+        .scope(FixedScope(|| lily::core::Begin::Duplicate));
+    let settled = duplicates
+        .deliver(TestDelivery::json(
+            "order.placed",
+            "dup-1",
+            &Order { act: "ok".into() },
+        ))
+        .await;
+    assert_eq!(settled.outcome, Outcome::Acked);
+    assert_eq!(
+        calls.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "no handler ran"
+    );
+}

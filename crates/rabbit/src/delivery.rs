@@ -5,19 +5,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lapin::message::Delivery;
-use lily_mq_core::machine::{Action, Arrival, CopyOf, Delivery as Machine, ScopeOpened, Verdict};
+use lily_mq_core::machine::{Action, CopyOf, Delivery as Machine, Verdict};
 use lily_mq_core::transport::{
-    Authority, BoxedHandler, DeliveryCancel, EntryId, Evidence, Handoff, HandoffResult, Identity,
-    SettleResult,
+    Authority, EntryId, Evidence, Handoff, HandoffResult, Identity, SettleResult,
 };
-use lily_mq_core::{Begin, Lane, Meta, Outcome, Reason, Resources};
+use lily_mq_core::{Outcome, Reason};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::admit::{Admitted, CopyFacts, Raw, Source, admit};
 use crate::crew::Settle;
+use crate::execute::{Effects, Finished, Setup, count_redelivery, execute};
 use crate::handoff::destination;
-use crate::pipeline;
 use crate::service::Shared;
 use crate::session::{Session, Settler};
 use crate::sync::lock;
@@ -120,26 +119,29 @@ async fn settle_delivery(
     if let (true, Some(id)) = (redelivered, valid_id) {
         arrival.local_requeues = Some(lock(&shared.books.requeues).get(id));
     }
-    if let (true, Some(scope), Source::Passed(incoming), Verdict::Dispatched) =
-        (redelivered, &shared.scope, &source, &arrival.verdict)
-    {
-        // Once per delivery: a transaction opened again after a conflict is not a redelivery.
-        let meta = Meta::new(Arc::clone(incoming));
-        let deadline = shared.config.policy.settlement_budget;
-        arrival.redeliveries = scope.count_redelivery(&meta, deadline).await;
-    }
+    let setup = Setup {
+        policy: &shared.config.policy,
+        scope: shared.scope.as_deref(),
+        hooks: &shared.hooks,
+        state: shared.router.state(),
+        handler_timeout: shared.config.handler_timeout,
+        handlers: &shared.signals.handlers,
+    };
+    count_redelivery(&setup, &mut arrival, &source).await;
     let settler = session.settler(delivery_tag, &shared.publisher, &shared.signals.revoked);
-    let work = Work {
+    let mut work = Work {
         shared,
         settler,
         entry,
         message_id: source.message_id(limits),
-        span: span.clone(),
+        source: &source,
         acking,
     };
-    work.run(arrival, &source, handler.as_ref())
-        .instrument(span)
-        .await;
+    let run = async {
+        let finished = execute(&setup, arrival, &source, handler.as_ref(), &mut work).await;
+        work.finish(&finished, &span);
+    };
+    run.instrument(span.clone()).await;
 }
 
 struct Work<'a> {
@@ -148,172 +150,22 @@ struct Work<'a> {
     entry: EntryId,
     /// The valid message id, if any: the key of its requeue count.
     message_id: Option<&'a str>,
-    /// The delivery's span (disabled, and free, when nothing listens).
-    span: tracing::Span,
+    /// The message, for its copies.
+    source: &'a Source,
     /// Set once the ACK is about to be marked ready: from then on, an abort lets the work finish.
     acking: &'a AtomicBool,
 }
 
-impl Work<'_> {
+impl Effects for Work<'_> {
     fn authority(&self) -> Authority {
         self.settler.authority()
     }
 
-    /// Executes what the delivery's machine asks for and reports the evidence back, until it
-    /// reaches its outcome.
-    async fn run(self, arrival: Arrival, source: &Source, handler: Option<&BoxedHandler>) {
-        let shared = self.shared;
-        let policy = &shared.config.policy;
-        let budget = policy.settlement_budget;
-        let start = Instant::now();
-        let mut machine = Machine::new(arrival, policy, || self.authority(), start);
-        let mut resources = Resources::new();
-        let mut transaction = None;
-        // The time of the latest input to the machine; settlement is timed from there.
-        let mut last = start;
-        let mut settling_since = None;
-        loop {
-            let action = machine.poll_action(|| self.authority());
-            self.note(&mut machine);
-            let Some(action) = action else { break };
-            match action {
-                Action::OpenScope => {
-                    let (Some(scope), Source::Passed(incoming)) = (&shared.scope, source) else {
-                        unreachable!("the machine opens a scope only for a dispatched delivery")
-                    };
-                    let meta = Meta::new(Arc::clone(incoming));
-                    let opened = match scope.begin(&meta, budget).await {
-                        Begin::Proceed {
-                            resources: r,
-                            transaction: t,
-                        } => {
-                            resources = r;
-                            transaction = Some(t);
-                            ScopeOpened::Proceed { transaction: true }
-                        }
-                        Begin::Duplicate => {
-                            lock(&shared.books.ledger).count_duplicate();
-                            ScopeOpened::Duplicate
-                        }
-                        Begin::Conflict(reason) => ScopeOpened::Conflict(reason),
-                        Begin::Defer { reason, deferrals } => {
-                            ScopeOpened::Defer { reason, deferrals }
-                        }
-                        Begin::Transient(reason) => ScopeOpened::Transient(reason),
-                    };
-                    last = Instant::now();
-                    machine.handle_scope(opened, self.authority(), last);
-                }
-                Action::RunHandler => {
-                    let (Some(handler), Source::Passed(incoming)) = (handler, source) else {
-                        unreachable!("the machine runs a handler only for a dispatched delivery")
-                    };
-                    let cancel = DeliveryCancel::new(&shared.signals.handlers);
-                    let began = Instant::now();
-                    let out = pipeline::run(
-                        handler,
-                        &shared.hooks,
-                        incoming,
-                        &cancel,
-                        &resources,
-                        shared.router.state(),
-                        shared.config.handler_timeout,
-                    )
-                    .await;
-                    last = Instant::now();
-                    shared
-                        .metrics
-                        .handler_duration
-                        .record((last - began).as_secs_f64());
-                    let authority = self.authority();
-                    machine.handle_pipeline(out.result, out.cleanup, out.reason, authority, last);
-                }
-                Action::Commit => {
-                    let committed = match transaction.take() {
-                        Some(t) => t.commit(budget).await,
-                        None => unreachable!("the machine commits only an open transaction"),
-                    };
-                    last = Instant::now();
-                    machine.handle_commit(
-                        committed.outcome,
-                        committed.deferrals,
-                        committed.reason,
-                        self.authority(),
-                        last,
-                    );
-                }
-                Action::Abort => {
-                    // Bounded: a database that stopped answering must not hold the delivery
-                    // (an abandoned transaction ends on the server's own timeout).
-                    if let Some(t) = transaction.take()
-                        && tokio::time::timeout(budget, t.abort()).await.is_err()
-                    {
-                        warn!("the transaction's abort did not complete within the budget");
-                    }
-                    last = Instant::now();
-                    machine.handle_aborted(self.authority(), last);
-                }
-                Action::Backoff(longest) => {
-                    // A random part of it, at least half: transactions that conflicted must
-                    // not meet again in step.
-                    tokio::time::sleep(jittered(longest)).await;
-                    last = Instant::now();
-                    machine.handle_held(last);
-                }
-                Action::Hold(delay) => {
-                    // Give what the deferral waits for time to change; shutdown cuts it short.
-                    let wait = Box::pin(tokio::time::sleep(delay));
-                    tokio::select! {
-                        () = wait => {}
-                        () = shared.signals.handlers.cancelled() => {}
-                    }
-                    last = Instant::now();
-                    machine.handle_held(last);
-                }
-                Action::Publish {
-                    handoff,
-                    copy,
-                    deadline,
-                } => {
-                    settling_since.get_or_insert(last);
-                    // Boxed: the publish future is large and most deliveries never hand off;
-                    // keeping it inline would grow every delivery's task.
-                    let reason = machine.reason().clone();
-                    let result =
-                        Box::pin(self.publish(handoff, &reason, source, copy, deadline)).await;
-                    if result != HandoffResult::Confirmed {
-                        warn!(handoff = ?handoff.lane, ?result, "handoff failed");
-                    }
-                    last = Instant::now();
-                    machine.handle_handoff(result, self.authority(), last);
-                }
-                Action::Ack | Action::Requeue { .. } | Action::Reject => {
-                    settling_since.get_or_insert(last);
-                    if let (Action::Requeue { counted: true }, Some(id)) = (action, self.message_id)
-                    {
-                        // Counted before the NACK is written: the redelivery can arrive before
-                        // this task runs again.
-                        lock(&shared.books.requeues).count(id);
-                    }
-                    let result = self.write(action).await;
-                    machine.handle_settled(result);
-                }
-            }
-        }
-        let outcome = machine.outcome().unwrap_or(Outcome::AuthorityLost);
-        if let Some(since) = settling_since {
-            shared
-                .metrics
-                .settlement_latency
-                .record(since.elapsed().as_secs_f64());
-        }
-        if let (true, Some(id)) = (machine.forgets_requeues(), self.message_id) {
-            lock(&shared.books.requeues).forget(id);
-        }
-        self.finish(outcome, machine.confirmed_handoff(), machine.reason());
+    fn now(&self) -> Instant {
+        Instant::now()
     }
 
-    /// Records the machine's evidence in the ledger.
+    /// Records the machine's evidence in the ledger, under one lock.
     fn note(&self, machine: &mut Machine<'_>) {
         let mut ledger = None;
         while let Some(evidence) = machine.poll_evidence() {
@@ -323,11 +175,69 @@ impl Work<'_> {
         }
     }
 
-    async fn publish(
-        &self,
+    async fn wait(&mut self, wait: Duration, backoff: bool) {
+        if backoff {
+            // A random part of it, at least half: transactions that conflicted must not meet
+            // again in step.
+            tokio::time::sleep(jittered(wait)).await;
+        } else {
+            // Give what the deferral waits for time to change; shutdown cuts it short.
+            let wait = Box::pin(tokio::time::sleep(wait));
+            tokio::select! {
+                () = wait => {}
+                () = self.shared.signals.handlers.cancelled() => {}
+            }
+        }
+    }
+
+    fn publish(
+        &mut self,
         handoff: Handoff,
         reason: &Reason,
-        source: &Source,
+        copy: CopyOf,
+        deadline: Duration,
+    ) -> impl Future<Output = HandoffResult> + Send {
+        // Boxed: the publish future is large and most deliveries never hand off; keeping it
+        // inline would grow every delivery's task.
+        Box::pin(self.hand_off(handoff, reason.clone(), copy, deadline))
+    }
+
+    /// Queues the ACK, NACK or reject on the delivery's channel; see [`Settler`].
+    async fn settle(&mut self, action: Action) -> SettleResult {
+        match action {
+            Action::Ack => {
+                self.acking.store(true, Ordering::Release);
+                self.settler.ack().await
+            }
+            Action::Requeue { counted } => {
+                if let (true, Some(id)) = (counted, self.message_id) {
+                    // Counted before the NACK is written: the redelivery can arrive before
+                    // this task runs again.
+                    lock(&self.shared.books.requeues).count(id);
+                }
+                self.settler.requeue()
+            }
+            _ => self.settler.reject(),
+        }
+    }
+
+    fn handler_ran(&self, took: Duration) {
+        self.shared
+            .metrics
+            .handler_duration
+            .record(took.as_secs_f64());
+    }
+
+    fn duplicate_suppressed(&self) {
+        lock(&self.shared.books.ledger).count_duplicate();
+    }
+}
+
+impl Work<'_> {
+    async fn hand_off(
+        &self,
+        handoff: Handoff,
+        reason: Reason,
         copy: CopyOf,
         deadline: Duration,
     ) -> HandoffResult {
@@ -340,27 +250,31 @@ impl Work<'_> {
             at_millis: epoch_millis(),
             limits: &self.shared.config.limits,
         };
-        let (body, properties) = source.copy(handoff, reason, copy, &facts);
-        let id = facts.id;
+        let (body, properties) = self.source.copy(handoff, &reason, copy, &facts);
         self.settler
-            .publish(&queue, id, body, properties, deadline)
+            .publish(&queue, facts.id, body, properties, deadline)
             .await
     }
 
-    /// Queues the ACK, NACK or reject on the delivery's channel; see [`Settler`].
-    async fn write(&self, action: Action) -> SettleResult {
-        match action {
-            Action::Ack => {
-                self.acking.store(true, Ordering::Release);
-                self.settler.ack().await
-            }
-            Action::Requeue { .. } => self.settler.requeue(),
-            _ => self.settler.reject(),
+    /// Records the outcome: span, log, metrics, settlement latency, requeue memory, ledger.
+    fn finish(&self, finished: &Finished, span: &tracing::Span) {
+        let Finished {
+            outcome,
+            confirmed_handoff: lane,
+            ref reason,
+            forgets_requeues,
+            settling_since,
+        } = *finished;
+        if let Some(since) = settling_since {
+            self.shared
+                .metrics
+                .settlement_latency
+                .record(since.elapsed().as_secs_f64());
         }
-    }
-
-    fn finish(&self, outcome: Outcome, lane: Option<Lane>, reason: &Reason) {
-        self.span.record("outcome", tracing::field::debug(&outcome));
+        if let (true, Some(id)) = (forgets_requeues, self.message_id) {
+            lock(&self.shared.books.requeues).forget(id);
+        }
+        span.record("outcome", tracing::field::debug(&outcome));
         match outcome {
             Outcome::Acked => debug!("settled"),
             Outcome::Unresolved(_) | Outcome::AuthorityLost => {

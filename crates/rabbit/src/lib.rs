@@ -17,6 +17,7 @@ mod consumer;
 mod crew;
 mod delivery;
 mod error;
+mod execute;
 mod handoff;
 #[cfg(feature = "health")]
 pub mod health;

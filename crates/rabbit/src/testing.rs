@@ -7,9 +7,11 @@
 //! (or fails those to a lane you name) and accepts every ACK and NACK. It answers what the
 //! real consumer would do, [`Settled`], and the copy it would publish, headers included.
 //!
-//! Waits the consumer would sleep through (a deferral's hold, the backoff between transaction
-//! runs) are added up in [`Settled::held_for`] instead. The MongoDB scope is not part of it: a
-//! transaction's outcome is mongod's, so test it against a real one.
+//! It runs the consumer's own delivery loop (`execute.rs`): only what would reach the broker is
+//! played. Waits the consumer would sleep through (a deferral's hold, the backoff between
+//! transaction runs) are added up in [`Settled::held_for`] instead. A transactional scope is
+//! run as the consumer runs it ([`TestConsumer::scope`]): the MongoDB scope against a real
+//! mongod, or a scope of your own that defers, suppresses a duplicate or commits ambiguously.
 //!
 //! ```
 //! use lily_mq_rabbit::testing::{TestConsumer, TestDelivery};
@@ -50,11 +52,11 @@ use std::time::{Duration, Instant};
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lily_mq_core::machine::{Action, Delivery as Machine, RequeueMemory};
+use lily_mq_core::machine::{Action, CopyOf, Delivery as Machine, RequeueMemory};
 use lily_mq_core::transport::{
-    Authority, DeliveryCancel, HandoffId, HandoffResult, SettleResult, as_text, as_u32,
+    Authority, Handoff, HandoffId, HandoffResult, SettleResult, as_text, as_u32,
 };
-use lily_mq_core::{DynHook, Hook, Lane, Outcome, Reason, Resources, Router, headers};
+use lily_mq_core::{DynHook, Hook, Lane, Outcome, Reason, Router, TransactionalScope, headers};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -62,8 +64,8 @@ use crate::admit::{Admitted, CopyFacts, Raw, Source, admit};
 use crate::config::ConsumerConfig;
 use crate::delivery::epoch_millis;
 use crate::error::Error;
+use crate::execute::{Effects, Setup, count_redelivery, execute};
 use crate::handoff::destination;
-use crate::pipeline;
 use crate::publisher::HeaderValue;
 use crate::sync::lock;
 use crate::topology::Topology;
@@ -77,6 +79,7 @@ pub struct TestConsumer {
     queue: Arc<str>,
     /// Lanes (queue names) whose handoffs come back returned.
     failing: BTreeSet<String>,
+    scope: Option<Arc<dyn TransactionalScope>>,
     /// Requeues counted by message id, as the consumer keeps them.
     requeues: Mutex<RequeueMemory>,
     next_tag: AtomicU64,
@@ -110,6 +113,7 @@ impl TestConsumer {
             config,
             router,
             hooks: Vec::new(),
+            scope: None,
             topology,
             failing: BTreeSet::new(),
             next_tag: AtomicU64::new(1),
@@ -131,6 +135,15 @@ impl TestConsumer {
         self
     }
 
+    /// Runs every handler inside `scope`, as [`Consumer::scope`](crate::Consumer::scope): a
+    /// real one (the MongoDB scope against a real mongod) or one of your own, to test what
+    /// a deferral, a duplicate or an ambiguous commit does.
+    #[must_use]
+    pub fn scope(mut self, scope: impl TransactionalScope) -> Self {
+        self.scope = Some(Arc::new(scope));
+        self
+    }
+
     /// Settles `delivery` as the consumer would.
     pub async fn deliver(&self, delivery: TestDelivery) -> Settled {
         let raw = Raw {
@@ -142,105 +155,115 @@ impl TestConsumer {
             redelivered: delivery.redelivered,
         };
         let limits = &self.config.limits;
+        let scoped = self.scope.is_some();
         let Admitted {
             mut arrival,
             source,
             handler,
-        } = admit(raw, &self.router, limits, &self.queue, false);
+        } = admit(raw, &self.router, limits, &self.queue, scoped);
         let message_id = source.message_id(limits);
         if let (true, Some(id)) = (delivery.redelivered, message_id) {
             arrival.local_requeues = Some(lock(&self.requeues).get(id));
         }
-        let policy = &self.config.policy;
-        // Virtual time: a wait moves it on instead of sleeping.
-        let mut now = Instant::now();
-        let mut held_for = Duration::ZERO;
-        let mut machine = Machine::new(arrival, policy, || Authority::Held, now);
-        let mut copy = None;
         let shutdown = CancellationToken::new();
-        let mut next_id = 0;
-        while let Some(action) = machine.poll_action(|| Authority::Held) {
-            while machine.poll_evidence().is_some() {}
-            match action {
-                Action::RunHandler => {
-                    let (Some(handler), Source::Passed(incoming)) = (handler.as_ref(), &source)
-                    else {
-                        unreachable!("the machine runs a handler only for a dispatched delivery")
-                    };
-                    let cancel = DeliveryCancel::new(&shutdown);
-                    let out = pipeline::run(
-                        handler,
-                        &self.hooks,
-                        incoming,
-                        &cancel,
-                        &Resources::new(),
-                        self.router.state(),
-                        self.config.handler_timeout,
-                    )
-                    .await;
-                    now = Instant::now().max(now);
-                    machine.handle_pipeline(
-                        out.result,
-                        out.cleanup,
-                        out.reason,
-                        Authority::Held,
-                        now,
-                    );
-                }
-                Action::OpenScope | Action::Commit | Action::Abort => {
-                    unreachable!("a test consumer has no transactional scope")
-                }
-                Action::Backoff(wait) | Action::Hold(wait) => {
-                    held_for += wait;
-                    now += wait;
-                    machine.handle_held(now);
-                }
-                Action::Publish {
-                    handoff, copy: of, ..
-                } => {
-                    let Some(queue) = destination(&self.topology, handoff.lane) else {
-                        machine.handle_handoff(HandoffResult::Failed, Authority::Held, now);
-                        continue;
-                    };
-                    next_id += 1;
-                    let facts = CopyFacts {
-                        source_queue: &self.queue,
-                        id: HandoffId::new(next_id),
-                        at_millis: epoch_millis(),
-                        limits,
-                    };
-                    let (body, properties) = source.copy(handoff, machine.reason(), of, &facts);
-                    let result = if self.failing.contains(&queue) {
-                        HandoffResult::Returned
-                    } else {
-                        copy = Some(Copy {
-                            queue,
-                            lane: handoff.lane,
-                            body: body.to_vec(),
-                            properties,
-                        });
-                        HandoffResult::Confirmed
-                    };
-                    machine.handle_handoff(result, Authority::Held, now);
-                }
-                Action::Requeue { counted } => {
-                    if let (true, Some(id)) = (counted, message_id) {
-                        lock(&self.requeues).count(id);
-                    }
-                    machine.handle_settled(SettleResult::Written);
-                }
-                Action::Ack | Action::Reject => machine.handle_settled(SettleResult::Written),
-            }
-        }
-        if let (true, Some(id)) = (machine.forgets_requeues(), message_id) {
+        let setup = Setup {
+            policy: &self.config.policy,
+            scope: self.scope.as_deref(),
+            hooks: &self.hooks,
+            state: self.router.state(),
+            handler_timeout: self.config.handler_timeout,
+            handlers: &shutdown,
+        };
+        count_redelivery(&setup, &mut arrival, &source).await;
+        let mut recorder = Recorder {
+            consumer: self,
+            source: &source,
+            message_id,
+            now: Instant::now(),
+            held_for: Duration::ZERO,
+            copy: None,
+            next_id: 0,
+        };
+        let finished = execute(&setup, arrival, &source, handler.as_ref(), &mut recorder).await;
+        if let (true, Some(id)) = (finished.forgets_requeues, message_id) {
             lock(&self.requeues).forget(id);
         }
         Settled {
-            outcome: machine.outcome().unwrap_or(Outcome::AuthorityLost),
-            reason: machine.reason().clone(),
-            copy,
-            held_for,
+            outcome: finished.outcome,
+            reason: finished.reason,
+            copy: recorder.copy,
+            held_for: recorder.held_for,
         }
+    }
+}
+
+/// The broker's part, played in process: every handoff is confirmed (or returned, for a lane
+/// set to fail), every ACK and NACK written; waits move a virtual clock on.
+struct Recorder<'a> {
+    consumer: &'a TestConsumer,
+    source: &'a Source,
+    message_id: Option<&'a str>,
+    /// Virtual time: the real clock plus every wait so far.
+    now: Instant,
+    held_for: Duration,
+    copy: Option<Copy>,
+    next_id: u64,
+}
+
+impl Effects for Recorder<'_> {
+    fn authority(&self) -> Authority {
+        Authority::Held
+    }
+
+    fn now(&self) -> Instant {
+        Instant::now().max(self.now)
+    }
+
+    fn note(&self, machine: &mut Machine<'_>) {
+        while machine.poll_evidence().is_some() {}
+    }
+
+    async fn wait(&mut self, wait: Duration, _backoff: bool) {
+        self.held_for += wait;
+        self.now = self.now() + wait;
+    }
+
+    async fn publish(
+        &mut self,
+        handoff: Handoff,
+        reason: &Reason,
+        copy: CopyOf,
+        _deadline: Duration,
+    ) -> HandoffResult {
+        let consumer = self.consumer;
+        let Some(queue) = destination(&consumer.topology, handoff.lane) else {
+            return HandoffResult::Failed;
+        };
+        if consumer.failing.contains(&queue) {
+            return HandoffResult::Returned;
+        }
+        self.next_id += 1;
+        let facts = CopyFacts {
+            source_queue: &consumer.queue,
+            id: HandoffId::new(self.next_id),
+            at_millis: epoch_millis(),
+            limits: &consumer.config.limits,
+        };
+        let (body, properties) = self.source.copy(handoff, reason, copy, &facts);
+        self.copy = Some(Copy {
+            queue,
+            lane: handoff.lane,
+            body: body.to_vec(),
+            properties,
+        });
+        HandoffResult::Confirmed
+    }
+
+    async fn settle(&mut self, action: Action) -> SettleResult {
+        if let (Action::Requeue { counted: true }, Some(id)) = (action, self.message_id) {
+            lock(&self.consumer.requeues).count(id);
+        }
+        SettleResult::Written
     }
 }
 

@@ -1,0 +1,224 @@
+//! The delivery loop: runs one delivery's machine to its outcome, carrying out each action it
+//! asks for and reporting the evidence back. The scope, the hooks and the handler run here, the
+//! same for every caller; what reaches the broker goes through [`Effects`]: the consumer's are
+//! its channel, its handoff publisher and its ledger, the [`testing`](crate::testing)
+//! consumer's a recording stand-in.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lily_mq_core::machine::{Action, Arrival, CopyOf, Delivery as Machine, ScopeOpened, Verdict};
+use lily_mq_core::transport::{
+    Authority, BoxedHandler, DeliveryCancel, Handoff, HandoffResult, SettleResult,
+};
+use lily_mq_core::{
+    Begin, DynHook, Lane, Meta, Outcome, Policy, Reason, Resources, TransactionalScope,
+};
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use crate::admit::Source;
+use crate::pipeline;
+
+/// What carrying out a delivery's actions takes besides the scope and the handler.
+pub(crate) trait Effects {
+    /// Whether the delivery's channel still holds the authority to settle it.
+    fn authority(&self) -> Authority;
+
+    /// Now, on the clock the machine's budget runs on.
+    fn now(&self) -> Instant;
+
+    /// Takes the evidence the machine gathered since the last call (for the ledger).
+    fn note(&self, machine: &mut Machine<'_>);
+
+    /// Waits `wait` before the machine goes on: a deferral's hold, or with `backoff` the pause
+    /// between two runs of a transaction.
+    fn wait(&mut self, wait: Duration, backoff: bool) -> impl Future<Output = ()> + Send;
+
+    /// Publishes the copy `handoff` asks for; `reason` is the machine's.
+    fn publish(
+        &mut self,
+        handoff: Handoff,
+        reason: &Reason,
+        copy: CopyOf,
+        deadline: Duration,
+    ) -> impl Future<Output = HandoffResult> + Send;
+
+    /// Writes the ACK, the NACK with requeue or the reject.
+    fn settle(&mut self, action: Action) -> impl Future<Output = SettleResult> + Send;
+
+    /// The pipeline took `took`.
+    fn handler_ran(&self, took: Duration) {
+        let _ = took;
+    }
+
+    /// The scope found the message handled already: it is ACKed without the handler.
+    fn duplicate_suppressed(&self) {}
+}
+
+/// What every delivery of a consumer shares.
+pub(crate) struct Setup<'a> {
+    pub(crate) policy: &'a Policy,
+    pub(crate) scope: Option<&'a dyn TransactionalScope>,
+    pub(crate) hooks: &'a [Arc<dyn DynHook>],
+    pub(crate) state: &'a Resources,
+    pub(crate) handler_timeout: Duration,
+    /// Parent of each handler's cancellation token.
+    pub(crate) handlers: &'a CancellationToken,
+}
+
+/// How a delivery ended.
+pub(crate) struct Finished {
+    pub(crate) outcome: Outcome,
+    /// The lane of the confirmed handoff, kept even when the ACK that followed failed.
+    pub(crate) confirmed_handoff: Option<Lane>,
+    pub(crate) reason: Reason,
+    /// Whether its count in the requeue memory can go.
+    pub(crate) forgets_requeues: bool,
+    /// When it began to settle (its first publish, ACK, NACK or reject), if it did.
+    pub(crate) settling_since: Option<Instant>,
+}
+
+/// Runs the machine of a delivery that arrived as `arrival` to its outcome.
+pub(crate) async fn execute(
+    setup: &Setup<'_>,
+    arrival: Arrival,
+    source: &Source,
+    handler: Option<&BoxedHandler>,
+    effects: &mut impl Effects,
+) -> Finished {
+    let budget = setup.policy.settlement_budget;
+    let start = effects.now();
+    let mut machine = Machine::new(arrival, setup.policy, || effects.authority(), start);
+    let mut resources = Resources::new();
+    let mut transaction = None;
+    // The time of the latest input to the machine; settlement is timed from there.
+    let mut last = start;
+    let mut settling_since = None;
+    loop {
+        let action = machine.poll_action(|| effects.authority());
+        effects.note(&mut machine);
+        let Some(action) = action else { break };
+        match action {
+            Action::OpenScope => {
+                let (Some(scope), Source::Passed(incoming)) = (setup.scope, source) else {
+                    unreachable!("the machine opens a scope only for a dispatched delivery")
+                };
+                let meta = Meta::new(Arc::clone(incoming));
+                let opened = match scope.begin(&meta, budget).await {
+                    Begin::Proceed {
+                        resources: r,
+                        transaction: t,
+                    } => {
+                        resources = r;
+                        transaction = Some(t);
+                        ScopeOpened::Proceed { transaction: true }
+                    }
+                    Begin::Duplicate => {
+                        effects.duplicate_suppressed();
+                        ScopeOpened::Duplicate
+                    }
+                    Begin::Conflict(reason) => ScopeOpened::Conflict(reason),
+                    Begin::Defer { reason, deferrals } => ScopeOpened::Defer { reason, deferrals },
+                    Begin::Transient(reason) => ScopeOpened::Transient(reason),
+                };
+                last = effects.now();
+                machine.handle_scope(opened, effects.authority(), last);
+            }
+            Action::RunHandler => {
+                let (Some(handler), Source::Passed(incoming)) = (handler, source) else {
+                    unreachable!("the machine runs a handler only for a dispatched delivery")
+                };
+                let cancel = DeliveryCancel::new(setup.handlers);
+                let began = Instant::now();
+                let out = pipeline::run(
+                    handler,
+                    setup.hooks,
+                    incoming,
+                    &cancel,
+                    &resources,
+                    setup.state,
+                    setup.handler_timeout,
+                )
+                .await;
+                effects.handler_ran(began.elapsed());
+                last = effects.now();
+                let authority = effects.authority();
+                machine.handle_pipeline(out.result, out.cleanup, out.reason, authority, last);
+            }
+            Action::Commit => {
+                let committed = match transaction.take() {
+                    Some(t) => t.commit(budget).await,
+                    None => unreachable!("the machine commits only an open transaction"),
+                };
+                last = effects.now();
+                machine.handle_commit(
+                    committed.outcome,
+                    committed.deferrals,
+                    committed.reason,
+                    effects.authority(),
+                    last,
+                );
+            }
+            Action::Abort => {
+                // Bounded: a database that stopped answering must not hold the delivery (an
+                // abandoned transaction ends on the server's own timeout).
+                if let Some(t) = transaction.take()
+                    && tokio::time::timeout(budget, t.abort()).await.is_err()
+                {
+                    warn!("the transaction's abort did not complete within the budget");
+                }
+                last = effects.now();
+                machine.handle_aborted(effects.authority(), last);
+            }
+            Action::Backoff(longest) => {
+                effects.wait(longest, true).await;
+                last = effects.now();
+                machine.handle_held(last);
+            }
+            Action::Hold(delay) => {
+                effects.wait(delay, false).await;
+                last = effects.now();
+                machine.handle_held(last);
+            }
+            Action::Publish {
+                handoff,
+                copy,
+                deadline,
+            } => {
+                settling_since.get_or_insert(last);
+                let reason = machine.reason().clone();
+                let result = effects.publish(handoff, &reason, copy, deadline).await;
+                if result != HandoffResult::Confirmed {
+                    warn!(handoff = ?handoff.lane, ?result, "handoff failed");
+                }
+                last = effects.now();
+                machine.handle_handoff(result, effects.authority(), last);
+            }
+            Action::Ack | Action::Requeue { .. } | Action::Reject => {
+                settling_since.get_or_insert(last);
+                let result = effects.settle(action).await;
+                machine.handle_settled(result);
+            }
+        }
+    }
+    Finished {
+        outcome: machine.outcome().unwrap_or(Outcome::AuthorityLost),
+        confirmed_handoff: machine.confirmed_handoff(),
+        reason: machine.reason().clone(),
+        forgets_requeues: machine.forgets_requeues(),
+        settling_since,
+    }
+}
+
+/// Counts a redelivered, dispatched delivery once in `setup`'s scope, if it has one, before
+/// its machine starts: a transaction opened again after a conflict is not a redelivery.
+pub(crate) async fn count_redelivery(setup: &Setup<'_>, arrival: &mut Arrival, source: &Source) {
+    if let (true, Some(scope), Source::Passed(incoming), Verdict::Dispatched) =
+        (arrival.redelivered, setup.scope, source, &arrival.verdict)
+    {
+        let meta = Meta::new(Arc::clone(incoming));
+        let deadline = setup.policy.settlement_budget;
+        arrival.redeliveries = scope.count_redelivery(&meta, deadline).await;
+    }
+}
