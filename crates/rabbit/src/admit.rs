@@ -2,6 +2,7 @@
 //! build the machine's [`Arrival`] from, and the copy a handoff publishes.
 
 use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use lapin::BasicProperties;
 use lapin::types::ShortString;
@@ -223,4 +224,11 @@ impl Source {
             ),
         }
     }
+}
+
+/// Now, in milliseconds since the Unix epoch, for the copy's failure headers.
+pub(crate) fn epoch_millis() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }

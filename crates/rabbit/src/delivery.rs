@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use lapin::message::Delivery;
 use lily_mq_core::machine::{Action, CopyOf, Delivery as Machine, Verdict};
@@ -13,7 +13,7 @@ use lily_mq_core::{Outcome, Reason};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::admit::{Admitted, CopyFacts, Raw, Source, admit};
+use crate::admit::{Admitted, CopyFacts, Raw, Source, admit, epoch_millis};
 use crate::crew::Settle;
 use crate::execute::{Effects, Finished, Setup, count_redelivery, execute};
 use crate::handoff::destination;
@@ -311,13 +311,6 @@ fn jittered(longest: Duration) -> Duration {
     let random = RandomState::new().hash_one(Instant::now());
     let half = longest / 2;
     half + half.mul_f64((random % 1024) as f64 / 1024.0)
-}
-
-/// Now, in milliseconds since the Unix epoch, for the copy's failure headers.
-pub(crate) fn epoch_millis() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 #[cfg(test)]

@@ -60,9 +60,8 @@ use lily_mq_core::{DynHook, Hook, Lane, Outcome, Reason, Router, TransactionalSc
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::admit::{Admitted, CopyFacts, Raw, Source, admit};
+use crate::admit::{Admitted, CopyFacts, Raw, Source, admit, epoch_millis};
 use crate::config::ConsumerConfig;
-use crate::delivery::epoch_millis;
 use crate::error::Error;
 use crate::execute::{Effects, Setup, count_redelivery, execute};
 use crate::handoff::destination;
