@@ -358,3 +358,36 @@ async fn a_scope_defers_and_suppresses_duplicates_as_in_the_consumer() {
         "no handler ran"
     );
 }
+
+/// A hook runs around the handler as in the consumer: a cleanup that fails turns a success
+/// into a retryable failure.
+#[tokio::test]
+async fn hooks_run_around_the_handler() {
+    struct FailingCleanup;
+    impl Hook for FailingCleanup {
+        async fn after_delivery(
+            &self,
+            _meta: &Meta,
+            _result: lily::core::transport::PipelineResult,
+        ) -> Result<(), CleanupError> {
+            Err(CleanupError(lily::core::Reason::new("outbox flush failed")))
+        }
+    }
+    let consumer = TestConsumer::new(ConsumerConfig::new("orders"), router())
+        .unwrap()
+        .hook(FailingCleanup);
+    let settled = consumer
+        .deliver(TestDelivery::json(
+            "order.placed",
+            "h-1",
+            &Order { act: "ok".into() },
+        ))
+        .await;
+    assert_eq!(settled.outcome, Outcome::Retried);
+    // The consumer's reason names the step, not the hook's own text.
+    assert!(
+        settled.reason.as_str().contains("cleanup failed"),
+        "{}",
+        settled.reason
+    );
+}

@@ -196,16 +196,7 @@ impl Outgoing {
             headers::SCHEMA_VERSION.into(),
             AMQPValue::LongUInt(self.schema_version),
         );
-        let view = PropertiesView {
-            message_id: Some(&self.message_id),
-            kind: Some(&self.kind),
-            content_type: Some(&self.content_type),
-            headers: Some(&table),
-            not_utf8: None,
-        };
-        if let Err(rejection) = inspect(&view, self.body.len(), limits) {
-            return Err(rejection.reason(limits));
-        }
+        // What is added goes through the gate too: the consumer counts every header.
         table.insert(PUBLISH_ID.into(), id.header_value());
         if !table.inner().contains_key(headers::TRACEPARENT)
             && let Some((parent, state)) = crate::trace::current()
@@ -220,6 +211,16 @@ impl Outgoing {
                     AMQPValue::LongString(state.into()),
                 );
             }
+        }
+        let view = PropertiesView {
+            message_id: Some(&self.message_id),
+            kind: Some(&self.kind),
+            content_type: Some(&self.content_type),
+            headers: Some(&table),
+            not_utf8: None,
+        };
+        if let Err(rejection) = inspect(&view, self.body.len(), limits) {
+            return Err(rejection.reason(limits));
         }
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -529,4 +530,88 @@ async fn join_all<F: Future + Unpin>(mut futures: Vec<F>) -> Vec<F::Output> {
     done.into_iter()
         .map(|slot| slot.expect("every future is ready"))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text<'a>(p: &'a BasicProperties, key: &str) -> Option<&'a AMQPValue> {
+        p.headers().as_ref()?.inner().get(key)
+    }
+
+    #[test]
+    fn a_message_carries_what_the_consumer_reads() {
+        let message = Outgoing::json("order.placed", "o-1", &serde_json::json!({"q": 1}))
+            .unwrap()
+            .schema_version(3)
+            .header("tenant", "acme")
+            .header("tenant", "other");
+        let p = message
+            .properties(HandoffId::new(9), &Limits::default())
+            .unwrap();
+        assert_eq!(p.message_id().as_ref().unwrap().as_str(), "o-1");
+        assert_eq!(p.kind().as_ref().unwrap().as_str(), "order.placed");
+        assert_eq!(
+            p.content_type().as_ref().unwrap().as_str(),
+            "application/json"
+        );
+        assert_eq!(*p.delivery_mode(), Some(2));
+        assert_eq!(
+            text(&p, headers::SCHEMA_VERSION),
+            Some(&AMQPValue::LongUInt(3))
+        );
+        assert_eq!(
+            text(&p, "tenant"),
+            Some(&AMQPValue::LongString("other".into()))
+        );
+        assert_eq!(
+            text(&p, PUBLISH_ID),
+            Some(&HandoffId::new(9).header_value())
+        );
+    }
+
+    #[test]
+    fn the_headers_lily_adds_count_against_the_consumers_limit() {
+        let limits = Limits::default();
+        // With `schema-version` and the publish id, one header over the limit.
+        let message = (0..limits.max_headers - 1).fold(
+            Outgoing::bytes("t", "id-1", "text/plain", Vec::new()),
+            |m, n| m.header(&format!("h{n}"), "v"),
+        );
+        assert!(message.properties(HandoffId::new(0), &limits).is_err());
+        let message = (0..limits.max_headers - 2).fold(
+            Outgoing::bytes("t", "id-1", "text/plain", Vec::new()),
+            |m, n| m.header(&format!("h{n}"), "v"),
+        );
+        assert!(message.properties(HandoffId::new(0), &limits).is_ok());
+    }
+
+    #[test]
+    fn debug_shows_ids_and_sizes_never_the_body_or_header_values() {
+        let message = Outgoing::bytes("t", "id-1", "text/plain", b"card-4111".to_vec())
+            .header("note", "secret-value");
+        let shown = format!("{message:?}");
+        assert!(
+            shown.contains("id-1") && shown.contains("body_len: 9"),
+            "{shown}"
+        );
+        assert!(
+            !shown.contains("4111") && !shown.contains("secret-value"),
+            "{shown}"
+        );
+    }
+
+    #[test]
+    fn absent_means_in_no_queue() {
+        let absent = [
+            Published::Returned,
+            Published::Nacked,
+            Published::Blocked,
+            Published::Refused(Reason::new("x")),
+        ];
+        assert!(absent.iter().all(Published::is_absent));
+        let maybe = [Published::Confirmed, Published::TimedOut, Published::Failed];
+        assert!(!maybe.iter().any(Published::is_absent));
+    }
 }
