@@ -374,6 +374,10 @@ impl std::fmt::Debug for PublisherConfig {
 /// publishes are batched onto four confirm channels, so many small publishes in flight cost
 /// about what one batch does. The connection is opened again when it is lost.
 ///
+/// A publish to an exchange that does not exist makes the broker close its channel: every
+/// message of that batch still without evidence ends [`Published::Failed`] (maybe published),
+/// other callers' included. Publish to exchanges your topology declares.
+///
 /// ```no_run
 /// use lily_mq_rabbit::{Destination, Outgoing, Published, Publisher};
 ///
