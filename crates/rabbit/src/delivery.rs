@@ -133,7 +133,7 @@ async fn settle_delivery(
         shared,
         settler,
         entry,
-        message_id: source.message_id(limits),
+        message_id: valid_id,
         source: &source,
         acking,
     };

@@ -117,7 +117,7 @@ impl Destination {
 /// ```
 #[derive(Clone)]
 pub struct Outgoing {
-    body: Vec<u8>,
+    pub(crate) body: Vec<u8>,
     message_id: String,
     kind: String,
     content_type: String,
@@ -180,6 +180,23 @@ impl Outgoing {
 
     /// The properties to publish with, or why the consumer's gate would refuse the message.
     fn properties(&self, id: HandoffId, limits: &Limits) -> Result<BasicProperties, Reason> {
+        let properties = self.build(id)?;
+        let view = PropertiesView {
+            message_id: Some(&self.message_id),
+            kind: Some(&self.kind),
+            content_type: Some(&self.content_type),
+            // What Lily adds goes through the gate too: the consumer counts every header.
+            headers: properties.headers().as_ref(),
+            not_utf8: None,
+        };
+        match inspect(&view, self.body.len(), limits) {
+            Ok(_) => Ok(properties),
+            Err(rejection) => Err(rejection.reason(limits)),
+        }
+    }
+
+    /// The properties as published, carrying `id`, before the gate looks at them.
+    pub(crate) fn build(&self, id: HandoffId) -> Result<BasicProperties, Reason> {
         let short = |what: &str, text: &str| {
             ShortString::try_new(text).map_err(|_| Reason::new(format!("{what} is over 255 bytes")))
         };
@@ -196,7 +213,6 @@ impl Outgoing {
             headers::SCHEMA_VERSION.into(),
             AMQPValue::LongUInt(self.schema_version),
         );
-        // What is added goes through the gate too: the consumer counts every header.
         table.insert(PUBLISH_ID.into(), id.header_value());
         if !table.inner().contains_key(headers::TRACEPARENT)
             && let Some((parent, state)) = crate::trace::current()
@@ -211,16 +227,6 @@ impl Outgoing {
                     AMQPValue::LongString(state.into()),
                 );
             }
-        }
-        let view = PropertiesView {
-            message_id: Some(&self.message_id),
-            kind: Some(&self.kind),
-            content_type: Some(&self.content_type),
-            headers: Some(&table),
-            not_utf8: None,
-        };
-        if let Err(rejection) = inspect(&view, self.body.len(), limits) {
-            return Err(rejection.reason(limits));
         }
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)

@@ -65,7 +65,7 @@ use crate::config::ConsumerConfig;
 use crate::error::Error;
 use crate::execute::{Effects, Setup, count_redelivery, execute};
 use crate::handoff::destination;
-use crate::publisher::HeaderValue;
+use crate::publisher::{HeaderValue, Outgoing};
 use crate::sync::lock;
 use crate::topology::Topology;
 
@@ -275,19 +275,16 @@ pub struct TestDelivery {
 }
 
 impl TestDelivery {
-    /// `value` as JSON, of type `kind`, with id `message_id`, as a
-    /// [`Publisher`](crate::Publisher) sends it.
+    /// `value` as JSON, of type `kind`, with id `message_id`, exactly as a
+    /// [`Publisher`](crate::Publisher) sends it (`schema-version` 1, a publish id, a
+    /// timestamp).
     ///
     /// # Panics
-    /// When `value` does not serialize to JSON.
+    /// When `value` does not serialize to JSON, or `kind` or `message_id` is over 255 bytes.
     pub fn json<T: Serialize + ?Sized>(kind: &str, message_id: &str, value: &T) -> Self {
-        let body = serde_json::to_vec(value).expect("the test payload serializes to JSON");
-        let properties = BasicProperties::default()
-            .with_message_id(message_id.into())
-            .with_type(kind.into())
-            .with_content_type("application/json".into())
-            .with_delivery_mode(2);
-        Self::new(body, properties)
+        let message =
+            Outgoing::json(kind, message_id, value).expect("the test payload serializes to JSON");
+        Self::from(message)
     }
 
     /// `body` with `properties` exactly as given: for deliveries the gate should refuse.
@@ -330,6 +327,21 @@ impl TestDelivery {
     pub fn redelivered(mut self, redelivered: bool) -> Self {
         self.redelivered = redelivered;
         self
+    }
+}
+
+impl From<Outgoing> for TestDelivery {
+    /// The message exactly as a [`Publisher`](crate::Publisher) sends it, before the gate: a
+    /// message the gate refuses is delivered, and refused, as the consumer would refuse it.
+    ///
+    /// # Panics
+    /// When its type, id or a header key is over 255 bytes, or a header is named `x-lily-*`:
+    /// no publisher can send it.
+    fn from(message: Outgoing) -> Self {
+        let properties = message
+            .build(HandoffId::new(0))
+            .unwrap_or_else(|reason| panic!("no publisher can send this message: {reason}"));
+        Self::new(message.body, properties)
     }
 }
 
