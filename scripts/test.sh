@@ -37,12 +37,16 @@ export LILY_TLS_DIR="$TLS_DIR"
 scripts/mongod.sh install
 scripts/mongod.sh stop "$MONGO_DIR" || true
 rm -rf "$MONGO_DIR"
-# Abandoned transactions (a worker killed mid-transaction) are aborted after 10 s instead of
-# 60 s, so the crash tests' redeliveries stop deferring sooner.
-LILY_MONGOD_TXN_LIFETIME_S=10 LILY_MONGOD_TLS_DIR="$TLS_DIR" \
+# Authentication is on: the tests connect as an administrator whose password is new on each
+# run, and the security tests make users with less. Abandoned transactions (a worker killed
+# mid-transaction) are aborted after 10 s instead of 60 s, so the crash tests' redeliveries stop
+# deferring sooner.
+MONGO_ADMIN="lily-admin:$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+LILY_MONGOD_AUTH="$MONGO_ADMIN" LILY_MONGOD_TXN_LIFETIME_S=10 LILY_MONGOD_TLS_DIR="$TLS_DIR" \
   scripts/mongod.sh start "$MONGO_DIR" "$MONGO_PORT"
-export LILY_MONGO_URL="mongodb://127.0.0.1:$MONGO_PORT/?replicaSet=lily&directConnection=true"
-export LILY_MONGO_TLS_URL="$LILY_MONGO_URL&tls=true&tlsCAFile=$TLS_DIR/ca.pem"
+export LILY_MONGO_URL="mongodb://$MONGO_ADMIN@127.0.0.1:$MONGO_PORT/?replicaSet=lily&directConnection=true&authSource=admin"
+# Mutual TLS: the client presents the certificate scripts/tls.sh signed.
+export LILY_MONGO_TLS_URL="$LILY_MONGO_URL&tls=true&tlsCAFile=$TLS_DIR/ca.pem&tlsCertificateKeyFile=$TLS_DIR/client-combined.pem"
 export LILY_MONGOD_DIR="$MONGO_DIR"
 export LILY_CLUSTER_DIR="$CLUSTER_DIR"
 export LILY_CLUSTER_PORT="$CLUSTER_PORT"

@@ -62,7 +62,7 @@ pub mod prelude {
     };
     pub use lily_mq_core::{HandlerResult, ShutdownBudget, ShutdownReport, Trigger};
     pub use lily_mq_rabbit::{
-        Consumer, ConsumerConfig, Destination, LeaderLocator, Outgoing, Published, Publisher,
+        ClientCertificate, Consumer, ConsumerConfig, Destination, LeaderLocator, Outgoing, Published, Publisher,
         PublisherConfig, QueueKind, ReportSinks, Shutdown, TopologyMode, emit,
     };
 

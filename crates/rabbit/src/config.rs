@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use lily_mq_core::{Limits, Policy, ShutdownBudget};
 
+use crate::connect::ClientCertificate;
 use crate::error::{ConfigError, Error};
 use crate::topology::{LeaderLocator, QueueKind, TopologyMode};
 
@@ -61,6 +62,9 @@ pub struct ConsumerConfig {
     pub reconnect_max: Duration,
     /// PEM certificates to trust for `amqps://` besides the system roots (a private CA).
     pub tls_ca_pem: Option<String>,
+    /// The client certificate `amqps://` presents, for a broker that requires one (mutual
+    /// TLS). Its `Debug` never shows the key.
+    pub tls_client: Option<ClientCertificate>,
     /// Quorum work queues only: the broker's own backstop, declared as `x-delivery-limit`
     /// with at-least-once dead-lettering. A message delivered more often than this (requeued,
     /// or in flight when its consumer died) goes to `<queue>.dlq` without any Lily code. It
@@ -102,6 +106,7 @@ impl ConsumerConfig {
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(5),
             tls_ca_pem: None,
+            tls_client: None,
             delivery_limit: Some(20),
             leader_locator: None,
             shutdown_budget: ShutdownBudget::default(),
@@ -207,6 +212,21 @@ impl ConsumerConfig {
         self
     }
 
+    /// Presents `certificate` to the broker on `amqps://` connections (mutual TLS).
+    #[must_use]
+    pub fn tls_client_cert(mut self, certificate: ClientCertificate) -> Self {
+        self.tls_client = Some(certificate);
+        self
+    }
+
+    /// The TLS settings of the consumer's connections.
+    pub(crate) fn tls(&self) -> crate::connect::Tls {
+        crate::connect::Tls {
+            ca_pem: self.tls_ca_pem.clone(),
+            client: self.tls_client.clone(),
+        }
+    }
+
     /// Sets the retry policy.
     #[must_use]
     pub fn policy(mut self, policy: Policy) -> Self {
@@ -273,6 +293,9 @@ impl ConsumerConfig {
             "reconnect_max",
             "must be at least reconnect_min",
         )?;
+        if let Some(problem) = self.tls_client.as_ref().and_then(ClientCertificate::problem) {
+            rule(false, "tls_client", problem)?;
+        }
         if let (QueueKind::Quorum, Some(limit)) = (self.queue_kind, self.delivery_limit) {
             rule(
                 limit > self.policy.max_requeues,

@@ -16,11 +16,71 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use lapin::tcp::{AsyncTcpStream, OwnedTLSConfig};
+use lapin::tcp::{AsyncTcpStream, OwnedIdentity, OwnedTLSConfig};
 use lapin::types::LongString;
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{Connection, ConnectionProperties};
 use tracing::{debug, warn};
+
+/// A client certificate for mutual TLS (`amqps://` to a broker with `fail_if_no_peer_cert`):
+/// the PEM certificate chain, leaf first, and its PEM private key (PKCS#8, PKCS#1 or SEC1).
+///
+/// `Debug` shows neither: only the size of the chain, never the key.
+#[derive(Clone)]
+pub struct ClientCertificate {
+    chain_pem: String,
+    key_pem: String,
+}
+
+impl ClientCertificate {
+    /// The certificate chain and key, both PEM, as read from `tls.crt` and `tls.key`.
+    pub fn from_pem(chain_pem: impl Into<String>, key_pem: impl Into<String>) -> Self {
+        Self {
+            chain_pem: chain_pem.into(),
+            key_pem: key_pem.into(),
+        }
+    }
+
+    /// Why the chain or the key cannot be used, without quoting either.
+    pub(crate) fn problem(&self) -> Option<&'static str> {
+        use rustls_pki_types::pem::PemObject;
+        use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+        let mut certificates = CertificateDer::pem_slice_iter(self.chain_pem.as_bytes());
+        match certificates.next() {
+            Some(Ok(_)) if certificates.all(|c| c.is_ok()) => {}
+            _ => return Some("has a certificate chain that is not PEM certificates"),
+        }
+        match PrivateKeyDer::from_pem_slice(self.key_pem.as_bytes()) {
+            Ok(_) => None,
+            Err(_) => Some("has a key that is not a PEM private key"),
+        }
+    }
+
+    fn identity(&self) -> OwnedIdentity {
+        OwnedIdentity::PKCS8 {
+            pem: self.chain_pem.clone().into_bytes(),
+            key: self.key_pem.clone().into_bytes(),
+        }
+    }
+}
+
+impl std::fmt::Debug for ClientCertificate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientCertificate")
+            .field("chain_pem_bytes", &self.chain_pem.len())
+            .field("key_pem", &"<redacted>")
+            .finish()
+    }
+}
+
+/// How `amqps://` connections check the broker and present themselves.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Tls {
+    /// PEM certificates to trust besides the system roots.
+    pub(crate) ca_pem: Option<String>,
+    /// The client certificate, for mutual TLS.
+    pub(crate) client: Option<ClientCertificate>,
+}
 
 /// Where and how to connect. Not `Debug`: the URL carries credentials.
 #[derive(Clone)]
@@ -29,8 +89,8 @@ pub(crate) struct Endpoint {
     uri: AMQPUri,
     /// The nodes, in the order given: `(host, port)`.
     addresses: Vec<(String, u16)>,
-    /// PEM certificates to trust for `amqps://` besides the system roots.
-    tls_ca_pem: Option<String>,
+    /// How `amqps://` connects.
+    tls: Tls,
     /// The work queue, part of each connection's name.
     queue: String,
     /// How long one address may take to connect (TCP, TLS and the AMQP handshake).
@@ -52,7 +112,7 @@ impl Endpoint {
     pub(crate) fn new(
         url: &str,
         addresses: &[String],
-        tls_ca_pem: Option<String>,
+        tls: Tls,
         queue: &str,
         connect_timeout: Duration,
     ) -> Result<Self, EndpointError> {
@@ -71,7 +131,7 @@ impl Endpoint {
         Ok(Self {
             uri,
             addresses: nodes,
-            tls_ca_pem,
+            tls,
             queue: queue.to_owned(),
             connect_timeout,
         })
@@ -146,9 +206,10 @@ impl Endpoint {
         let mut uri = self.uri.clone();
         uri.authority.host.clone_from(&node.host);
         uri.authority.port = node.port;
+        let presents_certificate = self.tls.client.is_some();
         let tls = OwnedTLSConfig {
-            identity: None,
-            cert_chain: self.tls_ca_pem.clone(),
+            identity: self.tls.client.as_ref().map(ClientCertificate::identity),
+            cert_chain: self.tls.ca_pem.clone(),
         };
         let runtime = lapin::runtime::default_runtime()?;
         let ip = node.ip;
@@ -160,7 +221,13 @@ impl Endpoint {
                 let stream = AsyncTcpStream::connect(&runtime, ip).await?;
                 Ok(match uri.scheme {
                     AMQPScheme::AMQP => stream,
-                    AMQPScheme::AMQPS => stream.into_tls(&uri.authority.host, tls.as_ref()).await?,
+                    AMQPScheme::AMQPS => {
+                        let mut stream = stream.into_tls(&uri.authority.host, tls.as_ref()).await?;
+                        if presents_certificate {
+                            await_verdict(&mut stream).await?;
+                        }
+                        stream
+                    }
                 })
             },
             props,
@@ -172,6 +239,76 @@ impl Endpoint {
             }
         }
     }
+}
+
+/// How long a connection that presents a client certificate listens for the broker's verdict
+/// on it before speaking AMQP (see [`await_verdict`]).
+const VERDICT: Duration = Duration::from_millis(50);
+
+/// Waits up to [`VERDICT`] for the broker to refuse the client certificate. Over TLS 1.3 the
+/// broker judges it after the handshake is complete on this side, and answers a refused one
+/// with an alert. Writing the AMQP header at once would race that alert: the broker, closed
+/// by then, resets the connection, which can discard the alert unread, and a refused
+/// certificate would look like a dropped connection. A broker that accepts says nothing before
+/// the header, so the wait ends by its timeout, having read nothing.
+async fn await_verdict<S>(stream: &mut AsyncTcpStream<S>) -> std::io::Result<()>
+where
+    S: futures_io::AsyncRead + futures_io::AsyncWrite + Send + Unpin + 'static,
+{
+    use futures_io::AsyncRead;
+    let mut byte = [0u8; 1];
+    let read = std::future::poll_fn(|cx| std::pin::Pin::new(&mut *stream).poll_read(cx, &mut byte));
+    match tokio::time::timeout(VERDICT, read).await {
+        Err(_) => Ok(()),
+        Ok(Err(err)) => Err(err),
+        Ok(Ok(0)) => Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionAborted,
+            "the broker closed the connection after the TLS handshake",
+        )),
+        Ok(Ok(_)) => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "the broker spoke before the AMQP protocol header",
+        )),
+    }
+}
+
+/// What a TLS handshake's error says, when it is final: the broker refused the client
+/// certificate (its alert), or the broker's certificate is not trusted. Retrying with the same
+/// certificates cannot help. `None` for anything else (a reset, a timeout).
+pub(crate) fn tls_refusal(err: &lapin::Error) -> Option<String> {
+    use rustls::AlertDescription as Alert;
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(current) = source {
+        let tls = current.downcast_ref::<rustls::Error>().or_else(|| {
+            current
+                .downcast_ref::<std::io::Error>()
+                .and_then(std::io::Error::get_ref)
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        });
+        match tls {
+            Some(rustls::Error::AlertReceived(alert)) => {
+                let why = match alert {
+                    Alert::CertificateRequired => "none was presented and the broker requires one",
+                    Alert::CertificateExpired => "it has expired or is not valid yet",
+                    Alert::UnknownCA => "it is not signed by a CA the broker trusts",
+                    Alert::CertificateRevoked => "it was revoked",
+                    Alert::BadCertificate
+                    | Alert::UnsupportedCertificate
+                    | Alert::CertificateUnknown
+                    | Alert::AccessDenied => "the broker does not accept it",
+                    _ => return Some(format!("the broker ended the TLS handshake ({alert:?})")),
+                };
+                return Some(format!(
+                    "the broker refused the client certificate ({alert:?}): {why}"
+                ));
+            }
+            Some(rustls::Error::InvalidCertificate(why)) => {
+                return Some(format!("the broker's certificate is not trusted: {why:?}"));
+            }
+            _ => source = current.source(),
+        }
+    }
+    None
 }
 
 /// One node to try: an address and one of the IP addresses its name resolved to.
@@ -278,7 +415,7 @@ impl Dialer {
                     *crate::sync::lock(&self.last) = shown;
                     return Ok(connection);
                 }
-                Err(err) if refused(&err) => return Err(err),
+                Err(err) if refused(&err) || tls_refusal(&err).is_some() => return Err(err),
                 Err(err) => {
                     if nodes.len() > 1 {
                         warn!(role = self.role, node = %shown, error = %err, "node unreachable; trying the next");
@@ -305,8 +442,12 @@ pub async fn connect(
     queue: &str,
     role: &'static str,
 ) -> Result<Connection, crate::Error> {
+    let tls = Tls {
+        ca_pem: tls_ca_pem,
+        client: None,
+    };
     let endpoint =
-        Endpoint::new(url, &[], tls_ca_pem, queue, Duration::from_secs(5)).map_err(|_| {
+        Endpoint::new(url, &[], tls, queue, Duration::from_secs(5)).map_err(|_| {
             crate::Error::Config(crate::error::ConfigError {
                 field: "url",
                 problem: "does not parse as amqp:// or amqps://".into(),
@@ -318,6 +459,11 @@ pub async fn connect(
         Ok(connection) => Ok(connection),
         Err(source) if refused(&source) => Err(crate::Error::Refused {
             queue: queue.to_owned(),
+            source,
+        }),
+        Err(source) if tls_refusal(&source).is_some() => Err(crate::Error::Tls {
+            problem: tls_refusal(&source).unwrap_or_default(),
+            node,
             source,
         }),
         Err(source) => Err(crate::Error::Connect { node, source }),
@@ -398,7 +544,7 @@ mod tests {
         let endpoint = Endpoint::new(
             "amqp://user:s3cret@node-a:5680/vh",
             &["node-b".into(), "node-a:5680".into(), "node-c:5690".into()],
-            None,
+            Tls::default(),
             "orders",
             Duration::from_secs(1),
         )
@@ -415,14 +561,14 @@ mod tests {
         let shown = endpoint.display_node("node-b", 5672, Some("10.1.2.3:5672".parse().unwrap()));
         assert_eq!(shown, "amqp://node-b:5672/vh (10.1.2.3:5672)");
         assert!(matches!(
-            Endpoint::new("http://x", &[], None, "q", Duration::from_secs(1)),
+            Endpoint::new("http://x", &[], Tls::default(), "q", Duration::from_secs(1)),
             Err(EndpointError::Url)
         ));
         assert!(matches!(
             Endpoint::new(
                 "amqp://x",
                 &["a:b:c".into()],
-                None,
+                Tls::default(),
                 "q",
                 Duration::from_secs(1)
             ),
@@ -435,7 +581,7 @@ mod tests {
         let endpoint = Endpoint::new(
             "amqp://127.0.0.1:5672/%2f",
             &["127.0.0.1:5673".into(), "localhost:5674".into()],
-            None,
+            Tls::default(),
             "orders",
             Duration::from_secs(1),
         )

@@ -216,7 +216,7 @@ impl Consumer {
         let endpoint = Endpoint::new(
             &self.url,
             &self.config.addresses,
-            self.config.tls_ca_pem.clone(),
+            self.config.tls(),
             &self.config.queue,
             self.config.connect_timeout,
         )

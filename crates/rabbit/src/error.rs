@@ -20,6 +20,18 @@ pub enum Error {
         #[source]
         source: lapin::Error,
     },
+    /// TLS with the broker failed for good: it refused the client certificate, or its own
+    /// certificate is not trusted. Retrying with the same certificates cannot help.
+    #[error("TLS with {node} failed: {problem}")]
+    Tls {
+        /// The node, as `scheme://host:port/vhost`: never the credentials.
+        node: String,
+        /// What the handshake said, for example that the client certificate has expired.
+        problem: String,
+        /// The TLS error.
+        #[source]
+        source: lapin::Error,
+    },
     /// The signal handlers could not be installed
     /// ([`Consumer::run_until_signal`](crate::Consumer::run_until_signal)).
     #[error("cannot listen for SIGTERM and SIGINT")]

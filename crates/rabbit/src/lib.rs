@@ -35,7 +35,7 @@ mod topology;
 mod trace;
 
 pub use config::ConsumerConfig;
-pub use connect::connect;
+pub use connect::{ClientCertificate, connect};
 pub use consumer::{Consumer, Stats};
 pub use error::{ConfigError, Error};
 pub use publisher::{

@@ -16,7 +16,7 @@ use lily_mq_core::{Limits, Reason, headers};
 use serde::Serialize;
 
 use crate::confirms::{Confirms, Role, Route};
-use crate::connect::Endpoint;
+use crate::connect::{ClientCertificate, Endpoint};
 use crate::error::{ConfigError, Error};
 
 /// The header a message carries its publish id in, so a `basic.return` is matched to the one
@@ -296,6 +296,7 @@ impl From<AMQPValue> for HeaderValue {
 pub struct PublisherConfig {
     name: String,
     tls_ca_pem: Option<String>,
+    tls_client: Option<ClientCertificate>,
     addresses: Vec<String>,
     confirm_timeout: Duration,
     connect_timeout: Duration,
@@ -307,6 +308,7 @@ impl Default for PublisherConfig {
         Self {
             name: "app".to_owned(),
             tls_ca_pem: None,
+            tls_client: None,
             addresses: Vec::new(),
             confirm_timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(5),
@@ -328,6 +330,13 @@ impl PublisherConfig {
     #[must_use]
     pub fn tls_ca_pem(mut self, pem: String) -> Self {
         self.tls_ca_pem = Some(pem);
+        self
+    }
+
+    /// Presents `certificate` to the broker on `amqps://` connections (mutual TLS).
+    #[must_use]
+    pub fn tls_client_cert(mut self, certificate: ClientCertificate) -> Self {
+        self.tls_client = Some(certificate);
         self
     }
 
@@ -366,6 +375,7 @@ impl std::fmt::Debug for PublisherConfig {
         f.debug_struct("PublisherConfig")
             .field("name", &self.name)
             .field("tls_ca_pem", &self.tls_ca_pem.is_some())
+            .field("tls_client", &self.tls_client)
             .field("addresses", &self.addresses)
             .field("confirm_timeout", &self.confirm_timeout)
             .field("connect_timeout", &self.connect_timeout)
@@ -434,10 +444,16 @@ impl Publisher {
         if config.connect_timeout.is_zero() {
             return Err(refuse("connect_timeout", "must be positive"));
         }
+        if let Some(problem) = config.tls_client.as_ref().and_then(ClientCertificate::problem) {
+            return Err(refuse("tls_client", problem));
+        }
         let endpoint = Endpoint::new(
             url,
             &config.addresses,
-            config.tls_ca_pem.clone(),
+            crate::connect::Tls {
+                ca_pem: config.tls_ca_pem.clone(),
+                client: config.tls_client.clone(),
+            },
             &config.name,
             config.connect_timeout,
         )
@@ -459,6 +475,12 @@ impl Publisher {
             return Err(if crate::connect::refused(&source) {
                 Error::Refused {
                     queue: config.name.clone(),
+                    source,
+                }
+            } else if let Some(problem) = crate::connect::tls_refusal(&source) {
+                Error::Tls {
+                    node: endpoint.display(),
+                    problem,
                     source,
                 }
             } else {

@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use crate::connect::refused;
+use crate::connect::{refused, tls_refusal};
 use crate::crew::Crew;
 use crate::error::Error;
 use crate::handoff::HandoffPublisher;
@@ -275,6 +275,12 @@ fn connect_error(shared: &Shared, source: lapin::Error) -> SessionError {
     if refused(&source) {
         SessionError::Fatal(Error::Refused {
             queue: shared.config.queue.clone(),
+            source,
+        })
+    } else if let Some(problem) = tls_refusal(&source) {
+        SessionError::Fatal(Error::Tls {
+            node: shared.dialer.endpoint().display(),
+            problem,
             source,
         })
     } else {
