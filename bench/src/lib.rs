@@ -112,7 +112,7 @@ async fn try_fresh_topology(
         .await
         .map_err(|e| format!("declare: {e}"));
     let _ = connection.close(200, "declared".into()).await;
-    declared.map(|()| topology)
+    declared.map(|_| topology)
 }
 
 /// Publishes `n` persistent copies of `body` (type `order.placed`, a message id each) through

@@ -193,6 +193,17 @@ impl Confirms {
         Ok(())
     }
 
+    /// Publishes one probe on a channel of its own and awaits its confirm: the broker refuses
+    /// it (`ACCESS_REFUSED`, closing that channel only) when the user may not write to the
+    /// default exchange. The probe's routing key names no queue, so it goes nowhere.
+    pub(crate) async fn check_write(&self) -> lapin::Result<()> {
+        let connection = self.link.connection().await?;
+        let channel = confirm_channel(&connection).await?;
+        probe(&channel).await?;
+        let _ = channel.close(200, "write checked".into()).await;
+        Ok(())
+    }
+
     /// A fresh id for the next publish to carry in the role's id header.
     pub(crate) fn next_id(&self) -> HandoffId {
         HandoffId::new(self.link.next_id.fetch_add(1, Ordering::Relaxed))

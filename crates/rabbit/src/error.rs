@@ -32,6 +32,17 @@ pub enum Error {
         #[source]
         source: lapin::Error,
     },
+    /// The broker user lacks a permission Lily needs, on a queue or an exchange of its
+    /// topology. Retrying cannot help until it is granted (see the README's `rabbitmqctl
+    /// set_permissions` lines).
+    #[error("the broker user lacks {missing}")]
+    Permission {
+        /// The permission, the resource and what Lily was doing.
+        missing: MissingPermission,
+        /// The broker's error.
+        #[source]
+        source: lapin::Error,
+    },
     /// The signal handlers could not be installed
     /// ([`Consumer::run_until_signal`](crate::Consumer::run_until_signal)).
     #[error("cannot listen for SIGTERM and SIGINT")]
@@ -65,4 +76,94 @@ pub struct ConfigError {
     pub field: &'static str,
     /// What is wrong with it.
     pub problem: std::borrow::Cow<'static, str>,
+}
+
+/// A permission the broker refused: which, on what, and what for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MissingPermission {
+    /// `configure`, `write` or `read`, or two of them when the broker checks both for one
+    /// request and its answer does not say which failed.
+    pub permission: &'static str,
+    /// The resource as the broker names it: `queue 'orders' in vhost '/'`.
+    pub resource: String,
+    /// What Lily was doing: `declare queue 'orders'`.
+    pub doing: String,
+}
+
+impl std::fmt::Display for MissingPermission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the {} permission on {} (needed to {})",
+            self.permission, self.resource, self.doing
+        )
+    }
+}
+
+/// A broker resource a request touches and the permission it needs there.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Needs<'a> {
+    /// `queue` or `exchange`.
+    pub(crate) kind: &'static str,
+    /// Its name; `""` is the default exchange, which the broker calls `amq.default`.
+    pub(crate) name: &'a str,
+    pub(crate) permission: &'static str,
+}
+
+impl<'a> Needs<'a> {
+    pub(crate) fn queue(name: &'a str, permission: &'static str) -> Self {
+        Self {
+            kind: "queue",
+            name,
+            permission,
+        }
+    }
+
+    pub(crate) fn exchange(name: &'a str, permission: &'static str) -> Self {
+        Self {
+            kind: "exchange",
+            name: if name.is_empty() { "amq.default" } else { name },
+            permission,
+        }
+    }
+}
+
+/// The permission the broker refused, when `err` is its `ACCESS_REFUSED` to a request that
+/// needs `needs` while `doing`. The broker's answer names the resource (`access to queue 'x'
+/// in vhost '/' refused for user 'u'`) but not the permission: that comes from `needs`.
+pub(crate) fn missing_permission(
+    err: &lapin::Error,
+    doing: impl FnOnce() -> String,
+    needs: &[Needs<'_>],
+) -> Option<MissingPermission> {
+    use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+    let lapin::ErrorKind::ProtocolError(amqp) = err.kind() else {
+        return None;
+    };
+    if amqp.kind() != &AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED) {
+        return None;
+    }
+    let message = amqp.get_message().as_str();
+    let named = message
+        .split_once("access to ")
+        .and_then(|(_, rest)| rest.split_once(" refused for user"))
+        .map(|(resource, _)| resource.to_owned());
+    let matching = named.as_deref().and_then(|resource| {
+        needs
+            .iter()
+            .find(|n| resource.starts_with(&format!("{} '{}'", n.kind, n.name)))
+    });
+    let (permission, resource) = match (matching, named) {
+        (Some(n), Some(resource)) => (n.permission, resource),
+        (_, named) => {
+            let first = needs.first()?;
+            let resource = named.unwrap_or_else(|| format!("{} '{}'", first.kind, first.name));
+            (first.permission, resource)
+        }
+    };
+    Some(MissingPermission {
+        permission,
+        resource,
+        doing: doing(),
+    })
 }

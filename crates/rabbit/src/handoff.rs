@@ -58,6 +58,11 @@ impl HandoffPublisher {
         self.confirms.warm(endpoint).await
     }
 
+    /// See [`Confirms::check_write`].
+    pub(crate) async fn check_write(&self) -> lapin::Result<()> {
+        self.confirms.check_write().await
+    }
+
     /// A fresh id for the next copy to carry in its headers.
     pub(crate) fn next_id(&self) -> HandoffId {
         self.confirms.next_id()

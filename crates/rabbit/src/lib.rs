@@ -37,13 +37,13 @@ mod trace;
 pub use config::ConsumerConfig;
 pub use connect::{ClientCertificate, connect};
 pub use consumer::{Consumer, Stats};
-pub use error::{ConfigError, Error};
+pub use error::{ConfigError, Error, MissingPermission};
 pub use publisher::{
     Destination, HeaderValue, Outgoing, PUBLISH_ID, Published, Publisher, PublisherConfig,
 };
 pub use report::{ReportSinks, emit};
 pub use shutdown::Shutdown;
-pub use topology::{LeaderLocator, QueueKind, Topology, TopologyMode};
+pub use topology::{Applied, LeaderLocator, QueueKind, Topology, TopologyError, TopologyMode};
 
 /// A `tracing` filter directive that silences lapin's log of returned messages: lapin logs each
 /// message the broker returns, body and headers included, at WARN. Add it to every filter, also

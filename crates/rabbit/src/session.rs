@@ -27,7 +27,8 @@ use crate::error::Error;
 use crate::handoff::HandoffPublisher;
 use crate::service::Shared;
 use crate::sync::lock;
-use crate::topology::TopologyMode;
+use crate::error::{Needs, missing_permission};
+use crate::topology::{Applied, TopologyError, TopologyMode};
 
 /// How long the consumer's `basic.cancel` may wait for its reply at shutdown; the budget runs.
 const CANCEL_WAIT: Duration = Duration::from_secs(1);
@@ -300,26 +301,37 @@ async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer),
         .create_channel()
         .await
         .map_err(SessionError::Connect)?;
-    shared
+    let applied = shared
         .topology
         .apply(&setup, shared.config.topology)
         .await
-        .map_err(|source| {
-            if definitive(&source, shared.config.topology) {
+        .map_err(|TopologyError { missing, source }| match missing {
+            Some(missing) => SessionError::Fatal(Error::Permission { missing, source }),
+            None if definitive(&source, shared.config.topology) => {
                 SessionError::Fatal(Error::Topology {
                     queue: shared.config.queue.clone(),
                     source,
                 })
-            } else {
-                SessionError::Connect(source)
             }
+            None => SessionError::Connect(source),
         })?;
+    if let Applied::ExistenceOnly(missing) = applied {
+        warn!(queue = %shared.queue, lacks = %missing, "topology verified by existence only: the queues' arguments (type, dead-lettering, TTLs) were not checked");
+    }
     let _ = setup.close(200, "topology ready".into()).await;
     shared
         .publisher
         .warm(shared.dialer.endpoint())
         .await
         .map_err(|e| connect_error(shared, e))?;
+    // Publishing a probe now, rather than the first handoff, finds a missing `write` at start.
+    shared.publisher.check_write().await.map_err(|source| {
+        let needs = [Needs::exchange("", "write")];
+        match missing_permission(&source, || "publish handoff copies".into(), &needs) {
+            Some(missing) => SessionError::Fatal(Error::Permission { missing, source }),
+            None => SessionError::Connect(source),
+        }
+    })?;
     let consuming = connection
         .create_channel()
         .await
@@ -336,7 +348,14 @@ async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer),
             FieldTable::default(),
         )
         .await
-        .map_err(SessionError::Connect)?;
+        .map_err(|source| {
+            let needs = [Needs::queue(&shared.queue, "read")];
+            let doing = || format!("consume from queue '{}'", shared.queue);
+            match missing_permission(&source, doing, &needs) {
+                Some(missing) => SessionError::Fatal(Error::Permission { missing, source }),
+                None => SessionError::Connect(source),
+            }
+        })?;
     Ok((connection, consuming, consumer))
 }
 

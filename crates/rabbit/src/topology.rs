@@ -7,6 +7,8 @@ use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptio
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, ExchangeKind};
 
+use crate::error::{MissingPermission, Needs, missing_permission};
+
 /// The RabbitMQ queue type of the work queue and its companions.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum QueueKind {
@@ -45,7 +47,9 @@ pub enum TopologyMode {
     Declare,
     /// Check that every queue and the dead-letter exchange exist with the arguments Lily relies
     /// on; fail at start, naming the queue and the argument, if anything is missing or differs.
-    /// Needs the `configure` permission on the queue names (see [`Topology::apply`]).
+    /// Checking the arguments needs the `configure` permission on the queue names; a user
+    /// without it gets its queues checked for existence only, and a warning naming the
+    /// permission (see [`Topology::apply`]).
     Verify,
 }
 
@@ -171,24 +175,31 @@ impl Topology {
 
     /// Declares or verifies everything.
     ///
-    /// In [`TopologyMode::Verify`] each queue must exist (a passive declare) and hold the
-    /// arguments Lily relies on: a passive declare ignores arguments, and a bucket without its
-    /// dead-letter exchange back to the work queue would silently discard every retry copy
-    /// after its original was ACKed. So each queue is then declared again with exactly the
-    /// expected arguments, which RabbitMQ refuses (406, naming the queue and the argument)
-    /// when the existing queue lacks one or has another value, its type included. That second
-    /// declare needs the `configure` permission on the queue names; it changes nothing on a
-    /// queue that passes.
+    /// In [`TopologyMode::Verify`] the exchange and each queue must exist (passive declares,
+    /// which need no permission), and then each queue must hold the arguments Lily relies on:
+    /// a passive declare ignores arguments, and a bucket without its dead-letter exchange back
+    /// to the work queue would silently discard every retry copy after its original was ACKed.
+    /// So each queue is declared again with exactly the expected arguments, which RabbitMQ
+    /// refuses (406, naming the queue and the argument) when the existing queue lacks one or
+    /// has another value, its type included. That second declare changes nothing on a queue
+    /// that passes, but needs `configure` (and `read` on the queue, `write` on its dead-letter
+    /// exchange). A user without them gets [`Applied::ExistenceOnly`], naming what it lacks.
     ///
     /// # Errors
-    /// The broker refused a declaration (for example, a queue exists with other arguments) or,
-    /// in [`TopologyMode::Verify`], something is missing or differs. The channel is closed by
-    /// the broker.
-    pub async fn apply(&self, channel: &Channel, mode: TopologyMode) -> lapin::Result<()> {
+    /// The broker refused a declaration (for example, a queue exists with other arguments, or
+    /// the user lacks a permission: [`TopologyError::missing`] names it) or, in
+    /// [`TopologyMode::Verify`], something is missing or differs. The channel is closed by the
+    /// broker.
+    pub async fn apply(
+        &self,
+        channel: &Channel,
+        mode: TopologyMode,
+    ) -> Result<Applied, TopologyError> {
         let dlx = self.dead_letter_exchange();
+        let verify = mode == TopologyMode::Verify;
         let exchange_options = ExchangeDeclareOptions {
             durable: true,
-            passive: mode == TopologyMode::Verify,
+            passive: verify,
             ..ExchangeDeclareOptions::default()
         };
         channel
@@ -198,34 +209,65 @@ impl Topology {
                 exchange_options,
                 FieldTable::default(),
             )
-            .await?;
-        for (name, args) in self.queues(mode) {
-            let declare = |passive| {
-                let options = QueueDeclareOptions {
-                    durable: true,
-                    passive,
-                    ..QueueDeclareOptions::default()
-                };
-                channel.queue_declare(name.as_str().into(), options, args.clone())
+            .await
+            .map_err(|e| refusal(e, || format!("declare exchange '{dlx}'"), &[Needs::exchange(&dlx, "configure")]))?;
+        let queues = self.queues(mode);
+        let declare = |name: &str, args: &FieldTable, passive| {
+            let options = QueueDeclareOptions {
+                durable: true,
+                passive,
+                ..QueueDeclareOptions::default()
             };
-            if mode == TopologyMode::Verify {
-                // Existence first, so a missing queue is refused rather than created.
-                declare(true).await?;
+            channel.queue_declare(name.into(), options, args.clone())
+        };
+        if verify {
+            // Existence first, so a missing queue is refused rather than created.
+            for (name, args) in &queues {
+                declare(name, args, true)
+                    .await
+                    .map_err(|e| TopologyError::from(e, None))?;
             }
-            declare(false).await?;
         }
-        if mode == TopologyMode::Declare {
+        for (name, args) in &queues {
+            let dead_letters_to = match args.inner().get("x-dead-letter-exchange") {
+                Some(AMQPValue::LongString(dlx)) => Some(dlx.to_string()),
+                _ => None,
+            };
+            let mut needs = vec![Needs::queue(name, "configure")];
+            if let Some(dlx) = &dead_letters_to {
+                // The broker checks `configure`, then `read` on the queue, then `write` on
+                // its dead-letter exchange, and names only the resource when it refuses.
+                needs[0].permission = "configure and read";
+                needs.push(Needs::exchange(dlx, "write"));
+            }
+            let doing = || format!("declare queue '{name}'");
+            match declare(name, args, false).await {
+                Ok(_) => {}
+                Err(err) if verify => match missing_permission(&err, doing, &needs) {
+                    // The user may not configure: existence is all that can be known.
+                    Some(missing) => return Ok(Applied::ExistenceOnly(missing)),
+                    None => return Err(TopologyError::from(err, None)),
+                },
+                Err(err) => return Err(refusal(err, doing, &needs)),
+            }
+        }
+        if !verify {
+            let dlq = self.dead_letter_queue();
             channel
                 .queue_bind(
-                    self.dead_letter_queue().as_str().into(),
+                    dlq.as_str().into(),
                     dlx.as_str().into(),
                     "".into(),
                     QueueBindOptions::default(),
                     FieldTable::default(),
                 )
-                .await?;
+                .await
+                .map_err(|e| {
+                    let needs = [Needs::queue(&dlq, "write"), Needs::exchange(&dlx, "read")];
+                    refusal(e, || format!("bind queue '{dlq}' to exchange '{dlx}'"), &needs)
+                })?;
         }
-        Ok(())
+        Ok(Applied::Complete)
     }
 
     /// Every queue with the arguments it must have. Verification also names the type of a
@@ -279,6 +321,42 @@ impl Topology {
         }
         queues
     }
+}
+
+/// What [`Topology::apply`] established.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Applied {
+    /// Everything declared or, in [`TopologyMode::Verify`], every queue exists with the
+    /// arguments Lily relies on.
+    Complete,
+    /// [`TopologyMode::Verify`] only: the exchange and every queue exist, but the queues'
+    /// arguments (type, dead-lettering, TTLs) were not checked, because the user may not
+    /// declare: the permission named is the one the broker refused.
+    ExistenceOnly(MissingPermission),
+}
+
+/// Why [`Topology::apply`] failed.
+#[derive(Debug, thiserror::Error)]
+#[error("the broker refused the topology")]
+pub struct TopologyError {
+    /// The permission the user lacks, when the broker refused access.
+    pub missing: Option<MissingPermission>,
+    /// The broker's error.
+    #[source]
+    pub source: lapin::Error,
+}
+
+impl TopologyError {
+    fn from(source: lapin::Error, missing: Option<MissingPermission>) -> Self {
+        Self { missing, source }
+    }
+}
+
+/// `err` of a request that needs `needs`, naming the permission when access was refused.
+fn refusal(err: lapin::Error, doing: impl FnOnce() -> String, needs: &[Needs<'_>]) -> TopologyError {
+    let missing = missing_permission(&err, doing, needs);
+    TopologyError::from(err, missing)
 }
 
 fn long(text: &str) -> AMQPValue {
