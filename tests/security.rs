@@ -54,7 +54,10 @@ fn user(broker: &Broker, name: &str, password: &str, permissions: &[String; 3]) 
     broker.ctl(&["add_user", name, password]);
     let [configure, write, read] = permissions;
     broker.ctl(&["set_permissions", "-p", "/", name, configure, write, read]);
-    let (_, rest) = broker.url().split_once('@').expect("the URL has credentials");
+    let (_, rest) = broker
+        .url()
+        .split_once('@')
+        .expect("the URL has credentials");
     format!("amqp://{name}:{password}@{rest}")
 }
 
@@ -66,14 +69,17 @@ fn every_lane() -> Router {
         #[allow(dead_code)]
         sku: String,
     }
-    Router::new().route("order.placed", |meta: Meta, Json(_order): Json<Order>| async move {
-        match meta.message_id().split('-').next() {
-            Some("retry") if meta.attempt() == 1 => Err(QueueHandlerError::retryable("down")),
-            Some("dead") => Err(QueueHandlerError::permanent("malformed order")),
-            Some("park") => Err(QueueHandlerError::indeterminate("outcome unknown")),
-            _ => Ok(()),
-        }
-    })
+    Router::new().route(
+        "order.placed",
+        |meta: Meta, Json(_order): Json<Order>| async move {
+            match meta.message_id().split('-').next() {
+                Some("retry") if meta.attempt() == 1 => Err(QueueHandlerError::retryable("down")),
+                Some("dead") => Err(QueueHandlerError::permanent("malformed order")),
+                Some("park") => Err(QueueHandlerError::indeterminate("outcome unknown")),
+                _ => Ok(()),
+            }
+        },
+    )
 }
 
 /// Sends [`every_lane`]'s messages, waits until everything settled and checks each lane by
@@ -109,9 +115,19 @@ async fn run_every_lane(url: &str, cfg: ConsumerConfig) {
         .await;
     let report = running.stop().await;
     assert!(report.clean, "{report:?}");
-    let topology = Topology::new(&queue, QueueKind::Classic, &common::fast_policy().retry_delays);
-    assert_eq!(client.drain_ids(&topology.dead_letter_queue()).await, expected_dlq);
-    assert_eq!(client.drain_ids(&topology.parking_queue()).await, expected_parking);
+    let topology = Topology::new(
+        &queue,
+        QueueKind::Classic,
+        &common::fast_policy().retry_delays,
+    );
+    assert_eq!(
+        client.drain_ids(&topology.dead_letter_queue()).await,
+        expected_dlq
+    );
+    assert_eq!(
+        client.drain_ids(&topology.parking_queue()).await,
+        expected_parking
+    );
     assert!(client.drain_ids(&queue).await.is_empty());
     for (bucket, _) in topology.buckets() {
         assert!(client.drain_ids(bucket).await.is_empty(), "{bucket}");
@@ -164,7 +180,9 @@ async fn verify_mode_runs_as_a_user_that_cannot_configure() {
         // The first queue it declares again is the DLQ, which needs `configure` alone.
         assert_eq!(missing.permission, "configure");
         assert!(
-            missing.resource.starts_with(&format!("queue '{queue}.dlq'")),
+            missing
+                .resource
+                .starts_with(&format!("queue '{queue}.dlq'")),
             "{missing}"
         );
         run_every_lane(&url, cfg).await;
@@ -216,12 +234,15 @@ async fn a_missing_permission_fails_at_start_naming_the_permission_and_the_resou
     let err = start_error(
         &queue,
         TopologyMode::Declare,
-        &[configure.clone(), format!(r"^{q}\.(dlq|dlx)$"), read.clone()],
+        &[
+            configure.clone(),
+            format!(r"^{q}\.(dlq|dlx)$"),
+            read.clone(),
+        ],
     )
     .await;
     assert!(
-        err.contains("the write permission on exchange 'amq.default'")
-            && err.contains(".retry."),
+        err.contains("the write permission on exchange 'amq.default'") && err.contains(".retry."),
         "{err}"
     );
 
@@ -244,10 +265,14 @@ async fn a_missing_permission_fails_at_start_naming_the_permission_and_the_resou
         .await
         .expect("connect");
     let channel = admin.create_channel().await.expect("channel");
-    Topology::new(&queue, QueueKind::Classic, &common::fast_policy().retry_delays)
-        .apply(&channel, TopologyMode::Declare)
-        .await
-        .expect("declared");
+    Topology::new(
+        &queue,
+        QueueKind::Classic,
+        &common::fast_policy().retry_delays,
+    )
+    .apply(&channel, TopologyMode::Declare)
+    .await
+    .expect("declared");
     let [none, write, read] = verify_permissions(&queue);
     let err = start_error(
         &queue,
@@ -256,8 +281,7 @@ async fn a_missing_permission_fails_at_start_naming_the_permission_and_the_resou
     )
     .await;
     assert!(
-        err.contains(&format!("the read permission on queue '{queue}'"))
-            && err.contains("consume"),
+        err.contains(&format!("the read permission on queue '{queue}'")) && err.contains("consume"),
         "{err}"
     );
     let err = start_error(&queue, TopologyMode::Verify, &[none, "^$".into(), read]).await;

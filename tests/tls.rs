@@ -24,13 +24,20 @@ fn tls_file(name: &str) -> String {
 
 /// The client certificate `name` (`client`, `expired` or `rogue`) of scripts/tls.sh.
 fn certificate(name: &str) -> ClientCertificate {
-    ClientCertificate::from_pem(tls_file(&format!("{name}.pem")), tls_file(&format!("{name}.key")))
+    ClientCertificate::from_pem(
+        tls_file(&format!("{name}.pem")),
+        tls_file(&format!("{name}.key")),
+    )
 }
 
 /// `(amqps URL, CA PEM, TLS MongoDB URL)` exported by scripts/test.sh. The MongoDB URL
 /// presents the client certificate.
 fn tls_env() -> (String, String, String) {
-    (env("LILY_AMQPS_URL"), tls_file("ca.pem"), env("LILY_MONGO_TLS_URL"))
+    (
+        env("LILY_AMQPS_URL"),
+        tls_file("ca.pem"),
+        env("LILY_MONGO_TLS_URL"),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -85,7 +92,9 @@ async fn amqps_without_trusting_the_local_ca_fails_at_start_naming_it() {
     let err = running.ended().await.expect_err("an unknown CA is refused");
     assert!(
         matches!(err, lily::rabbit::Error::Tls { .. })
-            && err.to_string().contains("the broker's certificate is not trusted"),
+            && err
+                .to_string()
+                .contains("the broker's certificate is not trusted"),
         "{err}"
     );
 }
@@ -106,13 +115,22 @@ async fn refused_with(presented: Option<&str>) -> (String, String) {
         .await
         .expect("a refused certificate fails at start, not after retries")
         .expect_err("refused");
-    assert!(matches!(consumer, lily::rabbit::Error::Tls { .. }), "{consumer:?}");
+    assert!(
+        matches!(consumer, lily::rabbit::Error::Tls { .. }),
+        "{consumer:?}"
+    );
     let publisher = Publisher::connect_with(&amqps, publisher)
         .await
         .expect_err("refused");
-    assert!(matches!(publisher, lily::rabbit::Error::Tls { .. }), "{publisher:?}");
+    assert!(
+        matches!(publisher, lily::rabbit::Error::Tls { .. }),
+        "{publisher:?}"
+    );
     for shown in [format!("{consumer:?}"), format!("{publisher:?}")] {
-        assert!(!shown.contains("guest:guest") && !shown.contains("PRIVATE KEY"), "{shown}");
+        assert!(
+            !shown.contains("guest:guest") && !shown.contains("PRIVATE KEY"),
+            "{shown}"
+        );
     }
     (consumer.to_string(), publisher.to_string())
 }
@@ -148,8 +166,14 @@ fn a_client_certificate_that_is_not_pem_is_refused_by_validation_and_never_shown
         .validate()
         .expect_err("refused");
     assert!(err.to_string().contains("key"), "{err}");
-    let shown = format!("{key_only:?} {:?}", ConsumerConfig::new("o").tls_client_cert(key_only.clone()));
-    assert!(!shown.contains("secret key text") && !shown.contains("BEGIN"), "{shown}");
+    let shown = format!(
+        "{key_only:?} {:?}",
+        ConsumerConfig::new("o").tls_client_cert(key_only.clone())
+    );
+    assert!(
+        !shown.contains("secret key text") && !shown.contains("BEGIN"),
+        "{shown}"
+    );
 }
 
 /// `LILY_MONGO_TLS_URL` presenting `file` as its client certificate, or none, failing fast.
@@ -159,7 +183,9 @@ fn mongo_presenting(file: Option<&str>) -> String {
     let (base, _) = url
         .split_once("&tlsCertificateKeyFile=")
         .expect("the TLS URL presents a certificate");
-    let presented = file.map_or(String::new(), |f| format!("&tlsCertificateKeyFile={dir}/{f}"));
+    let presented = file.map_or(String::new(), |f| {
+        format!("&tlsCertificateKeyFile={dir}/{f}")
+    });
     format!("{base}{presented}&serverSelectionTimeoutMS=2000")
 }
 
@@ -172,7 +198,10 @@ async fn mongo_tls_refuses_a_missing_wrong_or_expired_client_certificate() {
     let log_len = || std::fs::metadata(&log).map_or(0, |m| m.len() as usize);
     for (file, why) in [
         (None, "no SSL certificate provided by peer"),
-        (Some("rogue-combined.pem"), "unable to verify the first certificate"),
+        (
+            Some("rogue-combined.pem"),
+            "unable to verify the first certificate",
+        ),
         (Some("expired-combined.pem"), "certificate has expired"),
     ] {
         let before = log_len();

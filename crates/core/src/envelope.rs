@@ -256,6 +256,10 @@ impl Walk {
                 return Err(Reason::new("header key too long"));
             }
             self.bytes += key.as_str().len();
+            // Checked here too: a key whose value is a table or array adds no value bytes.
+            if self.bytes > limits.max_header_bytes {
+                return Err(Reason::new("headers too large in total"));
+            }
             self.value(value, depth, limits)?;
         }
         Ok(())
@@ -438,6 +442,33 @@ mod tests {
             );
         }
         assert_eq!(rejection(&view(Some(&wide))), "headers too large in total");
+    }
+
+    #[test]
+    fn keys_of_tables_and_arrays_count_against_the_header_bytes() {
+        let limits = Limits {
+            max_header_bytes: 32,
+            ..Limits::default()
+        };
+        // Keys of 16 bytes whose values add no bytes of their own.
+        let keys = |n: usize, value: AMQPValue| {
+            let mut table = FieldTable::default();
+            for key in ["k", "l", "m"].into_iter().take(n) {
+                table.insert(ShortString::from(key.repeat(16)), value.clone());
+            }
+            table
+        };
+        let empty_table = AMQPValue::FieldTable(FieldTable::default());
+        let empty_array = AMQPValue::FieldArray(FieldArray::default());
+        for value in [empty_table, empty_array] {
+            assert!(inspect(&view(Some(&keys(2, value.clone()))), 1, &limits).is_ok());
+            assert_eq!(
+                inspect(&view(Some(&keys(3, value))), 1, &limits),
+                Err(GateRejection::Invalid(Reason::new(
+                    "headers too large in total"
+                )))
+            );
+        }
     }
 
     #[test]

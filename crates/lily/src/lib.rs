@@ -62,8 +62,9 @@ pub mod prelude {
     };
     pub use lily_mq_core::{HandlerResult, ShutdownBudget, ShutdownReport, Trigger};
     pub use lily_mq_rabbit::{
-        ClientCertificate, Consumer, ConsumerConfig, Destination, LeaderLocator, Outgoing, Published, Publisher,
-        PublisherConfig, QueueKind, ReportSinks, Shutdown, TopologyMode, emit,
+        ClientCertificate, Consumer, ConsumerConfig, Destination, LeaderLocator, Outgoing,
+        Published, Publisher, PublisherConfig, QueueKind, ReportSinks, Shutdown, TopologyMode,
+        emit,
     };
 
     /// The Mongo scope and its extractor (feature `mongo`).

@@ -293,7 +293,11 @@ impl ConsumerConfig {
             "reconnect_max",
             "must be at least reconnect_min",
         )?;
-        if let Some(problem) = self.tls_client.as_ref().and_then(ClientCertificate::problem) {
+        if let Some(problem) = self
+            .tls_client
+            .as_ref()
+            .and_then(ClientCertificate::problem)
+        {
             rule(false, "tls_client", problem)?;
         }
         if let (QueueKind::Quorum, Some(limit)) = (self.queue_kind, self.delivery_limit) {

@@ -446,13 +446,12 @@ pub async fn connect(
         ca_pem: tls_ca_pem,
         client: None,
     };
-    let endpoint =
-        Endpoint::new(url, &[], tls, queue, Duration::from_secs(5)).map_err(|_| {
-            crate::Error::Config(crate::error::ConfigError {
-                field: "url",
-                problem: "does not parse as amqp:// or amqps://".into(),
-            })
-        })?;
+    let endpoint = Endpoint::new(url, &[], tls, queue, Duration::from_secs(5)).map_err(|_| {
+        crate::Error::Config(crate::error::ConfigError {
+            field: "url",
+            problem: "does not parse as amqp:// or amqps://".into(),
+        })
+    })?;
     let node = endpoint.display();
     let dialer = Dialer::new(endpoint, role);
     match dialer.connect().await {

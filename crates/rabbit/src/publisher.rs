@@ -444,7 +444,11 @@ impl Publisher {
         if config.connect_timeout.is_zero() {
             return Err(refuse("connect_timeout", "must be positive"));
         }
-        if let Some(problem) = config.tls_client.as_ref().and_then(ClientCertificate::problem) {
+        if let Some(problem) = config
+            .tls_client
+            .as_ref()
+            .and_then(ClientCertificate::problem)
+        {
             return Err(refuse("tls_client", problem));
         }
         let endpoint = Endpoint::new(

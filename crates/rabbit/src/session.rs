@@ -24,10 +24,10 @@ use tracing::{debug, info, warn};
 use crate::connect::{refused, tls_refusal};
 use crate::crew::Crew;
 use crate::error::Error;
+use crate::error::{Needs, missing_permission};
 use crate::handoff::HandoffPublisher;
 use crate::service::Shared;
 use crate::sync::lock;
-use crate::error::{Needs, missing_permission};
 use crate::topology::{Applied, TopologyError, TopologyMode};
 
 /// How long the consumer's `basic.cancel` may wait for its reply at shutdown; the budget runs.

@@ -210,7 +210,13 @@ impl Topology {
                 FieldTable::default(),
             )
             .await
-            .map_err(|e| refusal(e, || format!("declare exchange '{dlx}'"), &[Needs::exchange(&dlx, "configure")]))?;
+            .map_err(|e| {
+                refusal(
+                    e,
+                    || format!("declare exchange '{dlx}'"),
+                    &[Needs::exchange(&dlx, "configure")],
+                )
+            })?;
         let queues = self.queues(mode);
         let declare = |name: &str, args: &FieldTable, passive| {
             let options = QueueDeclareOptions {
@@ -264,7 +270,11 @@ impl Topology {
                 .await
                 .map_err(|e| {
                     let needs = [Needs::queue(&dlq, "write"), Needs::exchange(&dlx, "read")];
-                    refusal(e, || format!("bind queue '{dlq}' to exchange '{dlx}'"), &needs)
+                    refusal(
+                        e,
+                        || format!("bind queue '{dlq}' to exchange '{dlx}'"),
+                        &needs,
+                    )
                 })?;
         }
         Ok(Applied::Complete)
@@ -354,7 +364,11 @@ impl TopologyError {
 }
 
 /// `err` of a request that needs `needs`, naming the permission when access was refused.
-fn refusal(err: lapin::Error, doing: impl FnOnce() -> String, needs: &[Needs<'_>]) -> TopologyError {
+fn refusal(
+    err: lapin::Error,
+    doing: impl FnOnce() -> String,
+    needs: &[Needs<'_>],
+) -> TopologyError {
     let missing = missing_permission(&err, doing, needs);
     TopologyError::from(err, missing)
 }

@@ -41,6 +41,7 @@
 //! | `LILY_LEASE_TTL_MS` | per-message lease TTL, default 30000 |
 //! | `LILY_MAX_REQUEUES` | deferrals (and failed handoffs) before the DLQ, default 100 |
 //! | `LILY_QUEUE_TYPE` | `classic` (default) or `quorum`; a quorum work queue gets `x-delivery-limit` `LILY_MAX_REQUEUES` + 20 |
+//! | `LILY_TERMINATION_LOG` | `serve`: termination message file, default `/dev/termination-log` (written only when it exists) |
 //! | `INBOX_FAULT` | `serve` only, for crash tests: `abort_after_commit` or `abort_in_handler` |
 //! | `INBOX_FLAKY_ONE_IN` | `serve` only, for soaks: the first attempt of one order in N (chosen by its message id) fails with a retryable error before any write, so it goes through a retry bucket; 0 (default) never |
 //!
@@ -393,7 +394,11 @@ async fn serve(settings: &Settings, fault: Option<Fault>) -> Result<ExitCode, Bo
     )
     .scope(scope);
     let report = consumer.run(shutdown).await?;
-    emit(&report, &ReportSinks::default())?;
+    let mut sinks = ReportSinks::default();
+    if let Ok(path) = std::env::var("LILY_TERMINATION_LOG") {
+        sinks = sinks.termination_log(path);
+    }
+    emit(&report, &sinks)?;
     Ok(report.exit_status())
 }
 

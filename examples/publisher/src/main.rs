@@ -1,7 +1,8 @@
 //! Publishes `LILY_COUNT` (default 100) `order.placed` messages to `LILY_QUEUE` (default
 //! `orders`) at `LILY_AMQP_URL` through [`Publisher`], all in flight at once, and prints what
 //! became of them: confirmed, or why not. Exit status 0 when every one was confirmed, 1
-//! otherwise; the ids that were not are printed, to publish again.
+//! otherwise; the ids that were not are printed, to publish again. `RUST_LOG` (default `warn`)
+//! filters its log, on stderr.
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -16,6 +17,13 @@ struct OrderPlaced {
 
 #[tokio::main]
 async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
+    // WARN and above unless RUST_LOG says otherwise.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
     let env = |name, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
     let (queue, count) = (
         env("LILY_QUEUE", "orders"),
