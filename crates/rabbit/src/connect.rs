@@ -274,8 +274,9 @@ where
 
 /// What a TLS handshake's error says, when it is final: the broker refused the client
 /// certificate (its alert), or the broker's certificate is not trusted. Retrying with the same
-/// certificates cannot help. `None` for anything else (a reset, a timeout).
-pub(crate) fn tls_refusal(err: &lapin::Error) -> Option<String> {
+/// certificates cannot help. `None` for anything else (a reset, a timeout). The alert or the
+/// certificate problem itself is in `err`, the error's source.
+pub(crate) fn tls_refusal(err: &lapin::Error) -> Option<&'static str> {
     use rustls::AlertDescription as Alert;
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
     while let Some(current) = source {
@@ -287,23 +288,28 @@ pub(crate) fn tls_refusal(err: &lapin::Error) -> Option<String> {
         });
         match tls {
             Some(rustls::Error::AlertReceived(alert)) => {
-                let why = match alert {
-                    Alert::CertificateRequired => "none was presented and the broker requires one",
-                    Alert::CertificateExpired => "it has expired or is not valid yet",
-                    Alert::UnknownCA => "it is not signed by a CA the broker trusts",
-                    Alert::CertificateRevoked => "it was revoked",
+                return Some(match alert {
+                    Alert::CertificateRequired => {
+                        "the broker refused the client certificate: none was presented and the broker requires one"
+                    }
+                    Alert::CertificateExpired => {
+                        "the broker refused the client certificate: it has expired or is not valid yet"
+                    }
+                    Alert::UnknownCA => {
+                        "the broker refused the client certificate: it is not signed by a CA the broker trusts"
+                    }
+                    Alert::CertificateRevoked => {
+                        "the broker refused the client certificate: it was revoked"
+                    }
                     Alert::BadCertificate
                     | Alert::UnsupportedCertificate
                     | Alert::CertificateUnknown
-                    | Alert::AccessDenied => "the broker does not accept it",
-                    _ => return Some(format!("the broker ended the TLS handshake ({alert:?})")),
-                };
-                return Some(format!(
-                    "the broker refused the client certificate ({alert:?}): {why}"
-                ));
+                    | Alert::AccessDenied => "the broker refused the client certificate",
+                    _ => "the broker ended the TLS handshake with an alert",
+                });
             }
-            Some(rustls::Error::InvalidCertificate(why)) => {
-                return Some(format!("the broker's certificate is not trusted: {why:?}"));
+            Some(rustls::Error::InvalidCertificate(_)) => {
+                return Some("the broker's certificate is not trusted");
             }
             _ => source = current.source(),
         }

@@ -27,8 +27,8 @@ pub enum Error {
         /// The node, as `scheme://host:port/vhost`: never the credentials.
         node: String,
         /// What the handshake said, for example that the client certificate has expired.
-        problem: String,
-        /// The TLS error.
+        problem: &'static str,
+        /// The TLS error, with the broker's alert.
         #[source]
         source: lapin::Error,
     },
@@ -38,7 +38,7 @@ pub enum Error {
     #[error("the broker user lacks {missing}")]
     Permission {
         /// The permission, the resource and what Lily was doing.
-        missing: MissingPermission,
+        missing: Box<MissingPermission>,
         /// The broker's error.
         #[source]
         source: lapin::Error,

@@ -306,7 +306,10 @@ async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer),
         .apply(&setup, shared.config.topology)
         .await
         .map_err(|TopologyError { missing, source }| match missing {
-            Some(missing) => SessionError::Fatal(Error::Permission { missing, source }),
+            Some(missing) => SessionError::Fatal(Error::Permission {
+                missing: Box::new(missing),
+                source,
+            }),
             None if definitive(&source, shared.config.topology) => {
                 SessionError::Fatal(Error::Topology {
                     queue: shared.config.queue.clone(),
@@ -328,7 +331,10 @@ async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer),
     shared.publisher.check_write().await.map_err(|source| {
         let needs = [Needs::exchange("", "write")];
         match missing_permission(&source, || "publish handoff copies".into(), &needs) {
-            Some(missing) => SessionError::Fatal(Error::Permission { missing, source }),
+            Some(missing) => SessionError::Fatal(Error::Permission {
+                missing: Box::new(missing),
+                source,
+            }),
             None => SessionError::Connect(source),
         }
     })?;
@@ -352,7 +358,10 @@ async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer),
             let needs = [Needs::queue(&shared.queue, "read")];
             let doing = || format!("consume from queue '{}'", shared.queue);
             match missing_permission(&source, doing, &needs) {
-                Some(missing) => SessionError::Fatal(Error::Permission { missing, source }),
+                Some(missing) => SessionError::Fatal(Error::Permission {
+                    missing: Box::new(missing),
+                    source,
+                }),
                 None => SessionError::Connect(source),
             }
         })?;
