@@ -382,7 +382,7 @@ async fn a_mongo_user_without_write_is_refused_at_start_naming_the_action_and_th
     );
     assert!(!shown.contains("NEVER-SHOWN"), "{shown}");
     assert!(matches!(
-        *err.kind,
+        *err.driver().kind,
         mongodb::error::ErrorKind::Command(ref c) if c.code_name == "Unauthorized"
     ));
 }

@@ -190,19 +190,28 @@ fn mongo_presenting(file: Option<&str>) -> String {
 }
 
 /// mongod refuses a client certificate by closing the connection, with no alert for the
-/// client to read, so the driver can only say the TLS connection was closed; mongod's log
-/// says why, and so does this test.
+/// client to read: the driver can only say the TLS connection was closed. Lily says what is
+/// wrong with the certificate the URL names, and mongod's log agrees.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mongo_tls_refuses_a_missing_wrong_or_expired_client_certificate() {
+async fn mongo_tls_refuses_a_missing_wrong_or_expired_client_certificate_with_a_clear_error() {
     let log = MongoNode::from_env().dir().join("mongod.log");
     let log_len = || std::fs::metadata(&log).map_or(0, |m| m.len() as usize);
-    for (file, why) in [
-        (None, "no SSL certificate provided by peer"),
+    for (file, says, why) in [
+        (
+            None,
+            "no client certificate was presented",
+            "no SSL certificate provided by peer",
+        ),
         (
             Some("rogue-combined.pem"),
+            "was issued by CN=lily-rogue-ca, not by the CA in",
             "unable to verify the first certificate",
         ),
-        (Some("expired-combined.pem"), "certificate has expired"),
+        (
+            Some("expired-combined.pem"),
+            "is valid from Jan  1 00:00:00 2020 +00:00 to Jan  2 00:00:00 2020 +00:00, not now",
+            "certificate has expired",
+        ),
     ] {
         let before = log_len();
         let err = MongoScope::connect(
@@ -213,7 +222,10 @@ async fn mongo_tls_refuses_a_missing_wrong_or_expired_client_certificate() {
         .await
         .expect_err("refused");
         let shown = err.to_string();
-        assert!(shown.contains("TLS"), "{file:?}: {shown}");
+        assert!(
+            shown.starts_with("MongoDB closed the TLS connection: ") && shown.contains(says),
+            "{file:?}: {shown}"
+        );
         let logged = std::fs::read(&log).expect("mongod.log");
         let logged = String::from_utf8_lossy(&logged[before..]);
         assert!(logged.contains(why), "{file:?}: mongod logged {logged}");

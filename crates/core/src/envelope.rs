@@ -270,10 +270,12 @@ impl Walk {
         if self.entries > limits.max_headers {
             return Err(Reason::new("too many headers"));
         }
-        let len = match value {
-            AMQPValue::ShortString(s) => s.as_str().len(),
-            AMQPValue::LongString(s) => s.len(),
-            AMQPValue::ByteArray(b) => b.len(),
+        // Strings and byte arrays count by their length; other scalars count as 8 bytes toward
+        // the total but have no length of their own to bound.
+        let (len, measured) = match value {
+            AMQPValue::ShortString(s) => (s.as_str().len(), true),
+            AMQPValue::LongString(s) => (s.len(), true),
+            AMQPValue::ByteArray(b) => (b.len(), true),
             AMQPValue::FieldTable(t) => return self.table(t, depth + 1, limits),
             AMQPValue::FieldArray(a) => {
                 if depth + 1 > limits.max_header_depth {
@@ -284,9 +286,9 @@ impl Walk {
                 }
                 return Ok(());
             }
-            _ => 8,
+            _ => (8, false),
         };
-        if len > limits.max_header_value_len {
+        if measured && len > limits.max_header_value_len {
             return Err(Reason::new("header value too long"));
         }
         self.bytes += len;
@@ -469,6 +471,24 @@ mod tests {
                 )))
             );
         }
+    }
+
+    #[test]
+    fn only_strings_and_byte_arrays_are_held_to_the_value_length() {
+        let limits = Limits {
+            max_header_value_len: 4,
+            ..Limits::default()
+        };
+        let mut table = FieldTable::default();
+        table.insert("flag".into(), AMQPValue::Boolean(true));
+        table.insert("count".into(), AMQPValue::LongLongInt(7));
+        table.insert("tag".into(), AMQPValue::LongString("abcd".into()));
+        assert!(inspect(&view(Some(&table)), 1, &limits).is_ok());
+        table.insert("tag".into(), AMQPValue::LongString("abcde".into()));
+        assert_eq!(
+            inspect(&view(Some(&table)), 1, &limits),
+            Err(GateRejection::Invalid(Reason::new("header value too long")))
+        );
     }
 
     #[test]

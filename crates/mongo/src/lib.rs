@@ -48,6 +48,7 @@
 //! record expired (`inbox_retention`, a TTL index) runs the handler again — keep the retention
 //! longer than any redelivery horizon (retry delays × attempts, DLQ replays).
 
+mod connect;
 mod deferrals;
 mod inbox;
 mod lease;
@@ -55,6 +56,7 @@ mod observer;
 mod scope;
 mod tx;
 
+pub use connect::ConnectError;
 pub use observer::CommitObserver;
 pub use scope::{MongoConfig, MongoScope};
 pub use tx::MongoTx;

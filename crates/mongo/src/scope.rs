@@ -11,6 +11,7 @@ use mongodb::{Client, Collection, Database, IndexModel};
 use tokio::sync::Mutex;
 use tracing::debug;
 
+use crate::connect::ConnectError;
 use crate::deferrals::Deferrals;
 use crate::inbox;
 use crate::lease::{self, Refused, is_duplicate_key};
@@ -120,14 +121,20 @@ impl MongoScope {
     /// the inbox, lease and deferral collections' indexes.
     ///
     /// # Errors
-    /// The database is unreachable or refused the indexes.
+    /// The database is unreachable or refused the indexes. When mongod closed a TLS handshake,
+    /// which is how it refuses a client certificate, [`ConnectError::tls_hint`] says what is
+    /// wrong with the certificate the URL names.
     pub async fn connect(
         url: &str,
         database: &str,
         config: MongoConfig,
-    ) -> mongodb::error::Result<Self> {
-        let client = Client::with_uri_str(url).await?;
-        Self::with_client(client, database, config).await
+    ) -> Result<Self, ConnectError> {
+        let client = Client::with_uri_str(url)
+            .await
+            .map_err(|e| ConnectError::new(url, e))?;
+        Self::with_client(client, database, config)
+            .await
+            .map_err(|e| ConnectError::new(url, e))
     }
 
     /// Like [`connect`](Self::connect) with a client the application built.

@@ -304,7 +304,7 @@ impl Settings {
     async fn scope(&self, fault: Option<Fault>) -> Result<MongoScope, BoxError> {
         MongoScope::connect(&self.mongo_url, &self.database, self.mongo_config(fault))
             .await
-            .map_err(|e| format!("cannot prepare the MongoDB scope at LILY_MONGO_URL: {e}").into())
+            .map_err(|e| format!("LILY_MONGO_URL: {e}").into())
     }
 }
 
