@@ -51,14 +51,8 @@ fn verify_permissions(queue: &str) -> [String; 3] {
 
 /// A broker user with `permissions` on the default vhost; returns its URL.
 fn user(broker: &Broker, name: &str, password: &str, permissions: &[String; 3]) -> String {
-    broker.ctl(&["add_user", name, password]);
     let [configure, write, read] = permissions;
-    broker.ctl(&["set_permissions", "-p", "/", name, configure, write, read]);
-    let (_, rest) = broker
-        .url()
-        .split_once('@')
-        .expect("the URL has credentials");
-    format!("amqp://{name}:{password}@{rest}")
+    broker.add_user(name, password, [configure, write, read])
 }
 
 /// Success, a retry that succeeds on its second attempt, a permanent failure (DLQ), an
@@ -294,21 +288,9 @@ async fn a_missing_permission_fails_at_start_naming_the_permission_and_the_resou
 
 /// A MongoDB user of `database` with `role` on it only; returns its URL.
 async fn mongo_user(database: &str, role: &str, password: &str) -> String {
-    let node = MongoNode::from_env();
-    let admin = MongoClient::with_uri_str(node.url()).await.expect("admin");
-    let name = format!("{database}-user");
-    admin
-        .database(database)
-        .run_command(doc! {
-            "createUser": &name,
-            "pwd": password,
-            "roles": [{ "role": role, "db": database }],
-        })
+    MongoNode::from_env()
+        .add_user(database, role, password)
         .await
-        .expect("createUser");
-    let (_, rest) = node.url().split_once('@').expect("the URL has credentials");
-    let rest = rest.replace("authSource=admin", &format!("authSource={database}"));
-    format!("mongodb://{name}:{password}@{rest}")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

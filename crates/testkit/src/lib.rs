@@ -111,6 +111,19 @@ impl Broker {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// A user `name` with `password` and `permissions` (configure, write, read, as
+    /// `rabbitmqctl set_permissions` takes them) on the default vhost; returns its URL.
+    ///
+    /// # Panics
+    /// When rabbitmqctl fails.
+    pub fn add_user(&self, name: &str, password: &str, permissions: [&str; 3]) -> String {
+        self.ctl(&["add_user", name, password]);
+        let [configure, write, read] = permissions;
+        self.ctl(&["set_permissions", "-p", "/", name, configure, write, read]);
+        let (_, rest) = self.url.split_once('@').expect("the URL has credentials");
+        format!("amqp://{name}:{password}@{rest}")
+    }
+
     /// A fresh vhost with full permissions for the URL's user; returns its URL. Tests that
     /// close connections use one so they never touch other tests.
     pub fn vhost(&self, name: &str) -> String {

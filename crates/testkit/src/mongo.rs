@@ -51,6 +51,31 @@ impl MongoNode {
         &self.dir
     }
 
+    /// A user of `database` with `role` on it only, made by the suite's administrator (the
+    /// URL's user); returns the user's URL, authenticating against `database`.
+    ///
+    /// # Panics
+    /// When the node refuses `createUser`.
+    pub async fn add_user(&self, database: &str, role: &str, password: &str) -> String {
+        use mongodb::bson::doc;
+        let admin = mongodb::Client::with_uri_str(&self.url)
+            .await
+            .expect("the administrator's URL");
+        let name = format!("{database}-user");
+        admin
+            .database(database)
+            .run_command(doc! {
+                "createUser": &name,
+                "pwd": password,
+                "roles": [{ "role": role, "db": database }],
+            })
+            .await
+            .expect("createUser");
+        let (_, rest) = self.url.split_once('@').expect("the URL has credentials");
+        let rest = rest.replace("authSource=admin", &format!("authSource={database}"));
+        format!("mongodb://{name}:{password}@{rest}")
+    }
+
     /// A database name no other test uses: `prefix` (characters MongoDB forbids in database
     /// names replaced by `_`, shortened when needed) followed by the process id, a counter and
     /// the clock's nanoseconds.

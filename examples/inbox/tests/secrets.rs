@@ -46,36 +46,6 @@ fn sibling(name: &str) -> PathBuf {
     path
 }
 
-/// A broker user with every permission on the default vhost; returns its URL.
-fn amqp_user(broker: &Broker, name: &str, password: &str) -> String {
-    broker.ctl(&["add_user", name, password]);
-    broker.ctl(&["set_permissions", "-p", "/", name, ".*", ".*", ".*"]);
-    let (_, rest) = broker
-        .url()
-        .split_once('@')
-        .expect("the URL has credentials");
-    format!("amqp://{name}:{password}@{rest}")
-}
-
-/// A MongoDB user with `readWrite` on `database`; returns its URL.
-async fn mongo_user(database: &str, password: &str) -> String {
-    let node = MongoNode::from_env();
-    let admin = MongoClient::with_uri_str(node.url()).await.expect("admin");
-    let name = format!("{database}-user");
-    admin
-        .database(database)
-        .run_command(doc! {
-            "createUser": &name,
-            "pwd": password,
-            "roles": [{ "role": "readWrite", "db": database }],
-        })
-        .await
-        .expect("createUser");
-    let (_, rest) = node.url().split_once('@').expect("the URL has credentials");
-    let rest = rest.replace("authSource=admin", &format!("authSource={database}"));
-    format!("mongodb://{name}:{password}@{rest}")
-}
-
 /// Properties of a message of `kind` carrying the marker in two header values.
 fn marked(id: &str, kind: &str) -> BasicProperties {
     let mut headers = FieldTable::default();
@@ -121,9 +91,11 @@ async fn no_password_body_or_header_value_appears_in_any_output() {
     let mongo_pw = password("mongo");
     let secrets = [amqp_pw.as_str(), mongo_pw.as_str(), MARKER];
     let user = Broker::unique("secrets");
-    let amqp = amqp_user(&broker, &user, &amqp_pw);
+    let amqp = broker.add_user(&user, &amqp_pw, [".*", ".*", ".*"]);
     let database = MongoNode::database_name("secrets");
-    let mongo = mongo_user(&database, &mongo_pw).await;
+    let mongo = MongoNode::from_env()
+        .add_user(&database, "readWrite", &mongo_pw)
+        .await;
     MongoClient::with_uri_str(MongoNode::from_env().url())
         .await
         .expect("admin")
