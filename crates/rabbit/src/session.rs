@@ -23,8 +23,7 @@ use tracing::{debug, info, warn};
 
 use crate::connect::{refused, tls_refusal};
 use crate::crew::Crew;
-use crate::error::Error;
-use crate::error::{Needs, missing_permission};
+use crate::error::{Error, MissingPermission, Needs, missing_permission};
 use crate::handoff::HandoffPublisher;
 use crate::service::Shared;
 use crate::sync::lock;
@@ -289,6 +288,27 @@ fn connect_error(shared: &Shared, source: lapin::Error) -> SessionError {
     }
 }
 
+/// The session's end when the broker refused a permission: final.
+fn lacking(missing: MissingPermission, source: lapin::Error) -> SessionError {
+    SessionError::Fatal(Error::Permission {
+        missing: Box::new(missing),
+        source,
+    })
+}
+
+/// `source` of a request that needs `needs`: final when the broker refused one of them, a
+/// lost connection otherwise.
+fn permission_error(
+    source: lapin::Error,
+    doing: impl FnOnce() -> String,
+    needs: &[Needs<'_>],
+) -> SessionError {
+    match missing_permission(&source, doing, needs) {
+        Some(missing) => lacking(missing, source),
+        None => SessionError::Connect(source),
+    }
+}
+
 /// Opens a session up to its consumer: the connection, the topology, the handoff publisher's
 /// connection, the consuming channel with its prefetch, and `basic.consume`.
 async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer), SessionError> {
@@ -306,10 +326,7 @@ async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer),
         .apply(&setup, shared.config.topology)
         .await
         .map_err(|TopologyError { missing, source }| match missing {
-            Some(missing) => SessionError::Fatal(Error::Permission {
-                missing: Box::new(missing),
-                source,
-            }),
+            Some(missing) => lacking(missing, source),
             None if definitive(&source, shared.config.topology) => {
                 SessionError::Fatal(Error::Topology {
                     queue: shared.config.queue.clone(),
@@ -330,13 +347,7 @@ async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer),
     // Publishing a probe now, rather than the first handoff, finds a missing `write` at start.
     shared.publisher.check_write().await.map_err(|source| {
         let needs = [Needs::exchange("", "write")];
-        match missing_permission(&source, || "publish handoff copies".into(), &needs) {
-            Some(missing) => SessionError::Fatal(Error::Permission {
-                missing: Box::new(missing),
-                source,
-            }),
-            None => SessionError::Connect(source),
-        }
+        permission_error(source, || "publish handoff copies".into(), &needs)
     })?;
     let consuming = connection
         .create_channel()
@@ -357,13 +368,7 @@ async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer),
         .map_err(|source| {
             let needs = [Needs::queue(&shared.queue, "read")];
             let doing = || format!("consume from queue '{}'", shared.queue);
-            match missing_permission(&source, doing, &needs) {
-                Some(missing) => SessionError::Fatal(Error::Permission {
-                    missing: Box::new(missing),
-                    source,
-                }),
-                None => SessionError::Connect(source),
-            }
+            permission_error(source, doing, &needs)
         })?;
     Ok((connection, consuming, consumer))
 }

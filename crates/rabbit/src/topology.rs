@@ -231,20 +231,20 @@ impl Topology {
             for (name, args) in &queues {
                 declare(name, args, true)
                     .await
-                    .map_err(|e| TopologyError::from(e, None))?;
+                    .map_err(|e| TopologyError::new(e, None))?;
             }
         }
         for (name, args) in &queues {
             let dead_letters_to = match args.inner().get("x-dead-letter-exchange") {
-                Some(AMQPValue::LongString(dlx)) => Some(dlx.to_string()),
+                Some(AMQPValue::LongString(exchange)) => Some(exchange.to_string()),
                 _ => None,
             };
             let mut needs = vec![Needs::queue(name, "configure")];
-            if let Some(dlx) = &dead_letters_to {
+            if let Some(exchange) = &dead_letters_to {
                 // The broker checks `configure`, then `read` on the queue, then `write` on
                 // its dead-letter exchange, and names only the resource when it refuses.
                 needs[0].permission = "configure and read";
-                needs.push(Needs::exchange(dlx, "write"));
+                needs.push(Needs::exchange(exchange, "write"));
             }
             let doing = || format!("declare queue '{name}'");
             match declare(name, args, false).await {
@@ -252,7 +252,7 @@ impl Topology {
                 Err(err) if verify => match missing_permission(&err, doing, &needs) {
                     // The user may not configure: existence is all that can be known.
                     Some(missing) => return Ok(Applied::ExistenceOnly(missing)),
-                    None => return Err(TopologyError::from(err, None)),
+                    None => return Err(TopologyError::new(err, None)),
                 },
                 Err(err) => return Err(refusal(err, doing, &needs)),
             }
@@ -358,7 +358,7 @@ pub struct TopologyError {
 }
 
 impl TopologyError {
-    fn from(source: lapin::Error, missing: Option<MissingPermission>) -> Self {
+    fn new(source: lapin::Error, missing: Option<MissingPermission>) -> Self {
         Self { missing, source }
     }
 }
@@ -370,7 +370,7 @@ fn refusal(
     needs: &[Needs<'_>],
 ) -> TopologyError {
     let missing = missing_permission(&err, doing, needs);
-    TopologyError::from(err, missing)
+    TopologyError::new(err, missing)
 }
 
 fn long(text: &str) -> AMQPValue {
