@@ -119,7 +119,7 @@ async fn raw(url: &str, queue: &str, n: usize, acker: bool) -> Result<(), String
 
 /// Queues the ACK frame on `channel` (one poll of `basic_ack`) without awaiting its write; the
 /// final `basic.qos` round trip proves it, as in Lily.
-fn queue_ack(channel: &Channel, tag: u64) -> lapin::Result<()> {
+pub(crate) fn queue_ack(channel: &Channel, tag: u64) -> lapin::Result<()> {
     let ack = pin!(channel.basic_ack(tag, BasicAckOptions::default()));
     match ack.poll(&mut Context::from_waker(Waker::noop())) {
         Poll::Ready(Err(err)) => Err(err),

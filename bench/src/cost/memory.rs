@@ -25,10 +25,10 @@ use super::{Contender, alloc_snapshot};
 use crate::broker_url;
 
 /// How long to let the process settle before a sample.
-const SETTLE: Duration = Duration::from_millis(500);
+pub(crate) const SETTLE: Duration = Duration::from_millis(500);
 
 /// A memory sample of this process.
-fn sample() -> Value {
+pub(crate) fn sample() -> Value {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let kb = |key: &str| -> u64 {
         status
@@ -47,7 +47,7 @@ fn sample() -> Value {
     })
 }
 
-fn announce(tag: &str, value: &Value) {
+pub(crate) fn announce(tag: &str, value: &Value) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{tag} {value}");
     let _ = out.flush();

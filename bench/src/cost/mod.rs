@@ -14,8 +14,11 @@
 //!   the raw loop pays more for cross-thread wake-ups and Lily's layer looks smaller.
 //! - **memory**: `mem-raw K` / `mem-lily K` ([`memory`]).
 //! - **shutdown**: the `k8s-shutdown` example service ([`shutdown`]).
+//! - **hostile**: 10 000 messages just under the limits (and some just over) at prefetch 1 000,
+//!   peak RSS against a stated bound, every id checked from outside ([`hostile`]).
 
 pub mod consume;
+pub mod hostile;
 pub mod memory;
 mod report;
 pub mod shutdown;
@@ -112,10 +115,15 @@ pub fn runtime(multi_thread: bool) -> Runtime {
 
 const USAGE: &str = "\
 usage: cost [--n N] [--n0 N0] [--valgrind-n N] [--valgrind-n0 N0] [--reps R] [--in-flight K]
-            [--shutdown-runs R] [--multi-thread] [--only allocs,instructions,memory,shutdown]
+            [--shutdown-runs R] [--multi-thread] [--hostile-n N] [--hostile-prefetch P]
+            [--hostile-copies C]
+            [--only allocs,instructions,memory,shutdown,hostile] [--merge COST_JSON]
        cost run-raw|run-raw-acker|run-lily N QUEUE [--multi-thread]   (child: consume N)
        cost mem-raw|mem-lily K QUEUE                    (child: hold K deliveries)
+       cost hostile-raw|hostile-lily P N QUEUE          (child: the hostile load, prefetch P)
        cost prepare N QUEUE                             (fresh QUEUE holding N messages)
+
+--merge keeps the measurements of an earlier cost.json that this run does not repeat.
 
 To profile by hand: `cost prepare 20000 q && valgrind --tool=callgrind cost run-lily 20000 q`";
 
@@ -159,6 +167,8 @@ pub fn main() -> ExitCode {
         Some("run-lily") => child(consume::child(Contender::Lily, &args[1..])),
         Some("mem-raw") => child(memory::child(Contender::Raw, &args[1..])),
         Some("mem-lily") => child(memory::child(Contender::Lily, &args[1..])),
+        Some("hostile-raw") => child(hostile::child::child(Contender::Raw, &args[1..])),
+        Some("hostile-lily") => child(hostile::child::child(Contender::Lily, &args[1..])),
         Some("prepare") => child(prepare(&args[1..])),
         Some("-h" | "--help") => {
             println!("{USAGE}");
@@ -185,7 +195,12 @@ pub struct Options {
     pub in_flight: usize,
     pub shutdown_runs: usize,
     pub multi_thread: bool,
+    pub hostile_n: usize,
+    pub hostile_prefetch: u16,
+    pub hostile_copies: u64,
     pub only: Vec<String>,
+    /// An earlier `cost.json` whose other measurements the results keep.
+    pub merge: Option<PathBuf>,
 }
 
 impl Default for Options {
@@ -199,7 +214,11 @@ impl Default for Options {
             in_flight: 10_000,
             shutdown_runs: 5,
             multi_thread: false,
+            hostile_n: hostile::N,
+            hostile_prefetch: hostile::PREFETCH,
+            hostile_copies: hostile::COPIES,
             only: Vec::new(),
+            merge: None,
         }
     }
 }
@@ -223,6 +242,15 @@ impl Options {
                 "--in-flight" => o.in_flight = value("--in-flight")?,
                 "--shutdown-runs" => o.shutdown_runs = value("--shutdown-runs")?.max(1),
                 "--multi-thread" => o.multi_thread = true,
+                "--hostile-n" => o.hostile_n = value("--hostile-n")?.max(1),
+                "--hostile-prefetch" => {
+                    o.hostile_prefetch = u16::try_from(value("--hostile-prefetch")?)
+                        .ok()
+                        .filter(|p| *p >= 1)
+                        .ok_or("--hostile-prefetch must be 1..=65535")?;
+                }
+                "--hostile-copies" => o.hostile_copies = value("--hostile-copies")? as u64,
+                "--merge" => o.merge = Some(it.next().ok_or("--merge needs a file")?.into()),
                 "--only" => {
                     o.only = it
                         .next()
@@ -674,6 +702,18 @@ fn orchestrate(options: &Options) -> ExitCode {
         exe,
         options: options.clone(),
     };
+    let earlier = options.merge.as_ref().map(|path| {
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|text| serde_json::from_str::<Value>(&text).ok())
+            .unwrap_or_else(|| {
+                eprintln!(
+                    "cost: --merge {}: no cost.json there; not merging",
+                    path.display()
+                );
+                Value::Null
+            })
+    });
     let mut results = json!({
         "schema": "lily.bench.cost.v1",
         "broker": broker_version(),
@@ -684,12 +724,20 @@ fn orchestrate(options: &Options) -> ExitCode {
         "runtime": runtime_name(options.multi_thread),
         "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
     });
+    if let Some(Value::Object(earlier)) = earlier {
+        for (key, value) in earlier {
+            if results.get(&key).is_none() {
+                results[key] = value;
+            }
+        }
+    }
     let mut failed = Vec::new();
-    let steps: [(&str, Step); 4] = [
+    let steps: [(&str, Step); 5] = [
         ("allocations", allocations),
         ("instructions", instructions),
         ("memory", memory),
         ("shutdown", shutdown_latency),
+        ("hostile", hostile::measure),
     ];
     for (name, step) in steps {
         let short = if name == "allocations" {
@@ -703,6 +751,12 @@ fn orchestrate(options: &Options) -> ExitCode {
         eprintln!("cost: measuring {name}");
         let started = Instant::now();
         match step(&b) {
+            // The hostile load states a bound: over it, or a message missing, fails the run.
+            Ok(value) if value["fail"].as_array().is_some_and(|f| !f.is_empty()) => {
+                eprintln!("cost: {name} FAIL: {}", value["fail"]);
+                results[name] = value;
+                failed.push(name);
+            }
             Ok(value) => results[name] = value,
             Err(err) => {
                 eprintln!("cost: {name} failed: {err}");
@@ -742,7 +796,7 @@ fn orchestrate(options: &Options) -> ExitCode {
     if failed.is_empty() {
         ExitCode::SUCCESS
     } else {
-        eprintln!("cost: not measured: {}", failed.join(", "));
+        eprintln!("cost: failed or not measured: {}", failed.join(", "));
         ExitCode::FAILURE
     }
 }

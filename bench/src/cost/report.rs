@@ -230,7 +230,135 @@ fn rows(r: &Value) -> Vec<[String; 6]> {
             s("-"),
         ]);
     }
+    hostile_rows(&r["hostile"], &mut rows);
     rows
+}
+
+fn mib(v: &Value) -> Value {
+    Value::from(v.as_f64().unwrap_or(f64::NAN) / 1048576.0)
+}
+
+fn hostile_rows(h: &Value, rows: &mut Vec<[String; 6]>) {
+    let s = |x: &str| x.to_owned();
+    if let Some(err) = h["error"].as_str() {
+        rows.push([
+            s("hostile load"),
+            s("error"),
+            s(err),
+            s("-"),
+            s("-"),
+            s("-"),
+        ]);
+        return;
+    }
+    if h.is_null() {
+        return;
+    }
+    let (raw, lily) = (&h["raw"], &h["lily"]);
+    let diff = |key: &str| {
+        Value::from(lily[key].as_f64().unwrap_or(f64::NAN) - raw[key].as_f64().unwrap_or(f64::NAN))
+    };
+    let mib_row = |label: String, key: &str, target: String, met: String| {
+        [
+            label,
+            num(&mib(&raw[key]), 1),
+            num(&mib(&lily[key]), 1),
+            num(&mib(&diff(key)), 1),
+            target,
+            met,
+        ]
+    };
+    rows.push(mib_row(
+        format!(
+            "hostile load, {} msgs at prefetch {}: peak RSS (VmHWM), MiB",
+            num(&h["n"], 0),
+            num(&h["prefetch"], 0)
+        ),
+        "hwm_bytes",
+        format!("<= {}", num(&mib(&lily["bound_bytes"]), 1)),
+        met(&lily["met"]),
+    ));
+    rows.push(mib_row(
+        s("  idle RSS, MiB"),
+        "rss_idle_bytes",
+        s("-"),
+        s("-"),
+    ));
+    rows.push(mib_row(
+        format!(
+            "  RSS with the window full ({} held), MiB",
+            num(&lily["in_flight_at_full_window"], 0)
+        ),
+        "rss_full_window_bytes",
+        s("-"),
+        s("-"),
+    ));
+    rows.push(mib_row(
+        s("  peak live heap (sampled), MiB"),
+        "heap_peak_sampled_bytes",
+        s("-"),
+        s("-"),
+    ));
+    rows.push(mib_row(
+        format!(
+            "  bound: idle + conns x 64 x frame_max + prefetch x {} x (body + headers), MiB",
+            num(&h["copies"], 0)
+        ),
+        "bound_bytes",
+        s("-"),
+        s("-"),
+    ));
+    rows.push([
+        s("  peak / bound"),
+        num(&raw["peak_over_bound"], 2),
+        num(&lily["peak_over_bound"], 2),
+        s("-"),
+        s("<= 1"),
+        met(&lily["met"]),
+    ]);
+    rows.push([
+        format!(
+            "  peak above idle per window delivery, bytes (message budget {})",
+            num(&h["message_budget_bytes"], 0)
+        ),
+        num(&raw["peak_above_idle_per_window_delivery"], 0),
+        num(&lily["peak_above_idle_per_window_delivery"], 0),
+        num(&diff("peak_above_idle_per_window_delivery"), 0),
+        s("-"),
+        s("-"),
+    ]);
+    rows.push([
+        s("  drain of the full queue, msg/s"),
+        num(&raw["msgs_per_s"], 0),
+        num(&lily["msgs_per_s"], 0),
+        s("-"),
+        s("-"),
+        s("-"),
+    ]);
+    let settled = |who: &Value| {
+        format!(
+            "{}/{}",
+            num(&who["evidence"]["settled"], 0),
+            num(&who["evidence"]["sent"], 0)
+        )
+    };
+    let all = |who: &Value| who["evidence"]["settled"] == who["evidence"]["sent"];
+    rows.push([
+        s("  messages settled, checked by id from outside"),
+        settled(raw),
+        settled(lily),
+        s("-"),
+        s("all"),
+        met(&Value::from(all(raw) && all(lily))),
+    ]);
+    rows.push([
+        s("  of which not where their class says (Lily)"),
+        s("-"),
+        num(&lily["evidence"]["unexpected"], 0),
+        s("-"),
+        s("-"),
+        s("-"),
+    ]);
 }
 
 fn conditions(r: &Value) -> String {
@@ -254,6 +382,19 @@ fn conditions(r: &Value) -> String {
     }
     if r["shutdown"].is_object() {
         text += " Shutdown: examples/k8s-shutdown, SIGTERM to process exit.";
+    }
+    let h = &r["hostile"];
+    if h["n"].is_number() {
+        text += &format!(
+            " Hostile load: {} persistent messages with bodies and headers just under the \
+             limits in force (max_body_bytes {}, the other limits Lily's defaults), 5 % just \
+             over one, 10 % failing; prefetch = concurrency = {}, the queue full when the \
+             drain starts; bound = {}.",
+            num(&h["n"], 0),
+            num(&h["limits"]["max_body_bytes"], 0),
+            num(&h["prefetch"], 0),
+            h["bound_formula"].as_str().unwrap_or("-"),
+        );
     }
     text + " For reference, the peer ruststream-lapin reports about 17 300 instructions and 16 \
             allocations per message."

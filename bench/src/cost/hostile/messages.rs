@@ -1,0 +1,332 @@
+//! The messages of the hostile run: bodies and headers just under the limits in force, and a
+//! share just over one limit each, chosen by the message's index so the checker knows what each
+//! id should become.
+
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lily::core::Limits;
+use serde::Deserialize;
+
+/// The message type of the run.
+pub const KIND: &str = "hostile.load";
+/// Bytes a body under the limit stays below `max_body_bytes`.
+pub const BODY_MARGIN: usize = 64;
+/// Bytes the headers of a message under the limit stay below `max_header_bytes`.
+pub const HEADER_MARGIN: usize = 64;
+/// Header values near `max_header_value_len` on every message under the limits.
+const BIG_VALUES: usize = 3;
+/// Prefix of the hostile header keys (a sanitized copy carries none).
+pub const KEY_PREFIX: &str = "x-load-";
+
+/// What a message is built to exercise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Class {
+    /// Under every limit; the handler decodes it and succeeds.
+    Succeeds,
+    /// Under every limit; the handler fails it retryably on attempt 1 (a copy to the retry
+    /// bucket), and succeeds when it comes back.
+    Retried,
+    /// Under every limit; the handler fails it permanently (a copy to the DLQ).
+    Permanent,
+    /// Body one byte over `max_body_bytes`: a broker-native reject to the DLX.
+    Oversized,
+    /// `max_headers + 1` entries: a sanitized copy to the DLQ.
+    TooManyHeaders,
+    /// One value of `max_header_value_len + 1` bytes: a sanitized copy to the DLQ.
+    ValueTooLong,
+    /// Keys and values one byte over `max_header_bytes` in total: a sanitized copy to the DLQ.
+    HeadersTooLarge,
+    /// Tables nested `max_header_depth + 1` deep: a sanitized copy to the DLQ.
+    TooDeep,
+}
+
+/// Every class, in report order.
+pub const CLASSES: [Class; 8] = [
+    Class::Succeeds,
+    Class::Retried,
+    Class::Permanent,
+    Class::Oversized,
+    Class::TooManyHeaders,
+    Class::ValueTooLong,
+    Class::HeadersTooLarge,
+    Class::TooDeep,
+];
+
+/// Where a message of a class ends, seen from outside Lily.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expected {
+    /// The handler succeeded on this attempt.
+    Handled { attempt: u32 },
+    /// In the DLQ, with this `x-lily-failure-kind` (`broker-rejected` for the broker's own
+    /// dead-lettering of a reject, which carries `x-death` instead).
+    DeadLettered(&'static str),
+}
+
+impl Class {
+    /// The class of message `i` of `n`: per hundred, 1 oversized, 4 with invalid headers, 5
+    /// failing permanently, 5 failing retryably (among the first fifth only, so their retries
+    /// come back while the bulk still flows), the rest succeeding.
+    pub fn of(i: usize, n: usize) -> Self {
+        match i % 100 {
+            0 => Self::Oversized,
+            1 => Self::TooManyHeaders,
+            2 => Self::ValueTooLong,
+            3 => Self::HeadersTooLarge,
+            4 => Self::TooDeep,
+            5..=9 => Self::Permanent,
+            10..=14 if i < n / 5 => Self::Retried,
+            _ => Self::Succeeds,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Succeeds => "succeeds",
+            Self::Retried => "retried",
+            Self::Permanent => "permanent",
+            Self::Oversized => "oversized_body",
+            Self::TooManyHeaders => "too_many_headers",
+            Self::ValueTooLong => "header_value_too_long",
+            Self::HeadersTooLarge => "headers_too_large",
+            Self::TooDeep => "headers_too_deep",
+        }
+    }
+
+    /// True for the classes just over a limit.
+    pub fn over_limit(self) -> bool {
+        !matches!(self, Self::Succeeds | Self::Retried | Self::Permanent)
+    }
+
+    /// What Lily should make of it.
+    pub fn expected(self) -> Expected {
+        match self {
+            Self::Succeeds => Expected::Handled { attempt: 1 },
+            Self::Retried => Expected::Handled { attempt: 2 },
+            Self::Permanent => Expected::DeadLettered("permanent"),
+            Self::Oversized => Expected::DeadLettered("broker-rejected"),
+            Self::TooManyHeaders | Self::ValueTooLong | Self::HeadersTooLarge | Self::TooDeep => {
+                Expected::DeadLettered("rejected")
+            }
+        }
+    }
+}
+
+/// The body every message carries: `{"id":"h-00042","pad":"xxxx…"}`.
+#[derive(Debug, Deserialize)]
+pub struct Load {
+    pub id: String,
+    pub pad: String,
+}
+
+/// The message id of message `i`.
+pub fn id(i: usize) -> String {
+    format!("h-{i:05}")
+}
+
+/// The index in a message id of [`id`].
+pub fn index(id: &str) -> Option<usize> {
+    id.strip_prefix("h-")?.parse().ok()
+}
+
+/// Body length of a message of `class`.
+pub fn body_len(class: Class, limits: &Limits) -> usize {
+    match class {
+        Class::Oversized => limits.max_body_bytes + 1,
+        _ => limits.max_body_bytes - BODY_MARGIN,
+    }
+}
+
+/// A JSON [`Load`] of exactly `len` bytes.
+pub fn body(i: usize, len: usize) -> Vec<u8> {
+    let head = format!("{{\"id\":\"{}\",\"pad\":\"", id(i));
+    let tail = "\"}";
+    let pad = len
+        .checked_sub(head.len() + tail.len())
+        .expect("a body longer than its JSON frame");
+    let mut body = Vec::with_capacity(len);
+    body.extend_from_slice(head.as_bytes());
+    body.resize(head.len() + pad, b'x');
+    body.extend_from_slice(tail.as_bytes());
+    body
+}
+
+fn long(len: usize) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(vec![b'v'; len]))
+}
+
+fn key(j: usize) -> String {
+    format!("{KEY_PREFIX}{j:02}")
+}
+
+/// Headers just under every bound: `max_headers - 1` entries, one key of
+/// `max_header_key_len - 1` bytes, [`BIG_VALUES`] values of `max_header_value_len - 6` bytes and
+/// small values filling keys and values to `max_header_bytes - HEADER_MARGIN`, counted as the
+/// gate counts them.
+fn under_limits(limits: &Limits) -> Vec<(String, usize)> {
+    let entries = limits.max_headers - 1;
+    let mut keys: Vec<String> = (0..entries).map(key).collect();
+    let long_key = limits.max_header_key_len - 1;
+    keys[0] = format!("{}{}", keys[0], "k".repeat(long_key - keys[0].len()));
+    let big = limits.max_header_value_len - 6;
+    let key_bytes: usize = keys.iter().map(String::len).sum();
+    let target = limits.max_header_bytes - HEADER_MARGIN;
+    let small_total = target
+        .checked_sub(key_bytes + BIG_VALUES * big)
+        .expect("limits too tight for the hostile headers");
+    let smalls = entries - BIG_VALUES;
+    keys.into_iter()
+        .enumerate()
+        .map(|(j, key)| {
+            let len = if j < BIG_VALUES {
+                big
+            } else {
+                // Spread `small_total` over the small values, the remainder on the last.
+                let each = small_total / smalls;
+                if j == entries - 1 {
+                    small_total - each * (smalls - 1)
+                } else {
+                    each
+                }
+            };
+            (key, len)
+        })
+        .collect()
+}
+
+/// The headers of a message of `class`.
+pub fn headers(class: Class, limits: &Limits) -> FieldTable {
+    let mut spec = under_limits(limits);
+    match class {
+        Class::Succeeds | Class::Retried | Class::Permanent | Class::Oversized => {}
+        Class::TooManyHeaders => {
+            spec = (0..=limits.max_headers).map(|j| (key(j), 8)).collect();
+        }
+        Class::ValueTooLong => spec[0].1 = limits.max_header_value_len + 1,
+        Class::HeadersTooLarge => {
+            let last = spec.len() - 1;
+            spec[last].1 += HEADER_MARGIN + 1;
+        }
+        Class::TooDeep => {
+            let mut table = FieldTable::default();
+            for (key, len) in spec.iter().take(BIG_VALUES) {
+                table.insert(key.as_str().into(), long(*len));
+            }
+            let mut nested = AMQPValue::LongUInt(1);
+            for _ in 0..limits.max_header_depth {
+                let mut inner = FieldTable::default();
+                inner.insert("a".into(), nested);
+                nested = AMQPValue::FieldTable(inner);
+            }
+            table.insert(format!("{KEY_PREFIX}deep").as_str().into(), nested);
+            return table;
+        }
+    }
+    let mut table = FieldTable::default();
+    for (key, len) in spec {
+        table.insert(key.as_str().into(), long(len));
+    }
+    table
+}
+
+/// Message `i` of `n`: its class, body and properties.
+pub fn message(i: usize, n: usize, limits: &Limits) -> (Class, Vec<u8>, BasicProperties) {
+    let class = Class::of(i, n);
+    let properties = BasicProperties::default()
+        .with_message_id(id(i).as_str().into())
+        .with_type(KIND.into())
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2)
+        .with_headers(headers(class, limits));
+    (class, body(i, body_len(class, limits)), properties)
+}
+
+#[cfg(test)]
+mod tests {
+    use lily::core::transport::{GateRejection, PropertiesView, inspect};
+
+    use super::*;
+
+    fn limits() -> Limits {
+        super::super::limits()
+    }
+
+    fn verdict(i: usize) -> (Class, Result<(), String>) {
+        let limits = limits();
+        let (class, body, properties) = message(i, 10_000, &limits);
+        let view = PropertiesView {
+            message_id: properties.message_id().as_ref().map(|s| s.as_str()),
+            kind: properties.kind().as_ref().map(|s| s.as_str()),
+            content_type: properties.content_type().as_ref().map(|s| s.as_str()),
+            headers: properties.headers().as_ref(),
+            not_utf8: None,
+        };
+        let result = inspect(&view, body.len(), &limits)
+            .map(|_| ())
+            .map_err(|rejection| match rejection {
+                GateRejection::Oversized { .. } => "oversized".to_owned(),
+                GateRejection::Invalid(reason) => reason.as_str().to_owned(),
+            });
+        (class, result)
+    }
+
+    /// The gate's own byte count: keys plus string values.
+    fn header_bytes(table: &FieldTable) -> usize {
+        table
+            .inner()
+            .iter()
+            .map(|(k, v)| {
+                k.as_str().len()
+                    + match v {
+                        AMQPValue::LongString(s) => s.len(),
+                        _ => 0,
+                    }
+            })
+            .sum()
+    }
+
+    #[test]
+    fn messages_under_the_limits_pass_the_gate_just_under_each_bound() {
+        let limits = limits();
+        for i in [11, 15, 42, 5, 99] {
+            let (class, result) = verdict(i);
+            assert!(!class.over_limit(), "{class:?}");
+            assert_eq!(result, Ok(()), "{class:?}");
+        }
+        let table = headers(Class::Succeeds, &limits);
+        assert_eq!(table.inner().len(), limits.max_headers - 1);
+        assert_eq!(
+            header_bytes(&table),
+            limits.max_header_bytes - HEADER_MARGIN
+        );
+        let longest_key = table.inner().keys().map(|k| k.as_str().len()).max();
+        assert_eq!(longest_key, Some(limits.max_header_key_len - 1));
+        let (_, body, _) = message(42, 10_000, &limits);
+        assert_eq!(body.len(), limits.max_body_bytes - BODY_MARGIN);
+        let load: Load = serde_json::from_slice(&body).expect("a JSON load");
+        assert_eq!(load.id, "h-00042");
+    }
+
+    #[test]
+    fn each_hostile_class_breaks_exactly_its_own_limit() {
+        let cases = [
+            (100, Class::Oversized, "oversized"),
+            (101, Class::TooManyHeaders, "too many headers"),
+            (102, Class::ValueTooLong, "header value too long"),
+            (103, Class::HeadersTooLarge, "headers too large in total"),
+            (104, Class::TooDeep, "headers nested too deeply"),
+        ];
+        for (i, class, reason) in cases {
+            assert_eq!(verdict(i), (class, Err(reason.to_owned())));
+        }
+        let (_, body, _) = message(100, 10_000, &limits());
+        assert_eq!(body.len(), limits().max_body_bytes + 1);
+    }
+
+    #[test]
+    fn retried_messages_are_only_among_the_first_fifth() {
+        assert_eq!(Class::of(10, 10_000), Class::Retried);
+        assert_eq!(Class::of(1_914, 10_000), Class::Retried);
+        assert_eq!(Class::of(2_010, 10_000), Class::Succeeds);
+        assert_eq!(index(&id(7)), Some(7));
+    }
+}
