@@ -375,3 +375,65 @@ async fn a_message_that_keeps_killing_its_consumer_reaches_the_dlq_through_the_d
     );
     assert_eq!(client.depth(&queue).await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_just_under_the_header_limits_is_retried_not_dead_lettered() {
+    for kind in [QueueKind::Classic, QueueKind::Quorum] {
+        near_limit_messages_survive_two_retries(kind).await;
+    }
+}
+
+/// Messages whose own headers sit just under the count and byte limits fail retryably twice
+/// and succeed on attempt 3: each trip through a retry bucket adds Lily's headers and the
+/// broker's `x-death`, which must not count against the producer's limits.
+async fn near_limit_messages_survive_two_retries(kind: QueueKind) {
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let router = Router::new().route("order.placed", move |meta: Meta| {
+        let seen = seen.clone();
+        async move {
+            seen.record(&meta);
+            if meta.attempt() < 3 {
+                Err(QueueHandlerError::retryable("not yet"))
+            } else {
+                Ok(())
+            }
+        }
+    });
+    let (_, queue, client, running) =
+        common::scenario("near-limit", router, |q| config(q, kind)).await;
+    let limits = lily::core::Limits::default();
+    let mut headers = FieldTable::default();
+    for n in 0..limits.max_headers - 1 {
+        let value = vec![b'v'; limits.max_header_bytes / limits.max_headers - 16];
+        headers.insert(
+            format!("app-{n:02}").into(),
+            AMQPValue::LongString(value.into()),
+        );
+    }
+    let ids: Vec<String> = (0..5).map(|i| format!("near-{i}")).collect();
+    for id in &ids {
+        let properties = props(id, "order.placed").with_headers(headers.clone());
+        client.publish(&queue, b"{}", properties).await;
+    }
+    running
+        .wait_for("all succeed on attempt 3", Duration::from_secs(30), |t| {
+            t.acked >= 5
+        })
+        .await;
+    let report = running.stop().await;
+    assert!(report.clean);
+    assert_eq!(report.totals.dead_lettered, 0, "{:?}", report.totals);
+    let attempts: BTreeMap<String, Vec<u32>> =
+        calls
+            .all()
+            .into_iter()
+            .fold(BTreeMap::new(), |mut by_id, (id, attempt, _)| {
+                by_id.entry(id).or_default().push(attempt);
+                by_id
+            });
+    for id in &ids {
+        assert_eq!(attempts.get(id), Some(&vec![1, 2, 3]), "{id} on {kind:?}");
+    }
+    assert!(client.drain_ids(&format!("{queue}.dlq")).await.is_empty());
+}

@@ -17,7 +17,11 @@ use crate::reason::Reason;
 pub struct Limits {
     /// Largest body accepted, in bytes. Larger bodies are rejected to the broker's DLX.
     pub max_body_bytes: usize,
-    /// Most header entries, counting entries of nested tables and arrays.
+    /// Most header entries, counting entries of nested tables and arrays. The headers Lily
+    /// and the broker write ([`headers::is_reserved`]: `x-lily-*`, `x-death` and its kin,
+    /// `x-delivery-count`) are counted apart from the producer's, each group against this
+    /// limit and [`Limits::max_header_bytes`], so a message admitted once is admitted again
+    /// when it comes back from a retry bucket with Lily's headers and the broker's.
     pub max_headers: usize,
     /// Longest header key, in bytes.
     pub max_header_key_len: usize,
@@ -25,7 +29,8 @@ pub struct Limits {
     pub max_header_value_len: usize,
     /// Deepest nesting of tables and arrays (`x-death` needs 3).
     pub max_header_depth: usize,
-    /// Most bytes across all header keys and values.
+    /// Most bytes across all header keys and values (each group apart, as for
+    /// [`Limits::max_headers`]).
     pub max_header_bytes: usize,
     /// Longest message id, in bytes.
     pub max_message_id_len: usize,
@@ -143,9 +148,17 @@ pub fn inspect<'a>(
     let mut schema_version = 1;
     let mut delivery_count = None;
     if let Some(table) = properties.headers {
-        let mut walk = Walk::default();
-        walk.table(table, 1, limits)
-            .map_err(GateRejection::Invalid)?;
+        // The producer's headers and the ones Lily and the broker add are bounded apart.
+        let (mut producer, mut reserved) = (Walk::default(), Walk::default());
+        for (key, value) in table.inner() {
+            let walk = if headers::is_reserved(key.as_str()) {
+                &mut reserved
+            } else {
+                &mut producer
+            };
+            walk.entry(key, value, 1, limits)
+                .map_err(GateRejection::Invalid)?;
+        }
         if let Some(value) = table.inner().get(headers::ATTEMPT) {
             attempt = as_u32(value)
                 .filter(|n| (1..=limits.max_attempt).contains(n))
@@ -245,24 +258,34 @@ impl Walk {
             return Err(Reason::new("headers nested too deeply"));
         }
         for (key, value) in table.inner() {
-            if key.is_lossy() {
-                return Err(Reason::new(if depth == 1 {
-                    "a header key is not valid UTF-8"
-                } else {
-                    "a nested header key is not valid UTF-8"
-                }));
-            }
-            if key.as_str().len() > limits.max_header_key_len {
-                return Err(Reason::new("header key too long"));
-            }
-            self.bytes += key.as_str().len();
-            // Checked here too: a key whose value is a table or array adds no value bytes.
-            if self.bytes > limits.max_header_bytes {
-                return Err(Reason::new("headers too large in total"));
-            }
-            self.value(value, depth, limits)?;
+            self.entry(key, value, depth, limits)?;
         }
         Ok(())
+    }
+
+    fn entry(
+        &mut self,
+        key: &ShortString,
+        value: &AMQPValue,
+        depth: usize,
+        limits: &Limits,
+    ) -> Result<(), Reason> {
+        if key.is_lossy() {
+            return Err(Reason::new(if depth == 1 {
+                "a header key is not valid UTF-8"
+            } else {
+                "a nested header key is not valid UTF-8"
+            }));
+        }
+        if key.as_str().len() > limits.max_header_key_len {
+            return Err(Reason::new("header key too long"));
+        }
+        self.bytes += key.as_str().len();
+        // Checked here too: a key whose value is a table or array adds no value bytes.
+        if self.bytes > limits.max_header_bytes {
+            return Err(Reason::new("headers too large in total"));
+        }
+        self.value(value, depth, limits)
     }
 
     fn value(&mut self, value: &AMQPValue, depth: usize, limits: &Limits) -> Result<(), Reason> {
@@ -531,5 +554,85 @@ mod tests {
             AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(death)])),
         );
         assert!(inspect(&view(Some(&table)), 1, &Limits::default()).is_ok());
+    }
+
+    /// The broker's `x-death` after a message expired out of `buckets` retry buckets.
+    fn x_death(buckets: usize) -> AMQPValue {
+        let entries = (0..buckets)
+            .map(|n| {
+                let mut death = FieldTable::default();
+                death.insert("count".into(), AMQPValue::LongLongInt(1));
+                death.insert("reason".into(), AMQPValue::LongString("expired".into()));
+                let queue = format!("orders.retry.{n}s");
+                death.insert("queue".into(), AMQPValue::LongString(queue.into()));
+                death.insert("time".into(), AMQPValue::Timestamp(1));
+                death.insert("exchange".into(), AMQPValue::LongString("".into()));
+                let keys = vec![AMQPValue::LongString("orders".into())];
+                death.insert(
+                    "routing-keys".into(),
+                    AMQPValue::FieldArray(FieldArray::from(keys)),
+                );
+                AMQPValue::FieldTable(death)
+            })
+            .collect::<Vec<_>>();
+        AMQPValue::FieldArray(FieldArray::from(entries))
+    }
+
+    #[test]
+    fn the_headers_a_retry_adds_never_push_a_message_over_the_limits() {
+        let limits = Limits::default();
+        // The producer's headers, just under both the count and the byte limit.
+        let mut table = FieldTable::default();
+        for n in 0..limits.max_headers - 1 {
+            let value = vec![b'v'; 16 * 1024 / limits.max_headers - 16];
+            let key = format!("app-{n:02}");
+            table.insert(key.into(), AMQPValue::LongString(value.into()));
+        }
+        assert!(inspect(&view(Some(&table)), 1, &limits).is_ok());
+        // What a second trip through the retry buckets adds: Lily's headers and the broker's.
+        for key in [
+            headers::ATTEMPT,
+            headers::FIRST_FAILURE_AT,
+            headers::LAST_FAILURE_AT,
+            headers::FAILURE_KIND,
+            headers::ORIGINAL_EXCHANGE,
+            headers::ORIGINAL_ROUTING_KEY,
+            headers::SOURCE_QUEUE,
+            headers::HANDOFF_ID,
+        ] {
+            table.insert(key.into(), AMQPValue::LongString("3".into()));
+        }
+        let reason = vec![b'r'; 512];
+        table.insert(headers::REASON.into(), AMQPValue::LongString(reason.into()));
+        table.insert("x-death".into(), x_death(2));
+        for key in ["x-first-death-queue", "x-last-death-queue"] {
+            table.insert(key.into(), AMQPValue::LongString("orders.retry.1s".into()));
+        }
+        table.insert(headers::DELIVERY_COUNT.into(), AMQPValue::LongLongInt(2));
+        let envelope = inspect(&view(Some(&table)), 1, &limits).expect("still admitted");
+        assert_eq!(envelope.attempt, 3);
+
+        // One more header of the producer's is one too many, as before.
+        table.insert("app-last".into(), AMQPValue::LongString("x".into()));
+        table.insert("app-extra".into(), AMQPValue::LongString("x".into()));
+        assert_eq!(rejection(&view(Some(&table))), "too many headers");
+    }
+
+    #[test]
+    fn headers_named_like_lilys_are_bounded_too() {
+        let limits = Limits::default();
+        let mut table = FieldTable::default();
+        for n in 0..=limits.max_headers {
+            let key = format!("x-lily-forged-{n}");
+            table.insert(key.into(), AMQPValue::LongString("x".into()));
+        }
+        assert_eq!(rejection(&view(Some(&table))), "too many headers");
+        let mut table = FieldTable::default();
+        for n in 0..8 {
+            let value = vec![b'v'; 4000];
+            let key = format!("x-lily-forged-{n}");
+            table.insert(key.into(), AMQPValue::LongString(value.into()));
+        }
+        assert_eq!(rejection(&view(Some(&table))), "headers too large in total");
     }
 }

@@ -59,6 +59,26 @@ pub const TRACEPARENT: &str = "traceparent";
 /// W3C Trace Context: vendor-specific trace state that goes with [`TRACEPARENT`].
 pub const TRACESTATE: &str = "tracestate";
 
+/// The headers RabbitMQ writes when it dead-letters a message (a retry bucket's TTL expiring
+/// sends the copy back this way).
+const BROKER: [&str; 8] = [
+    "x-death",
+    "x-first-death-exchange",
+    "x-first-death-queue",
+    "x-first-death-reason",
+    "x-last-death-exchange",
+    "x-last-death-queue",
+    "x-last-death-reason",
+    DELIVERY_COUNT,
+];
+
+/// Whether `key` is a header Lily (`x-lily-*`) or the broker (`x-death` and its kin,
+/// `x-delivery-count`) writes, rather than the producer. The gate bounds these apart from the
+/// producer's headers, so the headers a retry adds never push a message over the limits.
+pub fn is_reserved(key: &str) -> bool {
+    key.starts_with("x-lily-") || BROKER.contains(&key)
+}
+
 /// Whether `text` is a W3C `traceparent` of version `00` with a trace id and a span id that
 /// are not all zeros.
 pub fn is_traceparent(text: &str) -> bool {
