@@ -59,3 +59,6 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 wait "$CLUSTER_PID" || { echo "lily: the three-node cluster did not start" >&2; exit 1; }
 cargo test --workspace
 cargo test --manifest-path patches/amq-protocol-types/Cargo.toml --quiet
+# A short coverage-guided fuzzing run of each target (cargo-afl, installed when missing): the
+# seed corpora replay as regression tests, then AFL++ explores; any crash fails the suite.
+scripts/fuzz.sh "${LILY_FUZZ_SECONDS:-15}"
