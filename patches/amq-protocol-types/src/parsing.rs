@@ -241,8 +241,49 @@ pub fn parse_long_string<I: ParsableInput>(i: I) -> ParserResult<I, LongString> 
     .parse(i)
 }
 
+/// How deeply tables and arrays nest before the parser stops descending. Parsing recurses once
+/// per level, at several hundred bytes of stack each: a header nested some thousands of levels
+/// deep, which fits in one frame, would overflow a thread's stack and abort the process, before
+/// any application could refuse the message.
+pub const MAX_NESTING: u32 = 64;
+
+std::thread_local! {
+    static NESTING: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// One level of nesting entered; left when dropped, errors included.
+struct Nesting;
+
+impl Nesting {
+    /// `None` when [MAX_NESTING] levels are open already.
+    fn enter() -> Option<Self> {
+        NESTING.with(|n| {
+            (n.get() < MAX_NESTING).then(|| {
+                n.set(n.get() + 1);
+                Nesting
+            })
+        })
+    }
+}
+
+impl Drop for Nesting {
+    fn drop(&mut self) {
+        NESTING.with(|n| n.set(n.get() - 1));
+    }
+}
+
+/// Skips a table's or an array's bytes (its length prefix says how many) without reading them.
+fn skip_nested<I: ParsableInput>(i: I) -> ParserResult<I, ()> {
+    map(flat_map(parse_long_uint, take), |_| ()).parse(i)
+}
+
 /// Parse a [FieldArray](../type.FieldArray.html)
+///
+/// Deeper than [MAX_NESTING] levels, an array is skipped and reads as empty.
 pub fn parse_field_array<I: ParsableInput>(i: I) -> ParserResult<I, FieldArray> {
+    let Some(_level) = Nesting::enter() else {
+        return map(skip_nested, |()| FieldArray::default()).parse(i);
+    };
     context(
         "parse_field_array",
         map_parser(
@@ -266,7 +307,12 @@ pub fn parse_timestamp<I: ParsableInput>(i: I) -> ParserResult<I, Timestamp> {
 }
 
 /// Parse a [FieldTable](../type.FieldTable.html)
+///
+/// Deeper than [MAX_NESTING] levels, a table is skipped and reads as empty.
 pub fn parse_field_table<I: ParsableInput>(i: I) -> ParserResult<I, FieldTable> {
+    let Some(_level) = Nesting::enter() else {
+        return map(skip_nested, |()| FieldTable::default()).parse(i);
+    };
     context(
         "parse_field_table",
         map_parser(
@@ -569,6 +615,38 @@ mod test {
             parse_timestamp(&[255, 255, 255, 255, 255, 255, 255, 255][..]),
             Ok((EMPTY, 18446744073709551615))
         );
+    }
+
+    #[test]
+    fn a_table_nested_deeper_than_the_stack_allows_parses_capped_at_max_nesting() {
+        // 20 000 levels: a table whose only entry is the next table.
+        let levels = 20_000;
+        let mut wire: Vec<u8> = vec![0, 0, 0, 0];
+        for _ in 0..levels {
+            let mut outer = Vec::with_capacity(wire.len() + 7);
+            outer.extend_from_slice(&((wire.len() + 3) as u32).to_be_bytes());
+            outer.extend_from_slice(&[1, b'k', b'F']);
+            outer.extend_from_slice(&wire);
+            wire = outer;
+        }
+        // A tokio worker's stack (2 MiB): without the cap this overflows.
+        let parsed = std::thread::Builder::new()
+            .stack_size(2 * 1024 * 1024)
+            .spawn(move || {
+                let (rest, table) = parse_field_table(&wire[..]).expect("parses");
+                assert!(rest.is_empty());
+                let mut depth = 1;
+                let mut current = table;
+                while let Some(AMQPValue::FieldTable(inner)) = current.inner().get("k").cloned() {
+                    depth += 1;
+                    current = inner;
+                }
+                depth
+            })
+            .unwrap()
+            .join()
+            .expect("no stack overflow");
+        assert_eq!(parsed, MAX_NESTING as usize + 1);
     }
 
     #[test]
