@@ -10,7 +10,7 @@
 //! the queue at full speed, sampling `VmRSS` and the live heap every [`SAMPLE_EVERY`]. Once the
 //! work queue and the retry buckets are empty, nothing is in flight and the handled count no
 //! longer moves, the parent writes `STOP`, reads the child's `RESULT`, then drains every queue
-//! of the topology by message id ([`check`]) and judges each id against its class.
+//! of the topology by message id (`check`) and judges each id against its class.
 //!
 //! **The bound.** Each of the `prefetch` deliveries of the window may be held twice at once —
 //! the delivery itself (body and parsed headers) and one more copy of it: the handler's decoded
