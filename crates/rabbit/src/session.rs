@@ -29,6 +29,10 @@ use crate::service::Shared;
 use crate::sync::lock;
 use crate::topology::{Applied, TopologyError, TopologyMode};
 
+/// How long the probe publish that checks the `write` permission at start may wait for its
+/// confirm before the session goes on without it.
+const WRITE_CHECK: Duration = Duration::from_secs(2);
+
 /// How long the consumer's `basic.cancel` may wait for its reply at shutdown; the budget runs.
 const CANCEL_WAIT: Duration = Duration::from_secs(1);
 
@@ -345,10 +349,23 @@ async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer),
         .await
         .map_err(|e| connect_error(shared, e))?;
     // Publishing a probe now, rather than the first handoff, finds a missing `write` at start.
-    shared.publisher.check_write().await.map_err(|source| {
-        let needs = [Needs::exchange("", "write")];
-        permission_error(source, || "publish handoff copies".into(), &needs)
-    })?;
+    // A node in a resource alarm reads nothing more from a publishing connection, so the check
+    // then waits no longer than WRITE_CHECK: handoffs wait for the alarm anyway, and the
+    // deliveries that succeed must still be consumed and ACKed.
+    match tokio::time::timeout(WRITE_CHECK, shared.publisher.check_write()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(source)) => {
+            let needs = [Needs::exchange("", "write")];
+            return Err(permission_error(
+                source,
+                || "publish handoff copies".into(),
+                &needs,
+            ));
+        }
+        Err(_) => {
+            debug!(queue = %shared.queue, "write permission not checked: the handoff connection does not answer (a resource alarm?)");
+        }
+    }
     let consuming = connection
         .create_channel()
         .await
