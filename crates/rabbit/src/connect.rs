@@ -222,9 +222,10 @@ impl Endpoint {
                 Ok(match uri.scheme {
                     AMQPScheme::AMQP => stream,
                     AMQPScheme::AMQPS => {
+                        let started = std::time::Instant::now();
                         let mut stream = stream.into_tls(&uri.authority.host, tls.as_ref()).await?;
                         if presents_certificate {
-                            await_verdict(&mut stream).await?;
+                            await_verdict(&mut stream, verdict_wait(started.elapsed())).await?;
                         }
                         stream
                     }
@@ -242,23 +243,26 @@ impl Endpoint {
 }
 
 /// How long a connection that presents a client certificate listens for the broker's verdict
-/// on it before speaking AMQP (see [`await_verdict`]).
-const VERDICT: Duration = Duration::from_millis(50);
+/// on it before speaking AMQP (see [`await_verdict`]): four times as long as the handshake took,
+/// since a busy broker takes longer to judge the certificate, and within 250 ms to 2 s.
+fn verdict_wait(handshake: Duration) -> Duration {
+    (handshake * 4).clamp(Duration::from_millis(250), Duration::from_secs(2))
+}
 
-/// Waits up to [`VERDICT`] for the broker to refuse the client certificate. Over TLS 1.3 the
+/// Waits up to `wait` for the broker to refuse the client certificate. Over TLS 1.3 the
 /// broker judges it after the handshake is complete on this side, and answers a refused one
 /// with an alert. Writing the AMQP header at once would race that alert: the broker, closed
 /// by then, resets the connection, which can discard the alert unread, and a refused
 /// certificate would look like a dropped connection. A broker that accepts says nothing before
 /// the header, so the wait ends by its timeout, having read nothing.
-async fn await_verdict<S>(stream: &mut AsyncTcpStream<S>) -> std::io::Result<()>
+async fn await_verdict<S>(stream: &mut AsyncTcpStream<S>, wait: Duration) -> std::io::Result<()>
 where
     S: futures_io::AsyncRead + futures_io::AsyncWrite + Send + Unpin + 'static,
 {
     use futures_io::AsyncRead;
     let mut byte = [0u8; 1];
     let read = std::future::poll_fn(|cx| std::pin::Pin::new(&mut *stream).poll_read(cx, &mut byte));
-    match tokio::time::timeout(VERDICT, read).await {
+    match tokio::time::timeout(wait, read).await {
         Err(_) => Ok(()),
         Ok(Err(err)) => Err(err),
         Ok(Ok(0)) => Err(std::io::Error::new(
