@@ -119,9 +119,20 @@ async fn refused_with(presented: Option<&str>) -> (String, String) {
         matches!(consumer, lily::rabbit::Error::Tls { .. }),
         "{consumer:?}"
     );
-    let publisher = Publisher::connect_with(&amqps, publisher)
-        .await
-        .expect_err("refused");
+    // The broker may reset the connection before its alert is read; an application retries a
+    // failed connect, and the refusal is named once the alert arrives.
+    let mut publisher_err = None;
+    for _ in 0..5 {
+        let err = Publisher::connect_with(&amqps, publisher.clone())
+            .await
+            .expect_err("refused");
+        let named = matches!(err, lily::rabbit::Error::Tls { .. });
+        publisher_err = Some(err);
+        if named {
+            break;
+        }
+    }
+    let publisher = publisher_err.expect("tried");
     assert!(
         matches!(publisher, lily::rabbit::Error::Tls { .. }),
         "{publisher:?}"

@@ -242,6 +242,23 @@ impl Endpoint {
     }
 }
 
+/// How many times a node is dialed again at once when a connection that presented a client
+/// certificate was reset or closed: the broker refusing the certificate may have reset the
+/// connection before its alert was read, and the next attempt usually reads it.
+const CERTIFICATE_REDIALS: usize = 2;
+
+/// Whether `err` is the connection reset, aborted or closed under the client.
+fn reset(err: &lapin::Error) -> bool {
+    use std::io::ErrorKind;
+    let lapin::ErrorKind::IOError(io) = err.kind() else {
+        return false;
+    };
+    matches!(
+        io.kind(),
+        ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::UnexpectedEof
+    )
+}
+
 /// How long a connection that presents a client certificate listens for the broker's verdict
 /// on it before speaking AMQP (see [`await_verdict`]): four times as long as the handshake took,
 /// since a busy broker takes longer to judge the certificate, and within 250 ms to 2 s.
@@ -418,7 +435,16 @@ impl Dialer {
             let shown = self
                 .endpoint
                 .display_node(&node.host, node.port, Some(node.ip));
-            match self.endpoint.dial(node, self.role).await {
+            let mut dialed = self.endpoint.dial(node, self.role).await;
+            for _ in 0..CERTIFICATE_REDIALS {
+                match &dialed {
+                    Err(err) if self.endpoint.tls.client.is_some() && reset(err) => {
+                        dialed = self.endpoint.dial(node, self.role).await;
+                    }
+                    _ => break,
+                }
+            }
+            match dialed {
                 Ok(connection) => {
                     self.next.store(index + 1, Ordering::Relaxed);
                     debug!(role = self.role, node = %shown, "connected");
