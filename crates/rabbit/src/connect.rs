@@ -207,6 +207,8 @@ impl Endpoint {
         uri.authority.host.clone_from(&node.host);
         uri.authority.port = node.port;
         let presents_certificate = self.tls.client.is_some();
+        // The verdict's wait counts against the connect timeout: half of it at most.
+        let verdict_cap = self.connect_timeout / 2;
         let tls = OwnedTLSConfig {
             identity: self.tls.client.as_ref().map(ClientCertificate::identity),
             cert_chain: self.tls.ca_pem.clone(),
@@ -225,7 +227,8 @@ impl Endpoint {
                         let started = std::time::Instant::now();
                         let mut stream = stream.into_tls(&uri.authority.host, tls.as_ref()).await?;
                         if presents_certificate {
-                            await_verdict(&mut stream, verdict_wait(started.elapsed())).await?;
+                            let wait = verdict_wait(started.elapsed()).min(verdict_cap);
+                            await_verdict(&mut stream, wait).await?;
                         }
                         stream
                     }
