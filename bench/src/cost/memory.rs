@@ -53,7 +53,8 @@ pub(crate) fn announce(tag: &str, value: &Value) {
     let _ = out.flush();
 }
 
-async fn wait_for(
+/// Polls `done` until it holds, failing after `limit`.
+pub(crate) async fn wait_for(
     what: &str,
     limit: Duration,
     mut done: impl FnMut() -> bool,

@@ -39,7 +39,7 @@ use super::{SAMPLE_EVERY, limits, policy};
 use crate::broker_url;
 use crate::cost::Contender;
 use crate::cost::consume::queue_ack;
-use crate::cost::memory::{SETTLE, announce, sample};
+use crate::cost::memory::{SETTLE, announce, sample, wait_for};
 
 /// What the handler saw, by message index: the application's record, which the parent checks
 /// against the queues (Lily's own counters are not the evidence).
@@ -181,21 +181,6 @@ impl Sampler {
         self.stop.store(true, Ordering::Relaxed);
         self.thread.join().unwrap_or_default()
     }
-}
-
-async fn wait_for(
-    what: &str,
-    limit: Duration,
-    mut done: impl FnMut() -> bool,
-) -> Result<(), String> {
-    let deadline = Instant::now() + limit;
-    while !done() {
-        if Instant::now() > deadline {
-            return Err(format!("timed out waiting for {what}"));
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    Ok(())
 }
 
 async fn lily(url: &str, queue: &str, prefetch: u16, n: usize) -> Result<Value, String> {
