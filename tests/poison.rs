@@ -388,18 +388,7 @@ async fn a_message_just_under_the_header_limits_is_retried_not_dead_lettered() {
 /// broker's `x-death`, which must not count against the producer's limits.
 async fn near_limit_messages_survive_two_retries(kind: QueueKind) {
     let calls = Calls::default();
-    let seen = calls.clone();
-    let router = Router::new().route("order.placed", move |meta: Meta| {
-        let seen = seen.clone();
-        async move {
-            seen.record(&meta);
-            if meta.attempt() < 3 {
-                Err(QueueHandlerError::retryable("not yet"))
-            } else {
-                Ok(())
-            }
-        }
-    });
+    let router = calls.router_succeeding_at(3, "not yet");
     let (_, queue, client, running) =
         common::scenario("near-limit", router, |q| config(q, kind)).await;
     let limits = lily::core::Limits::default();

@@ -219,18 +219,7 @@ async fn a_held_delivery_is_never_covered_by_the_acks_of_later_ones() {
 
 async fn retry_then_success(kind: QueueKind) {
     let calls = Calls::default();
-    let seen = calls.clone();
-    let router = Router::new().route("order.placed", move |meta: Meta| {
-        let seen = seen.clone();
-        async move {
-            seen.record(&meta);
-            if meta.attempt() < 3 {
-                Err(QueueHandlerError::retryable("stock service busy"))
-            } else {
-                Ok(())
-            }
-        }
-    });
+    let router = calls.router_succeeding_at(3, "stock service busy");
     let (_, queue, client, running) = common::scenario("retry", router, |q| config(q, kind)).await;
     client
         .send(&queue, "order.placed", "retry-1", &order(1))

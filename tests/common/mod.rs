@@ -166,6 +166,23 @@ impl Calls {
         })
     }
 
+    /// A router whose `order.placed` handler records each call and fails retryably with
+    /// `reason` until attempt `succeeds_at`.
+    pub fn router_succeeding_at(&self, succeeds_at: u32, reason: &'static str) -> Router {
+        let seen = self.clone();
+        Router::new().route("order.placed", move |meta: Meta| {
+            let seen = seen.clone();
+            async move {
+                seen.record(&meta);
+                if meta.attempt() < succeeds_at {
+                    Err(QueueHandlerError::retryable(reason))
+                } else {
+                    Ok(())
+                }
+            }
+        })
+    }
+
     /// How many times each message id was handled.
     pub fn by_id(&self) -> std::collections::BTreeMap<String, usize> {
         let mut by_id = std::collections::BTreeMap::new();
