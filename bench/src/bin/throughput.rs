@@ -1,19 +1,25 @@
-//! Throughput of Lily against a hand-written lapin consumer and ruststream-lapin, side by side on
-//! one broker, alternating the contenders run by run and reporting medians.
+//! Throughput of Lily against hand-written and hand-tuned lapin consumers, the no-ack ceiling and
+//! ruststream-lapin, side by side on one broker, alternating the contenders run by run and
+//! reporting medians.
 //!
 //! ```text
 //! scripts/bench.sh throughput [--messages N] [--reps R] [--quick]
 //!                             [--paths success,handoff] [--queues classic,quorum]
-//!                             [--prefetch 50,500] [--contenders raw,lily,peer[,raw-tasks]] [--out DIR]
+//!                             [--prefetch 50,500] [--contenders raw-batch,ceiling,lily,raw,peer,raw-tasks]
+//!                             [--out DIR]
 //! ```
 //!
-//! - Success path: N 512-byte JSON messages deserialized and ACKed by (a) raw lapin, one delivery
-//!   after the other, ACK awaited; (b) a Lily handler doing the same work (concurrency =
-//!   prefetch); (c) the same handler in ruststream-lapin (a pool of prefetch workers).
-//! - Handoff path: every message fails once: (a) raw lapin publishes the retry copy (mandatory,
-//!   persistent, awaiting its own confirm on one confirm channel, pipelined across deliveries)
-//!   then ACKs; (b) Lily hands it off to its retry bucket. The bucket delays 10 minutes so the
-//!   copies stay parked.
+//! - Success path: N 512-byte JSON messages deserialized and settled by (a) `raw-batch`, hand-tuned
+//!   lapin that ACKs with `multiple` every prefetch/2 deliveries; (b) `ceiling`, the same loop
+//!   consuming with `no_ack` (the broker settles nothing, so no settling consumer is faster);
+//!   (c) a Lily handler doing the same work (concurrency = prefetch); (d) raw lapin, one delivery
+//!   after the other, each ACK awaited; (e) the same handler in ruststream-lapin (a pool of
+//!   prefetch workers). `--quick` runs (a)–(c).
+//! - Handoff path: every message fails once: (a) `raw-batch` publishes the retry copies (mandatory,
+//!   persistent) on one confirm channel and awaits their confirms prefetch/2 at a time while the
+//!   next batch is published, then ACKs the batch with one `multiple` ACK; (b) raw lapin awaits
+//!   each copy's own confirm in a task per delivery (pipelined) then ACKs; (c) Lily hands each off
+//!   to its retry bucket. The bucket delays 10 minutes so the copies stay parked.
 //!
 //! Each run re-creates the topology, publishes N messages (not timed), then times from consumer
 //! start until N are settled. Results go to `target/bench/throughput.{json,md,svg}`.
@@ -36,12 +42,27 @@ struct Args {
     paths: Vec<Path>,
     kinds: Vec<QueueKind>,
     prefetches: Vec<u16>,
+    /// Empty: each path's defaults.
     contenders: Vec<Contender>,
+    quick: bool,
     out: PathBuf,
 }
 
+impl Args {
+    /// Who runs `path`, in order: the ones named, or the path's defaults.
+    fn contenders(&self, path: Path) -> Vec<Contender> {
+        if self.contenders.is_empty() {
+            path.contenders(self.quick).to_vec()
+        } else {
+            let runs = |who: &&Contender| path.runs(**who);
+            self.contenders.iter().filter(runs).copied().collect()
+        }
+    }
+}
+
 const USAGE: &str = "usage: throughput [--messages N] [--reps R] [--quick] \
-    [--paths success,handoff] [--queues classic,quorum] [--prefetch 50,500] [--contenders raw,lily,peer[,raw-tasks]] [--out DIR]";
+    [--paths success,handoff] [--queues classic,quorum] [--prefetch 50,500] \
+    [--contenders raw-batch,ceiling,lily,raw,peer,raw-tasks] [--out DIR]";
 
 fn parse_args() -> Args {
     let mut args = Args {
@@ -50,7 +71,8 @@ fn parse_args() -> Args {
         paths: vec![Path::Success, Path::Handoff],
         kinds: vec![QueueKind::Classic, QueueKind::Quorum],
         prefetches: vec![50, 500],
-        contenders: vec![Contender::Raw, Contender::Lily, Contender::Peer],
+        contenders: Vec::new(),
+        quick: false,
         out: PathBuf::from("target/bench"),
     };
     let mut explicit = (false, false);
@@ -112,12 +134,11 @@ fn parse_args() -> Args {
             "--contenders" => {
                 args.contenders = value()
                     .split(',')
-                    .map(|c| match c {
-                        "raw" => Contender::Raw,
-                        "lily" => Contender::Lily,
-                        "peer" => Contender::Peer,
-                        "raw-tasks" => Contender::RawConcurrent,
-                        other => fail(format!("unknown contender {other}")),
+                    .map(|c| {
+                        Contender::ALL
+                            .into_iter()
+                            .find(|who| who.flag() == c)
+                            .unwrap_or_else(|| fail(format!("unknown contender {c}")))
                     })
                     .collect();
             }
@@ -129,6 +150,7 @@ fn parse_args() -> Args {
             other => fail(format!("unknown argument {other}")),
         }
     }
+    args.quick = quick;
     if quick {
         if !explicit.0 {
             args.messages = 20_000;
@@ -141,18 +163,6 @@ fn parse_args() -> Args {
         fail("--messages and --reps must be above zero".into());
     }
     args
-}
-
-fn contenders(path: Path) -> &'static [Contender] {
-    match path {
-        Path::Success => &[
-            Contender::Raw,
-            Contender::Lily,
-            Contender::Peer,
-            Contender::RawConcurrent,
-        ],
-        Path::Handoff => &[Contender::Raw, Contender::Lily],
-    }
 }
 
 /// One run: fresh topology, N messages published, the contender timed, its leftovers checked.
@@ -182,15 +192,19 @@ async fn run_once(
     let cpu = CpuMeter::start();
     let mut sample = match (path, who) {
         (Path::Success, Contender::Raw) => raw::success(url, &queue, prefetch, n).await,
+        (Path::Success, Contender::RawBatch) => raw::success_batch(url, &queue, prefetch, n).await,
+        (Path::Success, Contender::Ceiling) => raw::ceiling(url, &queue, prefetch, n).await,
         (Path::Success, Contender::Lily) => lily_run::success(url, &queue, kind, prefetch, n).await,
         (Path::Success, Contender::Peer) => peer::success(url, &queue, kind, prefetch, n).await,
         (Path::Success, Contender::RawConcurrent) => {
             raw::success_concurrent(url, &queue, prefetch, n).await
         }
-        (Path::Handoff, Contender::RawConcurrent) => unreachable!("success path only"),
         (Path::Handoff, Contender::Raw) => raw::handoff(url, &queue, &bucket, prefetch, n).await,
+        (Path::Handoff, Contender::RawBatch) => {
+            raw::handoff_batch(url, &queue, &bucket, prefetch, n).await
+        }
         (Path::Handoff, Contender::Lily) => lily_run::handoff(url, &queue, kind, prefetch, n).await,
-        (Path::Handoff, Contender::Peer) => unreachable!("the peer runs the success path only"),
+        (Path::Handoff, _) => unreachable!("Path::runs admits only these on the handoff path"),
     };
     cpu.stop(&mut sample);
     // What each run must leave behind: an empty work queue, and N copies in the bucket.
@@ -238,7 +252,9 @@ async fn main() {
             "Time runs from consumer start (connect included) until N messages are settled; \
              publishing the N messages before each run is not timed."
                 .into(),
-            "raw lapin (success): one delivery at a time, serde_json::from_slice then ack().await. \
+            "raw-batch (success): serde_json::from_slice, then one basic.ack with multiple = true \
+             every prefetch/2 deliveries (awaited). ceiling: the same loop consuming with \
+             no_ack = true, nothing settled. raw lapin: one delivery at a time, ack().await each. \
              Lily: concurrency = prefetch. ruststream-lapin: Workers::pool(prefetch), broker and \
              queue prefetch set, no topology declared."
                 .into(),
@@ -250,7 +266,11 @@ async fn main() {
             "Handoff path: retry bucket of 10 min (copies stay parked); Lily policy \
              max_attempts 2; raw lapin spawns a task per delivery that publishes the copy \
              (mandatory, persistent, Lily's 8 failure headers) on one confirm channel, awaits \
-             its own confirm (a returned message fails) and then ACKs."
+             its own confirm (a returned message fails) and then ACKs. raw-batch publishes the \
+             same copies from its consume loop without waiting and hands every prefetch/2 to a \
+             settler task, which awaits that batch's confirms (in order, while the loop publishes \
+             the next batch) and ACKs the batch with one multiple ACK when all were acked and \
+             none returned."
                 .into(),
             "Every contender consumes the same queue, declared with Lily's topology arguments; \
              the machine is shared, so read the ratios, not the absolute figures."
@@ -266,12 +286,12 @@ async fn main() {
     for &path in &args.paths {
         for &kind in &args.kinds {
             for &prefetch in &args.prefetches {
-                let mut samples: [Vec<Sample>; 4] = Default::default();
+                let who_runs = args.contenders(path);
+                let mut samples: Vec<(Contender, Vec<Sample>)> =
+                    who_runs.iter().map(|&w| (w, Vec::new())).collect();
                 for rep in 1..=args.reps {
-                    for &who in contenders(path)
-                        .iter()
-                        .filter(|c| args.contenders.contains(c))
-                    {
+                    for (who, runs) in &mut samples {
+                        let who = *who;
                         let sample =
                             run_once(&url, &body, path, kind, prefetch, who, args.messages).await;
                         eprintln!(
@@ -295,37 +315,31 @@ async fn main() {
                                 .map_or_else(|| "-".into(), |v| format!("{v:.1}")),
                             total.elapsed().as_secs_f64(),
                         );
-                        samples[who as usize].push(sample);
+                        runs.push(sample);
                     }
                 }
-                let [raw, lily, peer, raw_tasks] = samples;
-                let mut case = CaseResult::new(path, kind_name(kind), prefetch, raw, lily, peer);
-                case.add_raw_tasks(raw_tasks);
+                let case = CaseResult::new(path, kind_name(kind), prefetch, samples);
+                let ratios: Vec<String> = case
+                    .lily_over
+                    .iter()
+                    .map(|r| format!("Lily/{} {:.3}", r.over.flag(), r.value))
+                    .collect();
                 eprintln!(
-                    "  => {} {} prefetch {prefetch}: Lily/raw {:.3}{}",
+                    "  => {} {} prefetch {prefetch}: {}",
                     path.name(),
                     kind_name(kind),
-                    case.lily_over_raw,
-                    case.lily_over_peer
-                        .map_or_else(String::new, |r| format!(", Lily/peer {r:.3}")),
+                    ratios.join(", ")
                 );
                 results.cases.push(case);
             }
         }
     }
-    for (who, pick) in [
-        (Contender::Raw, 0),
-        (Contender::Lily, 1),
-        (Contender::Peer, 2),
-    ] {
+    for who in Contender::ALL {
         let left: Vec<u32> = results
             .cases
             .iter()
-            .flat_map(|c| match pick {
-                0 => &c.raw,
-                1 => &c.lily,
-                _ => &c.peer,
-            })
+            .filter_map(|c| c.runs(who))
+            .flat_map(|r| &r.samples)
             .filter_map(|s| s.left_in_queue)
             .filter(|&l| l > 0)
             .collect();

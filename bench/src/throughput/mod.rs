@@ -1,5 +1,6 @@
-//! The throughput benchmark: raw lapin, Lily and ruststream-lapin on the success path, raw lapin
-//! and Lily on the handoff path. `src/bin/throughput.rs` drives it.
+//! The throughput benchmark: Lily against hand-written and hand-tuned lapin, the no-ack ceiling
+//! and ruststream-lapin on the success path, and against pipelined and batched raw handoffs.
+//! `src/bin/throughput.rs` drives it.
 
 use std::time::Duration;
 
@@ -80,21 +81,52 @@ impl Path {
         }
     }
 
-    /// Target of Lily / raw lapin on this path.
-    pub fn raw_target(self) -> f64 {
+    /// The contenders a case runs by default, the bars first; a quick run leaves out the old
+    /// success-path baselines (raw lapin awaiting each ACK, ruststream-lapin).
+    pub fn contenders(self, quick: bool) -> &'static [Contender] {
+        match (self, quick) {
+            (Self::Success, false) => &[
+                Contender::RawBatch,
+                Contender::Ceiling,
+                Contender::Lily,
+                Contender::Raw,
+                Contender::Peer,
+            ],
+            (Self::Success, true) => &[Contender::RawBatch, Contender::Ceiling, Contender::Lily],
+            (Self::Handoff, _) => &[Contender::RawBatch, Contender::Raw, Contender::Lily],
+        }
+    }
+
+    /// Whether `who` can run this path.
+    pub fn runs(self, who: Contender) -> bool {
         match self {
-            Self::Success => 0.97,
-            Self::Handoff => 0.9,
+            Self::Success => true,
+            Self::Handoff => matches!(who, Contender::Raw | Contender::RawBatch | Contender::Lily),
+        }
+    }
+
+    /// What Lily must reach against `over` on this path, if that contender is a bar.
+    pub fn target(self, over: Contender) -> Option<f64> {
+        match (self, over) {
+            (_, Contender::RawBatch) => Some(1.0),
+            (Self::Success, Contender::Ceiling) => Some(0.8),
+            _ => None,
         }
     }
 }
 
 /// Who consumes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(rename_all = "kebab-case")]
 pub enum Contender {
-    /// Hand-written lapin.
+    /// Hand-written lapin, one delivery after the other, each ACK awaited; on the handoff path a
+    /// task per delivery that awaits its own copy's confirm, then ACKs (pipelined).
     Raw,
+    /// Hand-tuned lapin: a `multiple` ACK every prefetch/2 deliveries; on the handoff path the
+    /// copies' confirms are awaited a batch at a time while the next batch is published.
+    RawBatch,
+    /// No-ack consume: the broker settles nothing, so no consumer that settles goes faster.
+    Ceiling,
     /// Lily.
     Lily,
     /// ruststream-lapin.
@@ -104,18 +136,38 @@ pub enum Contender {
 }
 
 impl Contender {
+    pub const ALL: [Self; 6] = [
+        Self::Raw,
+        Self::RawBatch,
+        Self::Ceiling,
+        Self::Lily,
+        Self::Peer,
+        Self::RawConcurrent,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             Self::Raw => "raw lapin",
+            Self::RawBatch => "raw-batch",
+            Self::Ceiling => "ceiling (no-ack)",
             Self::Lily => "Lily",
             Self::Peer => "ruststream-lapin",
             Self::RawConcurrent => "raw lapin (tasks)",
         }
     }
-}
 
-/// Target of Lily / the peer.
-pub const PEER_TARGET: f64 = 1.0;
+    /// The name `--contenders` takes.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Self::Raw => "raw",
+            Self::RawBatch => "raw-batch",
+            Self::Ceiling => "ceiling",
+            Self::Lily => "lily",
+            Self::Peer => "peer",
+            Self::RawConcurrent => "raw-tasks",
+        }
+    }
+}
 
 /// Retry delay of the handoff path: long, so the copies stay parked in the bucket.
 pub const HANDOFF_DELAY: Duration = Duration::from_secs(600);

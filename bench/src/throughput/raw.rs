@@ -8,7 +8,10 @@ use lapin::options::{
     BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::message::Delivery;
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, PublisherConfirm,
+};
 use tokio::task::JoinSet;
 
 use crate::Order;
@@ -20,6 +23,15 @@ async fn next(consumer: &mut lapin::Consumer) -> Option<lapin::Result<lapin::mes
 }
 
 async fn open(url: &str, queue: &str, prefetch: u16) -> (Connection, Channel, lapin::Consumer) {
+    open_with(url, queue, prefetch, false).await
+}
+
+async fn open_with(
+    url: &str,
+    queue: &str,
+    prefetch: u16,
+    no_ack: bool,
+) -> (Connection, Channel, lapin::Consumer) {
     let connection = Connection::connect(url, ConnectionProperties::default())
         .await
         .expect("connect");
@@ -32,7 +44,10 @@ async fn open(url: &str, queue: &str, prefetch: u16) -> (Connection, Channel, la
         .basic_consume(
             queue.into(),
             "".into(),
-            BasicConsumeOptions::default(),
+            BasicConsumeOptions {
+                no_ack,
+                ..BasicConsumeOptions::default()
+            },
             FieldTable::default(),
         )
         .await
@@ -66,6 +81,58 @@ pub async fn success(url: &str, queue: &str, prefetch: u16, n: u64) -> Sample {
             .ack(BasicAckOptions::default())
             .await
             .expect("ack");
+        settled += 1;
+    }
+    let elapsed = started.elapsed();
+    close(connection, channel, &consumer).await;
+    Sample::new(settled, n, elapsed)
+}
+
+/// Consumes `n` messages as an expert tunes it: deserialize each, and ACK with `multiple` every
+/// `prefetch / 2` deliveries (the rest at the end), so the broker's window never runs dry.
+pub async fn success_batch(url: &str, queue: &str, prefetch: u16, n: u64) -> Sample {
+    let started = Instant::now();
+    let (connection, channel, mut consumer) = open(url, queue, prefetch).await;
+    let batch = u64::from((prefetch / 2).max(1));
+    let (mut settled, mut unacked) = (0, 0);
+    let limit = run_limit(n);
+    while settled + unacked < n {
+        let delivery = match tokio::time::timeout(limit, next(&mut consumer)).await {
+            Ok(Some(Ok(delivery))) => delivery,
+            _ => break,
+        };
+        let order: Order = serde_json::from_slice(&delivery.data).expect("order");
+        std::hint::black_box(order);
+        unacked += 1;
+        if unacked == batch || settled + unacked == n {
+            channel
+                .basic_ack(delivery.delivery_tag, BasicAckOptions { multiple: true })
+                .await
+                .expect("ack");
+            settled += unacked;
+            unacked = 0;
+        }
+    }
+    let elapsed = started.elapsed();
+    close(connection, channel, &consumer).await;
+    Sample::new(settled, n, elapsed)
+}
+
+/// Consumes `n` messages with `no_ack`: the broker settles each as it sends it, so nothing that
+/// settles can be faster on this node. The same deserialization as every other contender.
+pub async fn ceiling(url: &str, queue: &str, prefetch: u16, n: u64) -> Sample {
+    let started = Instant::now();
+    // The broker ignores the prefetch of a no-ack consumer; it is set as for the others.
+    let (connection, channel, mut consumer) = open_with(url, queue, prefetch, true).await;
+    let mut settled = 0;
+    let limit = run_limit(n);
+    while settled < n {
+        let delivery = match tokio::time::timeout(limit, next(&mut consumer)).await {
+            Ok(Some(Ok(delivery))) => delivery,
+            _ => break,
+        };
+        let order: Order = serde_json::from_slice(&delivery.data).expect("order");
+        std::hint::black_box(order);
         settled += 1;
     }
     let elapsed = started.elapsed();
@@ -142,32 +209,7 @@ pub async fn handoff(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64
         tasks.spawn(async move {
             let order: Order = serde_json::from_slice(&delivery.data).expect("order");
             std::hint::black_box(order);
-            let now = epoch_millis();
-            let mut headers = delivery
-                .properties
-                .headers()
-                .as_ref()
-                .map(|t| t.inner().clone())
-                .unwrap_or_default();
-            let mut put = |k: &str, v: AMQPValue| {
-                headers.insert(k.into(), v);
-            };
-            put(h::ATTEMPT, AMQPValue::LongUInt(2));
-            put(h::FIRST_FAILURE_AT, AMQPValue::LongLongInt(now));
-            put(h::LAST_FAILURE_AT, AMQPValue::LongLongInt(now));
-            put(h::FAILURE_KIND, long("retryable"));
-            put(
-                h::REASON,
-                long(&format!("handler failed: {FAILURE_REASON}")),
-            );
-            put(h::SOURCE_QUEUE, long(&source));
-            put(h::ORIGINAL_EXCHANGE, long(delivery.exchange.as_str()));
-            put(h::ORIGINAL_ROUTING_KEY, long(delivery.routing_key.as_str()));
-            let properties = delivery
-                .properties
-                .clone()
-                .with_headers(FieldTable::from(headers))
-                .with_delivery_mode(2);
+            let properties = copy_properties(&delivery, &source);
             let confirmed = async {
                 confirms
                     .basic_publish(
@@ -207,6 +249,137 @@ pub async fn handoff(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64
     let elapsed = started.elapsed();
     if failed > 0 {
         eprintln!("raw handoff: {failed} handoffs failed");
+    }
+    let _ = confirms.close(200, "done".into()).await;
+    close(connection, channel, &consumer).await;
+    Sample::new(settled, n, elapsed)
+}
+
+/// The retry copy's properties: the delivery's own, persistent, with Lily's failure headers.
+fn copy_properties(delivery: &Delivery, source: &str) -> BasicProperties {
+    let now = epoch_millis();
+    let mut headers = delivery
+        .properties
+        .headers()
+        .as_ref()
+        .map(|t| t.inner().clone())
+        .unwrap_or_default();
+    let mut put = |k: &str, v: AMQPValue| {
+        headers.insert(k.into(), v);
+    };
+    put(h::ATTEMPT, AMQPValue::LongUInt(2));
+    put(h::FIRST_FAILURE_AT, AMQPValue::LongLongInt(now));
+    put(h::LAST_FAILURE_AT, AMQPValue::LongLongInt(now));
+    put(h::FAILURE_KIND, long("retryable"));
+    put(
+        h::REASON,
+        long(&format!("handler failed: {FAILURE_REASON}")),
+    );
+    put(h::SOURCE_QUEUE, long(source));
+    put(h::ORIGINAL_EXCHANGE, long(delivery.exchange.as_str()));
+    put(h::ORIGINAL_ROUTING_KEY, long(delivery.routing_key.as_str()));
+    delivery
+        .properties
+        .clone()
+        .with_headers(FieldTable::from(headers))
+        .with_delivery_mode(2)
+}
+
+/// Consumes `n` messages, each failing once, as a hand-tuned publisher batches confirms: the
+/// loop publishes each retry copy (mandatory, persistent, Lily's failure headers) on one confirm
+/// channel without waiting, and every `prefetch / 2` copies hands the batch to a settler. The
+/// settler awaits the batch's confirms while the next batch is published; when all are acks and
+/// none was returned it ACKs the originals with one `multiple` ACK, otherwise one by one (a failed
+/// copy's original is NACKed and requeued).
+pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64) -> Sample {
+    let started = Instant::now();
+    let (connection, channel, mut consumer) = open(url, queue, prefetch).await;
+    let confirms = connection.create_channel().await.expect("channel");
+    confirms
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirm.select");
+    let batch = usize::from((prefetch / 2).max(1));
+    let (batches, mut settle) = tokio::sync::mpsc::channel::<Vec<(u64, PublisherConfirm)>>(1);
+    let settler = tokio::spawn({
+        let channel = channel.clone();
+        async move {
+            let (mut settled, mut failed) = (0_u64, 0_u64);
+            while let Some(batch) = settle.recv().await {
+                let mut outcomes = Vec::with_capacity(batch.len());
+                for (tag, confirm) in batch {
+                    outcomes.push((tag, matches!(confirm.await, Ok(Confirmation::Ack(None)))));
+                }
+                if outcomes.iter().all(|(_, ok)| *ok) {
+                    let Some(&(last, _)) = outcomes.last() else {
+                        continue;
+                    };
+                    if channel
+                        .basic_ack(last, BasicAckOptions { multiple: true })
+                        .await
+                        .is_ok()
+                    {
+                        settled += outcomes.len() as u64;
+                    }
+                    continue;
+                }
+                for (tag, ok) in outcomes {
+                    if ok && channel.basic_ack(tag, BasicAckOptions::default()).await.is_ok() {
+                        settled += 1;
+                    } else {
+                        failed += 1;
+                        let requeue = BasicNackOptions {
+                            multiple: false,
+                            requeue: true,
+                        };
+                        let _ = channel.basic_nack(tag, requeue).await;
+                    }
+                }
+            }
+            (settled, failed)
+        }
+    });
+    let bucket: ShortString = bucket.into();
+    let mut pending = Vec::with_capacity(batch);
+    let mut received = 0;
+    let limit = run_limit(n);
+    while received < n {
+        let delivery = match tokio::time::timeout(limit, next(&mut consumer)).await {
+            Ok(Some(Ok(delivery))) => delivery,
+            _ => break,
+        };
+        received += 1;
+        let order: Order = serde_json::from_slice(&delivery.data).expect("order");
+        std::hint::black_box(order);
+        let properties = copy_properties(&delivery, queue);
+        let mandatory = BasicPublishOptions {
+            mandatory: true,
+            immediate: false,
+        };
+        let published = confirms
+            .basic_publish("".into(), bucket.clone(), mandatory, &delivery.data, properties)
+            .await;
+        match published {
+            Ok(confirm) => pending.push((delivery.delivery_tag, confirm)),
+            Err(_) => {
+                let requeue = BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                };
+                let _ = delivery.acker.nack(requeue).await;
+            }
+        }
+        if (pending.len() == batch || received == n)
+            && batches.send(std::mem::take(&mut pending)).await.is_err()
+        {
+            break;
+        }
+    }
+    drop(batches);
+    let (settled, failed) = settler.await.unwrap_or((0, n));
+    let elapsed = started.elapsed();
+    if failed > 0 {
+        eprintln!("raw-batch handoff: {failed} handoffs failed");
     }
     let _ = confirms.close(200, "done".into()).await;
     close(connection, channel, &consumer).await;

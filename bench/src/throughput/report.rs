@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use crate::median;
-use crate::throughput::{Contender, PEER_TARGET, Path, Sample};
+use crate::throughput::{Contender, Path, Sample};
 
 /// Everything one benchmark run measured.
 #[derive(Debug, Serialize)]
@@ -27,38 +27,37 @@ pub struct Results {
     pub cases: Vec<CaseResult>,
 }
 
+/// One contender's runs in a case and their medians.
+#[derive(Debug, Serialize)]
+pub struct Runs {
+    pub contender: Contender,
+    pub samples: Vec<Sample>,
+    pub median_msgs_per_sec: f64,
+    /// Median client CPU µs per message (this process, every thread).
+    pub client_cpu_us_per_msg: Option<f64>,
+    /// Median broker CPU µs per message (the Erlang VM).
+    pub broker_cpu_us_per_msg: Option<f64>,
+}
+
+/// Lily's median over another contender's, and the target where that contender is a bar.
+#[derive(Debug, Serialize)]
+pub struct Ratio {
+    pub over: Contender,
+    pub value: f64,
+    pub target: Option<f64>,
+    pub met: Option<bool>,
+}
+
 /// One path × queue type × prefetch, all its runs and their medians.
 #[derive(Debug, Serialize)]
 pub struct CaseResult {
     pub path: Path,
     pub queue_type: &'static str,
     pub prefetch: u16,
-    pub raw: Vec<Sample>,
-    pub lily: Vec<Sample>,
-    pub peer: Vec<Sample>,
-    pub raw_median: f64,
-    pub lily_median: f64,
-    pub peer_median: Option<f64>,
-    pub lily_over_raw: f64,
-    pub lily_over_raw_target: f64,
-    pub lily_over_raw_met: bool,
-    pub lily_over_peer: Option<f64>,
-    pub lily_over_peer_target: Option<f64>,
-    pub lily_over_peer_met: Option<bool>,
+    pub runs: Vec<Runs>,
+    /// Lily / each other contender.
+    pub lily_over: Vec<Ratio>,
     pub all_runs_complete: bool,
-    /// Median client CPU µs per message: raw, Lily, peer.
-    pub client_cpu_us_per_msg: [Option<f64>; 3],
-    /// Median broker CPU µs per message: raw, Lily, peer.
-    pub broker_cpu_us_per_msg: [Option<f64>; 3],
-    /// Optional stricter baseline: raw lapin with a task per delivery (`--contenders raw-tasks`).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub raw_tasks: Vec<Sample>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub raw_tasks_median: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub lily_over_raw_tasks: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub raw_tasks_client_cpu_us_per_msg: Option<f64>,
 }
 
 impl CaseResult {
@@ -66,69 +65,68 @@ impl CaseResult {
         path: Path,
         queue_type: &'static str,
         prefetch: u16,
-        raw: Vec<Sample>,
-        lily: Vec<Sample>,
-        peer: Vec<Sample>,
+        samples: Vec<(Contender, Vec<Sample>)>,
     ) -> Self {
-        let med = |s: &[Sample]| median(&mut s.iter().map(|x| x.msgs_per_sec).collect::<Vec<_>>());
-        let raw_median = med(&raw);
-        let lily_median = med(&lily);
-        let peer_median = (!peer.is_empty()).then(|| med(&peer));
-        let lily_over_raw = lily_median / raw_median;
-        let lily_over_peer = peer_median.map(|p| lily_median / p);
-        let all_runs_complete = raw.iter().chain(&lily).chain(&peer).all(|s| s.complete);
-        let cpu = |s: &[Sample], f: fn(&Sample) -> Option<f64>| {
-            let mut v: Vec<f64> = s.iter().filter_map(f).collect();
-            (!v.is_empty()).then(|| median(&mut v))
-        };
-        let client = |s: &Sample| s.client_cpu_us_per_msg;
-        let broker = |s: &Sample| s.broker_cpu_us_per_msg;
-        let client_cpu_us_per_msg = [cpu(&raw, client), cpu(&lily, client), cpu(&peer, client)];
-        let broker_cpu_us_per_msg = [cpu(&raw, broker), cpu(&lily, broker), cpu(&peer, broker)];
+        let med = |v: &mut Vec<f64>| (!v.is_empty()).then(|| median(v));
+        let runs: Vec<Runs> = samples
+            .into_iter()
+            .filter(|(_, s)| !s.is_empty())
+            .map(|(contender, samples)| Runs {
+                contender,
+                median_msgs_per_sec: median(
+                    &mut samples.iter().map(|x| x.msgs_per_sec).collect::<Vec<_>>(),
+                ),
+                client_cpu_us_per_msg: med(
+                    &mut samples.iter().filter_map(|x| x.client_cpu_us_per_msg).collect(),
+                ),
+                broker_cpu_us_per_msg: med(
+                    &mut samples.iter().filter_map(|x| x.broker_cpu_us_per_msg).collect(),
+                ),
+                samples,
+            })
+            .collect();
+        let all_runs_complete = runs.iter().flat_map(|r| &r.samples).all(|s| s.complete);
+        let lily_over = runs
+            .iter()
+            .find(|r| r.contender == Contender::Lily)
+            .map(|lily| {
+                runs.iter()
+                    .filter(|r| r.contender != Contender::Lily)
+                    .map(|r| {
+                        let value = lily.median_msgs_per_sec / r.median_msgs_per_sec;
+                        let target = path.target(r.contender);
+                        Ratio {
+                            over: r.contender,
+                            value,
+                            target,
+                            met: target.map(|t| value >= t),
+                        }
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         Self {
             path,
             queue_type,
             prefetch,
-            raw_median,
-            lily_median,
-            peer_median,
-            lily_over_raw,
-            lily_over_raw_target: path.raw_target(),
-            lily_over_raw_met: lily_over_raw >= path.raw_target(),
-            lily_over_peer,
-            lily_over_peer_target: lily_over_peer.map(|_| PEER_TARGET),
-            lily_over_peer_met: lily_over_peer.map(|r| r >= PEER_TARGET),
+            runs,
+            lily_over,
             all_runs_complete,
-            client_cpu_us_per_msg,
-            broker_cpu_us_per_msg,
-            raw_tasks: Vec::new(),
-            raw_tasks_median: None,
-            lily_over_raw_tasks: None,
-            raw_tasks_client_cpu_us_per_msg: None,
-            raw,
-            lily,
-            peer,
         }
     }
-}
 
-impl CaseResult {
-    /// Records the optional raw-lapin-with-tasks runs.
-    pub fn add_raw_tasks(&mut self, samples: Vec<Sample>) {
-        if samples.is_empty() {
-            return;
-        }
-        let mut rates: Vec<f64> = samples.iter().map(|s| s.msgs_per_sec).collect();
-        let m = median(&mut rates);
-        let mut cpu: Vec<f64> = samples
-            .iter()
-            .filter_map(|s| s.client_cpu_us_per_msg)
-            .collect();
-        self.raw_tasks_client_cpu_us_per_msg = (!cpu.is_empty()).then(|| median(&mut cpu));
-        self.raw_tasks_median = Some(m);
-        self.lily_over_raw_tasks = Some(self.lily_median / m);
-        self.all_runs_complete &= samples.iter().all(|s| s.complete);
-        self.raw_tasks = samples;
+    /// The median msgs/s of `who`, if it ran.
+    pub fn median(&self, who: Contender) -> Option<f64> {
+        self.runs(who).map(|r| r.median_msgs_per_sec)
+    }
+
+    pub fn runs(&self, who: Contender) -> Option<&Runs> {
+        self.runs.iter().find(|r| r.contender == who)
+    }
+
+    /// Lily / `over`, if both ran.
+    pub fn ratio(&self, over: Contender) -> Option<&Ratio> {
+        self.lily_over.iter().find(|r| r.over == over)
     }
 }
 
@@ -150,16 +148,19 @@ pub fn rate(value: f64) -> String {
     out
 }
 
-fn ratio(value: f64, target: f64) -> String {
-    let mark = if value >= target { "ok" } else { "MISS" };
-    format!("{value:.3} (>= {target:.2} {mark})")
+fn ratio_text(r: &Ratio) -> String {
+    match (r.target, r.met) {
+        (Some(t), Some(true)) => format!("{:.3} (≥ {t:.2} ok)", r.value),
+        (Some(t), _) => format!("{:.3} (≥ {t:.2} MISS)", r.value),
+        _ => format!("{:.3}", r.value),
+    }
 }
 
 fn header_lines(results: &Results) -> Vec<String> {
     vec![
         format!("Broker: {} on {}", results.broker, results.broker_url),
         format!(
-            "Messages: {} a run, {}-byte JSON, persistent; {} repetition(s) alternating raw/Lily/peer; medians; {} CPU(s)",
+            "Messages: {} a run, {}-byte JSON, persistent; {} repetition(s), contenders alternating run by run; medians; {} CPU(s)",
             results.messages_per_run, results.message_bytes, results.repetitions, results.cpus
         ),
         format!(
@@ -172,88 +173,111 @@ fn header_lines(results: &Results) -> Vec<String> {
     ]
 }
 
+/// The contenders that ran on `path`, in [`Contender::ALL`]'s order.
+fn present(results: &Results, path: Path) -> Vec<Contender> {
+    Contender::ALL
+        .into_iter()
+        .filter(|&who| {
+            results
+                .cases
+                .iter()
+                .any(|c| c.path == path && c.runs(who).is_some())
+        })
+        .collect()
+}
+
+fn paths(results: &Results) -> Vec<Path> {
+    [Path::Success, Path::Handoff]
+        .into_iter()
+        .filter(|p| results.cases.iter().any(|c| c.path == *p))
+        .collect()
+}
+
+/// One table per path: msgs/s of each contender, then Lily over each; then CPU per message.
+/// `row` joins cells (the human table pads them, markdown puts pipes between).
+fn tables(results: &Results, row: &dyn Fn(&[String]) -> String, rule: bool) -> String {
+    let mut out = String::new();
+    for path in paths(results) {
+        let who = present(results, path);
+        let others: Vec<Contender> = who.iter().copied().filter(|&w| w != Contender::Lily).collect();
+        let mut head = vec!["path".to_owned(), "queue".into(), "prefetch".into()];
+        head.extend(who.iter().map(|w| format!("{} msg/s", w.name())));
+        head.extend(others.iter().map(|w| format!("Lily / {}", w.name())));
+        let _ = writeln!(out, "{}", row(&head));
+        if rule {
+            let cells: Vec<String> = (0..head.len())
+                .map(|i| if i < 2 { "---".into() } else { "---:".into() })
+                .collect();
+            let _ = writeln!(out, "{}", row(&cells));
+        }
+        for c in results.cases.iter().filter(|c| c.path == path) {
+            let mut cells = vec![
+                c.path.name().to_owned(),
+                c.queue_type.to_owned(),
+                c.prefetch.to_string(),
+            ];
+            cells.extend(who.iter().map(|&w| c.median(w).map_or_else(|| "-".into(), rate)));
+            cells.extend(
+                others
+                    .iter()
+                    .map(|&w| c.ratio(w).map_or_else(|| "-".into(), ratio_text)),
+            );
+            if !c.all_runs_complete {
+                cells.push("incomplete runs!".into());
+            }
+            let _ = writeln!(out, "{}", row(&cells));
+        }
+        let _ = writeln!(out);
+        let mut head = vec!["path".to_owned(), "queue".into(), "prefetch".into()];
+        head.extend(who.iter().map(|w| format!("{} client", w.name())));
+        head.extend(who.iter().map(|w| format!("{} broker", w.name())));
+        let _ = writeln!(
+            out,
+            "CPU per message, {} path (median µs, connect to close; client = this process, broker = the Erlang VM):",
+            path.name()
+        );
+        if rule {
+            let _ = writeln!(out);
+        }
+        let _ = writeln!(out, "{}", row(&head));
+        if rule {
+            let cells: Vec<String> = (0..head.len())
+                .map(|i| if i < 2 { "---".into() } else { "---:".into() })
+                .collect();
+            let _ = writeln!(out, "{}", row(&cells));
+        }
+        for c in results.cases.iter().filter(|c| c.path == path) {
+            let mut cells = vec![
+                c.path.name().to_owned(),
+                c.queue_type.to_owned(),
+                c.prefetch.to_string(),
+            ];
+            let runs = |w| c.runs(w);
+            cells.extend(who.iter().map(|&w| us(runs(w).and_then(|r| r.client_cpu_us_per_msg))));
+            cells.extend(who.iter().map(|&w| us(runs(w).and_then(|r| r.broker_cpu_us_per_msg))));
+            let _ = writeln!(out, "{}", row(&cells));
+        }
+        let _ = writeln!(out);
+    }
+    out
+}
+
 /// The human table printed to stdout.
 pub fn human(results: &Results) -> String {
     let mut out = String::new();
     for line in header_lines(results) {
         let _ = writeln!(out, "{line}");
     }
-    let _ = writeln!(
-        out,
-        "{:<8} {:<8} {:>8} {:>12} {:>12} {:>17} {:>24} {:>24}",
-        "path",
-        "queue",
-        "prefetch",
-        "raw msg/s",
-        "Lily msg/s",
-        "ruststream msg/s",
-        "Lily/raw",
-        "Lily/peer"
-    );
-    for c in &results.cases {
-        let _ = writeln!(
-            out,
-            "{:<8} {:<8} {:>8} {:>12} {:>12} {:>17} {:>24} {:>24}{}",
-            c.path.name(),
-            c.queue_type,
-            c.prefetch,
-            rate(c.raw_median),
-            rate(c.lily_median),
-            c.peer_median.map_or_else(|| "-".into(), rate),
-            ratio(c.lily_over_raw, c.lily_over_raw_target),
-            c.lily_over_peer
-                .map_or_else(|| "-".into(), |r| ratio(r, PEER_TARGET)),
-            if c.all_runs_complete {
-                ""
-            } else {
-                "  (incomplete runs!)"
-            },
-        );
-    }
-    for c in results
-        .cases
-        .iter()
-        .filter(|c| c.raw_tasks_median.is_some())
-    {
-        let _ = writeln!(
-            out,
-            "  extra baseline {} {} prefetch {}: raw lapin with a task per delivery {} msg/s (client CPU {} µs/msg); Lily / it = {:.3}",
-            c.path.name(),
-            c.queue_type,
-            c.prefetch,
-            c.raw_tasks_median.map_or_else(|| "-".into(), rate),
-            us(c.raw_tasks_client_cpu_us_per_msg),
-            c.lily_over_raw_tasks.unwrap_or(f64::NAN),
-        );
-    }
-    let _ = writeln!(
-        out,
-        "\nCPU per message (median µs; client = this process, broker = the Erlang VM, connect to close):"
-    );
-    let _ = writeln!(
-        out,
-        "{:<8} {:<8} {:>8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
-        "path",
-        "queue",
-        "prefetch",
-        "raw client",
-        "Lily client",
-        "peer client",
-        "raw broker",
-        "Lily broker",
-        "peer broker"
-    );
-    for c in &results.cases {
-        let [a, b, p] = c.client_cpu_us_per_msg.map(us);
-        let [x, y, z] = c.broker_cpu_us_per_msg.map(us);
-        let _ = writeln!(
-            out,
-            "{:<8} {:<8} {:>8} {a:>11} {b:>11} {p:>11} {x:>11} {y:>11} {z:>11}",
-            c.path.name(),
-            c.queue_type,
-            c.prefetch,
-        );
-    }
+    let _ = writeln!(out);
+    let pad = |cells: &[String]| {
+        cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| if i < 2 { format!("{c:<8}") } else { format!("{c:>14}") })
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    out.push_str(&tables(results, &pad, false));
     for note in &results.notes {
         let _ = writeln!(out, "Note: {note}");
     }
@@ -264,100 +288,39 @@ fn us(value: Option<f64>) -> String {
     value.map_or_else(|| "-".into(), |v| format!("{v:.1}"))
 }
 
-/// The markdown table for the README.
+/// The markdown tables for the README.
 pub fn markdown(results: &Results) -> String {
     let mut out = String::new();
     for line in header_lines(results) {
         let _ = writeln!(out, "{line}  ");
     }
     let _ = writeln!(out);
-    let _ = writeln!(
-        out,
-        "| path | queue | prefetch | raw lapin msg/s | Lily msg/s | ruststream-lapin msg/s | Lily / raw (target) | Lily / peer (target) |"
-    );
-    let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|");
-    for c in &results.cases {
-        let _ = writeln!(
-            out,
-            "| {} | {} | {} | {} | {} | {} | {:.3} (≥ {:.2}{}) | {} |",
-            c.path.name(),
-            c.queue_type,
-            c.prefetch,
-            rate(c.raw_median),
-            rate(c.lily_median),
-            c.peer_median.map_or_else(|| "–".into(), rate),
-            c.lily_over_raw,
-            c.lily_over_raw_target,
-            if c.lily_over_raw_met { "" } else { ", missed" },
-            c.lily_over_peer.map_or_else(
-                || "–".into(),
-                |r| format!(
-                    "{r:.3} (≥ {PEER_TARGET:.2}{})",
-                    if r >= PEER_TARGET { "" } else { ", missed" }
-                )
-            ),
-        );
-    }
-    for c in results
-        .cases
-        .iter()
-        .filter(|c| c.raw_tasks_median.is_some())
-    {
-        let _ = writeln!(
-            out,
-            "\nExtra baseline, {} {} prefetch {}: raw lapin with a task per delivery {} msg/s; Lily / it = {:.3}.",
-            c.path.name(),
-            c.queue_type,
-            c.prefetch,
-            c.raw_tasks_median.map_or_else(|| "–".into(), rate),
-            c.lily_over_raw_tasks.unwrap_or(f64::NAN),
-        );
-    }
-    let _ = writeln!(out);
-    let _ = writeln!(
-        out,
-        "CPU per message (median µs, connect to close; client = the benchmark process, broker = the RabbitMQ VM):"
-    );
-    let _ = writeln!(out);
-    let _ = writeln!(
-        out,
-        "| path | queue | prefetch | raw lapin client | Lily client | ruststream-lapin client | raw lapin broker | Lily broker | ruststream-lapin broker |"
-    );
-    let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|");
-    for c in &results.cases {
-        let [a, b, p] = c.client_cpu_us_per_msg.map(us);
-        let [x, y, z] = c.broker_cpu_us_per_msg.map(us);
-        let _ = writeln!(
-            out,
-            "| {} | {} | {} | {a} | {b} | {p} | {x} | {y} | {z} |",
-            c.path.name(),
-            c.queue_type,
-            c.prefetch,
-        );
-    }
-    let _ = writeln!(out);
+    let pipes = |cells: &[String]| format!("| {} |", cells.join(" | "));
+    out.push_str(&tables(results, &pipes, true));
     for note in &results.notes {
         let _ = writeln!(out, "- {note}");
     }
     out
 }
 
-const COLORS: [(Contender, &str); 3] = [
-    (Contender::Raw, "#8c8c8c"),
-    (Contender::Lily, "#c2185b"),
-    (Contender::Peer, "#1f77b4"),
-];
+fn color(who: Contender) -> &'static str {
+    match who {
+        Contender::Raw => "#8c8c8c",
+        Contender::RawBatch => "#4d4d4d",
+        Contender::Ceiling => "#2ca02c",
+        Contender::Lily => "#c2185b",
+        Contender::Peer => "#1f77b4",
+        Contender::RawConcurrent => "#bcbd22",
+    }
+}
 
 /// Grouped bars of median msgs/s by queue type × prefetch: one panel per path.
 pub fn svg(results: &Results) -> String {
-    let width = 960.0;
+    let width = 1040.0;
     let panel_h = 300.0;
     let top = 70.0;
     let gap = 70.0;
-    let paths: Vec<Path> = [Path::Success, Path::Handoff]
-        .into_iter()
-        .filter(|p| results.cases.iter().any(|c| c.path == *p))
-        .collect();
+    let paths = paths(results);
     #[allow(clippy::cast_precision_loss)]
     let height = top + (panel_h + gap) * paths.len() as f64 + 20.0;
     let mut s = String::new();
@@ -367,28 +330,32 @@ pub fn svg(results: &Results) -> String {
     );
     let _ = writeln!(
         s,
-        r#"<rect width="100%" height="100%" fill="white"/><text x="{}" y="24" text-anchor="middle" font-size="16" font-weight="bold">Throughput (median msgs/s): raw lapin, Lily, ruststream-lapin</text>"#,
+        r#"<rect width="100%" height="100%" fill="white"/><text x="{}" y="24" text-anchor="middle" font-size="16" font-weight="bold">Throughput (median msgs/s): Lily against raw lapin, hand-tuned raw-batch and the no-ack ceiling</text>"#,
         width / 2.0
     );
     let _ = writeln!(
         s,
-        r##"<text x="{}" y="44" text-anchor="middle" fill="#555">{}, {}-byte JSON, {} messages a run, {} repetition(s)</text>"##,
+        r##"<text x="{}" y="44" text-anchor="middle" fill="#555">{}, {}-byte JSON, {} messages a run, {} repetition(s), Lily {}</text>"##,
         width / 2.0,
         escape(&results.broker),
         results.message_bytes,
         results.messages_per_run,
-        results.repetitions
+        results.repetitions,
+        escape(&results.lily_revision),
     );
-    // legend
-    let mut lx = width - 370.0;
-    for (who, color) in COLORS {
+    let mut lx = 80.0;
+    for who in Contender::ALL
+        .into_iter()
+        .filter(|&w| paths.iter().any(|&p| present(results, p).contains(&w)))
+    {
         let _ = writeln!(
             s,
-            r#"<rect x="{lx}" y="54" width="12" height="12" fill="{color}"/><text x="{}" y="64">{}</text>"#,
+            r#"<rect x="{lx}" y="54" width="12" height="12" fill="{}"/><text x="{}" y="64">{}</text>"#,
+            color(who),
             lx + 16.0,
             who.name()
         );
-        lx += 120.0;
+        lx += 150.0;
     }
     for (i, path) in paths.iter().enumerate() {
         #[allow(clippy::cast_precision_loss)]
@@ -401,23 +368,22 @@ pub fn svg(results: &Results) -> String {
 
 fn panel(s: &mut String, results: &Results, path: Path, x0: f64, y0: f64, w: f64, h: f64) {
     let cases: Vec<&CaseResult> = results.cases.iter().filter(|c| c.path == path).collect();
+    let who = present(results, path);
     let max = cases
         .iter()
-        .flat_map(|c| [Some(c.raw_median), Some(c.lily_median), c.peer_median])
-        .flatten()
+        .flat_map(|c| c.runs.iter().map(|r| r.median_msgs_per_sec))
         .filter(|v| v.is_finite())
         .fold(0.0_f64, f64::max);
     let (step, top) = nice_axis(max);
     let title = match path {
         Path::Success => "Success path: deserialize + ACK",
-        Path::Handoff => "Handoff path: confirmed retry copy + ACK (raw lapin pipelined vs Lily)",
+        Path::Handoff => "Handoff path: confirmed retry copy + ACK",
     };
     let _ = writeln!(
         s,
         r#"<text x="{x0}" y="{}" font-size="14" font-weight="bold">{title}</text>"#,
         y0 - 8.0
     );
-    // axis and grid
     let mut v = 0.0;
     while v <= top + step / 2.0 {
         let y = y0 + h - v / top * h;
@@ -451,17 +417,14 @@ fn panel(s: &mut String, results: &Results, path: Path, x0: f64, y0: f64, w: f64
     #[allow(clippy::cast_precision_loss)]
     let group_w = w / cases.len() as f64;
     for (g, c) in cases.iter().enumerate() {
-        let bars: Vec<(Contender, f64)> = [
-            (Contender::Raw, Some(c.raw_median)),
-            (Contender::Lily, Some(c.lily_median)),
-            (Contender::Peer, c.peer_median),
-        ]
-        .into_iter()
-        .filter_map(|(who, v)| v.map(|v| (who, v)))
-        .collect();
+        let bars: Vec<(Contender, f64)> = who
+            .iter()
+            .filter_map(|&w| c.median(w).map(|v| (w, v)))
+            .collect();
         #[allow(clippy::cast_precision_loss)]
         let gx = x0 + group_w * g as f64;
-        let bar_w = (group_w * 0.7 / 3.0).min(60.0);
+        #[allow(clippy::cast_precision_loss)]
+        let bar_w = (group_w * 0.8 / who.len().max(1) as f64).min(50.0);
         #[allow(clippy::cast_precision_loss)]
         let used = bar_w * bars.len() as f64;
         let start = gx + (group_w - used) / 2.0;
@@ -471,14 +434,11 @@ fn panel(s: &mut String, results: &Results, path: Path, x0: f64, y0: f64, w: f64
             #[allow(clippy::cast_precision_loss)]
             let x = start + bar_w * b as f64;
             let y = y0 + h - bh;
-            let color = COLORS
-                .iter()
-                .find(|(c, _)| c == who)
-                .map_or("#000", |(_, col)| col);
             let _ = writeln!(
                 s,
-                r#"<rect x="{x:.1}" y="{y:.1}" width="{:.1}" height="{bh:.1}" fill="{color}"><title>{} {} prefetch {}: {} msgs/s</title></rect><text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="10">{}k</text>"#,
+                r#"<rect x="{x:.1}" y="{y:.1}" width="{:.1}" height="{bh:.1}" fill="{}"><title>{} {} prefetch {}: {} msgs/s</title></rect><text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="10">{}k</text>"#,
                 bar_w - 2.0,
+                color(*who),
                 who.name(),
                 c.queue_type,
                 c.prefetch,
@@ -496,16 +456,18 @@ fn panel(s: &mut String, results: &Results, path: Path, x0: f64, y0: f64, w: f64
             y0 + h + 18.0,
             escape(&label)
         );
-        let mut ratios = format!("Lily/raw {:.2}", c.lily_over_raw);
-        if let Some(r) = c.lily_over_peer {
-            let _ = write!(ratios, " · Lily/peer {r:.2}");
-        }
+        let ratios: Vec<String> = c
+            .lily_over
+            .iter()
+            .filter(|r| r.target.is_some())
+            .map(|r| format!("Lily/{} {:.2}", r.over.flag(), r.value))
+            .collect();
         let _ = writeln!(
             s,
             r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" fill="#555">{}</text>"##,
             gx + group_w / 2.0,
             y0 + h + 34.0,
-            escape(&ratios)
+            escape(&ratios.join(" · "))
         );
     }
 }
