@@ -6,6 +6,9 @@
 //! is safe only when nothing at or below the tag is still being handled or was left unsettled.
 //! The window writes one only then. It writes every other ready ACK on its own, so a slow
 //! delivery never holds back the ACKs of the ones after it.
+//!
+//! When to write is the caller's choice; [`AckWindow::ripe`] says when waiting for more ready
+//! ACKs cannot gain anything, or has gained enough.
 
 use std::collections::VecDeque;
 
@@ -45,6 +48,10 @@ pub struct AckWindow {
     coalesce: bool,
     /// A frame was refused: nothing more is written.
     refused: bool,
+    /// Entries marked [`Mark::Open`].
+    opened: usize,
+    /// Entries marked [`Mark::Ready`].
+    readied: usize,
 }
 
 impl Default for AckWindow {
@@ -61,6 +68,8 @@ impl AckWindow {
             last: 0,
             coalesce: true,
             refused: false,
+            opened: 0,
+            readied: 0,
         }
     }
 
@@ -68,6 +77,7 @@ impl AckWindow {
     /// sequence turns coalescing off for good.
     pub fn deliver(&mut self, tag: u64) {
         debug_assert!(tag > self.last, "delivery tag {tag} after {}", self.last);
+        self.opened += 1;
         if tag == self.last + 1 {
             self.open.push_back((tag, Mark::Open));
         } else {
@@ -88,10 +98,33 @@ impl AckWindow {
         match self.position(tag) {
             Some(i) if self.open[i].1 == Mark::Open => {
                 self.open[i].1 = Mark::Ready;
+                self.opened -= 1;
+                self.readied += 1;
                 true
             }
             _ => false,
         }
+    }
+
+    /// Whether the ready ACKs should be written now rather than wait for more: no delivery is
+    /// open (none can become ready soon), `batch` are ready below the first open one (one
+    /// `multiple` ACK covers them), or waiting gains nothing because no `multiple` ACK can be
+    /// written. False when nothing is ready.
+    pub fn ripe(&self, batch: usize) -> bool {
+        if self.readied == 0 {
+            return false;
+        }
+        if self.opened == 0 || !self.coalescing() {
+            return true;
+        }
+        let covered = self
+            .open
+            .iter()
+            .take_while(|&&(_, mark)| mark != Mark::Open)
+            .filter(|&&(_, mark)| mark == Mark::Ready)
+            .take(batch)
+            .count();
+        covered >= batch
     }
 
     /// Writes every ready ACK through `write(tag, multiple)`, in tag order and in as few frames
@@ -100,32 +133,31 @@ impl AckWindow {
     /// [`take`](Self::take).
     pub fn flush(&mut self, write: impl FnMut(u64, bool) -> SettleResult) {
         let mut write = refusing(&mut self.refused, write);
-        if self.coalesce {
-            // Below the first open delivery, every delivery is ready, written, or settled and
-            // gone: one `multiple` ACK covers exactly the ready ones.
-            let barrier = self
-                .open
-                .iter()
-                .position(|&(_, mark)| mark == Mark::Open)
-                .unwrap_or(self.open.len());
-            let covered = self
-                .open
-                .range(..barrier)
-                .rposition(|&(_, mark)| mark == Mark::Ready);
-            if let Some(end) = covered {
-                let result = write(self.open[end].0, true);
-                for (_, mark) in self.open.range_mut(..=end) {
-                    if *mark == Mark::Ready {
-                        *mark = Mark::Done(result);
-                    }
-                }
-            }
-        }
+        self.readied -= cover(&mut self.open, self.coalesce, &mut write);
         for (tag, mark) in &mut self.open {
             if *mark == Mark::Ready {
                 *mark = Mark::Done(write(*tag, false));
             }
         }
+        self.readied = 0;
+    }
+
+    /// Writes only the `multiple` ACK of [`flush`](Self::flush): the ready ACKs above an open
+    /// delivery stay ready, to be covered once it settles. With coalescing off, writes nothing.
+    pub fn flush_covered(&mut self, write: impl FnMut(u64, bool) -> SettleResult) {
+        let mut write = refusing(&mut self.refused, write);
+        self.readied -= cover(&mut self.open, self.coalesce, &mut write);
+    }
+
+    /// Whether an ACK is marked ready and not written.
+    pub fn has_ready(&self) -> bool {
+        self.readied > 0
+    }
+
+    /// Whether `multiple` ACKs can still be written on this channel: its tags came in sequence
+    /// and no frame was refused.
+    pub fn coalescing(&self) -> bool {
+        self.coalesce && !self.refused
     }
 
     /// The result of a written ACK, removing its delivery; `None` while it is not written.
@@ -142,6 +174,11 @@ impl AckWindow {
     /// after the frame is queued, so no `multiple` ACK written in between can cover it.
     pub fn settled(&mut self, tag: u64) {
         if let Some(i) = self.position(tag) {
+            match self.open[i].1 {
+                Mark::Open => self.opened -= 1,
+                Mark::Ready => self.readied -= 1,
+                Mark::Done(_) => {}
+            }
             self.open.remove(i);
         }
     }
@@ -155,6 +192,39 @@ impl AckWindow {
     pub fn is_empty(&self) -> bool {
         self.open.is_empty()
     }
+}
+
+/// Writes one `multiple` ACK for the ready deliveries below the first open one (if `coalesce`),
+/// marks them done, and returns how many it covered.
+fn cover(
+    open: &mut VecDeque<(u64, Mark)>,
+    coalesce: bool,
+    write: &mut impl FnMut(u64, bool) -> SettleResult,
+) -> usize {
+    if !coalesce {
+        return 0;
+    }
+    // Below the first open delivery, every delivery is ready, written, or settled and gone: one
+    // `multiple` ACK covers exactly the ready ones.
+    let barrier = open
+        .iter()
+        .position(|&(_, mark)| mark == Mark::Open)
+        .unwrap_or(open.len());
+    let Some(end) = open
+        .range(..barrier)
+        .rposition(|&(_, mark)| mark == Mark::Ready)
+    else {
+        return 0;
+    };
+    let result = write(open[end].0, true);
+    let mut covered = 0;
+    for (_, mark) in open.range_mut(..=end) {
+        if *mark == Mark::Ready {
+            *mark = Mark::Done(result);
+            covered += 1;
+        }
+    }
+    covered
 }
 
 /// `write`, except that after a refusal nothing more is written.
@@ -230,6 +300,51 @@ mod tests {
         window.ready(4);
         assert_eq!(flush(&mut window), vec![(4, true)]);
         assert_eq!(window.take(1), Some(SettleResult::Written));
+        assert_eq!(window.take(4), Some(SettleResult::Written));
+    }
+
+    #[test]
+    fn ready_acks_ripen_when_nothing_is_open_or_a_batch_is_ready() {
+        let mut window = delivered(4);
+        assert!(!window.ripe(2), "nothing is ready");
+        window.ready(2);
+        assert!(!window.ripe(2), "1, 3 and 4 may become ready soon");
+        window.ready(4);
+        assert!(
+            !window.ripe(2),
+            "2 and 4 need two frames while 1 and 3 are open"
+        );
+        window.ready(1);
+        assert!(window.ripe(2), "one frame covers 1 and 2");
+        assert!(!window.ripe(3));
+        window.settled(3);
+        assert!(window.ripe(10), "nothing is open: waiting gains nothing");
+        flush(&mut window);
+        assert!(!window.ripe(1), "everything ready was written");
+        // Without coalescing a wait would save no frame.
+        let mut window = AckWindow::new();
+        window.deliver(1);
+        window.deliver(3);
+        window.ready(3);
+        assert!(window.ripe(10));
+    }
+
+    #[test]
+    fn a_covered_flush_leaves_the_acks_above_an_open_delivery_ready() {
+        let mut window = delivered(5);
+        for tag in [1, 2, 4] {
+            window.ready(tag);
+        }
+        let mut frames = Vec::new();
+        window.flush_covered(|tag, multiple| {
+            frames.push((tag, multiple));
+            SettleResult::Written
+        });
+        assert_eq!(frames, vec![(2, true)]);
+        assert!(window.has_ready(), "4 waits for 3");
+        window.ready(3);
+        assert_eq!(flush(&mut window), vec![(4, true)]);
+        assert!(!window.has_ready());
         assert_eq!(window.take(4), Some(SettleResult::Written));
     }
 

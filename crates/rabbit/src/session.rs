@@ -4,7 +4,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_core::Stream;
 use lapin::options::{
@@ -17,6 +17,7 @@ use lapin::{BasicProperties, Channel, Connection};
 use lily_mq_core::transport::{
     AckWindow, Action, Authority, HandoffId, HandoffResult, SettleResult,
 };
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
@@ -36,6 +37,13 @@ const WRITE_CHECK: Duration = Duration::from_secs(2);
 /// How long the consumer's `basic.cancel` may wait for its reply at shutdown; the budget runs.
 const CANCEL_WAIT: Duration = Duration::from_secs(1);
 
+/// How long a ready ACK waits for others to share its frame (see [`Session::ack`]).
+const ACK_LINGER: Duration = Duration::from_millis(1);
+
+/// Longest a ready ACK above a delivery still being handled waits for that one to settle, so
+/// one `multiple` frame covers both, before it is written on its own.
+const ACK_HOLD: Duration = Duration::from_millis(2);
+
 /// How often written ACKs are confirmed by a `basic.qos` round trip.
 const ACK_CONFIRM_INTERVAL: Duration = Duration::from_millis(200);
 
@@ -46,8 +54,20 @@ pub(crate) struct Session {
     connection: Connection,
     consuming: Channel,
     /// Deliveries open on the consuming channel and their ready ACKs.
-    acks: Mutex<AckWindow>,
+    acks: Mutex<Acks>,
+    /// Woken after every ACK flush.
+    flushed: Notify,
+    /// Ready ACKs that make a frame worth writing at once: half the prefetch.
+    batch: usize,
     ended: CancellationToken,
+}
+
+/// The ACK window, when its ready ACKs are next written, and since when the oldest of them
+/// waits.
+struct Acks {
+    window: AckWindow,
+    due: Option<Instant>,
+    since: Option<Instant>,
 }
 
 /// What one delivery may do to settle itself, and the only way its executor reaches the
@@ -158,44 +178,93 @@ impl Session {
 
     /// Registers a delivery of the consuming channel, in the order the broker sent them.
     pub(crate) fn delivered(&self, delivery_tag: u64) {
-        lock(&self.acks).deliver(delivery_tag);
+        lock(&self.acks).window.deliver(delivery_tag);
     }
 
-    /// ACKs `delivery_tag` together with the other ACKs that become ready at the same time.
+    /// ACKs `delivery_tag` together with the other ACKs that become ready about the same time.
     ///
     /// The ACK is marked ready and the task yields once. Tokio wakes a yielded task only after
     /// its worker thread has run the tasks already queued there (or at its periodic driver
-    /// poll), so deliveries that finish together are marked as well. The first of them to
-    /// resume writes them all, in as few frames as [`AckWindow::flush`] allows, and the others
-    /// find their result there. Nothing is written once authority is revoked: `revoked` is
-    /// checked for every frame, as late as possible.
+    /// poll), so deliveries that finish together are marked as well. Unless the window is
+    /// [ripe](AckWindow::ripe) (no delivery open that could become ready soon, or half the
+    /// prefetch ready), the task then waits for more, [`ACK_LINGER`] after the oldest unwritten
+    /// ACK was marked. The first task to find the window ripe or its time up writes the ready
+    /// ACKs and wakes the others, which find their result there: the ones below the first
+    /// delivery still being handled in one `multiple` frame, the others one frame each once
+    /// the oldest has waited [`ACK_HOLD`] (until then they wait for it to settle). Nothing is
+    /// written once authority is revoked: `revoked` is checked for every frame, as late as
+    /// possible.
     ///
-    /// The only await between marking and taking the result is the yield. That is why
-    /// the delivery executor can let a delivery in this section finish when the
-    /// abort comes: it takes one poll.
+    /// So from its mark to its result a delivery waits at most the hold and a few polls. That
+    /// is why the delivery executor can let a delivery in this section finish when the abort
+    /// comes.
     ///
     /// A tag the window does not hold open (never delivered here, or settled already) is
     /// refused, and nothing is written for it.
     pub(crate) async fn ack(&self, delivery_tag: u64, revoked: &CancellationToken) -> SettleResult {
-        if !lock(&self.acks).ready(delivery_tag) {
-            return SettleResult::Refused;
+        {
+            let mut acks = lock(&self.acks);
+            if !acks.window.ready(delivery_tag) {
+                return SettleResult::Refused;
+            }
+            let now = Instant::now();
+            acks.since.get_or_insert(now);
+            acks.due.get_or_insert(now + ACK_LINGER);
         }
         tokio::task::yield_now().await;
-        let mut acks = lock(&self.acks);
-        if let Some(result) = acks.take(delivery_tag) {
-            return result;
+        loop {
+            let mut notified = std::pin::pin!(self.flushed.notified());
+            // Registered before the window is read, so a flush in between is not missed.
+            notified.as_mut().enable();
+            let due = {
+                let acks = &mut *lock(&self.acks);
+                if let Some(result) = acks.window.take(delivery_tag) {
+                    return result;
+                }
+                let now = Instant::now();
+                match acks.due {
+                    Some(due) if now < due && !acks.window.ripe(self.batch) => due,
+                    _ => {
+                        self.flush(acks, now, revoked);
+                        match acks.window.take(delivery_tag) {
+                            Some(result) => return result,
+                            None => continue,
+                        }
+                    }
+                }
+            };
+            // Woken by a flush or at the due time; either way the window is read again.
+            let _ = tokio::time::timeout_at(due.into(), notified).await;
         }
+    }
+
+    /// Writes the ready ACKs that are due (see [`Session::ack`]) and wakes the deliveries
+    /// waiting for theirs.
+    fn flush(&self, acks: &mut Acks, now: Instant, revoked: &CancellationToken) {
         let channel = &self.consuming;
-        acks.flush(|tag, multiple| {
+        let write = |tag, multiple| {
             if revoked.is_cancelled() {
                 return SettleResult::Refused;
             }
             queued(first_poll(
                 channel.basic_ack(tag, BasicAckOptions { multiple }),
             ))
-        });
-        // The flush settled every ready ACK, this one included.
-        acks.take(delivery_tag).unwrap_or(SettleResult::Refused)
+        };
+        let held = acks.since.is_some_and(|since| now >= since + ACK_HOLD);
+        if held || !acks.window.coalescing() {
+            acks.window.flush(write);
+        } else {
+            acks.window.flush_covered(write);
+        }
+        if acks.window.has_ready() {
+            // The rest wait for the deliveries below them, until the hold runs out.
+            let hold = acks.since.map_or(now, |since| since + ACK_HOLD);
+            acks.due = Some((now + ACK_LINGER).min(hold));
+        } else {
+            acks.due = None;
+            acks.since = None;
+        }
+        self.flushed.notify_waiters();
     }
 
     /// Writes the NACK or reject of `delivery_tag`, which must have come from this session's
@@ -220,7 +289,7 @@ impl Session {
             Action::Ack | Action::Publish { .. } | Action::Hold(_) => return SettleResult::Refused,
         });
         if result == SettleResult::Written {
-            acks.settled(delivery_tag);
+            acks.window.settled(delivery_tag);
         }
         result
     }
@@ -408,7 +477,13 @@ pub(crate) async fn consume(
         id: shared.sessions.fetch_add(1, Ordering::Relaxed),
         connection,
         consuming,
-        acks: Mutex::new(AckWindow::new()),
+        acks: Mutex::new(Acks {
+            window: AckWindow::new(),
+            due: None,
+            since: None,
+        }),
+        flushed: Notify::new(),
+        batch: usize::from(shared.config.prefetch / 2).max(1),
         ended: CancellationToken::new(),
     });
     tokio::spawn(confirm_periodically(
