@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Lily's benchmarks against a private RabbitMQ node on loopback (not part of the test suite):
 #
-#   scripts/bench.sh [throughput|cost|cluster|all] [ARGS...]
+#   scripts/bench.sh [throughput|latency|storm|mongo|cost|cluster|all] [ARGS...]
 #
-# `cluster` also starts a private three-node cluster and compares it with the single node.
+# `mongo` also starts a private MongoDB replica set; `cluster` a private three-node cluster,
+# compared with the single node. `all` runs throughput, latency, storm, mongo and cost, passing
+# ARGS (such as --quick) to each; `scripts/bench.sh all --quick` takes about 15 minutes.
 #
 # Results go to target/bench/ (JSON, a table and an SVG chart). Absolute figures on a shared
 # machine are noise: read the ratios, measured side by side in one run.
@@ -19,20 +21,42 @@ rm -rf "$DIR"
 scripts/rabbitmq.sh start "$DIR" "$PORT"
 CLUSTER_DIR="$PWD/target/lily-rabbit-cluster-bench"
 CLUSTER_PORT=${LILY_BENCH_CLUSTER_PORT:-26772}
-trap 'scripts/rabbitmq.sh cluster-stop "$CLUSTER_DIR" || true; scripts/rabbitmq.sh stop "$DIR"' EXIT
+MONGO_DIR="$PWD/target/lily-mongod-bench"
+MONGO_PORT=${LILY_BENCH_MONGO_PORT:-27537}
+trap 'scripts/mongod.sh stop "$MONGO_DIR" || true; scripts/rabbitmq.sh cluster-stop "$CLUSTER_DIR" || true; scripts/rabbitmq.sh stop "$DIR"' EXIT
 export LILY_AMQP_URL="amqp://guest:guest@127.0.0.1:$PORT/%2f"
 export LILY_RABBIT_DIR="$DIR"
 mkdir -p target/bench
 
+mongo() {
+  scripts/mongod.sh install
+  scripts/mongod.sh stop "$MONGO_DIR" || true
+  rm -rf "$MONGO_DIR"
+  scripts/mongod.sh start "$MONGO_DIR" "$MONGO_PORT"
+  LILY_MONGO_URL="mongodb://127.0.0.1:$MONGO_PORT/?replicaSet=lily&directConnection=true" \
+    LILY_MONGO_DIR="$MONGO_DIR" target/release/mongo "$@"
+  scripts/mongod.sh stop "$MONGO_DIR"
+}
+
 cargo build --release -p lily-mq-bench --bins -p lily-mq-example-k8s-shutdown
 case "$what" in
   throughput) target/release/throughput "$@" ;;
+  latency) target/release/latency "$@" ;;
+  storm) target/release/storm "$@" ;;
+  mongo) mongo "$@" ;;
   cost) target/release/cost "$@" ;;
   cluster)
     scripts/rabbitmq.sh cluster-stop "$CLUSTER_DIR" || true
     rm -rf "$CLUSTER_DIR"
     scripts/rabbitmq.sh cluster-start "$CLUSTER_DIR" "$CLUSTER_PORT"
     LILY_CLUSTER_URL="amqp://guest:guest@127.0.0.1:$CLUSTER_PORT/%2f" target/release/cluster "$@" ;;
-  all) target/release/throughput "$@"; target/release/cost ;;
-  *) sed -n '2,10p' "$0" >&2; exit 2 ;;
+  all)
+    started=$SECONDS
+    target/release/throughput "$@"
+    target/release/latency "$@"
+    target/release/storm "$@"
+    mongo "$@"
+    target/release/cost "$@"
+    echo "lily: all benchmarks in $((SECONDS - started)) s" ;;
+  *) sed -n '2,13p' "$0" >&2; exit 2 ;;
 esac

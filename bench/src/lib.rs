@@ -5,6 +5,9 @@
 #![allow(missing_docs, unreachable_pub)]
 
 pub mod cost;
+pub mod latency;
+pub mod mongo;
+pub mod storm;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! `scripts/bench.sh`:
 //!
 //! ```text
-//! scripts/bench.sh cost [--n N] [--n0 N0] [--reps R]
+//! scripts/bench.sh cost [--n N] [--n0 N0] [--reps R] [--quick]
 //!     [--only allocs,instructions,memory,shutdown,hostile] [--merge bench/results/cost.json]
 //! ```
 //!

@@ -114,7 +114,7 @@ pub fn runtime(multi_thread: bool) -> Runtime {
 }
 
 const USAGE: &str = "\
-usage: cost [--n N] [--n0 N0] [--valgrind-n N] [--valgrind-n0 N0] [--reps R] [--in-flight K]
+usage: cost [--n N] [--n0 N0] [--valgrind-n N] [--valgrind-n0 N0] [--reps R] [--quick] [--in-flight K]
             [--shutdown-runs R] [--multi-thread] [--hostile-n N] [--hostile-prefetch P]
             [--hostile-copies C]
             [--only allocs,instructions,memory,shutdown,hostile] [--merge COST_JSON]
@@ -242,6 +242,14 @@ impl Options {
                 "--in-flight" => o.in_flight = value("--in-flight")?,
                 "--shutdown-runs" => o.shutdown_runs = value("--shutdown-runs")?.max(1),
                 "--multi-thread" => o.multi_thread = true,
+                // For `scripts/bench.sh all --quick`: fewer repetitions and a shorter valgrind run
+                // (instructions per message are a difference of two runs, so they keep).
+                "--quick" => {
+                    o.reps = 2;
+                    o.valgrind_n = 5_000;
+                    o.valgrind_n0 = 500;
+                    o.shutdown_runs = 3;
+                }
                 "--hostile-n" => o.hostile_n = value("--hostile-n")?.max(1),
                 "--hostile-prefetch" => {
                     o.hostile_prefetch = u16::try_from(value("--hostile-prefetch")?)

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+pub mod copy;
 pub mod lily_run;
 pub mod peer;
 pub mod raw;

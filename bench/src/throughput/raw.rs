@@ -1,21 +1,19 @@
 //! Hand-written lapin contenders: what a user writes without a framework.
 
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
     BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
 };
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::message::Delivery;
-use lapin::{
-    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, PublisherConfirm,
-};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{Channel, Confirmation, Connection, ConnectionProperties, PublisherConfirm};
 use tokio::task::JoinSet;
 
 use crate::Order;
-use crate::throughput::{FAILURE_REASON, Sample, copy_headers as h, run_limit};
+use crate::throughput::copy::retry_properties;
+use crate::throughput::{FAILURE_REASON, Sample, run_limit};
 
 async fn next(consumer: &mut lapin::Consumer) -> Option<lapin::Result<lapin::message::Delivery>> {
     use futures_core::Stream;
@@ -209,7 +207,7 @@ pub async fn handoff(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64
         tasks.spawn(async move {
             let order: Order = serde_json::from_slice(&delivery.data).expect("order");
             std::hint::black_box(order);
-            let properties = copy_properties(&delivery, &source);
+            let properties = retry_properties(&delivery, &source, FAILURE_REASON);
             let confirmed = async {
                 confirms
                     .basic_publish(
@@ -255,36 +253,6 @@ pub async fn handoff(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64
     Sample::new(settled, n, elapsed)
 }
 
-/// The retry copy's properties: the delivery's own, persistent, with Lily's failure headers.
-fn copy_properties(delivery: &Delivery, source: &str) -> BasicProperties {
-    let now = epoch_millis();
-    let mut headers = delivery
-        .properties
-        .headers()
-        .as_ref()
-        .map(|t| t.inner().clone())
-        .unwrap_or_default();
-    let mut put = |k: &str, v: AMQPValue| {
-        headers.insert(k.into(), v);
-    };
-    put(h::ATTEMPT, AMQPValue::LongUInt(2));
-    put(h::FIRST_FAILURE_AT, AMQPValue::LongLongInt(now));
-    put(h::LAST_FAILURE_AT, AMQPValue::LongLongInt(now));
-    put(h::FAILURE_KIND, long("retryable"));
-    put(
-        h::REASON,
-        long(&format!("handler failed: {FAILURE_REASON}")),
-    );
-    put(h::SOURCE_QUEUE, long(source));
-    put(h::ORIGINAL_EXCHANGE, long(delivery.exchange.as_str()));
-    put(h::ORIGINAL_ROUTING_KEY, long(delivery.routing_key.as_str()));
-    delivery
-        .properties
-        .clone()
-        .with_headers(FieldTable::from(headers))
-        .with_delivery_mode(2)
-}
-
 /// Consumes `n` messages, each failing once, as a hand-tuned publisher batches confirms: the
 /// loop publishes each retry copy (mandatory, persistent, Lily's failure headers) on one confirm
 /// channel without waiting, and every `prefetch / 2` copies hands the batch to a settler. The
@@ -324,7 +292,12 @@ pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, 
                     continue;
                 }
                 for (tag, ok) in outcomes {
-                    if ok && channel.basic_ack(tag, BasicAckOptions::default()).await.is_ok() {
+                    if ok
+                        && channel
+                            .basic_ack(tag, BasicAckOptions::default())
+                            .await
+                            .is_ok()
+                    {
                         settled += 1;
                     } else {
                         failed += 1;
@@ -351,13 +324,19 @@ pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, 
         received += 1;
         let order: Order = serde_json::from_slice(&delivery.data).expect("order");
         std::hint::black_box(order);
-        let properties = copy_properties(&delivery, queue);
+        let properties = retry_properties(&delivery, queue, FAILURE_REASON);
         let mandatory = BasicPublishOptions {
             mandatory: true,
             immediate: false,
         };
         let published = confirms
-            .basic_publish("".into(), bucket.clone(), mandatory, &delivery.data, properties)
+            .basic_publish(
+                "".into(),
+                bucket.clone(),
+                mandatory,
+                &delivery.data,
+                properties,
+            )
             .await;
         match published {
             Ok(confirm) => pending.push((delivery.delivery_tag, confirm)),
@@ -384,14 +363,4 @@ pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, 
     let _ = confirms.close(200, "done".into()).await;
     close(connection, channel, &consumer).await;
     Sample::new(settled, n, elapsed)
-}
-
-fn long(text: &str) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(text.as_bytes().to_vec()))
-}
-
-fn epoch_millis() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }

@@ -76,12 +76,14 @@ impl CaseResult {
                 median_msgs_per_sec: median(
                     &mut samples.iter().map(|x| x.msgs_per_sec).collect::<Vec<_>>(),
                 ),
-                client_cpu_us_per_msg: med(
-                    &mut samples.iter().filter_map(|x| x.client_cpu_us_per_msg).collect(),
-                ),
-                broker_cpu_us_per_msg: med(
-                    &mut samples.iter().filter_map(|x| x.broker_cpu_us_per_msg).collect(),
-                ),
+                client_cpu_us_per_msg: med(&mut samples
+                    .iter()
+                    .filter_map(|x| x.client_cpu_us_per_msg)
+                    .collect()),
+                broker_cpu_us_per_msg: med(&mut samples
+                    .iter()
+                    .filter_map(|x| x.broker_cpu_us_per_msg)
+                    .collect()),
                 samples,
             })
             .collect();
@@ -199,7 +201,11 @@ fn tables(results: &Results, row: &dyn Fn(&[String]) -> String, rule: bool) -> S
     let mut out = String::new();
     for path in paths(results) {
         let who = present(results, path);
-        let others: Vec<Contender> = who.iter().copied().filter(|&w| w != Contender::Lily).collect();
+        let others: Vec<Contender> = who
+            .iter()
+            .copied()
+            .filter(|&w| w != Contender::Lily)
+            .collect();
         let mut head = vec!["path".to_owned(), "queue".into(), "prefetch".into()];
         head.extend(who.iter().map(|w| format!("{} msg/s", w.name())));
         head.extend(others.iter().map(|w| format!("Lily / {}", w.name())));
@@ -216,7 +222,10 @@ fn tables(results: &Results, row: &dyn Fn(&[String]) -> String, rule: bool) -> S
                 c.queue_type.to_owned(),
                 c.prefetch.to_string(),
             ];
-            cells.extend(who.iter().map(|&w| c.median(w).map_or_else(|| "-".into(), rate)));
+            cells.extend(
+                who.iter()
+                    .map(|&w| c.median(w).map_or_else(|| "-".into(), rate)),
+            );
             cells.extend(
                 others
                     .iter()
@@ -253,8 +262,14 @@ fn tables(results: &Results, row: &dyn Fn(&[String]) -> String, rule: bool) -> S
                 c.prefetch.to_string(),
             ];
             let runs = |w| c.runs(w);
-            cells.extend(who.iter().map(|&w| us(runs(w).and_then(|r| r.client_cpu_us_per_msg))));
-            cells.extend(who.iter().map(|&w| us(runs(w).and_then(|r| r.broker_cpu_us_per_msg))));
+            cells.extend(
+                who.iter()
+                    .map(|&w| us(runs(w).and_then(|r| r.client_cpu_us_per_msg))),
+            );
+            cells.extend(
+                who.iter()
+                    .map(|&w| us(runs(w).and_then(|r| r.broker_cpu_us_per_msg))),
+            );
             let _ = writeln!(out, "{}", row(&cells));
         }
         let _ = writeln!(out);
@@ -273,7 +288,13 @@ pub fn human(results: &Results) -> String {
         cells
             .iter()
             .enumerate()
-            .map(|(i, c)| if i < 2 { format!("{c:<8}") } else { format!("{c:>14}") })
+            .map(|(i, c)| {
+                if i < 2 {
+                    format!("{c:<8}")
+                } else {
+                    format!("{c:>14}")
+                }
+            })
             .collect::<Vec<_>>()
             .join(" ")
     };

@@ -1,0 +1,309 @@
+//! Settlement latency of Lily against `raw-batch` (a hand-tuned raw lapin consumer): p50, p99 and
+//! p99.9 at 50 % and 90 % of the maximum rate, on the success and the handoff path.
+//!
+//! ```text
+//! scripts/bench.sh latency [--quick] [--paths success,handoff] [--prefetch 500,50]
+//!                          [--secs S] [--warmup S] [--messages N] [--max-rate R] [--out DIR]
+//! ```
+//!
+//! - Maximum rate of a path × prefetch: N messages (default 60 000, quick 20 000) published to a
+//!   fresh classic queue, then drained by Lily and by raw-batch, each timed from consumer start
+//!   until all are settled; the lower of the two rates is used (or `--max-rate R` for every case).
+//! - Each case: for each contender (order alternating case by case), a fresh topology, the
+//!   contender consuming, and a paced publisher (own connection, Lily's `Publisher`, 1 ms ticks)
+//!   at the target rate for S seconds (default 20, quick 8). Deliveries that arrived after the
+//!   warm-up (default 3 s, quick 2 s) and before publishing stopped are timed.
+//! - Success path: deserialize, ACK. Handoff path: deserialize, fail; the copy goes to a retry
+//!   bucket of 10 minutes (confirmed) and the original is ACKed.
+//! - Lily is timed by a tracing layer around its `delivery` span (arrival to settlement, Lily's
+//!   own work included); raw-batch from the loop's receipt to the completion of its covering ACK.
+//!
+//! `--quick` (prefetch 500 only) takes about two minutes. Results go to
+//! `target/bench/latency.{json,md,svg}`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use lily_mq_bench::latency::run::{self, Setup};
+use lily_mq_bench::latency::timer::{self, Sink};
+use lily_mq_bench::latency::{
+    BACKLOG_SECS, Case, Contender, KEPT_UP, LOADS, MaxRate, P99_MARGIN_MS, Path, Results, report,
+};
+use lily_mq_bench::throughput::{broker_version, load_average, revision};
+use lily_mq_bench::{body_512, broker_url};
+
+struct Args {
+    paths: Vec<Path>,
+    prefetches: Vec<u16>,
+    secs: f64,
+    warmup: f64,
+    messages: u64,
+    max_rate: Option<f64>,
+    out: PathBuf,
+}
+
+const USAGE: &str = "usage: latency [--quick] [--paths success,handoff] [--prefetch 500,50] \
+    [--secs S] [--warmup S] [--messages N] [--max-rate R] [--out DIR]";
+
+fn parse_args() -> Args {
+    let mut paths = vec![Path::Success, Path::Handoff];
+    let (mut prefetches, mut secs, mut warmup, mut messages) = (None, None, None, None);
+    let (mut max_rate, mut out, mut quick) = (None, PathBuf::from("target/bench"), false);
+    let mut it = std::env::args().skip(1);
+    let fail = |msg: String| -> ! {
+        eprintln!("{msg}\n{USAGE}");
+        std::process::exit(2)
+    };
+    let number = |flag: &str, text: String| -> f64 {
+        match text.replace('_', "").parse::<f64>() {
+            Ok(v) if v.is_finite() && v > 0.0 => v,
+            _ => fail(format!("{flag}: not a positive number: {text}")),
+        }
+    };
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .unwrap_or_else(|| fail(format!("{flag} needs a value")))
+        };
+        match flag.as_str() {
+            "--quick" => quick = true,
+            "--paths" => {
+                paths = value()
+                    .split(',')
+                    .map(|p| match p {
+                        "success" => Path::Success,
+                        "handoff" => Path::Handoff,
+                        other => fail(format!("unknown path {other}")),
+                    })
+                    .collect();
+            }
+            "--prefetch" => {
+                prefetches = Some(
+                    value()
+                        .split(',')
+                        .map(|p| match p.parse::<u16>() {
+                            Ok(p) if p > 0 => p,
+                            _ => fail(format!("bad prefetch {p}")),
+                        })
+                        .collect::<Vec<_>>(),
+                );
+            }
+            "--secs" => secs = Some(number("--secs", value())),
+            "--warmup" => warmup = Some(number("--warmup", value())),
+            "--messages" | "-n" => {
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                let n = number("--messages", value()) as u64;
+                messages = Some(n);
+            }
+            "--max-rate" => max_rate = Some(number("--max-rate", value())),
+            "--out" => out = PathBuf::from(value()),
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => fail(format!("unknown argument {other}")),
+        }
+    }
+    let args = Args {
+        paths,
+        prefetches: prefetches.unwrap_or_else(|| if quick { vec![500] } else { vec![500, 50] }),
+        secs: secs.unwrap_or(if quick { 8.0 } else { 20.0 }),
+        warmup: warmup.unwrap_or(if quick { 2.0 } else { 3.0 }),
+        messages: messages.unwrap_or(if quick { 20_000 } else { 60_000 }),
+        max_rate,
+        out,
+    };
+    if args.warmup >= args.secs {
+        fail("--warmup must be shorter than --secs".into());
+    }
+    args
+}
+
+#[tokio::main]
+async fn main() {
+    let args = parse_args();
+    let lily_sink = Arc::new(Sink::default());
+    timer::install(Arc::clone(&lily_sink));
+    let url = broker_url();
+    let body = body_512();
+    let setup = Setup {
+        url: url.clone(),
+        body: body.clone().into(),
+        run: Duration::from_secs_f64(args.secs),
+        warmup: Duration::from_secs_f64(args.warmup),
+        lily_sink,
+    };
+    let mut results = Results {
+        benchmark: "latency",
+        broker: broker_version(),
+        broker_url: redact(&url),
+        message_bytes: body.len(),
+        cpus: std::thread::available_parallelism().map_or(1, usize::from),
+        started_at_unix: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        lily_revision: revision(),
+        load_average: [load_average(), None],
+        max_rate_messages: if args.max_rate.is_some() {
+            0
+        } else {
+            args.messages
+        },
+        run_secs: args.secs,
+        warmup_secs: args.warmup,
+        wall_secs: 0.0,
+        notes: notes(&args),
+        cases: Vec::new(),
+    };
+    println!(
+        "Lily settlement-latency benchmark: {}; {:.0} s paced runs",
+        results.broker, args.secs
+    );
+    let total = Instant::now();
+    let mut order = 0;
+    for &path in &args.paths {
+        for &prefetch in &args.prefetches {
+            let max_rate = match args.max_rate {
+                Some(used) => MaxRate {
+                    lily: None,
+                    raw_batch: None,
+                    used,
+                },
+                None => {
+                    let mut rates = [0.0; 2];
+                    for (slot, who) in rates.iter_mut().zip([Contender::Lily, Contender::RawBatch])
+                    {
+                        let sample =
+                            run::drain_rate(&setup, who, path, prefetch, args.messages).await;
+                        eprintln!(
+                            "  max rate {} prefetch {prefetch} {:<9} {:>8.0} msgs/s{} [{:.0} s elapsed]",
+                            path.name(),
+                            who.name(),
+                            sample.msgs_per_sec,
+                            if sample.complete { "" } else { " (INCOMPLETE)" },
+                            total.elapsed().as_secs_f64()
+                        );
+                        *slot = sample.msgs_per_sec;
+                    }
+                    MaxRate {
+                        lily: Some(rates[0]),
+                        raw_batch: Some(rates[1]),
+                        used: rates[0].min(rates[1]),
+                    }
+                }
+            };
+            for load in LOADS {
+                let target = (max_rate.used * load).round().max(1.0);
+                let who = if order % 2 == 0 {
+                    [Contender::RawBatch, Contender::Lily]
+                } else {
+                    [Contender::Lily, Contender::RawBatch]
+                };
+                order += 1;
+                let mut runs = Vec::new();
+                for contender in who {
+                    let result = run::paced(&setup, contender, path, prefetch, target).await;
+                    eprintln!(
+                        "  {} prefetch {prefetch} {:.0}% ({target:.0}/s) {:<9} settled {:>7.0}/s p50 {:.2} p99 {:.2} p99.9 {:.2} ms, max depth {}{} [{:.0} s elapsed]",
+                        path.name(),
+                        load * 100.0,
+                        contender.name(),
+                        result.settled_per_sec,
+                        f64::from(result.latency.p50_us) / 1000.0,
+                        f64::from(result.latency.p99_us) / 1000.0,
+                        f64::from(result.latency.p999_us) / 1000.0,
+                        result.max_ready_depth,
+                        if result.complete { "" } else { " (INCOMPLETE)" },
+                        total.elapsed().as_secs_f64()
+                    );
+                    runs.push(result);
+                }
+                let (raw_batch, lily) = match who[0] {
+                    Contender::RawBatch => (runs[0], runs[1]),
+                    Contender::Lily => (runs[1], runs[0]),
+                };
+                results
+                    .cases
+                    .push(Case::new(path, prefetch, load, max_rate, raw_batch, lily));
+            }
+        }
+    }
+    results.load_average[1] = load_average();
+    results.wall_secs = total.elapsed().as_secs_f64();
+    println!();
+    print!("{}", report::human(&results));
+    std::fs::create_dir_all(&args.out).expect("create the output directory");
+    let json = serde_json::to_string_pretty(&results).expect("json");
+    let files = [
+        ("latency.json", json + "\n"),
+        ("latency.md", report::markdown(&results)),
+        ("latency.svg", report::svg(&results)),
+    ];
+    for (name, text) in files {
+        let file = args.out.join(name);
+        std::fs::write(&file, text).expect("write results");
+        println!("wrote {}", file.display());
+    }
+    println!("total {:.0} s", total.elapsed().as_secs_f64());
+}
+
+fn notes(args: &Args) -> Vec<String> {
+    let max_rate = match args.max_rate {
+        Some(r) => {
+            format!("The maximum rate was given on the command line: {r:.0} msgs/s for every case.")
+        }
+        None => format!(
+            "The maximum rate of each path × prefetch is the LOWER of Lily's and raw-batch's drain \
+             rates: {} messages published to a fresh queue, then drained and timed from consumer \
+             start (connect included) until all were settled, with nothing publishing meanwhile. \
+             Both contenders run at the same target rate: 50 % and 90 % of it.",
+            args.messages
+        ),
+    };
+    vec![
+        max_rate,
+        "Lily is timed by a tracing_subscriber Layer installed by the benchmark: it stamps an \
+         Instant when Lily opens its INFO `delivery` span (target lily_mq_rabbit, opened when the \
+         delivery reaches its delivery task) and records the elapsed time when the span closes, \
+         after the delivery is settled. The figure therefore includes Lily's own work from \
+         arrival to settlement (gate, dispatch, handler, decision, handoff publish and confirm, \
+         ACK written). The layer's filter enables that span only: no event and no other span."
+            .into(),
+        "raw-batch: basic.qos(prefetch); each delivery deserialized (serde_json Order) and added \
+         to a batch, flushed once max(1, prefetch/2) are unACKed or when no further delivery is \
+         ready right now (the consumer stream polled once with a no-op waker); success: one \
+         basic.ack(multiple). Handoff: each copy published at once (mandatory, persistent, Lily's \
+         8 failure headers) on one confirm channel, confirms awaited together at the flush, then \
+         one multiple ACK (failed copies NACKed with requeue, singly). Its latency runs from the \
+         loop's receipt of the delivery to the completion of the ACK future that covered it."
+            .into(),
+        format!(
+            "Load: a paced publisher in the same process on its own connection (raw lapin on a \
+             confirm channel: every 1 ms what the schedule rate × elapsed owes, published back to \
+             back, persistent and mandatory; confirms awaited by a background task). Latencies count deliveries that arrived after the warm-up \
+             ({:.0} s) and before publishing stopped ({:.0} s); settled/s is over the same \
+             window. 'kept up' means the publisher reached ≥ {kept:.0} % of the target, settled/s ≥ \
+             {kept:.0} % of the publish rate, the ready depth when publishing stopped ≤ \
+             {BACKLOG_SECS} s of the target rate, and every published message settled \
+             afterwards.",
+            args.warmup,
+            args.secs,
+            kept = KEPT_UP * 100.0
+        ),
+        format!(
+            "Target: Lily p99 ≤ raw-batch p99 + {P99_MARGIN_MS:.0} ms. Classic queue, persistent \
+             512-byte JSON; the handoff path's bucket delays 10 minutes, so copies stay parked."
+        ),
+        "The machine is shared and the publisher, both contenders and the broker share its CPUs: \
+         these are development figures; compare the contenders, not the absolute values."
+            .into(),
+    ]
+}
+
+/// `scheme://host:port/vhost` without credentials.
+fn redact(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("amqp", url));
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://{rest}")
+}

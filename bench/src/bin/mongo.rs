@@ -1,0 +1,498 @@
+//! What Lily's MongoDB scope costs: Lily's transactional-inbox handler against a hand-written
+//! lapin + mongodb consumer doing the same transaction, and what hot keys (write conflicts) do
+//! to both, on one broker and one replica set, alternating the contenders run by run.
+//!
+//! ```text
+//! LILY_AMQP_URL=… LILY_MONGO_URL=… [LILY_RABBIT_DIR=…] [LILY_MONGO_DIR=…] \
+//! mongo [--quick] [--messages N] [--hot-messages N] [--reps R] [--concurrency C] [--prefetch P]
+//!       [--hot-concurrency C] [--cases scope,hot] [--out DIR]
+//!       [--contenders raw,lily,lily-no-lease[,raw-lily-record]]
+//! ```
+//!
+//! - **scope** (N = 20 000, `--quick` 5 000; concurrency 32, prefetch 64): per message one
+//!   transaction with the inbox record and one effect insert, committed, then ACKed. Contenders:
+//!   the raw driver consumer (`lily_mq_bench::mongo::raw`), Lily with its default scope (inbox +
+//!   fenced lease per message), Lily without the lease (inbox only, the like-for-like one).
+//!   Target: Lily / raw ≥ 0.9. On request (`--contenders …,raw-lily-record`) also the raw
+//!   consumer writing Lily's inbox record shape with Lily's TTL index: a diagnostic that
+//!   separates what Lily's record costs mongod from what Lily's machinery costs.
+//! - **hot keys** (N = 5 000, `--quick` 2 000; concurrency 8, prefetch 16): the same plus `$inc`
+//!   on counter `index % 5`, so transactions conflict. Required: no valid message in the DLQ
+//!   or the parking lane, the counters sum to N, every id in the inbox once.
+//!
+//! Every run re-declares the topology (classic queue), drops and re-creates the database,
+//! publishes N messages (not timed), then times from consumer start until N are ACKed, and
+//! checks the outcome by message id from outside (`lily_mq_bench::mongo::verify`). Medians of
+//! the repetitions (3, `--quick` 2) go to `target/bench/mongo.{json,md,svg}`. `LILY_RABBIT_DIR`
+//! and `LILY_MONGO_DIR` (the nodes' directories) add broker and mongod CPU per message.
+//! `--quick` takes about 1.5–2 minutes on a shared 2-core machine; the default run about 8.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use lily::prelude::{Policy, QueueKind};
+use lily_mq_bench::mongo::report::{self, CaseResult, ContenderResult, Results};
+use lily_mq_bench::mongo::{Case, Contender, Counters, Load, Run, db, lily_run, raw, verify};
+use lily_mq_bench::throughput::report::rate;
+use lily_mq_bench::throughput::{CpuMeter, broker_version, cpu_secs, load_average, revision};
+use lily_mq_bench::{body_512, broker_url, fresh_topology, publish};
+
+const QUEUE: &str = "lily-bench-mongo";
+
+struct Args {
+    messages: u64,
+    hot_messages: u64,
+    reps: u32,
+    concurrency: usize,
+    prefetch: Option<u16>,
+    hot_concurrency: usize,
+    cases: Vec<Case>,
+    contenders: Vec<Contender>,
+    out: PathBuf,
+}
+
+const USAGE: &str = "usage: mongo [--quick] [--messages N] [--hot-messages N] [--reps R] \
+    [--concurrency C] [--prefetch P] [--hot-concurrency C] [--cases scope,hot] \
+    [--contenders raw,lily,lily-no-lease[,raw-lily-record]] [--out DIR]\n\
+    environment: LILY_AMQP_URL, LILY_MONGO_URL (a replica set), optional LILY_RABBIT_DIR and \
+    LILY_MONGO_DIR for the nodes' CPU";
+
+fn parse_args() -> Args {
+    let mut args = Args {
+        messages: 20_000,
+        hot_messages: 5_000,
+        reps: 3,
+        concurrency: 32,
+        prefetch: None,
+        hot_concurrency: 8,
+        cases: vec![Case::Scope, Case::HotKeys],
+        contenders: Contender::DEFAULT.to_vec(),
+        out: PathBuf::from("target/bench"),
+    };
+    let mut explicit = (false, false, false);
+    let mut quick = false;
+    let mut it = std::env::args().skip(1);
+    let fail = |msg: String| -> ! {
+        eprintln!("{msg}\n{USAGE}");
+        std::process::exit(2)
+    };
+    let number = |flag: &str, v: String| -> u64 {
+        v.replace('_', "")
+            .parse()
+            .unwrap_or_else(|e| fail(format!("{flag}: {e}")))
+    };
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .unwrap_or_else(|| fail(format!("{flag} needs a value")))
+        };
+        match flag.as_str() {
+            "--quick" => quick = true,
+            "--messages" | "-n" => {
+                args.messages = number(&flag, value());
+                explicit.0 = true;
+            }
+            "--hot-messages" => {
+                args.hot_messages = number(&flag, value());
+                explicit.1 = true;
+            }
+            "--reps" | "-r" => {
+                args.reps = u32::try_from(number(&flag, value()))
+                    .unwrap_or_else(|_| fail("--reps too large".into()));
+                explicit.2 = true;
+            }
+            "--concurrency" => {
+                args.concurrency = usize::try_from(number(&flag, value())).unwrap_or(0);
+            }
+            "--hot-concurrency" => {
+                args.hot_concurrency = usize::try_from(number(&flag, value())).unwrap_or(0);
+            }
+            "--prefetch" => {
+                args.prefetch = Some(
+                    u16::try_from(number(&flag, value()))
+                        .ok()
+                        .filter(|&p| p > 0)
+                        .unwrap_or_else(|| fail("--prefetch must be 1..=65535".into())),
+                );
+            }
+            "--cases" => {
+                args.cases = value()
+                    .split(',')
+                    .map(|c| match c {
+                        "scope" => Case::Scope,
+                        "hot" | "hot-keys" => Case::HotKeys,
+                        other => fail(format!("unknown case {other}")),
+                    })
+                    .collect();
+            }
+            "--contenders" => {
+                args.contenders = value()
+                    .split(',')
+                    .map(|c| {
+                        Contender::ALL
+                            .into_iter()
+                            .find(|who| who.flag() == c)
+                            .unwrap_or_else(|| fail(format!("unknown contender {c}")))
+                    })
+                    .collect();
+            }
+            "--out" => args.out = PathBuf::from(value()),
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => fail(format!("unknown argument {other}")),
+        }
+    }
+    if quick {
+        if !explicit.0 {
+            args.messages = 5_000;
+        }
+        if !explicit.1 {
+            args.hot_messages = 2_000;
+        }
+        if !explicit.2 {
+            args.reps = 2;
+        }
+    }
+    if args.messages == 0 || args.hot_messages == 0 || args.reps == 0 {
+        fail("message counts and --reps must be above zero".into());
+    }
+    if args.concurrency == 0 || args.hot_concurrency == 0 {
+        fail("concurrencies must be above zero".into());
+    }
+    if args.contenders.is_empty() || args.cases.is_empty() {
+        fail("nothing to run".into());
+    }
+    args
+}
+
+/// Prefetch of a case: `--prefetch`, or twice the concurrency.
+fn prefetch(args: &Args, concurrency: usize) -> u16 {
+    args.prefetch
+        .unwrap_or_else(|| u16::try_from(concurrency * 2).unwrap_or(u16::MAX))
+}
+
+struct Setup<'a> {
+    url: &'a str,
+    mongo_url: &'a str,
+    body: &'a [u8],
+}
+
+/// One run: fresh topology and database, N messages published, the contender timed, the
+/// outcome checked by message id.
+async fn run_once(
+    setup: &Setup<'_>,
+    case: Case,
+    who: Contender,
+    n: u64,
+    concurrency: usize,
+    prefetch: u16,
+) -> Run {
+    let url = setup.url;
+    let topology = fresh_topology(
+        url,
+        QUEUE,
+        QueueKind::Classic,
+        &Policy::default().retry_delays,
+    )
+    .await;
+    let client = db::client(setup.mongo_url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let database = db::fresh(&client, case).await;
+    publish(
+        url,
+        QUEUE,
+        usize::try_from(n).expect("n fits usize"),
+        setup.body,
+    )
+    .await;
+    // Let the broker finish writing the batch before the clock starts.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let counters = Counters::shared();
+    // Lily's scope (its index creation) is set up before the clock, like the raw client.
+    let scope = match who {
+        Contender::Raw | Contender::RawLilyRecord => None,
+        Contender::Lily | Contender::LilyNoLease => {
+            Some(lily_run::scope(client.clone(), who, &counters).await)
+        }
+    };
+    let load = Load {
+        url,
+        queue: QUEUE,
+        case,
+        concurrency,
+        prefetch,
+        n,
+    };
+    let ops_before = db::Ops::read(&client).await;
+    let mongod = db::mongod_pid();
+    let mongod_before = mongod.and_then(|p| cpu_secs(Some(p)));
+    let cpu = CpuMeter::start();
+    let (mut sample, lily_totals) = match scope {
+        None => {
+            let lily_record = who == Contender::RawLilyRecord;
+            let sample = raw::consume(&load, client.clone(), lily_record, counters.clone()).await;
+            (sample, None)
+        }
+        Some(scope) => {
+            let (sample, totals) = lily_run::consume(&load, scope, counters.clone()).await;
+            (sample, Some(totals))
+        }
+    };
+    cpu.stop(&mut sample);
+    #[allow(clippy::cast_precision_loss)]
+    let mongod_cpu_us_per_msg = match (mongod_before, mongod.and_then(|p| cpu_secs(Some(p)))) {
+        (Some(b), Some(a)) if sample.settled > 0 => Some((a - b) * 1e6 / sample.settled as f64),
+        _ => None,
+    };
+    let ops_after = db::Ops::read(&client).await;
+    let mongod_ops_per_msg = match (ops_before, ops_after) {
+        (Some(b), Some(a)) => Some(b.per_message(&a, n)),
+        _ => None,
+    };
+    let check = verify::check(url, &database, &topology, QUEUE, case, who, n).await;
+    sample.left_in_queue = check.work_queue_ready;
+    Run {
+        sample,
+        mongod_cpu_us_per_msg,
+        mongod_ops_per_msg,
+        observed: counters.snapshot(),
+        lily_totals,
+        check,
+    }
+}
+
+fn describe(run: &Run) -> String {
+    let s = &run.sample;
+    let o = &run.observed;
+    #[allow(clippy::cast_precision_loss)]
+    let per = |v: u64| v as f64 / s.expected.max(1) as f64;
+    let mut line = format!(
+        "{:>7} msgs/s ({:.2} s{}) tries/msg {:.2} conflicts/msg {:.2} cpu µs/msg client {} mongod {} broker {}",
+        rate(s.msgs_per_sec),
+        s.secs,
+        if s.complete {
+            String::new()
+        } else {
+            format!(", INCOMPLETE {}/{}", s.settled, s.expected)
+        },
+        per(o.attempts),
+        per(o.conflicts),
+        opt(s.client_cpu_us_per_msg),
+        opt(run.mongod_cpu_us_per_msg),
+        opt(s.broker_cpu_us_per_msg),
+    );
+    if let Some(o) = &run.mongod_ops_per_msg {
+        line.push_str(&format!(
+            " mongod ops/msg {:.2} (insert {:.2} update {:.2} query {:.2} command {:.2})",
+            o.total(),
+            o.insert,
+            o.update,
+            o.query,
+            o.command
+        ));
+    }
+    if let Some(t) = &run.lily_totals
+        && (t.acked != s.expected
+            || t.deferred
+                + t.requeued
+                + t.dead_lettered
+                + t.parked
+                + t.retried
+                + t.unresolved
+                + t.duplicates_suppressed
+                > 0)
+    {
+        line.push_str(&format!(
+            " Lily totals: acked {} deferred {} requeued {} retried {} dead-lettered {} parked {} duplicates {} unresolved {}",
+            t.acked,
+            t.deferred,
+            t.requeued,
+            t.retried,
+            t.dead_lettered,
+            t.parked,
+            t.duplicates_suppressed,
+            t.unresolved
+        ));
+    }
+    let c = &run.check;
+    if let (Some(l), Some(f)) = (c.lease_documents, c.fence_documents) {
+        line.push_str(&format!(" lease/fence documents left {l}/{f}"));
+    }
+    if c.passed {
+        line.push_str(" verified");
+    } else {
+        line.push_str(&format!(
+            " CHECK FAILED: effects {} (missing {}, unexpected {}), inbox {} (missing {}, unexpected {}), counters {:?} exact {:?}, ready {:?}, DLQ {}, parked {}, retry buckets {}; ids {:?}",
+            c.effects,
+            c.effects_missing,
+            c.effects_unexpected,
+            c.inbox,
+            c.inbox_missing,
+            c.inbox_unexpected,
+            c.counters_sum,
+            c.counters_exact,
+            c.work_queue_ready,
+            c.dead_lettered,
+            c.parked,
+            c.in_retry_buckets,
+            c.sample_ids
+        ));
+    }
+    line
+}
+
+fn opt(value: Option<f64>) -> String {
+    value.map_or_else(|| "-".into(), |v| format!("{v:.0}"))
+}
+
+#[tokio::main]
+async fn main() {
+    let args = parse_args();
+    let mongo_url = db::mongo_url().unwrap_or_else(|e| {
+        eprintln!("mongo: {e}");
+        std::process::exit(2)
+    });
+    let url = broker_url();
+    let probe = db::client(&mongo_url).await.unwrap_or_else(|e| {
+        eprintln!("mongo: {e}");
+        std::process::exit(2)
+    });
+    let mongodb = db::server_version(&probe).await;
+    drop(probe);
+    let body = body_512();
+    let setup = Setup {
+        url: &url,
+        mongo_url: &mongo_url,
+        body: &body,
+    };
+    let started_at_unix = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let mut results = Results {
+        benchmark: "mongo",
+        broker: broker_version(),
+        broker_url: redact_amqp(&url),
+        mongodb,
+        mongodb_url: db::redact(&mongo_url),
+        queue_type: "classic",
+        message_bytes: body.len(),
+        repetitions: args.reps,
+        cpus: std::thread::available_parallelism().map_or(1, usize::from),
+        started_at_unix,
+        lily_revision: revision(),
+        load_average: [load_average(), None],
+        wall_secs: 0.0,
+        notes: notes(),
+        cases: Vec::new(),
+    };
+    println!(
+        "Lily Mongo scope benchmark: {} and {}; {} repetition(s)",
+        results.broker, results.mongodb, args.reps
+    );
+    let total = Instant::now();
+    for &case in &args.cases {
+        let (n, concurrency) = match case {
+            Case::Scope => (args.messages, args.concurrency),
+            Case::HotKeys => (args.hot_messages, args.hot_concurrency),
+        };
+        let prefetch = prefetch(&args, concurrency);
+        let mut runs: Vec<(Contender, Vec<Run>)> =
+            args.contenders.iter().map(|&c| (c, Vec::new())).collect();
+        for rep in 1..=args.reps {
+            // Alternate the order too, so no contender always runs first on a cold node.
+            let len = runs.len();
+            for k in 0..len {
+                let slot = (k + usize::try_from(rep - 1).unwrap_or(0)) % len;
+                let who = runs[slot].0;
+                let run = run_once(&setup, case, who, n, concurrency, prefetch).await;
+                eprintln!(
+                    "  {} N {n} concurrency {concurrency} prefetch {prefetch} rep {rep}/{} {:<16} {} [{:.0} s elapsed]",
+                    case.name(),
+                    args.reps,
+                    who.name(),
+                    describe(&run),
+                    total.elapsed().as_secs_f64()
+                );
+                runs[slot].1.push(run);
+            }
+        }
+        let contenders = runs
+            .into_iter()
+            .map(|(who, runs)| ContenderResult::new(who, runs))
+            .collect();
+        results
+            .cases
+            .push(CaseResult::new(case, n, concurrency, prefetch, contenders));
+    }
+    results.load_average[1] = load_average();
+    results.wall_secs = total.elapsed().as_secs_f64();
+    println!();
+    print!("{}", report::human(&results));
+    std::fs::create_dir_all(&args.out).expect("create the output directory");
+    let json = serde_json::to_string_pretty(&results).expect("json");
+    let files = [
+        ("mongo.json", json + "\n"),
+        ("mongo.md", report::markdown(&results)),
+        ("mongo.svg", report::svg(&results)),
+    ];
+    for (name, text) in files {
+        let file = args.out.join(name);
+        std::fs::write(&file, text).expect("write results");
+        println!("wrote {}", file.display());
+    }
+    println!("total {:.0} s", total.elapsed().as_secs_f64());
+}
+
+fn notes() -> Vec<String> {
+    vec![
+        "Time runs from consumer start (AMQP connect included) until N messages are ACKed \
+         (raw: Acker::ack returned Ok(true); Lily: its ledger's acked total, polled every 1 ms). \
+         Publishing, the fresh topology, the dropped and re-created database and each contender's \
+         MongoDB client (and Lily's scope indexes) are set up before the clock."
+            .into(),
+        "Both contenders run the transaction with snapshot read concern and majority write \
+         concern (Lily's settings), through the driver's default pool (maxPoolSize 10 unless \
+         LILY_MONGO_URL sets it), with the same concurrency and prefetch."
+            .into(),
+        "raw driver: a task per delivery (semaphore of C), session → start_transaction → insert \
+         {_id: message_id} into inbox (duplicate key → ACK) → insert the effect (hot keys: $inc \
+         the counter) → commit (again on UnknownTransactionCommitResult); the whole transaction \
+         again, at once, on TransientTransactionError; ACK after the commit; anything else, or 10 s \
+         without a commit, NACK with requeue."
+            .into(),
+        "Lily (lease): MongoConfig::new — before the transaction a lease upsert and a fence \
+         upsert, inside it the inbox record (with a SHA-256 fingerprint of the body) and the \
+         handler's writes, then a fence check, the commit and a lease release. Lily (no lease): \
+         MongoConfig::without_lease — the inbox record and the handler's writes, the commit. Both \
+         with Lily's default policy; a TransientTransactionError in the handler is returned as \
+         QueueHandlerError::transient, which reruns the scope in-process with backoff (10 ms \
+         doubling, at most 500 ms)."
+            .into(),
+        "tries/msg: transaction attempts (raw) or handler runs (Lily) per message; conflicts/msg: \
+         TransientTransactionErrors the contender saw (Lily: in the handler's writes only; a \
+         conflict on its own inbox insert is not observable from outside)."
+            .into(),
+        "Every run is checked from outside by message id: effects hold exactly the N ids once \
+         each, the inbox holds every id once, the hot-key counters sum to N (each exactly its \
+         messages), the work queue is empty, the DLQ and parking lane are drained and must be \
+         empty, the retry buckets must be empty."
+            .into(),
+        "mongod ops/msg: serverStatus.opcounters over the run (setup excluded, Lily's shutdown \
+         included) divided by N; operations inside transactions count, commits and aborts are \
+         commands, findAndModify is a command. raw (Lily record), when run, writes Lily's inbox \
+         record shape ({_id: {c, m}}, a 64-character fingerprint, type, schema version, at) into \
+         a collection with Lily's TTL index on `at`."
+            .into(),
+        "The machine is shared and small: read the ratios, not the absolute figures.".into(),
+    ]
+}
+
+/// `scheme://host:port/vhost` without credentials.
+fn redact_amqp(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("amqp", url));
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://{rest}")
+}

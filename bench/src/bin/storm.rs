@@ -1,0 +1,302 @@
+//! Failure storm: 100 % retryable failures at the maximum rate for minutes, raw lapin against
+//! Lily, watching throughput and memory over time.
+//!
+//! ```text
+//! scripts/bench.sh storm [--quick] [--secs S] [--population N] [--prefetch P]
+//!                        [--contenders raw,lily] [--out DIR]
+//! ```
+//!
+//! For each contender (raw lapin first, then Lily) a fresh classic topology whose retry bucket
+//! delays 1 s, a population of N messages (default 40 000) published up front, then the
+//! contender consumes for S seconds (default 300, quick 45) with prefetch P (default 500; Lily's
+//! concurrency = P): every delivery fails, its copy goes to the bucket (confirmed), the original
+//! is ACKed, and the bucket dead-letters the copy back 1 s later. Every second: handoffs
+//! completed, `VmRSS` of this process, the work queue's ready depth. After the contender stopped
+//! and the bucket's TTL passed, the work queue and the bucket are drained and counted by
+//! message id: every id of the population exactly once, DLQ and parking empty.
+//!
+//! `--quick` takes about two and a half minutes. Results go to `target/bench/storm.{json,md,svg}`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use ::lily::prelude::{QueueKind, Trigger};
+use lily_mq_bench::storm::{
+    Contender, MAX_ATTEMPTS, QUEUE, RETRY_DELAY, Results, StormRun, Summary, check, lily, raw,
+    report, sample,
+};
+use lily_mq_bench::throughput::{broker_version, load_average, revision};
+use lily_mq_bench::{body_512, broker_url, fresh_topology, publish};
+use tokio_util::sync::CancellationToken;
+
+/// Seconds at the start of a run left out of the rates and the RSS start and slope.
+const WARMUP: u32 = 10;
+
+struct Args {
+    secs: u32,
+    population: u64,
+    prefetch: u16,
+    contenders: Vec<Contender>,
+    out: PathBuf,
+}
+
+const USAGE: &str = "usage: storm [--quick] [--secs S] [--population N] [--prefetch P] \
+    [--contenders raw,lily] [--out DIR]";
+
+fn parse_args() -> Args {
+    let mut args = Args {
+        secs: 0,
+        population: 40_000,
+        prefetch: 500,
+        contenders: vec![Contender::Raw, Contender::Lily],
+        out: PathBuf::from("target/bench"),
+    };
+    let (mut secs, mut quick) = (None, false);
+    let mut it = std::env::args().skip(1);
+    let fail = |msg: String| -> ! {
+        eprintln!("{msg}\n{USAGE}");
+        std::process::exit(2)
+    };
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .unwrap_or_else(|| fail(format!("{flag} needs a value")))
+        };
+        match flag.as_str() {
+            "--quick" => quick = true,
+            "--secs" => {
+                secs = Some(
+                    value()
+                        .parse::<u32>()
+                        .ok()
+                        .filter(|&s| s > WARMUP + 1)
+                        .unwrap_or_else(|| fail(format!("--secs must exceed {}", WARMUP + 1))),
+                );
+            }
+            "--population" | "-n" => {
+                args.population = value()
+                    .replace('_', "")
+                    .parse()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .unwrap_or_else(|| fail("--population must be above zero".into()));
+            }
+            "--prefetch" => {
+                args.prefetch = value()
+                    .parse()
+                    .ok()
+                    .filter(|&p| p > 0)
+                    .unwrap_or_else(|| fail("--prefetch must be above zero".into()));
+            }
+            "--contenders" => {
+                args.contenders = value()
+                    .split(',')
+                    .map(|c| match c {
+                        "raw" => Contender::Raw,
+                        "lily" => Contender::Lily,
+                        other => fail(format!("unknown contender {other}")),
+                    })
+                    .collect();
+            }
+            "--out" => args.out = PathBuf::from(value()),
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => fail(format!("unknown argument {other}")),
+        }
+    }
+    args.secs = secs.unwrap_or(if quick { 45 } else { 300 });
+    args
+}
+
+/// One contender's storm on a fresh topology.
+async fn storm(url: &str, body: &[u8], args: &Args, who: Contender) -> StormRun {
+    let topology = fresh_topology(url, QUEUE, QueueKind::Classic, &[RETRY_DELAY]).await;
+    let bucket = topology.bucket(0).expect("a retry bucket").to_owned();
+    let count = usize::try_from(args.population).expect("population fits usize");
+    publish(url, QUEUE, count, body).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (series, failed, lily_totals) = match who {
+        Contender::Raw => {
+            let counters = Arc::new(raw::Counters::default());
+            let stop = CancellationToken::new();
+            let task = tokio::spawn(raw::run(
+                url.to_owned(),
+                QUEUE.to_owned(),
+                bucket.clone(),
+                args.prefetch,
+                Arc::clone(&counters),
+                stop.clone(),
+            ));
+            let series = sample(url, QUEUE, args.secs, || {
+                counters.handoffs.load(Ordering::Relaxed)
+            })
+            .await;
+            stop.cancel();
+            let _ = task.await;
+            (series, counters.failed.load(Ordering::Relaxed), None)
+        }
+        Contender::Lily => {
+            let (consumer, shutdown) = lily::consumer(url, QUEUE, args.prefetch);
+            let stats = consumer.stats();
+            let task = tokio::spawn(consumer.run(shutdown.clone()));
+            let deadline = Instant::now() + lily::READY_LIMIT;
+            while !stats.ready() && Instant::now() < deadline && !task.is_finished() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let series = sample(url, QUEUE, args.secs, || stats.totals().retried).await;
+            shutdown.trigger(Trigger::Api);
+            match task.await {
+                Ok(Ok(report)) if report.exit_code() == 0 => {}
+                Ok(Ok(report)) => {
+                    eprintln!("  Lily shutdown report exit code {}", report.exit_code())
+                }
+                Ok(Err(err)) => eprintln!("  Lily consumer failed: {err}"),
+                Err(err) => eprintln!("  Lily consumer task: {err}"),
+            }
+            let t = stats.totals();
+            let other = t.requeued + t.dead_lettered + t.parked + t.unresolved;
+            (series, other, Some(t))
+        }
+    };
+    // Let every copy in the bucket come back before counting.
+    tokio::time::sleep(RETRY_DELAY + Duration::from_millis(1500)).await;
+    let check = check::check(
+        url,
+        QUEUE,
+        &bucket,
+        &topology.dead_letter_queue(),
+        &topology.parking_queue(),
+        args.population,
+    )
+    .await;
+    StormRun {
+        contender: who,
+        secs: args.secs,
+        handoffs: series.iter().map(|s| s.handoffs).sum(),
+        failed,
+        summary: Summary::of(&series, WARMUP),
+        check,
+        lily_totals,
+        series,
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let args = parse_args();
+    let url = broker_url();
+    let body = body_512();
+    let mut results = Results {
+        benchmark: "storm",
+        broker: broker_version(),
+        broker_url: redact(&url),
+        message_bytes: body.len(),
+        population: args.population,
+        prefetch: args.prefetch,
+        retry_delay_secs: RETRY_DELAY.as_secs_f64(),
+        secs: args.secs,
+        warmup_secs: WARMUP,
+        cpus: std::thread::available_parallelism().map_or(1, usize::from),
+        started_at_unix: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        lily_revision: revision(),
+        load_average: [load_average(), None],
+        wall_secs: 0.0,
+        runs: Vec::new(),
+        lily_over_raw: None,
+        notes: notes(&args),
+    };
+    println!(
+        "Lily failure storm: {}; {} messages, {} s a contender",
+        results.broker, args.population, args.secs
+    );
+    let total = Instant::now();
+    for &who in &args.contenders {
+        let run = storm(&url, &body, &args, who).await;
+        eprintln!(
+            "  {}: mean {:.0} handoffs/s, flatness {:.3}, RSS {:.1} → {:.1} MiB ({:+.2} MiB/min), ids {} [{:.0} s elapsed]",
+            who.name(),
+            run.summary.mean_rate,
+            run.summary.flatness,
+            run.summary.rss_start_mib,
+            run.summary.rss_end_mib,
+            run.summary.rss_slope_mib_per_min,
+            if run.check.ok { "ok" } else { "FAILED" },
+            total.elapsed().as_secs_f64()
+        );
+        results.runs.push(run);
+    }
+    let mean = |who| {
+        results
+            .runs
+            .iter()
+            .find(|r| r.contender == who)
+            .map(|r| r.summary.mean_rate)
+    };
+    results.lily_over_raw = mean(Contender::Lily)
+        .zip(mean(Contender::Raw))
+        .map(|(l, r)| l / r);
+    results.load_average[1] = load_average();
+    results.wall_secs = total.elapsed().as_secs_f64();
+    println!();
+    print!("{}", report::human(&results));
+    std::fs::create_dir_all(&args.out).expect("create the output directory");
+    let json = serde_json::to_string_pretty(&results).expect("json");
+    let files = [
+        ("storm.json", json + "\n"),
+        ("storm.md", report::markdown(&results)),
+        ("storm.svg", report::svg(&results)),
+    ];
+    for (name, text) in files {
+        let file = args.out.join(name);
+        std::fs::write(&file, text).expect("write results");
+        println!("wrote {}", file.display());
+    }
+    println!("total {:.0} s", total.elapsed().as_secs_f64());
+}
+
+fn notes(args: &Args) -> Vec<String> {
+    vec![
+        format!(
+            "Every delivery fails retryably; each contender runs {} s on a fresh classic topology \
+             with one retry bucket of {:.0} s and {} messages published up front, so messages \
+             cycle work queue → handoff → bucket → work queue for the whole run. Prefetch {} \
+             (Lily: concurrency {}; policy max_attempts {MAX_ATTEMPTS}, retry_delays [1 s]).",
+            args.secs,
+            RETRY_DELAY.as_secs_f64(),
+            args.population,
+            args.prefetch,
+            args.prefetch
+        ),
+        "raw lapin: throughput::raw::handoff's algorithm for the duration: a task per delivery \
+         publishes the copy (mandatory, persistent, Lily's 8 failure headers, attempt bumped) on \
+         one confirm channel, awaits its own confirm, then ACKs (NACK with requeue if the copy \
+         failed)."
+            .into(),
+        format!(
+            "Sampled every second: handoffs completed (Lily: stats().totals().retried; raw: its \
+             counter), VmRSS of this process (/proc/self/status) and the work queue's ready \
+             depth. Rates and the RSS start and slope leave out the first {WARMUP} s (warm-up); \
+             first/last windows are 60 s, or half the post-warm-up time in a shorter run. Both \
+             contenders run in one process, raw first: Lily's RSS starts from what raw's run \
+             left in the allocator, so read its slope, not its level."
+        ),
+        "After a contender stopped and the bucket's TTL passed, the work queue and the bucket \
+         are drained and counted by message id (outside the contender): every population id \
+         must be present exactly once, no other id, DLQ and parking lane empty."
+            .into(),
+        "The machine is shared: development figures; compare the contenders.".into(),
+    ]
+}
+
+/// `scheme://host:port/vhost` without credentials.
+fn redact(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("amqp", url));
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://{rest}")
+}

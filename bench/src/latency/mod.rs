@@ -1,0 +1,224 @@
+//! The settlement-latency benchmark: p50, p99 and p99.9 of the time from a delivery's arrival
+//! to its settlement, for Lily and for `raw-batch` (a hand-tuned raw lapin consumer), at 50 % and
+//! 90 % of the maximum rate, on the success path (delivery → ACK written) and the handoff path
+//! (delivery → copy confirmed → ACK written). `src/bin/latency.rs` drives it.
+//!
+//! - The maximum rate of a path × prefetch is the lower of Lily's and raw-batch's drain rates
+//!   (N messages published first, then drained and timed), or `--max-rate`.
+//! - A run re-creates the topology, starts the contender, then a paced publisher on its own
+//!   connection ([`pace`]) publishes at the target rate for the run's duration. Latencies of the
+//!   deliveries that arrived after the warm-up and before publishing stopped are kept.
+//! - Lily is timed by a tracing layer ([`timer`]) around its `delivery` span; raw-batch
+//!   ([`raw_batch`]) times itself, from the loop's receipt to the completion of the covering ACK.
+
+use serde::Serialize;
+
+pub mod pace;
+pub mod raw_batch;
+pub mod report;
+pub mod run;
+pub mod timer;
+
+pub use crate::throughput::Path;
+
+/// The target: Lily's p99 at most raw-batch's p99 plus this, in ms.
+pub const P99_MARGIN_MS: f64 = 2.0;
+
+/// The fractions of the maximum rate the runs publish at.
+pub const LOADS: [f64; 2] = [0.5, 0.9];
+
+/// A consumer kept up when its settled rate is at least this share of the publish rate (and the
+/// publisher reached its target when its rate is at least this share of the target).
+pub const KEPT_UP: f64 = 0.95;
+
+/// A backlog is bounded when the work queue holds at most this many seconds' worth of messages
+/// (at the target rate) when publishing stops.
+pub const BACKLOG_SECS: f64 = 0.25;
+
+/// Who consumes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Contender {
+    /// The hand-tuned raw lapin consumer of [`raw_batch`].
+    RawBatch,
+    /// Lily.
+    Lily,
+}
+
+impl Contender {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::RawBatch => "raw-batch",
+            Self::Lily => "Lily",
+        }
+    }
+}
+
+/// Percentiles of a run's settlement latencies.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Latencies {
+    /// Deliveries timed.
+    pub samples: usize,
+    pub p50_us: u32,
+    pub p99_us: u32,
+    pub p999_us: u32,
+    pub max_us: u32,
+    pub mean_us: f64,
+    /// How many latencies fall at or under each bound of [`HISTOGRAM_MS`] (and above the
+    /// previous one); the last count is above the last bound.
+    pub histogram: [usize; HISTOGRAM_MS.len() + 1],
+}
+
+/// Upper bounds of the latency histogram, in ms.
+pub const HISTOGRAM_MS: [u32; 9] = [1, 2, 5, 10, 20, 50, 100, 200, 500];
+
+impl Latencies {
+    /// Nearest-rank percentiles of `values` (µs).
+    pub fn of(mut values: Vec<u32>) -> Self {
+        values.sort_unstable();
+        let n = values.len();
+        if n == 0 {
+            return Self::default();
+        }
+        let rank = |q: f64| {
+            #[allow(
+                clippy::cast_possible_truncation,
+                clippy::cast_sign_loss,
+                clippy::cast_precision_loss
+            )]
+            let r = (q * n as f64).ceil() as usize;
+            values[r.clamp(1, n) - 1]
+        };
+        #[allow(clippy::cast_precision_loss)]
+        let mean_us = values.iter().map(|&v| f64::from(v)).sum::<f64>() / n as f64;
+        let mut histogram = [0; HISTOGRAM_MS.len() + 1];
+        for &v in &values {
+            let slot = HISTOGRAM_MS
+                .iter()
+                .position(|&ms| v <= ms * 1000)
+                .unwrap_or(HISTOGRAM_MS.len());
+            histogram[slot] += 1;
+        }
+        Self {
+            histogram,
+            samples: n,
+            p50_us: rank(0.5),
+            p99_us: rank(0.99),
+            p999_us: rank(0.999),
+            max_us: values[n - 1],
+            mean_us,
+        }
+    }
+}
+
+/// One contender at one target rate.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Run {
+    pub contender: Contender,
+    pub target_rate: f64,
+    /// Messages the paced publisher published, and how many of them were not confirmed.
+    pub published: u64,
+    pub unconfirmed: u64,
+    /// `published / publishing seconds`.
+    pub publish_rate: f64,
+    /// `publish_rate ≥ KEPT_UP × target_rate`: the load was what the case names.
+    pub publisher_reached_target: bool,
+    /// Deliveries settled per second between the end of the warm-up and the end of publishing.
+    pub settled_per_sec: f64,
+    /// `settled_per_sec ≥ KEPT_UP × publish_rate`: the consumer kept up with the load.
+    pub kept_up: bool,
+    /// Largest ready depth of the work queue seen during the run (read every 100 ms).
+    pub max_ready_depth: u32,
+    /// Ready depth when publishing stopped.
+    pub ready_depth_at_end: u32,
+    /// `ready_depth_at_end ≤ BACKLOG_SECS × target_rate`.
+    pub backlog_bounded: bool,
+    /// Seconds from the end of publishing until every published message was settled.
+    pub drain_secs: f64,
+    /// Every published message was settled.
+    pub complete: bool,
+    /// Deliveries that ended otherwise (raw-batch: NACKed or ACK failed; Lily: requeued,
+    /// dead-lettered, parked or unresolved).
+    pub failed: u64,
+    pub latency: Latencies,
+}
+
+/// The maximum rate a case's target is a fraction of.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct MaxRate {
+    /// Lily's drain rate (msgs/s), when measured.
+    pub lily: Option<f64>,
+    /// raw-batch's drain rate, when measured.
+    pub raw_batch: Option<f64>,
+    /// The rate used: the lower of the two, or `--max-rate`.
+    pub used: f64,
+}
+
+/// One path × prefetch × load: both contenders at the same target rate.
+#[derive(Clone, Debug, Serialize)]
+pub struct Case {
+    pub path: Path,
+    pub queue_type: &'static str,
+    pub prefetch: u16,
+    /// Fraction of the maximum rate.
+    pub load: f64,
+    pub max_rate: MaxRate,
+    pub target_rate: f64,
+    pub raw_batch: Run,
+    pub lily: Run,
+    /// Lily's p99 minus raw-batch's, in ms.
+    pub p99_diff_ms: f64,
+    /// [`P99_MARGIN_MS`].
+    pub p99_margin_ms: f64,
+    /// `p99_diff_ms ≤ p99_margin_ms`.
+    pub met: bool,
+}
+
+impl Case {
+    pub fn new(
+        path: Path,
+        prefetch: u16,
+        load: f64,
+        max_rate: MaxRate,
+        raw_batch: Run,
+        lily: Run,
+    ) -> Self {
+        let p99_diff_ms =
+            (f64::from(lily.latency.p99_us) - f64::from(raw_batch.latency.p99_us)) / 1000.0;
+        Self {
+            path,
+            queue_type: "classic",
+            prefetch,
+            load,
+            max_rate,
+            target_rate: lily.target_rate,
+            raw_batch,
+            lily,
+            p99_diff_ms,
+            p99_margin_ms: P99_MARGIN_MS,
+            met: p99_diff_ms <= P99_MARGIN_MS,
+        }
+    }
+}
+
+/// Everything one benchmark run measured.
+#[derive(Debug, Serialize)]
+pub struct Results {
+    pub benchmark: &'static str,
+    pub broker: String,
+    pub broker_url: String,
+    pub message_bytes: usize,
+    pub cpus: usize,
+    pub started_at_unix: u64,
+    pub lily_revision: String,
+    /// 1-minute load average when the run started and when it ended (the machine is shared).
+    pub load_average: [Option<f64>; 2],
+    /// Messages each drain-rate measurement published (0 with `--max-rate`).
+    pub max_rate_messages: u64,
+    /// Publishing time of a paced run, and the warm-up excluded from its latencies.
+    pub run_secs: f64,
+    pub warmup_secs: f64,
+    pub wall_secs: f64,
+    pub notes: Vec<String>,
+    pub cases: Vec<Case>,
+}

@@ -1,0 +1,249 @@
+//! `raw-batch`: a raw lapin consumer as an expert tunes it for throughput.
+//!
+//! One loop on one channel with `basic.qos(prefetch)`. Each delivery is deserialized (an
+//! [`Order`], serde_json) and joins the open batch; the batch is flushed once
+//! `max(1, prefetch / 2)` deliveries are unACKed, or as soon as no further delivery is ready
+//! right now (the lapin consumer stream is polled once with a no-op waker; `Pending` flushes).
+//!
+//! - Success path: a flush is one `basic.ack(multiple = true)` of the batch's last delivery.
+//! - Handoff path: each delivery's retry copy is published at once (mandatory, persistent,
+//!   Lily's eight failure headers) on one confirm channel, without awaiting its confirm; a flush
+//!   awaits the batch's confirms together and, if every one is an `Ack` without a return, ACKs
+//!   the batch with one `multiple` ACK. Otherwise each confirmed delivery is ACKed singly and
+//!   each failed one NACKed with requeue, singly.
+//!
+//! A delivery's latency runs from the moment the loop received it to the completion of the ACK
+//! future that covered it.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll, Waker};
+use std::time::Instant;
+
+use futures_core::Stream;
+use lapin::Acker;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
+    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+};
+
+use lapin::types::{FieldTable, ShortString};
+use lapin::{Channel, Confirmation, Connection, ConnectionProperties, PublisherConfirm};
+use tokio_util::sync::CancellationToken;
+
+use crate::Order;
+use crate::latency::timer::Sink;
+use crate::throughput::FAILURE_REASON;
+use crate::throughput::copy::retry_properties;
+
+/// Counters a run reads while `raw-batch` consumes.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Deliveries whose ACK completed.
+    pub settled: AtomicU64,
+    /// Deliveries NACKed (their copy failed) or whose ACK failed.
+    pub failed: AtomicU64,
+}
+
+/// An open `raw-batch` consumer.
+pub struct RawBatch {
+    connection: Connection,
+    channel: Channel,
+    consumer: lapin::Consumer,
+    /// The confirm channel and the bucket, on the handoff path.
+    handoff: Option<(Channel, ShortString)>,
+    queue: String,
+    threshold: usize,
+}
+
+struct Pending {
+    acker: Acker,
+    received: Instant,
+    /// The copy's confirm (handoff path); `None` when its publish already failed.
+    confirm: Option<PublisherConfirm>,
+}
+
+impl RawBatch {
+    /// Connects and starts consuming `queue`; with `bucket`, every delivery is handed off there.
+    ///
+    /// # Panics
+    /// When the broker cannot be reached or refuses the consumer.
+    pub async fn open(url: &str, queue: &str, bucket: Option<&str>, prefetch: u16) -> Self {
+        let connection = Connection::connect(url, ConnectionProperties::default())
+            .await
+            .expect("connect");
+        let channel = connection.create_channel().await.expect("channel");
+        channel
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .expect("basic.qos");
+        let handoff = match bucket {
+            Some(bucket) => {
+                let confirms = connection.create_channel().await.expect("channel");
+                confirms
+                    .confirm_select(ConfirmSelectOptions::default())
+                    .await
+                    .expect("confirm.select");
+                Some((confirms, bucket.into()))
+            }
+            None => None,
+        };
+        let consumer = channel
+            .basic_consume(
+                queue.into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("basic.consume");
+        Self {
+            connection,
+            channel,
+            consumer,
+            handoff,
+            queue: queue.to_owned(),
+            threshold: usize::from((prefetch / 2).max(1)),
+        }
+    }
+
+    /// Consumes until `stop` is cancelled (checked whenever no batch is open), recording each
+    /// settled delivery in `sink` and `counters`; then cancels the consumer and closes.
+    pub async fn run(mut self, stop: CancellationToken, sink: Arc<Sink>, counters: Arc<Counters>) {
+        let mut batch: Vec<Pending> = Vec::with_capacity(self.threshold);
+        loop {
+            let next = if batch.is_empty() {
+                tokio::select! {
+                    biased;
+                    () = stop.cancelled() => break,
+                    next = next(&mut self.consumer) => next,
+                }
+            } else {
+                match ready_now(&mut self.consumer) {
+                    Poll::Ready(next) => next,
+                    Poll::Pending => {
+                        self.flush(&mut batch, &sink, &counters).await;
+                        continue;
+                    }
+                }
+            };
+            let Some(Ok(delivery)) = next else { break };
+            let pending = self.take(delivery).await;
+            batch.push(pending);
+            if batch.len() >= self.threshold {
+                self.flush(&mut batch, &sink, &counters).await;
+            }
+        }
+        self.flush(&mut batch, &sink, &counters).await;
+        let _ = self
+            .channel
+            .basic_cancel(self.consumer.tag(), BasicCancelOptions::default())
+            .await;
+        if let Some((confirms, _)) = &self.handoff {
+            let _ = confirms.close(200, "done".into()).await;
+        }
+        let _ = self.channel.close(200, "done".into()).await;
+        let _ = self.connection.close(200, "done".into()).await;
+    }
+
+    /// Deserializes `delivery` and, on the handoff path, publishes its copy.
+    async fn take(&self, delivery: Delivery) -> Pending {
+        let received = Instant::now();
+        let order: Order = serde_json::from_slice(&delivery.data).expect("order");
+        std::hint::black_box(order);
+        let confirm = match &self.handoff {
+            Some((confirms, bucket)) => {
+                let properties = retry_properties(&delivery, &self.queue, FAILURE_REASON);
+                confirms
+                    .basic_publish(
+                        "".into(),
+                        bucket.clone(),
+                        BasicPublishOptions {
+                            mandatory: true,
+                            immediate: false,
+                        },
+                        &delivery.data,
+                        properties,
+                    )
+                    .await
+                    .ok()
+            }
+            None => None,
+        };
+        Pending {
+            acker: delivery.acker,
+            received,
+            confirm,
+        }
+    }
+
+    /// Settles the batch: one `multiple` ACK when every copy (if any) was confirmed.
+    async fn flush(&self, batch: &mut Vec<Pending>, sink: &Sink, counters: &Counters) {
+        if batch.is_empty() {
+            return;
+        }
+        let mut confirmed = vec![true; batch.len()];
+        if self.handoff.is_some() {
+            for (ok, pending) in confirmed.iter_mut().zip(batch.iter_mut()) {
+                *ok = match pending.confirm.take() {
+                    Some(confirm) => matches!(confirm.await, Ok(Confirmation::Ack(None))),
+                    None => false,
+                };
+            }
+        }
+        let n = batch.len() as u64;
+        if let (true, Some(last)) = (confirmed.iter().all(|ok| *ok), batch.last()) {
+            let acked = last
+                .acker
+                .ack(BasicAckOptions { multiple: true })
+                .await
+                .is_ok_and(|written| written);
+            let done = Instant::now();
+            if acked {
+                for pending in batch.iter() {
+                    sink.push_at(pending.received, done);
+                }
+                counters.settled.fetch_add(n, Ordering::Relaxed);
+            } else {
+                counters.failed.fetch_add(n, Ordering::Relaxed);
+            }
+        } else {
+            for (ok, pending) in confirmed.iter().zip(batch.iter()) {
+                if *ok {
+                    let acked = pending
+                        .acker
+                        .ack(BasicAckOptions::default())
+                        .await
+                        .is_ok_and(|written| written);
+                    if acked {
+                        sink.push(pending.received);
+                        counters.settled.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                } else {
+                    let _ = pending
+                        .acker
+                        .nack(BasicNackOptions {
+                            multiple: false,
+                            requeue: true,
+                        })
+                        .await;
+                }
+                counters.failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        batch.clear();
+    }
+}
+
+async fn next(consumer: &mut lapin::Consumer) -> Option<lapin::Result<Delivery>> {
+    std::future::poll_fn(|cx| Pin::new(&mut *consumer).poll_next(cx)).await
+}
+
+/// The next delivery if one is ready right now, without waiting.
+fn ready_now(consumer: &mut lapin::Consumer) -> Poll<Option<lapin::Result<Delivery>>> {
+    let mut cx = Context::from_waker(Waker::noop());
+    Pin::new(consumer).poll_next(&mut cx)
+}

@@ -1,0 +1,131 @@
+//! The Lily contenders: a handler doing the raw contender's effect writes through `MongoTx`,
+//! inside the transaction Lily's `MongoScope` opens (with the inbox record) and commits before
+//! it ACKs.
+//!
+//! The handler deserializes the order (`Json<Order>`), inserts `{_id: message_id, sku,
+//! quantity}` into `effects` and, in the hot-keys case, `$inc`s counter `index % 5`. A driver
+//! error labelled `TransientTransactionError` (a write conflict) becomes
+//! `QueueHandlerError::transient`, which makes Lily abort and run the whole scope again
+//! in-process with backoff; anything else is retryable. Everything else is Lily's default: the
+//! policy, the scope's configuration (with or without the per-message lease), the settlement.
+//!
+//! The clock runs from `Consumer::run` (connect included) until Lily's ledger counts `n`
+//! ACKed deliveries, polled every millisecond as the throughput benchmark does.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use lily::core::Totals;
+use lily::mongo::mongodb::Client;
+use lily::mongo::mongodb::bson::{Document, doc};
+use lily::mongo::mongodb::error::TRANSIENT_TRANSACTION_ERROR;
+use lily::prelude::{
+    Consumer, ConsumerConfig, Json, Meta, MongoConfig, MongoScope, MongoTx, Policy,
+    QueueHandlerError, QueueKind, Router, Shutdown, Trigger,
+};
+
+use crate::Order;
+use crate::mongo::{
+    CONSUMER, COUNTERS, Case, Contender, Counters, DATABASE, EFFECTS, Load, hot_key, index_of,
+};
+use crate::throughput::{POLL, Sample, run_limit};
+
+/// The scope a contender runs with, on `client`, its indexes created (before the clock).
+///
+/// # Panics
+/// When the database refuses the scope's indexes.
+pub async fn scope(client: Client, who: Contender, counters: &Arc<Counters>) -> MongoScope {
+    let committed = Arc::clone(counters);
+    let mut config =
+        MongoConfig::new(CONSUMER).on_committed(move |_| Counters::bump(&committed.commits));
+    if who == Contender::LilyNoLease {
+        config = config.without_lease();
+    }
+    MongoScope::with_client(client, DATABASE, config)
+        .await
+        .unwrap_or_else(|e| panic!("Lily's scope refused: {}", crate::mongo::db::kind(&e)))
+}
+
+/// Consumes until Lily's ledger counts `n` ACKs (or the run limit passes); returns the sample
+/// and Lily's totals after its shutdown.
+pub async fn consume(
+    load: &Load<'_>,
+    scope: MongoScope,
+    counters: Arc<Counters>,
+) -> (Sample, Totals) {
+    let Load {
+        url,
+        queue,
+        case,
+        concurrency,
+        prefetch,
+        n,
+    } = *load;
+    let router = Router::new().route(
+        "order.placed",
+        move |Json(order): Json<Order>, meta: Meta, tx: MongoTx| {
+            let counters = Arc::clone(&counters);
+            async move {
+                Counters::bump(&counters.attempts);
+                effect(&tx, &meta, &order, case).await.map_err(|err| {
+                    if err.contains_label(TRANSIENT_TRANSACTION_ERROR) {
+                        Counters::bump(&counters.conflicts);
+                        QueueHandlerError::transient("effect write: transient transaction error")
+                            .with_source(err)
+                    } else {
+                        QueueHandlerError::retryable("effect write failed").with_source(err)
+                    }
+                })
+            }
+        },
+    );
+    let config = ConsumerConfig::new(queue)
+        .queue_kind(QueueKind::Classic)
+        .prefetch(prefetch)
+        .concurrency(concurrency)
+        .policy(Policy::default());
+    let consumer = Consumer::new(url, config, router).scope(scope);
+    let stats = consumer.stats();
+    let shutdown = Shutdown::default();
+    let started = Instant::now();
+    let run = tokio::spawn(consumer.run(shutdown.clone()));
+    let limit = run_limit(n);
+    while stats.totals().acked < n && started.elapsed() < limit && !run.is_finished() {
+        tokio::time::sleep(POLL).await;
+    }
+    let elapsed = started.elapsed();
+    let count = stats.totals().acked;
+    shutdown.trigger(Trigger::Api);
+    match run.await {
+        Ok(Ok(report)) if report.exit_code() == 0 => {}
+        Ok(Ok(report)) => eprintln!("  Lily shutdown report exit code {}", report.exit_code()),
+        Ok(Err(err)) => eprintln!("  Lily consumer failed: {err}"),
+        Err(err) => eprintln!("  Lily consumer task: {err}"),
+    }
+    (Sample::new(count, n, elapsed), stats.totals())
+}
+
+/// The handler's writes, in the scope's transaction.
+async fn effect(
+    tx: &MongoTx,
+    meta: &Meta,
+    order: &Order,
+    case: Case,
+) -> Result<(), lily::mongo::mongodb::error::Error> {
+    let id = meta.message_id();
+    let effects = tx.database().collection::<Document>(EFFECTS);
+    let mut session = tx.session().await;
+    effects
+        .insert_one(doc! { "_id": id, "sku": &order.sku, "quantity": i64::from(order.quantity) })
+        .session(&mut *session)
+        .await?;
+    if case == Case::HotKeys {
+        let key = hot_key(index_of(id).unwrap_or(0));
+        tx.database()
+            .collection::<Document>(COUNTERS)
+            .update_one(doc! { "_id": key }, doc! { "$inc": { "n": 1_i64 } })
+            .session(&mut *session)
+            .await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,209 @@
+//! The Mongo scope benchmark: what Lily's [`MongoScope`](lily::mongo::MongoScope) costs against
+//! a hand-written lapin + mongodb consumer doing the same transactional work, and whether hot
+//! keys (write conflicts) ever cost a valid message. `src/bin/mongo.rs` drives it.
+//!
+//! Two cases, each over N pre-published 512-byte JSON orders (ids `m-0` … `m-{N-1}`) on a
+//! classic queue:
+//!
+//! - **scope**: per message one transaction that inserts the inbox record and one effect
+//!   document `{_id: message_id, sku, quantity}` into `effects`, committed before the ACK;
+//! - **hot keys**: the same plus `$inc: {n: 1}` on counter document `index % 5` in `counters`, so
+//!   concurrent transactions conflict (`WriteConflict`, labelled `TransientTransactionError`).
+//!
+//! Contenders ([`Contender`]): the raw driver consumer ([`raw`]), Lily with its default scope
+//! (inbox + per-message fenced lease) and Lily with `MongoConfig::without_lease` (inbox only:
+//! the like-for-like comparison with the raw consumer) ([`lily_run`]); on request also the raw
+//! consumer writing Lily's inbox record, which separates what Lily's record costs mongod from
+//! what Lily's machinery costs. Every run gets a fresh
+//! topology and a dropped and re-created database; after it, [`verify`] checks from outside,
+//! by message id, that every effect and inbox record exists exactly once, the counters add up,
+//! and the work queue, the DLQ, the parking lane and the retry buckets hold nothing.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::Serialize;
+
+use crate::throughput::Sample;
+
+pub mod db;
+pub mod lily_run;
+pub mod raw;
+pub mod report;
+pub mod verify;
+
+/// The database every run drops and re-creates.
+pub const DATABASE: &str = "lily_bench_mongo";
+/// One effect document per message: `{_id: message_id, sku, quantity}`.
+pub const EFFECTS: &str = "effects";
+/// The raw contender's inbox: `{_id: message_id}`.
+pub const RAW_INBOX: &str = "inbox";
+/// The hot-key counters: `{_id: k, n}` for `k` in `0..HOT_KEYS`.
+pub const COUNTERS: &str = "counters";
+/// Lily's inbox (the scope's default collection prefix `lily_`).
+pub const LILY_INBOX: &str = "lily_inbox";
+/// The [`Contender::RawLilyRecord`] inbox: Lily's record shape, with Lily's TTL index.
+pub const RAW_LILY_INBOX: &str = "inbox_lily_shaped";
+/// Collections Lily's scope writes, created before the clock starts for every contender.
+pub const LILY_COLLECTIONS: [&str; 4] =
+    ["lily_inbox", "lily_leases", "lily_fences", "lily_deferrals"];
+/// The consumer name in Lily's inbox keys.
+pub const CONSUMER: &str = "lily-bench";
+/// How many counter documents the hot-keys case shares out.
+pub const HOT_KEYS: u64 = 5;
+/// Target of Lily / the raw driver consumer.
+pub const TARGET: f64 = 0.9;
+
+/// Which work a run does per message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Case {
+    /// Inbox record + one effect insert.
+    Scope,
+    /// Inbox record + effect insert + `$inc` on one of [`HOT_KEYS`] counters.
+    HotKeys,
+}
+
+impl Case {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Scope => "scope",
+            Self::HotKeys => "hot keys",
+        }
+    }
+}
+
+/// Who consumes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Contender {
+    /// lapin + the mongodb driver, written by hand.
+    Raw,
+    /// Lily with `MongoConfig::new` (inbox and per-message fenced lease).
+    Lily,
+    /// Lily with `MongoConfig::new(..).without_lease()` (inbox only).
+    LilyNoLease,
+    /// The raw contender writing Lily's inbox record instead of `{_id: message_id}`: key
+    /// `{c, m}`, a 64-character fingerprint, type, schema version and time, in a collection
+    /// with a TTL index on the time (a diagnostic, not run by default: what Lily's record costs
+    /// mongod, apart from Lily's own machinery).
+    RawLilyRecord,
+}
+
+impl Contender {
+    /// Every contender.
+    pub const ALL: [Self; 4] = [
+        Self::Raw,
+        Self::Lily,
+        Self::LilyNoLease,
+        Self::RawLilyRecord,
+    ];
+    /// Those run without `--contenders`.
+    pub const DEFAULT: [Self; 3] = [Self::Raw, Self::Lily, Self::LilyNoLease];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Raw => "raw driver",
+            Self::Lily => "Lily (lease)",
+            Self::LilyNoLease => "Lily (no lease)",
+            Self::RawLilyRecord => "raw (Lily record)",
+        }
+    }
+
+    pub fn flag(self) -> &'static str {
+        match self {
+            Self::Raw => "raw",
+            Self::Lily => "lily",
+            Self::LilyNoLease => "lily-no-lease",
+            Self::RawLilyRecord => "raw-lily-record",
+        }
+    }
+}
+
+/// What one run consumes, and how.
+#[derive(Clone, Copy, Debug)]
+pub struct Load<'a> {
+    /// The broker.
+    pub url: &'a str,
+    /// The work queue, holding `n` messages.
+    pub queue: &'a str,
+    pub case: Case,
+    /// Deliveries handled at once.
+    pub concurrency: usize,
+    pub prefetch: u16,
+    pub n: u64,
+}
+
+/// The index `i` of message id `m-{i}`.
+pub fn index_of(message_id: &str) -> Option<u64> {
+    message_id.strip_prefix("m-")?.parse().ok()
+}
+
+/// The counter document a message increments in the hot-keys case.
+pub fn hot_key(index: u64) -> i64 {
+    i64::try_from(index % HOT_KEYS).unwrap_or(0)
+}
+
+/// What a contender observed of its own transactions while it ran (the claim, not the
+/// evidence: [`verify`] reads the evidence back from the database and the broker).
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Transaction attempts (raw) or handler runs (Lily: a rerun after a conflict in the
+    /// handler's writes runs the handler again; a conflict on Lily's inbox insert does not).
+    pub attempts: AtomicU64,
+    /// `TransientTransactionError`s seen (raw: anywhere; Lily: in the handler's writes).
+    pub conflicts: AtomicU64,
+    /// Commits retried on `UnknownTransactionCommitResult` (raw only).
+    pub unknown_commits: AtomicU64,
+    /// Commits (raw: successful commits; Lily: `MongoConfig::on_committed` calls).
+    pub commits: AtomicU64,
+    /// Deliveries NACKed with requeue after a non-transient failure (raw only).
+    pub requeued: AtomicU64,
+}
+
+impl Counters {
+    pub fn shared() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    pub fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> Observed {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        Observed {
+            attempts: get(&self.attempts),
+            conflicts: get(&self.conflicts),
+            unknown_commits: get(&self.unknown_commits),
+            commits: get(&self.commits),
+            requeued: get(&self.requeued),
+        }
+    }
+}
+
+/// [`Counters`] at the end of a run.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Observed {
+    pub attempts: u64,
+    pub conflicts: u64,
+    pub unknown_commits: u64,
+    pub commits: u64,
+    pub requeued: u64,
+}
+
+/// One measured run and what was checked after it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Run {
+    #[serde(flatten)]
+    pub sample: Sample,
+    /// CPU of mongod per settled message over the same window, in µs (when `LILY_MONGO_DIR`
+    /// names the node's directory).
+    pub mongod_cpu_us_per_msg: Option<f64>,
+    /// mongod's operations per message over the same window (`serverStatus.opcounters`).
+    pub mongod_ops_per_msg: Option<db::Ops>,
+    pub observed: Observed,
+    /// Lily's totals after its shutdown.
+    pub lily_totals: Option<lily::core::Totals>,
+    pub check: verify::Check,
+}

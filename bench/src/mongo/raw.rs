@@ -1,0 +1,315 @@
+//! The raw contender: lapin + the mongodb driver, written the way a careful user writes a
+//! transactional-inbox consumer without a framework.
+//!
+//! One channel with `basic.qos(prefetch)`; a task per delivery, at most `concurrency` at once (a
+//! semaphore). Each task deserializes the order, starts a session and runs the transaction the
+//! driver documentation describes:
+//!
+//! 1. `start_transaction` (snapshot read concern, majority write concern: what Lily uses);
+//! 2. insert the inbox record `{_id: message_id}` into `inbox` — a duplicate key means the
+//!    message was processed before: abort and ACK;
+//! 3. insert the effect `{_id: message_id, sku, quantity}` into `effects` (hot keys: and
+//!    `$inc: {n: 1}` on `counters` document `index % 5`);
+//! 4. commit, retrying the commit alone while it fails with `UnknownTransactionCommitResult`;
+//! 5. on `TransientTransactionError` anywhere (a write conflict) the whole transaction runs
+//!    again at once, as in the driver's example (no backoff);
+//! 6. ACK after the commit. Any other failure, or a transaction still not committed after the
+//!    same 10 s budget Lily's default policy gives a delivery, NACKs with requeue.
+//!
+//! With `lily_record` the inbox record has Lily's shape instead (see
+//! [`Contender::RawLilyRecord`](crate::mongo::Contender::RawLilyRecord)).
+//!
+//! The clock runs from the AMQP connect until `n` ACKs were written (`Acker::ack` returned
+//! `Ok(true)`).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
+use mongodb::bson::{Document, doc};
+use mongodb::error::{
+    Error, ErrorKind, TRANSIENT_TRANSACTION_ERROR, UNKNOWN_TRANSACTION_COMMIT_RESULT, WriteFailure,
+};
+use mongodb::options::{Acknowledgment, ReadConcern, WriteConcern};
+use mongodb::{Client, ClientSession, Collection};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::Order;
+use crate::mongo::{
+    CONSUMER, COUNTERS, Case, Counters, DATABASE, EFFECTS, Load, RAW_INBOX, RAW_LILY_INBOX,
+    hot_key, index_of,
+};
+use crate::throughput::{Sample, run_limit};
+
+/// How long one delivery may spend on its transaction before it is NACKed (Lily's default
+/// settlement budget).
+const BUDGET: Duration = Duration::from_secs(10);
+
+/// The size of a SHA-256 in hex, for the Lily-shaped record.
+const FINGERPRINT: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+/// The collections a task writes.
+struct Store {
+    client: Client,
+    inbox: Collection<Document>,
+    /// Write Lily's inbox record shape (into `inbox_lily_shaped`) instead of `{_id}`.
+    lily_record: bool,
+    effects: Collection<Document>,
+    counters: Collection<Document>,
+    case: Case,
+}
+
+async fn next(consumer: &mut lapin::Consumer) -> Option<lapin::Result<lapin::message::Delivery>> {
+    use futures_core::Stream;
+    std::future::poll_fn(|cx| std::pin::Pin::new(&mut *consumer).poll_next(cx)).await
+}
+
+/// Consumes until `n` messages are committed and ACKed (or the run limit passes).
+///
+/// # Panics
+/// When the broker refuses the connection, the channel, the QoS or the consumer.
+pub async fn consume(
+    load: &Load<'_>,
+    client: Client,
+    lily_record: bool,
+    counters: Arc<Counters>,
+) -> Sample {
+    let Load {
+        url,
+        queue,
+        case,
+        concurrency,
+        prefetch,
+        n,
+    } = *load;
+    let database = client.database(DATABASE);
+    let store = Arc::new(Store {
+        inbox: database.collection(if lily_record {
+            RAW_LILY_INBOX
+        } else {
+            RAW_INBOX
+        }),
+        lily_record,
+        effects: database.collection(EFFECTS),
+        counters: database.collection(COUNTERS),
+        client,
+        case,
+    });
+    let started = Instant::now();
+    let deadline = tokio::time::Instant::now() + run_limit(n);
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await
+        .expect("basic.qos");
+    let mut consumer = channel
+        .basic_consume(
+            queue.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("basic.consume");
+    let permits = Arc::new(Semaphore::new(concurrency));
+    let acked = Arc::new(AtomicU64::new(0));
+    let done = CancellationToken::new();
+    let mut tasks = JoinSet::new();
+    loop {
+        let permit = tokio::select! {
+            permit = Arc::clone(&permits).acquire_owned() => permit.expect("semaphore open"),
+            () = done.cancelled() => break,
+            () = tokio::time::sleep_until(deadline) => break,
+        };
+        let delivery = tokio::select! {
+            delivery = next(&mut consumer) => match delivery {
+                Some(Ok(delivery)) => delivery,
+                _ => break,
+            },
+            () = done.cancelled() => break,
+            () = tokio::time::sleep_until(deadline) => break,
+        };
+        let (store, counters, acked, done) = (
+            Arc::clone(&store),
+            Arc::clone(&counters),
+            Arc::clone(&acked),
+            done.clone(),
+        );
+        tasks.spawn(async move {
+            if handle(&store, &counters, delivery).await
+                && acked.fetch_add(1, Ordering::Relaxed) + 1 >= n
+            {
+                done.cancel();
+            }
+            drop(permit);
+        });
+        while tasks.try_join_next().is_some() {}
+    }
+    let elapsed = started.elapsed();
+    let settled = acked.load(Ordering::Relaxed);
+    // Nothing is left running after `n` ACKs but deliveries beyond them (none in a clean run).
+    tasks.abort_all();
+    while tasks.join_next().await.is_some() {}
+    let _ = channel
+        .basic_cancel(consumer.tag(), BasicCancelOptions::default())
+        .await;
+    let _ = channel.close(200, "done".into()).await;
+    let _ = connection.close(200, "done".into()).await;
+    Sample::new(settled, n, elapsed)
+}
+
+/// One delivery: the transaction, then ACK (`true` when the ACK was written) or NACK.
+async fn handle(store: &Store, counters: &Counters, delivery: lapin::message::Delivery) -> bool {
+    let id = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|id| id.as_str().to_owned());
+    let order = serde_json::from_slice::<Order>(&delivery.data);
+    let (Some(id), Ok(order)) = (id, order) else {
+        // Not one of ours: a careful user dead-letters it (the queue's DLX takes it).
+        let _ = delivery
+            .acker
+            .nack(BasicNackOptions {
+                multiple: false,
+                requeue: false,
+            })
+            .await;
+        return false;
+    };
+    match tokio::time::timeout(BUDGET, transaction(store, counters, &id, &order)).await {
+        Ok(Ok(())) => matches!(
+            delivery.acker.ack(BasicAckOptions::default()).await,
+            Ok(true)
+        ),
+        Ok(Err(_)) | Err(_) => {
+            Counters::bump(&counters.requeued);
+            let _ = delivery
+                .acker
+                .nack(BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                })
+                .await;
+            false
+        }
+    }
+}
+
+/// What the writes of one transaction attempt found.
+enum Written {
+    /// The inbox already holds the message: processed before.
+    Duplicate,
+    /// Inbox record and effects written; commit next.
+    Ready,
+}
+
+/// The driver's documented pattern: the whole transaction again on a transient error, the
+/// commit again on an unknown commit result.
+async fn transaction(
+    store: &Store,
+    counters: &Counters,
+    id: &str,
+    order: &Order,
+) -> Result<(), Error> {
+    let mut session = store.client.start_session().await?;
+    'transaction: loop {
+        Counters::bump(&counters.attempts);
+        session
+            .start_transaction()
+            .read_concern(ReadConcern::snapshot())
+            .write_concern(WriteConcern::builder().w(Acknowledgment::Majority).build())
+            .await?;
+        match writes(store, &mut session, id, order).await {
+            Ok(Written::Ready) => {}
+            Ok(Written::Duplicate) => {
+                let _ = session.abort_transaction().await;
+                return Ok(());
+            }
+            Err(err) if err.contains_label(TRANSIENT_TRANSACTION_ERROR) => {
+                Counters::bump(&counters.conflicts);
+                let _ = session.abort_transaction().await;
+                continue 'transaction;
+            }
+            Err(err) => {
+                let _ = session.abort_transaction().await;
+                return Err(err);
+            }
+        }
+        loop {
+            match session.commit_transaction().await {
+                Ok(()) => {
+                    Counters::bump(&counters.commits);
+                    return Ok(());
+                }
+                Err(err) if err.contains_label(UNKNOWN_TRANSACTION_COMMIT_RESULT) => {
+                    Counters::bump(&counters.unknown_commits);
+                }
+                Err(err) if err.contains_label(TRANSIENT_TRANSACTION_ERROR) => {
+                    Counters::bump(&counters.conflicts);
+                    continue 'transaction;
+                }
+                Err(err) => return Err(err),
+            }
+        }
+    }
+}
+
+async fn writes(
+    store: &Store,
+    session: &mut ClientSession,
+    id: &str,
+    order: &Order,
+) -> Result<Written, Error> {
+    let record = if store.lily_record {
+        // Lily's record: key {c, m}, SHA-256 hex (a stand-in of the same size), type, schema
+        // version, time (the TTL index's field).
+        doc! {
+            "_id": { "c": CONSUMER, "m": id },
+            "fingerprint": FINGERPRINT,
+            "type": "order.placed",
+            "schema_version": 1_i64,
+            "at": mongodb::bson::DateTime::now(),
+        }
+    } else {
+        doc! { "_id": id }
+    };
+    match store.inbox.insert_one(record).session(&mut *session).await {
+        Ok(_) => {}
+        Err(err) if is_duplicate_key(&err) => return Ok(Written::Duplicate),
+        Err(err) => return Err(err),
+    }
+    store
+        .effects
+        .insert_one(doc! { "_id": id, "sku": &order.sku, "quantity": i64::from(order.quantity) })
+        .session(&mut *session)
+        .await?;
+    if store.case == Case::HotKeys {
+        let key = hot_key(index_of(id).unwrap_or(0));
+        store
+            .counters
+            .update_one(doc! { "_id": key }, doc! { "$inc": { "n": 1_i64 } })
+            .session(&mut *session)
+            .await?;
+    }
+    Ok(Written::Ready)
+}
+
+/// A duplicate key write error (E11000).
+fn is_duplicate_key(err: &Error) -> bool {
+    match err.kind.as_ref() {
+        ErrorKind::Write(WriteFailure::WriteError(e)) => e.code == 11000,
+        ErrorKind::Command(e) => e.code == 11000,
+        _ => false,
+    }
+}

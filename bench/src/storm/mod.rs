@@ -1,0 +1,254 @@
+//! The failure-storm benchmark: every delivery fails retryably, at the maximum rate, for minutes
+//! on end. `src/bin/storm.rs` drives it.
+//!
+//! A fresh classic work queue with one retry bucket of 1 s is filled with a population of
+//! messages (default 40 000); then every message cycles work queue → handler fails → copy to
+//! the bucket (confirmed) → original ACKed → the bucket's TTL dead-letters it back. Each
+//! contender runs for the duration on its own fresh topology:
+//!
+//! - raw lapin ([`raw`]): `throughput::raw::handoff`'s algorithm (a task per delivery publishes
+//!   the copy, mandatory and persistent, on one confirm channel, awaits its own confirm, then
+//!   ACKs) running for the duration;
+//! - Lily ([`lily`]): a handler that always returns `QueueHandlerError::retryable`, a policy that
+//!   never runs out of attempts during the run, prefetch = concurrency.
+//!
+//! Every second the benchmark samples the handoffs completed that second (Lily's
+//! `stats().totals().retried`, raw's counter), this process's `VmRSS` and the work queue's
+//! ready depth. After a contender stopped and the bucket's TTL passed, [`check`] drains the
+//! work queue and the bucket and counts the copies by message id: every id of the population
+//! must be there exactly once, and the DLQ and parking lane must be empty.
+
+use std::time::{Duration, Instant};
+
+use ::lily::core::Totals;
+use serde::Serialize;
+
+pub mod check;
+pub mod lily;
+pub mod raw;
+pub mod report;
+
+/// The bucket's delay: short, so copies come back.
+pub const RETRY_DELAY: Duration = Duration::from_secs(1);
+
+/// The work queue (re-created for each contender).
+pub const QUEUE: &str = "lily-bench-storm";
+
+/// What each handler fails with.
+pub const REASON: &str = "bench: every attempt fails (storm)";
+
+/// Lily's attempts: far more than a message cycles during a run, so nothing is dead-lettered.
+pub const MAX_ATTEMPTS: u32 = 1_000_000;
+
+/// Who runs the storm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Contender {
+    /// Hand-written lapin, pipelined confirms (a task per delivery).
+    Raw,
+    /// Lily.
+    Lily,
+}
+
+impl Contender {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Raw => "raw lapin",
+            Self::Lily => "Lily",
+        }
+    }
+}
+
+/// One second of a run.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Second {
+    /// Seconds since the contender started.
+    pub t: u32,
+    /// Handoffs completed (copy confirmed, original ACKed) during that second.
+    pub handoffs: u64,
+    /// `VmRSS` of this process at the end of the second.
+    pub rss_bytes: u64,
+    /// Ready messages in the work queue at the end of the second.
+    pub ready: Option<u32>,
+}
+
+/// What a run's series says.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Summary {
+    /// Mean handoffs/s after the warm-up.
+    pub mean_rate: f64,
+    /// Length of the first and last windows compared (60 s, or less in a short run).
+    pub window_secs: u32,
+    /// Mean handoffs/s in the first window after the warm-up, and in the last window.
+    pub first_rate: f64,
+    pub last_rate: f64,
+    /// `last_rate / first_rate`.
+    pub flatness: f64,
+    /// `VmRSS` at the end of the warm-up, the largest sampled, and the last, in MiB.
+    pub rss_start_mib: f64,
+    pub rss_max_mib: f64,
+    pub rss_end_mib: f64,
+    /// Least-squares slope of `VmRSS` after the warm-up, MiB per minute.
+    pub rss_slope_mib_per_min: f64,
+    /// Smallest ready depth of the work queue after the warm-up (0 means it ran dry).
+    pub min_ready: Option<u32>,
+}
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+impl Summary {
+    /// Summarises `series`, whose first `warmup` seconds are the warm-up.
+    #[allow(clippy::cast_precision_loss)]
+    pub fn of(series: &[Second], warmup: u32) -> Self {
+        let after: Vec<&Second> = series.iter().filter(|s| s.t > warmup).collect();
+        let mean = |xs: &[&Second]| {
+            if xs.is_empty() {
+                f64::NAN
+            } else {
+                xs.iter().map(|s| s.handoffs as f64).sum::<f64>() / xs.len() as f64
+            }
+        };
+        let span = u32::try_from(after.len()).unwrap_or(u32::MAX);
+        let window = (span / 2).clamp(1, 60);
+        let w = window as usize;
+        let first = &after[..w.min(after.len())];
+        let last = &after[after.len().saturating_sub(w)..];
+        let (first_rate, last_rate) = (mean(first), mean(last));
+        let start = series
+            .iter()
+            .find(|s| s.t == warmup)
+            .or_else(|| series.first())
+            .map_or(0, |s| s.rss_bytes);
+        let points: Vec<(f64, f64)> = after
+            .iter()
+            .map(|s| (f64::from(s.t) / 60.0, s.rss_bytes as f64 / MIB))
+            .collect();
+        Self {
+            mean_rate: mean(&after),
+            window_secs: window,
+            first_rate,
+            last_rate,
+            flatness: last_rate / first_rate,
+            rss_start_mib: start as f64 / MIB,
+            rss_max_mib: series.iter().map(|s| s.rss_bytes).max().unwrap_or(0) as f64 / MIB,
+            rss_end_mib: series.last().map_or(0, |s| s.rss_bytes) as f64 / MIB,
+            rss_slope_mib_per_min: slope(&points),
+            min_ready: after.iter().filter_map(|s| s.ready).min(),
+        }
+    }
+}
+
+/// Least-squares slope of `points` (NaN with fewer than two).
+#[allow(clippy::cast_precision_loss)]
+fn slope(points: &[(f64, f64)]) -> f64 {
+    let n = points.len() as f64;
+    if points.len() < 2 {
+        return f64::NAN;
+    }
+    let mx = points.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = points.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    sxy / sxx
+}
+
+/// `VmRSS` of this process, from `/proc/self/status`.
+pub fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Samples every second for `secs` seconds: the growth of `count`, `VmRSS` and the ready depth
+/// of `queue` (read on a connection of its own).
+pub async fn sample(url: &str, queue: &str, secs: u32, count: impl Fn() -> u64) -> Vec<Second> {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::FieldTable;
+    use lapin::{Connection, ConnectionProperties};
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .ok();
+    let channel = match &connection {
+        Some(c) => c.create_channel().await.ok(),
+        None => None,
+    };
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let started = Instant::now();
+    let mut before = count();
+    let mut series = Vec::with_capacity(secs as usize);
+    for t in 1..=secs {
+        tokio::time::sleep_until((started + Duration::from_secs(u64::from(t))).into()).await;
+        let now = count();
+        let rss_bytes = rss_bytes();
+        let ready = match &channel {
+            Some(channel) => channel
+                .queue_declare(queue.into(), passive, FieldTable::default())
+                .await
+                .ok()
+                .map(|q| q.message_count()),
+            None => None,
+        };
+        series.push(Second {
+            t,
+            handoffs: now.saturating_sub(before),
+            rss_bytes,
+            ready,
+        });
+        before = now;
+    }
+    if let Some(connection) = connection {
+        let _ = connection.close(200, "sampled".into()).await;
+    }
+    series
+}
+
+/// One contender's storm.
+#[derive(Clone, Debug, Serialize)]
+pub struct StormRun {
+    pub contender: Contender,
+    pub secs: u32,
+    /// Handoffs completed during the run (the series' sum).
+    pub handoffs: u64,
+    /// Handoffs that failed (raw: copy not confirmed or ACK failed; Lily: requeued,
+    /// dead-lettered, parked, unresolved).
+    pub failed: u64,
+    pub summary: Summary,
+    pub check: check::Check,
+    /// Lily's totals after shutdown.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lily_totals: Option<Totals>,
+    pub series: Vec<Second>,
+}
+
+/// Everything one storm measured.
+#[derive(Debug, Serialize)]
+pub struct Results {
+    pub benchmark: &'static str,
+    pub broker: String,
+    pub broker_url: String,
+    pub message_bytes: usize,
+    pub population: u64,
+    pub prefetch: u16,
+    pub retry_delay_secs: f64,
+    pub secs: u32,
+    pub warmup_secs: u32,
+    pub cpus: usize,
+    pub started_at_unix: u64,
+    pub lily_revision: String,
+    pub load_average: [Option<f64>; 2],
+    pub wall_secs: f64,
+    pub runs: Vec<StormRun>,
+    /// Lily's mean rate over raw's.
+    pub lily_over_raw: Option<f64>,
+    pub notes: Vec<String>,
+}
