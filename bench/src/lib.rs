@@ -145,6 +145,58 @@ pub async fn publish_typed(url: &str, queue: &str, n: usize, body: &[u8], kind: 
     publisher.close().await;
 }
 
+/// `scheme://host:port/vhost` without credentials.
+pub fn redact(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("amqp", url));
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://{rest}")
+}
+
+/// Writes `<stem>.json` (`results` serialized), `<stem>.md` and `<stem>.svg` into `out`, saying
+/// where each went.
+///
+/// # Panics
+/// When the directory or a file cannot be written.
+pub fn write_results(
+    out: &std::path::Path,
+    stem: &str,
+    results: &impl Serialize,
+    md: String,
+    svg: String,
+) {
+    std::fs::create_dir_all(out).expect("create the output directory");
+    let json = serde_json::to_string_pretty(results).expect("json") + "\n";
+    for (ext, text) in [("json", json), ("md", md), ("svg", svg)] {
+        let file = out.join(format!("{stem}.{ext}"));
+        std::fs::write(&file, text).expect("write results");
+        println!("wrote {}", file.display());
+    }
+}
+
+/// A tick step and an axis top (a multiple of the step) above `max`, with `fallback` when
+/// there is nothing to show.
+pub fn nice_axis(max: f64, fallback: (f64, f64)) -> (f64, f64) {
+    if max <= 0.0 || !max.is_finite() {
+        return fallback;
+    }
+    let raw = max / 5.0;
+    let mag = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 2.5, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * mag)
+        .find(|s| *s >= raw)
+        .unwrap_or(10.0 * mag);
+    let top = (max / step).ceil() * step;
+    (step, top.max(step))
+}
+
+/// `text` safe inside SVG text.
+pub fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
 /// Median of `values` (sorted in place).
 pub fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);

@@ -137,7 +137,7 @@ async fn main() {
     let mut results = Results {
         benchmark: "latency",
         broker: broker_version(),
-        broker_url: redact(&url),
+        broker_url: lily_mq_bench::redact(&url),
         message_bytes: body.len(),
         cpus: std::thread::available_parallelism().map_or(1, usize::from),
         started_at_unix: SystemTime::now()
@@ -233,18 +233,13 @@ async fn main() {
     results.wall_secs = total.elapsed().as_secs_f64();
     println!();
     print!("{}", report::human(&results));
-    std::fs::create_dir_all(&args.out).expect("create the output directory");
-    let json = serde_json::to_string_pretty(&results).expect("json");
-    let files = [
-        ("latency.json", json + "\n"),
-        ("latency.md", report::markdown(&results)),
-        ("latency.svg", report::svg(&results)),
-    ];
-    for (name, text) in files {
-        let file = args.out.join(name);
-        std::fs::write(&file, text).expect("write results");
-        println!("wrote {}", file.display());
-    }
+    lily_mq_bench::write_results(
+        &args.out,
+        "latency",
+        &results,
+        report::markdown(&results),
+        report::svg(&results),
+    );
     println!("total {:.0} s", total.elapsed().as_secs_f64());
 }
 
@@ -299,11 +294,4 @@ fn notes(args: &Args) -> Vec<String> {
          these are development figures; compare the contenders, not the absolute values."
             .into(),
     ]
-}
-
-/// `scheme://host:port/vhost` without credentials.
-fn redact(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap_or(("amqp", url));
-    let rest = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
-    format!("{scheme}://{rest}")
 }

@@ -374,7 +374,7 @@ async fn main() {
     let mut results = Results {
         benchmark: "mongo",
         broker: broker_version(),
-        broker_url: redact_amqp(&url),
+        broker_url: lily_mq_bench::redact(&url),
         mongodb,
         mongodb_url: db::redact(&mongo_url),
         queue_type: "classic",
@@ -431,18 +431,13 @@ async fn main() {
     results.wall_secs = total.elapsed().as_secs_f64();
     println!();
     print!("{}", report::human(&results));
-    std::fs::create_dir_all(&args.out).expect("create the output directory");
-    let json = serde_json::to_string_pretty(&results).expect("json");
-    let files = [
-        ("mongo.json", json + "\n"),
-        ("mongo.md", report::markdown(&results)),
-        ("mongo.svg", report::svg(&results)),
-    ];
-    for (name, text) in files {
-        let file = args.out.join(name);
-        std::fs::write(&file, text).expect("write results");
-        println!("wrote {}", file.display());
-    }
+    lily_mq_bench::write_results(
+        &args.out,
+        "mongo",
+        &results,
+        report::markdown(&results),
+        report::svg(&results),
+    );
     println!("total {:.0} s", total.elapsed().as_secs_f64());
 }
 
@@ -488,11 +483,4 @@ fn notes() -> Vec<String> {
             .into(),
         "The machine is shared and small: read the ratios, not the absolute figures.".into(),
     ]
-}
-
-/// `scheme://host:port/vhost` without credentials.
-fn redact_amqp(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap_or(("amqp", url));
-    let rest = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
-    format!("{scheme}://{rest}")
 }

@@ -193,7 +193,7 @@ async fn main() {
     let mut results = Results {
         benchmark: "storm",
         broker: broker_version(),
-        broker_url: redact(&url),
+        broker_url: lily_mq_bench::redact(&url),
         message_bytes: body.len(),
         population: args.population,
         prefetch: args.prefetch,
@@ -245,18 +245,13 @@ async fn main() {
     results.wall_secs = total.elapsed().as_secs_f64();
     println!();
     print!("{}", report::human(&results));
-    std::fs::create_dir_all(&args.out).expect("create the output directory");
-    let json = serde_json::to_string_pretty(&results).expect("json");
-    let files = [
-        ("storm.json", json + "\n"),
-        ("storm.md", report::markdown(&results)),
-        ("storm.svg", report::svg(&results)),
-    ];
-    for (name, text) in files {
-        let file = args.out.join(name);
-        std::fs::write(&file, text).expect("write results");
-        println!("wrote {}", file.display());
-    }
+    lily_mq_bench::write_results(
+        &args.out,
+        "storm",
+        &results,
+        report::markdown(&results),
+        report::svg(&results),
+    );
     println!("total {:.0} s", total.elapsed().as_secs_f64());
 }
 
@@ -292,11 +287,4 @@ fn notes(args: &Args) -> Vec<String> {
             .into(),
         "The machine is shared: development figures; compare the contenders.".into(),
     ]
-}
-
-/// `scheme://host:port/vhost` without credentials.
-fn redact(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap_or(("amqp", url));
-    let rest = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
-    format!("{scheme}://{rest}")
 }

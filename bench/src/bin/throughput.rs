@@ -239,7 +239,7 @@ async fn main() {
     let mut results = Results {
         benchmark: "throughput",
         broker: broker_version(),
-        broker_url: redact(&url),
+        broker_url: lily_mq_bench::redact(&url),
         message_bytes: body.len(),
         messages_per_run: args.messages,
         repetitions: args.reps,
@@ -357,24 +357,12 @@ async fn main() {
     results.wall_secs = total.elapsed().as_secs_f64();
     println!();
     print!("{}", report::human(&results));
-    std::fs::create_dir_all(&args.out).expect("create the output directory");
-    let json = serde_json::to_string_pretty(&results).expect("json");
-    let files = [
-        ("throughput.json", json + "\n"),
-        ("throughput.md", report::markdown(&results)),
-        ("throughput.svg", report::svg(&results)),
-    ];
-    for (name, text) in files {
-        let file = args.out.join(name);
-        std::fs::write(&file, text).expect("write results");
-        println!("wrote {}", file.display());
-    }
+    lily_mq_bench::write_results(
+        &args.out,
+        "throughput",
+        &results,
+        report::markdown(&results),
+        report::svg(&results),
+    );
     println!("total {:.0} s", total.elapsed().as_secs_f64());
-}
-
-/// `scheme://host:port/vhost` without credentials.
-fn redact(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap_or(("amqp", url));
-    let rest = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
-    format!("{scheme}://{rest}")
 }

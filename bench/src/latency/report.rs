@@ -2,6 +2,7 @@
 
 use std::fmt::Write as _;
 
+use crate::escape;
 use crate::latency::{Case, Contender, HISTOGRAM_MS, Results, Run};
 use crate::throughput::report::rate;
 
@@ -380,10 +381,4 @@ pub fn svg(results: &Results) -> String {
 fn trim(v: f64) -> String {
     let text = format!("{v:.3}");
     text.trim_end_matches('0').trim_end_matches('.').to_owned()
-}
-
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
 }

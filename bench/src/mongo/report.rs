@@ -5,10 +5,10 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::median;
 use crate::mongo::db::Ops;
 use crate::mongo::{Case, Contender, Run, TARGET};
 use crate::throughput::report::rate;
+use crate::{escape, median, nice_axis};
 
 /// Everything one benchmark run measured.
 #[derive(Debug, Serialize)]
@@ -458,7 +458,7 @@ fn panel(s: &mut String, case: &CaseResult, x0: f64, y0: f64, w: f64, h: f64) {
         .map(|c| c.median_msgs_per_sec)
         .filter(|v| v.is_finite())
         .fold(0.0_f64, f64::max);
-    let (step, top) = nice_axis(max);
+    let (step, top) = nice_axis(max, (100.0, 500.0));
     let title = match case.case {
         Case::Scope => format!(
             "Scope: inbox record + one effect insert per transaction, concurrency {}, prefetch {}",
@@ -534,26 +534,4 @@ fn panel(s: &mut String, case: &CaseResult, x0: f64, y0: f64, w: f64, h: f64) {
             escape(&label)
         );
     }
-}
-
-/// A tick step and an axis top (a multiple of the step) above `max`.
-fn nice_axis(max: f64) -> (f64, f64) {
-    if max <= 0.0 || !max.is_finite() {
-        return (100.0, 500.0);
-    }
-    let raw = max / 5.0;
-    let mag = 10f64.powf(raw.log10().floor());
-    let step = [1.0, 2.0, 2.5, 5.0, 10.0]
-        .into_iter()
-        .map(|m| m * mag)
-        .find(|s| *s >= raw)
-        .unwrap_or(10.0 * mag);
-    let top = (max / step).ceil() * step;
-    (step, top.max(step))
-}
-
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
 }

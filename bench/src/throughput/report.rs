@@ -4,8 +4,8 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::median;
 use crate::throughput::{Contender, Path, Sample};
+use crate::{escape, median, nice_axis};
 
 /// Everything one benchmark run measured.
 #[derive(Debug, Serialize)]
@@ -395,7 +395,7 @@ fn panel(s: &mut String, results: &Results, path: Path, x0: f64, y0: f64, w: f64
         .flat_map(|c| c.runs.iter().map(|r| r.median_msgs_per_sec))
         .filter(|v| v.is_finite())
         .fold(0.0_f64, f64::max);
-    let (step, top) = nice_axis(max);
+    let (step, top) = nice_axis(max, (1000.0, 5000.0));
     let title = match path {
         Path::Success => "Success path: deserialize + ACK",
         Path::Handoff => "Handoff path: confirmed retry copy + ACK",
@@ -495,26 +495,4 @@ fn panel(s: &mut String, results: &Results, path: Path, x0: f64, y0: f64, w: f64
 
 fn format_k(v: f64) -> String {
     format!("{:.1}", v / 1000.0)
-}
-
-/// A tick step and an axis top (a multiple of the step) above `max`.
-fn nice_axis(max: f64) -> (f64, f64) {
-    if max <= 0.0 || !max.is_finite() {
-        return (1000.0, 5000.0);
-    }
-    let raw = max / 5.0;
-    let mag = 10f64.powf(raw.log10().floor());
-    let step = [1.0, 2.0, 2.5, 5.0, 10.0]
-        .into_iter()
-        .map(|m| m * mag)
-        .find(|s| *s >= raw)
-        .unwrap_or(10.0 * mag);
-    let top = (max / step).ceil() * step;
-    (step, top.max(step))
-}
-
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
 }
