@@ -610,13 +610,14 @@ mod tests {
     #[test]
     fn the_headers_lily_adds_count_against_the_consumers_limit() {
         let limits = Limits::default();
-        // With `schema-version` and the publish id, one header over the limit.
-        let message = (0..limits.max_headers - 1).fold(
+        // `schema-version` counts with the producer's headers: one over the limit. The publish
+        // id is Lily's own (`x-lily-*`), counted apart as the consumer's gate counts it.
+        let message = (0..limits.max_headers).fold(
             Outgoing::bytes("t", "id-1", "text/plain", Vec::new()),
             |m, n| m.header(&format!("h{n}"), "v"),
         );
         assert!(message.properties(HandoffId::new(0), &limits).is_err());
-        let message = (0..limits.max_headers - 2).fold(
+        let message = (0..limits.max_headers - 1).fold(
             Outgoing::bytes("t", "id-1", "text/plain", Vec::new()),
             |m, n| m.header(&format!("h{n}"), "v"),
         );
