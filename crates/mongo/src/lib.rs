@@ -17,7 +17,7 @@
 //!     Ok(()) // Lily commits after the handler and cleanup succeed
 //! }
 //!
-//! # async fn run() -> Result<(), mongodb::error::Error> {
+//! # async fn run() -> Result<(), lily_mq_mongo::ConnectError> {
 //! let scope = MongoScope::connect(
 //!     "mongodb://127.0.0.1:27017/?replicaSet=rs0",
 //!     "shop",
