@@ -190,6 +190,39 @@ pub fn nice_axis(max: f64, fallback: (f64, f64)) -> (f64, f64) {
     (step, top.max(step))
 }
 
+/// A chart panel's horizontal grid lines every `step` up to `top`, labelled by `label`, and its
+/// two axes, into `svg`; the panel's box is `(x, y, width, height)`.
+pub fn grid(
+    svg: &mut String,
+    (x0, y0, w, h): (f64, f64, f64, f64),
+    step: f64,
+    top: f64,
+    label: fn(f64) -> String,
+) {
+    use std::fmt::Write as _;
+    let mut v = 0.0;
+    while v <= top + step / 2.0 {
+        let y = y0 + h - v / top * h;
+        let _ = writeln!(
+            svg,
+            r##"<line x1="{x0}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#e0e0e0"/><text x="{:.1}" y="{:.1}" text-anchor="end" fill="#555">{}</text>"##,
+            x0 + w,
+            x0 - 6.0,
+            y + 4.0,
+            label(v)
+        );
+        v += step;
+    }
+    let _ = writeln!(
+        svg,
+        r#"<line x1="{x0}" y1="{y0}" x2="{x0}" y2="{:.1}" stroke="black"/><line x1="{x0}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="black"/>"#,
+        y0 + h,
+        y0 + h,
+        x0 + w,
+        y0 + h
+    );
+}
+
 /// `text` safe inside SVG text.
 pub fn escape(text: &str) -> String {
     text.replace('&', "&amp;")

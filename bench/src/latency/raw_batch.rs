@@ -37,6 +37,7 @@ use crate::Order;
 use crate::latency::timer::Sink;
 use crate::throughput::FAILURE_REASON;
 use crate::throughput::copy::retry_properties;
+use crate::throughput::raw::next;
 
 /// Counters a run reads while `raw-batch` consumes.
 #[derive(Debug, Default)]
@@ -236,10 +237,6 @@ impl RawBatch {
         }
         batch.clear();
     }
-}
-
-async fn next(consumer: &mut lapin::Consumer) -> Option<lapin::Result<Delivery>> {
-    std::future::poll_fn(|cx| Pin::new(&mut *consumer).poll_next(cx)).await
 }
 
 /// The next delivery if one is ready right now, without waiting.

@@ -475,27 +475,7 @@ fn panel(s: &mut String, case: &CaseResult, x0: f64, y0: f64, w: f64, h: f64) {
         y0 - 10.0,
         escape(&title)
     );
-    let mut v = 0.0;
-    while v <= top + step / 2.0 {
-        let y = y0 + h - v / top * h;
-        let _ = writeln!(
-            s,
-            r##"<line x1="{x0}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#e0e0e0"/><text x="{:.1}" y="{:.1}" text-anchor="end" fill="#555">{}</text>"##,
-            x0 + w,
-            x0 - 6.0,
-            y + 4.0,
-            rate(v)
-        );
-        v += step;
-    }
-    let _ = writeln!(
-        s,
-        r#"<line x1="{x0}" y1="{y0}" x2="{x0}" y2="{:.1}" stroke="black"/><line x1="{x0}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="black"/>"#,
-        y0 + h,
-        y0 + h,
-        x0 + w,
-        y0 + h
-    );
+    crate::grid(s, (x0, y0, w, h), step, top, rate);
     if case.contenders.is_empty() {
         return;
     }

@@ -1,28 +1,24 @@
 //! The raw lapin storm contender: `throughput::raw::handoff`'s algorithm, run for a duration.
 //!
-//! A task per delivery deserializes the [`Order`], publishes the retry copy (mandatory,
-//! persistent, Lily's eight failure headers, the attempt bumped) to the bucket on the one
-//! confirm channel, awaits its own confirm (a returned message is a failure) and then ACKs; a
-//! failed copy NACKs the original with requeue. Confirms pipeline across the deliveries in
-//! flight (up to prefetch).
+//! A task per delivery runs [`hand_off_one`]: it deserializes the order, publishes the retry
+//! copy (mandatory, persistent, Lily's eight failure headers, the attempt bumped) to the bucket
+//! on the one confirm channel, awaits its own confirm (a returned message is a failure) and then
+//! ACKs; a failed copy NACKs the original with requeue. Confirms pipeline across the deliveries
+//! in flight (up to prefetch).
 
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use futures_core::Stream;
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
-    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
 use lapin::types::{FieldTable, ShortString};
-use lapin::{Confirmation, Connection, ConnectionProperties};
+use lapin::{Connection, ConnectionProperties};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::Order;
 use crate::storm::REASON;
-use crate::throughput::copy::retry_properties;
+use crate::throughput::raw::{hand_off_one, next};
 
 /// What the raw contender counts.
 #[derive(Debug, Default)]
@@ -81,41 +77,7 @@ pub async fn run(
         let (confirms, bucket, source) = (confirms.clone(), bucket.clone(), Arc::clone(&source));
         let counters = Arc::clone(&counters);
         tasks.spawn(async move {
-            let order: Order = serde_json::from_slice(&delivery.data).expect("order");
-            std::hint::black_box(order);
-            let properties = retry_properties(&delivery, &source, REASON);
-            let confirmed = async {
-                confirms
-                    .basic_publish(
-                        "".into(),
-                        bucket,
-                        BasicPublishOptions {
-                            mandatory: true,
-                            immediate: false,
-                        },
-                        &delivery.data,
-                        properties,
-                    )
-                    .await?
-                    .await
-            }
-            .await;
-            let done = if matches!(confirmed, Ok(Confirmation::Ack(None))) {
-                delivery
-                    .acker
-                    .ack(BasicAckOptions::default())
-                    .await
-                    .is_ok_and(|written| written)
-            } else {
-                let _ = delivery
-                    .acker
-                    .nack(BasicNackOptions {
-                        multiple: false,
-                        requeue: true,
-                    })
-                    .await;
-                false
-            };
+            let done = hand_off_one(&confirms, bucket, delivery, &source, REASON).await;
             let counter = if done {
                 &counters.handoffs
             } else {
@@ -132,8 +94,4 @@ pub async fn run(
     let _ = confirms.close(200, "done".into()).await;
     let _ = channel.close(200, "done".into()).await;
     let _ = connection.close(200, "done".into()).await;
-}
-
-async fn next(consumer: &mut lapin::Consumer) -> Option<lapin::Result<lapin::message::Delivery>> {
-    std::future::poll_fn(|cx| Pin::new(&mut *consumer).poll_next(cx)).await
 }

@@ -15,7 +15,60 @@ use crate::Order;
 use crate::throughput::copy::retry_properties;
 use crate::throughput::{FAILURE_REASON, Sample, run_limit};
 
-async fn next(consumer: &mut lapin::Consumer) -> Option<lapin::Result<lapin::message::Delivery>> {
+/// Deserializes `delivery`, publishes its retry copy to `bucket` (mandatory, persistent, Lily's
+/// failure headers) on `confirms`, awaits that copy's own confirm (a returned copy fails), then
+/// ACKs; a failed copy's original is NACKed and requeued. True when the ACK was written.
+pub async fn hand_off_one(
+    confirms: &Channel,
+    bucket: ShortString,
+    delivery: lapin::message::Delivery,
+    source: &str,
+    reason: &str,
+) -> bool {
+    let order: Order = serde_json::from_slice(&delivery.data).expect("order");
+    std::hint::black_box(order);
+    let properties = retry_properties(&delivery, source, reason);
+    let mandatory = BasicPublishOptions {
+        mandatory: true,
+        immediate: false,
+    };
+    let confirmed = async {
+        confirms
+            .basic_publish("".into(), bucket, mandatory, &delivery.data, properties)
+            .await?
+            .await
+    }
+    .await;
+    if matches!(confirmed, Ok(Confirmation::Ack(None))) {
+        return delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await
+            .is_ok_and(|written| written);
+    }
+    let requeue = BasicNackOptions {
+        multiple: false,
+        requeue: true,
+    };
+    let _ = delivery.acker.nack(requeue).await;
+    false
+}
+
+/// The consumer's next delivery within `limit`; `None` when it ended, failed or took longer.
+async fn next_within(
+    consumer: &mut lapin::Consumer,
+    limit: std::time::Duration,
+) -> Option<lapin::message::Delivery> {
+    match tokio::time::timeout(limit, next(consumer)).await {
+        Ok(Some(Ok(delivery))) => Some(delivery),
+        _ => None,
+    }
+}
+
+/// The consumer's next delivery.
+pub async fn next(
+    consumer: &mut lapin::Consumer,
+) -> Option<lapin::Result<lapin::message::Delivery>> {
     use futures_core::Stream;
     std::future::poll_fn(|cx| std::pin::Pin::new(&mut *consumer).poll_next(cx)).await
 }
@@ -68,9 +121,8 @@ pub async fn success(url: &str, queue: &str, prefetch: u16, n: u64) -> Sample {
     let mut settled = 0;
     let limit = run_limit(n);
     while settled < n {
-        let delivery = match tokio::time::timeout(limit, next(&mut consumer)).await {
-            Ok(Some(Ok(delivery))) => delivery,
-            _ => break,
+        let Some(delivery) = next_within(&mut consumer, limit).await else {
+            break;
         };
         let order: Order = serde_json::from_slice(&delivery.data).expect("order");
         std::hint::black_box(order);
@@ -95,9 +147,8 @@ pub async fn success_batch(url: &str, queue: &str, prefetch: u16, n: u64) -> Sam
     let (mut settled, mut unacked) = (0, 0);
     let limit = run_limit(n);
     while settled + unacked < n {
-        let delivery = match tokio::time::timeout(limit, next(&mut consumer)).await {
-            Ok(Some(Ok(delivery))) => delivery,
-            _ => break,
+        let Some(delivery) = next_within(&mut consumer, limit).await else {
+            break;
         };
         let order: Order = serde_json::from_slice(&delivery.data).expect("order");
         std::hint::black_box(order);
@@ -125,9 +176,8 @@ pub async fn ceiling(url: &str, queue: &str, prefetch: u16, n: u64) -> Sample {
     let mut settled = 0;
     let limit = run_limit(n);
     while settled < n {
-        let delivery = match tokio::time::timeout(limit, next(&mut consumer)).await {
-            Ok(Some(Ok(delivery))) => delivery,
-            _ => break,
+        let Some(delivery) = next_within(&mut consumer, limit).await else {
+            break;
         };
         let order: Order = serde_json::from_slice(&delivery.data).expect("order");
         std::hint::black_box(order);
@@ -147,9 +197,8 @@ pub async fn success_concurrent(url: &str, queue: &str, prefetch: u16, n: u64) -
     let (mut settled, mut failed, mut received) = (0, 0, 0);
     let limit = run_limit(n);
     while received < n {
-        let delivery = match tokio::time::timeout(limit, next(&mut consumer)).await {
-            Ok(Some(Ok(delivery))) => delivery,
-            _ => break,
+        let Some(delivery) = next_within(&mut consumer, limit).await else {
+            break;
         };
         received += 1;
         tasks.spawn(async move {
@@ -196,46 +245,15 @@ pub async fn handoff(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64
     let mut received = 0;
     let limit = run_limit(n);
     while received < n {
-        let delivery = match tokio::time::timeout(limit, next(&mut consumer)).await {
-            Ok(Some(Ok(delivery))) => delivery,
-            _ => break,
+        let Some(delivery) = next_within(&mut consumer, limit).await else {
+            break;
         };
         received += 1;
         let confirms = confirms.clone();
         let bucket = bucket.clone();
         let source = Arc::clone(&source);
         tasks.spawn(async move {
-            let order: Order = serde_json::from_slice(&delivery.data).expect("order");
-            std::hint::black_box(order);
-            let properties = retry_properties(&delivery, &source, FAILURE_REASON);
-            let confirmed = async {
-                confirms
-                    .basic_publish(
-                        "".into(),
-                        bucket,
-                        BasicPublishOptions {
-                            mandatory: true,
-                            immediate: false,
-                        },
-                        &delivery.data,
-                        properties,
-                    )
-                    .await?
-                    .await
-            }
-            .await;
-            if matches!(confirmed, Ok(Confirmation::Ack(None))) {
-                delivery.acker.ack(BasicAckOptions::default()).await.is_ok()
-            } else {
-                let _ = delivery
-                    .acker
-                    .nack(BasicNackOptions {
-                        multiple: false,
-                        requeue: true,
-                    })
-                    .await;
-                false
-            }
+            hand_off_one(&confirms, bucket, delivery, &source, FAILURE_REASON).await
         });
         while let Some(result) = tasks.try_join_next() {
             tally(result, &mut settled, &mut failed);
@@ -317,9 +335,8 @@ pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, 
     let mut received = 0;
     let limit = run_limit(n);
     while received < n {
-        let delivery = match tokio::time::timeout(limit, next(&mut consumer)).await {
-            Ok(Some(Ok(delivery))) => delivery,
-            _ => break,
+        let Some(delivery) = next_within(&mut consumer, limit).await else {
+            break;
         };
         received += 1;
         let order: Order = serde_json::from_slice(&delivery.data).expect("order");

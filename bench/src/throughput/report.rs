@@ -405,27 +405,7 @@ fn panel(s: &mut String, results: &Results, path: Path, x0: f64, y0: f64, w: f64
         r#"<text x="{x0}" y="{}" font-size="14" font-weight="bold">{title}</text>"#,
         y0 - 8.0
     );
-    let mut v = 0.0;
-    while v <= top + step / 2.0 {
-        let y = y0 + h - v / top * h;
-        let _ = writeln!(
-            s,
-            r##"<line x1="{x0}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#e0e0e0"/><text x="{:.1}" y="{:.1}" text-anchor="end" fill="#555">{}</text>"##,
-            x0 + w,
-            x0 - 6.0,
-            y + 4.0,
-            rate(v)
-        );
-        v += step;
-    }
-    let _ = writeln!(
-        s,
-        r#"<line x1="{x0}" y1="{y0}" x2="{x0}" y2="{:.1}" stroke="black"/><line x1="{x0}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="black"/>"#,
-        y0 + h,
-        y0 + h,
-        x0 + w,
-        y0 + h
-    );
+    crate::grid(s, (x0, y0, w, h), step, top, rate);
     let _ = writeln!(
         s,
         r##"<text transform="translate({:.1},{:.1}) rotate(-90)" text-anchor="middle" fill="#555">msgs/s</text>"##,
