@@ -102,7 +102,7 @@ async fn a_concurrent_duplicate_is_suppressed_in_process_not_deferred() {
     let broker = Broker::from_env();
     let queue = Broker::unique("concurrent-dup");
     let database = MongoNode::database_name("dup");
-    let scope = scope_with(&database, MongoConfig::new("e2e").without_lease()).await;
+    let scope = scope_with(&database, MongoConfig::new("e2e")).await;
     let router = Router::new().route("order.placed", |tx: MongoTx, meta: Meta| async move {
         record_effect(tx, meta).await?;
         // The transaction stays open a while: the twin's insert meets it.
@@ -138,7 +138,7 @@ async fn a_classic_message_that_keeps_killing_its_worker_is_counted_durably_and_
     let broker = Broker::from_env();
     let queue = Broker::unique("killer");
     let database = MongoNode::database_name("killer");
-    let scope = scope_with(&database, MongoConfig::new("e2e").without_lease()).await;
+    let scope = scope_with(&database, MongoConfig::new("e2e")).await;
     let calls = Arc::new(Mutex::new(Vec::<String>::new()));
     let release = Arc::new(tokio::sync::Notify::new());
     let (seen, gate) = (Arc::clone(&calls), Arc::clone(&release));
@@ -399,10 +399,14 @@ async fn stale_owner_cut_off_mid_handler_is_fenced_and_the_redelivery_commits_on
         "A is inside its handler"
     );
 
-    // B consumes directly, fast, with the default lease.
-    let scope_b = MongoScope::connect(node.url(), &database, MongoConfig::new(consumer))
-        .await
-        .expect("scope B");
+    // B consumes directly, fast, with the default lease TTL.
+    let scope_b = MongoScope::connect(
+        node.url(),
+        &database,
+        MongoConfig::new(consumer).with_lease(),
+    )
+    .await
+    .expect("scope B");
     let b_calls = Counter::default();
     let running_b = start_scoped_with(
         broker.url(),
@@ -448,16 +452,7 @@ async fn stale_owner_cut_off_mid_handler_is_fenced_and_the_redelivery_commits_on
         report_b.totals.dead_lettered + report_a.totals.dead_lettered,
         0
     );
-    let lease = db
-        .collection::<Document>("lily_leases")
-        .find_one(doc! { "_id": { "c": consumer, "m": "takeover-1" } })
-        .await
-        .expect("read lease")
-        .expect("lease document");
-    assert!(
-        int(&lease, "fence") >= 2,
-        "B took the lease over with a newer fence: {lease:?}"
-    );
+    assert_no_lease_left(&db).await;
     assert_dlq_empty(&client, &queue).await;
 }
 
@@ -506,9 +501,13 @@ async fn stale_owner_still_holding_its_delivery_defers_instead_of_retrying() {
     client
         .send(&queue, "order.placed", "stale-1", b"{\"qty\":1}")
         .await;
-    let scope_b = MongoScope::connect(node.url(), &database, MongoConfig::new(consumer))
-        .await
-        .expect("scope B");
+    let scope_b = MongoScope::connect(
+        node.url(),
+        &database,
+        MongoConfig::new(consumer).with_lease(),
+    )
+    .await
+    .expect("scope B");
     let b_calls = Counter::default();
     let running_b = start_scoped_with(
         broker.url(),
@@ -549,14 +548,15 @@ async fn stale_owner_still_holding_its_delivery_defers_instead_of_retrying() {
         report_a.totals.dead_lettered + report_b.totals.dead_lettered,
         0
     );
+    assert_no_lease_left(&db).await;
     assert_dlq_empty(&client, &queue).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handler_outliving_a_lease_renewal_still_commits() {
     // The lease is renewed (outside the transaction) while the handler runs; the commit's
-    // fence check writes the same lease document inside the transaction. The worker's own
-    // renewal must not make its commit fail.
+    // fence check writes the fence document inside the transaction. The worker's own renewal
+    // must not make its commit fail.
     let broker = Broker::from_env();
     let queue = Broker::unique("renewal");
     let database = MongoNode::database_name("renewal");
@@ -599,6 +599,7 @@ async fn handler_outliving_a_lease_renewal_still_commits() {
     assert_eq!(report.totals.acked, 1, "{:?}", report.totals);
     assert_eq!(report.totals.retried, 0, "{:?}", report.totals);
     assert_eq!(calls.get(), 1, "committed on the first attempt");
+    assert_no_lease_left(&db).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -675,7 +676,7 @@ async fn lease_held_by_a_live_owner_defers_with_spacing_then_dead_letters_at_the
     let scope = MongoScope::connect(
         MongoNode::from_env().url(),
         &database,
-        MongoConfig::new(consumer),
+        MongoConfig::new(consumer).with_lease(),
     )
     .await
     .expect("scope");
@@ -884,6 +885,90 @@ async fn handler_failure_aborts_its_transaction_and_the_retry_writes_the_only_ef
     );
     assert_eq!(t.duplicates_suppressed + t.dead_lettered, 0, "{t:?}");
     assert_dlq_empty(&client, &queue).await;
+}
+
+/// No lease or fence document is left once its message settled.
+async fn assert_no_lease_left(db: &Database) {
+    for name in ["lily_leases", "lily_fences"] {
+        let left = db
+            .collection::<Document>(name)
+            .count_documents(doc! {})
+            .await
+            .expect("count lease documents");
+        assert_eq!(left, 0, "{name} keeps {left} documents of settled messages");
+    }
+}
+
+/// Many leased deliveries at once, committed, retried then committed, or dead-lettered: each
+/// message ends where its outcome says, checked by id, and the lease and fence collections are
+/// empty afterwards (they used to keep one document each per message, forever).
+async fn leases_leave_nothing_behind(kind: QueueKind) {
+    const N: usize = 240;
+    let broker = Broker::from_env();
+    let queue = Broker::unique("leases");
+    let database = MongoNode::database_name("leases");
+    let db = direct(&database).await;
+    let scope = MongoScope::connect(
+        MongoNode::from_env().url(),
+        &database,
+        MongoConfig::new("e2e-leases").with_lease(),
+    )
+    .await
+    .expect("scope");
+    // Every third message fails once (retried, then committed), every third is refused for
+    // good (the DLQ), the rest commit at once.
+    let fate = |id: &str| {
+        id.trim_start_matches("lease-")
+            .parse::<usize>()
+            .unwrap_or(0)
+            % 3
+    };
+    let router = Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| async move {
+        write_effect(&tx, &meta, "handler").await?;
+        match fate(meta.message_id()) {
+            0 if meta.attempt() == 1 => Err(QueueHandlerError::retryable("downstream hiccup")),
+            1 => Err(QueueHandlerError::permanent("refused")),
+            _ => Ok(()),
+        }
+    });
+    let cfg = config(&queue, kind).prefetch(50).concurrency(50);
+    let running = start_scoped_with(broker.url(), cfg, router, scope);
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    let ids: Vec<String> = (0..N).map(|i| format!("lease-{i}")).collect();
+    for id in &ids {
+        client
+            .send(&queue, "order.placed", id, b"{\"qty\":1}")
+            .await;
+    }
+    let refused: Vec<&String> = ids.iter().filter(|id| fate(id) == 1).collect();
+    common::wait_settled("every message settled", &queue, refused.len() as u64).await;
+    let report = running.stop().await;
+    assert!(report.unresolved.is_empty(), "{:?}", report.unresolved);
+
+    let dead = client.drain_ids(&format!("{queue}.dlq")).await;
+    let expected: std::collections::BTreeMap<String, usize> =
+        refused.iter().map(|id| ((*id).clone(), 1)).collect();
+    assert_eq!(
+        dead, expected,
+        "exactly the refused ids, once each, in the DLQ"
+    );
+    for id in &ids {
+        let docs = effect_docs(&db, id).await;
+        let want = usize::from(fate(id) != 1);
+        assert_eq!(docs.len(), want, "{id}: effects {docs:?}");
+    }
+    assert_no_lease_left(&db).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leases_leave_nothing_behind_on_a_classic_queue() {
+    leases_leave_nothing_behind(QueueKind::Classic).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leases_leave_nothing_behind_on_a_quorum_queue() {
+    leases_leave_nothing_behind(QueueKind::Quorum).await;
 }
 
 fn start_scoped_with(

@@ -6,13 +6,13 @@
 //! LILY_AMQP_URL=… LILY_MONGO_URL=… [LILY_RABBIT_DIR=…] [LILY_MONGO_DIR=…] \
 //! mongo [--quick] [--messages N] [--hot-messages N] [--reps R] [--concurrency C] [--prefetch P]
 //!       [--hot-concurrency C] [--cases scope,hot] [--out DIR]
-//!       [--contenders raw,lily,lily-no-lease[,raw-lily-record]]
+//!       [--contenders raw,lily,lily-lease[,raw-lily-record]]
 //! ```
 //!
 //! - **scope** (N = 20 000, `--quick` 5 000; concurrency 32, prefetch 64): per message one
 //!   transaction with the inbox record and one effect insert, committed, then ACKed. Contenders:
-//!   the raw driver consumer (`lily_mq_bench::mongo::raw`), Lily with its default scope (inbox +
-//!   fenced lease per message), Lily without the lease (inbox only, the like-for-like one).
+//!   the raw driver consumer (`lily_mq_bench::mongo::raw`), Lily with its default scope (inbox
+//!   only, the like-for-like one), Lily with the lease (inbox + fenced lease per message).
 //!   Target: Lily / raw ≥ 0.9. On request (`--contenders …,raw-lily-record`) also the raw
 //!   consumer writing Lily's inbox record shape with Lily's TTL index: a diagnostic that
 //!   separates what Lily's record costs mongod from what Lily's machinery costs.
@@ -53,7 +53,7 @@ struct Args {
 
 const USAGE: &str = "usage: mongo [--quick] [--messages N] [--hot-messages N] [--reps R] \
     [--concurrency C] [--prefetch P] [--hot-concurrency C] [--cases scope,hot] \
-    [--contenders raw,lily,lily-no-lease[,raw-lily-record]] [--out DIR]\n\
+    [--contenders raw,lily,lily-lease[,raw-lily-record]] [--out DIR]\n\
     environment: LILY_AMQP_URL, LILY_MONGO_URL (a replica set), optional LILY_RABBIT_DIR and \
     LILY_MONGO_DIR for the nodes' CPU";
 
@@ -214,7 +214,7 @@ async fn run_once(
     // Lily's scope (its index creation) is set up before the clock, like the raw client.
     let scope = match who {
         Contender::Raw | Contender::RawLilyRecord => None,
-        Contender::Lily | Contender::LilyNoLease => {
+        Contender::LilyLease | Contender::Lily => {
             Some(lily_run::scope(client.clone(), who, &counters).await)
         }
     };
@@ -458,10 +458,11 @@ fn notes() -> Vec<String> {
          again, at once, on TransientTransactionError; ACK after the commit; anything else, or 10 s \
          without a commit, NACK with requeue."
             .into(),
-        "Lily (lease): MongoConfig::new — before the transaction a lease upsert and a fence \
-         upsert, inside it the inbox record (with a SHA-256 fingerprint of the body) and the \
-         handler's writes, then a fence check, the commit and a lease release. Lily (no lease): \
-         MongoConfig::without_lease — the inbox record and the handler's writes, the commit. Both \
+        "Lily: MongoConfig::new — inside the transaction the inbox record (with a SHA-256 \
+         fingerprint of the body) and the handler's writes, the commit. Lily (lease): \
+         MongoConfig::with_lease — before the transaction a lease upsert and a fence upsert, \
+         inside it the inbox record and the handler's writes, then the fence check (which \
+         deletes the fence document), the commit and the lease's deletion. Both \
          with Lily's default policy; a TransientTransactionError in the handler is returned as \
          QueueHandlerError::transient, which reruns the scope in-process with backoff (10 ms \
          doubling, at most 500 ms)."

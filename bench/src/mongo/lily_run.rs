@@ -38,8 +38,8 @@ pub async fn scope(client: Client, who: Contender, counters: &Arc<Counters>) -> 
     let committed = Arc::clone(counters);
     let mut config =
         MongoConfig::new(CONSUMER).on_committed(move |_| Counters::bump(&committed.commits));
-    if who == Contender::LilyNoLease {
-        config = config.without_lease();
+    if who == Contender::LilyLease {
+        config = config.with_lease();
     }
     MongoScope::with_client(client, DATABASE, config)
         .await

@@ -11,8 +11,8 @@
 //!   concurrent transactions conflict (`WriteConflict`, labelled `TransientTransactionError`).
 //!
 //! Contenders ([`Contender`]): the raw driver consumer ([`raw`]), Lily with its default scope
-//! (inbox + per-message fenced lease) and Lily with `MongoConfig::without_lease` (inbox only:
-//! the like-for-like comparison with the raw consumer) ([`lily_run`]); on request also the raw
+//! (inbox only: the like-for-like comparison with the raw consumer) and Lily with
+//! `MongoConfig::with_lease` (inbox + per-message fenced lease) ([`lily_run`]); on request also the raw
 //! consumer writing Lily's inbox record, which separates what Lily's record costs mongod from
 //! what Lily's machinery costs. Every run gets a fresh
 //! topology and a dropped and re-created database; after it, [`verify`] checks from outside,
@@ -79,10 +79,10 @@ impl Case {
 pub enum Contender {
     /// lapin + the mongodb driver, written by hand.
     Raw,
-    /// Lily with `MongoConfig::new` (inbox and per-message fenced lease).
+    /// Lily with `MongoConfig::new` (inbox only, the default).
     Lily,
-    /// Lily with `MongoConfig::new(..).without_lease()` (inbox only).
-    LilyNoLease,
+    /// Lily with `MongoConfig::new(..).with_lease()` (inbox and per-message fenced lease).
+    LilyLease,
     /// The raw contender writing Lily's inbox record instead of `{_id: message_id}`: key
     /// `{c, m}`, a 64-character fingerprint, type, schema version and time, in a collection
     /// with a TTL index on the time (a diagnostic, not run by default: what Lily's record costs
@@ -92,20 +92,15 @@ pub enum Contender {
 
 impl Contender {
     /// Every contender.
-    pub const ALL: [Self; 4] = [
-        Self::Raw,
-        Self::Lily,
-        Self::LilyNoLease,
-        Self::RawLilyRecord,
-    ];
+    pub const ALL: [Self; 4] = [Self::Raw, Self::Lily, Self::LilyLease, Self::RawLilyRecord];
     /// Those run without `--contenders`.
-    pub const DEFAULT: [Self; 3] = [Self::Raw, Self::Lily, Self::LilyNoLease];
+    pub const DEFAULT: [Self; 3] = [Self::Raw, Self::Lily, Self::LilyLease];
 
     pub fn name(self) -> &'static str {
         match self {
             Self::Raw => "raw driver",
-            Self::Lily => "Lily (lease)",
-            Self::LilyNoLease => "Lily (no lease)",
+            Self::Lily => "Lily",
+            Self::LilyLease => "Lily (lease)",
             Self::RawLilyRecord => "raw (Lily record)",
         }
     }
@@ -114,7 +109,7 @@ impl Contender {
         match self {
             Self::Raw => "raw",
             Self::Lily => "lily",
-            Self::LilyNoLease => "lily-no-lease",
+            Self::LilyLease => "lily-lease",
             Self::RawLilyRecord => "raw-lily-record",
         }
     }

@@ -130,8 +130,9 @@ impl CaseResult {
             .filter(|c| c.contender != Contender::Raw)
         {
             c.over_raw = raw.map(|r| c.median_msgs_per_sec / r);
-            let lily = matches!(c.contender, Contender::Lily | Contender::LilyNoLease);
-            if case == Case::Scope && lily {
+            // The target is the default scope's, the like-for-like one: the lease is an
+            // opt-in for effects outside the database, which the raw contender does not guard.
+            if case == Case::Scope && c.contender == Contender::Lily {
                 c.over_raw_target = c.over_raw.map(|_| TARGET);
                 c.over_raw_met = c.over_raw.map(|r| r >= TARGET);
             }
@@ -388,7 +389,7 @@ fn color(who: Contender) -> &'static str {
     match who {
         Contender::Raw => "#8c8c8c",
         Contender::Lily => "#c2185b",
-        Contender::LilyNoLease => "#f48fb1",
+        Contender::LilyLease => "#f48fb1",
         Contender::RawLilyRecord => "#bdbdbd",
     }
 }

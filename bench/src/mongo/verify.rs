@@ -55,8 +55,8 @@ pub struct Check {
     pub parked: u64,
     /// Messages in the retry buckets.
     pub in_retry_buckets: u64,
-    /// Lily (lease): documents left in `lily_leases` and `lily_fences` after the run (not a
-    /// check: the scope keeps one of each per message id, with no TTL index).
+    /// Lily (lease): documents left in `lily_leases` and `lily_fences` after the run (each
+    /// message's are deleted when it settles, so any left is a failure).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_documents: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -104,7 +104,7 @@ pub async fn check(
             _ => None,
         }),
         Contender::RawLilyRecord => (RAW_LILY_INBOX, lily_key),
-        Contender::Lily | Contender::LilyNoLease => (LILY_INBOX, lily_key),
+        Contender::LilyLease | Contender::Lily => (LILY_INBOX, lily_key),
     };
     let inbox = ids(database, inbox, key_of).await;
     (check.inbox, check.inbox_missing, check.inbox_unexpected) = tally(&inbox, n, &mut bad);
@@ -115,7 +115,7 @@ pub async fn check(
         check.counters_exact = Some(exact);
     }
 
-    if who == Contender::Lily {
+    if who == Contender::LilyLease {
         let count = |name: &'static str| async move {
             database
                 .collection::<Document>(name)
@@ -156,7 +156,9 @@ pub async fn check(
         && check.work_queue_ready == Some(0)
         && check.dead_lettered == 0
         && check.parked == 0
-        && check.in_retry_buckets == 0;
+        && check.in_retry_buckets == 0
+        && check.lease_documents.is_none_or(|n| n == 0)
+        && check.fence_documents.is_none_or(|n| n == 0);
     bad.truncate(SHOWN);
     check.sample_ids = bad;
     check

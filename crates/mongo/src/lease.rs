@@ -1,10 +1,20 @@
 //! Leases with fencing: one live owner per message, a fence that grows with every takeover.
 //!
-//! The lease document (owner, expiry) is renewed outside any transaction while the handler
-//! runs. The fence lives in a document of its own that only acquisitions raise: the commit
-//! checks it inside the transaction, so the owner's own renewals never conflict with its
-//! commit, while a takeover — which raises the fence — always does.
+//! The lease document (owner, fence, expiry) is renewed outside any transaction while the
+//! handler runs. The fence is published in a document of its own that only acquisitions write,
+//! naming the acquisition's owner: the commit checks it inside the transaction, so the owner's
+//! own renewals never conflict with its commit, while a takeover — which rewrites the fence
+//! document — always does.
+//!
+//! Nothing outlives its message. The commit deletes the fence document inside the transaction
+//! (the delete is the check), and the release after it deletes the lease; a delivery that ends
+//! without a commit deletes both. What a crash leaves expires: an expired lease is as free as
+//! no lease (TTL on `expires_at`), and a fence document goes with the inbox retention. A
+//! re-created lease restarts its fence count, which is safe because every check names the
+//! owner token too, unique to one acquisition: a stale owner's check never matches another's
+//! document, whatever its fence number.
 
+use std::future::IntoFuture;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -85,13 +95,17 @@ pub(crate) async fn acquire(
         Some(Bson::Int32(f)) => i64::from(*f),
         _ => 0,
     };
-    // Publish the fence where only acquisitions write; `$max` keeps it monotonic when a newer
-    // owner got there first.
+    // Publish the fence, and whose it is, where only acquisitions write. A newer owner's raise
+    // that got there first is kept: the document only moves to a higher fence.
+    let stored = doc! { "$ifNull": ["$fence", 0_i64] };
+    let newer = doc! { "$lt": [stored.clone(), fence] };
+    let raise = vec![doc! { "$set": {
+        "owner": { "$cond": [newer.clone(), &owner, "$owner"] },
+        "at": { "$cond": [newer, now, "$at"] },
+        "fence": { "$max": [stored, fence] },
+    } }];
     let raised = fences
-        .update_one(
-            doc! { "_id": key.clone() },
-            doc! { "$max": { "fence": fence } },
-        )
+        .update_one(doc! { "_id": key.clone() }, raise)
         .upsert(true)
         .await;
     if let Err(err) = raised {
@@ -150,34 +164,31 @@ fn spawn_renewal(
 }
 
 impl Lease {
-    /// Inside the transaction: proves no newer owner raised the fence. `Ok(false)` means this
-    /// lease was taken over — either before (the fence moved on) or during the transaction (the
-    /// takeover's write conflicts with this one).
+    /// Inside the transaction: proves no newer owner raised the fence, by deleting this
+    /// acquisition's fence document, so the commit removes it. `Ok(false)` means this lease was
+    /// taken over — either before (the document names a newer owner) or during the transaction
+    /// (the takeover's write conflicts with this one).
     pub(crate) async fn check_fence(&self, session: &mut ClientSession) -> Result<bool, Error> {
-        let filter = doc! { "_id": self.key.clone(), "fence": self.fence };
-        let checked = self
-            .fences
-            .update_one(filter, doc! { "$set": { "committed_fence": self.fence } })
-            .session(session)
-            .await;
+        let checked = self.fences.delete_one(self.ours()).session(session).await;
         match checked {
-            Ok(result) => Ok(result.matched_count == 1),
+            Ok(result) => Ok(result.deleted_count == 1),
             Err(err) if is_write_conflict(&err) => Ok(false),
             Err(err) => Err(err),
         }
     }
 
-    /// Stops renewing and releases the lease if it is still ours.
+    /// Stops renewing and deletes the lease, and the fence document when no commit took it,
+    /// where they are still this acquisition's.
     pub(crate) async fn release(self) {
         self.renewal.cancel();
-        let filter = doc! { "_id": self.key.clone(), "owner": &self.owner, "fence": self.fence };
-        let _ = self
-            .leases
-            .update_one(
-                filter,
-                doc! { "$set": { "expires_at": DateTime::from_millis(0) } },
-            )
-            .await;
+        let lease = self.leases.delete_one(self.ours());
+        let fence = self.fences.delete_one(self.ours());
+        let _ = tokio::join!(lease.into_future(), fence.into_future());
+    }
+
+    /// The filter matching this acquisition's documents only.
+    fn ours(&self) -> Document {
+        doc! { "_id": self.key.clone(), "owner": &self.owner, "fence": self.fence }
     }
 }
 

@@ -1,5 +1,5 @@
-//! The MongoDB scope of Lily: a transaction around each handler, a transactional inbox and a
-//! fenced lease, wired into the decision table.
+//! The MongoDB scope of Lily: a transaction around each handler, a transactional inbox and, when
+//! asked for, a fenced lease, wired into the decision table.
 //!
 //! ```no_run
 //! use lily_mq_core::{QueueHandlerError, Router};
@@ -40,8 +40,12 @@
 //! - a redelivery (after a crash between commit and ACK, a lost connection, an ambiguous commit)
 //!   finds the record and is ACKed without running the handler (counted as a suppressed
 //!   duplicate); the same id with a different fingerprint is a conflict and goes to the DLQ;
-//! - a lease with a monotonically increasing fence keeps two workers from committing the same
-//!   message: the commit checks the fence inside the transaction, so a stale owner cannot commit.
+//! - a second delivery of the message while the first one's transaction is open conflicts on
+//!   the inbox record, the transaction's first write: it runs again after a backoff and finds
+//!   the first one committed, or defers;
+//! - with [`MongoConfig::with_lease`], a lease with a fence that grows with every takeover
+//!   keeps that exclusion past the transaction: the commit checks the fence inside the
+//!   transaction, so a stale owner cannot commit.
 //!
 //! Assumptions: producers give one operation one `message_id`; effects outside this database
 //! are not covered (use the lease and make them idempotent); a redelivery after the inbox

@@ -18,6 +18,10 @@ use crate::lease::{self, Refused, is_duplicate_key};
 use crate::observer::CommitObserver;
 use crate::tx::{MongoTransaction, TxState, code_of};
 
+/// How long MongoDB keeps a lease past its expiry before its TTL index deletes it (an expired
+/// lease is free either way: this only leaves it readable for a while).
+const EXPIRED_LEASE_KEPT: Duration = Duration::from_secs(3600);
+
 /// Settings of the MongoDB scope.
 #[derive(Clone)]
 #[non_exhaustive]
@@ -28,7 +32,8 @@ pub struct MongoConfig {
     /// How long inbox records are kept (TTL index). A redelivery after that runs the handler
     /// again: keep it longer than retry delays × attempts and any DLQ replay horizon.
     pub inbox_retention: Duration,
-    /// Take a lease per message before the handler, fenced at commit.
+    /// Take a lease per message before the handler, fenced at commit (off by default; see
+    /// [`with_lease`](Self::with_lease)).
     pub lease: bool,
     /// Lease time to live; renewed every third of it while the handler runs.
     pub lease_ttl: Duration,
@@ -56,12 +61,13 @@ impl std::fmt::Debug for MongoConfig {
 }
 
 impl MongoConfig {
-    /// Defaults for `consumer`: 7-day inbox, 30 s lease renewed up to 10 minutes.
+    /// Defaults for `consumer`: 7-day inbox, no lease (when turned on: 30 s, renewed up to
+    /// 10 minutes).
     pub fn new(consumer: impl Into<String>) -> Self {
         Self {
             consumer: consumer.into(),
             inbox_retention: Duration::from_secs(7 * 24 * 3600),
-            lease: true,
+            lease: false,
             lease_ttl: Duration::from_secs(30),
             lease_max_extension: Duration::from_secs(600),
             collection_prefix: "lily_".into(),
@@ -76,17 +82,27 @@ impl MongoConfig {
         self
     }
 
-    /// Turns the per-message lease off (the inbox alone then guards against duplicates; two
-    /// concurrent deliveries of one message conflict in the database instead).
+    /// Takes a lease per message before its handler runs, renewed while it runs and fenced at
+    /// commit: for handlers with effects outside the database.
+    ///
+    /// Without it, the inbox already keeps a second delivery of a message from running its
+    /// handler while the first one's transaction is open: the inbox record is the
+    /// transaction's first write, and the second insert conflicts with it. The lease carries
+    /// that exclusion past the transaction (a handler outliving the server's
+    /// `transactionLifetimeLimitSeconds`, whose transaction mongod aborts) and makes a stale
+    /// owner's commit fail on its fence. It costs four more database operations a message,
+    /// three of them majority writes before the handler runs (README: Performance).
     #[must_use]
-    pub fn without_lease(mut self) -> Self {
-        self.lease = false;
+    pub fn with_lease(mut self) -> Self {
+        self.lease = true;
         self
     }
 
-    /// Sets the lease TTL and its extension cap.
+    /// Sets the lease TTL and its extension cap, and takes the lease
+    /// ([`with_lease`](Self::with_lease)).
     #[must_use]
     pub fn lease_ttl(mut self, ttl: Duration, max_extension: Duration) -> Self {
+        self.lease = true;
         self.lease_ttl = ttl;
         self.lease_max_extension = max_extension;
         self
@@ -100,7 +116,8 @@ impl MongoConfig {
     }
 }
 
-/// Runs every handler in a MongoDB transaction with a transactional inbox and a fenced lease.
+/// Runs every handler in a MongoDB transaction with a transactional inbox, and a fenced lease
+/// when [`MongoConfig::with_lease`] asks for one.
 /// Install it with `Consumer::scope`.
 #[derive(Clone, Debug)]
 pub struct MongoScope(Arc<Inner>);
@@ -152,12 +169,20 @@ impl MongoScope {
         let leases = database.collection::<Document>(&name("leases"));
         let fences = database.collection::<Document>(&name("fences"));
         let deferrals = database.collection::<Document>(&name("deferrals"));
-        for (collection, ttl) in [
-            (&inbox, config.inbox_retention),
-            (&deferrals, config.inbox_retention),
-        ] {
+        let mut expiring = vec![
+            (&inbox, "at", config.inbox_retention),
+            (&deferrals, "at", config.inbox_retention),
+        ];
+        if config.lease {
+            // What a crash leaves behind: an expired lease is as free as none, and a fence
+            // document is kept as long as the inbox record. Neither depends on the lease TTL,
+            // which workers sharing the collections may set differently.
+            expiring.push((&leases, "expires_at", EXPIRED_LEASE_KEPT));
+            expiring.push((&fences, "at", config.inbox_retention));
+        }
+        for (collection, field, ttl) in expiring {
             let index = IndexModel::builder()
-                .keys(doc! { "at": 1 })
+                .keys(doc! { field: 1 })
                 .options(IndexOptions::builder().expire_after(ttl).build())
                 .build();
             collection.create_index(index).await?;

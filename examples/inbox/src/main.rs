@@ -83,7 +83,7 @@ const STOCK: &str = "stock";
 /// One entry per reservation: `{order_id, sku, quantity, message_id}`.
 const LEDGER: &str = "ledger";
 /// Collections of Lily's MongoDB scope (default prefix `lily_`).
-const SCOPE_COLLECTIONS: [&str; 3] = ["lily_inbox", "lily_leases", "lily_deferrals"];
+const SCOPE_COLLECTIONS: [&str; 4] = ["lily_inbox", "lily_leases", "lily_fences", "lily_deferrals"];
 /// How long the demo waits for every outcome.
 const DEMO_CAP: Duration = Duration::from_secs(60);
 
@@ -285,6 +285,8 @@ impl Settings {
     }
 
     fn mongo_config(&self, fault: Option<Fault>) -> MongoConfig {
+        // The lease is opt-in (setting its TTL takes it): the example takes one, so its crash
+        // tests and the chaos soak go through the lease and its fence too.
         let config = MongoConfig::new(CONSUMER)
             .lease_ttl(self.lease_ttl, Duration::from_secs(600).max(self.lease_ttl));
         if fault == Some(Fault::AbortAfterCommit) {
