@@ -11,12 +11,13 @@
 //!   until all are settled; the lower of the two rates is used (or `--max-rate R` for every case).
 //! - Each case: for each contender (order alternating case by case), a fresh topology, the
 //!   contender consuming, and a paced publisher (own connection, Lily's `Publisher`, 1 ms ticks)
-//!   at the target rate for S seconds (default 20, quick 8). Deliveries that arrived after the
+//!   at the target rate for S seconds (default 20, quick 8). Messages published after the
 //!   warm-up (default 3 s, quick 2 s) and before publishing stopped are timed.
 //! - Success path: deserialize, ACK. Handoff path: deserialize, fail; the copy goes to a retry
 //!   bucket of 10 minutes (confirmed) and the original is ACKed.
-//! - Lily is timed by a tracing layer around its `delivery` span (arrival to settlement, Lily's
-//!   own work included); raw-batch from the loop's receipt to the completion of its covering ACK.
+//! - Both contenders are timed from the message's publish (the paced publisher stamps it) to
+//!   its settlement: Lily's `delivery` span closing (a tracing layer), raw-batch's covering ACK
+//!   completing.
 //!
 //! `--quick` (prefetch 500 only) takes about two minutes. Results go to
 //! `target/bench/latency.{json,md,svg}`.
@@ -258,25 +259,25 @@ fn notes(args: &Args) -> Vec<String> {
     };
     vec![
         max_rate,
-        "Lily is timed by a tracing_subscriber Layer installed by the benchmark: it stamps an \
-         Instant when Lily opens its INFO `delivery` span (target lily_mq_rabbit, opened when the \
-         delivery reaches its delivery task) and records the elapsed time when the span closes, \
-         after the delivery is settled. The figure therefore includes Lily's own work from \
-         arrival to settlement (gate, dispatch, handler, decision, handoff publish and confirm, \
-         ACK written). The layer's filter enables that span only: no event and no other span."
+        "Clock: every latency starts when the paced publisher published the message (it stamps \
+         the time by the id's index), for both contenders, so the time a delivery waits in the \
+         broker, in lapin's buffer or for the contender to look at it counts alike. Lily's ends \
+         when its INFO `delivery` span (target lily_mq_rabbit) closes, after the delivery is \
+         settled, seen by a tracing_subscriber Layer whose filter enables that span only (no \
+         event, no other span)."
             .into(),
         "raw-batch: basic.qos(prefetch); each delivery deserialized (serde_json Order) and added \
          to a batch, flushed once max(1, prefetch/2) are unACKed or when no further delivery is \
          ready right now (the consumer stream polled once with a no-op waker); success: one \
          basic.ack(multiple). Handoff: each copy published at once (mandatory, persistent, Lily's \
          8 failure headers) on one confirm channel, confirms awaited together at the flush, then \
-         one multiple ACK (failed copies NACKed with requeue, singly). Its latency runs from the \
-         loop's receipt of the delivery to the completion of the ACK future that covered it."
+         one multiple ACK (failed copies NACKed with requeue, singly). Its latency ends at the \
+         completion of the ACK future that covered the delivery."
             .into(),
         format!(
             "Load: a paced publisher in the same process on its own connection (raw lapin on a \
              confirm channel: every 1 ms what the schedule rate × elapsed owes, published back to \
-             back, persistent and mandatory; confirms awaited by a background task). Latencies count deliveries that arrived after the warm-up \
+             back, persistent and mandatory; confirms awaited by a background task). Latencies count messages published after the warm-up \
              ({:.0} s) and before publishing stopped ({:.0} s); settled/s is over the same \
              window. 'kept up' means the publisher reached ≥ {kept:.0} % of the target, settled/s ≥ \
              {kept:.0} % of the publish rate, the ready depth when publishing stopped ≤ \

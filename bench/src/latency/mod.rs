@@ -1,4 +1,4 @@
-//! The settlement-latency benchmark: p50, p99 and p99.9 of the time from a delivery's arrival
+//! The settlement-latency benchmark: p50, p99 and p99.9 of the time from a message's publish
 //! to its settlement, for Lily and for `raw-batch` (a hand-tuned raw lapin consumer), at 50 % and
 //! 90 % of the maximum rate, on the success path (delivery → ACK written) and the handoff path
 //! (delivery → copy confirmed → ACK written). `src/bin/latency.rs` drives it.
@@ -7,9 +7,10 @@
 //!   (N messages published first, then drained and timed), or `--max-rate`.
 //! - A run re-creates the topology, starts the contender, then a paced publisher on its own
 //!   connection ([`pace`]) publishes at the target rate for the run's duration. Latencies of the
-//!   deliveries that arrived after the warm-up and before publishing stopped are kept.
-//! - Lily is timed by a tracing layer ([`timer`]) around its `delivery` span; raw-batch
-//!   ([`raw_batch`]) times itself, from the loop's receipt to the completion of the covering ACK.
+//!   messages published after the warm-up and before publishing stopped are kept.
+//! - Every latency starts when the paced publisher published the message ([`timer::Sent`]),
+//!   for both contenders. Lily's ends when its `delivery` span closes (a tracing layer,
+//!   [`timer`]); raw-batch's ([`raw_batch`]) when the ACK that covered it completed.
 
 use serde::Serialize;
 

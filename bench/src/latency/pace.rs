@@ -21,6 +21,8 @@ use tokio::sync::mpsc;
 use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
+use crate::latency::timer::Sent;
+
 /// How often the publisher publishes what its schedule owes.
 pub const TICK: Duration = Duration::from_millis(1);
 
@@ -36,7 +38,7 @@ pub struct Paced {
 }
 
 /// Publishes `rate` messages a second of `body` to `queue` for `duration`, with ids
-/// `{prefix}-{i}`, and waits for every confirm.
+/// `{prefix}-{i}`, stamping each one's publish time in `sent`, and waits for every confirm.
 ///
 /// # Panics
 /// When the publisher cannot connect.
@@ -47,6 +49,7 @@ pub async fn publish_paced(
     duration: Duration,
     body: Arc<[u8]>,
     prefix: &str,
+    sent_at: &Sent,
 ) -> Paced {
     let connection = Connection::connect(url, ConnectionProperties::default())
         .await
@@ -82,6 +85,7 @@ pub async fn publish_paced(
         let due = (rate * elapsed.as_secs_f64()) as u64;
         let publishes: Vec<_> = (sent..due)
             .map(|i| {
+                sent_at.stamp(i);
                 let properties = BasicProperties::default()
                     .with_message_id(format!("{prefix}-{i}").into())
                     .with_type("order.placed".into())

@@ -12,8 +12,8 @@
 //!   the batch with one `multiple` ACK. Otherwise each confirmed delivery is ACKed singly and
 //!   each failed one NACKed with requeue, singly.
 //!
-//! A delivery's latency runs from the moment the loop received it to the completion of the ACK
-//! future that covered it.
+//! A delivery's latency runs from the moment the paced publisher published it to the completion
+//! of the ACK future that covered it.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -61,6 +61,7 @@ pub struct RawBatch {
 
 struct Pending {
     acker: Acker,
+    /// When the message was published: its latency's start.
     received: Instant,
     /// The copy's confirm (handoff path); `None` when its publish already failed.
     confirm: Option<PublisherConfirm>,
@@ -131,7 +132,7 @@ impl RawBatch {
                 }
             };
             let Some(Ok(delivery)) = next else { break };
-            let pending = self.take(delivery).await;
+            let pending = self.take(delivery, &sink).await;
             batch.push(pending);
             if batch.len() >= self.threshold {
                 self.flush(&mut batch, &sink, &counters).await;
@@ -150,8 +151,9 @@ impl RawBatch {
     }
 
     /// Deserializes `delivery` and, on the handoff path, publishes its copy.
-    async fn take(&self, delivery: Delivery) -> Pending {
-        let received = Instant::now();
+    async fn take(&self, delivery: Delivery, sink: &Sink) -> Pending {
+        let id = delivery.properties.message_id().as_ref();
+        let received = id.map_or_else(Instant::now, |id| sink.start_of(id.as_str()));
         let order: Order = serde_json::from_slice(&delivery.data).expect("order");
         std::hint::black_box(order);
         let confirm = match &self.handoff {

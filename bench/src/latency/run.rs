@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use crate::Order;
 use crate::latency::pace::{Depth, publish_paced};
 use crate::latency::raw_batch::{Counters, RawBatch};
-use crate::latency::timer::Sink;
+use crate::latency::timer::{Sent, Sink};
 use crate::latency::{BACKLOG_SECS, Contender, KEPT_UP, Latencies, Path, Run};
 use crate::throughput::{FAILURE_REASON, HANDOFF_DELAY, Sample, lily_run, run_limit};
 use crate::{fresh_topology, publish};
@@ -142,6 +142,14 @@ impl Running {
         }
     }
 
+    /// Where this contender's latencies go.
+    fn sink<'a>(&'a self, lily_sink: &'a Sink) -> &'a Sink {
+        match self {
+            Self::Lily { .. } => lily_sink,
+            Self::Raw { sink, .. } => sink,
+        }
+    }
+
     /// The latencies recorded so far, emptying the record.
     fn take_latencies(&self, lily_sink: &Sink) -> Vec<(Instant, u32)> {
         match self {
@@ -234,10 +242,18 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
         QUEUE.to_owned(),
         stop_depth.clone(),
     ));
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let capacity = (rate * setup.run.as_secs_f64()) as usize + 1;
+    let sent = Arc::new(Sent::new(capacity));
+    running
+        .sink(&setup.lily_sink)
+        .starts_from(Arc::clone(&sent));
     let started = Instant::now();
     let (url, body, duration) = (setup.url.clone(), Arc::clone(&setup.body), setup.run);
     let publisher =
-        tokio::spawn(async move { publish_paced(&url, QUEUE, rate, duration, body, "p").await });
+        tokio::spawn(
+            async move { publish_paced(&url, QUEUE, rate, duration, body, "p", &sent).await },
+        );
     let from = started + setup.warmup;
     let until = started + setup.run;
     tokio::time::sleep_until(from.into()).await;
@@ -257,7 +273,7 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
     let latencies: Vec<u32> = running
         .take_latencies(&setup.lily_sink)
         .into_iter()
-        .filter(|(arrived, _)| (from..until).contains(arrived))
+        .filter(|(published, _)| (from..until).contains(published))
         .map(|(_, us)| us)
         .collect();
     let failed = running.stop().await;

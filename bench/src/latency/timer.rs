@@ -1,14 +1,23 @@
-//! How Lily is timed: a `tracing_subscriber::Layer` that sees only Lily's `delivery` span.
+//! Where latencies are kept, and how Lily is timed: a `tracing_subscriber::Layer` that sees only
+//! Lily's `delivery` span.
 //!
-//! Lily opens an INFO span named `delivery` (target `lily_mq_rabbit::…`) when a delivery reaches
-//! its delivery task and closes it once the delivery is settled (ACK written, or copy confirmed
-//! and ACK written). The layer stamps an [`Instant`] into the span's extensions in
-//! `on_new_span` and pushes the elapsed time into a [`Sink`] in `on_close`. Its filter enables
-//! that one callsite and no other span or event (`Interest::never` for every other callsite,
-//! INFO as the level hint), so the observer costs one span a delivery and nothing else.
+//! Every latency starts when the paced publisher published the message ([`Sent`]), for both
+//! contenders, so time a delivery waits before a contender looks at it (in the broker, in
+//! lapin's buffer, for a free worker) counts the same for each.
+//!
+//! Lily opens an INFO span named `delivery` (target `lily_mq_rabbit::…`, with the message id)
+//! when a delivery reaches its delivery task and closes it once the delivery is settled (ACK
+//! written, or copy confirmed and ACK written). The layer looks the message's publish time up
+//! in `on_new_span` and pushes the time to the span's close into a [`Sink`] in `on_close`. Its
+//! filter enables that one callsite and no other span or event (`Interest::never` for every
+//! other callsite, INFO as the level hint), so the observer costs one span a delivery and
+//! nothing else.
 
+use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
+
+use tracing::field::{Field, Visit};
 
 use tracing::level_filters::LevelFilter;
 use tracing::subscriber::Interest;
@@ -17,29 +26,85 @@ use tracing_subscriber::Layer;
 use tracing_subscriber::layer::{Context, Filter, SubscriberExt as _};
 use tracing_subscriber::registry::LookupSpan;
 
-/// Settlement latencies: when each delivery arrived and how long it took, in µs.
+/// Settlement latencies: when each message was published and how long it took to settle, in µs.
 #[derive(Debug, Default)]
-pub struct Sink(Mutex<Vec<(Instant, u32)>>);
+pub struct Sink {
+    records: Mutex<Vec<(Instant, u32)>>,
+    /// The publish times of the run in progress.
+    sent: Mutex<Option<Arc<Sent>>>,
+}
 
 impl Sink {
-    /// Records one delivery that arrived at `arrived` and was settled now.
-    pub fn push(&self, arrived: Instant) {
-        self.push_at(arrived, Instant::now());
+    /// Times the deliveries from now on from `sent`'s publish times.
+    pub fn starts_from(&self, sent: Arc<Sent>) {
+        *self.sent.lock().unwrap_or_else(PoisonError::into_inner) = Some(sent);
     }
 
-    /// Records one delivery that arrived at `arrived` and was settled at `settled`.
-    pub fn push_at(&self, arrived: Instant, settled: Instant) {
-        let us = u32::try_from(settled.saturating_duration_since(arrived).as_micros())
+    /// When the message `message_id` was published; now, when it is not one of the paced
+    /// publisher's (the drain runs, whose latencies are not kept).
+    pub fn start_of(&self, message_id: &str) -> Instant {
+        let sent = self.sent.lock().unwrap_or_else(PoisonError::into_inner);
+        sent.as_ref()
+            .and_then(|sent| sent.at(message_id))
+            .unwrap_or_else(Instant::now)
+    }
+
+    /// Records one delivery whose clock started at `started` and that was settled now.
+    pub fn push(&self, started: Instant) {
+        self.push_at(started, Instant::now());
+    }
+
+    /// Records one delivery whose clock started at `started` and that was settled at `settled`.
+    pub fn push_at(&self, started: Instant, settled: Instant) {
+        let us = u32::try_from(settled.saturating_duration_since(started).as_micros())
             .unwrap_or(u32::MAX);
-        self.0
+        self.records
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .push((arrived, us));
+            .push((started, us));
     }
 
     /// Takes every record so far, leaving the sink empty.
     pub fn take(&self) -> Vec<(Instant, u32)> {
-        std::mem::take(&mut *self.0.lock().unwrap_or_else(PoisonError::into_inner))
+        std::mem::take(&mut *self.records.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+/// When the paced publisher published each message, by the index in its id `{prefix}-{i}`.
+#[derive(Debug)]
+pub struct Sent {
+    base: Instant,
+    /// µs since `base`, plus one (zero: not published).
+    at: Vec<std::sync::atomic::AtomicU64>,
+}
+
+impl Sent {
+    /// Room for `capacity` messages; later ones are not stamped.
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            base: Instant::now(),
+            at: (0..capacity).map(|_| Default::default()).collect(),
+        }
+    }
+
+    /// Message `i` is being published now.
+    pub fn stamp(&self, i: u64) {
+        let slot = usize::try_from(i).ok().and_then(|i| self.at.get(i));
+        if let Some(slot) = slot {
+            let us = u64::try_from(self.base.elapsed().as_micros()).unwrap_or(u64::MAX - 1);
+            slot.store(us + 1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// When `message_id` was published, if the publisher stamped it.
+    pub fn at(&self, message_id: &str) -> Option<Instant> {
+        let (_, i) = message_id.rsplit_once('-')?;
+        let us = self
+            .at
+            .get(i.parse::<usize>().ok()?)?
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let us = us.checked_sub(1)?;
+        Some(self.base + std::time::Duration::from_micros(us))
     }
 }
 
@@ -79,8 +144,25 @@ impl<S> Filter<S> for OnlyDelivery {
     }
 }
 
-/// When the span opened.
+/// When the span's delivery was published.
 struct Opened(Instant);
+
+/// Reads the `message_id` field of the span.
+struct MessageId(Option<String>);
+
+impl Visit for MessageId {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if field.name() == "message_id" {
+            self.0 = Some(value.to_owned());
+        }
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+        if field.name() == "message_id" {
+            self.0 = Some(format!("{value:?}").trim_matches('"').to_owned());
+        }
+    }
+}
 
 struct DeliveryTimer {
     sink: Arc<Sink>,
@@ -90,9 +172,14 @@ impl<S> Layer<S> for DeliveryTimer
 where
     S: Subscriber + for<'a> LookupSpan<'a>,
 {
-    fn on_new_span(&self, _: &span::Attributes<'_>, id: &span::Id, ctx: Context<'_, S>) {
+    fn on_new_span(&self, attrs: &span::Attributes<'_>, id: &span::Id, ctx: Context<'_, S>) {
+        let mut message_id = MessageId(None);
+        attrs.record(&mut message_id);
+        let started = message_id
+            .0
+            .map_or_else(Instant::now, |id| self.sink.start_of(&id));
         if let Some(span) = ctx.span(id) {
-            span.extensions_mut().insert(Opened(Instant::now()));
+            span.extensions_mut().insert(Opened(started));
         }
     }
 
