@@ -125,7 +125,8 @@ fn parse_args() -> Args {
 async fn main() {
     let args = parse_args();
     let lily_sink = Arc::new(Sink::default());
-    timer::install(Arc::clone(&lily_sink));
+    let lily_before = Arc::new(Sink::default());
+    timer::install(Arc::clone(&lily_sink), Arc::clone(&lily_before));
     let url = broker_url();
     let body = body_512();
     let setup = Setup {
@@ -134,6 +135,7 @@ async fn main() {
         run: Duration::from_secs_f64(args.secs),
         warmup: Duration::from_secs_f64(args.warmup),
         lily_sink,
+        lily_before,
     };
     let mut results = Results {
         benchmark: "latency",
@@ -206,7 +208,7 @@ async fn main() {
                 for contender in who {
                     let result = run::paced(&setup, contender, path, prefetch, target).await;
                     eprintln!(
-                        "  {} prefetch {prefetch} {:.0}% ({target:.0}/s) {:<9} settled {:>7.0}/s p50 {:.2} p99 {:.2} p99.9 {:.2} ms, max depth {}{} [{:.0} s elapsed]",
+                        "  {} prefetch {prefetch} {:.0}% ({target:.0}/s) {:<9} settled {:>7.0}/s p50 {:.2} p99 {:.2} p99.9 {:.2} ms{}, max depth {}{} [{:.0} s elapsed]",
                         path.name(),
                         load * 100.0,
                         contender.name(),
@@ -214,6 +216,11 @@ async fn main() {
                         f64::from(result.latency.p50_us) / 1000.0,
                         f64::from(result.latency.p99_us) / 1000.0,
                         f64::from(result.latency.p999_us) / 1000.0,
+                        result.before_span.map_or_else(String::new, |b| format!(
+                            " (before its span: p50 {:.2} p99 {:.2} ms)",
+                            f64::from(b.p50_us) / 1000.0,
+                            f64::from(b.p99_us) / 1000.0
+                        )),
                         result.max_ready_depth,
                         if result.complete { "" } else { " (INCOMPLETE)" },
                         total.elapsed().as_secs_f64()

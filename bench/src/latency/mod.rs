@@ -142,6 +142,10 @@ pub struct Run {
     /// dead-lettered, parked or unresolved).
     pub failed: u64,
     pub latency: Latencies,
+    /// Lily: from the publish to the opening of its `delivery` span, when a worker takes the
+    /// delivery up (the broker, lapin, Lily's consume loop and the hand-off to a worker).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub before_span: Option<Latencies>,
 }
 
 /// The maximum rate a case's target is a fraction of.

@@ -35,6 +35,8 @@ pub struct Setup {
     pub warmup: Duration,
     /// Where Lily's timing layer writes.
     pub lily_sink: Arc<Sink>,
+    /// Where it writes the time before each `delivery` span opened.
+    pub lily_before: Arc<Sink>,
 }
 
 /// A contender consuming.
@@ -248,6 +250,7 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
     running
         .sink(&setup.lily_sink)
         .starts_from(Arc::clone(&sent));
+    let _ = setup.lily_before.take();
     let started = Instant::now();
     let (url, body, duration) = (setup.url.clone(), Arc::clone(&setup.body), setup.run);
     let publisher =
@@ -276,6 +279,17 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
         .filter(|(published, _)| (from..until).contains(published))
         .map(|(_, us)| us)
         .collect();
+    let before_span = matches!(running, Running::Lily { .. }).then(|| {
+        Latencies::of(
+            setup
+                .lily_before
+                .take()
+                .into_iter()
+                .filter(|(published, _)| (from..until).contains(published))
+                .map(|(_, us)| us)
+                .collect(),
+        )
+    });
     let failed = running.stop().await;
     let window = (setup.run - setup.warmup).as_secs_f64();
     #[allow(clippy::cast_precision_loss)]
@@ -298,5 +312,6 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
         complete,
         failed,
         latency: Latencies::of(latencies),
+        before_span,
     }
 }

@@ -108,13 +108,15 @@ impl Sent {
     }
 }
 
-/// Installs the timing layer as the global subscriber, feeding `sink`.
+/// Installs the timing layer as the global subscriber, feeding `sink` with publish →
+/// settlement and `before` with publish → the span's opening (where the time before Lily takes
+/// a delivery up goes).
 ///
 /// # Panics
 /// When a global subscriber is already set.
-pub fn install(sink: Arc<Sink>) {
-    let subscriber =
-        tracing_subscriber::registry().with(DeliveryTimer { sink }.with_filter(OnlyDelivery));
+pub fn install(sink: Arc<Sink>, before: Arc<Sink>) {
+    let subscriber = tracing_subscriber::registry()
+        .with(DeliveryTimer { sink, before }.with_filter(OnlyDelivery));
     tracing::subscriber::set_global_default(subscriber).expect("install the timing subscriber");
 }
 
@@ -166,6 +168,7 @@ impl Visit for MessageId {
 
 struct DeliveryTimer {
     sink: Arc<Sink>,
+    before: Arc<Sink>,
 }
 
 impl<S> Layer<S> for DeliveryTimer
@@ -178,6 +181,7 @@ where
         let started = message_id
             .0
             .map_or_else(Instant::now, |id| self.sink.start_of(&id));
+        self.before.push(started);
         if let Some(span) = ctx.span(id) {
             span.extensions_mut().insert(Opened(started));
         }

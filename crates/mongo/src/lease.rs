@@ -8,11 +8,12 @@
 //!
 //! Nothing outlives its message. The commit deletes the fence document inside the transaction
 //! (the delete is the check), and the release after it deletes the lease; a delivery that ends
-//! without a commit deletes both. What a crash leaves expires: an expired lease is as free as
-//! no lease (TTL on `expires_at`), and a fence document goes with the inbox retention. A
-//! re-created lease restarts its fence count, which is safe because every check names the
-//! owner token too, unique to one acquisition: a stale owner's check never matches another's
-//! document, whatever its fence number.
+//! without a commit deletes both. What a crash leaves expires: a fence document with the inbox
+//! retention, a lease after twice that, so a lease, whose document carries the fence count,
+//! never goes before a fence document it counted for (a lease created again would count from
+//! one, below that document's fence, and never pass its check). A count started again is
+//! safe: every check names the owner token too, unique to one acquisition, so a stale owner's
+//! check never matches another's document, whatever its fence number.
 
 use std::future::IntoFuture;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -177,13 +178,17 @@ impl Lease {
         }
     }
 
-    /// Stops renewing and deletes the lease, and the fence document when no commit took it,
-    /// where they are still this acquisition's.
-    pub(crate) async fn release(self) {
+    /// Stops renewing and deletes the lease, and the fence document unless a commit took it
+    /// (`committed`), where they are still this acquisition's.
+    pub(crate) async fn release(self, committed: bool) {
         self.renewal.cancel();
-        let lease = self.leases.delete_one(self.ours());
-        let fence = self.fences.delete_one(self.ours());
-        let _ = tokio::join!(lease.into_future(), fence.into_future());
+        let lease = self.leases.delete_one(self.ours()).into_future();
+        if committed {
+            let _ = lease.await;
+        } else {
+            let fence = self.fences.delete_one(self.ours()).into_future();
+            let _ = tokio::join!(lease, fence);
+        }
     }
 
     /// The filter matching this acquisition's documents only.

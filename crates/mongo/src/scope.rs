@@ -18,10 +18,6 @@ use crate::lease::{self, Refused, is_duplicate_key};
 use crate::observer::CommitObserver;
 use crate::tx::{MongoTransaction, TxState, code_of};
 
-/// How long MongoDB keeps a lease past its expiry before its TTL index deletes it (an expired
-/// lease is free either way: this only leaves it readable for a while).
-const EXPIRED_LEASE_KEPT: Duration = Duration::from_secs(3600);
-
 /// Settings of the MongoDB scope.
 #[derive(Clone)]
 #[non_exhaustive]
@@ -174,11 +170,14 @@ impl MongoScope {
             (&deferrals, "at", config.inbox_retention),
         ];
         if config.lease {
-            // What a crash leaves behind: an expired lease is as free as none, and a fence
-            // document is kept as long as the inbox record. Neither depends on the lease TTL,
-            // which workers sharing the collections may set differently.
-            expiring.push((&leases, "expires_at", EXPIRED_LEASE_KEPT));
+            // What a crash leaves behind: a fence document is kept as long as the inbox record,
+            // its lease twice as long, so a lease never goes before a fence it counted for.
             expiring.push((&fences, "at", config.inbox_retention));
+            expiring.push((
+                &leases,
+                "acquired_at",
+                config.inbox_retention.saturating_mul(2),
+            ));
         }
         for (collection, field, ttl) in expiring {
             let index = IndexModel::builder()
@@ -240,7 +239,7 @@ impl MongoScope {
         };
         let release = |lease: Option<lease::Lease>| async {
             if let Some(lease) = lease {
-                lease.release().await;
+                lease.release(false).await;
             }
         };
         let mut session = match inner.client.start_session().await {

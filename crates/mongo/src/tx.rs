@@ -87,7 +87,8 @@ impl OpenTransaction for MongoTransaction {
                 committed
             };
             if let Some(lease) = this.lease {
-                let _ = tokio::time::timeout(left(), lease.release()).await;
+                let committed = committed.outcome == TransactionOutcome::Committed;
+                let _ = tokio::time::timeout(left(), lease.release(committed)).await;
             }
             if let (TransactionOutcome::Committed, Some((observer, meta))) =
                 (committed.outcome, &this.on_committed)
@@ -103,7 +104,7 @@ impl OpenTransaction for MongoTransaction {
             let this = *self;
             let _ = this.state.session.lock().await.abort_transaction().await;
             if let Some(lease) = this.lease {
-                lease.release().await;
+                lease.release(false).await;
             }
         })
     }
