@@ -86,8 +86,9 @@ impl MongoConfig {
     /// transaction's first write, and the second insert conflicts with it. The lease carries
     /// that exclusion past the transaction (a handler outliving the server's
     /// `transactionLifetimeLimitSeconds`, whose transaction mongod aborts) and makes a stale
-    /// owner's commit fail on its fence. It costs four more database operations a message,
-    /// three of them majority writes before the handler runs (README: Performance).
+    /// owner's commit fail on its fence. It costs four more database operations a message:
+    /// two majority writes before the handler runs, one inside the transaction and one after
+    /// the commit (README: Performance).
     #[must_use]
     pub fn with_lease(mut self) -> Self {
         self.lease = true;
