@@ -38,7 +38,7 @@ pub struct Paced {
 }
 
 /// Publishes `rate` messages a second of `body` to `queue` for `duration`, with ids
-/// `{prefix}-{i}`, stamping each one's publish time in `sent`, and waits for every confirm.
+/// `{prefix}-{i}`, stamping each one's publish time in `sent_at`, and waits for every confirm.
 ///
 /// # Panics
 /// When the publisher cannot connect.
