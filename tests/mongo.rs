@@ -400,13 +400,7 @@ async fn stale_owner_cut_off_mid_handler_is_fenced_and_the_redelivery_commits_on
     );
 
     // B consumes directly, fast, with the default lease TTL.
-    let scope_b = MongoScope::connect(
-        node.url(),
-        &database,
-        MongoConfig::new(consumer).with_lease(),
-    )
-    .await
-    .expect("scope B");
+    let scope_b = scope_with(&database, MongoConfig::new(consumer).with_lease()).await;
     let b_calls = Counter::default();
     let running_b = start_scoped_with(
         broker.url(),
@@ -501,13 +495,7 @@ async fn stale_owner_still_holding_its_delivery_defers_instead_of_retrying() {
     client
         .send(&queue, "order.placed", "stale-1", b"{\"qty\":1}")
         .await;
-    let scope_b = MongoScope::connect(
-        node.url(),
-        &database,
-        MongoConfig::new(consumer).with_lease(),
-    )
-    .await
-    .expect("scope B");
+    let scope_b = scope_with(&database, MongoConfig::new(consumer).with_lease()).await;
     let b_calls = Counter::default();
     let running_b = start_scoped_with(
         broker.url(),
@@ -673,13 +661,7 @@ async fn lease_held_by_a_live_owner_defers_with_spacing_then_dead_letters_at_the
         })
         .await
         .expect("insert a live lease");
-    let scope = MongoScope::connect(
-        MongoNode::from_env().url(),
-        &database,
-        MongoConfig::new(consumer).with_lease(),
-    )
-    .await
-    .expect("scope");
+    let scope = scope_with(&database, MongoConfig::new(consumer).with_lease()).await;
     let timed = Timed {
         inner: scope,
         begins: Arc::default(),
@@ -908,13 +890,7 @@ async fn leases_leave_nothing_behind(kind: QueueKind) {
     let queue = Broker::unique("leases");
     let database = MongoNode::database_name("leases");
     let db = direct(&database).await;
-    let scope = MongoScope::connect(
-        MongoNode::from_env().url(),
-        &database,
-        MongoConfig::new("e2e-leases").with_lease(),
-    )
-    .await
-    .expect("scope");
+    let scope = scope_with(&database, MongoConfig::new("e2e-leases").with_lease()).await;
     // Every third message fails once (retried, then committed), every third is refused for
     // good (the DLQ), the rest commit at once.
     let fate = |id: &str| {

@@ -149,21 +149,20 @@ impl<S> Filter<S> for OnlyDelivery {
 /// When the span's delivery was published.
 struct Opened(Instant);
 
-/// Reads the `message_id` field of the span.
-struct MessageId(Option<String>);
+/// Looks the span's `message_id` field up in the sink's publish times, without copying it.
+struct PublishedAt<'a> {
+    sink: &'a Sink,
+    at: Option<Instant>,
+}
 
-impl Visit for MessageId {
+impl Visit for PublishedAt<'_> {
     fn record_str(&mut self, field: &Field, value: &str) {
         if field.name() == "message_id" {
-            self.0 = Some(value.to_owned());
+            self.at = Some(self.sink.start_of(value));
         }
     }
 
-    fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
-        if field.name() == "message_id" {
-            self.0 = Some(format!("{value:?}").trim_matches('"').to_owned());
-        }
-    }
+    fn record_debug(&mut self, _: &Field, _: &dyn fmt::Debug) {}
 }
 
 struct DeliveryTimer {
@@ -176,11 +175,12 @@ where
     S: Subscriber + for<'a> LookupSpan<'a>,
 {
     fn on_new_span(&self, attrs: &span::Attributes<'_>, id: &span::Id, ctx: Context<'_, S>) {
-        let mut message_id = MessageId(None);
-        attrs.record(&mut message_id);
-        let started = message_id
-            .0
-            .map_or_else(Instant::now, |id| self.sink.start_of(&id));
+        let mut published = PublishedAt {
+            sink: &self.sink,
+            at: None,
+        };
+        attrs.record(&mut published);
+        let started = published.at.unwrap_or_else(Instant::now);
         self.before.push(started);
         if let Some(span) = ctx.span(id) {
             span.extensions_mut().insert(Opened(started));
