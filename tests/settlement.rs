@@ -155,6 +155,116 @@ async fn concurrency_below_prefetch_bounds_running_handlers() {
     assert_eq!(client.depth(&queue).await, 0);
 }
 
+/// Handlers that finish without waiting are run and settled on the consume loop, so the ACKs
+/// of a backlog share frames as a hand-batched consumer's do. 2 000 messages wait in the queue;
+/// a consumer at prefetch 100 takes them through a proxy that counts its `basic.ack` frames.
+/// Handing each delivery to a worker wrote a frame per 3 to 9 deliveries; now at most one per
+/// 15 is allowed (half the prefetch shares one when the backlog keeps coming). Every id is
+/// handled exactly once and the queue ends empty.
+async fn a_backlog_is_acked_in_shared_frames(kind: QueueKind) {
+    const N: usize = 2_000;
+    let broker = Broker::from_env();
+    let queue = Broker::unique("frames");
+    let calls = Calls::default();
+    let cfg = || config(&queue, kind).prefetch(100).concurrency(100);
+    // A first consumer declares the topology and stops: the messages wait for the second.
+    let declaring = start(broker.url(), cfg(), calls.recording_router());
+    declaring.wait_ready().await;
+    declaring.stop().await;
+    let client = Client::connect(broker.url()).await;
+    for i in 0..N {
+        client
+            .send(&queue, "order.placed", &format!("b-{i}"), &order(1))
+            .await;
+    }
+    let proxy = lily_mq_testkit::FaultProxy::start(broker.addr()).await;
+    proxy.disarm();
+    let running = start(&proxy.url(broker.url()), cfg(), calls.recording_router());
+    let stats = running.stats.clone();
+    let settled = eventually(WAIT, || stats.totals().acked == N as u64).await;
+    assert!(settled, "acked {} of {N}", stats.totals().acked);
+    let summary = running.stop().await;
+    assert!(summary.clean, "{:?}", summary.unresolved);
+    let mut handled = BTreeMap::<String, usize>::new();
+    for (id, _, _) in calls.all() {
+        *handled.entry(id).or_default() += 1;
+    }
+    assert_eq!(handled.len(), N, "every id handled");
+    assert!(
+        handled.values().all(|&n| n == 1),
+        "handled more than once: {:?}",
+        handled.iter().filter(|(_, n)| **n > 1).collect::<Vec<_>>()
+    );
+    assert_eq!(client.depth(&queue).await, 0);
+    let frames = proxy.acks_sent();
+    assert!(
+        frames > 0 && frames <= (N / 15) as u64,
+        "{frames} basic.ack frames for {N} deliveries"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_is_acked_in_shared_frames_on_a_classic_queue() {
+    a_backlog_is_acked_in_shared_frames(QueueKind::Classic).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_is_acked_in_shared_frames_on_a_quorum_queue() {
+    a_backlog_is_acked_in_shared_frames(QueueKind::Quorum).await;
+}
+
+/// A handler that computes for long without waiting must not keep every delivery on the
+/// consume loop's thread: after a few such first polls, deliveries go to the workers and run
+/// in parallel on both of the runtime's threads. Every id is handled exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_that_compute_without_waiting_run_in_parallel() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Instant;
+
+    const N: usize = 80;
+    let running_now = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let calls = Calls::default();
+    let (now, peak, seen) = (Arc::clone(&running_now), Arc::clone(&most), calls.clone());
+    let router = Router::new().route("order.placed", move |meta: Meta| {
+        let (now, peak, seen) = (Arc::clone(&now), Arc::clone(&peak), seen.clone());
+        async move {
+            let running = now.fetch_add(1, Ordering::SeqCst) + 1;
+            peak.fetch_max(running, Ordering::SeqCst);
+            // 3 ms of work that never yields.
+            let began = Instant::now();
+            while began.elapsed() < Duration::from_millis(3) {
+                std::hint::spin_loop();
+            }
+            now.fetch_sub(1, Ordering::SeqCst);
+            seen.record(&meta);
+            Ok(())
+        }
+    });
+    let (_, queue, client, running) = common::scenario("compute", router, |q| {
+        config(q, QueueKind::Classic).prefetch(20).concurrency(8)
+    })
+    .await;
+    for i in 0..N {
+        client
+            .send(&queue, "order.placed", &format!("h-{i}"), &order(1))
+            .await;
+    }
+    common::wait_depths("every message ACKed", WAIT, &[(&queue, 0)]).await;
+    let summary = running.stop().await;
+    assert_eq!(summary.totals.acked, N as u64);
+    let mut ids: Vec<String> = calls.all().into_iter().map(|c| c.0).collect();
+    ids.sort();
+    let mut expected: Vec<String> = (0..N).map(|i| format!("h-{i}")).collect();
+    expected.sort();
+    assert_eq!(ids, expected, "every id handled exactly once");
+    assert!(
+        most.load(Ordering::SeqCst) >= 2,
+        "handlers that compute never ran in parallel"
+    );
+}
+
 /// ACKs that become ready together may be written as one `multiple` ACK, which must never cover
 /// a delivery still being handled. One delivery in the middle of a burst is held while the 50
 /// around it are ACKed: the broker must still count it unacknowledged, and after a forced

@@ -160,6 +160,12 @@ impl AckWindow {
         self.coalesce && !self.refused
     }
 
+    /// Whether the ACK of `tag` is marked ready or written: its delivery is not open.
+    pub fn marked(&self, tag: u64) -> bool {
+        self.position(tag)
+            .is_some_and(|i| self.open[i].1 != Mark::Open)
+    }
+
     /// The result of a written ACK, removing its delivery; `None` while it is not written.
     pub fn take(&mut self, tag: u64) -> Option<SettleResult> {
         let i = self.position(tag)?;
@@ -276,6 +282,13 @@ mod tests {
         }
         assert_eq!(window.take(5), None);
         assert_eq!(window.len(), 1);
+        assert!(!window.marked(5), "still open");
+        window.ready(5);
+        assert!(window.marked(5));
+        flush(&mut window);
+        assert!(window.marked(5), "written, its result not taken");
+        window.take(5);
+        assert!(!window.marked(5), "gone");
     }
 
     #[test]

@@ -291,7 +291,7 @@ impl Consumer {
 async fn run_sessions(
     shared: &Arc<Shared>,
     tracker: &TaskTracker,
-    crew: &Arc<Crew<Shared>>,
+    crew: &Arc<Crew>,
     shutdown: &Shutdown,
 ) -> Result<Option<Arc<Session>>, Error> {
     let stop = shutdown.graceful_token();

@@ -1,14 +1,16 @@
-//! The crew: long-lived workers that settle deliveries one at a time.
+//! The crew: long-lived workers that run deliveries one at a time.
 //!
-//! The crew knows nothing of deliveries: it hands each job to [`Settle::settle`] of whoever
-//! hired it.
+//! The crew knows nothing of deliveries: a job is a future, which a worker polls to its end.
 //!
-//! A delivery is handed to an idle worker instead of being spawned as a task of its own, so the
-//! common path allocates no task and moves no large future through the runtime. The crew grows
-//! on demand up to its limit (the concurrency, at most the prefetch), which also bounds how many
-//! handlers run at once. When it closes, idle workers end at once and busy ones after their
-//! delivery, so the task tracker's `wait` means "every delivery finished".
+//! A delivery the consume loop cannot finish itself (see [`crate::inline`]) is handed to an
+//! idle worker instead of being spawned as a task of its own, so it allocates no task. The crew
+//! grows on demand up to its limit (the concurrency, at most the prefetch), which also bounds
+//! how many handlers run at once: the consume loop runs a handler only while it holds a hired
+//! worker. When the crew closes, idle workers end at once and busy ones after their delivery,
+//! so the task tracker's `wait` means "every delivery finished".
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
@@ -16,43 +18,37 @@ use tokio_util::task::TaskTracker;
 
 use crate::sync::lock;
 
-/// What a crew's workers do with each job.
-pub(crate) trait Settle: Send + Sync + 'static {
-    /// One unit of work.
-    type Job: Send + 'static;
+/// One unit of work: a delivery, polled to its end by a worker.
+pub(crate) type Job = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-    /// Does `job`; the worker is busy until it returns.
-    fn settle(self: &Arc<Self>, job: Self::Job) -> impl Future<Output = ()> + Send;
-}
-
-pub(crate) struct Crew<S: Settle> {
+pub(crate) struct Crew {
     limit: usize,
-    state: Mutex<State<S::Job>>,
+    state: Mutex<State>,
     /// A worker went idle; the consume loop may be waiting for one.
     freed: Notify,
 }
 
-struct State<J> {
-    idle: Vec<Arc<Worker<J>>>,
+struct State {
+    idle: Vec<Arc<Worker>>,
     started: usize,
     closed: bool,
 }
 
 /// One worker's mailbox: at most one job, handed over with a wake-up.
-pub(crate) struct Worker<J> {
-    job: Mutex<Option<J>>,
+pub(crate) struct Worker {
+    job: Mutex<Option<Job>>,
     wake: Notify,
 }
 
-impl<J> Worker<J> {
+impl Worker {
     /// Hands `job` to this worker, which [`Crew::hire`] returned.
-    pub(crate) fn assign(&self, job: J) {
+    pub(crate) fn assign(&self, job: Job) {
         *lock(&self.job) = Some(job);
         self.wake.notify_one();
     }
 }
 
-impl<S: Settle> Crew<S> {
+impl Crew {
     pub(crate) fn new(limit: usize) -> Arc<Self> {
         Arc::new(Self {
             limit: limit.max(1),
@@ -67,11 +63,7 @@ impl<S: Settle> Crew<S> {
 
     /// An idle worker, a new one while the crew is below its limit, or the next one to finish.
     /// `None` once the crew is closed. Cancel safe: a worker is taken only on completion.
-    pub(crate) async fn hire(
-        self: &Arc<Self>,
-        settler: &Arc<S>,
-        tracker: &TaskTracker,
-    ) -> Option<Arc<Worker<S::Job>>> {
+    pub(crate) async fn hire(self: &Arc<Self>, tracker: &TaskTracker) -> Option<Arc<Worker>> {
         loop {
             let freed = self.freed.notified();
             let mut freed = std::pin::pin!(freed);
@@ -91,11 +83,7 @@ impl<S: Settle> Crew<S> {
                         job: Mutex::new(None),
                         wake: Notify::new(),
                     });
-                    tracker.spawn(work(
-                        Arc::clone(self),
-                        Arc::clone(settler),
-                        Arc::clone(&worker),
-                    ));
+                    tracker.spawn(work(Arc::clone(self), Arc::clone(&worker)));
                     return Some(worker);
                 }
             }
@@ -104,7 +92,7 @@ impl<S: Settle> Crew<S> {
     }
 
     /// Gives back a hired worker that got no delivery.
-    pub(crate) fn release(&self, worker: Arc<Worker<S::Job>>) {
+    pub(crate) fn release(&self, worker: Arc<Worker>) {
         let mut state = lock(&self.state);
         if state.closed {
             worker.wake.notify_one();
@@ -129,8 +117,8 @@ impl<S: Settle> Crew<S> {
     }
 }
 
-/// A worker's life: wait for a job, settle it, go idle; end when the crew closes.
-async fn work<S: Settle>(crew: Arc<Crew<S>>, settler: Arc<S>, me: Arc<Worker<S::Job>>) {
+/// A worker's life: wait for a job, run it, go idle; end when the crew closes.
+async fn work(crew: Arc<Crew>, me: Arc<Worker>) {
     let _place = Place(&crew);
     loop {
         me.wake.notified().await;
@@ -138,7 +126,7 @@ async fn work<S: Settle>(crew: Arc<Crew<S>>, settler: Arc<S>, me: Arc<Worker<S::
             // Woken without a job: the crew closed.
             return;
         };
-        settler.settle(job).await;
+        job.await;
         let mut state = lock(&crew.state);
         if state.closed {
             return;
@@ -151,9 +139,9 @@ async fn work<S: Settle>(crew: Arc<Crew<S>>, settler: Arc<S>, me: Arc<Worker<S::
 
 /// A worker's place in the crew, given back however the worker ends (a panic outside the
 /// handler's guard included), so the crew can start another instead of shrinking for good.
-struct Place<'a, S: Settle>(&'a Crew<S>);
+struct Place<'a>(&'a Crew);
 
-impl<S: Settle> Drop for Place<'_, S> {
+impl Drop for Place<'_> {
     fn drop(&mut self) {
         lock(&self.0.state).started -= 1;
         self.0.freed.notify_one();

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use lapin::message::Delivery;
@@ -14,19 +15,18 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::admit::{Admitted, CopyFacts, Raw, Source, admit, epoch_millis};
-use crate::crew::Settle;
+use crate::crew::Job;
 use crate::execute::{Effects, Finished, Setup, count_redelivery, execute};
 use crate::handoff::destination;
 use crate::service::Shared;
 use crate::session::{Session, Settler};
 use crate::sync::lock;
 
-impl Settle for Shared {
-    type Job = (Arc<Session>, Delivery);
-
-    fn settle(self: &Arc<Self>, (session, delivery): Self::Job) -> impl Future<Output = ()> + Send {
-        handle(self, session, delivery)
-    }
+/// The whole work of one delivery of `session`, as a job the consume loop polls first and a
+/// crew worker finishes if need be.
+pub(crate) fn job(shared: &Arc<Shared>, session: &Arc<Session>, delivery: Delivery) -> Job {
+    let (shared, session) = (Arc::clone(shared), Arc::clone(session));
+    Box::pin(async move { handle(&shared, session, delivery).await })
 }
 
 /// Settles one delivery. At shutdown's abort the work is dropped wherever it is, and its ledger
@@ -51,16 +51,20 @@ async fn until_abort(
     finishing: &AtomicBool,
 ) {
     // The work is polled first, so work that ends on its first poll never registers a waiter
-    // for the abort signal.
-    tokio::select! {
-        biased;
-        () = &mut work => {}
-        () = abort.cancelled() => {
-            if finishing.load(Ordering::Acquire) {
-                work.await;
-            }
+    // for the abort signal, and neither does work that is finishing: the abort lets it end.
+    let mut aborted = std::pin::pin!(abort.cancelled());
+    std::future::poll_fn(|cx| {
+        if work.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(());
         }
-    }
+        if finishing.load(Ordering::Acquire) {
+            // Its own wake-up brings it back.
+            return Poll::Pending;
+        }
+        // Once the abort fires, the work is dropped where it is.
+        aborted.as_mut().poll(cx)
+    })
+    .await;
 }
 
 async fn settle_delivery(

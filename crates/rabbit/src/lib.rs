@@ -21,6 +21,7 @@ mod execute;
 mod handoff;
 #[cfg(feature = "health")]
 pub mod health;
+mod inline;
 mod pipeline;
 mod publisher;
 pub mod replay;

@@ -26,6 +26,7 @@ use crate::connect::{refused, tls_refusal};
 use crate::crew::Crew;
 use crate::error::{Error, MissingPermission, Needs, missing_permission};
 use crate::handoff::HandoffPublisher;
+use crate::inline::Inline;
 use crate::service::Shared;
 use crate::sync::lock;
 use crate::topology::{Applied, TopologyError, TopologyMode};
@@ -37,8 +38,9 @@ const WRITE_CHECK: Duration = Duration::from_secs(2);
 /// How long the consumer's `basic.cancel` may wait for its reply at shutdown; the budget runs.
 const CANCEL_WAIT: Duration = Duration::from_secs(1);
 
-/// How long a ready ACK waits for others to share its frame (see [`Session::ack`]).
-const ACK_LINGER: Duration = Duration::from_millis(1);
+/// How long a ready ACK waits for others to share its frame (see [`Session::ack`] and
+/// [`crate::inline`]).
+pub(crate) const ACK_LINGER: Duration = Duration::from_millis(1);
 
 /// Longest a ready ACK above a delivery still being handled waits for that one to settle, so
 /// one `multiple` frame covers both, before it is written on its own.
@@ -213,6 +215,10 @@ impl Session {
         }
         tokio::task::yield_now().await;
         loop {
+            // Most often a flush wrote it while this task yielded.
+            if let Some(result) = lock(&self.acks).window.take(delivery_tag) {
+                return result;
+            }
             let mut notified = std::pin::pin!(self.flushed.notified());
             // Registered before the window is read, so a flush in between is not missed.
             notified.as_mut().enable();
@@ -225,7 +231,7 @@ impl Session {
                 match acks.due {
                     Some(due) if now < due && !acks.window.ripe(self.batch) => due,
                     _ => {
-                        self.flush(acks, now, revoked);
+                        self.flush(acks, now, revoked, false);
                         match acks.window.take(delivery_tag) {
                             Some(result) => return result,
                             None => continue,
@@ -238,9 +244,23 @@ impl Session {
         }
     }
 
-    /// Writes the ready ACKs that are due (see [`Session::ack`]) and wakes the deliveries
-    /// waiting for theirs.
-    fn flush(&self, acks: &mut Acks, now: Instant, revoked: &CancellationToken) {
+    /// Whether the ACK of `delivery_tag` is marked ready (or written already): its delivery
+    /// waits for nothing else.
+    pub(crate) fn ack_marked(&self, delivery_tag: u64) -> bool {
+        lock(&self.acks).window.marked(delivery_tag)
+    }
+
+    /// Writes every ready ACK now and wakes the deliveries waiting for theirs.
+    pub(crate) fn flush_ready(&self, revoked: &CancellationToken) {
+        let acks = &mut *lock(&self.acks);
+        if acks.window.has_ready() {
+            self.flush(acks, Instant::now(), revoked, true);
+        }
+    }
+
+    /// Writes the ready ACKs that are due (see [`Session::ack`]), or with `all` every one, and
+    /// wakes the deliveries waiting for theirs.
+    fn flush(&self, acks: &mut Acks, now: Instant, revoked: &CancellationToken, all: bool) {
         let channel = &self.consuming;
         let write = |tag, multiple| {
             if revoked.is_cancelled() {
@@ -251,7 +271,7 @@ impl Session {
             ))
         };
         let held = acks.since.is_some_and(|since| now >= since + ACK_HOLD);
-        if held || !acks.window.coalescing() {
+        if all || held || !acks.window.coalescing() {
             acks.window.flush(write);
         } else {
             acks.window.flush_covered(write);
@@ -465,7 +485,7 @@ async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer),
 pub(crate) async fn consume(
     shared: &Arc<Shared>,
     tracker: &TaskTracker,
-    crew: &Arc<Crew<Shared>>,
+    crew: &Arc<Crew>,
     stop: &CancellationToken,
 ) -> Result<SessionEnd, SessionError> {
     let (connection, consuming, mut consumer) = tokio::select! {
@@ -493,30 +513,67 @@ pub(crate) async fn consume(
     shared.ready.store(true, Ordering::Release);
     // Registered once for the whole loop, not once per delivery.
     let mut stopped = std::pin::pin!(stop.cancelled());
+    let revoked = &shared.signals.revoked;
+    let mut inline = Inline::new(session.batch);
+    // Hired for the next delivery; kept when the loop finished the last one itself.
+    let mut worker = None;
     let mut unparseable = false;
     let end = loop {
-        // A worker first: it bounds how many deliveries are taken off the consumer.
-        let worker = tokio::select! {
-            worker = crew.hire(shared, tracker) => match worker {
-                Some(worker) => worker,
-                None => break Some(()),
-            },
-            () = &mut stopped => break Some(()),
-        };
-        let next = tokio::select! {
-            next = std::future::poll_fn(|cx| std::pin::Pin::new(&mut consumer).poll_next(cx)) => next,
-            () = &mut stopped => {
-                crew.release(worker);
-                break Some(());
+        // Deliveries that finish on the loop never wait here: give other tasks their turn.
+        tokio::task::consume_budget().await;
+        if stop.is_cancelled() {
+            break Some(());
+        }
+        // A worker first: it bounds how many deliveries are taken off the consumer, and the
+        // loop runs a handler only while it holds one.
+        let hired = match worker.take() {
+            Some(hired) => hired,
+            None => {
+                // Parked ACKs do not wait for a worker to come free.
+                inline.settle(&session, revoked, tracker);
+                tokio::select! {
+                    hired = crew.hire(tracker) => match hired {
+                        Some(hired) => hired,
+                        None => break Some(()),
+                    },
+                    () = &mut stopped => break Some(()),
+                }
             }
+        };
+        let mut next = std::future::poll_fn(|cx| std::pin::Pin::new(&mut consumer).poll_next(cx));
+        let next = match first_poll(&mut next) {
+            std::task::Poll::Ready(next) => Some(next),
+            // Nothing buffered: the parked ACKs wait for more deliveries up to their linger.
+            std::task::Poll::Pending => loop {
+                let due = inline.due();
+                let linger = async {
+                    match due {
+                        Some(due) => tokio::time::sleep_until(due.into()).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    next = &mut next => break Some(next),
+                    () = linger => inline.settle(&session, revoked, tracker),
+                    () = &mut stopped => break None,
+                }
+            },
         };
         match next {
-            Some(Ok(delivery)) => {
-                session.delivered(delivery.delivery_tag);
-                worker.assign((Arc::clone(&session), delivery));
+            Some(Some(Ok(delivery))) => {
+                let tag = delivery.delivery_tag;
+                session.delivered(tag);
+                let job = crate::delivery::job(shared, &session, delivery);
+                match inline.start(job, &session, tag) {
+                    Some(job) => hired.assign(job),
+                    None => worker = Some(hired),
+                }
+                if inline.full() {
+                    inline.settle(&session, revoked, tracker);
+                }
             }
-            Some(Err(err)) => {
-                crew.release(worker);
+            Some(Some(Err(err))) => {
+                worker = Some(hired);
                 if matches!(err.kind(), lapin::ErrorKind::ParsingError(_)) {
                     // Nothing of the frame is logged: it may hold a body.
                     warn!(queue = %shared.queue, "a frame from the broker could not be parsed");
@@ -525,12 +582,21 @@ pub(crate) async fn consume(
                     debug!(queue = %shared.queue, error = %err, "consumer error");
                 }
             }
-            None => {
-                crew.release(worker);
+            Some(None) => {
+                worker = Some(hired);
                 break None;
+            }
+            None => {
+                worker = Some(hired);
+                break Some(());
             }
         }
     };
+    if let Some(hired) = worker {
+        crew.release(hired);
+    }
+    // Before the session ends, so that when every worker is done every delivery is.
+    inline.settle(&session, revoked, tracker);
     shared.ready.store(false, Ordering::Release);
     if end.is_none() {
         session.ended.cancel();
@@ -593,7 +659,7 @@ fn queued(poll: std::task::Poll<lapin::Result<()>>) -> SettleResult {
 }
 
 /// Polls `future` once, without a task to wake: what it does on its first poll is done.
-fn first_poll<F: Future>(future: F) -> std::task::Poll<F::Output> {
+pub(crate) fn first_poll<F: Future>(future: F) -> std::task::Poll<F::Output> {
     let mut future = std::pin::pin!(future);
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
     future.as_mut().poll(&mut cx)

@@ -9,6 +9,8 @@
 //! It can also swallow the publisher confirms (`basic.ack` from the broker) on their way to the
 //! client, as a broker that never confirms would look: the client's confirms time out.
 //!
+//! It counts the `basic.ack` frames clients send ([`FaultProxy::acks_sent`]).
+//!
 //! And it can rewrite what a client sends ([`FaultProxy::rewrite`]): a publisher behind it
 //! writes bytes its own library would refuse to, such as short strings that are not UTF-8.
 
@@ -32,6 +34,7 @@ pub struct FaultProxy {
     tripped: Arc<AtomicBool>,
     confirms: Arc<Confirms>,
     rewrites: Rewrites,
+    acks: Arc<AtomicU64>,
 }
 
 /// Byte patterns replaced in the frames clients send, each by bytes of the same length.
@@ -71,11 +74,13 @@ impl FaultProxy {
         let tripped = Arc::new(AtomicBool::new(false));
         let confirms = Arc::new(Confirms::default());
         let rewrites = Rewrites::default();
-        let (a, t, c, r) = (
+        let acks = Arc::new(AtomicU64::new(0));
+        let (a, t, c, r, k) = (
             Arc::clone(&armed),
             Arc::clone(&tripped),
             Arc::clone(&confirms),
             Arc::clone(&rewrites),
+            Arc::clone(&acks),
         );
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
@@ -89,6 +94,7 @@ impl FaultProxy {
                     Arc::clone(&t),
                     Arc::clone(&c),
                     Arc::clone(&r),
+                    Arc::clone(&k),
                 ));
             }
         });
@@ -98,6 +104,7 @@ impl FaultProxy {
             tripped,
             confirms,
             rewrites,
+            acks,
         }
     }
 
@@ -144,6 +151,12 @@ impl FaultProxy {
             .push((pattern.to_vec(), replacement.to_vec()));
     }
 
+    /// How many `basic.ack` frames clients sent through the proxy (one may settle many
+    /// deliveries: `multiple`). A frame the armed proxy drops is not counted.
+    pub fn acks_sent(&self) -> u64 {
+        self.acks.load(Ordering::Acquire)
+    }
+
     /// How many publisher confirms were swallowed.
     pub fn swallowed(&self) -> u64 {
         self.confirms.swallowed.load(Ordering::Acquire)
@@ -157,6 +170,7 @@ async fn relay(
     tripped: Arc<AtomicBool>,
     confirms: Arc<Confirms>,
     rewrites: Rewrites,
+    acks: Arc<AtomicU64>,
 ) {
     let (mut client_rx, mut client_tx) = client.into_split();
     let (mut server_rx, mut server_tx) = server.into_split();
@@ -205,6 +219,9 @@ async fn relay(
                 tripped.store(true, Ordering::Release);
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 break 'relay;
+            }
+            if is_basic_ack(&pending[..len]) {
+                acks.fetch_add(1, Ordering::AcqRel);
             }
             rewrite(&mut pending[..len], &rewrites.lock().expect("rewrites"));
             if server_tx.write_all(&pending[..len]).await.is_err() {

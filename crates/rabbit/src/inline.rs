@@ -1,0 +1,138 @@
+//! The consume loop's own share of the deliveries.
+//!
+//! Handing a delivery to a worker costs a wake-up of another thread, and on a busy node that
+//! costs more than most handlers do: one that parses the message and updates something in
+//! memory is done in microseconds. So the consume loop polls each delivery once itself, and
+//! where that first poll stops decides the rest:
+//!
+//! - **The delivery ended** (the gate settled it): nothing is left to do.
+//! - **Its ACK is marked ready** (the handler succeeded without waiting for anything): it is
+//!   *parked* here. Parked ACKs are written together, as one `multiple` frame when nothing below
+//!   them is still being handled, once half the prefetch is parked, once nothing more has been
+//!   buffered for [`ACK_LINGER`] since the oldest was parked, or before the loop waits for a
+//!   worker. Each parked delivery is then polled again, finds its result and ends.
+//! - **It waits for anything else** (a handler awaiting I/O, a copy's confirm, a transaction):
+//!   it goes to the worker hired for it, which finishes it.
+//!
+//! A handler that computes for long without waiting would keep every delivery on the loop's
+//! one thread. So the loop counts its first polls that took longer than [`HEAVY`] against those
+//! that did not; while the long ones lead by [`LEAD`], deliveries go to the crew unpolled, to
+//! run in parallel on every worker thread, and one in [`PROBE`] is still polled here to notice
+//! when handlers become light again. A count, not an average: on a busy node the thread is
+//! sometimes descheduled in the middle of a poll, and one such poll must not look like a heavy
+//! handler.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::error;
+
+use crate::crew::Job;
+use crate::session::{ACK_LINGER, Session, first_poll};
+
+/// A first poll longer than this is worth a hand-off to another thread.
+const HEAVY: Duration = Duration::from_micros(50);
+
+/// How far the long first polls must lead the short ones for handlers to count as heavy.
+const LEAD: u8 = 8;
+
+/// While handlers are heavy, one delivery in this many is still polled on the loop.
+const PROBE: u32 = 64;
+
+/// The parked deliveries of one session and what the loop knows of its first polls.
+pub(crate) struct Inline {
+    parked: Vec<Job>,
+    /// When the oldest parked delivery was parked.
+    since: Option<Instant>,
+    /// Parked deliveries worth writing at once: half the prefetch, as [`Session`] counts it.
+    batch: usize,
+    /// Long first polls minus short ones, kept within `0..=2 * LEAD`.
+    long: u8,
+    /// Deliveries started, for the probe.
+    started: u32,
+}
+
+impl Inline {
+    pub(crate) fn new(batch: usize) -> Self {
+        Self {
+            parked: Vec::with_capacity(batch),
+            since: None,
+            batch,
+            long: 0,
+            started: 0,
+        }
+    }
+
+    /// Runs `job`, the delivery of `tag` on `session`, up to where it first stops (see the
+    /// module's text); returns it when a worker must finish it.
+    pub(crate) fn start(&mut self, mut job: Job, session: &Session, tag: u64) -> Option<Job> {
+        self.started = self.started.wrapping_add(1);
+        if self.long >= LEAD && !self.started.is_multiple_of(PROBE) {
+            return Some(job);
+        }
+        let began = Instant::now();
+        let polled = poll(&mut job);
+        self.long = if began.elapsed() > HEAVY {
+            (self.long + 1).min(2 * LEAD)
+        } else {
+            self.long.saturating_sub(1)
+        };
+        match polled {
+            Some(Poll::Pending) if session.ack_marked(tag) => {
+                self.since.get_or_insert(began);
+                self.parked.push(job);
+                None
+            }
+            Some(Poll::Pending) => Some(job),
+            Some(Poll::Ready(())) | None => None,
+        }
+    }
+
+    /// Whether the parked ACKs make a frame worth writing now.
+    pub(crate) fn full(&self) -> bool {
+        self.parked.len() >= self.batch
+    }
+
+    /// When the parked ACKs are written if nothing else comes: [`ACK_LINGER`] after the oldest
+    /// was parked. `None` when nothing is parked.
+    pub(crate) fn due(&self) -> Option<Instant> {
+        self.since.map(|since| since + ACK_LINGER)
+    }
+
+    /// Writes every ready ACK of `session` and lets each parked delivery end with its result.
+    pub(crate) fn settle(
+        &mut self,
+        session: &Session,
+        revoked: &CancellationToken,
+        tracker: &TaskTracker,
+    ) {
+        if self.parked.is_empty() {
+            return;
+        }
+        self.since = None;
+        session.flush_ready(revoked);
+        for mut job in self.parked.drain(..) {
+            if let Some(Poll::Pending) = poll(&mut job) {
+                // Not reached while the window writes every ready ACK at once; if it ever
+                // is, the delivery still finishes, on a task of its own.
+                tracker.spawn(job);
+            }
+        }
+    }
+}
+
+/// Polls `job` once on the loop. A panic outside the handler's guard (which catches the
+/// handler's own) is a bug in Lily: it is logged and the delivery is dropped where it is, as a
+/// worker's would be; its ledger entry stays open and is reported.
+fn poll(job: &mut Job) -> Option<Poll<()>> {
+    match catch_unwind(AssertUnwindSafe(|| first_poll(job.as_mut()))) {
+        Ok(poll) => Some(poll),
+        Err(_) => {
+            error!("a delivery panicked outside its handler's guard; it stays unresolved");
+            None
+        }
+    }
+}
