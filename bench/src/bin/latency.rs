@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! scripts/bench.sh latency [--quick] [--paths success,handoff] [--prefetch 500,50]
-//!                          [--secs S] [--warmup S] [--messages N] [--max-rate R] [--out DIR]
+//!                          [--secs S] [--warmup S] [--messages N] [--max-rate R] [--reps R]
+//!                          [--out DIR]
 //! ```
 //!
 //! - Maximum rate of a path × prefetch: N messages (default 60 000, quick 20 000) published to a
@@ -13,6 +14,10 @@
 //!   contender consuming, and a paced publisher (own connection, Lily's `Publisher`, 1 ms ticks)
 //!   at the target rate for S seconds (default 20, quick 8). Messages published after the
 //!   warm-up (default 3 s, quick 2 s) and before publishing stopped are timed.
+//! - Each case runs R rounds (default 3, quick 1), the contenders' order alternating round by
+//!   round, and reports the round whose p99 difference is the median, with every round's
+//!   difference: one stall of tens of milliseconds decides a single round's p99 on a shared
+//!   machine.
 //! - Success path: deserialize, ACK. Handoff path: deserialize, fail; the copy goes to a retry
 //!   bucket of 10 minutes (confirmed) and the original is ACKed.
 //! - Both contenders are timed from the message's publish (the paced publisher stamps it) to
@@ -41,16 +46,19 @@ struct Args {
     warmup: f64,
     messages: u64,
     max_rate: Option<f64>,
+    /// Rounds of each case; the case reports the median round.
+    reps: usize,
     out: PathBuf,
 }
 
 const USAGE: &str = "usage: latency [--quick] [--paths success,handoff] [--prefetch 500,50] \
-    [--secs S] [--warmup S] [--messages N] [--max-rate R] [--out DIR]";
+    [--secs S] [--warmup S] [--messages N] [--max-rate R] [--reps R] [--out DIR]";
 
 fn parse_args() -> Args {
     let mut paths = vec![Path::Success, Path::Handoff];
     let (mut prefetches, mut secs, mut warmup, mut messages) = (None, None, None, None);
     let (mut max_rate, mut out, mut quick) = (None, PathBuf::from("target/bench"), false);
+    let mut reps = None;
     let mut it = std::env::args().skip(1);
     let fail = |msg: String| -> ! {
         eprintln!("{msg}\n{USAGE}");
@@ -98,6 +106,11 @@ fn parse_args() -> Args {
                 messages = Some(n);
             }
             "--max-rate" => max_rate = Some(number("--max-rate", value())),
+            "--reps" => {
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                let r = number("--reps", value()).max(1.0) as usize;
+                reps = Some(r);
+            }
             "--out" => out = PathBuf::from(value()),
             "--help" | "-h" => {
                 println!("{USAGE}");
@@ -113,6 +126,7 @@ fn parse_args() -> Args {
         warmup: warmup.unwrap_or(if quick { 2.0 } else { 3.0 }),
         messages: messages.unwrap_or(if quick { 20_000 } else { 60_000 }),
         max_rate,
+        reps: reps.unwrap_or(if quick { 1 } else { 3 }),
         out,
     };
     if args.warmup >= args.secs {
@@ -198,42 +212,45 @@ async fn main() {
             };
             for load in LOADS {
                 let target = (max_rate.used * load).round().max(1.0);
-                let who = if order % 2 == 0 {
-                    [Contender::RawBatch, Contender::Lily]
-                } else {
-                    [Contender::Lily, Contender::RawBatch]
-                };
-                order += 1;
-                let mut runs = Vec::new();
-                for contender in who {
-                    let result = run::paced(&setup, contender, path, prefetch, target).await;
-                    eprintln!(
-                        "  {} prefetch {prefetch} {:.0}% ({target:.0}/s) {:<9} settled {:>7.0}/s p50 {:.2} p99 {:.2} p99.9 {:.2} ms{}, max depth {}{} [{:.0} s elapsed]",
-                        path.name(),
-                        load * 100.0,
-                        contender.name(),
-                        result.settled_per_sec,
-                        f64::from(result.latency.p50_us) / 1000.0,
-                        f64::from(result.latency.p99_us) / 1000.0,
-                        f64::from(result.latency.p999_us) / 1000.0,
-                        result.before_span.map_or_else(String::new, |b| format!(
-                            " (before its span: p50 {:.2} p99 {:.2} ms)",
-                            f64::from(b.p50_us) / 1000.0,
-                            f64::from(b.p99_us) / 1000.0
-                        )),
-                        result.max_ready_depth,
-                        if result.complete { "" } else { " (INCOMPLETE)" },
-                        total.elapsed().as_secs_f64()
-                    );
-                    runs.push(result);
+                let mut rounds = Vec::new();
+                for round in 1..=args.reps {
+                    let who = if order % 2 == 0 {
+                        [Contender::RawBatch, Contender::Lily]
+                    } else {
+                        [Contender::Lily, Contender::RawBatch]
+                    };
+                    order += 1;
+                    let mut runs = Vec::new();
+                    for contender in who {
+                        let result = run::paced(&setup, contender, path, prefetch, target).await;
+                        eprintln!(
+                            "  {} prefetch {prefetch} {:.0}% ({target:.0}/s) round {round}/{} {:<9} settled {:>7.0}/s p50 {:.2} p99 {:.2} p99.9 {:.2} ms{}, max depth {}{} [{:.0} s elapsed]",
+                            path.name(),
+                            load * 100.0,
+                            args.reps,
+                            contender.name(),
+                            result.settled_per_sec,
+                            f64::from(result.latency.p50_us) / 1000.0,
+                            f64::from(result.latency.p99_us) / 1000.0,
+                            f64::from(result.latency.p999_us) / 1000.0,
+                            result.before_span.map_or_else(String::new, |b| format!(
+                                " (before its span: p50 {:.2} p99 {:.2} ms)",
+                                f64::from(b.p50_us) / 1000.0,
+                                f64::from(b.p99_us) / 1000.0
+                            )),
+                            result.max_ready_depth,
+                            if result.complete { "" } else { " (INCOMPLETE)" },
+                            total.elapsed().as_secs_f64()
+                        );
+                        runs.push(result);
+                    }
+                    let (raw_batch, lily) = match who[0] {
+                        Contender::RawBatch => (runs[0], runs[1]),
+                        Contender::Lily => (runs[1], runs[0]),
+                    };
+                    rounds.push(Case::new(path, prefetch, load, max_rate, raw_batch, lily));
                 }
-                let (raw_batch, lily) = match who[0] {
-                    Contender::RawBatch => (runs[0], runs[1]),
-                    Contender::Lily => (runs[1], runs[0]),
-                };
-                results
-                    .cases
-                    .push(Case::new(path, prefetch, load, max_rate, raw_batch, lily));
+                results.cases.push(Case::median(rounds));
             }
         }
     }

@@ -64,8 +64,19 @@ fn over_100ms(run: &Run) -> f64 {
 }
 
 fn verdict(case: &Case) -> String {
+    let rounds = match case.rounds_p99_diff_ms.as_slice() {
+        [_] | [] => String::new(),
+        all => format!(
+            ", median of {}: {}",
+            all.len(),
+            all.iter()
+                .map(|d| format!("{d:+.2}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
     format!(
-        "{:+.2} ms (≤ +{:.0} ms: {})",
+        "{:+.2} ms (≤ +{:.0} ms: {}{rounds})",
         case.p99_diff_ms,
         case.p99_margin_ms,
         if case.met { "met" } else { "MISSED" }
