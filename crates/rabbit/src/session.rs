@@ -199,7 +199,9 @@ impl Session {
     ///
     /// So from its mark to its result a delivery waits at most the hold and a few polls. That
     /// is why the delivery executor can let a delivery in this section finish when the abort
-    /// comes.
+    /// comes. A delivery that marked its ACK during the consume loop's first poll is the
+    /// exception: the loop parks it and polls it again only after writing the parked ACKs
+    /// itself ([`crate::inline`]), which it does before it ends, so before any shutdown phase.
     ///
     /// A tag the window does not hold open (never delivered here, or settled already) is
     /// refused, and nothing is written for it.
