@@ -196,6 +196,8 @@ async fn a_backlog_is_acked_in_shared_frames(kind: QueueKind) {
         handled.iter().filter(|(_, n)| **n > 1).collect::<Vec<_>>()
     );
     assert_eq!(client.depth(&queue).await, 0);
+    let dead = client.drain_ids(&format!("{queue}.dlq")).await;
+    assert!(dead.is_empty(), "dead-lettered: {dead:?}");
     let frames = proxy.acks_sent();
     assert!(
         frames > 0 && frames <= (N / 15) as u64,
@@ -259,6 +261,8 @@ async fn handlers_that_compute_without_waiting_run_in_parallel() {
     let mut expected: Vec<String> = (0..N).map(|i| format!("h-{i}")).collect();
     expected.sort();
     assert_eq!(ids, expected, "every id handled exactly once");
+    let dead = client.drain_ids(&format!("{queue}.dlq")).await;
+    assert!(dead.is_empty(), "dead-lettered: {dead:?}");
     assert!(
         most.load(Ordering::SeqCst) >= 2,
         "handlers that compute never ran in parallel"
