@@ -27,6 +27,7 @@
 mod acks;
 mod budget;
 mod codec;
+mod confirms;
 mod decision;
 mod envelope;
 mod error;
@@ -72,6 +73,7 @@ pub use transaction::{Begin, Committed, OpenTransaction, TransactionalScope};
 pub mod transport {
     pub use crate::acks::AckWindow;
     pub use crate::budget::Budget;
+    pub use crate::confirms::{InFlight, Retired, Seq};
     pub use crate::decision::{
         Action, Authority, Cause, CleanupResult, Handoff, HandoffResult, PipelineResult, Plan,
         SettleResult, Settlement, Situation, decide, decide_at_gate,

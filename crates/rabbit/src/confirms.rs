@@ -1,52 +1,58 @@
-//! A confirm pool: a connection of its own, and a few confirm channels that each carry one batch
-//! of publishes at a time. The handoff publisher and the public [`Publisher`](crate::Publisher)
-//! are both built on it.
+//! A confirm pool: a connection of its own, and a few confirm channels on which publishes are
+//! pipelined. The handoff publisher and the public [`Publisher`](crate::Publisher) are both
+//! built on it.
 //!
 //! - **Own connection.** RabbitMQ blocks a publishing connection during a memory or disk alarm,
 //!   and lapin then writes nothing on it. Publishing copies on the consuming connection would
 //!   stall its ACKs, the `basic.qos` round trips that confirm them, `basic.cancel` and close.
-//! - **Batches.** Publishes queue for [`WORKERS`] workers, each owning one confirm channel. A
-//!   worker takes every publish waiting (up to [`MAX_BATCH`]), queues them back to back, each
-//!   carrying its [`HandoffId`] in the pool's id header, without waiting for one to be written
-//!   before the next, and awaits every confirm of the batch before it judges any of them with
-//!   [`attribute_batch`]: a return counts only against the publish whose id it carries, and an
-//!   ACK proves nothing until the whole batch is accounted for. While one worker waits for its
-//!   confirms, the others publish, so messages stream as a hand-tuned publisher's do and the
-//!   broker batches its confirms.
-//! - **Channel errors.** A channel error fails every publish of its batch that has no evidence
-//!   yet. No handoff copy is known to cause one: what RabbitMQ checks per message (`user_id`,
-//!   `expiration`, `CC`/`BCC`) is moved aside on copies, copies go through the default exchange
-//!   for every lane, and the broker's `max_message_size` counts the body, which is the
-//!   original's.
-//! - **Channels.** A channel whose batch was not accounted for in full (a timeout, a channel
-//!   error, a stray return) is dropped, and lapin closes it with its last handle, which also
-//!   discards the confirms it still kept for publishes nobody awaits any more; the worker opens
-//!   a new one for its next batch. So is a channel that was nacked: a quorum queue with
-//!   `overflow: reject-publish` tells each channel publishing to it that it is full, and
-//!   RabbitMQ may never tell that channel otherwise once the queue takes messages again
+//! - **Pipelined.** Publishes take turns among [`WORKERS`] workers, each owning one confirm
+//!   channel. A worker publishes what it is given at once, each carrying its [`HandoffId`] in
+//!   the pool's id header, without waiting for earlier publishes' confirms or for one to be
+//!   written before the next, so a copy that comes while the broker syncs its queues to disk
+//!   joins the sync under way instead of waiting for the one after it. Each publish has a waker
+//!   of its own, which notes it in its channel's wake list; the worker polls what woke, and at
+//!   each quiet point (nothing left in the list) [`InFlight`] judges every publish whose
+//!   evidence is complete: a return counts only against the publish whose id it carries, and an
+//!   ACK proves the copy was stored only once its return, had there been one, must have been
+//!   seen (see `lily_mq_core`'s `confirms` module for why the order of wake-ups proves that).
+//! - **Channel errors.** A channel error fails every publish in flight on it that has no
+//!   evidence yet. No handoff copy is known to cause one: what RabbitMQ checks per message
+//!   (`user_id`, `expiration`, `CC`/`BCC`) is moved aside on copies, copies go through the
+//!   default exchange for every lane, and the broker's `max_message_size` counts the body,
+//!   which is the original's.
+//! - **Channels.** A channel whose evidence is confused (a publish timed out or failed, a
+//!   return without a known id) is dropped at once, and lapin closes it with its last handle,
+//!   which also discards the confirms it still kept for publishes nobody awaits any more; the
+//!   worker opens a new one for what comes next. A channel that was nacked takes nothing new
+//!   and is dropped once what is in flight on it is judged: a quorum queue with `overflow:
+//!   reject-publish` tells each channel publishing to it that it is full, and RabbitMQ may
+//!   never tell that channel otherwise once the queue takes messages again
 //!   (rabbitmq-server#12206: a cleared `max-length` policy), so the lane would fail for good.
-//! - **Blocked.** While the broker blocks the connection, no batch publishes: it waits for the
-//!   unblock within its publishes' deadline and otherwise fails them as
+//! - **Blocked.** While the broker blocks the connection, nothing is published: publishes
+//!   wait for the unblock within their deadline and otherwise fail as
 //!   [`HandoffResult::Blocked`], so no message lands later, after its sender gave up on it.
 //!   RabbitMQ only says a connection is blocked once it publishes during the alarm, and that
 //!   publish stays unread until the alarm clears. So when the connection has had no confirm for
-//!   [`PROBE_AFTER`], a batch first publishes a probe that RabbitMQ drops (not mandatory, to a
-//!   queue name no queue can have) and awaits its confirm: if an alarm started in the quiet, the
-//!   probe is what stays stuck, not a message. Under a steady stream of publishes their own
-//!   confirms are the evidence and no probe is sent; a message published in the instant an
-//!   alarm starts can still be held by the broker, time out and land later.
+//!   [`PROBE_AFTER`], a worker first publishes a probe that RabbitMQ drops (not mandatory, to a
+//!   queue name no queue can have) and holds its publishes until the probe is confirmed: if an
+//!   alarm started in the quiet, the probe is what stays stuck, not a message. Under a steady
+//!   stream of publishes their own confirms are the evidence and no probe is sent; a message
+//!   published in the instant an alarm starts can still be held by the broker, time out and
+//!   land later.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::Poll;
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use futures_core::Stream;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
 use lapin::{BasicProperties, Channel, Confirmation, Connection, Event, PublisherConfirm};
-use lily_mq_core::transport::{Confirm, HandoffId, HandoffResult, attribute_batch};
-use tokio::sync::{mpsc, oneshot};
+use lily_mq_core::transport::{Confirm, HandoffId, HandoffResult, InFlight, Retired, Seq};
+use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -54,16 +60,13 @@ use tracing::{info, warn};
 use crate::connect::{Dialer, Endpoint};
 use crate::sync::lock;
 
-/// Confirm channels publishing, one batch in flight on each.
+/// Confirm channels publishing, each with many publishes in flight.
 const WORKERS: usize = 4;
 
-/// The most publishes one batch carries.
-const MAX_BATCH: usize = 256;
-
-/// How often a batch waiting for the broker to unblock the connection looks again.
+/// How often publishes waiting for the broker to unblock the connection look again.
 const BLOCKED_POLL: Duration = Duration::from_millis(25);
 
-/// How long without a confirm on the connection before a batch probes it first.
+/// How long without a confirm on the connection before a worker probes it first.
 const PROBE_AFTER: Duration = Duration::from_millis(100);
 
 /// Routing key of the probe: RabbitMQ reserves `amq.` queue names, so nothing can route it.
@@ -112,14 +115,14 @@ struct Request {
     reply: oneshot::Sender<HandoffResult>,
 }
 
-type Requests = Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<Request>>>;
-
 /// Publishes with confirms on a connection of its own.
 pub(crate) struct Confirms {
     link: Arc<Link>,
-    requests: mpsc::UnboundedSender<Request>,
+    /// Each worker's queue; publishes take turns.
+    requests: Vec<mpsc::UnboundedSender<Request>>,
+    turn: AtomicUsize,
     /// Taken by the first [`Confirms::warm`], which starts the workers.
-    pending: Mutex<Option<mpsc::UnboundedReceiver<Request>>>,
+    pending: Mutex<Vec<mpsc::UnboundedReceiver<Request>>>,
     closed: CancellationToken,
 }
 
@@ -148,7 +151,7 @@ impl Confirms {
     /// A pool for `role`, labelled `label` (the work queue of a consumer) in connection names
     /// and metrics. It connects on [`Confirms::warm`].
     pub(crate) fn new(label: &str, role: Role) -> Self {
-        let (requests, pending) = mpsc::unbounded_channel();
+        let (requests, pending) = (0..WORKERS).map(|_| mpsc::unbounded_channel()).unzip();
         Self {
             link: Arc::new(Link {
                 role,
@@ -162,7 +165,8 @@ impl Confirms {
                 label: label.to_owned(),
             }),
             requests,
-            pending: Mutex::new(Some(pending)),
+            turn: AtomicUsize::new(0),
+            pending: Mutex::new(pending),
             closed: CancellationToken::new(),
         }
     }
@@ -180,15 +184,8 @@ impl Confirms {
             .dialer
             .get_or_init(|| Dialer::new(endpoint.clone(), self.link.role.name));
         self.link.connection().await?;
-        if let Some(pending) = lock(&self.pending).take() {
-            let requests: Requests = Arc::new(tokio::sync::Mutex::new(pending));
-            for _ in 0..WORKERS {
-                tokio::spawn(work(
-                    Arc::clone(&self.link),
-                    Arc::clone(&requests),
-                    self.closed.clone(),
-                ));
-            }
+        for requests in std::mem::take(&mut *lock(&self.pending)) {
+            tokio::spawn(work(Arc::clone(&self.link), requests, self.closed.clone()));
         }
         Ok(())
     }
@@ -206,7 +203,7 @@ impl Confirms {
 
     /// A fresh id for the next publish to carry in the role's id header.
     pub(crate) fn next_id(&self) -> HandoffId {
-        HandoffId::new(self.link.next_id.fetch_add(1, Ordering::Relaxed))
+        self.link.next_id()
     }
 
     /// Publishes `body` with `properties`, which carry `id` (from [`Self::next_id`]) in the
@@ -232,7 +229,8 @@ impl Confirms {
             properties,
             until: Instant::now() + deadline,
         };
-        if self.requests.send(Request { copy, reply }).is_err() {
+        let turn = self.turn.fetch_add(1, Ordering::Relaxed) % self.requests.len();
+        if self.requests[turn].send(Request { copy, reply }).is_err() {
             return HandoffResult::Failed;
         }
         // A worker answers by its batch's deadline, at most shortly after this message's own
@@ -268,119 +266,375 @@ impl std::fmt::Debug for Confirms {
     }
 }
 
-/// A worker: takes every waiting request (up to [`MAX_BATCH`]), publishes them as one batch on
-/// its channel and answers each, until the publisher closes.
-async fn work(link: Arc<Link>, requests: Requests, closed: CancellationToken) {
-    let mut channel = None;
+/// A worker: publishes the requests it is given on its confirm channel as they come, without
+/// waiting for earlier ones' confirms, and answers each once [`InFlight`] judged it.
+async fn work(
+    link: Arc<Link>,
+    mut requests: mpsc::UnboundedReceiver<Request>,
+    closed: CancellationToken,
+) {
+    let mut worker = Worker {
+        link,
+        held: VecDeque::new(),
+        pipe: None,
+        probing: None,
+    };
+    let mut open = true;
     loop {
-        let batch = {
-            let mut requests = tokio::select! {
-                guard = requests.lock() => guard,
+        let wake_at = worker.wake_at();
+        let pipe_woken = worker.pipe.as_ref().map(|pipe| Arc::clone(&pipe.wakes));
+        tokio::select! {
+            biased;
+            () = closed.cancelled() => return,
+            () = async { pipe_woken.as_ref().expect("guarded").notify.notified().await },
+                if pipe_woken.is_some() => {}
+            request = requests.recv(), if open => match request {
+                Some(request) => worker.held.push_back(request),
+                None => open = false,
+            },
+            () = tokio::time::sleep_until(wake_at.unwrap_or_else(Instant::now)),
+                if wake_at.is_some() => {}
+        }
+        while let Ok(request) = requests.try_recv() {
+            worker.held.push_back(request);
+        }
+        worker.settle();
+        worker.expire(Instant::now());
+        if worker.pipe.is_none() && !worker.held.is_empty() {
+            tokio::select! {
                 () = closed.cancelled() => return,
+                () = worker.open() => {}
+            }
+        }
+        worker.publish_held();
+        if !open && worker.held.is_empty() && worker.pipe.is_none() {
+            return;
+        }
+    }
+}
+
+/// One worker's requests and its confirm channel.
+struct Worker {
+    link: Arc<Link>,
+    /// Requests not published yet: no channel, the connection is blocked, a probe is out, or
+    /// the channel drains.
+    held: VecDeque<Request>,
+    pipe: Option<Pipe>,
+    /// The probe in flight, which held requests wait for.
+    probing: Option<Seq>,
+}
+
+/// A confirm channel, its publishes in flight and their evidence.
+struct Pipe {
+    channel: Channel,
+    evidence: InFlight,
+    flights: HashMap<Seq, Flight>,
+    /// Deadlines of the publishes in flight.
+    deadlines: BTreeSet<(Instant, Seq)>,
+    wakes: Arc<Wakes>,
+}
+
+/// One publish in flight.
+struct Flight {
+    stage: Stage,
+    waker: Waker,
+    /// Where its result goes; `None` for a probe.
+    reply: Option<oneshot::Sender<HandoffResult>>,
+    until: Instant,
+}
+
+enum Stage {
+    /// Its frames are being written.
+    Writing(Pin<Box<dyn Future<Output = lapin::Result<PublisherConfirm>> + Send>>),
+    /// Its confirm is awaited.
+    Awaiting(PublisherConfirm),
+    /// Its confirm came; the evidence judges it.
+    Seen,
+}
+
+/// The publishes of a channel that woke since the worker last looked, in the order they woke.
+#[derive(Default)]
+struct Wakes {
+    woken: Mutex<Vec<Seq>>,
+    notify: Notify,
+}
+
+/// The waker of one publish: notes it in its channel's [`Wakes`]. A publish that completes
+/// (its write or its confirm) is noted before the client completes anything after it, which is
+/// what [`InFlight`]'s quiet points rest on.
+struct Woken {
+    seq: Seq,
+    wakes: Arc<Wakes>,
+}
+
+impl Wake for Woken {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        lock(&self.wakes.woken).push(self.seq);
+        self.wakes.notify.notify_one();
+    }
+}
+
+impl Worker {
+    /// When the worker must look again without a wake-up: the earliest deadline, or shortly
+    /// while the connection is blocked and requests wait.
+    fn wake_at(&self) -> Option<Instant> {
+        let held = self.held.iter().map(|r| r.copy.until).min();
+        let flying = self
+            .pipe
+            .as_ref()
+            .and_then(|pipe| pipe.deadlines.first().map(|(at, _)| *at));
+        let blocked =
+            (!self.held.is_empty() && self.link.blocked()).then(|| Instant::now() + BLOCKED_POLL);
+        [held, flying, blocked].into_iter().flatten().min()
+    }
+
+    /// Handles every wake-up of the channel up to a quiet point and answers what was judged.
+    fn settle(&mut self) {
+        let Some(pipe) = self.pipe.as_mut() else {
+            return;
+        };
+        loop {
+            let woken = std::mem::take(&mut *lock(&pipe.wakes.woken));
+            if woken.is_empty() {
+                break;
+            }
+            for seq in woken {
+                pipe.poll(seq, &self.link);
+            }
+        }
+        pipe.evidence.handle_quiet();
+        self.answer();
+    }
+
+    /// Judges what is past its deadline: held requests time out unpublished.
+    fn expire(&mut self, now: Instant) {
+        let (expired, held): (Vec<_>, Vec<_>) =
+            self.held.drain(..).partition(|r| r.copy.until <= now);
+        self.held = held.into();
+        for request in expired {
+            let _ = request.reply.send(self.link.timed_out());
+        }
+        let Some(pipe) = self.pipe.as_mut() else {
+            return;
+        };
+        let mut expired = Vec::new();
+        while let Some(&(at, seq)) = pipe.deadlines.first()
+            && at <= now
+        {
+            pipe.deadlines.pop_first();
+            expired.push(seq);
+        }
+        if !expired.is_empty() {
+            pipe.evidence.handle_expired(&expired);
+            self.answer();
+        }
+    }
+
+    /// Sends each verdict to its publish's caller, and lets a channel go once it must carry
+    /// nothing more and nothing is left on it.
+    fn answer(&mut self) {
+        let Some(pipe) = self.pipe.as_mut() else {
+            return;
+        };
+        let blocked = self.link.blocked();
+        while let Some((seq, result)) = pipe.evidence.poll_verdict() {
+            let Some(flight) = pipe.flights.remove(&seq) else {
+                continue;
             };
-            let first = tokio::select! {
-                request = requests.recv() => request,
-                () = closed.cancelled() => return,
+            pipe.deadlines.remove(&(flight.until, seq));
+            if self.probing == Some(seq) {
+                self.probing = None;
+            }
+            let result = match result {
+                HandoffResult::TimedOut if blocked => HandoffResult::Blocked,
+                r => r,
             };
-            let Some(first) = first else { return };
-            let mut batch = vec![first];
-            while batch.len() < MAX_BATCH {
-                match requests.try_recv() {
-                    Ok(request) => batch.push(request),
-                    Err(_) => break,
+            if let Some(reply) = flight.reply {
+                let _ = reply.send(result);
+            }
+        }
+        let retired = match pipe.evidence.retired() {
+            Some(Retired::Confused) => true,
+            Some(Retired::Draining) => pipe.evidence.is_empty(),
+            None => !pipe.channel.status().connected() && pipe.evidence.is_empty(),
+        };
+        if retired {
+            // Dropped with its last handle, lapin closes it and discards what it still keeps
+            // for it.
+            self.pipe = None;
+            self.probing = None;
+        }
+    }
+
+    /// Opens a confirm channel, within the held requests' earliest deadline.
+    async fn open(&mut self) {
+        let Some(until) = self.held.iter().map(|r| r.copy.until).min() else {
+            return;
+        };
+        match tokio::time::timeout_at(until, self.link.open_channel()).await {
+            Ok(Ok(channel)) => {
+                self.pipe = Some(Pipe {
+                    channel,
+                    evidence: InFlight::new(),
+                    flights: HashMap::new(),
+                    deadlines: BTreeSet::new(),
+                    wakes: Arc::default(),
+                });
+            }
+            Ok(Err(_)) => {
+                for request in self.held.drain(..) {
+                    let _ = request.reply.send(HandoffResult::Failed);
                 }
             }
-            batch
+            Err(_) => self.expire(Instant::now()),
+        }
+    }
+
+    /// Publishes the held requests, unless the channel must not take them yet. After a quiet
+    /// spell on the connection a probe goes first (see the module's text).
+    fn publish_held(&mut self) {
+        if self.held.is_empty() || self.probing.is_some() || self.link.blocked() {
+            return;
+        }
+        let Some(pipe) = self.pipe.as_mut() else {
+            return;
         };
-        // A copy whose deadline passed while it waited for a worker is not published at all.
-        let now = Instant::now();
-        let (expired, batch): (Vec<_>, Vec<_>) =
-            batch.into_iter().partition(|r| r.copy.until <= now);
-        for request in expired {
-            let _ = request.reply.send(link.timed_out());
+        if pipe.evidence.retired().is_some() {
+            return;
         }
-        if batch.is_empty() {
-            continue;
+        if self.link.quiet() {
+            let until = self.held.iter().map(|r| r.copy.until).min().expect("held");
+            let probe = Copy {
+                route: Route::new("", PROBE_ROUTE).expect("a short name"),
+                id: self.link.next_id(),
+                body: Vec::new(),
+                properties: BasicProperties::default(),
+                until,
+            };
+            self.probing = Some(pipe.start(probe, false, None, &self.link));
+        } else {
+            for request in self.held.drain(..) {
+                pipe.start(request.copy, true, Some(request.reply), &self.link);
+            }
         }
-        let (copies, replies): (Vec<_>, Vec<_>) =
-            batch.into_iter().map(|r| (r.copy, r.reply)).unzip();
-        let results = link.publish_batch(&mut channel, copies).await;
-        for (reply, result) in replies.into_iter().zip(results) {
-            let _ = reply.send(result);
+        // What the first polls found (a confirm already in, say) is judged at once.
+        self.settle();
+    }
+}
+
+impl Pipe {
+    /// Numbers `copy` on the channel, publishes it (`mandatory`, or not for a probe) and polls
+    /// it once.
+    fn start(
+        &mut self,
+        copy: Copy,
+        mandatory: bool,
+        reply: Option<oneshot::Sender<HandoffResult>>,
+        link: &Link,
+    ) -> Seq {
+        let seq = self.evidence.handle_published(copy.id);
+        let waker = Waker::from(Arc::new(Woken {
+            seq,
+            wakes: Arc::clone(&self.wakes),
+        }));
+        let channel = self.channel.clone();
+        let Copy {
+            route,
+            body,
+            properties,
+            until,
+            ..
+        } = copy;
+        let publish = Box::pin(async move {
+            channel
+                .basic_publish(
+                    route.exchange,
+                    route.routing_key,
+                    BasicPublishOptions {
+                        mandatory,
+                        immediate: false,
+                    },
+                    &body,
+                    properties,
+                )
+                .await
+        });
+        self.flights.insert(
+            seq,
+            Flight {
+                stage: Stage::Writing(publish),
+                waker,
+                reply,
+                until,
+            },
+        );
+        self.deadlines.insert((until, seq));
+        self.poll(seq, link);
+        seq
+    }
+
+    /// Polls the publish `seq` (it woke, or was just started) and reports what it shows.
+    fn poll(&mut self, seq: Seq, link: &Link) {
+        let Some(flight) = self.flights.get_mut(&seq) else {
+            // Judged already: a late wake-up.
+            return;
+        };
+        let mut cx = Context::from_waker(&flight.waker);
+        if let Stage::Writing(publish) = &mut flight.stage {
+            match publish.as_mut().poll(&mut cx) {
+                Poll::Pending => return,
+                Poll::Ready(Err(_)) => {
+                    flight.stage = Stage::Seen;
+                    self.evidence.handle_failed(seq);
+                    return;
+                }
+                Poll::Ready(Ok(confirm)) => {
+                    flight.stage = Stage::Awaiting(confirm);
+                    self.evidence.handle_written(seq);
+                }
+            }
+        }
+        let Stage::Awaiting(confirm) = &mut flight.stage else {
+            return;
+        };
+        let confirmed = match Pin::new(confirm).poll(&mut cx) {
+            Poll::Pending => {
+                self.evidence.handle_pending(seq);
+                return;
+            }
+            Poll::Ready(confirmed) => confirmed,
+        };
+        flight.stage = Stage::Seen;
+        match confirmed {
+            Ok(Confirmation::Ack(message)) => {
+                link.confirmed();
+                let brought = message.map(|m| link.returned_id(&m));
+                self.evidence.handle_confirm(seq, Confirm::Ack, brought);
+            }
+            Ok(Confirmation::Nack(message)) => {
+                link.confirmed();
+                let brought = message.map(|m| link.returned_id(&m));
+                self.evidence.handle_confirm(seq, Confirm::Nack, brought);
+            }
+            Ok(Confirmation::NotRequested) | Err(_) => self.evidence.handle_failed(seq),
         }
     }
 }
 
 impl Link {
-    /// Publishes `copies` back to back on `slot`'s channel (a new one if there is none), awaits
-    /// every confirm by the earliest deadline and judges the batch. The channel goes back into
-    /// `slot` only when the batch was accounted for in full.
-    async fn publish_batch(
-        &self,
-        slot: &mut Option<Channel>,
-        copies: Vec<Copy>,
-    ) -> Vec<HandoffResult> {
-        let until = copies
-            .iter()
-            .map(|c| c.until)
-            .min()
-            .unwrap_or_else(Instant::now);
-        let all = |result| vec![result; copies.len()];
-        let channel = match tokio::time::timeout_at(until, self.channel(slot)).await {
-            Ok(Ok(channel)) => channel,
-            Ok(Err(_)) => return all(HandoffResult::Failed),
-            Err(_) => return all(self.timed_out()),
-        };
-        if lock(&self.last_confirm).is_none_or(|at| at.elapsed() > PROBE_AFTER) {
-            // The channel is dropped (and closed) unless the probe was confirmed.
-            match tokio::time::timeout_at(until, probe(&channel)).await {
-                Ok(Ok(())) => self.confirmed(),
-                Ok(Err(_)) => return all(HandoffResult::Failed),
-                Err(_) => return all(self.timed_out()),
-            }
-        }
-        let ids: Vec<HandoffId> = copies.iter().map(|copy| copy.id).collect();
-        let confirms = publish_all(&channel, copies, until).await;
-        let mut members = Vec::with_capacity(ids.len());
-        let mut returned = Vec::new();
-        for (id, confirm) in ids.into_iter().zip(confirms) {
-            let seen = match confirm {
-                Err(seen) => seen,
-                // Past the deadline this still takes a confirm that has arrived.
-                Ok(confirm) => match tokio::time::timeout_at(until, confirm).await {
-                    Err(_) => Confirm::TimedOut,
-                    Ok(Err(_) | Ok(Confirmation::NotRequested)) => Confirm::Failed,
-                    Ok(Ok(Confirmation::Ack(message))) => {
-                        returned.extend(message.map(|m| self.returned_id(&m)));
-                        Confirm::Ack
-                    }
-                    Ok(Ok(Confirmation::Nack(message))) => {
-                        returned.extend(message.map(|m| self.returned_id(&m)));
-                        Confirm::Nack
-                    }
-                },
-            };
-            members.push((id, seen));
-        }
-        let verdict = attribute_batch(&members, &returned);
-        if verdict.channel_clean {
-            self.confirmed();
-            let nacked = members.iter().any(|(_, seen)| *seen == Confirm::Nack);
-            if channel.status().connected() && !nacked {
-                *slot = Some(channel);
-            }
-        }
-        // Otherwise the channel is dropped here, and lapin closes it with its last handle,
-        // discarding whatever it still kept for it.
-        let blocked = self.blocked();
-        verdict
-            .results
-            .into_iter()
-            .map(|r| match r {
-                HandoffResult::TimedOut if blocked => HandoffResult::Blocked,
-                r => r,
-            })
-            .collect()
+    /// A fresh id for the next publish (a probe's included).
+    fn next_id(&self) -> HandoffId {
+        HandoffId::new(self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Whether the connection has had no confirm for [`PROBE_AFTER`]: the broker may have
+    /// stopped reading it.
+    fn quiet(&self) -> bool {
+        lock(&self.last_confirm).is_none_or(|at| at.elapsed() > PROBE_AFTER)
     }
 
     /// The id a returned message carries (`None`: none, so not one of this pool's).
@@ -406,20 +660,15 @@ impl Link {
         *lock(&self.last_confirm) = Some(Instant::now());
     }
 
-    /// `slot`'s channel if it is still open, or a new one; waits while the broker blocks the
-    /// connection.
-    async fn channel(&self, slot: &mut Option<Channel>) -> lapin::Result<Channel> {
+    /// A new confirm channel; waits while the broker blocks the connection.
+    async fn open_channel(&self) -> lapin::Result<Channel> {
         loop {
             let connection = self.connection().await?;
             if connection.status().blocked() {
                 tokio::time::sleep(BLOCKED_POLL).await;
                 continue;
             }
-            // A channel of a lost connection is closed; it is simply dropped.
-            return match slot.take().filter(|c| c.status().connected()) {
-                Some(channel) => Ok(channel),
-                None => confirm_channel(&connection).await,
-            };
+            return confirm_channel(&connection).await;
         }
     }
 
@@ -488,62 +737,6 @@ async fn watch_blocked(
             _ => {}
         }
     }
-}
-
-/// Publishes `copies` on `channel` back to back, in order, without waiting for one to be
-/// written before the next is queued (lapin numbers a publish and queues its frames when it is
-/// first polled, then waits for its I/O thread to write them). Each ends in its confirm to
-/// await, or in why there is none.
-async fn publish_all(
-    channel: &Channel,
-    copies: Vec<Copy>,
-    until: Instant,
-) -> Vec<Result<PublisherConfirm, Confirm>> {
-    let mut publishes: Vec<_> = copies
-        .into_iter()
-        .map(|copy| {
-            Box::pin(async move {
-                channel
-                    .basic_publish(
-                        copy.route.exchange,
-                        copy.route.routing_key,
-                        BasicPublishOptions {
-                            mandatory: true,
-                            immediate: false,
-                        },
-                        &copy.body,
-                        copy.properties,
-                    )
-                    .await
-            })
-        })
-        .collect();
-    let mut done: Vec<Option<Result<PublisherConfirm, Confirm>>> = std::iter::repeat_with(|| None)
-        .take(publishes.len())
-        .collect();
-    // Polled in order, so the first round numbers and queues them in order.
-    let all = std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (publish, slot) in publishes.iter_mut().zip(done.iter_mut()) {
-            if slot.is_some() {
-                continue;
-            }
-            match publish.as_mut().poll(cx) {
-                Poll::Ready(result) => *slot = Some(result.map_err(|_| Confirm::Failed)),
-                Poll::Pending => pending = true,
-            }
-        }
-        if pending {
-            Poll::Pending
-        } else {
-            Poll::Ready(())
-        }
-    });
-    // A publish not written by the deadline may still be: its handoff timed out.
-    let _ = tokio::time::timeout_at(until, all).await;
-    done.into_iter()
-        .map(|slot| slot.unwrap_or(Err(Confirm::TimedOut)))
-        .collect()
 }
 
 /// Publishes a probe that RabbitMQ confirms and drops, and awaits the confirm.
