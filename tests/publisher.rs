@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use lapin::types::{AMQPValue, FieldTable};
 use lily::prelude::*;
@@ -75,6 +76,118 @@ async fn concurrent_publishes_each_get_their_own_evidence_classic() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_publishes_each_get_their_own_evidence_quorum() {
     concurrent_publishes_each_get_their_own_evidence(true).await;
+}
+
+/// Publishes go out while earlier ones still await their confirms, as they must while the
+/// broker syncs its queues to disk: with every confirm held back in a proxy, twelve publishes
+/// made one after the other (three on each confirm channel) all reach the broker. Once the
+/// confirms are released each is confirmed, and each id is in the queue exactly once.
+async fn publishes_go_out_while_earlier_confirms_are_held(quorum: bool) {
+    const N: u64 = 12;
+    let broker = Broker::from_env();
+    let queue = Broker::unique(if quorum { "pipeq" } else { "pipec" });
+    let client = Client::connect(broker.url()).await;
+    client.declare(&queue, quorum).await;
+    let proxy = lily_mq_testkit::FaultProxy::start(broker.addr()).await;
+    proxy.disarm();
+    let publisher = Arc::new(
+        Publisher::connect(&proxy.url(broker.url()))
+            .await
+            .expect("connect"),
+    );
+    let to = Destination::queue(&queue);
+    let publish = |id: String| {
+        let (publisher, to) = (Arc::clone(&publisher), to.clone());
+        async move {
+            let message = Outgoing::json("order.placed", &id, &serde_json::json!({ "id": id }))
+                .expect("serializes");
+            publisher.publish(&to, message).await
+        }
+    };
+    let mut expected = Vec::new();
+    let mut proven = false;
+    for attempt in 0..3 {
+        // Confirmed just before, so the connection is not quiet and no probe goes first, and
+        // each of the pool's confirm channels is open (with every frame from the broker held,
+        // no channel could open).
+        let mut warming = tokio::task::JoinSet::new();
+        for w in 0..8 {
+            let warm = format!("warm-{attempt}-{w}");
+            expected.push(warm.clone());
+            warming.spawn(publish(warm));
+        }
+        while let Some(joined) = warming.join_next().await {
+            assert_eq!(joined.expect("publish task"), Published::Confirmed);
+        }
+        proxy.hold_confirms(true);
+        let (before, probes) = (
+            proxy.publishes_to(&queue),
+            proxy.publishes_to("amq.lily.probe"),
+        );
+        let mut tasks = tokio::task::JoinSet::new();
+        let mut reached = 0;
+        for i in 0..N {
+            let id = format!("m-{attempt}-{i}");
+            expected.push(id.clone());
+            tasks.spawn(publish(id));
+            let sent = || proxy.publishes_to(&queue) == before + i + 1;
+            if !eventually(Duration::from_secs(3), sent).await {
+                break;
+            }
+            reached = i + 1;
+        }
+        // A probe means the connection looked quiet (the machine stalled for 100 ms): the
+        // publishes after it wait for its confirm by design, so this attempt proves nothing.
+        let probed = proxy.publishes_to("amq.lily.probe") > probes;
+        proxy.hold_confirms(false);
+        while let Some(joined) = tasks.join_next().await {
+            assert_eq!(joined.expect("publish task"), Published::Confirmed);
+        }
+        if !probed {
+            assert_eq!(
+                reached, N,
+                "publishes that reached the broker while confirms were held"
+            );
+            proven = true;
+            break;
+        }
+    }
+    assert!(proven, "a probe went out in every attempt");
+    let found = client.drain_ids(&queue).await;
+    let doubled: Vec<_> = found.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(
+        doubled.is_empty(),
+        "ids not present exactly once: {doubled:?}"
+    );
+    expected.sort();
+    assert_eq!(found.keys().cloned().collect::<Vec<_>>(), expected);
+    Arc::into_inner(publisher)
+        .expect("tasks done")
+        .close()
+        .await;
+    client.delete(&queue).await;
+}
+
+/// Whether `done` holds within `wait`, looking every 5 ms.
+async fn eventually(wait: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let until = tokio::time::Instant::now() + wait;
+    while !done() {
+        if tokio::time::Instant::now() >= until {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    true
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishes_go_out_while_earlier_confirms_are_held_classic() {
+    publishes_go_out_while_earlier_confirms_are_held(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishes_go_out_while_earlier_confirms_are_held_quorum() {
+    publishes_go_out_while_earlier_confirms_are_held(true).await;
 }
 
 /// What a publish sets: id, type, content type, schema version, persistence, and the

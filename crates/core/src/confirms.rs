@@ -56,6 +56,8 @@ pub struct InFlight {
     writing: BTreeSet<Seq>,
     /// Members whose confirm was seen and who are not judged yet.
     resolved: BTreeSet<Seq>,
+    /// Members whose confirm was not seen yet.
+    unseen: usize,
     /// A member seen in an epoch below this has had its return handed out (rule 3).
     proven_below: u64,
     /// Why the channel must carry no further publish, if it must not.
@@ -115,6 +117,7 @@ impl InFlight {
         );
         self.by_id.insert(id, seq);
         self.writing.insert(seq);
+        self.unseen += 1;
         seq
     }
 
@@ -147,6 +150,9 @@ impl InFlight {
         let Some(member) = self.members.get_mut(&seq) else {
             return;
         };
+        if member.seen.is_none() {
+            self.unseen -= 1;
+        }
         member.seen = Some(Seen {
             confirm,
             brought_none: brought.is_none(),
@@ -205,7 +211,7 @@ impl InFlight {
             }
         }
         // Rule 3's empty channel: every confirm ever asked for has come and been seen.
-        let settled = self.writing.is_empty() && self.all_seen();
+        let settled = self.writing.is_empty() && self.unseen == 0;
         let ready: Vec<Seq> = self
             .resolved
             .iter()
@@ -253,10 +259,6 @@ impl InFlight {
         self.epoch
     }
 
-    fn all_seen(&self) -> bool {
-        self.members.values().all(|m| m.seen.is_some())
-    }
-
     fn handle_returned(&mut self, returned: Option<HandoffId>) {
         match returned.and_then(|id| self.by_id.get(&id).copied()) {
             Some(seq) => {
@@ -296,6 +298,9 @@ impl InFlight {
 
     fn judge(&mut self, seq: Seq, result: HandoffResult) {
         if let Some(member) = self.members.remove(&seq) {
+            if member.seen.is_none() {
+                self.unseen -= 1;
+            }
             self.by_id.remove(&member.id);
             self.resolved.remove(&seq);
             self.verdicts.push_back((seq, result));

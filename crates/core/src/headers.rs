@@ -24,7 +24,7 @@ pub const SCHEMA_VERSION: &str = "schema-version";
 /// Set by RabbitMQ on quorum queues: how many times the message was delivered before.
 pub const DELIVERY_COUNT: &str = "x-delivery-count";
 /// Identity of the handoff publish that carried this copy; a `basic.return` counts against a
-/// handoff only when it carries that handoff's id (see [`crate::transport::attribute_batch`]).
+/// handoff only when it carries that handoff's id (see [`crate::transport::InFlight`]).
 pub const HANDOFF_ID: &str = "x-lily-handoff-id";
 /// The original `expiration` property, moved aside so the copy does not expire in a lane.
 pub const ORIGINAL_EXPIRATION: &str = "x-lily-original-expiration";

@@ -18,8 +18,8 @@
 //!   decision table of the design and the machine that carries a plan to its [`Outcome`].
 //! - [`machine::Delivery`]: one delivery as a pure machine, from arrival to its outcome, with
 //!   the [`machine::RequeueMemory`] it reads.
-//! - [`transport::attribute_batch`]: which handoff of a batch each confirm and return belongs
-//!   to.
+//! - [`transport::InFlight`]: which handoff each confirm and return on a confirm channel
+//!   belongs to, with many in flight at once.
 //! - [`transport::Ledger`]: evidence per delivery and totals.
 //! - [`transport::AckWindow`]: which ready ACKs one `multiple` ACK may write together.
 //! - [`transport::PhaseClock`]: the shutdown phases.
@@ -83,7 +83,7 @@ pub mod transport {
     };
     pub use crate::extract::DeliveryCancel;
     pub use crate::handler::BoxedHandler;
-    pub use crate::handoff::{BatchVerdict, Confirm, HandoffId, attribute_batch};
+    pub use crate::handoff::{Confirm, HandoffId};
     pub use crate::ledger::{EntryId, Evidence, Identity, Ledger, UnresolvedEntry};
     pub use crate::message::IncomingParts;
     pub use crate::report::TERMINATION_MESSAGE_MAX;

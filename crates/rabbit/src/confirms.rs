@@ -280,20 +280,34 @@ async fn work(
         probing: None,
     };
     let mut open = true;
+    // Made once, not once per turn of the loop: each would register anew.
+    let mut cancelled = std::pin::pin!(closed.cancelled());
+    let mut timer = std::pin::pin!(tokio::time::sleep_until(Instant::now()));
+    let mut armed = None;
     loop {
         let wake_at = worker.wake_at();
+        if wake_at != armed {
+            if let Some(at) = wake_at {
+                timer.as_mut().reset(at);
+            }
+            armed = wake_at;
+        }
         let pipe_woken = worker.pipe.as_ref().map(|pipe| Arc::clone(&pipe.wakes));
         tokio::select! {
             biased;
-            () = closed.cancelled() => return,
+            () = &mut cancelled => return,
             () = async { pipe_woken.as_ref().expect("guarded").notify.notified().await },
                 if pipe_woken.is_some() => {}
             request = requests.recv(), if open => match request {
-                Some(request) => worker.held.push_back(request),
+                Some(request) => {
+                    worker.held.push_back(request);
+                    // Other deliveries finishing now hand their copies over too: they go
+                    // out together, in one write.
+                    tokio::task::yield_now().await;
+                }
                 None => open = false,
             },
-            () = tokio::time::sleep_until(wake_at.unwrap_or_else(Instant::now)),
-                if wake_at.is_some() => {}
+            () = &mut timer, if armed.is_some() => armed = None,
         }
         while let Ok(request) = requests.try_recv() {
             worker.held.push_back(request);
@@ -302,7 +316,7 @@ async fn work(
         worker.expire(Instant::now());
         if worker.pipe.is_none() && !worker.held.is_empty() {
             tokio::select! {
-                () = closed.cancelled() => return,
+                () = &mut cancelled => return,
                 () = worker.open() => {}
             }
         }
@@ -412,11 +426,13 @@ impl Worker {
 
     /// Judges what is past its deadline: held requests time out unpublished.
     fn expire(&mut self, now: Instant) {
-        let (expired, held): (Vec<_>, Vec<_>) =
-            self.held.drain(..).partition(|r| r.copy.until <= now);
-        self.held = held.into();
-        for request in expired {
-            let _ = request.reply.send(self.link.timed_out());
+        if self.held.iter().any(|r| r.copy.until <= now) {
+            let (expired, held): (Vec<_>, Vec<_>) =
+                self.held.drain(..).partition(|r| r.copy.until <= now);
+            self.held = held.into();
+            for request in expired {
+                let _ = request.reply.send(self.link.timed_out());
+            }
         }
         let Some(pipe) = self.pipe.as_mut() else {
             return;

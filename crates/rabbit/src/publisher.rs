@@ -2,10 +2,10 @@
 //!
 //! Every message is persistent and mandatory, published with a confirm on a connection of the
 //! publisher's own, and checked first against the gate of the consumer that will read it: what
-//! the gate would refuse is not published. Confirms are batched the way the handoff publisher
-//! batches them (see `confirms.rs`): four channels, each carrying a batch of back-to-back
-//! publishes whose confirms are awaited together, and a return counts only against the message
-//! whose publish id it carries.
+//! the gate would refuse is not published. Confirms are pipelined the way the handoff publisher
+//! pipelines them (see `confirms.rs`): four channels, each publish sent at once without waiting
+//! for earlier confirms, and a return counts only against the message whose publish id it
+//! carries.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -387,12 +387,12 @@ impl std::fmt::Debug for PublisherConfig {
 /// confirm, and returns the evidence of each: [`Published`]. It never logs bodies.
 ///
 /// Calls may run concurrently (the publisher is `Sync`; share it in an `Arc`): concurrent
-/// publishes are batched onto four confirm channels, so many small publishes in flight cost
-/// about what one batch does. The connection is opened again when it is lost.
+/// publishes are pipelined on four confirm channels, so many small publishes in flight share
+/// the broker's confirms. The connection is opened again when it is lost.
 ///
 /// A publish to an exchange that does not exist makes the broker close its channel: every
-/// message of that batch still without evidence ends [`Published::Failed`] (maybe published),
-/// other callers' included. Publish to exchanges your topology declares.
+/// message in flight on it still without evidence ends [`Published::Failed`] (maybe
+/// published), other callers' included. Publish to exchanges your topology declares.
 ///
 /// ```no_run
 /// use lily_mq_rabbit::{Destination, Outgoing, Published, Publisher};

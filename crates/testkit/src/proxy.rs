@@ -9,7 +9,11 @@
 //! It can also swallow the publisher confirms (`basic.ack` from the broker) on their way to the
 //! client, as a broker that never confirms would look: the client's confirms time out.
 //!
-//! It counts the `basic.ack` frames clients send ([`FaultProxy::acks_sent`]).
+//! Or hold them back ([`FaultProxy::hold_confirms`]), as a broker syncing its queues to disk
+//! looks: nothing it sends reaches the client from the first held confirm on, until released.
+//!
+//! It counts the `basic.ack` frames clients send ([`FaultProxy::acks_sent`]), and the
+//! `basic.publish` frames by routing key ([`FaultProxy::publishes_to`]).
 //!
 //! And it can rewrite what a client sends ([`FaultProxy::rewrite`]): a publisher behind it
 //! writes bytes its own library would refuse to, such as short strings that are not UTF-8.
@@ -25,6 +29,7 @@ use tokio::net::{TcpListener, TcpStream};
 const FRAME_METHOD: u8 = 1;
 const CLASS_BASIC: u16 = 60;
 const METHOD_ACK: u16 = 80;
+const METHOD_PUBLISH: u16 = 40;
 
 /// The proxy; it runs until the test process ends.
 #[derive(Debug)]
@@ -35,7 +40,11 @@ pub struct FaultProxy {
     confirms: Arc<Confirms>,
     rewrites: Rewrites,
     acks: Arc<AtomicU64>,
+    publishes: Publishes,
 }
+
+/// How many `basic.publish` frames clients sent, by routing key.
+type Publishes = Arc<Mutex<std::collections::HashMap<String, u64>>>;
 
 /// Byte patterns replaced in the frames clients send, each by bytes of the same length.
 type Rewrites = Arc<Mutex<Vec<(Vec<u8>, Vec<u8>)>>>;
@@ -46,6 +55,9 @@ struct Confirms {
     every: AtomicU64,
     seen: AtomicU64,
     swallowed: AtomicU64,
+    /// Confirms wait while this is set.
+    held: AtomicBool,
+    released: tokio::sync::Notify,
 }
 
 impl Confirms {
@@ -75,12 +87,14 @@ impl FaultProxy {
         let confirms = Arc::new(Confirms::default());
         let rewrites = Rewrites::default();
         let acks = Arc::new(AtomicU64::new(0));
-        let (a, t, c, r, k) = (
+        let publishes = Publishes::default();
+        let (a, t, c, r, k, p) = (
             Arc::clone(&armed),
             Arc::clone(&tripped),
             Arc::clone(&confirms),
             Arc::clone(&rewrites),
             Arc::clone(&acks),
+            Arc::clone(&publishes),
         );
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
@@ -90,11 +104,14 @@ impl FaultProxy {
                 tokio::spawn(relay(
                     client,
                     server,
-                    Arc::clone(&a),
-                    Arc::clone(&t),
-                    Arc::clone(&c),
-                    Arc::clone(&r),
-                    Arc::clone(&k),
+                    Faults {
+                        armed: Arc::clone(&a),
+                        tripped: Arc::clone(&t),
+                        confirms: Arc::clone(&c),
+                        rewrites: Arc::clone(&r),
+                        acks: Arc::clone(&k),
+                        publishes: Arc::clone(&p),
+                    },
                 ));
             }
         });
@@ -105,6 +122,7 @@ impl FaultProxy {
             confirms,
             rewrites,
             acks,
+            publishes,
         }
     }
 
@@ -157,21 +175,46 @@ impl FaultProxy {
         self.acks.load(Ordering::Acquire)
     }
 
+    /// From now on (`true`), the first publisher confirm frame from the broker and everything
+    /// after it on that connection wait in the proxy, in order, until `false` releases them.
+    pub fn hold_confirms(&self, hold: bool) {
+        self.confirms.held.store(hold, Ordering::Release);
+        if !hold {
+            self.confirms.released.notify_waiters();
+        }
+    }
+
+    /// How many `basic.publish` frames clients sent through the proxy with `routing_key`.
+    pub fn publishes_to(&self, routing_key: &str) -> u64 {
+        let publishes = self.publishes.lock().expect("publishes");
+        publishes.get(routing_key).copied().unwrap_or(0)
+    }
+
     /// How many publisher confirms were swallowed.
     pub fn swallowed(&self) -> u64 {
         self.confirms.swallowed.load(Ordering::Acquire)
     }
 }
 
-async fn relay(
-    client: TcpStream,
-    server: TcpStream,
+/// What one relayed connection shares with the proxy.
+struct Faults {
     armed: Arc<AtomicBool>,
     tripped: Arc<AtomicBool>,
     confirms: Arc<Confirms>,
     rewrites: Rewrites,
     acks: Arc<AtomicU64>,
-) {
+    publishes: Publishes,
+}
+
+async fn relay(client: TcpStream, server: TcpStream, faults: Faults) {
+    let Faults {
+        armed,
+        tripped,
+        confirms,
+        rewrites,
+        acks,
+        publishes,
+    } = faults;
     let (mut client_rx, mut client_tx) = client.into_split();
     let (mut server_rx, mut server_tx) = server.into_split();
     // The broker sends frames from the first byte.
@@ -185,6 +228,15 @@ async fn relay(
             };
             pending.extend_from_slice(&buf[..n]);
             while let Some(len) = frame_len(&pending) {
+                if is_basic_ack(&pending[..len]) {
+                    loop {
+                        let released = confirms.released.notified();
+                        if !confirms.held.load(Ordering::Acquire) {
+                            break;
+                        }
+                        released.await;
+                    }
+                }
                 if is_basic_ack(&pending[..len]) && confirms.swallow() {
                     // Gone.
                 } else if client_tx.write_all(&pending[..len]).await.is_err() {
@@ -223,6 +275,9 @@ async fn relay(
             if is_basic_ack(&pending[..len]) {
                 acks.fetch_add(1, Ordering::AcqRel);
             }
+            if let Some(key) = published_to(&pending[..len]) {
+                *publishes.lock().expect("publishes").entry(key).or_default() += 1;
+            }
             rewrite(&mut pending[..len], &rewrites.lock().expect("rewrites"));
             if server_tx.write_all(&pending[..len]).await.is_err() {
                 break 'relay;
@@ -256,8 +311,24 @@ fn frame_len(buf: &[u8]) -> Option<usize> {
 }
 
 fn is_basic_ack(frame: &[u8]) -> bool {
+    is_basic(frame, METHOD_ACK)
+}
+
+fn is_basic(frame: &[u8], method: u16) -> bool {
     frame[0] == FRAME_METHOD
         && frame.len() >= 11
         && u16::from_be_bytes([frame[7], frame[8]]) == CLASS_BASIC
-        && u16::from_be_bytes([frame[9], frame[10]]) == METHOD_ACK
+        && u16::from_be_bytes([frame[9], frame[10]]) == method
+}
+
+/// The routing key of a `basic.publish` frame (after the reserved short, the exchange and the
+/// routing key are short strings).
+fn published_to(frame: &[u8]) -> Option<String> {
+    if !is_basic(frame, METHOD_PUBLISH) {
+        return None;
+    }
+    let exchange = usize::from(*frame.get(13)?);
+    let at = 14 + exchange;
+    let key = frame.get(at + 1..at + 1 + usize::from(*frame.get(at)?))?;
+    Some(String::from_utf8_lossy(key).into_owned())
 }
