@@ -346,3 +346,53 @@ async fn wrong_credentials_are_refused_at_connect() {
     assert!(matches!(err, lily::rabbit::Error::Refused { .. }), "{text}");
     assert!(!text.contains("hunter2"), "{text}");
 }
+
+/// A fresh publisher's first publish waits for the probe that checks its connection, then goes
+/// out: it is never left waiting for its deadline when the probe's confirm comes in while the
+/// worker is still busy publishing it. 320 fresh publishers, eight at a time, each publishing
+/// one message: every one confirmed, and each id in the queue once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_publish_of_a_fresh_publisher_goes_out_after_its_probe() {
+    const TASKS: usize = 8;
+    const EACH: usize = 40;
+    let broker = Broker::from_env();
+    let queue = Broker::unique("first");
+    let client = Client::connect(broker.url()).await;
+    client.declare(&queue, false).await;
+    let mut tasks = tokio::task::JoinSet::new();
+    for t in 0..TASKS {
+        let (url, queue) = (broker.url().to_owned(), queue.clone());
+        tasks.spawn(async move {
+            let mut answers = Vec::new();
+            for i in 0..EACH {
+                let config = PublisherConfig::default().confirm_timeout(Duration::from_secs(3));
+                let publisher = Publisher::connect_with(&url, config)
+                    .await
+                    .expect("connect");
+                let id = format!("f-{t}-{i}");
+                let message =
+                    Outgoing::bytes("order.placed", &id, "application/json", b"{}".to_vec());
+                answers.push((
+                    id,
+                    publisher
+                        .publish(&Destination::queue(&queue), message)
+                        .await,
+                ));
+                publisher.close().await;
+            }
+            answers
+        });
+    }
+    let mut sent = Vec::new();
+    while let Some(joined) = tasks.join_next().await {
+        for (id, published) in joined.expect("publishing task") {
+            assert_eq!(published, Published::Confirmed, "{id}");
+            sent.push(id);
+        }
+    }
+    let found = client.drain_ids(&queue).await;
+    sent.sort();
+    assert_eq!(found.keys().cloned().collect::<Vec<_>>(), sent);
+    assert!(found.values().all(|n| *n == 1), "an id twice: {found:?}");
+    client.delete(&queue).await;
+}

@@ -227,15 +227,7 @@ impl InFlight {
                         && (seen.brought_none || seen.epoch < self.proven_below))
             })
             .collect();
-        for seq in ready {
-            let member = &self.members[&seq];
-            let result = match member.seen.map(|s| s.confirm) {
-                _ if member.returned => HandoffResult::Returned,
-                Some(Confirm::Nack) => HandoffResult::Nacked,
-                _ => HandoffResult::Confirmed,
-            };
-            self.judge(seq, result);
-        }
+        self.judge_each(ready, HandoffResult::Confirmed);
         self.epoch += 1;
     }
 
@@ -278,16 +270,21 @@ impl InFlight {
     fn confuse(&mut self) {
         self.retire(Retired::Confused);
         let left: Vec<Seq> = self.members.keys().copied().collect();
-        for seq in left {
+        self.judge_each(left, HandoffResult::Failed);
+        self.writing.clear();
+    }
+
+    /// Judges each of `seqs`: returned, nacked, or else `otherwise`.
+    fn judge_each(&mut self, seqs: Vec<Seq>, otherwise: HandoffResult) {
+        for seq in seqs {
             let member = &self.members[&seq];
             let result = match member.seen.map(|s| s.confirm) {
                 _ if member.returned => HandoffResult::Returned,
                 Some(Confirm::Nack) => HandoffResult::Nacked,
-                _ => HandoffResult::Failed,
+                _ => otherwise,
             };
             self.judge(seq, result);
         }
-        self.writing.clear();
     }
 
     fn retire(&mut self, why: Retired) {

@@ -278,6 +278,7 @@ async fn work(
         held: VecDeque::new(),
         pipe: None,
         probing: None,
+        cleared: false,
     };
     let mut open = true;
     // Made once, not once per turn of the loop: each would register anew.
@@ -293,21 +294,27 @@ async fn work(
             armed = wake_at;
         }
         let pipe_woken = worker.pipe.as_ref().map(|pipe| Arc::clone(&pipe.wakes));
-        tokio::select! {
-            biased;
-            () = &mut cancelled => return,
-            () = async { pipe_woken.as_ref().expect("guarded").notify.notified().await },
-                if pipe_woken.is_some() => {}
-            request = requests.recv(), if open => match request {
-                Some(request) => {
-                    worker.held.push_back(request);
-                    // Other deliveries finishing now hand their copies over too: they go
-                    // out together, in one write.
-                    tokio::task::yield_now().await;
-                }
-                None => open = false,
-            },
-            () = &mut timer, if armed.is_some() => armed = None,
+        if worker.can_publish() {
+            // A probe judged, or a channel dropped, while the last turn published: go on now,
+            // for nothing else may wake the worker before the held requests' deadline.
+            tokio::task::consume_budget().await;
+        } else {
+            tokio::select! {
+                biased;
+                () = &mut cancelled => return,
+                () = async { pipe_woken.as_ref().expect("guarded").notify.notified().await },
+                    if pipe_woken.is_some() => {}
+                request = requests.recv(), if open => match request {
+                    Some(request) => {
+                        worker.held.push_back(request);
+                        // Other deliveries finishing now hand their copies over too: they go
+                        // out together, in one write.
+                        tokio::task::yield_now().await;
+                    }
+                    None => open = false,
+                },
+                () = &mut timer, if armed.is_some() => armed = None,
+            }
         }
         while let Ok(request) = requests.try_recv() {
             worker.held.push_back(request);
@@ -336,6 +343,9 @@ struct Worker {
     pipe: Option<Pipe>,
     /// The probe in flight, which held requests wait for.
     probing: Option<Seq>,
+    /// A probe was just confirmed: what is held goes out without another, however long the
+    /// worker took to get to it.
+    cleared: bool,
 }
 
 /// A confirm channel, its publishes in flight and their evidence.
@@ -464,6 +474,7 @@ impl Worker {
             pipe.deadlines.remove(&(flight.until, seq));
             if self.probing == Some(seq) {
                 self.probing = None;
+                self.cleared = result == HandoffResult::Confirmed && !self.held.is_empty();
             }
             let result = match result {
                 HandoffResult::TimedOut if blocked => HandoffResult::Blocked,
@@ -510,6 +521,17 @@ impl Worker {
         }
     }
 
+    /// Whether held requests can go out now: a channel takes them, or one must be opened.
+    fn can_publish(&self) -> bool {
+        !self.held.is_empty()
+            && self.probing.is_none()
+            && !self.link.blocked()
+            && self
+                .pipe
+                .as_ref()
+                .is_none_or(|pipe| pipe.evidence.retired().is_none())
+    }
+
     /// Publishes the held requests, unless the channel must not take them yet. After a quiet
     /// spell on the connection a probe goes first (see the module's text).
     fn publish_held(&mut self) {
@@ -522,7 +544,8 @@ impl Worker {
         if pipe.evidence.retired().is_some() {
             return;
         }
-        if self.link.quiet() {
+        let cleared = std::mem::take(&mut self.cleared);
+        if self.link.quiet() && !cleared {
             let until = self.held.iter().map(|r| r.copy.until).min().expect("held");
             let probe = Copy {
                 route: Route::new("", PROBE_ROUTE).expect("a short name"),
