@@ -1,10 +1,11 @@
 //! Whose evidence is it when many publishes are in flight on one confirm channel at once.
 //!
-//! A channel in confirm mode that carries one batch at a time lets a batch be judged when all
-//! its confirms are in (see [`crate::handoff`]). But a batch that waits for the broker's next
-//! fsync keeps its channel idle meanwhile, and copies that arrive then wait for a free channel
-//! and for the fsync after it. [`InFlight`] judges publishes that are pipelined on one channel,
-//! each as soon as its evidence is complete, from what the client shows and when it showed it.
+//! A channel in confirm mode that carried one batch at a time could judge a batch once all its
+//! confirms were in, but a batch waiting for the broker's next fsync kept its channel idle, and
+//! copies that came meanwhile waited for a free channel and for the fsync after it. [`InFlight`]
+//! judges publishes pipelined on one channel, each as soon as its own evidence is complete,
+//! from what the client shows and in what order it showed it (see [`crate::handoff`] for why a
+//! return's identity, not its arrival, decides).
 //!
 //! The client (lapin) keeps the channel's `basic.return`s in arrival order and hands the oldest
 //! to each confirm it completes, whichever publish the confirm is for. RabbitMQ sends a

@@ -233,9 +233,8 @@ impl Confirms {
         if self.requests[turn].send(Request { copy, reply }).is_err() {
             return HandoffResult::Failed;
         }
-        // A worker answers by its batch's deadline, at most shortly after this message's own
-        // (one whose deadline passed while it waited for a worker fails at once, unpublished);
-        // the worker is gone only once the pool closed.
+        // Its worker answers by this message's deadline (one whose deadline passed before it
+        // could be published fails unpublished); the worker is gone only once the pool closed.
         result.await.unwrap_or(HandoffResult::Failed)
     }
 
