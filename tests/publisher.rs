@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use lapin::types::{AMQPValue, FieldTable};
 use lily::prelude::*;
-use lily_mq_testkit::{Broker, Client};
+use lily_mq_testkit::{Broker, Client, eventually_every};
 
 /// 600 publishes in flight at once, every fifth to a queue that does not exist: each routable
 /// one is confirmed and in the queue exactly once, each unroutable one says returned, and no
@@ -133,7 +133,8 @@ async fn publishes_go_out_while_earlier_confirms_are_held(quorum: bool) {
             expected.push(id.clone());
             tasks.spawn(publish(id));
             let sent = || proxy.publishes_to(&queue) == before + i + 1;
-            if !eventually(Duration::from_secs(3), sent).await {
+            let every = Duration::from_millis(1);
+            if !eventually_every(every, Duration::from_secs(3), sent).await {
                 break;
             }
             reached = i + 1;
@@ -168,18 +169,6 @@ async fn publishes_go_out_while_earlier_confirms_are_held(quorum: bool) {
         .close()
         .await;
     client.delete(&queue).await;
-}
-
-/// Whether `done` holds within `wait`, looking every millisecond.
-async fn eventually(wait: Duration, mut done: impl FnMut() -> bool) -> bool {
-    let until = tokio::time::Instant::now() + wait;
-    while !done() {
-        if tokio::time::Instant::now() >= until {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    true
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

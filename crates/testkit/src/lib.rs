@@ -456,7 +456,16 @@ pub async fn http_get(addr: impl std::fmt::Display, path: &str) -> HttpResponse 
 }
 
 /// Polls `check` every 50 ms until it is true or `timeout` passes; returns the last value.
-pub async fn eventually<F: FnMut() -> bool>(timeout: Duration, mut check: F) -> bool {
+pub async fn eventually<F: FnMut() -> bool>(timeout: Duration, check: F) -> bool {
+    eventually_every(Duration::from_millis(50), timeout, check).await
+}
+
+/// Polls `check` every `every` until it is true or `timeout` passes; returns the last value.
+pub async fn eventually_every<F: FnMut() -> bool>(
+    every: Duration,
+    timeout: Duration,
+    mut check: F,
+) -> bool {
     let start = Instant::now();
     loop {
         if check() {
@@ -465,6 +474,6 @@ pub async fn eventually<F: FnMut() -> bool>(timeout: Duration, mut check: F) -> 
         if start.elapsed() > timeout {
             return false;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(every).await;
     }
 }
