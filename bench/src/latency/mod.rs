@@ -3,8 +3,11 @@
 //! 90 % of the maximum rate, on the success path (delivery → ACK written) and the handoff path
 //! (delivery → copy confirmed → ACK written). `src/bin/latency.rs` drives it.
 //!
-//! - The maximum rate of a path × prefetch is the lower of Lily's and raw-batch's drain rates
-//!   (N messages published first, then drained and timed), or `--max-rate`.
+//! - The maximum rate of a path × prefetch is what each contender settles while the paced
+//!   publisher runs beside it, offering the higher of the two drain rates (N messages published
+//!   first, then drained and timed with nothing publishing); the lower of the two contenders'
+//!   settled rates is used, or `--max-rate`. A publisher competes with the consumer for the
+//!   node's cores, so a drain rate alone overstates what a consumer sustains under load.
 //! - A run re-creates the topology, starts the contender, then a paced publisher on its own
 //!   connection ([`pace`]) publishes at the target rate for the run's duration. Latencies of the
 //!   messages published after the warm-up and before publishing stopped are kept.
@@ -151,11 +154,17 @@ pub struct Run {
 /// The maximum rate a case's target is a fraction of.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct MaxRate {
-    /// Lily's drain rate (msgs/s), when measured.
+    /// Lily's drain rate (msgs/s) with nothing publishing, when measured.
     pub lily: Option<f64>,
-    /// raw-batch's drain rate, when measured.
+    /// raw-batch's drain rate with nothing publishing, when measured.
     pub raw_batch: Option<f64>,
-    /// The rate used: the lower of the two, or `--max-rate`.
+    /// The load offered while the rates under load were measured: the higher drain rate.
+    pub offered: Option<f64>,
+    /// What Lily settled per second with the publisher offering [`Self::offered`].
+    pub lily_loaded: Option<f64>,
+    /// What raw-batch settled per second with the publisher offering [`Self::offered`].
+    pub raw_batch_loaded: Option<f64>,
+    /// The rate used: the lower of the two rates under load, or `--max-rate`.
     pub used: f64,
 }
 

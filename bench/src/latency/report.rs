@@ -128,7 +128,10 @@ pub fn human(results: &Results) -> String {
             );
         }
     }
-    let _ = writeln!(out, "\nMaximum rates (drain, msgs/s):");
+    let _ = writeln!(
+        out,
+        "\nMaximum rates (msgs/s; drained with nothing publishing, then settled under load):"
+    );
     let mut seen = Vec::new();
     for c in &results.cases {
         if seen.contains(&(c.path, c.prefetch)) {
@@ -137,11 +140,14 @@ pub fn human(results: &Results) -> String {
         seen.push((c.path, c.prefetch));
         let _ = writeln!(
             out,
-            "  {} prefetch {}: Lily {}, raw-batch {}, used {}",
+            "  {} prefetch {}: drained Lily {}, raw-batch {}; offered {}, settled Lily {}, raw-batch {}; used {}",
             c.path.name(),
             c.prefetch,
             c.max_rate.lily.map_or_else(|| "-".into(), rate),
             c.max_rate.raw_batch.map_or_else(|| "-".into(), rate),
+            c.max_rate.offered.map_or_else(|| "-".into(), rate),
+            c.max_rate.lily_loaded.map_or_else(|| "-".into(), rate),
+            c.max_rate.raw_batch_loaded.map_or_else(|| "-".into(), rate),
             rate(c.max_rate.used),
         );
     }
@@ -230,9 +236,12 @@ pub fn markdown(results: &Results) -> String {
             );
         }
     }
-    let _ = writeln!(out, "\nMaximum rates (drain of a full queue, msgs/s):\n");
-    let _ = writeln!(out, "| path | prefetch | Lily | raw-batch | used |");
-    let _ = writeln!(out, "|---|---:|---:|---:|---:|");
+    let _ = writeln!(out, "\nMaximum rates (msgs/s):\n");
+    let _ = writeln!(
+        out,
+        "| path | prefetch | Lily drained | raw-batch drained | offered | Lily settled under load | raw-batch settled under load | used |"
+    );
+    let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|");
     let mut seen = Vec::new();
     for c in &results.cases {
         if seen.contains(&(c.path, c.prefetch)) {
@@ -241,11 +250,14 @@ pub fn markdown(results: &Results) -> String {
         seen.push((c.path, c.prefetch));
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
             c.path.name(),
             c.prefetch,
             c.max_rate.lily.map_or_else(|| "–".into(), rate),
             c.max_rate.raw_batch.map_or_else(|| "–".into(), rate),
+            c.max_rate.offered.map_or_else(|| "–".into(), rate),
+            c.max_rate.lily_loaded.map_or_else(|| "–".into(), rate),
+            c.max_rate.raw_batch_loaded.map_or_else(|| "–".into(), rate),
             rate(c.max_rate.used),
         );
     }
