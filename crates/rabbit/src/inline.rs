@@ -8,9 +8,14 @@
 //! - **The delivery ended** (the gate settled it): nothing is left to do.
 //! - **Its ACK is marked ready** (the handler succeeded without waiting for anything): it is
 //!   *parked* here. Parked ACKs are written together, as one `multiple` frame when nothing below
-//!   them is still being handled, once half the prefetch is parked, once nothing more has been
-//!   buffered for [`ACK_LINGER`] since the oldest was parked, or before the loop waits for a
-//!   worker. Each parked delivery is then polled again, finds its result and ends.
+//!   them is still being handled, once half the prefetch is parked, before the loop waits for
+//!   a worker, and when nothing more is buffered and the loop's previous ACK frame has been
+//!   sent. That last rule is Nagle's: a frame goes out at once when none is on its way, and
+//!   while one is, the ACKs that become ready share the next. So a lone delivery is ACKed
+//!   without a wait, and under load the frames grow by themselves, the way a loop that awaits
+//!   each `multiple` ACK batches them, without holding an ACK for a timer (tokio's timer
+//!   rounds up to whole milliseconds). Each parked delivery is then polled again, finds its
+//!   result and ends.
 //! - **It waits for anything else** (a handler awaiting I/O, a copy's confirm, a transaction):
 //!   it goes to the worker hired for it, which finishes it.
 //!
@@ -31,7 +36,7 @@ use tokio_util::task::TaskTracker;
 use tracing::error;
 
 use crate::crew::Job;
-use crate::session::{ACK_LINGER, Session, first_poll};
+use crate::session::{Sending, Session, first_poll};
 
 /// A first poll longer than this is worth a hand-off to another thread.
 const HEAVY: Duration = Duration::from_micros(50);
@@ -43,10 +48,10 @@ const LEAD: u8 = 8;
 const PROBE: u32 = 64;
 
 /// The parked deliveries of one session and what the loop knows of its first polls.
-pub(crate) struct Inline {
+pub(crate) struct Inline<'s> {
     parked: Vec<Job>,
-    /// When the oldest parked delivery was parked.
-    since: Option<Instant>,
+    /// The loop's last ACK frame, until lapin's I/O loop has sent it.
+    sending: Option<Sending<'s>>,
     /// Parked deliveries worth writing at once: half the prefetch, as [`Session`] counts it.
     batch: usize,
     /// Long first polls minus short ones, kept within `0..=2 * LEAD`.
@@ -55,11 +60,11 @@ pub(crate) struct Inline {
     started: u32,
 }
 
-impl Inline {
+impl<'s> Inline<'s> {
     pub(crate) fn new(batch: usize) -> Self {
         Self {
             parked: Vec::with_capacity(batch),
-            since: None,
+            sending: None,
             batch,
             long: 0,
             started: 0,
@@ -82,7 +87,6 @@ impl Inline {
         };
         match polled {
             Some(Poll::Pending) if session.ack_marked(tag) => {
-                self.since.get_or_insert(began);
                 self.parked.push(job);
                 None
             }
@@ -96,24 +100,34 @@ impl Inline {
         self.parked.len() >= self.batch
     }
 
-    /// When the parked ACKs are written if nothing else comes: [`ACK_LINGER`] after the oldest
-    /// was parked. `None` when nothing is parked.
-    pub(crate) fn due(&self) -> Option<Instant> {
-        self.since.map(|since| since + ACK_LINGER)
+    /// Whether ACKs are parked.
+    pub(crate) fn parked(&self) -> bool {
+        !self.parked.is_empty()
+    }
+
+    /// Completes once the loop's last ACK frame has been sent (at once if none is on its way).
+    pub(crate) async fn sent(&mut self) {
+        if let Some(sending) = self.sending.as_mut() {
+            // An error is the channel's: the ACKs it held are settled as written, and the
+            // session's confirmation round trip finds them uncertain.
+            let _ = sending.await;
+            self.sending = None;
+        }
     }
 
     /// Writes every ready ACK of `session` and lets each parked delivery end with its result.
     pub(crate) fn settle(
         &mut self,
-        session: &Session,
+        session: &'s Session,
         revoked: &CancellationToken,
         tracker: &TaskTracker,
     ) {
         if self.parked.is_empty() {
             return;
         }
-        self.since = None;
-        session.flush_ready(revoked);
+        if let Some(sending) = session.flush_ready(revoked) {
+            self.sending = Some(sending);
+        }
         for mut job in self.parked.drain(..) {
             if let Some(Poll::Pending) = poll(&mut job) {
                 // Not reached while the window writes every ready ACK at once; if it ever

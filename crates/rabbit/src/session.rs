@@ -2,6 +2,7 @@
 //! trips that confirm ACKs. Handoffs publish on a connection of their own (see
 //! [`HandoffPublisher`]).
 
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -38,8 +39,9 @@ const WRITE_CHECK: Duration = Duration::from_secs(2);
 /// How long the consumer's `basic.cancel` may wait for its reply at shutdown; the budget runs.
 const CANCEL_WAIT: Duration = Duration::from_secs(1);
 
-/// How long a ready ACK waits for others to share its frame (see [`Session::ack`] and
-/// [`crate::inline`]).
+/// How long a ready ACK marked on a worker waits for others to share its frame (see
+/// [`Session::ack`]); tokio's timer rounds a deadline up to its next millisecond tick, so 1–2
+/// ms. The consume loop's own ACKs do not wait for a timer (see [`crate::inline`]).
 pub(crate) const ACK_LINGER: Duration = Duration::from_millis(1);
 
 /// Longest a ready ACK above a delivery still being handled waits for that one to settle, so
@@ -233,7 +235,8 @@ impl Session {
                 match acks.due {
                     Some(due) if now < due && !acks.window.ripe(self.batch) => due,
                     _ => {
-                        self.flush(acks, now, revoked, false);
+                        // Coalesced by the linger: the frame's sending is not awaited.
+                        drop(self.flush(acks, now, revoked, false));
                         match acks.window.take(delivery_tag) {
                             Some(result) => return result,
                             None => continue,
@@ -252,25 +255,38 @@ impl Session {
         lock(&self.acks).window.marked(delivery_tag)
     }
 
-    /// Writes every ready ACK now and wakes the deliveries waiting for theirs.
-    pub(crate) fn flush_ready(&self, revoked: &CancellationToken) {
+    /// Writes every ready ACK now and wakes the deliveries waiting for theirs. Returns the write
+    /// of the last frame while lapin's I/O loop has not sent it yet.
+    pub(crate) fn flush_ready(&self, revoked: &CancellationToken) -> Option<Sending<'_>> {
         let acks = &mut *lock(&self.acks);
-        if acks.window.has_ready() {
-            self.flush(acks, Instant::now(), revoked, true);
+        if !acks.window.has_ready() {
+            return None;
         }
+        self.flush(acks, Instant::now(), revoked, true)
     }
 
     /// Writes the ready ACKs that are due (see [`Session::ack`]), or with `all` every one, and
-    /// wakes the deliveries waiting for theirs.
-    fn flush(&self, acks: &mut Acks, now: Instant, revoked: &CancellationToken, all: bool) {
+    /// wakes the deliveries waiting for theirs. Returns the last frame's write while it is not
+    /// sent yet.
+    fn flush(
+        &self,
+        acks: &mut Acks,
+        now: Instant,
+        revoked: &CancellationToken,
+        all: bool,
+    ) -> Option<Sending<'_>> {
         let channel = &self.consuming;
+        let mut sending = None;
         let write = |tag, multiple| {
             if revoked.is_cancelled() {
                 return SettleResult::Refused;
             }
-            queued(first_poll(
-                channel.basic_ack(tag, BasicAckOptions { multiple }),
-            ))
+            let mut frame = Box::pin(channel.basic_ack(tag, BasicAckOptions { multiple }));
+            let poll = first_poll(frame.as_mut());
+            if poll.is_pending() {
+                sending = Some(frame as Sending<'_>);
+            }
+            queued(poll)
         };
         let held = acks.since.is_some_and(|since| now >= since + ACK_HOLD);
         if all || held || !acks.window.coalescing() {
@@ -287,6 +303,7 @@ impl Session {
             acks.since = None;
         }
         self.flushed.notify_waiters();
+        sending
     }
 
     /// Writes the NACK or reject of `delivery_tag`, which must have come from this session's
@@ -545,18 +562,13 @@ pub(crate) async fn consume(
         let mut next = std::future::poll_fn(|cx| std::pin::Pin::new(&mut consumer).poll_next(cx));
         let next = match first_poll(&mut next) {
             std::task::Poll::Ready(next) => Some(next),
-            // Nothing buffered: the parked ACKs wait for more deliveries up to their linger.
+            // Nothing buffered: the parked ACKs go out once the last ACK frame has been sent
+            // (at once when none is on its way); meanwhile more may join them.
             std::task::Poll::Pending => loop {
-                let due = inline.due();
-                let linger = async {
-                    match due {
-                        Some(due) => tokio::time::sleep_until(due.into()).await,
-                        None => std::future::pending().await,
-                    }
-                };
+                let parked = inline.parked();
                 tokio::select! {
                     next = &mut next => break Some(next),
-                    () = linger => inline.settle(&session, revoked, tracker),
+                    () = inline.sent(), if parked => inline.settle(&session, revoked, tracker),
                     () = &mut stopped => break None,
                 }
             },
@@ -599,6 +611,7 @@ pub(crate) async fn consume(
     }
     // Before the session ends, so that when every worker is done every delivery is.
     inline.settle(&session, revoked, tracker);
+    drop(inline);
     shared.ready.store(false, Ordering::Release);
     if end.is_none() {
         session.ended.cancel();
@@ -659,6 +672,9 @@ fn queued(poll: std::task::Poll<lapin::Result<()>>) -> SettleResult {
         _ => SettleResult::Written,
     }
 }
+
+/// An ACK frame's write, which completes once lapin's I/O loop has sent the frame.
+pub(crate) type Sending<'a> = Pin<Box<dyn Future<Output = lapin::Result<()>> + Send + 'a>>;
 
 /// Polls `future` once, without a task to wake: what it does on its first poll is done.
 pub(crate) fn first_poll<F: Future>(future: F) -> std::task::Poll<F::Output> {
