@@ -235,8 +235,7 @@ impl Session {
                 match acks.due {
                     Some(due) if now < due && !acks.window.ripe(self.batch) => due,
                     _ => {
-                        // Coalesced by the linger: the frame's sending is not awaited.
-                        drop(self.flush(acks, now, revoked, false));
+                        self.flush(acks, now, revoked, false, false);
                         match acks.window.take(delivery_tag) {
                             Some(result) => return result,
                             None => continue,
@@ -262,18 +261,20 @@ impl Session {
         if !acks.window.has_ready() {
             return None;
         }
-        self.flush(acks, Instant::now(), revoked, true)
+        self.flush(acks, Instant::now(), revoked, true, true)
     }
 
     /// Writes the ready ACKs that are due (see [`Session::ack`]), or with `all` every one, and
-    /// wakes the deliveries waiting for theirs. Returns the last frame's write while it is not
-    /// sent yet.
+    /// wakes the deliveries waiting for theirs. With `keep`, returns the last frame's write
+    /// while it is not sent yet (boxed: lapin's ACK future is a few kilobytes, so only the
+    /// consume loop, which waits for it, pays for one).
     fn flush(
         &self,
         acks: &mut Acks,
         now: Instant,
         revoked: &CancellationToken,
         all: bool,
+        keep: bool,
     ) -> Option<Sending<'_>> {
         let channel = &self.consuming;
         let mut sending = None;
@@ -281,7 +282,11 @@ impl Session {
             if revoked.is_cancelled() {
                 return SettleResult::Refused;
             }
-            let mut frame = Box::pin(channel.basic_ack(tag, BasicAckOptions { multiple }));
+            let frame = channel.basic_ack(tag, BasicAckOptions { multiple });
+            if !keep {
+                return queued(first_poll(frame));
+            }
+            let mut frame = Box::pin(frame);
             let poll = first_poll(frame.as_mut());
             if poll.is_pending() {
                 sending = Some(frame as Sending<'_>);
