@@ -26,7 +26,7 @@
 //!   its settlement: Lily's `delivery` span closing (a tracing layer), raw-batch's covering ACK
 //!   completing.
 //!
-//! `--quick` (prefetch 500 only) takes about two minutes. Results go to
+//! `--quick` (prefetch 500 only) takes about two and a half minutes. Results go to
 //! `target/bench/latency.{json,md,svg}`.
 
 use std::path::PathBuf;
