@@ -266,7 +266,7 @@ impl Session {
 
     /// Writes the ready ACKs that are due (see [`Session::ack`]), or with `all` every one, and
     /// wakes the deliveries waiting for theirs. With `keep`, returns the last frame's write
-    /// while it is not sent yet (boxed: lapin's ACK future is a few kilobytes, so only the
+    /// while it is not sent yet (boxed: lapin's ACK future is about 8 KB, so only the
     /// consume loop, which waits for it, pays for one).
     fn flush(
         &self,
