@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Lily's benchmarks against a private RabbitMQ node on loopback (not part of the test suite):
 #
-#   scripts/bench.sh [throughput|latency|storm|mongo|cost|cluster|all] [ARGS...]
+#   scripts/bench.sh [throughput|latency|confirm-floor|storm|mongo|cost|cluster|all] [ARGS...]
 #
 # `mongo` also starts a private MongoDB replica set; `cluster` a private three-node cluster,
-# compared with the single node. `all` runs throughput, latency, storm, mongo and cost, passing
-# ARGS (such as --quick) to each; `scripts/bench.sh all --quick` takes about 15 minutes.
+# compared with the single node. `all` runs throughput, latency, confirm-floor, storm, mongo and
+# cost, passing ARGS (such as --quick) to each; `scripts/bench.sh all --quick` takes about 15
+# minutes.
 #
-# Results go to target/bench/ (JSON, a table and an SVG chart). Absolute figures on a shared
-# machine are noise: read the ratios, measured side by side in one run.
+# Results go to target/bench/ (JSON, a table and, but for confirm-floor, an SVG chart). Absolute
+# figures on a shared machine are noise: read the ratios, measured side by side in one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,6 +43,7 @@ cargo build --release -p lily-mq-bench --bins -p lily-mq-example-k8s-shutdown
 case "$what" in
   throughput) target/release/throughput "$@" ;;
   latency) target/release/latency "$@" ;;
+  confirm-floor) target/release/confirm_floor "$@" ;;
   storm) target/release/storm "$@" ;;
   mongo) mongo "$@" ;;
   cost) target/release/cost "$@" ;;
@@ -54,9 +56,10 @@ case "$what" in
     started=$SECONDS
     target/release/throughput "$@"
     target/release/latency "$@"
+    target/release/confirm_floor "$@"
     target/release/storm "$@"
     mongo "$@"
     target/release/cost "$@"
     echo "lily: all benchmarks in $((SECONDS - started)) s" ;;
-  *) sed -n '2,13p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,14p' "$0" >&2; exit 2 ;;
 esac

@@ -1,0 +1,342 @@
+//! The broker's own confirm latency: the floor under every handoff path's tail.
+//!
+//! A paced raw lapin publisher sends persistent, mandatory 512-byte messages into a retry bucket
+//! declared exactly as the latency benchmark's handoff path declares it (classic, parked for
+//! 10 minutes), at the rates that benchmark uses, and times each message from its publish to its
+//! confirm. No consumer runs and nothing else publishes: what the figures show is the broker's
+//! (and this machine's) share of any handoff's latency. Two publishing patterns are timed side
+//! by side:
+//!
+//! - `pipelined`: what the schedule owes is published every millisecond, round robin over the
+//!   channels, without waiting for earlier confirms (Lily's confirm pool publishes this way);
+//! - `batched`: a channel publishes the next batch only once every confirm of its previous one
+//!   is in (`raw-batch` awaits its confirms this way); a message's time includes its wait to be
+//!   published.
+//!
+//! ```text
+//! confirm_floor [--quick] [--rates 2400,4320] [--channels 1,4] [--secs 8] [--warmup 2] [--out DIR]
+//! ```
+//!
+//! `--quick` runs 6 s with 1 s of warm-up.
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
+use lily::prelude::QueueKind;
+use lily_mq_bench::throughput::{HANDOFF_DELAY, broker_version, load_average, revision};
+use lily_mq_bench::{body_512, broker_url, fresh_topology, redact};
+use serde::Serialize;
+
+const USAGE: &str = "usage: confirm_floor [--quick] [--rates 2400,4320] [--channels 1,4] [--secs S] [--warmup S] [--out DIR]";
+
+/// One pattern at one rate: publish-to-confirm latencies of the timed messages.
+#[derive(Debug, Serialize)]
+struct Row {
+    pattern: &'static str,
+    channels: usize,
+    rate: f64,
+    timed: usize,
+    /// Publishes not confirmed as stored (nacked, returned or failed).
+    unconfirmed: u64,
+    p50_ms: f64,
+    p99_ms: f64,
+    p999_ms: f64,
+    max_ms: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    broker: String,
+    revision: String,
+    load_start: Option<f64>,
+    load_end: Option<f64>,
+    secs: u64,
+    warmup: u64,
+    rows: Vec<Row>,
+}
+
+struct Args {
+    rates: Vec<f64>,
+    channels: Vec<usize>,
+    secs: u64,
+    warmup: u64,
+    out: std::path::PathBuf,
+}
+
+fn parse_args() -> Args {
+    let mut args = Args {
+        rates: vec![2400.0, 4320.0],
+        channels: vec![1, 4],
+        secs: 8,
+        warmup: 2,
+        out: "target/bench".into(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .unwrap_or_else(|| fail(&format!("{flag} needs a value")))
+        };
+        match flag.as_str() {
+            "--quick" => (args.secs, args.warmup) = (6, 1),
+            "--rates" => args.rates = list(&value()),
+            "--channels" => args.channels = list(&value()),
+            "--secs" => args.secs = value().parse().unwrap_or_else(|_| fail("--secs")),
+            "--warmup" => args.warmup = value().parse().unwrap_or_else(|_| fail("--warmup")),
+            "--out" => args.out = value().into(),
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => fail(&format!("unknown argument {other}")),
+        }
+    }
+    if args.warmup >= args.secs {
+        fail("--warmup must be shorter than --secs");
+    }
+    args
+}
+
+fn list<T: std::str::FromStr>(text: &str) -> Vec<T> {
+    text.split(',')
+        .map(|v| {
+            v.trim()
+                .parse()
+                .unwrap_or_else(|_| fail(&format!("bad value {v}")))
+        })
+        .collect()
+}
+
+fn fail(msg: &str) -> ! {
+    eprintln!("{msg}\n{USAGE}");
+    std::process::exit(2);
+}
+
+/// A publish in flight: when it was due (its latency's start) and whether it is timed.
+type Timed = (Instant, bool);
+
+/// Publishes at `rate` for `secs` into `bucket` with `pattern` on `channels` channels.
+async fn run(
+    url: &str,
+    bucket: &str,
+    pattern: &'static str,
+    channels: usize,
+    rate: f64,
+    (secs, warmup): (u64, u64),
+) -> Row {
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let mut chans = Vec::new();
+    for _ in 0..channels {
+        let channel = connection.create_channel().await.expect("channel");
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirm.select");
+        chans.push(channel);
+    }
+    let body = body_512();
+    let latencies: Arc<Mutex<Vec<f64>>> = Arc::default();
+    let unconfirmed: Arc<Mutex<u64>> = Arc::default();
+    let batched = pattern == "batched";
+    let (duration, warmup) = (Duration::from_secs(secs), Duration::from_secs(warmup));
+    let mut owed: Vec<VecDeque<Timed>> = vec![VecDeque::new(); channels];
+    let mut awaiting: Vec<Option<tokio::task::JoinHandle<()>>> =
+        (0..channels).map(|_| None).collect();
+    let mut done = Vec::new();
+    let mut ticks = tokio::time::interval(Duration::from_millis(1));
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let started = Instant::now();
+    let (mut sent, mut turn) = (0_u64, 0_usize);
+    loop {
+        ticks.tick().await;
+        let elapsed = started.elapsed().min(duration);
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let due = (rate * elapsed.as_secs_f64()) as u64;
+        let now = Instant::now();
+        for _ in sent..due {
+            owed[turn % channels].push_back((now, elapsed >= warmup));
+            turn += 1;
+        }
+        sent = due.max(sent);
+        for (c, channel) in chans.iter().enumerate() {
+            if batched && awaiting[c].as_ref().is_some_and(|h| !h.is_finished()) {
+                continue;
+            }
+            let mut confirms = Vec::new();
+            for (at, timed) in owed[c].drain(..) {
+                let options = BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                };
+                let properties = BasicProperties::default().with_delivery_mode(2);
+                match channel
+                    .basic_publish("".into(), bucket.into(), options, &body, properties)
+                    .await
+                {
+                    Ok(confirm) => confirms.push((at, timed, confirm)),
+                    Err(_) => *unconfirmed.lock().expect("lock") += 1,
+                }
+            }
+            if confirms.is_empty() {
+                continue;
+            }
+            let (latencies, unconfirmed) = (Arc::clone(&latencies), Arc::clone(&unconfirmed));
+            // Confirms come in publish order, so awaiting them in turn times each when it came.
+            let handle = tokio::spawn(async move {
+                for (at, timed, confirm) in confirms {
+                    let stored = matches!(confirm.await, Ok(Confirmation::Ack(None)));
+                    let ms = at.elapsed().as_secs_f64() * 1000.0;
+                    if !stored {
+                        *unconfirmed.lock().expect("lock") += 1;
+                    } else if timed {
+                        latencies.lock().expect("lock").push(ms);
+                    }
+                }
+            });
+            if batched {
+                awaiting[c] = Some(handle);
+            } else {
+                done.push(handle);
+            }
+        }
+        if elapsed >= duration && owed.iter().all(VecDeque::is_empty) {
+            break;
+        }
+    }
+    for handle in done.into_iter().chain(awaiting.into_iter().flatten()) {
+        handle.await.expect("confirm task");
+    }
+    let _ = connection.close(200, "done".into()).await;
+    let mut l = std::mem::take(&mut *latencies.lock().expect("lock"));
+    l.sort_by(f64::total_cmp);
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss
+    )]
+    let q = |p: f64| {
+        l.get(((l.len() as f64 * p) as usize).min(l.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(f64::NAN)
+    };
+    let unconfirmed = *unconfirmed.lock().expect("lock");
+    Row {
+        pattern,
+        channels,
+        rate,
+        timed: l.len(),
+        unconfirmed,
+        p50_ms: q(0.5),
+        p99_ms: q(0.99),
+        p999_ms: q(0.999),
+        max_ms: l.last().copied().unwrap_or(f64::NAN),
+    }
+}
+
+fn markdown(report: &Report, url: &str) -> String {
+    let mut md =
+        String::from("# The broker's confirm latency: the floor under the handoff tail\n\n");
+    let _ = writeln!(
+        md,
+        "Broker: {} on {}  \nLily {}; load average {} at start, {} at end; paced runs of {} s, the first {} s not timed\n",
+        report.broker,
+        redact(url),
+        report.revision,
+        shown(report.load_start),
+        shown(report.load_end),
+        report.secs,
+        report.warmup
+    );
+    md.push_str("| pattern | channels | rate msg/s | timed | unconfirmed | p50 ms | p99 ms | p99.9 ms | max ms |\n");
+    md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for r in &report.rows {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {:.0} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            r.pattern,
+            r.channels,
+            r.rate,
+            r.timed,
+            r.unconfirmed,
+            r.p50_ms,
+            r.p99_ms,
+            r.p999_ms,
+            r.max_ms
+        );
+    }
+    md.push_str(
+        "\n- A raw lapin publisher alone (no consumer, nothing else publishing) sends persistent, mandatory 512-byte messages into the latency benchmark's retry bucket (classic, parked 10 minutes), paced every 1 ms, and times each from when the schedule owed it to its confirm.\n\
+         - pipelined: published at once, round robin over the channels, without waiting for earlier confirms (Lily's confirm pool). batched: a channel publishes its next batch only once every confirm of the previous one is in (raw-batch); the wait to be published counts.\n\
+         - Patterns and channel counts run one after the other, in the order shown: compare the rows of one run, and repeat it to see the spread.\n",
+    );
+    md
+}
+
+fn shown(load: Option<f64>) -> String {
+    load.map_or_else(|| "-".into(), |l| format!("{l:.2}"))
+}
+
+#[tokio::main]
+async fn main() {
+    let args = parse_args();
+    let url = broker_url();
+    let load_start = load_average();
+    let topology = fresh_topology(
+        &url,
+        "lily-bench-confirm-floor",
+        QueueKind::Classic,
+        &[HANDOFF_DELAY],
+    )
+    .await;
+    let bucket = topology.bucket(0).expect("a retry bucket").to_owned();
+    let mut rows = Vec::new();
+    for &rate in &args.rates {
+        for &channels in &args.channels {
+            for pattern in ["pipelined", "batched"] {
+                let row = run(
+                    &url,
+                    &bucket,
+                    pattern,
+                    channels,
+                    rate,
+                    (args.secs, args.warmup),
+                )
+                .await;
+                eprintln!(
+                    "  {pattern:9} {channels} channel(s) {rate:.0}/s: p50 {:.2} p99 {:.2} p99.9 {:.2} ms ({} timed, {} unconfirmed)",
+                    row.p50_ms, row.p99_ms, row.p999_ms, row.timed, row.unconfirmed
+                );
+                rows.push(row);
+            }
+        }
+    }
+    let report = Report {
+        broker: broker_version(),
+        revision: revision(),
+        load_start,
+        load_end: load_average(),
+        secs: args.secs,
+        warmup: args.warmup,
+        rows,
+    };
+    let md = markdown(&report, &url);
+    print!("{md}");
+    std::fs::create_dir_all(&args.out).expect("create the output directory");
+    for (ext, text) in [
+        (
+            "json",
+            serde_json::to_string_pretty(&report).expect("json") + "\n",
+        ),
+        ("md", md),
+    ] {
+        let file = args.out.join(format!("confirm-floor.{ext}"));
+        std::fs::write(&file, text).expect("write results");
+        println!("wrote {}", file.display());
+    }
+}
