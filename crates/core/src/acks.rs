@@ -111,10 +111,18 @@ impl AckWindow {
     /// `multiple` ACK covers them), or waiting gains nothing because no `multiple` ACK can be
     /// written. False when nothing is ready.
     pub fn ripe(&self, batch: usize) -> bool {
+        self.readied > 0 && (self.opened == 0 || self.full(batch))
+    }
+
+    /// Whether `batch` ready ACKs are below the first open delivery (one `multiple` ACK covers
+    /// them), or no `multiple` ACK can be written, so waiting for more gains nothing. Unlike
+    /// [`ripe`](Self::ripe), false while fewer are ready and nothing is open: for a caller that
+    /// knows more deliveries are coming. False when nothing is ready.
+    pub fn full(&self, batch: usize) -> bool {
         if self.readied == 0 {
             return false;
         }
-        if self.opened == 0 || !self.coalescing() {
+        if !self.coalescing() {
             return true;
         }
         let covered = self
@@ -466,5 +474,25 @@ mod tests {
             }
             assert!(window.is_empty(), "{window:?}");
         }
+    }
+
+    #[test]
+    fn full_waits_for_a_batch_even_when_nothing_is_open() {
+        let mut window = AckWindow::new();
+        for tag in 1..=3 {
+            window.deliver(tag);
+            assert!(window.ready(tag));
+        }
+        assert!(
+            window.ripe(4),
+            "nothing open: nothing more can become ready soon"
+        );
+        assert!(
+            !window.full(4),
+            "more may be delivered: the batch is not full"
+        );
+        window.deliver(4);
+        assert!(window.ready(4));
+        assert!(window.full(4));
     }
 }

@@ -3,14 +3,14 @@
 //! [`HandoffPublisher`]).
 
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_core::Stream;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
-    BasicRejectOptions,
+    BasicRejectOptions, QueueDeclareOptions,
 };
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::FieldTable;
@@ -44,6 +44,10 @@ const CANCEL_WAIT: Duration = Duration::from_secs(1);
 /// ms. The consume loop's own ACKs do not wait for a timer (see [`crate::inline`]).
 pub(crate) const ACK_LINGER: Duration = Duration::from_millis(1);
 
+/// Longest a ready ACK waits for others to share its frame while the work queue holds a
+/// backlog: more deliveries are on their way (tokio's timer adds up to a millisecond).
+pub(crate) const BACKLOG_HOLD: Duration = Duration::from_millis(3);
+
 /// Longest a ready ACK above a delivery still being handled waits for that one to settle, so
 /// one `multiple` frame covers both, before it is written on its own.
 const ACK_HOLD: Duration = Duration::from_millis(2);
@@ -63,6 +67,9 @@ pub(crate) struct Session {
     flushed: Notify,
     /// Ready ACKs that make a frame worth writing at once: half the prefetch.
     batch: usize,
+    /// Whether the work queue held at least `batch` ready messages when last asked: the broker
+    /// goes on delivering, so the consume loop's ACKs wait to share frames.
+    backlog: AtomicBool,
     ended: CancellationToken,
 }
 
@@ -214,8 +221,13 @@ impl Session {
                 return SettleResult::Refused;
             }
             let now = Instant::now();
+            let linger = if self.backlogged() {
+                BACKLOG_HOLD
+            } else {
+                ACK_LINGER
+            };
             acks.since.get_or_insert(now);
-            acks.due.get_or_insert(now + ACK_LINGER);
+            acks.due.get_or_insert(now + linger);
         }
         tokio::task::yield_now().await;
         loop {
@@ -232,8 +244,14 @@ impl Session {
                     return result;
                 }
                 let now = Instant::now();
+                // In a backlog more deliveries are coming even when none is open now.
+                let ripe = if self.backlogged() {
+                    acks.window.full(self.batch)
+                } else {
+                    acks.window.ripe(self.batch)
+                };
                 match acks.due {
-                    Some(due) if now < due && !acks.window.ripe(self.batch) => due,
+                    Some(due) if now < due && !ripe => due,
                     _ => {
                         self.flush(acks, now, revoked, false, false);
                         match acks.window.take(delivery_tag) {
@@ -248,26 +266,49 @@ impl Session {
         }
     }
 
+    /// Whether the work queue held a backlog (at least half the prefetch ready) when last asked.
+    pub(crate) fn backlogged(&self) -> bool {
+        self.backlog.load(Ordering::Relaxed)
+    }
+
+    /// Asks the broker how many messages the work queue holds ready (a passive declare, which
+    /// needs no permission) and notes whether that is a backlog. False when the channel failed.
+    async fn measure_backlog(&self, shared: &Shared) -> bool {
+        let options = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let declared = self
+            .consuming
+            .queue_declare(shared.queue.as_ref().into(), options, FieldTable::default())
+            .await;
+        let ready = declared.as_ref().map_or(0, lapin::Queue::message_count);
+        let backlog = usize::try_from(ready).is_ok_and(|ready| ready >= self.batch);
+        self.backlog.store(backlog, Ordering::Relaxed);
+        declared.is_ok()
+    }
+
     /// Whether the ACK of `delivery_tag` is marked ready (or written already): its delivery
     /// waits for nothing else.
     pub(crate) fn ack_marked(&self, delivery_tag: u64) -> bool {
         lock(&self.acks).window.marked(delivery_tag)
     }
 
-    /// Writes every ready ACK now and wakes the deliveries waiting for theirs. Returns the write
-    /// of the last frame while lapin's I/O loop has not sent it yet.
+    /// Writes the ready ACKs now, as [`Session::ack`]'s flush does (those above a delivery still
+    /// being handled wait for it, up to the hold), and wakes the deliveries waiting for theirs.
+    /// Returns the write of the last frame while lapin's I/O loop has not sent it yet.
     pub(crate) fn flush_ready(&self, revoked: &CancellationToken) -> Option<Sending<'_>> {
         let acks = &mut *lock(&self.acks);
         if !acks.window.has_ready() {
             return None;
         }
-        self.flush(acks, Instant::now(), revoked, true, true)
+        self.flush(acks, Instant::now(), revoked, false, true)
     }
 
     /// Writes the ready ACKs that are due (see [`Session::ack`]), or with `all` every one, and
-    /// wakes the deliveries waiting for theirs. With `keep`, returns the last frame's write
-    /// while it is not sent yet (boxed: lapin's ACK future is about 8 KB, so only the
-    /// consume loop, which waits for it, pays for one).
+    /// wakes the deliveries waiting for theirs. With `keep`, returns the last frame's write,
+    /// boxed, while it is not sent yet (the consume loop waits for it); otherwise each frame's
+    /// write is polled once and dropped.
     fn flush(
         &self,
         acks: &mut Acks,
@@ -528,8 +569,11 @@ pub(crate) async fn consume(
         }),
         flushed: Notify::new(),
         batch: usize::from(shared.config.prefetch / 2).max(1),
+        backlog: AtomicBool::new(false),
         ended: CancellationToken::new(),
     });
+    // A backlog that waits for the consumer is known from its first delivery on.
+    session.measure_backlog(shared).await;
     tokio::spawn(confirm_periodically(
         Arc::clone(shared),
         Arc::clone(&session),
@@ -569,11 +613,19 @@ pub(crate) async fn consume(
             std::task::Poll::Ready(next) => Some(next),
             // Nothing buffered: the parked ACKs go out once the last ACK frame has been sent
             // (at once when none is on its way); meanwhile more may join them.
+            // While the queue holds a backlog, more are on their way: they share the frame,
+            // which goes out once half the prefetch is parked or the oldest has waited
+            // `BACKLOG_HOLD`.
             std::task::Poll::Pending => loop {
                 let parked = inline.parked();
+                let hold = parked && session.backlogged();
+                let until = inline.hold_until();
                 tokio::select! {
                     next = &mut next => break Some(next),
-                    () = inline.sent(), if parked => inline.settle(&session, revoked, tracker),
+                    () = inline.sent(), if parked && !hold => inline.settle(&session, revoked, tracker),
+                    () = async { tokio::time::sleep_until(until.into()).await }, if hold => {
+                        inline.settle(&session, revoked, tracker);
+                    }
                     () = &mut stopped => break None,
                 }
             },
@@ -644,18 +696,19 @@ pub(crate) async fn consume(
     Ok(SessionEnd::Shutdown(session))
 }
 
-/// Confirms written ACKs every [`ACK_CONFIRM_INTERVAL`] while the session lives. When the
-/// channel dies, its unconfirmed ACKs become uncertain.
+/// Confirms written ACKs every [`ACK_CONFIRM_INTERVAL`] while the session lives, and asks the
+/// broker each time whether the work queue holds a backlog. When the channel dies, its
+/// unconfirmed ACKs become uncertain.
 async fn confirm_periodically(shared: Arc<Shared>, session: Arc<Session>) {
     loop {
         tokio::select! {
             () = session.ended.cancelled() => break,
             () = tokio::time::sleep(ACK_CONFIRM_INTERVAL) => {}
         }
-        if lock(&shared.books.ledger).acks_awaiting() == 0 {
-            continue;
+        if lock(&shared.books.ledger).acks_awaiting() > 0 && !session.confirm_acks(&shared).await {
+            break;
         }
-        if !session.confirm_acks(&shared).await {
+        if !session.measure_backlog(&shared).await {
             break;
         }
     }
