@@ -206,11 +206,17 @@ impl Session {
     /// written once authority is revoked: `revoked` is checked for every frame, as late as
     /// possible.
     ///
-    /// So from its mark to its result a delivery waits at most the hold and a few polls. That
-    /// is why the delivery executor can let a delivery in this section finish when the abort
-    /// comes. A delivery that marked its ACK during the consume loop's first poll is the
-    /// exception: the loop parks it and polls it again only after writing the parked ACKs
-    /// itself ([`crate::inline`]), which it does before it ends, so before any shutdown phase.
+    /// While the work queue holds a backlog ([`Session::backlogged`]) the wait is
+    /// [`BACKLOG_HOLD`] instead of the linger, and the window counts as ripe only with half the
+    /// prefetch ready: more deliveries are on their way even when none is open.
+    ///
+    /// So from its mark to its result a delivery waits at most the longer hold (3–4 ms) and a
+    /// few polls. That is why the delivery executor can let a delivery in this section finish
+    /// when the abort comes. A delivery that marked its ACK during the consume loop's first poll
+    /// is parked there and polled again after the loop writes the parked ACKs
+    /// ([`crate::inline`]), which it does before it ends, so before any shutdown phase; one
+    /// whose ACK must wait for a delivery below it still being handled goes on on a task of its
+    /// own, within the same bound.
     ///
     /// A tag the window does not hold open (never delivered here, or settled already) is
     /// refused, and nothing is written for it.
@@ -572,8 +578,12 @@ pub(crate) async fn consume(
         backlog: AtomicBool::new(false),
         ended: CancellationToken::new(),
     });
-    // A backlog that waits for the consumer is known from its first delivery on.
-    session.measure_backlog(shared).await;
+    // A backlog that waits for the consumer is known from its first delivery on. Bounded like
+    // the rest of the start: a broker that does not answer must not hold the shutdown here.
+    tokio::select! {
+        _ = session.measure_backlog(shared) => {}
+        () = stop.cancelled() => {}
+    }
     tokio::spawn(confirm_periodically(
         Arc::clone(shared),
         Arc::clone(&session),
