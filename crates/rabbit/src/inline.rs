@@ -117,9 +117,10 @@ impl<'s> Inline<'s> {
         !self.parked.is_empty()
     }
 
-    /// Until when the parked ACKs wait for others while the queue holds a backlog.
-    pub(crate) fn hold_until(&self) -> Instant {
-        self.since.unwrap_or_else(Instant::now) + BACKLOG_HOLD
+    /// Until when the parked ACKs wait for others while the queue holds a backlog; `None` when
+    /// nothing is parked.
+    pub(crate) fn hold_until(&self) -> Option<Instant> {
+        self.since.map(|since| since + BACKLOG_HOLD)
     }
 
     /// Completes once the loop's last ACK frame has been sent (at once if none is on its way).

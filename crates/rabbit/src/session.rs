@@ -628,12 +628,17 @@ pub(crate) async fn consume(
             // `BACKLOG_HOLD`.
             std::task::Poll::Pending => loop {
                 let parked = inline.parked();
-                let hold = parked && session.backlogged();
-                let until = inline.hold_until();
+                // Set whenever something is parked: no clock read here.
+                let until = inline.hold_until().filter(|_| session.backlogged());
+                let hold = until.is_some();
                 tokio::select! {
                     next = &mut next => break Some(next),
                     () = inline.sent(), if parked && !hold => inline.settle(&session, revoked, tracker),
-                    () = async { tokio::time::sleep_until(until.into()).await }, if hold => {
+                    () = async {
+                        if let Some(at) = until {
+                            tokio::time::sleep_until(at.into()).await;
+                        }
+                    }, if hold => {
                         inline.settle(&session, revoked, tracker);
                     }
                     () = &mut stopped => break None,
