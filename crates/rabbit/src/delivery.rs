@@ -32,7 +32,7 @@ pub(crate) fn job(shared: &Arc<Shared>, session: &Arc<Session>, delivery: Delive
 /// Settles one delivery. At shutdown's abort the work is dropped wherever it is, and its ledger
 /// entry stays open and is reported as aborted. There is one exception: a delivery whose ACK is
 /// marked ready is let finish, because its frame may be written already. That takes at most the
-/// ACK hold (3–4 ms while the queue holds a backlog, 1–2 ms otherwise) and a few polls, and the
+/// ACK hold (5–6 ms while the queue holds a backlog, 2–3 ms otherwise) and a few polls, and the
 /// rest of its work is synchronous (see [`Session::ack`]).
 async fn handle(shared: &Arc<Shared>, session: Arc<Session>, delivery: Delivery) {
     shared.metrics.in_flight.increment(1.0);

@@ -30,10 +30,12 @@
 //! A handler that computes for long without waiting would keep every delivery on the loop's
 //! one thread. So the loop counts its first polls that took longer than [`HEAVY`] against those
 //! that did not; while the long ones lead by [`LEAD`], deliveries go to the crew unpolled, to
-//! run in parallel on every worker thread, and one in [`PROBE`] is still polled here to notice
-//! when handlers become light again. A count, not an average: on a busy node the thread is
-//! sometimes descheduled in the middle of a poll, and one such poll must not look like a heavy
-//! handler.
+//! run in parallel on every worker thread, and one in [`PROBE`] is still polled here: the first
+//! such probe that is short ends the spell. A count, not an average: on a busy node the thread
+//! is sometimes descheduled in the middle of a poll, and one such poll must not look like a
+//! heavy handler. Nor must a burst of them keep light handlers off the loop for long: a spell
+//! that ended only after as many short probes as long polls began it once sent hundreds of
+//! deliveries in a row to workers, whose ACKs share frames less well.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::task::Poll;
@@ -46,8 +48,11 @@ use tracing::error;
 use crate::crew::Job;
 use crate::session::{BACKLOG_HOLD, Sending, Session, first_poll};
 
-/// A first poll longer than this is worth a hand-off to another thread.
-const HEAVY: Duration = Duration::from_micros(50);
+/// A first poll longer than this is worth a hand-off to another thread. An unoptimised build
+/// runs Lily's own share of every first poll many times slower (20–50 µs for a handler that
+/// only records its call, in this project's tests), so there a handler counts as heavy from
+/// ten times as long; at 50 µs, light handlers were taken for heavy ones there.
+const HEAVY: Duration = Duration::from_micros(if cfg!(debug_assertions) { 500 } else { 50 });
 
 /// How far the long first polls must lead the short ones for handlers to count as heavy.
 const LEAD: u8 = 8;
@@ -64,10 +69,35 @@ pub(crate) struct Inline<'s> {
     sending: Option<Sending<'s>>,
     /// Parked deliveries worth writing at once: half the prefetch, as [`Session`] counts it.
     batch: usize,
-    /// Long first polls minus short ones, kept within `0..=2 * LEAD`.
+    weight: Weight,
+}
+
+/// What the loop knows of its first polls: whether handlers are heavy (see the module's text).
+#[derive(Debug, Default)]
+struct Weight {
+    /// Long first polls minus short ones, kept within `0..=LEAD`.
     long: u8,
     /// Deliveries started, for the probe.
     started: u32,
+}
+
+impl Weight {
+    /// Whether the next delivery is polled on the loop: always while handlers are light, one
+    /// in [`PROBE`] while they are heavy.
+    fn poll_here(&mut self) -> bool {
+        self.started = self.started.wrapping_add(1);
+        self.long < LEAD || self.started.is_multiple_of(PROBE)
+    }
+
+    /// Notes how long a first poll on the loop took.
+    fn note(&mut self, took: Duration) {
+        self.long = match (took > HEAVY, self.long >= LEAD) {
+            (true, _) => (self.long + 1).min(LEAD),
+            // A short probe: handlers are light again.
+            (false, true) => 0,
+            (false, false) => self.long.saturating_sub(1),
+        };
+    }
 }
 
 impl<'s> Inline<'s> {
@@ -77,25 +107,19 @@ impl<'s> Inline<'s> {
             since: None,
             sending: None,
             batch,
-            long: 0,
-            started: 0,
+            weight: Weight::default(),
         }
     }
 
     /// Runs `job`, the delivery of `tag` on `session`, up to where it first stops (see the
     /// module's text); returns it when a worker must finish it.
     pub(crate) fn start(&mut self, mut job: Job, session: &Session, tag: u64) -> Option<Job> {
-        self.started = self.started.wrapping_add(1);
-        if self.long >= LEAD && !self.started.is_multiple_of(PROBE) {
+        if !self.weight.poll_here() {
             return Some(job);
         }
         let began = Instant::now();
         let polled = poll(&mut job);
-        self.long = if began.elapsed() > HEAVY {
-            (self.long + 1).min(2 * LEAD)
-        } else {
-            self.long.saturating_sub(1)
-        };
+        self.weight.note(began.elapsed());
         match polled {
             Some(Poll::Pending) if session.ack_marked(tag) => {
                 self.since.get_or_insert(began);
@@ -167,5 +191,60 @@ fn poll(job: &mut Job) -> Option<Poll<()>> {
             error!("a delivery panicked outside its handler's guard; it stays unresolved");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LONG: Duration = Duration::from_millis(3);
+    const SHORT: Duration = Duration::from_micros(5);
+
+    /// Notes `polls` first polls of `took`, each only when the delivery was polled here;
+    /// returns how many were.
+    fn run(weight: &mut Weight, polls: u32, took: Duration) -> u32 {
+        let mut here = 0;
+        for _ in 0..polls {
+            if weight.poll_here() {
+                weight.note(took);
+                here += 1;
+            }
+        }
+        here
+    }
+
+    #[test]
+    fn long_first_polls_send_deliveries_to_the_crew_but_one_in_probe() {
+        let mut weight = Weight::default();
+        assert_eq!(run(&mut weight, u32::from(LEAD), LONG), u32::from(LEAD));
+        assert_eq!(run(&mut weight, 10 * PROBE, LONG), 10);
+    }
+
+    #[test]
+    fn a_few_long_first_polls_among_short_ones_keep_handlers_light() {
+        let mut weight = Weight::default();
+        for _ in 0..100 {
+            run(&mut weight, 1, LONG);
+            run(&mut weight, 1, SHORT);
+        }
+        assert_eq!(
+            run(&mut weight, u32::from(LEAD) - 1, LONG),
+            u32::from(LEAD) - 1
+        );
+        assert!(
+            weight.poll_here(),
+            "seven long polls in a row are not a lead of eight"
+        );
+    }
+
+    #[test]
+    fn the_first_short_probe_ends_a_heavy_spell() {
+        let mut weight = Weight::default();
+        // However long the spell lasted.
+        run(&mut weight, 100 * PROBE, LONG);
+        // Deliveries until the probe go to the crew; the probe is short.
+        assert_eq!(run(&mut weight, PROBE, SHORT), 1);
+        assert_eq!(run(&mut weight, PROBE, SHORT), PROBE, "light again");
     }
 }
