@@ -75,7 +75,7 @@ pub(crate) struct Session {
 }
 
 /// How long ready ACKs wait, counted from when the oldest of them was marked.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug)]
 struct Pace {
     /// For others to share their frame.
     linger: Duration,
@@ -253,12 +253,12 @@ impl Session {
     /// above a delivery still being handled then wait [`ACK_HOLD`] more for it ([`Pace`]).
     ///
     /// So from its mark to its result a delivery waits at most the longer hold (5–6 ms in a
-    /// backlog, 2–3 ms otherwise) and a few polls. That is why the delivery executor can let a delivery in this section finish
-    /// when the abort comes. A delivery that marked its ACK during the consume loop's first poll
-    /// is parked there and polled again after the loop writes the parked ACKs
-    /// ([`crate::inline`]), which it does before it ends, so before any shutdown phase; one
-    /// whose ACK must wait for a delivery below it still being handled goes on on a task of its
-    /// own, within the same bound.
+    /// backlog, 2–3 ms otherwise) and a few polls. That is why the delivery executor can let a
+    /// delivery in this section finish when the abort comes. A delivery that marked its ACK
+    /// during the consume loop's first poll is parked there and polled again after the loop
+    /// writes the parked ACKs ([`crate::inline`]), which it does before it ends, so before any
+    /// shutdown phase; one whose ACK must wait for a delivery below it still being handled goes
+    /// on on a task of its own, within the same bound.
     ///
     /// A tag the window does not hold open (never delivered here, or settled already) is
     /// refused, and nothing is written for it.
