@@ -245,6 +245,9 @@ mod tests {
         run(&mut weight, 100 * PROBE, LONG);
         // Deliveries until the probe go to the crew; the probe is short.
         assert_eq!(run(&mut weight, PROBE, SHORT), 1);
-        assert_eq!(run(&mut weight, PROBE, SHORT), PROBE, "light again");
+        // Light again, and a new spell needs a new lead of LEAD long polls.
+        let below = u32::from(LEAD) - 1;
+        assert_eq!(run(&mut weight, below, LONG), below);
+        assert_eq!(run(&mut weight, PROBE, SHORT), PROBE);
     }
 }

@@ -74,9 +74,12 @@ pub(crate) struct Session {
     ended: CancellationToken,
 }
 
-/// How long ready ACKs wait, counted from when the oldest of them was marked.
+/// How long ready ACKs wait, counted from when the oldest of them was marked, and when waiting
+/// for more gains nothing; both depend on whether the work queue holds a backlog.
 #[derive(Clone, Copy, Debug)]
 struct Pace {
+    /// Whether the work queue held a backlog when last asked.
+    backlog: bool,
     /// For others to share their frame.
     linger: Duration,
     /// Above a delivery still being handled, for that one to settle; then they are written one
@@ -91,14 +94,27 @@ impl Pace {
     fn new(backlog: bool) -> Self {
         if backlog {
             Self {
+                backlog,
                 linger: BACKLOG_HOLD,
                 hold: BACKLOG_HOLD + ACK_HOLD,
             }
         } else {
             Self {
+                backlog,
                 linger: ACK_LINGER,
                 hold: ACK_HOLD,
             }
+        }
+    }
+
+    /// Whether the ready ACKs of `window` should be written before their due time: see
+    /// [`AckWindow::ripe`]. In a backlog more deliveries are coming even when none is open, so
+    /// only a full batch counts ([`AckWindow::full`]).
+    fn ripe(self, window: &AckWindow, batch: usize) -> bool {
+        if self.backlog {
+            window.full(batch)
+        } else {
+            window.ripe(batch)
         }
     }
 
@@ -288,12 +304,7 @@ impl Session {
                     return result;
                 }
                 let now = Instant::now();
-                // In a backlog more deliveries are coming even when none is open now.
-                let ripe = if self.backlogged() {
-                    acks.window.full(self.batch)
-                } else {
-                    acks.window.ripe(self.batch)
-                };
+                let ripe = Pace::new(self.backlogged()).ripe(&acks.window, self.batch);
                 match acks.due {
                     Some(due) if now < due && !ripe => due,
                     _ => {
