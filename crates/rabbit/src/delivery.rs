@@ -6,9 +6,9 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use lapin::message::Delivery;
-use lily_mq_core::machine::{Action, CopyOf, Delivery as Machine, Verdict};
+use lily_mq_core::machine::{Action, Arrival, CopyOf, Delivery as Machine, Verdict};
 use lily_mq_core::transport::{
-    Authority, EntryId, Evidence, Handoff, HandoffResult, Identity, SettleResult,
+    Authority, BoxedHandler, EntryId, Evidence, Handoff, HandoffResult, Identity, SettleResult,
 };
 use lily_mq_core::{Outcome, Reason};
 use tokio_util::sync::CancellationToken;
@@ -24,55 +24,28 @@ use crate::sync::lock;
 
 /// The whole work of one delivery of `session`, as a job the consume loop polls first and a
 /// crew worker finishes if need be.
+///
+/// The gate, dispatch and the delivery's ledger entry come first, here: the job holds what
+/// they made of the delivery instead of the delivery itself, which keeps it small (it is
+/// written into its box for every delivery), and a job dropped before its first poll is
+/// still in the ledger, so it is reported.
 pub(crate) fn job(shared: &Arc<Shared>, session: &Arc<Session>, delivery: Delivery) -> Job {
-    let (shared, session) = (Arc::clone(shared), Arc::clone(session));
-    Box::pin(async move { handle(&shared, session, delivery).await })
+    let arrived = arrive(shared, delivery);
+    Box::pin(handle(Arc::clone(shared), Arc::clone(session), arrived))
 }
 
-/// Settles one delivery. At shutdown's abort the work is dropped wherever it is, and its ledger
-/// entry stays open and is reported as aborted. There is one exception: a delivery whose ACK is
-/// marked ready is let finish, because its frame may be written already. That takes at most the
-/// ACK hold (5–6 ms while the queue holds a backlog, 2–3 ms otherwise) and a few polls, and the
-/// rest of its work is synchronous (see [`Session::ack`]).
-async fn handle(shared: &Arc<Shared>, session: Arc<Session>, delivery: Delivery) {
-    shared.metrics.in_flight.increment(1.0);
-    let acking = AtomicBool::new(false);
-    // Pinned here, in place: moving the large future into `until_abort` would make this task's
-    // state hold it twice.
-    let work = std::pin::pin!(settle_delivery(shared, session, delivery, &acking));
-    until_abort(work, &shared.signals.abort, &acking).await;
-    shared.metrics.in_flight.decrement(1.0);
+/// A delivery past the gate and dispatch, its ledger entry open.
+struct Arrived {
+    arrival: Arrival,
+    source: Source,
+    handler: Option<BoxedHandler>,
+    entry: EntryId,
+    delivery_tag: u64,
+    span: tracing::Span,
 }
 
-/// Runs `work` until it ends or `abort` fires, and then drops it unless `finishing` is set.
-async fn until_abort(
-    mut work: std::pin::Pin<&mut impl Future<Output = ()>>,
-    abort: &CancellationToken,
-    finishing: &AtomicBool,
-) {
-    // The work is polled first, so work that ends on its first poll never registers a waiter
-    // for the abort signal, and neither does work that is finishing: the abort lets it end.
-    let mut aborted = std::pin::pin!(abort.cancelled());
-    std::future::poll_fn(|cx| {
-        if work.as_mut().poll(cx).is_ready() {
-            return Poll::Ready(());
-        }
-        if finishing.load(Ordering::Acquire) {
-            // Its own wake-up brings it back.
-            return Poll::Pending;
-        }
-        // Once the abort fires, the work is dropped where it is.
-        aborted.as_mut().poll(cx)
-    })
-    .await;
-}
-
-async fn settle_delivery(
-    shared: &Arc<Shared>,
-    session: Arc<Session>,
-    delivery: Delivery,
-    acking: &AtomicBool,
-) {
+/// Runs the gate and dispatch over `delivery` and opens its ledger entry.
+fn arrive(shared: &Shared, delivery: Delivery) -> Arrived {
     let Delivery {
         delivery_tag,
         exchange,
@@ -124,29 +97,104 @@ async fn settle_delivery(
     if let (true, Some(id)) = (redelivered, valid_id) {
         arrival.local_requeues = Some(lock(&shared.books.requeues).get(id));
     }
-    let setup = Setup {
-        policy: &shared.config.policy,
-        scope: shared.scope.as_deref(),
-        hooks: &shared.hooks,
-        state: shared.router.state(),
-        handler_timeout: shared.config.handler_timeout,
-        handlers: &shared.signals.handlers,
-    };
-    count_redelivery(&setup, &mut arrival, &source).await;
-    let settler = session.settler(delivery_tag, &shared.publisher, &shared.signals.revoked);
-    let mut work = Work {
-        shared,
-        settler,
+    Arrived {
+        arrival,
+        source,
+        handler,
         entry,
-        message_id: valid_id,
-        source: &source,
-        acking,
-    };
-    let run = async {
-        let finished = execute(&setup, arrival, &source, handler.as_ref(), &mut work).await;
-        work.finish(&finished, &span);
-    };
-    run.instrument(span.clone()).await;
+        delivery_tag,
+        span,
+    }
+}
+
+/// Settles one delivery. At shutdown's abort the work is dropped wherever it is, and its ledger
+/// entry stays open and is reported as aborted. There is one exception: a delivery whose ACK is
+/// marked ready is let finish, because its frame may be written already. That takes at most the
+/// ACK hold (5–6 ms while the queue holds a backlog, 2–3 ms otherwise) and a few polls, and the
+/// rest of its work is synchronous (see [`Session::ack`]).
+///
+/// This and [`settle`] return `async` blocks rather than being `async fn`s: an `async fn`
+/// keeps its arguments twice in its future, once as passed and once as its own variables.
+#[expect(clippy::manual_async_fn, reason = "an async fn keeps its arguments twice")]
+fn handle(
+    shared: Arc<Shared>,
+    session: Arc<Session>,
+    arrived: Arrived,
+) -> impl Future<Output = ()> + Send {
+    async move {
+        shared.metrics.in_flight.increment(1.0);
+        let acking = AtomicBool::new(false);
+        // Pinned here, in place: moving the large future into `until_abort` would make this
+        // task's state hold it twice.
+        let work = std::pin::pin!(settle(&shared, session, arrived, &acking));
+        until_abort(work, &shared.signals.abort, &acking).await;
+        shared.metrics.in_flight.decrement(1.0);
+    }
+}
+
+/// Runs `work` until it ends or `abort` fires, and then drops it unless `finishing` is set.
+async fn until_abort(
+    mut work: std::pin::Pin<&mut impl Future<Output = ()>>,
+    abort: &CancellationToken,
+    finishing: &AtomicBool,
+) {
+    // The work is polled first, so work that ends on its first poll never registers a waiter
+    // for the abort signal, and neither does work that is finishing: the abort lets it end.
+    let mut aborted = std::pin::pin!(abort.cancelled());
+    std::future::poll_fn(|cx| {
+        if work.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(());
+        }
+        if finishing.load(Ordering::Acquire) {
+            // Its own wake-up brings it back.
+            return Poll::Pending;
+        }
+        // Once the abort fires, the work is dropped where it is.
+        aborted.as_mut().poll(cx)
+    })
+    .await;
+}
+
+/// Runs the delivery's machine to its outcome and records it.
+#[expect(clippy::manual_async_fn, reason = "an async fn keeps its arguments twice")]
+fn settle<'a>(
+    shared: &'a Arc<Shared>,
+    session: Arc<Session>,
+    mut arrived: Arrived,
+    acking: &'a AtomicBool,
+) -> impl Future<Output = ()> + Send + 'a {
+    async move {
+        let setup = Setup {
+            policy: &shared.config.policy,
+            scope: shared.scope.as_deref(),
+            hooks: &shared.hooks,
+            state: shared.router.state(),
+            handler_timeout: shared.config.handler_timeout,
+            handlers: &shared.signals.handlers,
+        };
+        count_redelivery(&setup, &mut arrived.arrival, &arrived.source).await;
+        let settler = session.settler(
+            arrived.delivery_tag,
+            &shared.publisher,
+            &shared.signals.revoked,
+        );
+        let source = &arrived.source;
+        let mut work = Work {
+            shared,
+            settler,
+            entry: arrived.entry,
+            message_id: source.message_id(&shared.config.limits),
+            source,
+            acking,
+        };
+        let span = &arrived.span;
+        let run = async {
+            let handler = arrived.handler.as_ref();
+            let finished = execute(&setup, arrived.arrival, source, handler, &mut work).await;
+            work.finish(&finished, span);
+        };
+        run.instrument(span.clone()).await;
+    }
 }
 
 struct Work<'a> {

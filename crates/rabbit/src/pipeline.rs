@@ -100,23 +100,43 @@ pub(crate) async fn run(
     }
 }
 
-/// `tokio::time::timeout`, but the future is polled once before a timer is armed: most
-/// handlers and every ACK write finish on their first poll, and a timer costs a clock read and
-/// a wheel entry.
-pub(crate) async fn within<F: Future>(
-    limit: Duration,
-    future: F,
-) -> Result<F::Output, tokio::time::error::Elapsed> {
-    let mut future = std::pin::pin!(future);
-    match poll_once(future.as_mut()).await {
-        Poll::Ready(output) => Ok(output),
-        // Boxed: only slow futures get here, and an inline timer would grow every task.
-        Poll::Pending => Box::pin(tokio::time::timeout(limit, future)).await,
+/// `tokio::time::timeout`, but the timer is armed only once `future` is pending: most handlers
+/// finish on their first poll, and a timer costs a clock read and a wheel entry. Each poll
+/// polls `future` once, so a handler that yields gives the thread up.
+pub(crate) fn within<F: Future + Unpin>(limit: Duration, future: F) -> Within<F> {
+    Within {
+        future,
+        limit,
+        timer: None,
     }
 }
 
-async fn poll_once<F: Future>(mut future: Pin<&mut F>) -> Poll<F::Output> {
-    std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await
+/// The future of [`within`].
+pub(crate) struct Within<F> {
+    future: F,
+    limit: Duration,
+    /// Boxed: only slow futures arm it, and an inline timer would grow every delivery's future.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+/// [`within`]'s limit passed before its future finished.
+#[derive(Debug)]
+pub(crate) struct Elapsed;
+
+impl<F: Future + Unpin> Future for Within<F> {
+    type Output = Result<F::Output, Elapsed>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        if let Poll::Ready(output) = Pin::new(&mut this.future).poll(cx) {
+            return Poll::Ready(Ok(output));
+        }
+        let limit = this.limit;
+        let timer = this
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        timer.as_mut().poll(cx).map(|()| Err(Elapsed))
+    }
 }
 
 fn failed(err: &lily_mq_core::QueueHandlerError) -> PipelineResult {
@@ -229,6 +249,22 @@ mod tests {
 
     fn calls(recorder: &Recorder) -> Vec<String> {
         recorder.calls.lock().unwrap().clone()
+    }
+
+    #[tokio::test]
+    async fn a_future_that_yields_gives_the_thread_up() {
+        let yielding = Box::pin(tokio::task::yield_now());
+        let mut within = std::pin::pin!(within(Duration::from_secs(5), yielding));
+        // Polled once, not again at once behind the timer it armed.
+        assert!(crate::session::first_poll(within.as_mut()).is_pending());
+        assert!(matches!(within.await, Ok(())));
+    }
+
+    #[tokio::test]
+    async fn a_future_past_its_limit_has_elapsed() {
+        let stuck = std::future::pending::<()>();
+        let limit = Duration::from_millis(20);
+        assert!(matches!(within(limit, stuck).await, Err(Elapsed)));
     }
 
     #[tokio::test]
