@@ -115,7 +115,10 @@ fn arrive(shared: &Shared, delivery: Delivery) -> Arrived {
 ///
 /// This and [`settle`] return `async` blocks rather than being `async fn`s: an `async fn`
 /// keeps its arguments twice in its future, once as passed and once as its own variables.
-#[expect(clippy::manual_async_fn, reason = "an async fn keeps its arguments twice")]
+#[expect(
+    clippy::manual_async_fn,
+    reason = "an async fn keeps its arguments twice"
+)]
 fn handle(
     shared: Arc<Shared>,
     session: Arc<Session>,
@@ -156,7 +159,10 @@ async fn until_abort(
 }
 
 /// Runs the delivery's machine to its outcome and records it.
-#[expect(clippy::manual_async_fn, reason = "an async fn keeps its arguments twice")]
+#[expect(
+    clippy::manual_async_fn,
+    reason = "an async fn keeps its arguments twice"
+)]
 fn settle<'a>(
     shared: &'a Arc<Shared>,
     session: Arc<Session>,
