@@ -1,5 +1,6 @@
 //! One delivery: gate, dispatch, pipeline, decision and settlement.
 
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::Poll;
@@ -12,7 +13,7 @@ use lily_mq_core::transport::{
 };
 use lily_mq_core::{Outcome, Reason};
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, debug, info, info_span, warn};
+use tracing::{Instrument, debug, error, info, info_span, warn};
 
 use crate::admit::{Admitted, CopyFacts, Raw, Source, admit, epoch_millis};
 use crate::crew::Job;
@@ -29,9 +30,26 @@ use crate::sync::lock;
 /// they made of the delivery instead of the delivery itself, which keeps it small (it is
 /// written into its box for every delivery), and a job dropped before its first poll is
 /// still in the ledger, so it is reported.
-pub(crate) fn job(shared: &Arc<Shared>, session: &Arc<Session>, delivery: Delivery) -> Job {
-    let arrived = arrive(shared, delivery);
-    Box::pin(handle(Arc::clone(shared), Arc::clone(session), arrived))
+///
+/// A panic in that first part is a bug in Lily, as one outside the handler's guard is when the
+/// job is polled (see [`crate::inline`]): it is logged, the consume loop goes on, and there is
+/// no job. The delivery stays unsettled, and the broker delivers it again once the channel
+/// closes.
+pub(crate) fn job(shared: &Arc<Shared>, session: &Arc<Session>, delivery: Delivery) -> Option<Job> {
+    let arrived = match catch_unwind(AssertUnwindSafe(|| arrive(shared, delivery))) {
+        Ok(arrived) => arrived,
+        Err(_) => {
+            error!(
+                "a delivery panicked at the gate, outside its handler's guard; it stays unsettled"
+            );
+            return None;
+        }
+    };
+    Some(Box::pin(handle(
+        Arc::clone(shared),
+        Arc::clone(session),
+        arrived,
+    )))
 }
 
 /// A delivery past the gate and dispatch, its ledger entry open.

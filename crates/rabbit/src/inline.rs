@@ -30,7 +30,9 @@
 //! A handler that computes for long without waiting would keep every delivery on the loop's
 //! one thread. So the loop counts its first polls that took longer than [`HEAVY`] against those
 //! that did not; while the long ones lead by [`LEAD`], deliveries go to the crew unpolled, to
-//! run in parallel on every worker thread, and one in [`PROBE`] is still polled here: the first
+//! run in parallel on every worker thread (their gate, dispatch and ledger entry, a few
+//! microseconds, still run here, see [`crate::delivery::job`]), and one in [`PROBE`] is still
+//! polled here: the first
 //! such probe that is short ends the spell. A count, not an average: on a busy node the thread
 //! is sometimes descheduled in the middle of a poll, and one such poll must not look like a
 //! heavy handler. Nor must a burst of them keep light handlers off the loop for long: a spell
@@ -49,9 +51,10 @@ use crate::crew::Job;
 use crate::session::{BACKLOG_HOLD, Sending, Session, first_poll};
 
 /// A first poll longer than this is worth a hand-off to another thread. An unoptimised build
-/// runs Lily's own share of every first poll many times slower (20–50 µs for a handler that
-/// only records its call, in this project's tests), so there a handler counts as heavy from
-/// ten times as long; at 50 µs, light handlers were taken for heavy ones there.
+/// runs Lily's own share of every delivery many times slower (a first poll took 20–50 µs for a
+/// handler that only records its call, in this project's tests, while the gate still ran in
+/// it), so there a handler counts as heavy from ten times as long; at 50 µs, light handlers
+/// were taken for heavy ones there.
 const HEAVY: Duration = Duration::from_micros(if cfg!(debug_assertions) { 500 } else { 50 });
 
 /// How far the long first polls must lead the short ones for handlers to count as heavy.

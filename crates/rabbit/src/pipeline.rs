@@ -9,6 +9,8 @@ use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
 
+use tokio::task::coop;
+
 use lily_mq_core::transport::{BoxedHandler, CleanupResult, DeliveryCancel, PipelineResult};
 use lily_mq_core::{Context, DynHook, Incoming, Meta, Reason, Resources};
 
@@ -128,6 +130,7 @@ impl<F: Future + Unpin> Future for Within<F> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
+        let had_budget = coop::has_budget_remaining();
         if let Poll::Ready(output) = Pin::new(&mut this.future).poll(cx) {
             return Poll::Ready(Ok(output));
         }
@@ -135,7 +138,15 @@ impl<F: Future + Unpin> Future for Within<F> {
         let timer = this
             .timer
             .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
-        timer.as_mut().poll(cx).map(|()| Err(Elapsed))
+        // A timer polled without budget left never fires: a handler that spends the task's
+        // whole budget on every poll would never time out. As `tokio::time::timeout` does, the
+        // timer is then polled outside the budget.
+        let elapsed = if had_budget && !coop::has_budget_remaining() {
+            std::pin::pin!(coop::unconstrained(timer.as_mut())).poll(cx)
+        } else {
+            timer.as_mut().poll(cx)
+        };
+        elapsed.map(|()| Err(Elapsed))
     }
 }
 
@@ -265,6 +276,23 @@ mod tests {
         let stuck = std::future::pending::<()>();
         let limit = Duration::from_millis(20);
         assert!(matches!(within(limit, stuck).await, Err(Elapsed)));
+    }
+
+    /// Spends the task's whole budget on every poll and never finishes, as a handler draining
+    /// a channel that is never empty does.
+    fn greedy() -> impl Future<Output = ()> + Unpin {
+        std::future::poll_fn(|cx| {
+            while std::pin::pin!(coop::consume_budget()).poll(cx).is_ready() {}
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        })
+    }
+
+    #[tokio::test]
+    async fn a_future_that_spends_the_whole_budget_still_times_out() {
+        let limit = Duration::from_millis(20);
+        let outcome = tokio::time::timeout(Duration::from_secs(5), within(limit, greedy())).await;
+        assert!(matches!(outcome, Ok(Err(Elapsed))), "the limit never fired");
     }
 
     #[tokio::test]

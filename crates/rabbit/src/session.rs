@@ -698,8 +698,9 @@ pub(crate) async fn consume(
             Some(Some(Ok(delivery))) => {
                 let tag = delivery.delivery_tag;
                 session.delivered(tag);
-                let job = crate::delivery::job(shared, &session, delivery);
-                match inline.start(job, &session, tag) {
+                match crate::delivery::job(shared, &session, delivery)
+                    .and_then(|job| inline.start(job, &session, tag))
+                {
                     Some(job) => hired.assign(job),
                     None => worker = Some(hired),
                 }
