@@ -188,14 +188,13 @@ fn settle<'a>(
     acking: &'a AtomicBool,
 ) -> impl Future<Output = ()> + Send + 'a {
     async move {
-        let setup = Setup {
-            policy: &shared.config.policy,
-            scope: shared.scope.as_deref(),
-            hooks: &shared.hooks,
-            state: shared.router.state(),
-            handler_timeout: shared.config.handler_timeout,
-            handlers: &shared.signals.handlers,
-        };
+        let setup = Setup::new(
+            &shared.config,
+            &shared.router,
+            &shared.hooks,
+            shared.scope.as_deref(),
+            &shared.signals.handlers,
+        );
         count_redelivery(&setup, &mut arrived.arrival, &arrived.source).await;
         let settler = session.settler(
             arrived.delivery_tag,

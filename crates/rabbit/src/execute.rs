@@ -12,12 +12,13 @@ use lily_mq_core::transport::{
     Authority, BoxedHandler, DeliveryCancel, Handoff, HandoffResult, SettleResult,
 };
 use lily_mq_core::{
-    Begin, DynHook, Lane, Meta, Outcome, Policy, Reason, Resources, TransactionalScope,
+    Begin, DynHook, Lane, Meta, Outcome, Policy, Reason, Resources, Router, TransactionalScope,
 };
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::admit::Source;
+use crate::config::ConsumerConfig;
 use crate::pipeline;
 
 /// What carrying out a delivery's actions takes besides the scope and the handler.
@@ -65,6 +66,27 @@ pub(crate) struct Setup<'a> {
     pub(crate) handler_timeout: Duration,
     /// Parent of each handler's cancellation token.
     pub(crate) handlers: &'a CancellationToken,
+}
+
+impl<'a> Setup<'a> {
+    /// What `config`, `router`, `hooks` and `scope` give each delivery; `handlers` is the parent
+    /// of each handler's cancellation token.
+    pub(crate) fn new(
+        config: &'a ConsumerConfig,
+        router: &'a Router,
+        hooks: &'a [Arc<dyn DynHook>],
+        scope: Option<&'a dyn TransactionalScope>,
+        handlers: &'a CancellationToken,
+    ) -> Self {
+        Self {
+            policy: &config.policy,
+            scope,
+            hooks,
+            state: router.state(),
+            handler_timeout: config.handler_timeout,
+            handlers,
+        }
+    }
 }
 
 /// How a delivery ended.

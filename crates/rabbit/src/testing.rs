@@ -165,14 +165,13 @@ impl TestConsumer {
             arrival.local_requeues = Some(lock(&self.requeues).get(id));
         }
         let shutdown = CancellationToken::new();
-        let setup = Setup {
-            policy: &self.config.policy,
-            scope: self.scope.as_deref(),
-            hooks: &self.hooks,
-            state: self.router.state(),
-            handler_timeout: self.config.handler_timeout,
-            handlers: &shutdown,
-        };
+        let setup = Setup::new(
+            &self.config,
+            &self.router,
+            &self.hooks,
+            self.scope.as_deref(),
+            &shutdown,
+        );
         count_redelivery(&setup, &mut arrival, &source).await;
         let mut recorder = Recorder {
             consumer: self,
