@@ -6,7 +6,7 @@
 //! scripts/bench.sh throughput [--messages N] [--reps R] [--quick]
 //!                             [--paths success,handoff] [--queues classic,quorum]
 //!                             [--prefetch 50,500] [--contenders raw-batch,ceiling,lily,raw,peer,raw-tasks]
-//!                             [--out DIR]
+//!                             [--start-reps S] [--out DIR]
 //! ```
 //!
 //! - Success path: N 512-byte JSON messages deserialized and settled by (a) `raw-batch`, hand-tuned
@@ -22,14 +22,16 @@
 //!   to its retry bucket. The bucket delays 10 minutes so the copies stay parked.
 //!
 //! Each run re-creates the topology, publishes N messages (not timed), then times from consumer
-//! start until N are settled. Results go to `target/bench/throughput.{json,md,svg}`.
+//! start until N are settled. Then each success-path contender starts `--start-reps` times (5
+//! unless told) per queue type with one message waiting: its start, which every run above
+//! includes. Results go to `target/bench/throughput.{json,md,svg}`.
 
 use std::path::PathBuf;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use lily::prelude::QueueKind;
 use lily::rabbit::Topology;
-use lily_mq_bench::throughput::report::{self, CaseResult, Results};
+use lily_mq_bench::throughput::report::{self, CaseResult, Results, Start};
 use lily_mq_bench::throughput::{
     Contender, CpuMeter, HANDOFF_DELAY, Path, Sample, broker_version, depth, lily_run,
     load_average, peer, raw, revision,
@@ -45,6 +47,7 @@ struct Args {
     /// Empty: each path's defaults.
     contenders: Vec<Contender>,
     quick: bool,
+    start_reps: u32,
     out: PathBuf,
 }
 
@@ -62,7 +65,7 @@ impl Args {
 
 const USAGE: &str = "usage: throughput [--messages N] [--reps R] [--quick] \
     [--paths success,handoff] [--queues classic,quorum] [--prefetch 50,500] \
-    [--contenders raw-batch,ceiling,lily,raw,peer,raw-tasks] [--out DIR]";
+    [--contenders raw-batch,ceiling,lily,raw,peer,raw-tasks] [--start-reps S] [--out DIR]";
 
 fn parse_args() -> Args {
     let mut args = Args {
@@ -73,6 +76,7 @@ fn parse_args() -> Args {
         prefetches: vec![50, 500],
         contenders: Vec::new(),
         quick: false,
+        start_reps: 5,
         out: PathBuf::from("target/bench"),
     };
     let mut explicit = (false, false);
@@ -141,6 +145,11 @@ fn parse_args() -> Args {
                             .unwrap_or_else(|| fail(format!("unknown contender {c}")))
                     })
                     .collect();
+            }
+            "--start-reps" => {
+                args.start_reps = value()
+                    .parse()
+                    .unwrap_or_else(|e| fail(format!("--start-reps: {e}")));
             }
             "--out" => args.out = PathBuf::from(value()),
             "--help" | "-h" => {
@@ -277,6 +286,7 @@ async fn main() {
                 .into(),
         ],
         cases: Vec::new(),
+        starts: Vec::new(),
     };
     println!(
         "Lily throughput benchmark: {}; {} messages a run, {} repetition(s)",
@@ -331,6 +341,29 @@ async fn main() {
                     ratios.join(", ")
                 );
                 results.cases.push(case);
+            }
+        }
+    }
+    if args.paths.contains(&Path::Success) && args.start_reps > 0 {
+        let prefetch = args.prefetches.first().copied().unwrap_or(50);
+        for &kind in &args.kinds {
+            let who_runs = args.contenders(Path::Success);
+            let mut samples: Vec<Vec<Sample>> = who_runs.iter().map(|_| Vec::new()).collect();
+            for _ in 0..args.start_reps {
+                for (&who, runs) in who_runs.iter().zip(&mut samples) {
+                    runs.push(run_once(&url, &body, Path::Success, kind, prefetch, who, 1).await);
+                }
+            }
+            for (&who, runs) in who_runs.iter().zip(&samples) {
+                let start = Start::new(kind_name(kind), who, runs);
+                eprintln!(
+                    "  start {} {:<16} {:.1} ms (median of {})",
+                    kind_name(kind),
+                    who.name(),
+                    start.median_ms,
+                    runs.len()
+                );
+                results.starts.push(start);
             }
         }
     }

