@@ -196,9 +196,8 @@ impl Confirms {
     pub(crate) async fn check_write(&self) -> lapin::Result<()> {
         let connection = self.link.connection().await?;
         let channel = confirm_channel(&connection).await?;
-        probe(&channel).await?;
-        let _ = channel.close(200, "write checked".into()).await;
-        Ok(())
+        // Dropping the channel closes it without waiting for the broker's close-ok.
+        probe(&channel).await
     }
 
     /// A fresh id for the next publish to carry in the role's id header.

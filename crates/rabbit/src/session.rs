@@ -584,7 +584,8 @@ async fn declare(shared: &Shared) -> Result<Connection, SessionError> {
     if let Applied::ExistenceOnly(missing) = applied {
         warn!(queue = %shared.queue, lacks = %missing, "topology verified by existence only: the queues' arguments (type, dead-lettering, TTLs) were not checked");
     }
-    let _ = setup.close(200, "topology ready".into()).await;
+    // Dropping the channel closes it without waiting for the broker's close-ok.
+    drop(setup);
     Ok(connection)
 }
 
