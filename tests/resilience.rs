@@ -206,6 +206,32 @@ async fn confirmed_handoff_with_unconfirmed_ack_is_unresolved_and_keeps_the_hand
     );
 }
 
+/// The start declares the topology and checks that the handoff connection may publish, each on
+/// a channel of its own, and drops those channels without waiting for the broker's close-ok:
+/// once started, the consuming connection holds its consuming channel only, and the handoff
+/// connection holds none until a handoff opens one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_start_leaves_no_setup_or_probe_channel_open() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("start-channels");
+    let router = Router::new().route("order.placed", |_: Meta| async { Ok(()) });
+    let running = start(broker.url(), config(&queue, QueueKind::Quorum), router);
+    running.wait_ready().await;
+    let consuming = format!("lily:{queue}:consuming");
+    let handoffs = format!("lily:{queue}:handoffs");
+    let settled = eventually(Duration::from_secs(5), || {
+        broker.channels_of(&consuming) == Some(1) && broker.channels_of(&handoffs) == Some(0)
+    })
+    .await;
+    assert!(
+        settled,
+        "channels open after the start: consuming {:?}, handoffs {:?}",
+        broker.channels_of(&consuming),
+        broker.channels_of(&handoffs)
+    );
+    running.stop().await;
+}
+
 /// A consumer that stops with an error after it started (Verify mode, and the topology it
 /// verified is gone when it reconnects) closes its handoff connection on the way out, even
 /// while something (a health endpoint) still holds its stats.
