@@ -259,7 +259,9 @@ async fn main() {
         wall_secs: 0.0,
         notes: vec![
             "Time runs from consumer start (connect included) until N messages are settled; \
-             publishing the N messages before each run is not timed."
+             publishing the N messages before each run is not timed. The steady rate leaves the \
+             start out: N over the time from the first delivery that reached the contender's \
+             own code (its loop, or Lily's handler) until N were settled."
                 .into(),
             "raw-batch (success): serde_json::from_slice, then one basic.ack with multiple = true \
              every prefetch/2 deliveries (awaited). ceiling: the same loop consuming with \

@@ -1,5 +1,6 @@
 //! Lily contenders: a handler doing the same work, settled by Lily.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lily::prelude::{
@@ -7,7 +8,7 @@ use lily::prelude::{
 };
 
 use crate::Order;
-use crate::throughput::{FAILURE_REASON, HANDOFF_DELAY, POLL, Sample, run_limit};
+use crate::throughput::{FAILURE_REASON, FirstDelivery, HANDOFF_DELAY, POLL, Sample, run_limit};
 
 /// Retry delays of the success path (Lily's default policy): its topology is the same for every
 /// contender.
@@ -32,30 +33,40 @@ fn config(queue: &str, kind: QueueKind, prefetch: u16, policy: Policy) -> Consum
 
 /// Consumes `n` messages with a handler that deserializes and succeeds.
 pub async fn success(url: &str, queue: &str, kind: QueueKind, prefetch: u16, n: u64) -> Sample {
-    let router = Router::new().route("order.placed", |Json(o): Json<Order>| async move {
-        std::hint::black_box(o);
-        Ok(())
+    let first = Arc::new(FirstDelivery::new());
+    let seen = Arc::clone(&first);
+    let router = Router::new().route("order.placed", move |Json(o): Json<Order>| {
+        seen.get_or_init(Instant::now);
+        async move {
+            std::hint::black_box(o);
+            Ok(())
+        }
     });
     let consumer = Consumer::new(
         url,
         config(queue, kind, prefetch, Policy::default()),
         router,
     );
-    measure(consumer, n, false).await
+    measure(consumer, n, false, &first).await
 }
 
 /// Consumes `n` messages with a handler that deserializes and fails retryably: Lily hands each
 /// off to the retry bucket (confirmed) and ACKs it.
 pub async fn handoff(url: &str, queue: &str, kind: QueueKind, prefetch: u16, n: u64) -> Sample {
-    let router = Router::new().route("order.placed", |Json(o): Json<Order>| async move {
-        std::hint::black_box(o);
-        Err::<(), _>(QueueHandlerError::retryable(FAILURE_REASON))
+    let first = Arc::new(FirstDelivery::new());
+    let seen = Arc::clone(&first);
+    let router = Router::new().route("order.placed", move |Json(o): Json<Order>| {
+        seen.get_or_init(Instant::now);
+        async move {
+            std::hint::black_box(o);
+            Err::<(), _>(QueueHandlerError::retryable(FAILURE_REASON))
+        }
     });
     let consumer = Consumer::new(url, config(queue, kind, prefetch, handoff_policy()), router);
-    measure(consumer, n, true).await
+    measure(consumer, n, true, &first).await
 }
 
-async fn measure(consumer: Consumer, n: u64, retried: bool) -> Sample {
+async fn measure(consumer: Consumer, n: u64, retried: bool, first: &FirstDelivery) -> Sample {
     let stats = consumer.stats();
     let shutdown = Shutdown::default();
     let started = Instant::now();
@@ -89,5 +100,5 @@ async fn measure(consumer: Consumer, n: u64, retried: bool) -> Sample {
     if other > 0 {
         eprintln!("Lily: unexpected outcomes {totals:?}");
     }
-    Sample::new(count, n, elapsed)
+    Sample::new(count, n, elapsed).first_seen(started, first)
 }

@@ -2,7 +2,7 @@
 //! and ruststream-lapin on the success path, and against pipelined and batched raw handoffs.
 //! `src/bin/throughput.rs` drives it.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -40,6 +40,12 @@ pub struct Sample {
     /// Ready messages left in the work queue after the contender stopped (should be 0; more
     /// means deliveries counted as settled were requeued when it closed).
     pub left_in_queue: Option<u32>,
+    /// Seconds from consumer start until the first delivery reached the contender's own code
+    /// (its loop, or Lily's handler): connect, topology and consume, the start.
+    pub first_delivery_secs: Option<f64>,
+    /// `settled` over the seconds from the first delivery on: the steady rate, the start left
+    /// out (it is measured on its own, see `report::Start`).
+    pub steady_msgs_per_sec: Option<f64>,
 }
 
 impl Sample {
@@ -60,9 +66,31 @@ impl Sample {
             client_cpu_us_per_msg: None,
             broker_cpu_us_per_msg: None,
             left_in_queue: None,
+            first_delivery_secs: None,
+            steady_msgs_per_sec: None,
         }
     }
+
+    /// Adds when the first delivery of a run that started at `started` was seen, and the steady
+    /// rate from then on.
+    pub fn first_seen(mut self, started: Instant, first: &FirstDelivery) -> Self {
+        let Some(&first) = first.get() else {
+            return self;
+        };
+        let before = first.saturating_duration_since(started).as_secs_f64();
+        let after = self.secs - before;
+        self.first_delivery_secs = Some(before);
+        #[allow(clippy::cast_precision_loss)]
+        if after > 0.0 {
+            self.steady_msgs_per_sec = Some(self.settled as f64 / after);
+        }
+        self
+    }
 }
+
+/// When a run's first delivery reached the contender's own code; every contender sets it the
+/// same way, `get_or_init(Instant::now)` for each delivery.
+pub type FirstDelivery = std::sync::OnceLock<Instant>;
 
 /// Which path a case measures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

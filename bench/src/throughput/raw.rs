@@ -13,7 +13,7 @@ use tokio::task::JoinSet;
 
 use crate::Order;
 use crate::throughput::copy::retry_properties;
-use crate::throughput::{FAILURE_REASON, Sample, run_limit};
+use crate::throughput::{FAILURE_REASON, FirstDelivery, Sample, run_limit};
 
 /// Deserializes `delivery`, publishes its retry copy to `bucket` (mandatory, persistent, Lily's
 /// failure headers) on `confirms`, awaits that copy's own confirm (a returned copy fails), then
@@ -117,6 +117,7 @@ async fn close(connection: Connection, channel: Channel, consumer: &lapin::Consu
 /// Consumes `n` messages one after the other: deserialize, then ACK (awaited).
 pub async fn success(url: &str, queue: &str, prefetch: u16, n: u64) -> Sample {
     let started = Instant::now();
+    let first = FirstDelivery::new();
     let (connection, channel, mut consumer) = open(url, queue, prefetch).await;
     let mut settled = 0;
     let limit = run_limit(n);
@@ -124,6 +125,7 @@ pub async fn success(url: &str, queue: &str, prefetch: u16, n: u64) -> Sample {
         let Some(delivery) = next_within(&mut consumer, limit).await else {
             break;
         };
+        first.get_or_init(Instant::now);
         let order: Order = serde_json::from_slice(&delivery.data).expect("order");
         std::hint::black_box(order);
         delivery
@@ -135,13 +137,14 @@ pub async fn success(url: &str, queue: &str, prefetch: u16, n: u64) -> Sample {
     }
     let elapsed = started.elapsed();
     close(connection, channel, &consumer).await;
-    Sample::new(settled, n, elapsed)
+    Sample::new(settled, n, elapsed).first_seen(started, &first)
 }
 
 /// Consumes `n` messages as an expert tunes it: deserialize each, and ACK with `multiple` every
 /// `prefetch / 2` deliveries (the rest at the end), so the broker's window never runs dry.
 pub async fn success_batch(url: &str, queue: &str, prefetch: u16, n: u64) -> Sample {
     let started = Instant::now();
+    let first = FirstDelivery::new();
     let (connection, channel, mut consumer) = open(url, queue, prefetch).await;
     let batch = u64::from((prefetch / 2).max(1));
     let (mut settled, mut unacked) = (0, 0);
@@ -150,6 +153,7 @@ pub async fn success_batch(url: &str, queue: &str, prefetch: u16, n: u64) -> Sam
         let Some(delivery) = next_within(&mut consumer, limit).await else {
             break;
         };
+        first.get_or_init(Instant::now);
         let order: Order = serde_json::from_slice(&delivery.data).expect("order");
         std::hint::black_box(order);
         unacked += 1;
@@ -164,13 +168,14 @@ pub async fn success_batch(url: &str, queue: &str, prefetch: u16, n: u64) -> Sam
     }
     let elapsed = started.elapsed();
     close(connection, channel, &consumer).await;
-    Sample::new(settled, n, elapsed)
+    Sample::new(settled, n, elapsed).first_seen(started, &first)
 }
 
 /// Consumes `n` messages with `no_ack`: the broker settles each as it sends it, so nothing that
 /// settles can be faster on this node. The same deserialization as every other contender.
 pub async fn ceiling(url: &str, queue: &str, prefetch: u16, n: u64) -> Sample {
     let started = Instant::now();
+    let first = FirstDelivery::new();
     // The broker ignores the prefetch of a no-ack consumer; it is set as for the others.
     let (connection, channel, mut consumer) = open_with(url, queue, prefetch, true).await;
     let mut settled = 0;
@@ -179,19 +184,21 @@ pub async fn ceiling(url: &str, queue: &str, prefetch: u16, n: u64) -> Sample {
         let Some(delivery) = next_within(&mut consumer, limit).await else {
             break;
         };
+        first.get_or_init(Instant::now);
         let order: Order = serde_json::from_slice(&delivery.data).expect("order");
         std::hint::black_box(order);
         settled += 1;
     }
     let elapsed = started.elapsed();
     close(connection, channel, &consumer).await;
-    Sample::new(settled, n, elapsed)
+    Sample::new(settled, n, elapsed).first_seen(started, &first)
 }
 
 /// Consumes `n` messages with a task per delivery (deserialize, then ACK), so ACKs overlap the
 /// way Lily's concurrent deliveries do: the stricter baseline for Lily's success path.
 pub async fn success_concurrent(url: &str, queue: &str, prefetch: u16, n: u64) -> Sample {
     let started = Instant::now();
+    let first = FirstDelivery::new();
     let (connection, channel, mut consumer) = open(url, queue, prefetch).await;
     let mut tasks = JoinSet::new();
     let (mut settled, mut failed, mut received) = (0, 0, 0);
@@ -200,6 +207,7 @@ pub async fn success_concurrent(url: &str, queue: &str, prefetch: u16, n: u64) -
         let Some(delivery) = next_within(&mut consumer, limit).await else {
             break;
         };
+        first.get_or_init(Instant::now);
         received += 1;
         tasks.spawn(async move {
             let order: Order = serde_json::from_slice(&delivery.data).expect("order");
@@ -215,7 +223,7 @@ pub async fn success_concurrent(url: &str, queue: &str, prefetch: u16, n: u64) -
     }
     let elapsed = started.elapsed();
     close(connection, channel, &consumer).await;
-    Sample::new(settled, n, elapsed)
+    Sample::new(settled, n, elapsed).first_seen(started, &first)
 }
 
 fn tally(result: Result<bool, tokio::task::JoinError>, settled: &mut u64, failed: &mut u64) {
@@ -231,6 +239,7 @@ fn tally(result: Result<bool, tokio::task::JoinError>, settled: &mut u64, failed
 /// pipeline across the deliveries in flight (up to `prefetch`).
 pub async fn handoff(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64) -> Sample {
     let started = Instant::now();
+    let first = FirstDelivery::new();
     let (connection, channel, mut consumer) = open(url, queue, prefetch).await;
     let confirms = connection.create_channel().await.expect("channel");
     confirms
@@ -248,6 +257,7 @@ pub async fn handoff(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64
         let Some(delivery) = next_within(&mut consumer, limit).await else {
             break;
         };
+        first.get_or_init(Instant::now);
         received += 1;
         let confirms = confirms.clone();
         let bucket = bucket.clone();
@@ -268,7 +278,7 @@ pub async fn handoff(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64
     }
     let _ = confirms.close(200, "done".into()).await;
     close(connection, channel, &consumer).await;
-    Sample::new(settled, n, elapsed)
+    Sample::new(settled, n, elapsed).first_seen(started, &first)
 }
 
 /// Consumes `n` messages, each failing once, as a hand-tuned publisher batches confirms: the
@@ -279,6 +289,7 @@ pub async fn handoff(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64
 /// copy's original is NACKed and requeued).
 pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64) -> Sample {
     let started = Instant::now();
+    let first = FirstDelivery::new();
     let (connection, channel, mut consumer) = open(url, queue, prefetch).await;
     let confirms = connection.create_channel().await.expect("channel");
     confirms
@@ -338,6 +349,7 @@ pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, 
         let Some(delivery) = next_within(&mut consumer, limit).await else {
             break;
         };
+        first.get_or_init(Instant::now);
         received += 1;
         let order: Order = serde_json::from_slice(&delivery.data).expect("order");
         std::hint::black_box(order);
@@ -379,5 +391,5 @@ pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, 
     }
     let _ = confirms.close(200, "done".into()).await;
     close(connection, channel, &consumer).await;
-    Sample::new(settled, n, elapsed)
+    Sample::new(settled, n, elapsed).first_seen(started, &first)
 }

@@ -62,6 +62,8 @@ pub struct Runs {
     pub client_cpu_us_per_msg: Option<f64>,
     /// Median broker CPU µs per message (the Erlang VM).
     pub broker_cpu_us_per_msg: Option<f64>,
+    /// Median steady rate: messages over the time from the first delivery on.
+    pub median_steady_msgs_per_sec: Option<f64>,
 }
 
 /// Lily's median over another contender's, and the target where that contender is a bar.
@@ -71,6 +73,20 @@ pub struct Ratio {
     pub value: f64,
     pub target: Option<f64>,
     pub met: Option<bool>,
+    /// Lily's rate over the other's in each repetition (the two ran one after the other): the
+    /// spread of `value`.
+    pub runs: Vec<f64>,
+    /// The same over the steady rates (from each one's first delivery on), if both have them.
+    pub steady: Option<f64>,
+    pub steady_runs: Vec<f64>,
+}
+
+/// Each repetition's `lily / other` of `rate`, where both have it.
+fn paired(lily: &[Sample], other: &[Sample], rate: impl Fn(&Sample) -> Option<f64>) -> Vec<f64> {
+    lily.iter()
+        .zip(other)
+        .filter_map(|(l, o)| Some(rate(l)? / rate(o)?))
+        .collect()
 }
 
 /// One path × queue type × prefetch, all its runs and their medians.
@@ -109,6 +125,10 @@ impl CaseResult {
                     .iter()
                     .filter_map(|x| x.broker_cpu_us_per_msg)
                     .collect()),
+                median_steady_msgs_per_sec: med(&mut samples
+                    .iter()
+                    .filter_map(|x| x.steady_msgs_per_sec)
+                    .collect()),
                 samples,
             })
             .collect();
@@ -127,6 +147,14 @@ impl CaseResult {
                             value,
                             target,
                             met: target.map(|t| value >= t),
+                            runs: paired(&lily.samples, &r.samples, |s| Some(s.msgs_per_sec)),
+                            steady: lily
+                                .median_steady_msgs_per_sec
+                                .zip(r.median_steady_msgs_per_sec)
+                                .map(|(l, o)| l / o),
+                            steady_runs: paired(&lily.samples, &r.samples, |s| {
+                                s.steady_msgs_per_sec
+                            }),
                         }
                     })
                     .collect()
@@ -176,18 +204,43 @@ pub fn rate(value: f64) -> String {
 }
 
 fn ratio_text(r: &Ratio) -> String {
-    match (r.target, r.met) {
-        (Some(t), Some(true)) => format!("{:.3} (≥ {t:.2} ok)", r.value),
-        (Some(t), _) => format!("{:.3} (≥ {t:.2} MISS)", r.value),
-        _ => format!("{:.3}", r.value),
+    let verdict = match (r.target, r.met) {
+        (Some(t), Some(true)) => format!(" (≥ {t:.2} ok)"),
+        (Some(t), _) => format!(" (≥ {t:.2} MISS)"),
+        _ => String::new(),
+    };
+    format!("{:.3}{verdict}{}", r.value, spread(&r.runs))
+}
+
+/// The steady ratio, the target's verdict on it and its spread.
+fn steady_text(r: &Ratio) -> String {
+    let Some(value) = r.steady else {
+        return "-".into();
+    };
+    let verdict = match r.target {
+        Some(t) if value >= t => format!(" (≥ {t:.2} ok)"),
+        Some(t) => format!(" (≥ {t:.2} MISS)"),
+        None => String::new(),
+    };
+    format!("{value:.3}{verdict}{}", spread(&r.steady_runs))
+}
+
+/// ` [0.931–1.024]`: the lowest and highest of the repetitions' ratios, when there are two or
+/// more.
+fn spread(runs: &[f64]) -> String {
+    if runs.len() < 2 {
+        return String::new();
     }
+    let lo = runs.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = runs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    format!(" [{lo:.3}–{hi:.3}]")
 }
 
 fn header_lines(results: &Results) -> Vec<String> {
     vec![
         format!("Broker: {} on {}", results.broker, results.broker_url),
         format!(
-            "Messages: {} a run, {}-byte JSON, persistent; {} repetition(s), contenders alternating run by run; medians; {} CPU(s)",
+            "Messages: {} a run, {}-byte JSON, persistent; {} repetition(s), contenders alternating run by run; medians, [lowest–highest] of the repetitions' ratios; {} CPU(s)",
             results.messages_per_run, results.message_bytes, results.repetitions, results.cpus
         ),
         format!(
@@ -262,6 +315,7 @@ fn tables(results: &Results, row: &dyn Fn(&[String]) -> String, rule: bool) -> S
             let _ = writeln!(out, "{}", row(&cells));
         }
         let _ = writeln!(out);
+        out.push_str(&steady_table(results, path, &who, row, rule));
         let mut head = vec!["path".to_owned(), "queue".into(), "prefetch".into()];
         head.extend(who.iter().map(|w| format!("{} client", w.name())));
         head.extend(who.iter().map(|w| format!("{} broker", w.name())));
@@ -300,6 +354,70 @@ fn tables(results: &Results, row: &dyn Fn(&[String]) -> String, rule: bool) -> S
         let _ = writeln!(out);
     }
     out.push_str(&start_table(results, row, rule));
+    out
+}
+
+/// The steady rates of `path`: each contender's messages over the time from its first delivery
+/// on, so that the start (measured on its own) is left out; Lily over each other contender.
+fn steady_table(
+    results: &Results,
+    path: Path,
+    who: &[Contender],
+    row: &dyn Fn(&[String]) -> String,
+    rule: bool,
+) -> String {
+    let mut out = String::new();
+    let cases: Vec<&CaseResult> = results.cases.iter().filter(|c| c.path == path).collect();
+    let steady = |c: &CaseResult, w| c.runs(w).and_then(|r| r.median_steady_msgs_per_sec);
+    let who: Vec<Contender> = who
+        .iter()
+        .copied()
+        .filter(|&w| cases.iter().any(|c| steady(c, w).is_some()))
+        .collect();
+    if !who.contains(&Contender::Lily) {
+        return out;
+    }
+    let others: Vec<Contender> = who
+        .iter()
+        .copied()
+        .filter(|&w| w != Contender::Lily)
+        .collect();
+    let _ = writeln!(
+        out,
+        "Steady rate, {} path (median msg/s from each contender's first delivery until N are settled: the start, timed on its own below, left out):",
+        path.name()
+    );
+    if rule {
+        let _ = writeln!(out);
+    }
+    let mut head = vec!["path".to_owned(), "queue".into(), "prefetch".into()];
+    head.extend(who.iter().map(|w| format!("{} msg/s", w.name())));
+    head.extend(others.iter().map(|w| format!("Lily / {}", w.name())));
+    let _ = writeln!(out, "{}", row(&head));
+    if rule {
+        let cells: Vec<String> = (0..head.len())
+            .map(|i| if i < 2 { "---".into() } else { "---:".into() })
+            .collect();
+        let _ = writeln!(out, "{}", row(&cells));
+    }
+    for c in cases {
+        let mut cells = vec![
+            c.path.name().to_owned(),
+            c.queue_type.to_owned(),
+            c.prefetch.to_string(),
+        ];
+        cells.extend(
+            who.iter()
+                .map(|&w| steady(c, w).map_or_else(|| "-".into(), rate)),
+        );
+        cells.extend(
+            others
+                .iter()
+                .map(|&w| c.ratio(w).map_or_else(|| "-".into(), steady_text)),
+        );
+        let _ = writeln!(out, "{}", row(&cells));
+    }
+    let _ = writeln!(out);
     out
 }
 
