@@ -272,7 +272,8 @@ async fn main() {
             "ruststream-lapin is counted by an AtomicU64 bumped in its handler, which precedes \
              that message's ACK: its figures are slightly favourable to it (up to prefetch \
              messages unACKed when the clock stops). raw lapin counts written ACKs, Lily its \
-             ledger totals (acked / retried), polled every 1 ms."
+             ledger totals (acked / retried), polled every 1 ms once its handler has been called \
+             for every message (polled all along, they cost its run a wake-up a millisecond)."
                 .into(),
             "Handoff path: retry bucket of 10 min (copies stay parked); Lily policy \
              max_attempts 2; raw lapin spawns a task per delivery that publishes the copy \

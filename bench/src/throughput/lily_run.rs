@@ -1,11 +1,14 @@
 //! Lily contenders: a handler doing the same work, settled by Lily.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use lily::prelude::{
     Consumer, ConsumerConfig, Json, Policy, QueueHandlerError, QueueKind, Router, Shutdown, Trigger,
 };
+
+use tokio::sync::Notify;
 
 use crate::Order;
 use crate::throughput::{FAILURE_REASON, FirstDelivery, HANDOFF_DELAY, POLL, Sample, run_limit};
@@ -33,10 +36,10 @@ fn config(queue: &str, kind: QueueKind, prefetch: u16, policy: Policy) -> Consum
 
 /// Consumes `n` messages with a handler that deserializes and succeeds.
 pub async fn success(url: &str, queue: &str, kind: QueueKind, prefetch: u16, n: u64) -> Sample {
-    let first = Arc::new(FirstDelivery::new());
-    let seen = Arc::clone(&first);
+    let progress = Arc::new(Progress::new(n));
+    let seen = Arc::clone(&progress);
     let router = Router::new().route("order.placed", move |Json(o): Json<Order>| {
-        seen.get_or_init(Instant::now);
+        seen.handled();
         async move {
             std::hint::black_box(o);
             Ok(())
@@ -47,26 +50,57 @@ pub async fn success(url: &str, queue: &str, kind: QueueKind, prefetch: u16, n: 
         config(queue, kind, prefetch, Policy::default()),
         router,
     );
-    measure(consumer, n, false, &first).await
+    measure(consumer, n, false, &progress).await
 }
 
 /// Consumes `n` messages with a handler that deserializes and fails retryably: Lily hands each
 /// off to the retry bucket (confirmed) and ACKs it.
 pub async fn handoff(url: &str, queue: &str, kind: QueueKind, prefetch: u16, n: u64) -> Sample {
-    let first = Arc::new(FirstDelivery::new());
-    let seen = Arc::clone(&first);
+    let progress = Arc::new(Progress::new(n));
+    let seen = Arc::clone(&progress);
     let router = Router::new().route("order.placed", move |Json(o): Json<Order>| {
-        seen.get_or_init(Instant::now);
+        seen.handled();
         async move {
             std::hint::black_box(o);
             Err::<(), _>(QueueHandlerError::retryable(FAILURE_REASON))
         }
     });
     let consumer = Consumer::new(url, config(queue, kind, prefetch, handoff_policy()), router);
-    measure(consumer, n, true, &first).await
+    measure(consumer, n, true, &progress).await
 }
 
-async fn measure(consumer: Consumer, n: u64, retried: bool, first: &FirstDelivery) -> Sample {
+/// What the handler reports to the run: when the first delivery reached it, and when it has
+/// been called for every message, so the run need not poll Lily's totals until then.
+struct Progress {
+    first: FirstDelivery,
+    calls: AtomicU64,
+    target: u64,
+    all_called: Notify,
+}
+
+impl Progress {
+    fn new(target: u64) -> Self {
+        Self {
+            first: FirstDelivery::new(),
+            calls: AtomicU64::new(0),
+            target,
+            all_called: Notify::new(),
+        }
+    }
+
+    /// Called by the handler for each delivery.
+    fn handled(&self) {
+        self.first.get_or_init(Instant::now);
+        if self.calls.fetch_add(1, Ordering::Relaxed) + 1 == self.target {
+            self.all_called.notify_one();
+        }
+    }
+}
+
+/// Runs `consumer` until it has settled `n` messages. The totals are polled every [`POLL`]
+/// only once the handler has been called `n` times: polling them all along would cost Lily's
+/// run a wake-up a millisecond that no other contender pays.
+async fn measure(consumer: Consumer, n: u64, retried: bool, progress: &Progress) -> Sample {
     let stats = consumer.stats();
     let shutdown = Shutdown::default();
     let started = Instant::now();
@@ -80,6 +114,12 @@ async fn measure(consumer: Consumer, n: u64, retried: bool, first: &FirstDeliver
             totals.acked
         }
     };
+    while started.elapsed() < limit && !run.is_finished() {
+        tokio::select! {
+            () = progress.all_called.notified() => break,
+            () = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+    }
     while settled() < n && started.elapsed() < limit && !run.is_finished() {
         tokio::time::sleep(POLL).await;
     }
@@ -100,5 +140,5 @@ async fn measure(consumer: Consumer, n: u64, retried: bool, first: &FirstDeliver
     if other > 0 {
         eprintln!("Lily: unexpected outcomes {totals:?}");
     }
-    Sample::new(count, n, elapsed).first_seen(started, first)
+    Sample::new(count, n, elapsed).first_seen(started, &progress.first)
 }
