@@ -287,13 +287,7 @@ fn tables(results: &Results, row: &dyn Fn(&[String]) -> String, rule: bool) -> S
         let mut head = vec!["path".to_owned(), "queue".into(), "prefetch".into()];
         head.extend(who.iter().map(|w| format!("{} msg/s", w.name())));
         head.extend(others.iter().map(|w| format!("Lily / {}", w.name())));
-        let _ = writeln!(out, "{}", row(&head));
-        if rule {
-            let cells: Vec<String> = (0..head.len())
-                .map(|i| if i < 2 { "---".into() } else { "---:".into() })
-                .collect();
-            let _ = writeln!(out, "{}", row(&cells));
-        }
+        head_row(&mut out, &head, 2, row, rule);
         for c in results.cases.iter().filter(|c| c.path == path) {
             let mut cells = vec![
                 c.path.name().to_owned(),
@@ -327,13 +321,7 @@ fn tables(results: &Results, row: &dyn Fn(&[String]) -> String, rule: bool) -> S
         if rule {
             let _ = writeln!(out);
         }
-        let _ = writeln!(out, "{}", row(&head));
-        if rule {
-            let cells: Vec<String> = (0..head.len())
-                .map(|i| if i < 2 { "---".into() } else { "---:".into() })
-                .collect();
-            let _ = writeln!(out, "{}", row(&cells));
-        }
+        head_row(&mut out, &head, 2, row, rule);
         for c in results.cases.iter().filter(|c| c.path == path) {
             let mut cells = vec![
                 c.path.name().to_owned(),
@@ -355,6 +343,30 @@ fn tables(results: &Results, row: &dyn Fn(&[String]) -> String, rule: bool) -> S
     }
     out.push_str(&start_table(results, row, rule));
     out
+}
+
+/// Writes the header row `head` and, with `rule`, the markdown rule under it: the first `text`
+/// columns left-aligned, the others right-aligned.
+fn head_row(
+    out: &mut String,
+    head: &[String],
+    text: usize,
+    row: &dyn Fn(&[String]) -> String,
+    rule: bool,
+) {
+    let _ = writeln!(out, "{}", row(head));
+    if rule {
+        let cells: Vec<String> = (0..head.len())
+            .map(|i| {
+                if i < text {
+                    "---".into()
+                } else {
+                    "---:".into()
+                }
+            })
+            .collect();
+        let _ = writeln!(out, "{}", row(&cells));
+    }
 }
 
 /// The steady rates of `path`: each contender's messages over the time from its first delivery
@@ -393,13 +405,7 @@ fn steady_table(
     let mut head = vec!["path".to_owned(), "queue".into(), "prefetch".into()];
     head.extend(who.iter().map(|w| format!("{} msg/s", w.name())));
     head.extend(others.iter().map(|w| format!("Lily / {}", w.name())));
-    let _ = writeln!(out, "{}", row(&head));
-    if rule {
-        let cells: Vec<String> = (0..head.len())
-            .map(|i| if i < 2 { "---".into() } else { "---:".into() })
-            .collect();
-        let _ = writeln!(out, "{}", row(&cells));
-    }
+    head_row(&mut out, &head, 2, row, rule);
     for c in cases {
         let mut cells = vec![
             c.path.name().to_owned(),
@@ -442,13 +448,7 @@ fn start_table(results: &Results, row: &dyn Fn(&[String]) -> String, rule: bool)
     let mut head = vec!["queue".to_owned()];
     head.extend(who.iter().map(|w| format!("{} ms", w.name())));
     head.push("Lily − raw-batch ms".into());
-    let _ = writeln!(out, "{}", row(&head));
-    if rule {
-        let cells: Vec<String> = (0..head.len())
-            .map(|i| if i < 1 { "---".into() } else { "---:".into() })
-            .collect();
-        let _ = writeln!(out, "{}", row(&cells));
-    }
+    head_row(&mut out, &head, 1, row, rule);
     let mut kinds: Vec<&str> = results.starts.iter().map(|s| s.queue_type).collect();
     kinds.dedup();
     for kind in kinds {
