@@ -73,7 +73,7 @@ pub struct PropertiesView<'a> {
 }
 
 /// A delivery that passed the gate: identity and routing facts, borrowed from the delivery.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Envelope<'a> {
     /// Operation identity: the `message_id` property.
     pub message_id: &'a str,
@@ -87,6 +87,67 @@ pub struct Envelope<'a> {
     pub attempt: u32,
     /// Earlier deliveries counted by the broker (quorum queues only).
     pub delivery_count: Option<u32>,
+    /// The headers Lily reads itself, found in the gate's walk.
+    pub known: Known<'a>,
+}
+
+/// The values of the headers Lily reads itself, as they came. The gate finds them in the one
+/// walk it makes over the headers anyway, instead of a lookup each.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct Known<'a> {
+    /// [`headers::ATTEMPT`].
+    pub attempt: Option<&'a AMQPValue>,
+    /// [`headers::SCHEMA_VERSION`].
+    pub schema_version: Option<&'a AMQPValue>,
+    /// [`headers::DELIVERY_COUNT`].
+    pub delivery_count: Option<&'a AMQPValue>,
+    /// [`headers::HELD_FOR`].
+    pub held_for: Option<&'a AMQPValue>,
+    /// [`headers::FAILURE_KIND`].
+    pub failure_kind: Option<&'a AMQPValue>,
+    /// [`headers::HOLDS`].
+    pub holds: Option<&'a AMQPValue>,
+    /// [`headers::REPLAYED_FROM`].
+    pub replayed_from: Option<&'a AMQPValue>,
+}
+
+impl<'a> Known<'a> {
+    /// Looks each of them up in `table`: for a delivery the gate refused before its walk ended.
+    pub fn lookup(table: Option<&'a FieldTable>) -> Self {
+        let mut known = Self::default();
+        if let Some(table) = table {
+            for key in [
+                headers::ATTEMPT,
+                headers::SCHEMA_VERSION,
+                headers::DELIVERY_COUNT,
+                headers::HELD_FOR,
+                headers::FAILURE_KIND,
+                headers::HOLDS,
+                headers::REPLAYED_FROM,
+            ] {
+                if let Some(value) = table.inner().get(key) {
+                    known.note(key, value);
+                }
+            }
+        }
+        known
+    }
+
+    /// Keeps `value` if `key` is one of them.
+    fn note(&mut self, key: &str, value: &'a AMQPValue) {
+        let slot = match key {
+            headers::ATTEMPT => &mut self.attempt,
+            headers::SCHEMA_VERSION => &mut self.schema_version,
+            headers::DELIVERY_COUNT => &mut self.delivery_count,
+            headers::HELD_FOR => &mut self.held_for,
+            headers::FAILURE_KIND => &mut self.failure_kind,
+            headers::HOLDS => &mut self.holds,
+            headers::REPLAYED_FROM => &mut self.replayed_from,
+            _ => return,
+        };
+        *slot = Some(value);
+    }
 }
 
 /// Why the gate refused a delivery.
@@ -144,33 +205,35 @@ pub fn inspect<'a>(
     if !is_token(kind, limits.max_type_len) {
         return Err(invalid("type empty, too long or not printable ASCII"));
     }
-    let mut attempt = 1;
-    let mut schema_version = 1;
-    let mut delivery_count = None;
+    let mut known = Known::default();
     if let Some(table) = properties.headers {
         // The producer's headers and the ones Lily and the broker add are bounded apart.
         let (mut producer, mut reserved) = (Walk::default(), Walk::default());
         for (key, value) in table.inner() {
-            let walk = if headers::is_reserved(key.as_str()) {
+            let key_text = key.as_str();
+            let walk = if headers::is_reserved(key_text) {
                 &mut reserved
             } else {
                 &mut producer
             };
             walk.entry(key, value, 1, limits)
                 .map_err(GateRejection::Invalid)?;
+            known.note(key_text, value);
         }
-        if let Some(value) = table.inner().get(headers::ATTEMPT) {
-            attempt = as_u32(value)
-                .filter(|n| (1..=limits.max_attempt).contains(n))
-                .ok_or_else(|| invalid("x-lily-attempt is not an attempt number"))?;
-        }
-        if let Some(value) = table.inner().get(headers::SCHEMA_VERSION) {
-            schema_version = as_u32(value)
-                .filter(|n| *n >= 1)
-                .ok_or_else(|| invalid("schema-version is not a positive integer"))?;
-        }
-        delivery_count = table.inner().get(headers::DELIVERY_COUNT).and_then(as_u32);
     }
+    let attempt = match known.attempt {
+        Some(value) => as_u32(value)
+            .filter(|n| (1..=limits.max_attempt).contains(n))
+            .ok_or_else(|| invalid("x-lily-attempt is not an attempt number"))?,
+        None => 1,
+    };
+    let schema_version = match known.schema_version {
+        Some(value) => as_u32(value)
+            .filter(|n| *n >= 1)
+            .ok_or_else(|| invalid("schema-version is not a positive integer"))?,
+        None => 1,
+    };
+    let delivery_count = known.delivery_count.and_then(as_u32);
     let content_type = properties
         .content_type
         .map(|ct| ct.split(';').next().unwrap_or(ct).trim());
@@ -181,6 +244,7 @@ pub fn inspect<'a>(
         content_type,
         attempt,
         delivery_count,
+        known,
     })
 }
 
@@ -616,6 +680,32 @@ mod tests {
         table.insert("app-last".into(), AMQPValue::LongString("x".into()));
         table.insert("app-extra".into(), AMQPValue::LongString("x".into()));
         assert_eq!(rejection(&view(Some(&table))), "too many headers");
+    }
+
+    #[test]
+    fn the_walk_finds_the_known_headers_a_lookup_finds_and_no_nested_ones() {
+        let mut table = FieldTable::default();
+        let known = [
+            headers::ATTEMPT,
+            headers::SCHEMA_VERSION,
+            headers::DELIVERY_COUNT,
+            headers::HELD_FOR,
+            headers::FAILURE_KIND,
+            headers::HOLDS,
+            headers::REPLAYED_FROM,
+        ];
+        for (n, key) in (1..).zip(known) {
+            table.insert(key.into(), AMQPValue::LongInt(n));
+        }
+        table.insert("app".into(), AMQPValue::LongString("x".into()));
+        let mut nested = FieldTable::default();
+        nested.insert(headers::HELD_FOR.into(), AMQPValue::LongInt(99));
+        table.insert("x-death".into(), AMQPValue::FieldTable(nested));
+        let envelope = inspect(&view(Some(&table)), 1, &Limits::default()).expect("valid");
+        assert_eq!(envelope.known, Known::lookup(Some(&table)));
+        assert_eq!(envelope.known.held_for, Some(&AMQPValue::LongInt(4)));
+        assert_eq!(envelope.known.replayed_from, Some(&AMQPValue::LongInt(7)));
+        assert_eq!(Known::lookup(None), Known::default());
     }
 
     #[test]

@@ -79,7 +79,8 @@ pub mod transport {
         SettleResult, Settlement, Situation, decide, decide_at_gate,
     };
     pub use crate::envelope::{
-        Envelope, GateRejection, PropertiesView, as_text, as_u32, inspect, is_token, not_utf8,
+        Envelope, GateRejection, Known, PropertiesView, as_text, as_u32, inspect, is_token,
+        not_utf8,
     };
     pub use crate::extract::DeliveryCancel;
     pub use crate::handler::BoxedHandler;

@@ -34,13 +34,11 @@ use crate::decision::{
     RequeueCause, SettleResult, Settlement, Situation, Terminal, TransactionOutcome, decide,
     decide_at_gate,
 };
-use crate::envelope::{GateRejection, as_text, as_u32};
+use crate::envelope::{GateRejection, Known, as_text, as_u32};
 use crate::error::FailureKind;
-use crate::headers;
 use crate::ledger::Evidence;
 use crate::policy::Policy;
 use crate::reason::Reason;
-use amq_protocol_types::FieldTable;
 
 /// The reason of a delivery that succeeded.
 static OK: Reason = Reason::from_static("ok");
@@ -99,9 +97,9 @@ pub struct Arrival {
     pub replayed_from: Option<Terminal>,
 }
 
-/// The lane its [`REPLAYED_FROM`](headers::REPLAYED_FROM) header names, if any.
-pub fn replayed_from(table: &FieldTable) -> Option<Terminal> {
-    Terminal::parse(as_text(table.inner().get(headers::REPLAYED_FROM)?)?)
+/// The lane its [`REPLAYED_FROM`](crate::headers::REPLAYED_FROM) header names, if any.
+pub fn replayed_from(known: &Known<'_>) -> Option<Terminal> {
+    Terminal::parse(as_text(known.replayed_from?)?)
 }
 
 /// A held copy back from its retry bucket: its lane failed when it was handed off.
@@ -119,17 +117,16 @@ pub struct HeldCopy {
 }
 
 impl HeldCopy {
-    /// Reads a held copy's headers; `None` unless [`HELD_FOR`](headers::HELD_FOR) names a lane.
-    pub fn from_headers(table: &FieldTable) -> Option<Self> {
-        let text = |key: &str| as_text(table.inner().get(key)?);
+    /// Reads a held copy's headers; `None` unless [`HELD_FOR`](crate::headers::HELD_FOR) names
+    /// a lane.
+    pub fn from_known(known: &Known<'_>) -> Option<Self> {
         Some(Self {
-            target: Terminal::parse(text(headers::HELD_FOR)?)?,
-            kind: text(headers::FAILURE_KIND).and_then(FailureKind::parse),
-            holds: table
-                .inner()
-                .get(headers::HOLDS)
-                .and_then(as_u32)
-                .unwrap_or(0),
+            target: Terminal::parse(as_text(known.held_for?)?)?,
+            kind: known
+                .failure_kind
+                .and_then(as_text)
+                .and_then(FailureKind::parse),
+            holds: known.holds.and_then(as_u32).unwrap_or(0),
         })
     }
 }

@@ -8,7 +8,7 @@ use lapin::BasicProperties;
 use lapin::types::ShortString;
 use lily_mq_core::machine::{Arrival, CopyOf, HeldCopy, Verdict, replayed_from};
 use lily_mq_core::transport::{
-    BoxedHandler, Cause, Handoff, HandoffId, IncomingParts, PropertiesView, as_text, as_u32,
+    BoxedHandler, Cause, Handoff, HandoffId, IncomingParts, Known, PropertiesView, as_text, as_u32,
     inspect, is_token, not_utf8,
 };
 use lily_mq_core::{Incoming, Limits, Reason, Router, headers};
@@ -58,26 +58,20 @@ pub(crate) fn admit(
         headers: properties.headers().as_ref(),
         not_utf8: not_utf8(&properties, &exchange, &routing_key),
     };
-    let (verdict, handler, attempt, schema_version, delivery_count) =
+    let ((verdict, handler), attempt, schema_version, known) =
         match inspect(&view, body.len(), limits) {
             Ok(env) => {
-                let (verdict, handler) =
+                let dispatched =
                     match router.dispatch(env.kind, env.schema_version, env.content_type) {
                         Ok(handler) => (Verdict::Dispatched, Some(handler.clone())),
                         Err(err) => (Verdict::Undispatched(err.reason().clone()), None),
                     };
-                let (attempt, version, count) =
-                    (env.attempt, env.schema_version, env.delivery_count);
-                (verdict, handler, attempt, version, count)
+                (dispatched, env.attempt, env.schema_version, env.known)
             }
             Err(rejection) => {
                 let reason = rejection.reason(limits);
-                let delivery_count = view
-                    .headers
-                    .and_then(|h| h.inner().get(headers::DELIVERY_COUNT))
-                    .and_then(as_u32);
-                let verdict = Verdict::Refused { rejection, reason };
-                (verdict, None, 1, 1, delivery_count)
+                let refused = (Verdict::Refused { rejection, reason }, None);
+                (refused, 1, 1, Known::lookup(view.headers))
             }
         };
     let refused = matches!(verdict, Verdict::Refused { .. });
@@ -85,11 +79,11 @@ pub(crate) fn admit(
         verdict,
         attempt,
         redelivered,
-        delivery_count,
+        delivery_count: known.delivery_count.and_then(as_u32),
         local_requeues: None,
         scoped,
-        held: view.headers.and_then(HeldCopy::from_headers),
-        replayed_from: view.headers.and_then(replayed_from),
+        held: HeldCopy::from_known(&known),
+        replayed_from: replayed_from(&known),
         redeliveries: None,
     };
     let source = if refused {

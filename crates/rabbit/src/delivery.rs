@@ -211,11 +211,12 @@ fn settle<'a>(
             acking,
         };
         let span = &arrived.span;
-        let run = async {
+        // Pinned in place: instrumenting the future itself would move it into the wrapper.
+        let run = std::pin::pin!(async {
             let handler = arrived.handler.as_ref();
             let finished = execute(&setup, arrived.arrival, source, handler, &mut work).await;
             work.finish(&finished, span);
-        };
+        });
         run.instrument(span.clone()).await;
     }
 }

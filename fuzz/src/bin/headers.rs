@@ -20,7 +20,9 @@ use amq_protocol::protocol::BasicProperties;
 use amq_protocol_types::{AMQPValue, FieldTable, LongString, ShortString};
 use lily_mq_core::machine::HeldCopy;
 use lily_mq_core::transport::not_utf8;
-use lily_mq_core::transport::{GateRejection, PropertiesView, as_text, as_u32, inspect, is_token};
+use lily_mq_core::transport::{
+    GateRejection, Known, PropertiesView, as_text, as_u32, inspect, is_token,
+};
 use lily_mq_core::{FailureKind, Lane, Limits, Outcome, QueueHandlerError, Reason, Router};
 use lily_mq_core::{Terminal, headers};
 use lily_mq_fuzz::delivery::{BODY_MARKER, Delivery};
@@ -149,7 +151,7 @@ fn check_traceparent(text: &str) {
 }
 
 fn check_held(h: &FieldTable) {
-    let Some(held) = HeldCopy::from_headers(h) else {
+    let Some(held) = HeldCopy::from_known(&Known::lookup(Some(h))) else {
         return;
     };
     let text = |key| h.inner().get(key).and_then(as_text);
@@ -185,7 +187,11 @@ fn check_copies(d: &Delivery) {
     let verdict = inspect(&view, d.body.len(), limits);
     let settled = settle(limits, p.clone(), d.body.clone());
     check_bounded(settled.reason.as_str());
-    let held = view.headers.and_then(HeldCopy::from_headers);
+    let held = HeldCopy::from_known(&Known::lookup(view.headers));
+    if let Ok(envelope) = &verdict {
+        // The gate's walk finds what a lookup of each would.
+        assert_eq!(envelope.known, Known::lookup(view.headers));
+    }
     match verdict {
         Err(GateRejection::Oversized { .. }) => {
             assert_eq!(settled.outcome, Outcome::RejectedToDlx);
