@@ -152,7 +152,8 @@ pub(crate) async fn execute(
                     unreachable!("the machine runs a handler only for a dispatched delivery")
                 };
                 let cancel = DeliveryCancel::new(setup.handlers);
-                let began = Instant::now();
+                // The machine's last input was just now: the clock is not read again for it.
+                let began = last;
                 let out = pipeline::run(
                     handler,
                     setup.hooks,
@@ -163,8 +164,8 @@ pub(crate) async fn execute(
                     setup.handler_timeout,
                 )
                 .await;
-                effects.handler_ran(began.elapsed());
                 last = effects.now();
+                effects.handler_ran(last.saturating_duration_since(began));
                 let authority = effects.authority();
                 machine.handle_pipeline(out.result, out.cleanup, out.reason, authority, last);
             }

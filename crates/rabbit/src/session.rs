@@ -284,10 +284,14 @@ impl Session {
             if !acks.window.ready(delivery_tag) {
                 return SettleResult::Refused;
             }
-            let now = Instant::now();
-            acks.since.get_or_insert(now);
-            acks.due
-                .get_or_insert(now + Pace::new(self.backlogged()).linger);
+            // Read only when one is unset: a busy window holds both, and a clock read a
+            // delivery is worth saving.
+            if acks.since.is_none() || acks.due.is_none() {
+                let now = Instant::now();
+                acks.since.get_or_insert(now);
+                acks.due
+                    .get_or_insert(now + Pace::new(self.backlogged()).linger);
+            }
         }
         tokio::task::yield_now().await;
         loop {
