@@ -112,20 +112,23 @@ pub struct Known<'a> {
     pub replayed_from: Option<&'a AMQPValue>,
 }
 
+/// The keys of [`Known`]'s headers.
+const KNOWN: [&str; 7] = [
+    headers::ATTEMPT,
+    headers::SCHEMA_VERSION,
+    headers::DELIVERY_COUNT,
+    headers::HELD_FOR,
+    headers::FAILURE_KIND,
+    headers::HOLDS,
+    headers::REPLAYED_FROM,
+];
+
 impl<'a> Known<'a> {
     /// Looks each of them up in `table`: for a delivery the gate refused before its walk ended.
     pub fn lookup(table: Option<&'a FieldTable>) -> Self {
         let mut known = Self::default();
         if let Some(table) = table {
-            for key in [
-                headers::ATTEMPT,
-                headers::SCHEMA_VERSION,
-                headers::DELIVERY_COUNT,
-                headers::HELD_FOR,
-                headers::FAILURE_KIND,
-                headers::HOLDS,
-                headers::REPLAYED_FROM,
-            ] {
+            for key in KNOWN {
                 if let Some(value) = table.inner().get(key) {
                     known.note(key, value);
                 }
@@ -685,16 +688,7 @@ mod tests {
     #[test]
     fn the_walk_finds_the_known_headers_a_lookup_finds_and_no_nested_ones() {
         let mut table = FieldTable::default();
-        let known = [
-            headers::ATTEMPT,
-            headers::SCHEMA_VERSION,
-            headers::DELIVERY_COUNT,
-            headers::HELD_FOR,
-            headers::FAILURE_KIND,
-            headers::HOLDS,
-            headers::REPLAYED_FROM,
-        ];
-        for (n, key) in (1..).zip(known) {
+        for (n, key) in (1..).zip(KNOWN) {
             table.insert(key.into(), AMQPValue::LongInt(n));
         }
         table.insert("app".into(), AMQPValue::LongString("x".into()));

@@ -284,8 +284,8 @@ impl Session {
             if !acks.window.ready(delivery_tag) {
                 return SettleResult::Refused;
             }
-            // Read only when one is unset: a busy window holds both, and a clock read a
-            // delivery is worth saving.
+            // The clock is read only when one is unset: a busy window has both, and each read
+            // is time every delivery pays.
             if acks.since.is_none() || acks.due.is_none() {
                 let now = Instant::now();
                 acks.since.get_or_insert(now);
