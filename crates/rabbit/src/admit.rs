@@ -8,8 +8,8 @@ use lapin::BasicProperties;
 use lapin::types::ShortString;
 use lily_mq_core::machine::{Arrival, CopyOf, HeldCopy, Verdict, replayed_from};
 use lily_mq_core::transport::{
-    BoxedHandler, Cause, Handoff, HandoffId, IncomingParts, Known, PropertiesView, as_text, as_u32,
-    inspect, is_token, not_utf8,
+    BoxedHandler, Cause, Envelope, Handoff, HandoffId, IncomingParts, Known, PropertiesView,
+    as_text, as_u32, inspect, is_token, not_utf8,
 };
 use lily_mq_core::{Incoming, Limits, Reason, Router, headers};
 
@@ -58,7 +58,7 @@ pub(crate) fn admit(
         headers: properties.headers().as_ref(),
         not_utf8: not_utf8(&properties, &exchange, &routing_key),
     };
-    let ((verdict, handler), attempt, schema_version, known) =
+    let ((verdict, handler), attempt, schema_version, delivery_count, known) =
         match inspect(&view, body.len(), limits) {
             Ok(env) => {
                 let dispatched =
@@ -66,12 +66,20 @@ pub(crate) fn admit(
                         Ok(handler) => (Verdict::Dispatched, Some(handler.clone())),
                         Err(err) => (Verdict::Undispatched(err.reason().clone()), None),
                     };
-                (dispatched, env.attempt, env.schema_version, env.known)
+                let Envelope {
+                    attempt,
+                    schema_version,
+                    delivery_count,
+                    known,
+                    ..
+                } = env;
+                (dispatched, attempt, schema_version, delivery_count, known)
             }
             Err(rejection) => {
                 let reason = rejection.reason(limits);
                 let refused = (Verdict::Refused { rejection, reason }, None);
-                (refused, 1, 1, Known::lookup(view.headers))
+                let known = Known::lookup(view.headers);
+                (refused, 1, 1, known.delivery_count.and_then(as_u32), known)
             }
         };
     let refused = matches!(verdict, Verdict::Refused { .. });
@@ -79,7 +87,7 @@ pub(crate) fn admit(
         verdict,
         attempt,
         redelivered,
-        delivery_count: known.delivery_count.and_then(as_u32),
+        delivery_count,
         local_requeues: None,
         scoped,
         held: HeldCopy::from_known(&known),
