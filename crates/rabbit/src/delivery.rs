@@ -16,26 +16,29 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, info_span, warn};
 
 use crate::admit::{Admitted, CopyFacts, Raw, Source, admit, epoch_millis};
-use crate::crew::Job;
 use crate::execute::{Effects, Finished, Setup, count_redelivery, execute};
 use crate::handoff::destination;
 use crate::service::Shared;
 use crate::session::{Session, Settler};
 use crate::sync::lock;
 
-/// The whole work of one delivery of `session`, as a job the consume loop polls first and a
-/// crew worker finishes if need be.
+/// The whole work of one delivery of `session`, which the consume loop polls first and a crew
+/// worker finishes if need be (see [`crate::inline`], which boxes it).
 ///
-/// The gate, dispatch and the delivery's ledger entry come first, here: the job holds what
+/// The gate, dispatch and the delivery's ledger entry come first, here: the work holds what
 /// they made of the delivery instead of the delivery itself, which keeps it small (it is
-/// written into its box for every delivery), and a job dropped before its first poll is
+/// written into its box for every delivery), and work dropped before its first poll is
 /// still in the ledger, so it is reported.
 ///
 /// A panic in that first part is a bug in Lily, as one outside the handler's guard is when the
-/// job is polled (see [`crate::inline`]): it is logged, the consume loop goes on, and there is
-/// no job. The delivery stays unsettled, and the broker delivers it again once the channel
+/// work is polled (see [`crate::inline`]): it is logged, the consume loop goes on, and there is
+/// no work. The delivery stays unsettled, and the broker delivers it again once the channel
 /// closes.
-pub(crate) fn job(shared: &Arc<Shared>, session: &Arc<Session>, delivery: Delivery) -> Option<Job> {
+pub(crate) fn work(
+    shared: &Arc<Shared>,
+    session: &Arc<Session>,
+    delivery: Delivery,
+) -> Option<impl Future<Output = ()> + Send + 'static> {
     let arrived = match catch_unwind(AssertUnwindSafe(|| arrive(shared, delivery))) {
         Ok(arrived) => arrived,
         Err(_) => {
@@ -45,11 +48,7 @@ pub(crate) fn job(shared: &Arc<Shared>, session: &Arc<Session>, delivery: Delive
             return None;
         }
     };
-    Some(Box::pin(handle(
-        Arc::clone(shared),
-        Arc::clone(session),
-        arrived,
-    )))
+    Some(handle(Arc::clone(shared), Arc::clone(session), arrived))
 }
 
 /// A delivery past the gate and dispatch, its ledger entry open.

@@ -39,6 +39,7 @@
 //! deliveries in a row to workers, whose ACKs share frames less well.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::pin::Pin;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
@@ -62,9 +63,17 @@ const LEAD: u8 = 8;
 /// While handlers are heavy, one delivery in this many is still polled on the loop.
 const PROBE: u32 = 64;
 
-/// The parked deliveries of one session and what the loop knows of its first polls.
-pub(crate) struct Inline<'s> {
-    parked: Vec<Job>,
+/// Boxes kept for the next deliveries at most: a box each is allocated and freed otherwise, and
+/// at 1.8 KB it is too large for the allocator's per-thread cache.
+const SPARE: usize = 256;
+
+/// The parked deliveries of one session and what the loop knows of its first polls. `F` is a
+/// delivery's work (see [`crate::delivery::work`]).
+pub(crate) struct Inline<'s, F> {
+    parked: Vec<Pin<Box<F>>>,
+    /// Boxes of deliveries that ended on the loop, for the next ones: their work is written
+    /// into one in place of a new allocation.
+    spare: Vec<Pin<Box<F>>>,
     /// When the oldest parked delivery was parked.
     since: Option<Instant>,
     /// The loop's last ACK frame, until lapin's I/O loop has sent it.
@@ -102,10 +111,11 @@ impl Weight {
     }
 }
 
-impl<'s> Inline<'s> {
+impl<'s, F: Future<Output = ()> + Send + 'static> Inline<'s, F> {
     pub(crate) fn new(batch: usize) -> Self {
         Self {
             parked: Vec::with_capacity(batch),
+            spare: Vec::new(),
             since: None,
             sending: None,
             batch,
@@ -113,9 +123,16 @@ impl<'s> Inline<'s> {
         }
     }
 
-    /// Runs `job`, the delivery of `tag` on `session`, up to where it first stops (see the
+    /// Runs `work`, the delivery of `tag` on `session`, up to where it first stops (see the
     /// module's text); returns it when a worker must finish it.
-    pub(crate) fn start(&mut self, mut job: Job, session: &Session, tag: u64) -> Option<Job> {
+    pub(crate) fn start(&mut self, work: F, session: &Session, tag: u64) -> Option<Job> {
+        let mut job = match self.spare.pop() {
+            Some(mut job) => {
+                job.set(work);
+                job
+            }
+            None => Box::pin(work),
+        };
         if !self.weight.poll_here() {
             return Some(job);
         }
@@ -129,7 +146,18 @@ impl<'s> Inline<'s> {
                 None
             }
             Some(Poll::Pending) => Some(job),
-            Some(Poll::Ready(())) | None => None,
+            Some(Poll::Ready(())) => {
+                self.keep(job);
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// Keeps the box of work that ended, for the next delivery's.
+    fn keep(&mut self, job: Pin<Box<F>>) {
+        if self.spare.len() < SPARE {
+            self.spare.push(job);
         }
     }
 
@@ -173,20 +201,26 @@ impl<'s> Inline<'s> {
         if let Some(sending) = session.flush_ready(revoked) {
             self.sending = Some(sending);
         }
-        for mut job in self.parked.drain(..) {
-            if let Some(Poll::Pending) = poll(&mut job) {
+        let mut parked = std::mem::take(&mut self.parked);
+        for mut job in parked.drain(..) {
+            match poll(&mut job) {
+                Some(Poll::Ready(())) => self.keep(job),
                 // Not reached while the window writes every ready ACK at once; if it ever
                 // is, the delivery still finishes, on a task of its own.
-                tracker.spawn(job);
+                Some(Poll::Pending) => {
+                    tracker.spawn(job);
+                }
+                None => {}
             }
         }
+        self.parked = parked;
     }
 }
 
 /// Polls `job` once on the loop. A panic outside the handler's guard (which catches the
 /// handler's own) is a bug in Lily: it is logged and the delivery is dropped where it is, as a
 /// worker's would be; its ledger entry stays open and is reported.
-fn poll(job: &mut Job) -> Option<Poll<()>> {
+fn poll<F: Future<Output = ()>>(job: &mut Pin<Box<F>>) -> Option<Poll<()>> {
     match catch_unwind(AssertUnwindSafe(|| first_poll(job.as_mut()))) {
         Ok(poll) => Some(poll),
         Err(_) => {

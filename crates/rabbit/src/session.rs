@@ -744,8 +744,8 @@ pub(crate) async fn consume(
             Some(Some(Ok(delivery))) => {
                 let tag = delivery.delivery_tag;
                 session.delivered(tag);
-                match crate::delivery::job(shared, &session, delivery)
-                    .and_then(|job| inline.start(job, &session, tag))
+                match crate::delivery::work(shared, &session, delivery)
+                    .and_then(|work| inline.start(work, &session, tag))
                 {
                     Some(job) => hired.assign(job),
                     None => worker = Some(hired),
