@@ -71,9 +71,7 @@ const SPARE: usize = 256;
 /// delivery's work (see [`crate::delivery::work`]).
 pub(crate) struct Inline<'s, F> {
     parked: Vec<Pin<Box<F>>>,
-    /// Boxes of deliveries that ended on the loop, for the next ones: their work is written
-    /// into one in place of a new allocation.
-    spare: Vec<Pin<Box<F>>>,
+    spare: Spare<F>,
     /// When the oldest parked delivery was parked.
     since: Option<Instant>,
     /// The loop's last ACK frame, until lapin's I/O loop has sent it.
@@ -111,11 +109,35 @@ impl Weight {
     }
 }
 
+/// Boxes of deliveries that ended on the loop, for the next ones: their work is written into
+/// one in place of a new allocation.
+struct Spare<F>(Vec<Pin<Box<F>>>);
+
+impl<F: Future> Spare<F> {
+    /// `work` in a box, a kept one if there is one.
+    fn boxed(&mut self, work: F) -> Pin<Box<F>> {
+        match self.0.pop() {
+            Some(mut job) => {
+                job.set(work);
+                job
+            }
+            None => Box::pin(work),
+        }
+    }
+
+    /// Keeps the box of work that ended, up to [`SPARE`] of them.
+    fn keep(&mut self, job: Pin<Box<F>>) {
+        if self.0.len() < SPARE {
+            self.0.push(job);
+        }
+    }
+}
+
 impl<'s, F: Future<Output = ()> + Send + 'static> Inline<'s, F> {
     pub(crate) fn new(batch: usize) -> Self {
         Self {
             parked: Vec::with_capacity(batch),
-            spare: Vec::new(),
+            spare: Spare(Vec::new()),
             since: None,
             sending: None,
             batch,
@@ -126,13 +148,7 @@ impl<'s, F: Future<Output = ()> + Send + 'static> Inline<'s, F> {
     /// Runs `work`, the delivery of `tag` on `session`, up to where it first stops (see the
     /// module's text); returns it when a worker must finish it.
     pub(crate) fn start(&mut self, work: F, session: &Session, tag: u64) -> Option<Job> {
-        let mut job = match self.spare.pop() {
-            Some(mut job) => {
-                job.set(work);
-                job
-            }
-            None => Box::pin(work),
-        };
+        let mut job = self.spare.boxed(work);
         if !self.weight.poll_here() {
             return Some(job);
         }
@@ -147,17 +163,10 @@ impl<'s, F: Future<Output = ()> + Send + 'static> Inline<'s, F> {
             }
             Some(Poll::Pending) => Some(job),
             Some(Poll::Ready(())) => {
-                self.keep(job);
+                self.spare.keep(job);
                 None
             }
             None => None,
-        }
-    }
-
-    /// Keeps the box of work that ended, for the next delivery's.
-    fn keep(&mut self, job: Pin<Box<F>>) {
-        if self.spare.len() < SPARE {
-            self.spare.push(job);
         }
     }
 
@@ -204,7 +213,7 @@ impl<'s, F: Future<Output = ()> + Send + 'static> Inline<'s, F> {
         let mut parked = std::mem::take(&mut self.parked);
         for mut job in parked.drain(..) {
             match poll(&mut job) {
-                Some(Poll::Ready(())) => self.keep(job),
+                Some(Poll::Ready(())) => self.spare.keep(job),
                 // Not reached while the window writes every ready ACK at once; if it ever
                 // is, the delivery still finishes, on a task of its own.
                 Some(Poll::Pending) => {
@@ -248,6 +257,21 @@ mod tests {
             }
         }
         here
+    }
+
+    #[test]
+    fn the_next_delivery_takes_a_kept_box() {
+        let mut spare = Spare(Vec::new());
+        let first = spare.boxed(std::future::ready(()));
+        let at: *const _ = &*first;
+        spare.keep(first);
+        let second = spare.boxed(std::future::ready(()));
+        assert!(std::ptr::eq(at, &*second), "a new box was allocated");
+        // Up to SPARE are kept, no more.
+        for _ in 0..SPARE + 8 {
+            spare.keep(Box::pin(std::future::ready(())));
+        }
+        assert_eq!(spare.0.len(), SPARE);
     }
 
     #[test]
