@@ -210,8 +210,7 @@ impl<'s, F: Future<Output = ()> + Send + 'static> Inline<'s, F> {
         if let Some(sending) = session.flush_ready(revoked) {
             self.sending = Some(sending);
         }
-        let mut parked = std::mem::take(&mut self.parked);
-        for mut job in parked.drain(..) {
+        for mut job in self.parked.drain(..) {
             match poll(&mut job) {
                 Some(Poll::Ready(())) => self.spare.keep(job),
                 // Not reached while the window writes every ready ACK at once; if it ever
@@ -222,7 +221,6 @@ impl<'s, F: Future<Output = ()> + Send + 'static> Inline<'s, F> {
                 None => {}
             }
         }
-        self.parked = parked;
     }
 }
 
