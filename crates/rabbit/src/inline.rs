@@ -31,7 +31,7 @@
 //! one thread. So the loop counts its first polls that took longer than [`HEAVY`] against those
 //! that did not; while the long ones lead by [`LEAD`], deliveries go to the crew unpolled, to
 //! run in parallel on every worker thread (their gate, dispatch and ledger entry, a few
-//! microseconds, still run here, see [`crate::delivery::job`]), and one in [`PROBE`] is still
+//! microseconds, still run here, see [`crate::delivery::work`]), and one in [`PROBE`] is still
 //! polled here: the first such probe that is short ends the spell. A count, not an average: on a busy node the thread
 //! is sometimes descheduled in the middle of a poll, and one such poll must not look like a
 //! heavy handler. Nor must a burst of them keep light handlers off the loop for long: a spell
