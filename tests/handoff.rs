@@ -427,6 +427,70 @@ async fn verify_with(
     refused.expect_err("a topology Lily cannot rely on is refused")
 }
 
+/// Lily declares its topology without a reply to each request, so a refusal closes the channel
+/// without saying which request it was; Lily then declares again, a reply each, to find it.
+/// The error names the queue the broker refused, the queues after it in the declaration are
+/// not created, and nothing is consumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_declaration_names_the_queue_and_consumes_nothing() {
+    let broker = Broker::from_env();
+    let client = Client::connect(broker.url()).await;
+    for kind in [QueueKind::Classic, QueueKind::Quorum] {
+        // The work queue exists as a classic queue with a TTL of its own, and holds a message.
+        let queue = Broker::unique("declare-refused");
+        let mut ttl = FieldTable::default();
+        ttl.insert("x-message-ttl".into(), AMQPValue::LongLongInt(600_000));
+        client.declare_with(&queue, ttl).await;
+        client.send(&queue, "order.placed", "waiting", b"{}").await;
+        let router = Router::new().route("order.placed", |_: Meta| async { Ok(()) });
+        let refused = tokio::time::timeout(
+            Duration::from_secs(20),
+            Consumer::new(broker.url(), config(&queue, kind), router).run(Shutdown::default()),
+        )
+        .await
+        .expect("the topology is refused at start, without a retry loop");
+        let err = refused.expect_err("a work queue with other arguments is refused");
+        let text = error_text(&err);
+        assert!(
+            matches!(err, lily::rabbit::Error::Topology { .. }),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("queue '{queue}'")) && text.contains("inequivalent arg"),
+            "{text}"
+        );
+        assert_eq!(
+            client.depth(&queue).await,
+            1,
+            "the waiting message was consumed"
+        );
+        // Declared in order: the DLQ before the work queue, its retry bucket after it.
+        let url = broker.url();
+        let declared = |name: String| async move {
+            let probe = lapin::Connection::connect(url, Default::default())
+                .await
+                .expect("connect");
+            let channel = probe.create_channel().await.expect("channel");
+            let options = QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            };
+            let found = channel
+                .queue_declare(name.as_str().into(), options, FieldTable::default())
+                .await;
+            found.is_ok()
+        };
+        assert!(
+            declared(format!("{queue}.dlq")).await,
+            "the DLQ is declared"
+        );
+        assert!(
+            !declared(format!("{queue}.retry.1s")).await,
+            "a queue after the refused one was declared"
+        );
+    }
+}
+
 fn error_text(err: &lily::rabbit::Error) -> String {
     let mut text = err.to_string();
     let mut source = std::error::Error::source(err);

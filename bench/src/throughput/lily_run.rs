@@ -11,7 +11,10 @@ use lily::prelude::{
 use tokio::sync::Notify;
 
 use crate::Order;
-use crate::throughput::{FAILURE_REASON, FirstDelivery, HANDOFF_DELAY, POLL, Sample, run_limit};
+use crate::throughput::{FAILURE_REASON, FirstDelivery, HANDOFF_DELAY, Sample, run_limit};
+
+/// How often the totals are polled once the handler has been called for every message.
+const SETTLED_POLL: Duration = Duration::from_micros(50);
 
 /// Retry delays of the success path (Lily's default policy): its topology is the same for every
 /// contender.
@@ -97,16 +100,18 @@ impl Progress {
     }
 }
 
-/// Runs `consumer` until it has settled `n` messages. The totals are polled every [`POLL`]
-/// only once the handler has been called `n` times: polling them all along would cost Lily's
-/// run a wake-up a millisecond that no other contender pays.
+/// Runs `consumer` until it has settled `n` messages. The totals are polled only once the
+/// handler has been called `n` times (polling them all along would cost Lily's run wake-ups
+/// that no other contender pays), then every [`SETTLED_POLL`] on a thread of its own: tokio's
+/// timer rounds a wait up to a whole millisecond, which the run's time would count, while the
+/// raw contenders stop their clocks the moment their last ACK is written.
 async fn measure(consumer: Consumer, n: u64, retried: bool, progress: &Progress) -> Sample {
     let stats = consumer.stats();
     let shutdown = Shutdown::default();
     let started = Instant::now();
     let run = tokio::spawn(consumer.run(shutdown.clone()));
     let limit = run_limit(n);
-    let settled = || {
+    let settled = move |stats: &lily::rabbit::Stats| {
         let totals = stats.totals();
         if retried {
             totals.retried
@@ -120,11 +125,16 @@ async fn measure(consumer: Consumer, n: u64, retried: bool, progress: &Progress)
             () = tokio::time::sleep(Duration::from_millis(100)) => {}
         }
     }
-    while settled() < n && started.elapsed() < limit && !run.is_finished() {
-        tokio::time::sleep(POLL).await;
-    }
+    let polled = stats.clone();
+    let ended = run.abort_handle();
+    let _ = tokio::task::spawn_blocking(move || {
+        while settled(&polled) < n && started.elapsed() < limit && !ended.is_finished() {
+            std::thread::sleep(SETTLED_POLL);
+        }
+    })
+    .await;
     let elapsed = started.elapsed();
-    let count = settled();
+    let count = settled(&stats);
     shutdown.trigger(Trigger::Api);
     match run.await {
         Ok(Ok(report)) if report.exit_code() == 0 => {}

@@ -333,18 +333,15 @@ impl Session {
     /// Asks the broker how many messages the work queue holds ready (a passive declare, which
     /// needs no permission) and notes whether that is a backlog. False when the channel failed.
     async fn measure_backlog(&self, shared: &Shared) -> bool {
-        let options = QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        };
-        let declared = self
-            .consuming
-            .queue_declare(shared.queue.as_ref().into(), options, FieldTable::default())
-            .await;
-        let ready = declared.as_ref().map_or(0, lapin::Queue::message_count);
-        let backlog = usize::try_from(ready).is_ok_and(|ready| ready >= self.batch);
+        let ready = ready_count(&self.consuming, &shared.queue).await;
+        self.note_backlog(ready.as_ref().ok().copied());
+        ready.is_ok()
+    }
+
+    /// Notes whether `ready` messages (none when unknown) are a backlog.
+    fn note_backlog(&self, ready: Option<u32>) {
+        let backlog = ready.is_some_and(|ready| ready as usize >= self.batch);
         self.backlog.store(backlog, Ordering::Relaxed);
-        declared.is_ok()
     }
 
     /// Whether the ACK of `delivery_tag` is marked ready (or written already): its delivery
@@ -526,47 +523,92 @@ fn permission_error(
     }
 }
 
-/// Opens a session up to its consumer: the connection and the topology, the handoff
-/// publisher's connection, then the consuming channel with its prefetch, and `basic.consume`.
+/// A session's connection and consuming channel, from [`open`].
+struct Opened {
+    connection: Connection,
+    consuming: Channel,
+    consumer: lapin::Consumer,
+    /// The messages the work queue held ready just after `basic.consume`; `None` when the
+    /// broker did not say.
+    ready: Option<u32>,
+}
+
+/// Opens a session up to its consumer: the connection, the topology and the consuming channel
+/// with its prefetch, the handoff publisher's connection, then `basic.consume`.
 ///
 /// The handoff connection is readied while the consuming connection declares the topology:
 /// neither waits for the other, which takes about a third off the start (a connection and a
 /// confirmed probe, 5–13 ms on loopback). Their errors come in the order the steps have:
 /// the consuming connection's and the topology's first, at once, and the handoff
-/// connection's only once the topology is in place.
-async fn open(shared: &Shared) -> Result<(Connection, Channel, lapin::Consumer), SessionError> {
-    let connection = first_then(declare(shared), ready_handoffs(shared)).await?;
-    let consuming = connection
-        .create_channel()
-        .await
-        .map_err(SessionError::Connect)?;
-    consuming
-        .basic_qos(shared.config.prefetch, BasicQosOptions::default())
-        .await
-        .map_err(SessionError::Connect)?;
-    let consumer = consuming
-        .basic_consume(
-            shared.queue.as_ref().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(|source| {
-            let needs = [Needs::queue(&shared.queue, "read")];
-            let doing = || format!("consume from queue '{}'", shared.queue);
-            permission_error(source, doing, &needs)
-        })?;
-    Ok((connection, consuming, consumer))
+/// connection's only once the topology is in place. Nothing is consumed before both are
+/// ready.
+async fn open(shared: &Shared) -> Result<Opened, SessionError> {
+    let (connection, consuming) = first_then(declare(shared), ready_handoffs(shared)).await?;
+    // Sent together: the passive declare that measures the backlog goes out behind
+    // `basic.consume` without waiting for its reply.
+    let consume = consuming.basic_consume(
+        shared.queue.as_ref().into(),
+        "".into(),
+        BasicConsumeOptions::default(),
+        FieldTable::default(),
+    );
+    let (consumer, ready) = tokio::join!(consume, ready_count(&consuming, &shared.queue));
+    let consumer = consumer.map_err(|source| {
+        let needs = [Needs::queue(&shared.queue, "read")];
+        let doing = || format!("consume from queue '{}'", shared.queue);
+        permission_error(source, doing, &needs)
+    })?;
+    Ok(Opened {
+        connection,
+        consuming,
+        consumer,
+        ready: ready.ok(),
+    })
 }
 
-/// Connects the consuming connection and declares the topology on a channel of its own.
-async fn declare(shared: &Shared) -> Result<Connection, SessionError> {
+/// How many messages `queue` holds ready, by a passive declare on `channel` (which needs no
+/// permission).
+async fn ready_count(channel: &Channel, queue: &str) -> lapin::Result<u32> {
+    let options = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let declared = channel
+        .queue_declare(queue.into(), options, FieldTable::default())
+        .await?;
+    Ok(declared.message_count())
+}
+
+/// Connects the consuming connection, declares the topology and readies the consuming
+/// channel with its prefetch.
+///
+/// In [`TopologyMode::Declare`] the consuming channel carries the declarations, without
+/// their replies (see [`crate::topology::Topology::declare_unanswered`]), and its
+/// `basic.qos` proves them. Only when that fails are they declared again, one reply each, on
+/// a channel of their own, to find the refusal and the permission it needs. Verification
+/// always goes that way.
+async fn declare(shared: &Shared) -> Result<(Connection, Channel), SessionError> {
     let connection = shared
         .dialer
         .connect()
         .await
         .map_err(|e| connect_error(shared, e))?;
+    let prefetch = |channel: Channel| async move {
+        channel
+            .basic_qos(shared.config.prefetch, BasicQosOptions::default())
+            .await
+            .map(|()| channel)
+    };
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(SessionError::Connect)?;
+    if shared.config.topology == TopologyMode::Declare
+        && shared.topology.declare_unanswered(&channel).await.is_ok()
+        && let Ok(consuming) = prefetch(channel).await
+    {
+        return Ok((connection, consuming));
+    }
     let setup = connection
         .create_channel()
         .await
@@ -590,7 +632,12 @@ async fn declare(shared: &Shared) -> Result<Connection, SessionError> {
     }
     // Dropping the channel closes it without waiting for the broker's close-ok.
     drop(setup);
-    Ok(connection)
+    let consuming = connection
+        .create_channel()
+        .await
+        .map_err(SessionError::Connect)?;
+    let consuming = prefetch(consuming).await.map_err(SessionError::Connect)?;
+    Ok((connection, consuming))
 }
 
 /// Opens the handoff publisher's connection and checks that it may publish.
@@ -654,7 +701,12 @@ pub(crate) async fn consume(
     crew: &Arc<Crew>,
     stop: &CancellationToken,
 ) -> Result<SessionEnd, SessionError> {
-    let (connection, consuming, mut consumer) = tokio::select! {
+    let Opened {
+        connection,
+        consuming,
+        mut consumer,
+        ready,
+    } = tokio::select! {
         opened = open(shared) => opened?,
         () = stop.cancelled() => return Ok(SessionEnd::Stopped),
     };
@@ -673,12 +725,8 @@ pub(crate) async fn consume(
         backlog: AtomicBool::new(false),
         ended: CancellationToken::new(),
     });
-    // A backlog that waits for the consumer is known from its first delivery on. Bounded like
-    // the rest of the start: a broker that does not answer must not hold the shutdown here.
-    tokio::select! {
-        _ = session.measure_backlog(shared) => {}
-        () = stop.cancelled() => {}
-    }
+    // A backlog that waits for the consumer is known from its first delivery on.
+    session.note_backlog(ready);
     tokio::spawn(confirm_periodically(
         Arc::clone(shared),
         Arc::clone(&session),

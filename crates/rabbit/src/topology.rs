@@ -219,9 +219,10 @@ impl Topology {
                 [Request::Exchange { passive: true }]
                     .into_iter()
                     .chain(exists),
+                Replies::Each,
             )
             .await?;
-            return match self.pipelined(channel, declares()).await {
+            return match self.pipelined(channel, declares(), Replies::Each).await {
                 Ok(()) => Ok(Applied::Complete),
                 // The user may not configure: existence is all that can be known.
                 Err(TopologyError {
@@ -231,13 +232,29 @@ impl Topology {
                 Err(err) => Err(err),
             };
         }
-        let exchange = [Request::Exchange { passive: false }];
-        let requests = exchange
-            .into_iter()
-            .chain(declares())
-            .chain([Request::Bind]);
-        self.pipelined(channel, requests).await?;
+        self.pipelined(channel, declaration(&queues), Replies::Each)
+            .await?;
         Ok(Applied::Complete)
+    }
+
+    /// Sends the requests of [`TopologyMode::Declare`] on `channel` without asking for their
+    /// replies (`nowait`) and returns once they are queued, knowing nothing yet: the broker
+    /// handles a channel's requests in order and closes the channel at the first refusal, so
+    /// the next request with a reply on `channel` succeeds only if every one of them did.
+    /// Which one was refused, and the permission it needs, that request cannot tell; declaring
+    /// again with [`Topology::apply`] on another channel does.
+    ///
+    /// Cheaper than [`Topology::apply`] for the broker, and much faster when it is busy: a
+    /// declare that asks for no reply does not ask the queue how many messages it holds, and a
+    /// busy queue (or quorum queue leader) answers that late. Each queue's answer took 2–5 ms
+    /// just after a backlog was published here, one after the other on the channel.
+    ///
+    /// # Errors
+    /// Only a channel that is closed already: the broker's refusals come later.
+    pub(crate) async fn declare_unanswered(&self, channel: &Channel) -> Result<(), TopologyError> {
+        let queues = self.queues(TopologyMode::Declare);
+        self.pipelined(channel, declaration(&queues), Replies::None)
+            .await
     }
 
     /// Sends `requests` one after the other on `channel` without waiting for each reply: the
@@ -247,11 +264,12 @@ impl Topology {
         &self,
         channel: &Channel,
         requests: impl IntoIterator<Item = Request<'_>>,
+        replies: Replies,
     ) -> Result<(), TopologyError> {
         // `join_all` polls them first in order, and lapin sends a request at its first poll.
         let sent = requests
             .into_iter()
-            .map(|request| self.send(channel, request));
+            .map(|request| self.send(channel, request, replies));
         futures_util::future::join_all(sent)
             .await
             .into_iter()
@@ -260,13 +278,20 @@ impl Topology {
 
     /// Sends one request and awaits its reply; a refusal names the permission the request
     /// needs when the broker refused access.
-    async fn send(&self, channel: &Channel, request: Request<'_>) -> Result<(), TopologyError> {
+    async fn send(
+        &self,
+        channel: &Channel,
+        request: Request<'_>,
+        replies: Replies,
+    ) -> Result<(), TopologyError> {
+        let nowait = replies == Replies::None;
         let dlx = self.dead_letter_exchange();
         match request {
             Request::Exchange { passive } => {
                 let options = ExchangeDeclareOptions {
                     durable: true,
                     passive,
+                    nowait,
                     ..ExchangeDeclareOptions::default()
                 };
                 channel
@@ -293,6 +318,7 @@ impl Topology {
                 let options = QueueDeclareOptions {
                     durable: true,
                     passive,
+                    nowait,
                     ..QueueDeclareOptions::default()
                 };
                 let declared = channel
@@ -324,7 +350,7 @@ impl Topology {
                         dlq.as_str().into(),
                         dlx.as_str().into(),
                         "".into(),
-                        QueueBindOptions::default(),
+                        QueueBindOptions { nowait },
                         FieldTable::default(),
                     )
                     .await
@@ -419,6 +445,29 @@ enum Request<'a> {
     },
     /// The dead-letter queue's binding to the dead-letter exchange.
     Bind,
+}
+
+/// The declaring requests of [`TopologyMode::Declare`], in order: the exchange, every queue,
+/// the binding.
+fn declaration(queues: &[(String, FieldTable)]) -> impl Iterator<Item = Request<'_>> {
+    let declares = queues.iter().map(|(name, args)| Request::Queue {
+        name,
+        args,
+        passive: false,
+    });
+    [Request::Exchange { passive: false }]
+        .into_iter()
+        .chain(declares)
+        .chain([Request::Bind])
+}
+
+/// Whether the requests of one step ask for their replies.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Replies {
+    /// One each: a refusal is known, and which request it was.
+    Each,
+    /// None (`nowait`): see [`Topology::declare_unanswered`].
+    None,
 }
 
 /// Why [`Topology::apply`] failed.
