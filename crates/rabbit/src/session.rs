@@ -599,15 +599,16 @@ async fn declare(shared: &Shared) -> Result<(Connection, Channel), SessionError>
             .await
             .map(|()| channel)
     };
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(SessionError::Connect)?;
-    if shared.config.topology == TopologyMode::Declare
-        && shared.topology.declare_unanswered(&channel).await.is_ok()
-        && let Ok(consuming) = prefetch(channel).await
-    {
-        return Ok((connection, consuming));
+    if shared.config.topology == TopologyMode::Declare {
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(SessionError::Connect)?;
+        if shared.topology.declare_unanswered(&channel).await.is_ok()
+            && let Ok(consuming) = prefetch(channel).await
+        {
+            return Ok((connection, consuming));
+        }
     }
     let setup = connection
         .create_channel()
