@@ -200,29 +200,14 @@ impl Topology {
         mode: TopologyMode,
     ) -> Result<Applied, TopologyError> {
         let queues = self.queues(mode);
-        let declares = || {
-            queues.iter().map(|(name, args)| Request::Queue {
-                name,
-                args,
-                passive: false,
-            })
-        };
         if mode == TopologyMode::Verify {
             // Existence first, so a missing queue is refused rather than created.
-            let exists = queues.iter().map(|(name, args)| Request::Queue {
-                name,
-                args,
-                passive: true,
-            });
-            self.pipelined(
-                channel,
-                [Request::Exchange { passive: true }]
-                    .into_iter()
-                    .chain(exists),
-                Replies::Each,
-            )
-            .await?;
-            return match self.pipelined(channel, declares(), Replies::Each).await {
+            let exists = [Request::Exchange { passive: true }]
+                .into_iter()
+                .chain(queue_requests(&queues, true));
+            self.pipelined(channel, exists, Replies::Each).await?;
+            let declares = queue_requests(&queues, false);
+            return match self.pipelined(channel, declares, Replies::Each).await {
                 Ok(()) => Ok(Applied::Complete),
                 // The user may not configure: existence is all that can be known.
                 Err(TopologyError {
@@ -450,15 +435,22 @@ enum Request<'a> {
 /// The declaring requests of [`TopologyMode::Declare`], in order: the exchange, every queue,
 /// the binding.
 fn declaration(queues: &[(String, FieldTable)]) -> impl Iterator<Item = Request<'_>> {
-    let declares = queues.iter().map(|(name, args)| Request::Queue {
-        name,
-        args,
-        passive: false,
-    });
     [Request::Exchange { passive: false }]
         .into_iter()
-        .chain(declares)
+        .chain(queue_requests(queues, false))
         .chain([Request::Bind])
+}
+
+/// A request for each of `queues`; a passive one only checks that the queue exists.
+fn queue_requests(
+    queues: &[(String, FieldTable)],
+    passive: bool,
+) -> impl Iterator<Item = Request<'_>> {
+    queues.iter().map(move |(name, args)| Request::Queue {
+        name,
+        args,
+        passive,
+    })
 }
 
 /// Whether the requests of one step ask for their replies.
