@@ -76,7 +76,8 @@ const BROKER: [&str; 8] = [
 /// `x-delivery-count`) writes, rather than the producer. The gate bounds these apart from the
 /// producer's headers, so the headers a retry adds never push a message over the limits.
 pub fn is_reserved(key: &str) -> bool {
-    key.starts_with("x-lily-") || BROKER.contains(&key)
+    // Every one begins with `x-`, and most producers' headers do not.
+    key.starts_with("x-") && (key.starts_with("x-lily-") || BROKER.contains(&key))
 }
 
 /// Whether `text` is a W3C `traceparent` of version `00` with a trace id and a span id that
@@ -108,7 +109,27 @@ pub fn is_traceparent(text: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::is_traceparent;
+    use super::{BROKER, is_reserved, is_traceparent};
+
+    #[test]
+    fn lilys_and_the_brokers_headers_are_reserved_and_no_others() {
+        for key in BROKER.iter().copied().chain([super::ATTEMPT, super::HOLDS]) {
+            assert!(is_reserved(key), "{key}");
+        }
+        for key in [
+            "",
+            "x-",
+            "x-lily",
+            "x-custom",
+            "x-deaths",
+            "lily-attempt",
+            "X-LILY-ATTEMPT",
+            super::SCHEMA_VERSION,
+            super::TRACEPARENT,
+        ] {
+            assert!(!is_reserved(key), "{key}");
+        }
+    }
 
     #[test]
     fn traceparents_are_checked_to_the_letter() {

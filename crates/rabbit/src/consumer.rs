@@ -445,7 +445,7 @@ fn enter(shared: &Shared, phase: Phase) {
         Phase::Cooperating => shared.signals.handlers.cancel(),
         Phase::Aborting => {
             // The handlers' tokens fire with it.
-            shared.signals.revoked.cancel();
+            shared.signals.revoke();
             lock(&shared.books.ledger).abort_open();
             shared.signals.abort.cancel();
         }

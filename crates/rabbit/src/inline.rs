@@ -43,11 +43,11 @@ use std::pin::Pin;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::error;
 
 use crate::crew::Job;
+use crate::service::Revoked;
 use crate::session::{BACKLOG_HOLD, Sending, Session, first_poll};
 
 /// A first poll longer than this is worth a hand-off to another thread. An unoptimised build
@@ -200,7 +200,7 @@ impl<'s, F: Future<Output = ()> + Send + 'static> Inline<'s, F> {
     pub(crate) fn settle(
         &mut self,
         session: &'s Session,
-        revoked: &CancellationToken,
+        revoked: &Revoked,
         tracker: &TaskTracker,
     ) {
         if self.parked.is_empty() {

@@ -1,7 +1,7 @@
 //! What the sessions and delivery tasks share: the service's fixed setup, its books and its
 //! shutdown signals, and the metrics it reports.
 
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use lily_mq_core::machine::RequeueMemory;
@@ -42,10 +42,10 @@ pub(crate) struct Books {
     pub(crate) incidents: Mutex<Incidents>,
 }
 
-/// The shutdown signals, one token tree: revoking authority also cancels the handlers.
+/// The shutdown signals.
 pub(crate) struct Signals {
-    /// Fires when aborting starts: nothing is sent for any delivery after it.
-    pub(crate) revoked: CancellationToken,
+    /// Set when aborting starts: nothing is sent for any delivery after it.
+    pub(crate) revoked: Revoked,
     /// Parent of every handler's cancellation token: fires when cooperating starts, or with
     /// `revoked` at the latest.
     pub(crate) handlers: CancellationToken,
@@ -56,12 +56,29 @@ pub(crate) struct Signals {
 
 impl Signals {
     pub(crate) fn new() -> Self {
-        let revoked = CancellationToken::new();
         Self {
-            handlers: revoked.child_token(),
-            revoked,
+            revoked: Revoked::default(),
+            handlers: CancellationToken::new(),
             abort: CancellationToken::new(),
         }
+    }
+
+    /// Revokes the authority to settle, and cancels the handlers with it.
+    pub(crate) fn revoke(&self) {
+        self.revoked.0.store(true, Ordering::SeqCst);
+        self.handlers.cancel();
+    }
+}
+
+/// Whether the authority to settle was revoked. Every delivery reads it at least twice, so it
+/// is a flag: a [`CancellationToken`]'s check takes the token's lock, and nothing waits for
+/// this one.
+#[derive(Debug, Default)]
+pub(crate) struct Revoked(AtomicBool);
+
+impl Revoked {
+    pub(crate) fn is_revoked(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
     }
 }
 

@@ -28,7 +28,7 @@ use crate::crew::Crew;
 use crate::error::{Error, MissingPermission, Needs, missing_permission};
 use crate::handoff::HandoffPublisher;
 use crate::inline::Inline;
-use crate::service::Shared;
+use crate::service::{Revoked, Shared};
 use crate::sync::lock;
 use crate::topology::{Applied, TopologyError, TopologyMode};
 
@@ -144,7 +144,7 @@ struct Acks {
 pub(crate) struct Settler<'a> {
     session: &'a Session,
     publisher: &'a HandoffPublisher,
-    revoked: &'a CancellationToken,
+    revoked: &'a Revoked,
     delivery_tag: u64,
 }
 
@@ -152,7 +152,7 @@ impl Settler<'_> {
     /// Whether the delivery may still be settled: its channel is open and authority was not
     /// revoked.
     pub(crate) fn authority(&self) -> Authority {
-        if self.session.consuming_open() && !self.revoked.is_cancelled() {
+        if self.session.consuming_open() && !self.revoked.is_revoked() {
             Authority::Held
         } else {
             Authority::Lost
@@ -166,7 +166,7 @@ impl Settler<'_> {
 
     /// ACKs the delivery; see [`Session::ack`].
     pub(crate) async fn ack(&self) -> SettleResult {
-        if self.revoked.is_cancelled() {
+        if self.revoked.is_revoked() {
             return SettleResult::Refused;
         }
         self.session.ack(self.delivery_tag, self.revoked).await
@@ -183,7 +183,7 @@ impl Settler<'_> {
     }
 
     fn settle(&self, action: Action) -> SettleResult {
-        if self.revoked.is_cancelled() {
+        if self.revoked.is_revoked() {
             return SettleResult::Refused;
         }
         self.session.settle(self.delivery_tag, action)
@@ -229,7 +229,7 @@ impl Session {
         &'a self,
         delivery_tag: u64,
         publisher: &'a HandoffPublisher,
-        revoked: &'a CancellationToken,
+        revoked: &'a Revoked,
     ) -> Settler<'a> {
         Settler {
             session: self,
@@ -278,7 +278,7 @@ impl Session {
     ///
     /// A tag the window does not hold open (never delivered here, or settled already) is
     /// refused, and nothing is written for it.
-    pub(crate) async fn ack(&self, delivery_tag: u64, revoked: &CancellationToken) -> SettleResult {
+    pub(crate) async fn ack(&self, delivery_tag: u64, revoked: &Revoked) -> SettleResult {
         {
             let mut acks = lock(&self.acks);
             if !acks.window.ready(delivery_tag) {
@@ -353,7 +353,7 @@ impl Session {
     /// Writes the ready ACKs now, as [`Session::ack`]'s flush does (those above a delivery still
     /// being handled wait for it, up to the hold), and wakes the deliveries waiting for theirs.
     /// Returns the write of the last frame while lapin's I/O loop has not sent it yet.
-    pub(crate) fn flush_ready(&self, revoked: &CancellationToken) -> Option<Sending<'_>> {
+    pub(crate) fn flush_ready(&self, revoked: &Revoked) -> Option<Sending<'_>> {
         let acks = &mut *lock(&self.acks);
         if !acks.window.has_ready() {
             return None;
@@ -369,14 +369,14 @@ impl Session {
         &self,
         acks: &mut Acks,
         now: Instant,
-        revoked: &CancellationToken,
+        revoked: &Revoked,
         all: bool,
         keep: bool,
     ) -> Option<Sending<'_>> {
         let channel = &self.consuming;
         let mut sending = None;
         let write = |tag, multiple| {
-            if revoked.is_cancelled() {
+            if revoked.is_revoked() {
                 return SettleResult::Refused;
             }
             let frame = channel.basic_ack(tag, BasicAckOptions { multiple });
