@@ -35,6 +35,19 @@ pub const LOADS: [f64; 2] = [0.5, 0.9];
 /// publisher reached its target when its rate is at least this share of the target).
 pub const KEPT_UP: f64 = 0.95;
 
+/// The maximum rate is one both contenders sustain: at it, the publisher reaches at least this
+/// share of the rate and each contender settles at least this share of what was published.
+/// Measured under overload, a contender's settled rate is higher than what it sustains: a
+/// backlog lets it take full prefetch windows and share ACK frames, and 90 % of such a rate had
+/// both contenders fall behind, so latency measured there was a backlog's wait.
+pub const SUSTAINED: f64 = 0.99;
+
+/// Each rate a contender did not sustain is multiplied by this for the next check.
+pub const SUSTAIN_STEP: f64 = 0.9;
+
+/// Rates checked at most, the last one used even if not sustained.
+pub const SUSTAIN_TRIES: u32 = 4;
+
 /// A backlog is bounded when the work queue holds at most this many seconds' worth of messages
 /// (at the target rate) when publishing stops.
 pub const BACKLOG_SECS: f64 = 0.25;
@@ -151,6 +164,16 @@ pub struct Run {
     pub before_span: Option<Latencies>,
 }
 
+impl Run {
+    /// Whether the publisher reached the target and the contender settled what it published,
+    /// both within [`SUSTAINED`].
+    pub fn sustained(&self) -> bool {
+        self.publish_rate >= SUSTAINED * self.target_rate
+            && self.settled_per_sec >= SUSTAINED * self.publish_rate
+            && self.complete
+    }
+}
+
 /// The maximum rate a case's target is a fraction of.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct MaxRate {
@@ -164,7 +187,14 @@ pub struct MaxRate {
     pub lily_loaded: Option<f64>,
     /// What raw-batch settled per second with the publisher offering [`Self::offered`].
     pub raw_batch_loaded: Option<f64>,
-    /// The rate used: the lower of the two rates under load, or `--max-rate`.
+    /// The lower of the two rates under load: the first rate checked for being sustained.
+    pub under_load: Option<f64>,
+    /// Rates checked: from [`Self::under_load`] down by [`SUSTAIN_STEP`] until both contenders
+    /// sustained one ([`SUSTAINED`]), at most [`SUSTAIN_TRIES`].
+    pub tries: Option<u32>,
+    /// Whether both contenders sustained [`Self::used`] (false: the tries ran out first).
+    pub sustained: Option<bool>,
+    /// The rate used: the last rate checked, or `--max-rate`.
     pub used: f64,
 }
 

@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 
 use crate::escape;
-use crate::latency::{Case, Contender, HISTOGRAM_MS, Results, Run};
+use crate::latency::{Case, Contender, HISTOGRAM_MS, MaxRate, Results, Run};
 use crate::throughput::report::rate;
 
 fn ms(us: u32) -> String {
@@ -130,7 +130,7 @@ pub fn human(results: &Results) -> String {
     }
     let _ = writeln!(
         out,
-        "\nMaximum rates (msgs/s; drained with nothing publishing, then settled under load):"
+        "\nMaximum rates (msgs/s; drained with nothing publishing, settled under load, then sustained by both):"
     );
     let mut seen = Vec::new();
     for c in &results.cases {
@@ -140,7 +140,7 @@ pub fn human(results: &Results) -> String {
         seen.push((c.path, c.prefetch));
         let _ = writeln!(
             out,
-            "  {} prefetch {}: drained Lily {}, raw-batch {}; offered {}, settled Lily {}, raw-batch {}; used {}",
+            "  {} prefetch {}: drained Lily {}, raw-batch {}; offered {}, settled Lily {}, raw-batch {}; used {}{}",
             c.path.name(),
             c.prefetch,
             c.max_rate.lily.map_or_else(|| "-".into(), rate),
@@ -149,6 +149,7 @@ pub fn human(results: &Results) -> String {
             c.max_rate.lily_loaded.map_or_else(|| "-".into(), rate),
             c.max_rate.raw_batch_loaded.map_or_else(|| "-".into(), rate),
             rate(c.max_rate.used),
+            sustained(&c.max_rate),
         );
     }
     for note in &results.notes {
@@ -239,7 +240,7 @@ pub fn markdown(results: &Results) -> String {
     let _ = writeln!(out, "\nMaximum rates (msgs/s):\n");
     let _ = writeln!(
         out,
-        "| path | prefetch | Lily drained | raw-batch drained | offered | Lily settled under load | raw-batch settled under load | used |"
+        "| path | prefetch | Lily drained | raw-batch drained | offered | Lily settled under load | raw-batch settled under load | used (sustained by both) |"
     );
     let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|");
     let mut seen = Vec::new();
@@ -250,7 +251,7 @@ pub fn markdown(results: &Results) -> String {
         seen.push((c.path, c.prefetch));
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {}{} |",
             c.path.name(),
             c.prefetch,
             c.max_rate.lily.map_or_else(|| "–".into(), rate),
@@ -259,6 +260,7 @@ pub fn markdown(results: &Results) -> String {
             c.max_rate.lily_loaded.map_or_else(|| "–".into(), rate),
             c.max_rate.raw_batch_loaded.map_or_else(|| "–".into(), rate),
             rate(c.max_rate.used),
+            sustained(&c.max_rate),
         );
     }
     let _ = writeln!(out);
@@ -404,4 +406,13 @@ pub fn svg(results: &Results) -> String {
 fn trim(v: f64) -> String {
     let text = format!("{v:.3}");
     text.trim_end_matches('0').trim_end_matches('.').to_owned()
+}
+
+/// How the rate used was found: the rates checked, and whether the last was sustained.
+fn sustained(max: &MaxRate) -> String {
+    match (max.tries, max.sustained) {
+        (Some(tries), Some(true)) => format!(" (sustained; rates checked: {tries})"),
+        (Some(tries), _) => format!(" (NOT sustained; rates checked: {tries}, the last used)"),
+        _ => String::new(),
+    }
 }
