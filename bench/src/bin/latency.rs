@@ -11,9 +11,10 @@
 //!   contender's drain rate (N messages, default 60 000, quick 20 000, published to a fresh
 //!   classic queue, then drained and timed from consumer start until all are settled), then
 //!   what each settles per second while the paced publisher offers the higher drain rate (one
-//!   paced run). From the lower settled rate down, by 10 % a step, the first rate both
-//!   contenders sustain in a paced run is used (or `--max-rate R` for every case): under
-//!   overload a contender settles more than it sustains, so 90 % of that rate was not 90 %.
+//!   paced run of half the length). From 90 % of the lower settled rate down, by 10 % a step,
+//!   the first rate both contenders sustain in a paced run is used (or `--max-rate R` for
+//!   every case): under overload a contender settles more than it sustains, so 90 % of that
+//!   rate was not 90 %.
 //! - Each case: for each contender (order alternating case by case), a fresh topology, the
 //!   contender consuming, and a paced publisher (own connection, Lily's `Publisher`, 1 ms ticks)
 //!   at the target rate for S seconds (default 20, quick 8). Messages published after the
@@ -283,9 +284,12 @@ async fn max_rate(
         *slot = sample.msgs_per_sec;
     }
     let offered = drained[0].max(drained[1]).round().max(1.0);
+    // Half a case's length: the rate settled under overload only says where the search for a
+    // sustained rate starts.
+    let overload = setup.shorter(setup.run / 2, setup.warmup / 2);
     let mut loaded = [0.0; 2];
     for (slot, who) in loaded.iter_mut().zip(contenders) {
-        let run = run::paced(setup, who, path, prefetch, offered).await;
+        let run = run::paced(&overload, who, path, prefetch, offered).await;
         eprintln!(
             "  max rate {} prefetch {prefetch} {:<9} {:>8.0} msgs/s settled, {:.0} published, with {offered:.0}/s offered [{:.0} s elapsed]",
             path.name(),
@@ -311,11 +315,11 @@ async fn max_rate(
     }
 }
 
-/// The first rate from `from` down, by [`SUSTAIN_STEP`], that both contenders sustain in a
-/// paced run each as long as a case's, the rates tried, and whether the last was sustained (it
-/// is used even if not). Lily is checked first; a rate one contender did not sustain is not
-/// tried on the other. A shorter run is not enough: in 4 s runs both sustained a rate whose
-/// 90 % Lily then fell behind in an 8 s run.
+/// The first rate from `from` × [`SUSTAIN_STEP`] down, by that factor, that both contenders
+/// sustain in a paced run each as long as a case's; the rates tried; and whether the last was
+/// sustained (it is used even if not). Lily is checked first, and a rate one contender did not
+/// sustain is not tried on the other. A shorter run is not enough: in 4 s runs both sustained
+/// a rate whose 90 % Lily then fell behind in an 8 s run.
 async fn sustained_rate(
     setup: &Setup,
     path: Path,
@@ -325,6 +329,7 @@ async fn sustained_rate(
 ) -> (f64, u32, bool) {
     let mut rate = from;
     for tries in 1..=SUSTAIN_TRIES {
+        rate = (rate * SUSTAIN_STEP).round().max(1.0);
         let mut sustained = true;
         for who in [Contender::Lily, Contender::RawBatch] {
             let run = run::paced(setup, who, path, prefetch, rate).await;
@@ -345,7 +350,6 @@ async fn sustained_rate(
         if sustained || tries == SUSTAIN_TRIES {
             return (rate, tries, sustained);
         }
-        rate = (rate * SUSTAIN_STEP).round().max(1.0);
     }
     unreachable!("the last try returns")
 }
@@ -360,16 +364,17 @@ fn notes(args: &Args) -> Vec<String> {
              each contender's drain rate ({} messages published to a fresh queue, then drained and \
              timed from consumer start, connect included, with nothing publishing), then what each \
              contender settles per second while the paced publisher offers the higher of the two \
-             drain rates (one run of the paced length, its warm-up excluded). From the LOWER of \
-             the two settled rates down, in steps of {step:.0} %, the first rate both contenders \
-             sustain in a paced run as long as a case's is the maximum rate \
-             (at most {tries} rates; Lily is checked first, and a rate it did not sustain is not \
-             tried on raw-batch): sustained means the publisher reached ≥ {held:.0} % of the rate \
+             drain rates (one run of half the paced length, its warm-up excluded). From \
+             {first:.0} % of the LOWER of the two settled rates down, in steps of {step:.0} %, the \
+             first rate both contenders sustain in a paced run as long as a case's is the maximum \
+             rate (at most {tries} rates; Lily is checked first, and a rate it did not sustain is \
+             not tried on raw-batch): sustained means the publisher reached ≥ {held:.0} % of the rate \
              and the contender settled ≥ {held:.0} % of the publish rate and then every message. \
              A rate settled under overload is more than a contender sustains (a backlog fills \
-             its prefetch window and its ACK frames), and 90 % of it had both contenders fall \
-             behind. Both contenders run at the same target rate: 50 % and 90 % of the maximum.",
+             its prefetch window and its ACK frames): 90 % of it had both contenders fall behind, \
+             and at it one of them did every time. Both contenders run at the same target rate: 50 % and 90 % of the maximum.",
             args.messages,
+            first = SUSTAIN_STEP * 100.0,
             step = (1.0 - SUSTAIN_STEP) * 100.0,
             tries = SUSTAIN_TRIES,
             held = SUSTAINED * 100.0,

@@ -42,7 +42,10 @@ pub const KEPT_UP: f64 = 0.95;
 /// both contenders fall behind, so latency measured there was a backlog's wait.
 pub const SUSTAINED: f64 = 0.99;
 
-/// Each rate a contender did not sustain is multiplied by this for the next check.
+/// The first rate checked is the lower rate settled under overload times this, and each rate a
+/// contender did not sustain is multiplied by it for the next check. At the overload rate
+/// itself a contender has no headroom: in the runs at `a229d17` one of them fell behind there
+/// every time.
 pub const SUSTAIN_STEP: f64 = 0.9;
 
 /// Rates checked at most, the last one used even if not sustained.
@@ -187,10 +190,10 @@ pub struct MaxRate {
     pub lily_loaded: Option<f64>,
     /// What raw-batch settled per second with the publisher offering [`Self::offered`].
     pub raw_batch_loaded: Option<f64>,
-    /// The lower of the two rates under load: the first rate checked for being sustained.
+    /// The lower of the two rates under load, where the search for a sustained rate starts.
     pub under_load: Option<f64>,
-    /// Rates checked: from [`Self::under_load`] down by [`SUSTAIN_STEP`] until both contenders
-    /// sustained one ([`SUSTAINED`]), at most [`SUSTAIN_TRIES`].
+    /// Rates checked: from [`Self::under_load`] times [`SUSTAIN_STEP`] down by that factor
+    /// until both contenders sustained one ([`SUSTAINED`]), at most [`SUSTAIN_TRIES`].
     pub tries: Option<u32>,
     /// Whether both contenders sustained [`Self::used`] (false: the tries ran out first).
     pub sustained: Option<bool>,

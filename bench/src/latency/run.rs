@@ -39,6 +39,20 @@ pub struct Setup {
     pub lily_before: Arc<Sink>,
 }
 
+impl Setup {
+    /// The same set-up with paced runs of `run`, the first `warmup` of it not timed.
+    pub fn shorter(&self, run: Duration, warmup: Duration) -> Self {
+        Self {
+            url: self.url.clone(),
+            body: Arc::clone(&self.body),
+            run,
+            warmup,
+            lily_sink: Arc::clone(&self.lily_sink),
+            lily_before: Arc::clone(&self.lily_before),
+        }
+    }
+}
+
 /// A contender consuming.
 enum Running {
     Lily {
