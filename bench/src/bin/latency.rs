@@ -368,11 +368,12 @@ fn notes(args: &Args) -> Vec<String> {
              {first:.0} % of the LOWER of the two settled rates down, in steps of {step:.0} %, the \
              first rate both contenders sustain in a paced run as long as a case's is the maximum \
              rate (at most {tries} rates; Lily is checked first, and a rate it did not sustain is \
-             not tried on raw-batch): sustained means the publisher reached ≥ {held:.0} % of the rate \
-             and the contender settled ≥ {held:.0} % of the publish rate and then every message. \
+             not tried on raw-batch): sustained means the publisher reached ≥ {held:.0} % of the \
+             rate and the contender settled ≥ {held:.0} % of the publish rate and then every \
+             message. \
              A rate settled under overload is more than a contender sustains (a backlog fills \
-             its prefetch window and its ACK frames): 90 % of it had both contenders fall behind, \
-             and at it one of them did every time. Both contenders run at the same target rate: 50 % and 90 % of the maximum.",
+             its prefetch window and its ACK frames), so the search starts below it. Both \
+             contenders run at the same target rate: 50 % and 90 % of the maximum.",
             args.messages,
             first = SUSTAIN_STEP * 100.0,
             step = (1.0 - SUSTAIN_STEP) * 100.0,

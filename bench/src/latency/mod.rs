@@ -44,8 +44,7 @@ pub const SUSTAINED: f64 = 0.99;
 
 /// The first rate checked is the lower rate settled under overload times this, and each rate a
 /// contender did not sustain is multiplied by it for the next check. At the overload rate
-/// itself a contender has no headroom: in the runs at `a229d17` one of them fell behind there
-/// every time.
+/// itself a contender has no headroom.
 pub const SUSTAIN_STEP: f64 = 0.9;
 
 /// Rates checked at most, the last one used even if not sustained.
