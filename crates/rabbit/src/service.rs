@@ -111,3 +111,25 @@ impl Metrics {
         self.outcomes[outcome.slot()].increment(1);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Signals;
+
+    #[test]
+    fn revoking_sets_the_flag_and_cancels_every_handler() {
+        let signals = Signals::new();
+        let handler = signals.handlers.child_token();
+        assert!(!signals.revoked.is_revoked());
+        signals.revoke();
+        assert!(
+            signals.revoked.is_revoked(),
+            "settlements would still be written"
+        );
+        assert!(handler.is_cancelled(), "a handler was not told to stop");
+        assert!(
+            !signals.abort.is_cancelled(),
+            "the abort follows the ledger's marking"
+        );
+    }
+}
