@@ -1,7 +1,8 @@
 //! W3C trace context through the real node, seen by an in-memory OpenTelemetry exporter: a
 //! delivery's `traceparent` parents its span, on its first delivery and on its retry; the DLQ
-//! copy of a message the gate refused keeps it; and a message the publisher sent inside a span
-//! is consumed as that span's child.
+//! copy of a message the gate refused keeps it; a handoff runs in a `handoff` span inside its
+//! delivery's; and a message the publisher sent inside a span is consumed as that span's
+//! child.
 
 mod common;
 
@@ -33,6 +34,26 @@ fn spans_of<'a>(spans: &'a [SpanData], message_id: &str) -> Vec<&'a SpanData> {
             s.attributes
                 .iter()
                 .any(|kv| kv.key.as_str() == "message_id" && kv.value.as_str() == message_id)
+        })
+        .collect()
+}
+
+fn attribute(span: &SpanData, key: &str) -> Option<String> {
+    span.attributes
+        .iter()
+        .find(|kv| kv.key.as_str() == key)
+        .map(|kv| kv.value.as_str().into_owned())
+}
+
+/// The `handoff` spans whose parent is one of `deliveries`.
+fn handoffs_in<'a>(spans: &'a [SpanData], deliveries: &[&SpanData]) -> Vec<&'a SpanData> {
+    spans
+        .iter()
+        .filter(|s| s.name == "handoff")
+        .filter(|s| {
+            deliveries
+                .iter()
+                .any(|d| d.span_context.span_id() == s.parent_span_id)
         })
         .collect()
 }
@@ -100,6 +121,14 @@ async fn a_traceparent_parents_every_delivery_of_its_message() {
         assert_eq!(span.parent_span_id, SpanId::from_hex(PARENT).unwrap());
     }
 
+    // The first attempt's retry copy, in a span of its own inside that delivery's.
+    let [retry] = handoffs_in(&spans, &deliveries)[..] else {
+        panic!("one handoff in t-1's deliveries")
+    };
+    assert_eq!(attribute(retry, "result").as_deref(), Some("Confirmed"));
+    let bucket = attribute(retry, "to").expect("the lane's queue");
+    assert!(bucket.starts_with(&format!("{queue}.retry")), "{bucket}");
+
     let [copy] = dlq.as_slice() else {
         panic!("one DLQ copy, got {}", dlq.len())
     };
@@ -113,6 +142,11 @@ async fn a_traceparent_parents_every_delivery_of_its_message() {
         refused_spans[0].span_context.trace_id(),
         TraceId::from_hex(REFUSED_TRACE).unwrap()
     );
+    let [to_dlq] = handoffs_in(&spans, &refused_spans)[..] else {
+        panic!("one handoff in t-refused's delivery")
+    };
+    assert_eq!(attribute(to_dlq, "result").as_deref(), Some("Confirmed"));
+    assert_eq!(attribute(to_dlq, "to"), Some(format!("{queue}.dlq")));
 
     assert!(producer_context.is_valid(), "the producer span is recorded");
     let consumed = spans_of(&spans, "p-1");

@@ -33,11 +33,10 @@
 //! `target/bench/latency.{json,md,svg}`.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lily_mq_bench::latency::run::{self, Setup};
-use lily_mq_bench::latency::timer::{self, Sink};
+use lily_mq_bench::latency::timer::{self, Sinks};
 use lily_mq_bench::latency::{
     BACKLOG_SECS, Case, Contender, KEPT_UP, LOADS, MaxRate, P99_MARGIN_MS, Path, Results,
     SUSTAIN_STEP, SUSTAIN_TRIES, SUSTAINED, report,
@@ -144,9 +143,8 @@ fn parse_args() -> Args {
 #[tokio::main]
 async fn main() {
     let args = parse_args();
-    let lily_sink = Arc::new(Sink::default());
-    let lily_before = Arc::new(Sink::default());
-    timer::install(Arc::clone(&lily_sink), Arc::clone(&lily_before));
+    let lily = Sinks::default();
+    timer::install(lily.clone());
     let url = broker_url();
     let body = body_512();
     let setup = Setup {
@@ -154,8 +152,7 @@ async fn main() {
         body: body.clone().into(),
         run: Duration::from_secs_f64(args.secs),
         warmup: Duration::from_secs_f64(args.warmup),
-        lily_sink,
-        lily_before,
+        lily,
     };
     let mut results = Results {
         benchmark: "latency",
@@ -228,6 +225,10 @@ async fn main() {
                                 " (before its span: p50 {:.2} p99 {:.2} ms)",
                                 f64::from(b.p50_us) / 1000.0,
                                 f64::from(b.p99_us) / 1000.0
+                            )) + &result.copy_confirms.map_or_else(String::new, |c| format!(
+                                " (copy to confirm: p50 {:.2} p99 {:.2} ms)",
+                                f64::from(c.p50_us) / 1000.0,
+                                f64::from(c.p99_us) / 1000.0
                             )),
                             result.max_ready_depth,
                             if result.complete { "" } else { " (INCOMPLETE)" },
@@ -388,8 +389,10 @@ fn notes(args: &Args) -> Vec<String> {
          the time by the id's index), for both contenders, so the time a delivery waits in the \
          broker, in lapin's buffer or for the contender to look at it counts alike. Lily's ends \
          when its INFO `delivery` span (target lily_mq_rabbit) closes, after the delivery is \
-         settled, seen by a tracing_subscriber Layer whose filter enables that span only (no \
-         event, no other span)."
+         settled, seen by a tracing_subscriber Layer whose filter enables that span and the \
+         `handoff` span inside it only (no event, no other span). A copy's time to its confirm \
+         is Lily's `handoff` span (the copy built to its verdict) and, for raw-batch, its \
+         publish written to its confirm seen at the flush."
             .into(),
         "raw-batch: basic.qos(prefetch); each delivery deserialized (serde_json Order) and added \
          to a batch, flushed once max(1, prefetch/2) are unACKed or when no further delivery is \

@@ -164,6 +164,11 @@ pub struct Run {
     /// delivery up (the broker, lapin, Lily's consume loop and the hand-off to a worker).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub before_span: Option<Latencies>,
+    /// Handoff path: each copy from its publish to its confirm. Lily: its `handoff` span, from
+    /// the copy built to its verdict. raw-batch: from the copy's publish written to its confirm
+    /// seen, at the flush that awaits it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub copy_confirms: Option<Latencies>,
 }
 
 impl Run {

@@ -46,6 +46,9 @@ pub struct Counters {
     pub settled: AtomicU64,
     /// Deliveries NACKed (their copy failed) or whose ACK failed.
     pub failed: AtomicU64,
+    /// Handoff path: each copy from its publish written to its confirm seen, keyed by the
+    /// former.
+    pub copies: Sink,
 }
 
 /// An open `raw-batch` consumer.
@@ -63,8 +66,9 @@ struct Pending {
     acker: Acker,
     /// When the message was published: its latency's start.
     received: Instant,
-    /// The copy's confirm (handoff path); `None` when its publish already failed.
-    confirm: Option<PublisherConfirm>,
+    /// The copy's confirm (handoff path) and when its publish was written; `None` when its
+    /// publish already failed.
+    confirm: Option<(PublisherConfirm, Instant)>,
 }
 
 impl RawBatch {
@@ -172,6 +176,7 @@ impl RawBatch {
                     )
                     .await
                     .ok()
+                    .map(|confirm| (confirm, Instant::now()))
             }
             None => None,
         };
@@ -191,7 +196,11 @@ impl RawBatch {
         if self.handoff.is_some() {
             for (ok, pending) in confirmed.iter_mut().zip(batch.iter_mut()) {
                 *ok = match pending.confirm.take() {
-                    Some(confirm) => matches!(confirm.await, Ok(Confirmation::Ack(None))),
+                    Some((confirm, written)) => {
+                        let confirmed = confirm.await;
+                        counters.copies.push(written);
+                        matches!(confirmed, Ok(Confirmation::Ack(None)))
+                    }
                     None => false,
                 };
             }

@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 
 use crate::escape;
-use crate::latency::{Case, Contender, HISTOGRAM_MS, MaxRate, Results, Run};
+use crate::latency::{Case, Contender, HISTOGRAM_MS, Latencies, MaxRate, Results, Run};
 use crate::throughput::report::rate;
 
 fn ms(us: u32) -> String {
@@ -53,14 +53,45 @@ fn keeps_up(run: &Run) -> String {
 
 /// Share of the timed deliveries that took over 100 ms, in %.
 fn over_100ms(run: &Run) -> f64 {
+    over(&run.latency, 100)
+}
+
+/// Share of `latencies` over `bound` ms (one of [`HISTOGRAM_MS`]), in %.
+fn over(latencies: &Latencies, bound: u32) -> f64 {
     let slot = HISTOGRAM_MS
         .iter()
-        .position(|&ms| ms == 100)
+        .position(|&ms| ms == bound)
         .map_or(HISTOGRAM_MS.len(), |i| i + 1);
-    let over: usize = run.latency.histogram[slot..].iter().sum();
+    let over: usize = latencies.histogram[slot..].iter().sum();
     #[allow(clippy::cast_precision_loss)]
-    let share = 100.0 * over as f64 / run.latency.samples.max(1) as f64;
+    let share = 100.0 * over as f64 / latencies.samples.max(1) as f64;
     share
+}
+
+/// Handoff path: each copy from its publish to its confirm, beside the settlement it is part
+/// of, as markdown rows (none without a handoff case).
+fn copy_rows(results: &Results) -> Vec<String> {
+    let mut rows = Vec::new();
+    for c in &results.cases {
+        for run in [&c.raw_batch, &c.lily] {
+            let Some(copies) = &run.copy_confirms else {
+                continue;
+            };
+            rows.push(format!(
+                "| {} | {} | {:.0} % | {} | {} | {} | {} | {:.2} % | {} |",
+                c.path.name(),
+                c.prefetch,
+                c.load * 100.0,
+                run.contender.name(),
+                ms(copies.p50_us),
+                ms(copies.p99_us),
+                ms(copies.p999_us),
+                over(copies, 50),
+                ms(run.latency.p99_us),
+            ));
+        }
+    }
+    rows
 }
 
 fn verdict(case: &Case) -> String {
@@ -126,6 +157,24 @@ pub fn human(results: &Results) -> String {
                 diff,
                 keeps_up(run),
             );
+        }
+    }
+    for c in &results.cases {
+        for run in [&c.raw_batch, &c.lily] {
+            if let Some(copies) = &run.copy_confirms {
+                let _ = writeln!(
+                    out,
+                    "  {} prefetch {} {:.0}% {}: each copy's publish to its confirm p50 {} p99 {} p99.9 {} ms, {:.2} % over 50 ms",
+                    c.path.name(),
+                    c.prefetch,
+                    c.load * 100.0,
+                    run.contender.name(),
+                    ms(copies.p50_us),
+                    ms(copies.p99_us),
+                    ms(copies.p999_us),
+                    over(copies, 50),
+                );
+            }
         }
     }
     let _ = writeln!(
@@ -235,6 +284,21 @@ pub fn markdown(results: &Results) -> String {
                 run.contender.name(),
                 shares.join(" | ")
             );
+        }
+    }
+    let copies = copy_rows(results);
+    if !copies.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nHandoff path, each copy from its publish to its confirm (Lily: its `handoff` span, from the copy built to its verdict; raw-batch: from its publish written to its confirm seen at the flush that awaits it), beside the settlement's p99:\n"
+        );
+        let _ = writeln!(
+            out,
+            "| path | prefetch | load | contender | copy p50 ms | copy p99 ms | copy p99.9 ms | copies > 50 ms | settled p99 ms |"
+        );
+        let _ = writeln!(out, "|---|---:|---:|---|---:|---:|---:|---:|---:|");
+        for row in copies {
+            let _ = writeln!(out, "{row}");
         }
     }
     let _ = writeln!(out, "\nMaximum rates (msgs/s):\n");

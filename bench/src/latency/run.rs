@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use crate::Order;
 use crate::latency::pace::{Depth, publish_paced};
 use crate::latency::raw_batch::{Counters, RawBatch};
-use crate::latency::timer::{Sent, Sink};
+use crate::latency::timer::{Sent, Sink, Sinks};
 use crate::latency::{BACKLOG_SECS, Contender, KEPT_UP, Latencies, Path, Run};
 use crate::throughput::{FAILURE_REASON, HANDOFF_DELAY, Sample, lily_run, run_limit};
 use crate::{fresh_topology, publish};
@@ -34,9 +34,7 @@ pub struct Setup {
     /// The start of a paced run whose latencies are not kept.
     pub warmup: Duration,
     /// Where Lily's timing layer writes.
-    pub lily_sink: Arc<Sink>,
-    /// Where it writes the time before each `delivery` span opened.
-    pub lily_before: Arc<Sink>,
+    pub lily: Sinks,
 }
 
 impl Setup {
@@ -47,8 +45,7 @@ impl Setup {
             body: Arc::clone(&self.body),
             run,
             warmup,
-            lily_sink: Arc::clone(&self.lily_sink),
-            lily_before: Arc::clone(&self.lily_before),
+            lily: self.lily.clone(),
         }
     }
 }
@@ -174,6 +171,15 @@ impl Running {
         }
     }
 
+    /// How long each copy took from its publish to its confirm so far (see
+    /// [`Run::copy_confirms`]), emptying the record.
+    fn take_copies(&self, lily_copies: &Sink) -> Vec<(Instant, u32)> {
+        match self {
+            Self::Lily { .. } => lily_copies.take(),
+            Self::Raw { counters, .. } => counters.copies.take(),
+        }
+    }
+
     /// Stops the contender; returns the deliveries that ended otherwise than settled.
     async fn stop(self) -> u64 {
         match self {
@@ -240,7 +246,7 @@ pub async fn drain_rate(
     }
     let elapsed = started.elapsed();
     let settled = running.settled();
-    let _ = running.take_latencies(&setup.lily_sink);
+    let _ = running.take_latencies(&setup.lily.settled);
     running.stop().await;
     Sample::new(settled, n, elapsed)
 }
@@ -250,7 +256,7 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
     let topology = fresh_topology(&setup.url, QUEUE, QueueKind::Classic, &delays(path)).await;
     let bucket = topology.bucket(0).expect("a retry bucket").to_owned();
     let running = Running::start(setup, who, path, prefetch, &bucket).await;
-    let _ = running.take_latencies(&setup.lily_sink);
+    let _ = running.take_latencies(&setup.lily.settled);
     let depth = Arc::new(Depth::default());
     let stop_depth = CancellationToken::new();
     let watch = tokio::spawn(Arc::clone(&depth).watch(
@@ -262,9 +268,10 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
     let capacity = (rate * setup.run.as_secs_f64()) as usize + 1;
     let sent = Arc::new(Sent::new(capacity));
     running
-        .sink(&setup.lily_sink)
+        .sink(&setup.lily.settled)
         .starts_from(Arc::clone(&sent));
-    let _ = setup.lily_before.take();
+    let _ = setup.lily.before.take();
+    let _ = running.take_copies(&setup.lily.copies);
     let started = Instant::now();
     let (url, body, duration) = (setup.url.clone(), Arc::clone(&setup.body), setup.run);
     let publisher =
@@ -288,7 +295,7 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
     stop_depth.cancel();
     let _ = watch.await;
     let latencies: Vec<u32> = running
-        .take_latencies(&setup.lily_sink)
+        .take_latencies(&setup.lily.settled)
         .into_iter()
         .filter(|(published, _)| (from..until).contains(published))
         .map(|(_, us)| us)
@@ -296,10 +303,21 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
     let before_span = matches!(running, Running::Lily { .. }).then(|| {
         Latencies::of(
             setup
-                .lily_before
+                .lily
+                .before
                 .take()
                 .into_iter()
                 .filter(|(published, _)| (from..until).contains(published))
+                .map(|(_, us)| us)
+                .collect(),
+        )
+    });
+    let copy_confirms = (path == Path::Handoff).then(|| {
+        Latencies::of(
+            running
+                .take_copies(&setup.lily.copies)
+                .into_iter()
+                .filter(|(written, _)| (from..until).contains(written))
                 .map(|(_, us)| us)
                 .collect(),
         )
@@ -327,5 +345,6 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
         failed,
         latency: Latencies::of(latencies),
         before_span,
+        copy_confirms,
     }
 }

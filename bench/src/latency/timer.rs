@@ -12,6 +12,10 @@
 //! filter enables that one callsite and no other span or event (`Interest::never` for every
 //! other callsite, INFO as the level hint), so the observer costs one span a delivery and
 //! nothing else.
+//!
+//! On the handoff path the layer also times Lily's `handoff` spans (inside `delivery`, from the
+//! copy built to its verdict) into a sink of their own: how long the broker took to confirm
+//! each copy, the part of a delivery's time that is the broker's.
 
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -108,33 +112,45 @@ impl Sent {
     }
 }
 
-/// Installs the timing layer as the global subscriber, feeding `sink` with publish →
-/// settlement and `before` with publish → the span's opening (where the time before Lily takes
-/// a delivery up goes).
+/// Where the timing layer writes.
+#[derive(Clone, Debug, Default)]
+pub struct Sinks {
+    /// Publish → settlement (the `delivery` span's close).
+    pub settled: Arc<Sink>,
+    /// Publish → the `delivery` span's opening (where the time before Lily takes a delivery up
+    /// goes).
+    pub before: Arc<Sink>,
+    /// A `handoff` span's opening → its close, keyed by its opening.
+    pub copies: Arc<Sink>,
+}
+
+/// Installs the timing layer as the global subscriber, feeding `sinks`.
 ///
 /// # Panics
 /// When a global subscriber is already set.
-pub fn install(sink: Arc<Sink>, before: Arc<Sink>) {
-    let subscriber = tracing_subscriber::registry()
-        .with(DeliveryTimer { sink, before }.with_filter(OnlyDelivery));
+pub fn install(sinks: Sinks) {
+    let subscriber =
+        tracing_subscriber::registry().with(DeliveryTimer { sinks }.with_filter(OnlyTimed));
     tracing::subscriber::set_global_default(subscriber).expect("install the timing subscriber");
 }
 
-/// Whether `meta` is Lily's `delivery` span.
-fn is_delivery(meta: &Metadata<'_>) -> bool {
-    meta.is_span() && meta.name() == "delivery" && meta.target().starts_with("lily_mq_rabbit")
+/// Whether `meta` is one of Lily's `delivery` and `handoff` spans.
+fn is_timed(meta: &Metadata<'_>) -> bool {
+    meta.is_span()
+        && matches!(meta.name(), "delivery" | "handoff")
+        && meta.target().starts_with("lily_mq_rabbit")
 }
 
-/// The per-layer filter: Lily's `delivery` span only.
-struct OnlyDelivery;
+/// The per-layer filter: Lily's `delivery` and `handoff` spans only.
+struct OnlyTimed;
 
-impl<S> Filter<S> for OnlyDelivery {
+impl<S> Filter<S> for OnlyTimed {
     fn enabled(&self, meta: &Metadata<'_>, _: &Context<'_, S>) -> bool {
-        is_delivery(meta)
+        is_timed(meta)
     }
 
     fn callsite_enabled(&self, meta: &'static Metadata<'static>) -> Interest {
-        if is_delivery(meta) {
+        if is_timed(meta) {
             Interest::always()
         } else {
             Interest::never()
@@ -146,8 +162,11 @@ impl<S> Filter<S> for OnlyDelivery {
     }
 }
 
-/// When the span's delivery was published.
-struct Opened(Instant);
+/// When the span's clock started: its delivery's publish, or a `handoff` span's opening.
+struct Opened {
+    at: Instant,
+    copy: bool,
+}
 
 /// Looks the span's `message_id` field up in the sink's publish times, without copying it.
 struct PublishedAt<'a> {
@@ -166,8 +185,7 @@ impl Visit for PublishedAt<'_> {
 }
 
 struct DeliveryTimer {
-    sink: Arc<Sink>,
-    before: Arc<Sink>,
+    sinks: Sinks,
 }
 
 impl<S> Layer<S> for DeliveryTimer
@@ -175,24 +193,37 @@ where
     S: Subscriber + for<'a> LookupSpan<'a>,
 {
     fn on_new_span(&self, attrs: &span::Attributes<'_>, id: &span::Id, ctx: Context<'_, S>) {
-        let mut published = PublishedAt {
-            sink: &self.sink,
-            at: None,
+        let opened = if attrs.metadata().name() == "handoff" {
+            Opened {
+                at: Instant::now(),
+                copy: true,
+            }
+        } else {
+            let mut published = PublishedAt {
+                sink: &self.sinks.settled,
+                at: None,
+            };
+            attrs.record(&mut published);
+            let at = published.at.unwrap_or_else(Instant::now);
+            self.sinks.before.push(at);
+            Opened { at, copy: false }
         };
-        attrs.record(&mut published);
-        let started = published.at.unwrap_or_else(Instant::now);
-        self.before.push(started);
         if let Some(span) = ctx.span(id) {
-            span.extensions_mut().insert(Opened(started));
+            span.extensions_mut().insert(opened);
         }
     }
 
     fn on_close(&self, id: span::Id, ctx: Context<'_, S>) {
         let closed = Instant::now();
         if let Some(span) = ctx.span(&id)
-            && let Some(Opened(opened)) = span.extensions().get::<Opened>()
+            && let Some(opened) = span.extensions().get::<Opened>()
         {
-            self.sink.push_at(*opened, closed);
+            let sink = if opened.copy {
+                &self.sinks.copies
+            } else {
+                &self.sinks.settled
+            };
+            sink.push_at(opened.at, closed);
         }
     }
 }

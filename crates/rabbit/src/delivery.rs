@@ -327,9 +327,15 @@ impl Work<'_> {
             limits: &self.shared.config.limits,
         };
         let (body, properties) = self.source.copy(handoff, &reason, copy, &facts);
-        self.settler
+        // From the copy built to its verdict: how long the broker took to confirm it.
+        let span = info_span!("handoff", to = %queue, result = tracing::field::Empty);
+        let result = self
+            .settler
             .publish(&queue, facts.id, body, properties, deadline)
-            .await
+            .instrument(span.clone())
+            .await;
+        span.record("result", tracing::field::debug(result));
+        result
     }
 
     /// Records the outcome: span, log, metrics, settlement latency, requeue memory, ledger.
