@@ -27,7 +27,8 @@
 //!   bucket of 10 minutes (confirmed) and the original is ACKed.
 //! - Both contenders are timed from the message's publish (the paced publisher stamps it) to
 //!   its settlement: Lily's `delivery` span closing (a tracing layer), raw-batch's covering ACK
-//!   completing.
+//!   completing. On the handoff path each copy is timed too, to its confirm: Lily's `handoff`
+//!   span, raw-batch's publish written to its confirm seen at the flush.
 //!
 //! `--quick` (prefetch 500 only) takes about two and a half minutes. Results go to
 //! `target/bench/latency.{json,md,svg}`.
