@@ -68,31 +68,44 @@ fn over(latencies: &Latencies, bound: u32) -> f64 {
     share
 }
 
-/// Handoff path: each copy from its publish to its confirm, beside the settlement it is part
-/// of, as markdown rows (none without a handoff case).
-fn copy_rows(results: &Results) -> Vec<String> {
-    let mut rows = Vec::new();
-    for c in &results.cases {
-        for run in [&c.raw_batch, &c.lily] {
-            let Some(copies) = &run.copy_confirms else {
-                continue;
-            };
-            rows.push(format!(
-                "| {} | {} | {:.0} % | {} | {} | {} | {} | {:.2} % | {} |",
-                c.path.name(),
-                c.prefetch,
-                c.load * 100.0,
-                run.contender.name(),
-                ms(copies.p50_us),
-                ms(copies.p99_us),
-                ms(copies.p999_us),
-                over(copies, 50),
-                ms(run.latency.p99_us),
-            ));
-        }
-    }
-    rows
+/// Handoff path: each run that timed its copies from their publish to their confirm, with
+/// those times.
+fn copy_runs(results: &Results) -> impl Iterator<Item = (&Case, &Run, &Latencies)> {
+    results.cases.iter().flat_map(|c| {
+        [&c.raw_batch, &c.lily]
+            .into_iter()
+            .filter_map(move |run| Some((c, run, run.copy_confirms.as_ref()?)))
+    })
 }
+
+/// The cells of a copy row: path, prefetch, load, contender, copy p50, p99 and p99.9 (ms), the
+/// share over 50 ms and the settlement's p99 (ms).
+fn copy_cells(c: &Case, run: &Run, copies: &Latencies) -> [String; 9] {
+    [
+        c.path.name().to_owned(),
+        c.prefetch.to_string(),
+        format!("{:.0} %", c.load * 100.0),
+        run.contender.name().to_owned(),
+        ms(copies.p50_us),
+        ms(copies.p99_us),
+        ms(copies.p999_us),
+        format!("{:.2} %", over(copies, 50)),
+        ms(run.latency.p99_us),
+    ]
+}
+
+/// The header of the copy rows.
+const COPY_HEADER: [&str; 9] = [
+    "path",
+    "prefetch",
+    "load",
+    "contender",
+    "copy p50 ms",
+    "copy p99 ms",
+    "copy p99.9 ms",
+    "copies > 50 ms",
+    "settled p99 ms",
+];
 
 fn verdict(case: &Case) -> String {
     let rounds = match case.rounds_p99_diff_ms.as_slice() {
@@ -159,22 +172,14 @@ pub fn human(results: &Results) -> String {
             );
         }
     }
-    for c in &results.cases {
-        for run in [&c.raw_batch, &c.lily] {
-            if let Some(copies) = &run.copy_confirms {
-                let _ = writeln!(
-                    out,
-                    "  {} prefetch {} {:.0}% {}: each copy's publish to its confirm p50 {} p99 {} p99.9 {} ms, {:.2} % over 50 ms",
-                    c.path.name(),
-                    c.prefetch,
-                    c.load * 100.0,
-                    run.contender.name(),
-                    ms(copies.p50_us),
-                    ms(copies.p99_us),
-                    ms(copies.p999_us),
-                    over(copies, 50),
-                );
-            }
+    if copy_runs(results).next().is_some() {
+        let _ = writeln!(
+            out,
+            "\nHandoff path, each copy from its publish to its confirm: {}",
+            COPY_HEADER.join(" | ")
+        );
+        for (c, run, copies) in copy_runs(results) {
+            let _ = writeln!(out, "  {}", copy_cells(c, run, copies).join(" | "));
         }
     }
     let _ = writeln!(
@@ -286,19 +291,15 @@ pub fn markdown(results: &Results) -> String {
             );
         }
     }
-    let copies = copy_rows(results);
-    if !copies.is_empty() {
+    if copy_runs(results).next().is_some() {
         let _ = writeln!(
             out,
             "\nHandoff path, each copy from its publish to its confirm (Lily: its `handoff` span, from the copy built to its verdict; raw-batch: from its publish written to its confirm seen at the flush that awaits it), beside the settlement's p99:\n"
         );
-        let _ = writeln!(
-            out,
-            "| path | prefetch | load | contender | copy p50 ms | copy p99 ms | copy p99.9 ms | copies > 50 ms | settled p99 ms |"
-        );
+        let _ = writeln!(out, "| {} |", COPY_HEADER.join(" | "));
         let _ = writeln!(out, "|---|---:|---:|---|---:|---:|---:|---:|---:|");
-        for row in copies {
-            let _ = writeln!(out, "{row}");
+        for (c, run, copies) in copy_runs(results) {
+            let _ = writeln!(out, "| {} |", copy_cells(c, run, copies).join(" | "));
         }
     }
     let _ = writeln!(out, "\nMaximum rates (msgs/s):\n");
