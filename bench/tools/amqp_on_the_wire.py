@@ -144,7 +144,9 @@ def waiting_samples(publishes, step=0.01):
 
 def window_full_share(delivered, acks, prefetch):
     """Share of the time from the first delivery to the last ACK with `prefetch` unACKed."""
-    events = sorted([(t, 0, tag) for tag, t in delivered.items()] + [(t, 1, tag) for t, tag, _ in acks])
+    events = sorted(
+        [(t, 0, tag) for tag, t in delivered.items()] + [(t, 1, tag) for t, tag, _ in acks]
+    )
     highest = acked = 0
     full = 0.0
     last = events[0][0]
@@ -170,7 +172,8 @@ def main():
 
     print("Confirms: client port | routing key | confirmed | from s | p50 ms | p99 ms | max ms "
           "| over 50 ms | waiting p50 / p99 / max")
-    for (client, routing_key), publishes in sorted(wire.confirmed.items(), key=lambda kv: min(kv[1])):
+    by_start = sorted(wire.confirmed.items(), key=lambda kv: min(kv[1]))
+    for (client, routing_key), publishes in by_start:
         took = sorted(1000 * d for _, d in publishes)
         waiting = waiting_samples(publishes)
         print(
