@@ -1,6 +1,6 @@
 //! Throughput of Lily against hand-written and hand-tuned lapin consumers, the no-ack ceiling and
-//! ruststream-lapin, side by side on one broker, alternating the contenders run by run and
-//! reporting medians.
+//! ruststream-lapin, side by side on one broker, the contenders taking turns run by run (their
+//! order reversed every other repetition) and reporting medians.
 //!
 //! ```text
 //! scripts/bench.sh throughput [--messages N] [--reps R] [--quick]
@@ -237,6 +237,17 @@ async fn run_once(
     sample
 }
 
+/// The order in which `n` contenders run in repetition `rep` (from 1): as given in odd ones,
+/// reversed in even ones (A B C, C B A, ...). Machine noise that drifts during a case then
+/// weighs on every contender alike over each pair of repetitions, not on whoever runs last.
+fn in_turn(n: usize, rep: u32) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    if rep % 2 == 0 {
+        order.reverse();
+    }
+    order
+}
+
 #[tokio::main]
 async fn main() {
     let args = parse_args();
@@ -304,7 +315,8 @@ async fn main() {
                 let mut samples: Vec<(Contender, Vec<Sample>)> =
                     who_runs.iter().map(|&w| (w, Vec::new())).collect();
                 for rep in 1..=args.reps {
-                    for (who, runs) in &mut samples {
+                    for at in in_turn(samples.len(), rep) {
+                        let (who, runs) = &mut samples[at];
                         let who = *who;
                         let sample =
                             run_once(&url, &body, path, kind, prefetch, who, args.messages).await;
@@ -353,9 +365,11 @@ async fn main() {
         for &kind in &args.kinds {
             let who_runs = args.contenders(Path::Success);
             let mut samples: Vec<Vec<Sample>> = who_runs.iter().map(|_| Vec::new()).collect();
-            for _ in 0..args.start_reps {
-                for (&who, runs) in who_runs.iter().zip(&mut samples) {
-                    runs.push(run_once(&url, &body, Path::Success, kind, prefetch, who, 1).await);
+            for rep in 1..=args.start_reps {
+                for at in in_turn(who_runs.len(), rep) {
+                    let who = who_runs[at];
+                    let start = run_once(&url, &body, Path::Success, kind, prefetch, who, 1).await;
+                    samples[at].push(start);
                 }
             }
             for (&who, runs) in who_runs.iter().zip(&samples) {

@@ -240,7 +240,7 @@ fn header_lines(results: &Results) -> Vec<String> {
     vec![
         format!("Broker: {} on {}", results.broker, results.broker_url),
         format!(
-            "Messages: {} a run, {}-byte JSON, persistent; {} repetition(s), contenders alternating run by run; medians, [lowest–highest] of the repetitions' ratios; {} CPU(s)",
+            "Messages: {} a run, {}-byte JSON, persistent; {} repetition(s), contenders taking turns run by run, in reverse order every other repetition; medians, [lowest–highest] of the repetitions' ratios; {} CPU(s)",
             results.messages_per_run, results.message_bytes, results.repetitions, results.cpus
         ),
         format!(
@@ -440,7 +440,7 @@ fn start_table(results: &Results, row: &dyn Fn(&[String]) -> String, rule: bool)
     let runs = first.ms.len();
     let _ = writeln!(
         out,
-        "Start, success path (ms from consumer start until one waiting message is settled: connect, topology, consume; median of {runs}, contenders alternating):"
+        "Start, success path (ms from consumer start until one waiting message is settled: connect, topology, consume; median of {runs}, contenders taking turns, in reverse order every other time):"
     );
     if rule {
         let _ = writeln!(out);
