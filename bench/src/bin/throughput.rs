@@ -242,7 +242,7 @@ async fn run_once(
 /// weighs on every contender alike over each pair of repetitions, not on whoever runs last.
 fn in_turn(n: usize, rep: u32) -> Vec<usize> {
     let mut order: Vec<usize> = (0..n).collect();
-    if rep % 2 == 0 {
+    if rep.is_multiple_of(2) {
         order.reverse();
     }
     order
@@ -416,4 +416,17 @@ async fn main() {
         report::svg(&results),
     );
     println!("total {:.0} s", total.elapsed().as_secs_f64());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::in_turn;
+
+    #[test]
+    fn every_other_repetition_runs_the_contenders_in_reverse() {
+        assert_eq!(in_turn(3, 1), [0, 1, 2]);
+        assert_eq!(in_turn(3, 2), [2, 1, 0]);
+        assert_eq!(in_turn(3, 3), [0, 1, 2]);
+        assert_eq!(in_turn(1, 2), [0]);
+    }
 }
