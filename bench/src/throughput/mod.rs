@@ -263,13 +263,16 @@ pub fn broker_version() -> String {
     }
 }
 
-/// User + system CPU seconds of a process (`None`: this one) from `/proc`, all threads included.
+/// User + system CPU seconds of a process, all threads included (those that ended too). This
+/// one's (`None`) from its CPU clock, to the nanosecond; another's from `/proc`, in the kernel's
+/// ticks of 10 ms, so a figure over a short run is coarse.
 pub fn cpu_secs(pid: Option<u32>) -> Option<f64> {
-    let path = pid.map_or_else(
-        || "/proc/self/stat".to_owned(),
-        |p| format!("/proc/{p}/stat"),
-    );
-    let stat = std::fs::read_to_string(path).ok()?;
+    let Some(pid) = pid else {
+        let now = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+        #[allow(clippy::cast_precision_loss)]
+        return Some(now.tv_sec as f64 + now.tv_nsec as f64 / 1e9);
+    };
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command name (which may hold spaces): state is field 3, utime 14, stime 15.
     let rest = &stat[stat.rfind(')')? + 2..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
