@@ -340,3 +340,25 @@ pub fn revision() -> String {
         .filter(|r| !r.is_empty())
         .unwrap_or_else(|| "unknown".into())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::cpu_secs;
+
+    /// The process's own CPU is read finer than the kernel's 10 ms ticks: the first change a
+    /// busy loop sees is far below a tick, where `/proc`'s count would first move by a whole one.
+    #[test]
+    fn this_process_cpu_is_read_below_a_tick() {
+        let start = cpu_secs(None).expect("the CPU clock");
+        let step = loop {
+            let now = cpu_secs(None).expect("the CPU clock");
+            if now > start {
+                break now - start;
+            }
+        };
+        assert!(
+            step < 0.005,
+            "the CPU clock moved by {step} s at once, a tick's step"
+        );
+    }
+}
