@@ -33,8 +33,8 @@ use lily::prelude::QueueKind;
 use lily::rabbit::Topology;
 use lily_mq_bench::throughput::report::{self, CaseResult, Results, Start};
 use lily_mq_bench::throughput::{
-    Contender, CpuMeter, HANDOFF_DELAY, Path, Sample, broker_version, depth, lily_run,
-    load_average, peer, raw, revision,
+    BrokerProfile, Contender, CpuMeter, HANDOFF_DELAY, Path, Sample, broker_version, depth,
+    lily_run, load_average, peer, raw, revision,
 };
 use lily_mq_bench::{body_512, broker_url, fresh_topology, kind_name, publish};
 
@@ -198,6 +198,12 @@ async fn run_once(
     if std::env::var_os("LILY_BENCH_DEBUG").is_some() {
         eprintln!("  starting {} (pid {})", who.name(), std::process::id());
     }
+    let profile = BrokerProfile::start(&format!(
+        "broker-{}-{}-{prefetch}-{}",
+        path.name(),
+        kind_name(kind),
+        who.flag()
+    ));
     let cpu = CpuMeter::start();
     let mut sample = match (path, who) {
         (Path::Success, Contender::Raw) => raw::success(url, &queue, prefetch, n).await,
@@ -216,6 +222,7 @@ async fn run_once(
         (Path::Handoff, _) => unreachable!("Path::runs admits only these on the handoff path"),
     };
     cpu.stop(&mut sample);
+    profile.stop();
     // What each run must leave behind: an empty work queue, and N copies in the bucket.
     let left = depth(url, &queue).await;
     sample.left_in_queue = left;

@@ -319,6 +319,62 @@ impl CpuMeter {
     }
 }
 
+/// With `LILY_BENCH_PERF_BROKER=DIR` set, a `perf record` of the broker (call graphs, 999 Hz)
+/// while one contender runs, written to `DIR/NAME-K.data` (K counts the runs): where the broker's time goes, contender
+/// by contender, without the publishing before each run. Start the node with
+/// `RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="+JPperf true"` for Erlang's function names and frames.
+pub struct BrokerProfile(Option<std::process::Child>);
+
+impl BrokerProfile {
+    /// Starts recording, if asked to and the broker's pid is known.
+    pub fn start(name: &str) -> Self {
+        static RUNS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let (Some(dir), Some(pid)) = (std::env::var_os("LILY_BENCH_PERF_BROKER"), broker_pid())
+        else {
+            return Self(None);
+        };
+        let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        let out = std::path::Path::new(&dir).join(format!("{name}-{run}.data"));
+        let child = std::process::Command::new("perf")
+            .args([
+                "record",
+                "-q",
+                "-F",
+                "999",
+                "-g",
+                "-p",
+                &pid.to_string(),
+                "-o",
+            ])
+            .arg(&out)
+            .stdout(std::process::Stdio::null())
+            .spawn();
+        match child {
+            Ok(child) => {
+                // perf needs a moment to attach before the contender starts.
+                std::thread::sleep(std::time::Duration::from_millis(300));
+                Self(Some(child))
+            }
+            Err(err) => {
+                eprintln!("  perf record did not start: {err}");
+                Self(None)
+            }
+        }
+    }
+
+    /// Stops recording and waits for perf to write its file.
+    pub fn stop(self) {
+        let Some(mut child) = self.0 else { return };
+        let interrupted = std::process::Command::new("kill")
+            .args(["-INT", &child.id().to_string()])
+            .status();
+        if !interrupted.is_ok_and(|s| s.success()) {
+            let _ = child.kill();
+        }
+        let _ = child.wait();
+    }
+}
+
 /// The 1-minute load average.
 pub fn load_average() -> Option<f64> {
     std::fs::read_to_string("/proc/loadavg")
