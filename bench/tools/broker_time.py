@@ -2,7 +2,7 @@
 """Where the broker's CPU goes a message, contender by contender, off `perf` recordings.
 
 `throughput` records the broker while each contender runs when asked to (see
-`BrokerProfile` in `bench/src/throughput/mod.rs`):
+`Profile` in `bench/src/throughput/mod.rs`):
 
     RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="+JPperf true" scripts/rabbitmq.sh start /tmp/lrb 25692
     LILY_BENCH_PERF_BROKER=/tmp/prof LILY_RABBIT_DIR=/tmp/lrb \\

@@ -33,8 +33,8 @@ use lily::prelude::QueueKind;
 use lily::rabbit::Topology;
 use lily_mq_bench::throughput::report::{self, CaseResult, Results, Start};
 use lily_mq_bench::throughput::{
-    BrokerProfile, Contender, CpuMeter, HANDOFF_DELAY, Path, Sample, broker_version, depth,
-    lily_run, load_average, peer, raw, revision,
+    Contender, CpuMeter, HANDOFF_DELAY, Path, Profile, Sample, broker_version, depth, lily_run,
+    load_average, peer, raw, revision,
 };
 use lily_mq_bench::{body_512, broker_url, fresh_topology, kind_name, publish};
 
@@ -198,8 +198,8 @@ async fn run_once(
     if std::env::var_os("LILY_BENCH_DEBUG").is_some() {
         eprintln!("  starting {} (pid {})", who.name(), std::process::id());
     }
-    let profile = BrokerProfile::start(&format!(
-        "broker-{}-{}-{prefetch}-{}",
+    let profile = Profile::start(&format!(
+        "{}-{}-{prefetch}-{}",
         path.name(),
         kind_name(kind),
         who.flag()

@@ -71,6 +71,14 @@ impl Contender {
             Self::Lily => "Lily",
         }
     }
+
+    /// The name in file names.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Self::RawBatch => "raw-batch",
+            Self::Lily => "lily",
+        }
+    }
 }
 
 /// Percentiles of a run's settlement latencies.

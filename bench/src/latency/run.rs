@@ -16,7 +16,7 @@ use crate::latency::pace::{Depth, publish_paced};
 use crate::latency::raw_batch::{Counters, RawBatch};
 use crate::latency::timer::{Sent, Sink, Sinks};
 use crate::latency::{BACKLOG_SECS, Contender, KEPT_UP, Latencies, Path, Run};
-use crate::throughput::{FAILURE_REASON, HANDOFF_DELAY, Sample, lily_run, run_limit};
+use crate::throughput::{FAILURE_REASON, HANDOFF_DELAY, Profile, Sample, lily_run, run_limit};
 use crate::{fresh_topology, publish};
 
 /// The work queue every run uses (re-created each time).
@@ -272,6 +272,11 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
         .starts_from(Arc::clone(&sent));
     let _ = setup.lily.before.take();
     let _ = running.take_copies(&setup.lily.copies);
+    let profile = Profile::start(&format!(
+        "latency-{}-{prefetch}-{}-{rate:.0}",
+        path.name(),
+        who.flag()
+    ));
     let started = Instant::now();
     let (url, body, duration) = (setup.url.clone(), Arc::clone(&setup.body), setup.run);
     let publisher =
@@ -290,6 +295,8 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
     while running.settled() < paced.published && Instant::now() < deadline && !running.finished() {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
+    // Stopped once the run drained: perf writing its file must not delay the last settlements.
+    profile.stop();
     let drain_secs = until.elapsed().as_secs_f64();
     let complete = running.settled() >= paced.published;
     stop_depth.cancel();

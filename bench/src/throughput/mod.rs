@@ -319,60 +319,87 @@ impl CpuMeter {
     }
 }
 
-/// With `LILY_BENCH_PERF_BROKER=DIR` set, a `perf record` of the broker (call graphs, 999 Hz)
-/// while one contender runs, written to `DIR/NAME-K.data` (K counts the runs): where the broker's time goes, contender
-/// by contender, without the publishing before each run. Start the node with
-/// `RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="+JPperf true"` for Erlang's function names and frames.
-pub struct BrokerProfile(Option<std::process::Child>);
+/// `perf record` (call graphs, 999 Hz) of the broker, of this process, or of both, while one
+/// contender runs: where the time goes, contender by contender, without the publishing before
+/// each run. `LILY_BENCH_PERF_BROKER=DIR` records the broker to `DIR/broker-NAME-K.data`,
+/// `LILY_BENCH_PERF_CLIENT=DIR` this process to `DIR/client-NAME-K.data` (K counts the runs).
+/// `LILY_BENCH_PERF_EVENTS=E1,E2` records those events (each one, with its call graph) in place
+/// of the CPU samples. Each recording is kept with the files its process held open when it
+/// stopped (`NAME-K.data.fds`, a line `fd path` each): a system call's `fd` names its file. Start the node with `RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="+JPperf true"`
+/// for Erlang's function names and frames; `bench/tools/broker_time.py` reads the broker's
+/// recordings.
+pub struct Profile(Vec<(std::process::Child, u32, std::path::PathBuf)>);
 
-impl BrokerProfile {
-    /// Starts recording, if asked to and the broker's pid is known.
+impl Profile {
+    /// Starts the recordings asked for.
     pub fn start(name: &str) -> Self {
         static RUNS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let (Some(dir), Some(pid)) = (std::env::var_os("LILY_BENCH_PERF_BROKER"), broker_pid())
-        else {
-            return Self(None);
-        };
         let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-        let out = std::path::Path::new(&dir).join(format!("{name}-{run}.data"));
-        let child = std::process::Command::new("perf")
-            .args([
-                "record",
-                "-q",
-                "-F",
-                "999",
-                "-g",
-                "-p",
-                &pid.to_string(),
-                "-o",
-            ])
-            .arg(&out)
-            .stdout(std::process::Stdio::null())
-            .spawn();
-        match child {
-            Ok(child) => {
-                // perf needs a moment to attach before the contender starts.
-                std::thread::sleep(std::time::Duration::from_millis(300));
-                Self(Some(child))
-            }
-            Err(err) => {
-                eprintln!("  perf record did not start: {err}");
-                Self(None)
+        let targets = [
+            ("broker", "LILY_BENCH_PERF_BROKER", broker_pid()),
+            ("client", "LILY_BENCH_PERF_CLIENT", Some(std::process::id())),
+        ];
+        let mut recording = Vec::new();
+        for (who, var, pid) in targets {
+            let (Some(dir), Some(pid)) = (std::env::var_os(var), pid) else {
+                continue;
+            };
+            let out = std::path::Path::new(&dir).join(format!("{who}-{name}-{run}.data"));
+            let mut perf = std::process::Command::new("perf");
+            perf.args(["record", "-q", "-g", "-p", &pid.to_string(), "-o"])
+                .arg(&out);
+            match std::env::var("LILY_BENCH_PERF_EVENTS") {
+                Ok(events) => perf.args(["-e", &events]),
+                Err(_) => perf.args(["-F", "999"]),
+            };
+            let child = perf.stdout(std::process::Stdio::null()).spawn();
+            match child {
+                Ok(child) => recording.push((child, pid, out)),
+                Err(err) => eprintln!("  perf record did not start: {err}"),
             }
         }
+        if !recording.is_empty() {
+            // perf needs a moment to attach before the contender starts.
+            std::thread::sleep(std::time::Duration::from_millis(300));
+        }
+        Self(recording)
     }
 
-    /// Stops recording and waits for perf to write its file.
+    /// Stops the recordings and waits for perf to write its files.
     pub fn stop(self) {
-        let Some(mut child) = self.0 else { return };
-        let interrupted = std::process::Command::new("kill")
-            .args(["-INT", &child.id().to_string()])
-            .status();
-        if !interrupted.is_ok_and(|s| s.success()) {
-            let _ = child.kill();
+        for (mut child, pid, out) in self.0 {
+            let mut fds = out.into_os_string();
+            fds.push(".fds");
+            let _ = std::fs::write(fds, open_files(pid));
+            let interrupted = std::process::Command::new("kill")
+                .args(["-INT", &child.id().to_string()])
+                .status();
+            if !interrupted.is_ok_and(|s| s.success()) {
+                let _ = child.kill();
+            }
+            let _ = child.wait();
         }
-        let _ = child.wait();
     }
+}
+
+/// The files `pid` holds open, a line `fd path` each.
+fn open_files(pid: u32) -> String {
+    let Ok(entries) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return String::new();
+    };
+    let mut lines: Vec<String> = entries
+        .flatten()
+        .filter_map(|entry| {
+            let target = std::fs::read_link(entry.path()).ok()?;
+            Some(format!(
+                "{} {}",
+                entry.file_name().to_string_lossy(),
+                target.display()
+            ))
+        })
+        .collect();
+    lines.sort();
+    lines.join("\n") + "\n"
 }
 
 /// The 1-minute load average.
