@@ -10,6 +10,11 @@
         target/release/throughput --paths success --contenders raw-batch,ceiling,lily ...
     python3 bench/tools/broker_time.py MESSAGES /tmp/prof/*.data
 
+or, for recordings of the broker's `fsync` calls (`LILY_BENCH_PERF_EVENTS=syscalls:sys_enter_fsync,
+syscalls:sys_exit_fsync`, as `latency` makes them round by round):
+
+    python3 bench/tools/broker_time.py syncs /tmp/prof/*.data
+
 `+JPperf true` makes the Erlang VM write a map of its JIT-compiled code and keep frame
 pointers, so `perf` names the Erlang functions. The VM's own C code is stripped in Debian's
 package (no debug symbols are published for it where this machine can fetch them), so the
@@ -114,8 +119,51 @@ def case_of(path):
     return re.sub(r"^broker-|-\d+\.data$", "", name)
 
 
+def syncs(paths):
+    """For each recording of `fsync` calls: per file synced (named by the `.fds` kept beside
+    the recording), how many syncs, how long they took, and the gaps of 20 ms or more between
+    one sync of the file and the next."""
+    for path in paths:
+        files = {}
+        with open(path + ".fds", encoding="utf-8") as f:
+            for line in f:
+                fd, _, target = line.strip().partition(" ")
+                files[fd] = re.sub(r".*/msg_stores/vhosts/[^/]+/", "", target)
+        out = subprocess.run(
+            ["perf", "script", "-i", path, "-F", "tid,time,event,trace"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        entered, calls = {}, collections.defaultdict(list)
+        for line in out.splitlines():
+            match = re.match(r"\s*(\d+)\s+([\d.]+):\s+syscalls:sys_(enter|exit)_f\w*sync:\s*(.*)", line)
+            if not match:
+                continue
+            tid, at, kind, rest = match.groups()
+            if kind == "enter":
+                fd = re.search(r"fd: (0x[0-9a-f]+|\d+)", rest).group(1)
+                entered[tid] = (float(at), str(int(fd, 0)))
+            elif tid in entered:
+                began, fd = entered.pop(tid)
+                calls[fd].append((began, float(at) - began))
+        print(f"{os.path.basename(path)}:")
+        for fd, made in sorted(calls.items(), key=lambda kv: -len(kv[1]))[:3]:
+            took = sorted(t for _, t in made)
+            starts = sorted(b for b, _ in made)
+            gaps = [b - a for a, b in zip(starts, starts[1:]) if b - a >= 0.02]
+            print(
+                f"  {files.get(fd, 'fd ' + fd)}: {len(made)} syncs, p50 {took[len(took) // 2] * 1e3:.2f} ms, "
+                f"p99 {took[int(len(took) * 0.99)] * 1e3:.2f} ms; {len(gaps)} gaps of 20 ms or more, "
+                f"{sum(gaps) * 1e3:.0f} ms in all, the longest {max(gaps, default=0) * 1e3:.0f} ms"
+            )
+
+
 def main():
     args = sys.argv[1:]
+    if args[:1] == ["syncs"]:
+        syncs(args[1:])
+        return
     folded = None
     if "--folded" in args:
         at = args.index("--folded")
