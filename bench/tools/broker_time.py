@@ -60,14 +60,20 @@ KERNEL = [
     ("kernel: files (writes, syncs)", re.compile(r"ext4_|xfs_|btrfs_|generic_perform_write|filemap_|fsync|iomap_|jbd2|blk_|ovl_")),
 ]
 
-def stacks(path):
-    """Yields (weight, frames leaf first) for every sample of `path`."""
-    out = subprocess.run(
-        ["perf", "script", "-i", path, "-F", "period,ip,sym,dso"],
+
+def perf_script(path, fields):
+    """`perf script` of the recording `path`, with `fields`."""
+    return subprocess.run(
+        ["perf", "script", "-i", path, "-F", fields],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
+
+
+def stacks(path):
+    """Yields (weight, frames leaf first) for every sample of `path`."""
+    out = perf_script(path, "period,ip,sym,dso")
     weight, frames = None, []
     for line in out.splitlines() + [""]:
         line = line.strip()
@@ -129,12 +135,7 @@ def syncs(paths):
             for line in f:
                 fd, _, target = line.strip().partition(" ")
                 files[fd] = re.sub(r".*/msg_stores/vhosts/[^/]+/", "", target)
-        out = subprocess.run(
-            ["perf", "script", "-i", path, "-F", "tid,time,event,trace"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        out = perf_script(path, "tid,time,event,trace")
         entered, calls = {}, collections.defaultdict(list)
         for line in out.splitlines():
             match = re.match(r"\s*(\d+)\s+([\d.]+):\s+syscalls:sys_(enter|exit)_f\w*sync:\s*(.*)", line)
