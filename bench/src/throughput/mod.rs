@@ -325,9 +325,9 @@ impl CpuMeter {
 /// `LILY_BENCH_PERF_CLIENT=DIR` this process to `DIR/client-NAME-K.data` (K counts the runs).
 /// `LILY_BENCH_PERF_EVENTS=E1,E2` records those events (each one, with its call graph) in place
 /// of the CPU samples. Each recording is kept with the files its process held open when it
-/// stopped (`NAME-K.data.fds`, a line `fd path` each): a system call's `fd` names its file. Start the node with `RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="+JPperf true"`
-/// for Erlang's function names and frames; `bench/tools/broker_time.py` reads the broker's
-/// recordings.
+/// stopped (`NAME-K.data.fds`, a line `fd path` each): a system call's `fd` names its file.
+/// Start the node with `RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="+JPperf true"` for Erlang's
+/// function names and frames; `bench/tools/broker_time.py` reads the broker's recordings.
 pub struct Profile(Vec<(std::process::Child, u32, std::path::PathBuf)>);
 
 impl Profile {

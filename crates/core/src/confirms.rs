@@ -174,22 +174,21 @@ impl InFlight {
     }
 
     /// The deadlines of `expired` passed. A member whose confirm was seen but not proven
-    /// fails; one whose confirm never came timed out, and since its confirm may still come and
-    /// take a return unseen, nothing else on the channel can be proven any more.
+    /// fails; one whose confirm never came timed out (or was returned, if its return came). A
+    /// confirm that never came may still come and take another publish's return unseen, so
+    /// then nothing else on the channel can be proven any more.
     pub fn handle_expired(&mut self, expired: &[Seq]) {
         let mut unseen = false;
         for &seq in expired {
             let Some(member) = self.members.get(&seq) else {
                 continue;
             };
+            unseen |= member.seen.is_none();
             let result = match member.seen {
                 _ if member.returned => HandoffResult::Returned,
                 Some(seen) if seen.confirm == Confirm::Nack => HandoffResult::Nacked,
                 Some(_) => HandoffResult::Failed,
-                None => {
-                    unseen = true;
-                    HandoffResult::TimedOut
-                }
+                None => HandoffResult::TimedOut,
             };
             self.judge(seq, result);
         }
@@ -424,6 +423,21 @@ mod tests {
         channel.handle_confirm(1, Confirm::Ack, None);
         channel.handle_quiet();
         assert_eq!(verdicts(&mut channel), [(0, Nacked), (1, Confirmed)]);
+    }
+
+    #[test]
+    fn a_returned_copy_whose_confirm_never_came_leaves_the_channel_unproven() {
+        let mut channel = written(3);
+        channel.handle_confirm(0, Confirm::Ack, None);
+        // 2's confirm brought 1's return; 1's own confirm has not come, and may bring 2's.
+        channel.handle_confirm(2, Confirm::Ack, Some(Some(id(1))));
+        channel.handle_quiet();
+        assert_eq!(verdicts(&mut channel), [(0, Confirmed)]);
+        channel.handle_expired(&[1]);
+        channel.handle_quiet();
+        // 1 was returned; 2 cannot be proven (its return may be waiting for 1's confirm).
+        assert_eq!(verdicts(&mut channel), [(1, Returned), (2, Failed)]);
+        assert_eq!(channel.retired(), Some(Retired::Confused));
     }
 
     /// The client and the transport, modelled: publishes are numbered, written and confirmed
