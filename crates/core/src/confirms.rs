@@ -32,8 +32,10 @@
 //! dropped whatever its confirm said. A return that carries no id, or the id of no publish in
 //! flight here, means the channel's evidence is confused: every publish still unjudged fails
 //! (its original is requeued; at worst the message exists twice, never zero times) and the
-//! channel must not carry another publish. So must a channel that failed, timed out or was
-//! nacked (RabbitMQ may keep nacking a channel that published to a full quorum queue).
+//! channel must not carry another publish. So must a channel that failed, or on which a
+//! publish's deadline passed before its confirm came (the confirm may still come, and take
+//! another publish's return, even when the publish's own return came), or that was nacked
+//! (RabbitMQ may keep nacking a channel that published to a full quorum queue).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
