@@ -40,7 +40,7 @@ import sys
 # The broker's processes, by the module whose loop runs them (the outermost frame that names one).
 PROCESSES = [
     ("classic queue process", re.compile(r"^rabbit_amqqueue_process$")),
-    ("quorum queue (ra server, its log)", re.compile(r"^(ra_server_proc|ra_log_wal|ra_log_segment_writer|ra_log\w*)$")),
+    ("quorum queue (ra server, its log)", re.compile(r"^(ra_server_proc|ra_log\w*)$")),
     ("message store", re.compile(r"^rabbit_msg_store\w*$")),
     ("channel", re.compile(r"^rabbit_channel$")),
     ("connection reader", re.compile(r"^rabbit_reader$")),
@@ -51,7 +51,6 @@ PROCESSES = [
 # `settle`, `complete`...): a stack through one of them also counts as settling work.
 SETTLING = re.compile(
     r"^\$rabbit\w*:'?-?(?:\w*_)?(?:acks?|settle\w*|complete|acknowledged)(?:[_/'-]|$)"
-    r"|^\$rabbit\w*:'?-?\w*_acks?[_/'-]"
 )
 
 KERNEL = [

@@ -22,6 +22,7 @@ round's settlement and copy-confirm p99, and draws them on a time line (an SVG).
 beyond Python; reads no message contents.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -65,8 +66,9 @@ ROUND = re.compile(
 
 
 def record(node_dir, secs, out):
-    expr = MONITOR.replace("__SECS__", str(int(secs))).replace("__OUT__", out)
-    subprocess.run(["scripts/rabbitmq.sh", "ctl", node_dir, "eval", expr], check=True)
+    expr = MONITOR.replace("__SECS__", str(int(secs))).replace("__OUT__", os.path.abspath(out))
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "rabbitmq.sh")
+    subprocess.run([script, "ctl", node_dir, "eval", expr], check=True)
 
 
 def rounds_of(log):
@@ -104,7 +106,7 @@ def report(events_file, log, svg):
 
 
 def draw(buckets, rounds, svg):
-    """A row a round: each collection a bar as long as it took, at when it ended."""
+    """A row a round: each collection a bar as long as it took, from when it began."""
     width, left, row = 1000, 190, 26
     spans = [(events[0][0] - events[0][1], events[-1][0]) for events in buckets if events]
     longest = max((end - start for start, end in spans), default=1)
