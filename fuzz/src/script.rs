@@ -29,8 +29,8 @@ pub mod flag {
     pub const VALID_ID: u8 = 4;
     /// A quorum queue: the broker counts deliveries (`x-delivery-count`).
     pub const QUORUM: u8 = 8;
-    /// The scope counted redeliveries durably.
-    pub const REDELIVERIES: u8 = 16;
+    /// The message waited out another owner's lease before, up to past the most waits.
+    pub const WAITS: u8 = 16;
 }
 
 /// Verdicts by their arrival byte.
@@ -169,7 +169,11 @@ impl<'a> Script<'a> {
             // A message that passed the gate has a valid id.
             local_requeues: (!refused || on(flag::VALID_ID)).then_some(u32::from(a(3) % 8)),
             scoped: on(flag::SCOPED),
-            redeliveries: on(flag::REDELIVERIES).then_some(u32::from(a(5) % 8)),
+            waits: if on(flag::WAITS) {
+                lily_mq_core::machine::MAX_LEASE_WAITS - 2 + u32::from(a(5) % 4)
+            } else {
+                u32::from(a(5) % 2)
+            },
             held,
             replayed_from: [None, Some(Terminal::DeadLetter), Some(Terminal::Parking)]
                 [usize::from(a(8) % 3)],

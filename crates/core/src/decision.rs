@@ -125,6 +125,13 @@ pub enum Lane {
         /// The lane the copy is bound for.
         target: Terminal,
     },
+    /// A retry bucket, waited in while another owner's lease on the message lives: the copy
+    /// keeps its attempt and comes back to be handled as before. Neither an application
+    /// attempt nor a requeue.
+    Wait {
+        /// Index into [`Policy::retry_delays`].
+        bucket: usize,
+    },
 }
 
 /// A lane through which a message leaves the work queue for good.
@@ -167,7 +174,7 @@ impl Terminal {
             Lane::DeadLetter => Some(Self::DeadLetter),
             Lane::Parking => Some(Self::Parking),
             Lane::Held { target, .. } => Some(target),
-            Lane::Retry { .. } => None,
+            Lane::Retry { .. } | Lane::Wait { .. } => None,
         }
     }
 }
@@ -197,6 +204,8 @@ pub enum Cause {
     RequeueLimit,
     /// A held copy came back for its lane: the reason it carries is written unchanged.
     Held,
+    /// Another owner holds the message's lease: the message waits it out in a retry bucket.
+    LeaseHeld,
 }
 
 impl Cause {
@@ -214,6 +223,7 @@ impl Cause {
             Self::AttemptsExhausted => "attempts exhausted",
             Self::RequeueLimit => "requeue limit reached",
             Self::Held => "held",
+            Self::LeaseHeld => "lease held by another owner",
         }
     }
 }
@@ -428,6 +438,9 @@ pub enum Outcome {
     /// The dead-letter or parking lane failed; a held copy was confirmed in a retry bucket and
     /// the original ACKed. The copy comes back to try that lane again.
     Held,
+    /// Another owner held the message's lease: a copy was confirmed in a retry bucket, to wait
+    /// the lease out, and the original ACKed. Not an attempt, not a requeue.
+    Waited,
     /// The original was NACKed with requeue.
     Requeued(RequeueCause),
     /// The original was rejected to the broker's dead-letter exchange (broker-native, weaker
@@ -443,7 +456,7 @@ impl Outcome {
     /// The outcomes' labels, in the order of [`Outcome::slot`]: the name of the
     /// [`Totals`](crate::Totals) field each is counted in, and the `outcome` label of the
     /// `lily_deliveries_total` metric.
-    pub const LABELS: [&'static str; 10] = [
+    pub const LABELS: [&'static str; 11] = [
         "acked",
         "retried",
         "dead_lettered",
@@ -454,6 +467,7 @@ impl Outcome {
         "rejected_at_gate",
         "authority_lost",
         "unresolved",
+        "waited",
     ];
 
     /// This outcome's index in [`Outcome::LABELS`].
@@ -469,6 +483,7 @@ impl Outcome {
             Self::RejectedToDlx => 7,
             Self::AuthorityLost => 8,
             Self::Unresolved(_) => 9,
+            Self::Waited => 10,
         }
     }
 
@@ -698,6 +713,7 @@ impl<'p> Settlement<'p> {
             (Action::Ack, SettleResult::Written, Some(Lane::DeadLetter)) => Outcome::DeadLettered,
             (Action::Ack, SettleResult::Written, Some(Lane::Parking)) => Outcome::Parked,
             (Action::Ack, SettleResult::Written, Some(Lane::Held { .. })) => Outcome::Held,
+            (Action::Ack, SettleResult::Written, Some(Lane::Wait { .. })) => Outcome::Waited,
             (Action::Ack, SettleResult::Written, None) => Outcome::Acked,
             (Action::Requeue, SettleResult::Written, _) => Outcome::Requeued(self.requeue_cause),
             (Action::Reject, SettleResult::Written, _) => Outcome::RejectedToDlx,

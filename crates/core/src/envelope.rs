@@ -110,10 +110,12 @@ pub struct Known<'a> {
     pub holds: Option<&'a AMQPValue>,
     /// [`headers::REPLAYED_FROM`].
     pub replayed_from: Option<&'a AMQPValue>,
+    /// [`headers::WAITS`].
+    pub waits: Option<&'a AMQPValue>,
 }
 
 /// The keys of [`Known`]'s headers.
-const KNOWN: [&str; 7] = [
+const KNOWN: [&str; 8] = [
     headers::ATTEMPT,
     headers::SCHEMA_VERSION,
     headers::DELIVERY_COUNT,
@@ -121,6 +123,7 @@ const KNOWN: [&str; 7] = [
     headers::FAILURE_KIND,
     headers::HOLDS,
     headers::REPLAYED_FROM,
+    headers::WAITS,
 ];
 
 impl<'a> Known<'a> {
@@ -147,6 +150,7 @@ impl<'a> Known<'a> {
             headers::FAILURE_KIND => &mut self.failure_kind,
             headers::HOLDS => &mut self.holds,
             headers::REPLAYED_FROM => &mut self.replayed_from,
+            headers::WAITS => &mut self.waits,
             _ => return,
         };
         *slot = Some(value);

@@ -44,6 +44,9 @@ pub const BCC: &str = "BCC";
 pub const HELD_FOR: &str = "x-lily-held-for";
 /// On a held copy: how many times the message waited for its lane so far.
 pub const HOLDS: &str = "x-lily-holds";
+/// On a copy waiting out another owner's lease in a retry bucket: how many times the message
+/// waited so far, this time included.
+pub const WAITS: &str = "x-lily-waits";
 /// On a message an operator replayed from a lane (`lily dlq replay`, `lily parking replay`): the
 /// lane it came from (`dead-letter` or `parking`). A message replayed from the parking lane never
 /// enters a retry bucket: where the decision table would retry it, it goes back to parking.

@@ -81,6 +81,10 @@ pub struct Totals {
     /// Originals ACKed after a held copy was confirmed (see [`Outcome::Held`]).
     #[serde(default)]
     pub held: u64,
+    /// Originals ACKed after a copy was confirmed in a retry bucket to wait out another
+    /// owner's lease (see [`Outcome::Waited`]).
+    #[serde(default)]
+    pub waited: u64,
     pub requeued: u64,
     pub deferred: u64,
     pub rejected_at_gate: u64,
@@ -94,13 +98,14 @@ pub struct Totals {
 impl Totals {
     /// Every field with its name, in declaration order. The destructuring is exhaustive, so a
     /// new field fails to compile until it is listed here.
-    pub fn fields(&self) -> [(&'static str, u64); 13] {
+    pub fn fields(&self) -> [(&'static str, u64); 14] {
         let Self {
             acked,
             retried,
             dead_lettered,
             parked,
             held,
+            waited,
             requeued,
             deferred,
             rejected_at_gate,
@@ -116,6 +121,7 @@ impl Totals {
             ("dead_lettered", dead_lettered),
             ("parked", parked),
             ("held", held),
+            ("waited", waited),
             ("requeued", requeued),
             ("deferred", deferred),
             ("rejected_at_gate", rejected_at_gate),
@@ -135,6 +141,7 @@ impl Totals {
             Outcome::DeadLettered => &mut self.dead_lettered,
             Outcome::Parked => &mut self.parked,
             Outcome::Held => &mut self.held,
+            Outcome::Waited => &mut self.waited,
             Outcome::Requeued(RequeueCause::HandoffFailed) => &mut self.requeued,
             Outcome::Requeued(RequeueCause::Deferred) => &mut self.deferred,
             Outcome::RejectedToDlx => &mut self.rejected_at_gate,

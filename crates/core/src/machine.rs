@@ -39,9 +39,13 @@ use crate::error::FailureKind;
 use crate::ledger::Evidence;
 use crate::policy::Policy;
 use crate::reason::Reason;
+use crate::transaction::Committed;
 
 /// The reason of a delivery that succeeded.
 static OK: Reason = Reason::from_static("ok");
+
+/// The reason of a commit refused because a newer owner took the lease over.
+static FENCED: Reason = Reason::from_static("lease taken over by a newer owner (stale fence)");
 
 /// The reason logged for a held copy back for its lane.
 static HELD: Reason = Reason::from_static("a held copy, back for its lane");
@@ -54,6 +58,11 @@ const RERUN_BACKOFF_MAX: Duration = Duration::from_millis(500);
 
 /// The most runs of one delivery's transaction after the first.
 const MAX_RERUNS: u32 = 20;
+
+/// The most times one message waits out another owner's lease in a retry bucket. A dead
+/// owner's lease takes one wait (two when the longest bucket is shorter than the lease); a live
+/// owner renews its lease only up to its cap. Past this, a lease still held is a deferral.
+pub const MAX_LEASE_WAITS: u32 = 20;
 
 /// What the gate and dispatch made of a delivery.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,10 +96,9 @@ pub struct Arrival {
     pub local_requeues: Option<u32>,
     /// Whether a transactional scope wraps the handler.
     pub scoped: bool,
-    /// Redeliveries the scope counted durably
-    /// ([`TransactionalScope::count_redelivery`](crate::TransactionalScope::count_redelivery)).
-    /// Past the requeue limit, the handler is not run again: the message goes to the DLQ.
-    pub redeliveries: Option<u32>,
+    /// How many times the message waited out another owner's lease so far (its
+    /// [`WAITS`](crate::headers::WAITS) header).
+    pub waits: u32,
     /// What its [`HELD_FOR`](crate::headers::HELD_FOR) headers say, when it is a held copy.
     pub held: Option<HeldCopy>,
     /// The lane an operator replayed it from ([`replayed_from`]).
@@ -138,6 +146,18 @@ pub enum ScopeOpened {
     Proceed {
         /// Whether a transaction is open.
         transaction: bool,
+        /// Earlier handlings of the message that began and never ended in a settlement, when
+        /// the scope records them ([`Begin::Proceed`](crate::Begin::Proceed)). At the requeue
+        /// limit the handler is not run: the message may be killing its worker.
+        deaths: Option<u32>,
+    },
+    /// Another owner holds the message's lease, which can expire in `expires_in`: the message
+    /// waits it out in a retry bucket.
+    Wait {
+        /// Why.
+        reason: Reason,
+        /// How long until the other owner's lease can expire.
+        expires_in: Duration,
     },
     /// The inbox already holds this message with the same fingerprint.
     Duplicate,
@@ -242,6 +262,8 @@ pub struct Delivery<'p> {
     reruns: u32,
     /// How many times the message waited as a held copy.
     holds: u32,
+    /// How many times the message waited out another owner's lease.
+    waits: u32,
     replayed_from: Option<Terminal>,
 }
 
@@ -262,8 +284,7 @@ impl<'p> Delivery<'p> {
                 let local = if arrival.redelivered { local } else { 0 };
                 local.max(arrival.delivery_count.unwrap_or(0))
             }
-        }
-        .max(arrival.redeliveries.unwrap_or(0));
+        };
         let mut delivery = Self {
             policy,
             step: Step::Arriving,
@@ -283,6 +304,7 @@ impl<'p> Delivery<'p> {
             arrived: now,
             reruns: 0,
             holds: 0,
+            waits: arrival.waits,
             replayed_from: arrival.replayed_from,
         };
         let oversized = matches!(
@@ -316,19 +338,6 @@ impl<'p> Delivery<'p> {
             }
             Verdict::Undispatched(reason) => {
                 delivery.decided(PipelineResult::NotDispatched, reason, authority(), now);
-            }
-            // Redelivered past the limit without ever being settled: the worker died with it
-            // each time. Not run again.
-            Verdict::Dispatched
-                if arrival
-                    .redeliveries
-                    .is_some_and(|n| n > policy.max_requeues) =>
-            {
-                let n = arrival.redeliveries.unwrap_or_default();
-                let reason = Reason::new(format!(
-                    "redelivered {n} times without being settled (it may be killing its worker)"
-                ));
-                delivery.decided(PipelineResult::Deferred, reason, authority(), now);
             }
             Verdict::Dispatched if arrival.scoped => delivery.step = Step::Ready(Action::OpenScope),
             Verdict::Dispatched => delivery.step = Step::Ready(Action::RunHandler),
@@ -382,9 +391,33 @@ impl<'p> Delivery<'p> {
             return;
         }
         match opened {
-            ScopeOpened::Proceed { transaction } => {
+            // Handled that many times without being settled: the worker (or its connection)
+            // died with it each time. Not run again.
+            ScopeOpened::Proceed {
+                transaction,
+                deaths: Some(deaths),
+            } if deaths >= self.policy.max_requeues => {
+                self.transaction = transaction;
+                self.requeues = self.requeues.max(deaths);
+                self.ran = Ran {
+                    pipeline: PipelineResult::Deferred,
+                    cleanup: CleanupResult::Succeeded,
+                };
+                self.reason = Some(Reason::new(format!(
+                    "handled {deaths} times without being settled (it may be killing its worker)"
+                )));
+                if transaction {
+                    self.step = Step::Ready(Action::Abort);
+                } else {
+                    self.plan(TransactionOutcome::NotRequired, authority, now);
+                }
+            }
+            ScopeOpened::Proceed { transaction, .. } => {
                 self.transaction = transaction;
                 self.step = Step::Ready(Action::RunHandler);
+            }
+            ScopeOpened::Wait { reason, expires_in } => {
+                self.wait_out(reason, expires_in, authority, now);
             }
             ScopeOpened::Duplicate => self.decided(
                 PipelineResult::Duplicate,
@@ -442,23 +475,26 @@ impl<'p> Delivery<'p> {
         }
     }
 
-    /// Takes the commit's outcome; `deferrals` as the scope counted them durably.
-    pub fn handle_commit(
-        &mut self,
-        outcome: TransactionOutcome,
-        deferrals: Option<u32>,
-        reason: Option<Reason>,
-        authority: Authority,
-        now: Instant,
-    ) {
+    /// Takes the commit's outcome, with the deferrals the scope counted durably and, when the
+    /// lease was taken over, how long the new owner's lease can live.
+    pub fn handle_commit(&mut self, committed: Committed, authority: Authority, now: Instant) {
         if !self.waiting_for(Action::Commit) {
             return;
         }
+        let Committed {
+            outcome,
+            reason,
+            deferrals,
+            wait,
+        } = committed;
         self.raise_requeues(deferrals);
         if reason.is_some() {
             self.reason = reason;
         }
-        if outcome == TransactionOutcome::Transient {
+        if let (TransactionOutcome::Fenced, Some(expires_in)) = (outcome, wait) {
+            let reason = self.reason.take().unwrap_or_else(|| FENCED.clone());
+            self.wait_out(reason, expires_in, authority, now);
+        } else if outcome == TransactionOutcome::Transient {
             self.rerun_or_plan(outcome, authority, now);
         } else {
             self.plan(outcome, authority, now);
@@ -564,6 +600,38 @@ impl<'p> Delivery<'p> {
         } else {
             self.ran.pipeline = PipelineResult::Transient;
             self.plan(transaction, authority, now);
+        }
+    }
+
+    /// Another owner holds the lease for `expires_in` at most: a copy waits that long in a
+    /// retry bucket (the shortest as long, or the longest), leaves the queue and comes back to
+    /// be handled; the rest of the window goes on meanwhile. Neither an attempt nor a requeue.
+    /// Without buckets, or past [`MAX_LEASE_WAITS`], a deferral as before.
+    fn wait_out(
+        &mut self,
+        reason: Reason,
+        expires_in: Duration,
+        authority: Authority,
+        now: Instant,
+    ) {
+        self.ran = Ran {
+            pipeline: PipelineResult::Deferred,
+            cleanup: CleanupResult::Succeeded,
+        };
+        self.reason = Some(reason);
+        let bucket = self.policy.wait_bucket(expires_in);
+        match bucket {
+            Some(bucket) if self.waits < MAX_LEASE_WAITS && authority == Authority::Held => {
+                self.settle(
+                    Plan::Handoff(Handoff {
+                        lane: Lane::Wait { bucket },
+                        kind: None,
+                        cause: Cause::LeaseHeld,
+                    }),
+                    now,
+                );
+            }
+            _ => self.plan(TransactionOutcome::NotRequired, authority, now),
         }
     }
 

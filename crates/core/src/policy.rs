@@ -195,6 +195,18 @@ impl Policy {
             None => by_attempt,
         }
     }
+
+    /// The retry bucket a message waits in for another owner's lease that can expire in
+    /// `expires_in`: the shortest at least that long, else the longest; `None` without buckets.
+    pub fn wait_bucket(&self, expires_in: Duration) -> Option<usize> {
+        let last = self.retry_delays.len().checked_sub(1)?;
+        Some(
+            self.retry_delays
+                .iter()
+                .position(|d| *d >= expires_in)
+                .unwrap_or(last),
+        )
+    }
 }
 
 #[cfg(test)]

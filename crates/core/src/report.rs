@@ -147,7 +147,7 @@ impl ShutdownReport {
         let t = &self.totals;
         let mut out = format!(
             "lily {} queue={} trigger={} forced={} used={}ms/{}ms acked={} retried={} \
-             dead_lettered={} parked={} held={} requeued={} deferred={} rejected={} duplicates={} \
+             dead_lettered={} parked={} held={} waited={} requeued={} deferred={} rejected={} duplicates={} \
              authority_lost={} acks_uncertain={} unresolved={} connections_lost={} \
              unparseable_frames={}\n",
             if self.clean { "clean" } else { "UNRESOLVED" },
@@ -166,6 +166,7 @@ impl ShutdownReport {
             t.dead_lettered,
             t.parked,
             t.held,
+            t.waited,
             t.requeued,
             t.deferred,
             t.rejected_at_gate,

@@ -22,6 +22,11 @@ pub enum Begin {
         resources: Resources,
         /// The open transaction.
         transaction: Box<dyn OpenTransaction>,
+        /// When the scope records durably that this worker began handling the message: how
+        /// many earlier handlings of it began and never ended in a settlement (their worker,
+        /// or its connection, died with them). `None` when the scope did not record it. Past
+        /// the requeue limit, the handler is not run: the message goes to the DLQ.
+        deaths: Option<u32>,
     },
     /// Already handled with the same fingerprint: skip the handler and ACK.
     Duplicate,
@@ -31,8 +36,16 @@ pub enum Begin {
     /// transaction runs again in-process after a backoff, within the settlement budget, and is
     /// deferred only if it stays transient; never an application attempt.
     Transient(Reason),
-    /// Not now (a lease held elsewhere, the database unreachable): requeue without using an
-    /// application attempt.
+    /// Another owner holds the message's lease, which can expire in `expires_in` at the
+    /// latest: the message waits that long in a retry bucket (a delayed copy), without using an
+    /// application attempt or a requeue.
+    Wait {
+        /// Why.
+        reason: Reason,
+        /// How long until the other owner's lease can expire.
+        expires_in: Duration,
+    },
+    /// Not now (the database unreachable): requeue without using an application attempt.
     Defer {
         /// Why.
         reason: Reason,
@@ -58,6 +71,9 @@ pub struct Committed {
     pub reason: Option<Reason>,
     /// Deferrals counted durably so far, when the outcome is ambiguous and the scope counted.
     pub deferrals: Option<u32>,
+    /// With [`TransactionOutcome::Fenced`]: how long the new owner's lease can live. The
+    /// message waits that long in a retry bucket instead of being requeued.
+    pub wait: Option<Duration>,
 }
 
 /// Per-delivery scope around the handler with a transactional outcome.
@@ -65,18 +81,12 @@ pub trait TransactionalScope: Send + Sync + 'static {
     /// Opens the scope for a dispatched delivery, within `deadline`.
     fn begin<'a>(&'a self, meta: &'a Meta, deadline: Duration) -> BoxFuture<'a, Begin>;
 
-    /// Counts one more redelivery of the message durably, within `deadline`, and returns how
-    /// many there were, this one included; `None` when the scope does not count (the default)
-    /// or could not. Called once for each redelivered, dispatched delivery, before
-    /// [`begin`](Self::begin). A message redelivered more often than the policy lets Lily
-    /// requeue it was never settled: the worker died with it each time. Quorum queues count
-    /// this themselves (`x-delivery-count`); classic queues have only this.
-    fn count_redelivery<'a>(
-        &'a self,
-        meta: &'a Meta,
-        deadline: Duration,
-    ) -> BoxFuture<'a, Option<u32>> {
+    /// The delivery of `meta`, whose handling [`begin`](Self::begin) recorded (it returned
+    /// `deaths: Some(_)`), was settled by this worker: that handling ended alive. Called once,
+    /// within `deadline`, after the ACK, NACK or reject was written; never after authority was
+    /// lost, so a handling that ends with its worker's connection counts as a death.
+    fn settled<'a>(&'a self, meta: &'a Meta, deadline: Duration) -> BoxFuture<'a, ()> {
         let _ = (meta, deadline);
-        Box::pin(std::future::ready(None))
+        Box::pin(std::future::ready(()))
     }
 }

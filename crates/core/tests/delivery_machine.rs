@@ -4,14 +4,16 @@
 use std::time::{Duration, Instant};
 
 use lily_mq_core::machine::{
-    Action, Arrival, CopyOf, Delivery, HeldCopy, RequeueMemory, ScopeOpened, Verdict,
+    Action, Arrival, CopyOf, Delivery, HeldCopy, MAX_LEASE_WAITS, RequeueMemory, ScopeOpened,
+    Verdict,
 };
 use lily_mq_core::transport::{
-    Authority, CleanupResult, Evidence, GateRejection, HandoffResult, PipelineResult, SettleResult,
+    Authority, Cause, CleanupResult, Evidence, GateRejection, HandoffResult, PipelineResult,
+    SettleResult,
 };
 use lily_mq_core::{
-    FailureKind, Lane, Outcome, Policy, Reason, RequeueCause, Terminal, TransactionOutcome,
-    Unresolved,
+    Committed, FailureKind, Lane, Outcome, Policy, Reason, RequeueCause, Terminal,
+    TransactionOutcome, Unresolved,
 };
 
 const HELD: Authority = Authority::Held;
@@ -21,6 +23,19 @@ fn policy() -> Policy {
         .max_attempts(3)
         .max_requeues(4)
         .deferral_delays([Duration::from_millis(100), Duration::from_secs(2)])
+}
+
+fn committed(
+    outcome: TransactionOutcome,
+    deferrals: Option<u32>,
+    reason: Option<Reason>,
+) -> Committed {
+    Committed {
+        outcome,
+        reason,
+        deferrals,
+        wait: None,
+    }
 }
 
 fn arrival(verdict: Verdict) -> Arrival {
@@ -33,7 +48,7 @@ fn arrival(verdict: Verdict) -> Arrival {
         scoped: false,
         held: None,
         replayed_from: None,
-        redeliveries: None,
+        waits: 0,
     }
 }
 
@@ -60,7 +75,14 @@ fn scoped_and_running(p: &Policy, now: Instant) -> Delivery<'_> {
         now,
     );
     assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
-    d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
+    d.handle_scope(
+        ScopeOpened::Proceed {
+            transaction: true,
+            deaths: None,
+        },
+        HELD,
+        now,
+    );
     assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
     d
 }
@@ -102,7 +124,11 @@ fn a_scope_commits_after_success_and_aborts_after_failure() {
         now,
     );
     assert_eq!(d.poll_action(|| HELD), Some(Action::Commit));
-    d.handle_commit(TransactionOutcome::Committed, None, None, HELD, now);
+    d.handle_commit(
+        committed(TransactionOutcome::Committed, None, None),
+        HELD,
+        now,
+    );
     assert_eq!(d.poll_action(|| HELD), Some(Action::Ack));
 
     let mut d = scoped_and_running(&p, now);
@@ -320,9 +346,11 @@ fn a_deferred_requeue_holds_first_and_an_ambiguous_commit_at_the_limit_is_parked
     );
     d.poll_action(|| HELD);
     d.handle_commit(
-        TransactionOutcome::CommitAmbiguous,
-        Some(4),
-        Some(Reason::new("commit unknown")),
+        committed(
+            TransactionOutcome::CommitAmbiguous,
+            Some(4),
+            Some(Reason::new("commit unknown")),
+        ),
         HELD,
         now,
     );
@@ -437,7 +465,14 @@ fn a_transient_transaction_error_runs_the_whole_transaction_again() {
     let now = now + wait;
     d.handle_held(now);
     assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
-    d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
+    d.handle_scope(
+        ScopeOpened::Proceed {
+            transaction: true,
+            deaths: None,
+        },
+        HELD,
+        now,
+    );
     assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
     d.handle_pipeline(
         PipelineResult::Succeeded,
@@ -448,7 +483,11 @@ fn a_transient_transaction_error_runs_the_whole_transaction_again() {
     );
     assert_eq!(d.poll_action(|| HELD), Some(Action::Commit));
     // The commit conflicts this time: once more.
-    d.handle_commit(TransactionOutcome::Transient, None, None, HELD, now);
+    d.handle_commit(
+        committed(TransactionOutcome::Transient, None, None),
+        HELD,
+        now,
+    );
     let Some(Action::Backoff(second)) = d.poll_action(|| HELD) else {
         panic!("a backoff after a transient commit")
     };
@@ -458,24 +497,142 @@ fn a_transient_transaction_error_runs_the_whole_transaction_again() {
 }
 
 #[test]
-fn a_message_redelivered_past_the_limit_without_settlement_is_not_run_again() {
+fn a_message_whose_handlings_died_up_to_the_limit_is_not_run_again() {
     let (p, now) = (policy(), Instant::now());
-    let scoped = |redeliveries| Arrival {
-        scoped: true,
-        redelivered: true,
-        redeliveries: Some(redeliveries),
-        ..arrival(Verdict::Dispatched)
+    let opened = |deaths| {
+        let mut d = Delivery::new(
+            Arrival {
+                scoped: true,
+                redelivered: true,
+                ..arrival(Verdict::Dispatched)
+            },
+            &p,
+            || HELD,
+            now,
+        );
+        assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
+        d.handle_scope(
+            ScopeOpened::Proceed {
+                transaction: true,
+                deaths: Some(deaths),
+            },
+            HELD,
+            now,
+        );
+        d
     };
-    // At the limit it still runs: Lily's own requeues reach it.
-    let mut d = Delivery::new(scoped(p.max_requeues), &p, || HELD, now);
-    assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
-    // Past it, the worker died with it: the DLQ, unopened and unrun.
-    let mut d = Delivery::new(scoped(p.max_requeues + 1), &p, || HELD, now);
+    // Below the limit it runs.
+    let mut d = opened(p.max_requeues - 1);
+    assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
+    // At it, its worker died with it each time: the transaction is aborted, the handler not
+    // run, and the message goes to the DLQ.
+    let mut d = opened(p.max_requeues);
+    assert_eq!(d.poll_action(|| HELD), Some(Action::Abort));
+    d.handle_aborted(HELD, now);
     let Some(Action::Publish { handoff, .. }) = d.poll_action(|| HELD) else {
         panic!("straight to a handoff")
     };
     assert_eq!(handoff.lane, Lane::DeadLetter);
     assert!(d.reason().as_str().contains("without being settled"));
+}
+
+#[test]
+fn a_lease_held_elsewhere_is_waited_out_in_a_bucket_without_a_requeue() {
+    let (p, now) = (policy(), Instant::now());
+    let waiting = |waits, expires_in| {
+        let mut d = Delivery::new(
+            Arrival {
+                scoped: true,
+                redelivered: true,
+                // At the requeue limit already: a wait does not look at it.
+                local_requeues: Some(p.max_requeues),
+                waits,
+                ..arrival(Verdict::Dispatched)
+            },
+            &p,
+            || HELD,
+            now,
+        );
+        assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
+        d.handle_scope(
+            ScopeOpened::Wait {
+                reason: Reason::new("lease held by another owner"),
+                expires_in,
+            },
+            HELD,
+            now,
+        );
+        d
+    };
+    // The shortest bucket at least as long as the lease's rest, else the longest.
+    for (expires_in, bucket) in [
+        (Duration::ZERO, 0),
+        (p.retry_delays[0], 0),
+        (p.retry_delays[0] + Duration::from_millis(1), 1),
+        (Duration::from_secs(100_000), p.retry_delays.len() - 1),
+    ] {
+        let mut d = waiting(0, expires_in);
+        let Some(Action::Publish { handoff, .. }) = d.poll_action(|| HELD) else {
+            panic!("a delayed copy")
+        };
+        assert_eq!(handoff.lane, Lane::Wait { bucket });
+        assert_eq!(handoff.cause, Cause::LeaseHeld);
+        d.handle_handoff(HandoffResult::Confirmed, HELD, now);
+        assert_eq!(d.poll_action(|| HELD), Some(Action::Ack));
+        d.handle_settled(SettleResult::Written);
+        assert_eq!(d.outcome(), Some(Outcome::Waited));
+    }
+    // Past the most waits it is a deferral again, counted, here at the limit: the DLQ.
+    let mut d = waiting(MAX_LEASE_WAITS, Duration::from_secs(1));
+    let Some(Action::Publish { handoff, .. }) = d.poll_action(|| HELD) else {
+        panic!("a handoff")
+    };
+    assert_eq!(handoff.lane, Lane::DeadLetter);
+}
+
+#[test]
+fn a_commit_fenced_by_a_newer_owner_waits_out_its_lease() {
+    let (p, now) = (policy(), Instant::now());
+    let mut d = Delivery::new(
+        Arrival {
+            scoped: true,
+            ..arrival(Verdict::Dispatched)
+        },
+        &p,
+        || HELD,
+        now,
+    );
+    assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
+    d.handle_scope(
+        ScopeOpened::Proceed {
+            transaction: true,
+            deaths: None,
+        },
+        HELD,
+        now,
+    );
+    assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
+    d.handle_pipeline(
+        PipelineResult::Succeeded,
+        CleanupResult::Succeeded,
+        None,
+        HELD,
+        now,
+    );
+    assert_eq!(d.poll_action(|| HELD), Some(Action::Commit));
+    d.handle_commit(
+        Committed {
+            wait: Some(p.retry_delays[0]),
+            ..committed(TransactionOutcome::Fenced, None, None)
+        },
+        HELD,
+        now,
+    );
+    let Some(Action::Publish { handoff, .. }) = d.poll_action(|| HELD) else {
+        panic!("a delayed copy")
+    };
+    assert_eq!(handoff.lane, Lane::Wait { bucket: 0 });
+    assert!(d.reason().as_str().contains("stale fence"));
 }
 
 #[test]
@@ -558,7 +715,14 @@ fn a_transaction_still_transient_at_the_budget_is_deferred_without_using_an_atte
                 now += wait;
                 d.handle_held(now);
                 assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
-                d.handle_scope(ScopeOpened::Proceed { transaction: true }, HELD, now);
+                d.handle_scope(
+                    ScopeOpened::Proceed {
+                        transaction: true,
+                        deaths: None,
+                    },
+                    HELD,
+                    now,
+                );
                 assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
             }
             other => break other,
@@ -656,7 +820,7 @@ mod properties {
                         delivery_count,
                         local_requeues,
                         scoped,
-                        redeliveries: None,
+                        waits: 0,
                         replayed_from: None,
                         held: held.map(|(parking, holds)| HeldCopy {
                             target: if parking {
@@ -671,7 +835,10 @@ mod properties {
                 },
             );
         let opened = prop_oneof![
-            any::<bool>().prop_map(|transaction| ScopeOpened::Proceed { transaction }),
+            any::<bool>().prop_map(|transaction| ScopeOpened::Proceed {
+                transaction,
+                deaths: None
+            }),
             Just(ScopeOpened::Duplicate),
             Just(ScopeOpened::Conflict(reason())),
             Just(ScopeOpened::Transient(reason())),
@@ -769,7 +936,9 @@ mod properties {
             match action {
                 Action::OpenScope => d.handle_scope(s.opened.clone(), auth, now),
                 Action::RunHandler => d.handle_pipeline(s.pipeline, s.cleanup, None, auth, now),
-                Action::Commit => d.handle_commit(s.commit.0, s.commit.1, None, auth, now),
+                Action::Commit => {
+                    d.handle_commit(committed(s.commit.0, s.commit.1, None), auth, now)
+                }
                 Action::Abort => d.handle_aborted(auth, now),
                 Action::Hold(delay) | Action::Backoff(delay) => {
                     now += delay;
@@ -812,7 +981,11 @@ mod properties {
             let wrote = |a: Action| trace.written.contains(&a);
             match outcome.unwrap() {
                 Outcome::Acked => prop_assert!(wrote(Action::Ack) && !trace.confirmed),
-                Outcome::Retried | Outcome::DeadLettered | Outcome::Parked | Outcome::Held => {
+                Outcome::Retried
+                | Outcome::DeadLettered
+                | Outcome::Parked
+                | Outcome::Held
+                | Outcome::Waited => {
                     prop_assert!(trace.confirmed && wrote(Action::Ack));
                 }
                 Outcome::Requeued(_) => {

@@ -1,5 +1,12 @@
 //! The durable count of a message's deferrals, kept in MongoDB so it survives restarts and
-//! reaches every worker.
+//! reaches every worker, and beside it the evidence that a worker died while handling it.
+//!
+//! A handling of a redelivered message marks the document with a token of its own (`h`) when
+//! it begins, outside any transaction, once the inbox insert showed no other handling of the
+//! message lives; the worker unmarks it once it settled the delivery. A mark found at the
+//! beginning of the next handling was left by a handling that never ended in a settlement: its
+//! worker, or its worker's connection, died with it. Those are counted (`d`). Lily's own
+//! deferrals and waits settle their delivery, so they never count.
 
 use mongodb::Collection;
 use mongodb::bson::{Bson, DateTime, Document, doc};
@@ -24,10 +31,34 @@ impl Deferrals {
         self.increment("n").await.map(|n| n.saturating_sub(1))
     }
 
-    /// Counts one more redelivery of the message and returns how many there were, this one
-    /// included; `None` when the database cannot be reached.
-    pub(crate) async fn redelivered(&self) -> Option<u32> {
-        self.increment("r").await
+    /// Marks the message as being handled under `token` and returns how many earlier
+    /// handlings left their mark (died); `None` when the database cannot be reached.
+    pub(crate) async fn began(&self, token: &str) -> Option<u32> {
+        let left = doc! { "$cond": [{ "$ifNull": ["$h", false] }, 1_i64, 0_i64] };
+        let update = vec![doc! { "$set": {
+            "d": { "$add": [{ "$ifNull": ["$d", 0_i64] }, left] },
+            "h": token,
+            "at": "$$NOW",
+        } }];
+        let doc = self
+            .collection
+            .find_one_and_update(doc! { "_id": self.key.clone() }, update)
+            .upsert(true)
+            .return_document(ReturnDocument::After)
+            .await
+            .ok()??;
+        count(doc.get("d"))
+    }
+
+    /// Removes the mark `token` left: that handling ended in a settlement.
+    pub(crate) async fn ended(&self, token: &str) {
+        let _ = self
+            .collection
+            .update_one(
+                doc! { "_id": self.key.clone(), "h": token },
+                doc! { "$unset": { "h": "" } },
+            )
+            .await;
     }
 
     async fn increment(&self, field: &str) -> Option<u32> {
@@ -39,10 +70,14 @@ impl Deferrals {
             .return_document(ReturnDocument::After)
             .await
             .ok()??;
-        match doc.get(field) {
-            Some(Bson::Int64(n)) => u32::try_from(*n).ok(),
-            Some(Bson::Int32(n)) => u32::try_from(*n).ok(),
-            _ => None,
-        }
+        count(doc.get(field))
+    }
+}
+
+fn count(value: Option<&Bson>) -> Option<u32> {
+    match value? {
+        Bson::Int64(n) => u32::try_from(*n).ok(),
+        Bson::Int32(n) => u32::try_from(*n).ok(),
+        _ => None,
     }
 }

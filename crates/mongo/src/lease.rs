@@ -31,6 +31,8 @@ pub(crate) struct Lease {
     pub(crate) key: Document,
     pub(crate) owner: String,
     pub(crate) fence: i64,
+    /// How long an acquisition lives unrenewed: what a newer owner's lease may live too.
+    pub(crate) ttl: Duration,
     renewal: CancellationToken,
     leases: Collection<Document>,
     fences: Collection<Document>,
@@ -38,8 +40,11 @@ pub(crate) struct Lease {
 
 /// Why a lease was not acquired.
 pub(crate) enum Refused {
-    /// A live owner holds it.
-    Held,
+    /// Another owner holds it, until its expiry at the latest unless renewed.
+    Held {
+        /// How long until it expires (zero when it just did, or could not be read).
+        expires_in: Duration,
+    },
     /// The database failed.
     Failed(Error),
 }
@@ -47,7 +52,7 @@ pub(crate) enum Refused {
 static TOKENS: AtomicU64 = AtomicU64::new(0);
 
 /// A token unique to this attempt of this process.
-fn owner_token() -> String {
+pub(crate) fn owner_token() -> String {
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
@@ -86,9 +91,9 @@ pub(crate) async fn acquire(
         .await;
     let doc = match taken {
         Ok(Some(doc)) => doc,
-        Ok(None) => return Err(Refused::Held),
         // The upsert collided with a live owner's document.
-        Err(err) if is_duplicate_key(&err) => return Err(Refused::Held),
+        Ok(None) => return Err(held(leases, key).await),
+        Err(err) if is_duplicate_key(&err) => return Err(held(leases, key).await),
         Err(err) => return Err(Refused::Failed(err)),
     };
     let fence = match doc.get("fence") {
@@ -124,10 +129,26 @@ pub(crate) async fn acquire(
         key,
         owner,
         fence,
+        ttl,
         renewal,
         leases: leases.clone(),
         fences: fences.clone(),
     })
+}
+
+/// The refusal of a lease another owner holds, with how long until its recorded expiry.
+async fn held(leases: &Collection<Document>, key: Document) -> Refused {
+    let expires_at = leases
+        .find_one(doc! { "_id": key })
+        .await
+        .ok()
+        .flatten()
+        .and_then(|doc| doc.get_datetime("expires_at").ok().copied());
+    let expires_in = expires_at.map_or(Duration::ZERO, |at| {
+        let ms = at.timestamp_millis() - DateTime::now().timestamp_millis();
+        Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+    });
+    Refused::Held { expires_in }
 }
 
 /// Renews the lease every third of its TTL while work progresses, up to `max_extension` in all.

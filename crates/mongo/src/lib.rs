@@ -66,3 +66,11 @@ pub use scope::{MongoConfig, MongoScope};
 pub use tx::MongoTx;
 
 pub use mongodb;
+
+/// Locks `mutex`, taking the data back if a holder panicked: what it guards stays valid
+/// between statements.
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}

@@ -1,5 +1,6 @@
 //! The scope: opens the transaction, takes the lease, inserts the inbox record.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -128,7 +129,13 @@ struct Inner {
     leases: Collection<Document>,
     fences: Collection<Document>,
     deferrals: Collection<Document>,
+    /// The marks of the handlings this process began and has not settled yet, by message id.
+    handling: std::sync::Mutex<HashMap<Box<str>, String>>,
 }
+
+/// The most handling marks remembered at once; past it, the oldest are forgotten (their marks
+/// then count as deaths, which only errs on the side of stopping a message sooner).
+const MAX_MARKS: usize = 65_536;
 
 impl MongoScope {
     /// Connects to `url` (a replica set: transactions need one), uses `database`, and creates
@@ -195,6 +202,7 @@ impl MongoScope {
             leases,
             fences,
             deferrals,
+            handling: std::sync::Mutex::default(),
         })))
     }
 
@@ -224,8 +232,11 @@ impl MongoScope {
             .await
             {
                 Ok(lease) => Some(lease),
-                Err(Refused::Held) => {
-                    return defer(Reason::new("lease held by a live owner")).await;
+                Err(Refused::Held { expires_in }) => {
+                    return Begin::Wait {
+                        reason: Reason::new("lease held by another owner"),
+                        expires_in,
+                    };
                 }
                 Err(Refused::Failed(err)) => {
                     return defer(Reason::new(format!(
@@ -295,6 +306,13 @@ impl MongoScope {
                 .await;
             }
         }
+        // No other handling of the message lives now (its insert would have met ours): a
+        // redelivery's handling leaves its mark, and counts the marks earlier ones left.
+        let deaths = if meta.redelivered() {
+            self.began(meta, &deferrals).await
+        } else {
+            None
+        };
         debug!(fence = lease.as_ref().map(|l| l.fence), "scope open");
         let state = Arc::new(TxState {
             session: Mutex::new(session),
@@ -304,6 +322,7 @@ impl MongoScope {
         resources.insert(Arc::clone(&state));
         Begin::Proceed {
             resources,
+            deaths,
             transaction: Box::new(MongoTransaction {
                 state,
                 lease,
@@ -315,6 +334,18 @@ impl MongoScope {
                     .map(|observer| (observer, meta.clone())),
             }),
         }
+    }
+
+    /// Marks the message as handled by this process; the deaths counted, if it could.
+    async fn began(&self, meta: &Meta, deferrals: &Deferrals) -> Option<u32> {
+        let token = lease::owner_token();
+        let deaths = deferrals.began(&token).await?;
+        let mut marks = crate::lock(&self.0.handling);
+        if marks.len() >= MAX_MARKS {
+            marks.clear();
+        }
+        marks.insert(meta.message_id().into(), token);
+        Some(deaths)
     }
 
     /// The inbox already holds this message: a duplicate if the fingerprints match, a conflict
@@ -352,19 +383,15 @@ impl TransactionalScope for MongoScope {
         })
     }
 
-    /// Counted in the deferrals collection, next to the message's deferral count.
-    fn count_redelivery<'a>(
-        &'a self,
-        meta: &'a Meta,
-        deadline: Duration,
-    ) -> BoxFuture<'a, Option<u32>> {
+    /// Removes the mark the handling left: it ended in a settlement.
+    fn settled<'a>(&'a self, meta: &'a Meta, deadline: Duration) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            let key = inbox::key(&self.0.config.consumer, meta.message_id());
-            let count = Deferrals::new(self.0.deferrals.clone(), key);
-            tokio::time::timeout(deadline, count.redelivered())
-                .await
-                .ok()
-                .flatten()
+            let token = crate::lock(&self.0.handling).remove(meta.message_id());
+            if let Some(token) = token {
+                let key = inbox::key(&self.0.config.consumer, meta.message_id());
+                let marks = Deferrals::new(self.0.deferrals.clone(), key);
+                let _ = tokio::time::timeout(deadline, marks.ended(&token)).await;
+            }
         })
     }
 }

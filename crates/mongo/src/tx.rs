@@ -125,6 +125,7 @@ impl MongoTransaction {
                             "lease taken over by a newer owner (stale fence)",
                         )),
                         deferrals: None,
+                        wait: Some(lease.ttl),
                     };
                 }
                 Err(err) => {
@@ -141,6 +142,7 @@ impl MongoTransaction {
                         outcome: TransactionOutcome::Committed,
                         reason: None,
                         deferrals: None,
+                        wait: None,
                     };
                 }
                 // The driver documents that a commit with this label may be retried as is.
@@ -163,6 +165,7 @@ fn ambiguous(reason: &'static str) -> Committed {
         outcome: TransactionOutcome::CommitAmbiguous,
         reason: Some(Reason::new(reason)),
         deferrals: None,
+        wait: None,
     }
 }
 
@@ -183,6 +186,7 @@ fn aborted(err: &mongodb::error::Error, what: &'static str) -> Committed {
             format!("{what}: {}", code_of(err))
         })),
         deferrals: None,
+        wait: None,
     }
 }
 

@@ -11,7 +11,7 @@ use lily_mq_core::transport::{
     BoxedHandler, Cause, Envelope, Handoff, HandoffId, IncomingParts, Known, PropertiesView,
     as_text, as_u32, inspect, is_token, not_utf8,
 };
-use lily_mq_core::{Incoming, Limits, Reason, Router, headers};
+use lily_mq_core::{Incoming, Lane, Limits, Reason, Router, headers};
 
 use crate::handoff::{FailureNote, copy_properties, sanitized_properties};
 
@@ -92,7 +92,7 @@ pub(crate) fn admit(
         scoped,
         held: HeldCopy::from_known(&known),
         replayed_from: replayed_from(&known),
-        redeliveries: None,
+        waits: known.waits.and_then(as_u32).unwrap_or(0),
     };
     let source = if refused {
         Source::Refused(Box::new(Refused {
@@ -194,7 +194,11 @@ impl Source {
         };
         let note = FailureNote {
             lane: handoff.lane,
-            kind: handoff.kind.map_or("rejected", |k| k.as_str()),
+            kind: match (handoff.kind, handoff.lane) {
+                (Some(kind), _) => kind.as_str(),
+                (None, Lane::Wait { .. }) => "lease-wait",
+                (None, _) => "rejected",
+            },
             reason: &reason,
             source_queue: facts.source_queue,
             id: facts.id,

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, info_span, warn};
 
 use crate::admit::{Admitted, CopyFacts, Raw, Source, admit, epoch_millis};
-use crate::execute::{Effects, Finished, Setup, count_redelivery, execute};
+use crate::execute::{Effects, Finished, Setup, execute};
 use crate::handoff::destination;
 use crate::service::Shared;
 use crate::session::{Session, Settler};
@@ -183,7 +183,7 @@ async fn until_abort(
 fn settle<'a>(
     shared: &'a Arc<Shared>,
     session: Arc<Session>,
-    mut arrived: Arrived,
+    arrived: Arrived,
     acking: &'a AtomicBool,
 ) -> impl Future<Output = ()> + Send + 'a {
     async move {
@@ -194,7 +194,6 @@ fn settle<'a>(
             shared.scope.as_deref(),
             &shared.signals.handlers,
         );
-        count_redelivery(&setup, &mut arrived.arrival, &arrived.source).await;
         let settler = session.settler(
             arrived.delivery_tag,
             &shared.publisher,

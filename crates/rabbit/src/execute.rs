@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lily_mq_core::machine::{Action, Arrival, CopyOf, Delivery as Machine, ScopeOpened, Verdict};
+use lily_mq_core::machine::{Action, Arrival, CopyOf, Delivery as Machine, ScopeOpened};
 use lily_mq_core::transport::{
     Authority, BoxedHandler, DeliveryCancel, Handoff, HandoffResult, SettleResult,
 };
@@ -114,6 +114,8 @@ pub(crate) async fn execute(
     let mut machine = Machine::new(arrival, setup.policy, || effects.authority(), start);
     let mut resources = Resources::new();
     let mut transaction = None;
+    // Whether the scope recorded that this worker began handling the message.
+    let mut recorded = false;
     // The time of the latest input to the machine; settlement is timed from there.
     let mut last = start;
     let mut settling_since = None;
@@ -131,11 +133,17 @@ pub(crate) async fn execute(
                     Begin::Proceed {
                         resources: r,
                         transaction: t,
+                        deaths,
                     } => {
                         resources = r;
                         transaction = Some(t);
-                        ScopeOpened::Proceed { transaction: true }
+                        recorded = deaths.is_some();
+                        ScopeOpened::Proceed {
+                            transaction: true,
+                            deaths,
+                        }
                     }
+                    Begin::Wait { reason, expires_in } => ScopeOpened::Wait { reason, expires_in },
                     Begin::Duplicate => {
                         effects.duplicate_suppressed();
                         ScopeOpened::Duplicate
@@ -175,13 +183,7 @@ pub(crate) async fn execute(
                     None => unreachable!("the machine commits only an open transaction"),
                 };
                 last = effects.now();
-                machine.handle_commit(
-                    committed.outcome,
-                    committed.deferrals,
-                    committed.reason,
-                    effects.authority(),
-                    last,
-                );
+                machine.handle_commit(committed, effects.authority(), last);
             }
             Action::Abort => {
                 // Bounded: a database that stopped answering must not hold the delivery (an
@@ -225,23 +227,19 @@ pub(crate) async fn execute(
             }
         }
     }
+    let outcome = machine.outcome().unwrap_or(Outcome::AuthorityLost);
+    if let (true, Some(scope), Source::Passed(incoming)) = (recorded, setup.scope, source)
+        && !matches!(outcome, Outcome::AuthorityLost | Outcome::Unresolved(_))
+    {
+        // The handling this worker began ended in a settlement: not a death.
+        let meta = Meta::new(Arc::clone(incoming));
+        scope.settled(&meta, budget).await;
+    }
     Finished {
-        outcome: machine.outcome().unwrap_or(Outcome::AuthorityLost),
+        outcome,
         confirmed_handoff: machine.confirmed_handoff(),
         reason: machine.reason().clone(),
         forgets_requeues: machine.forgets_requeues(),
         settling_since,
-    }
-}
-
-/// Counts a redelivered, dispatched delivery once in `setup`'s scope, if it has one, before
-/// its machine starts: a transaction opened again after a conflict is not a redelivery.
-pub(crate) async fn count_redelivery(setup: &Setup<'_>, arrival: &mut Arrival, source: &Source) {
-    if let (true, Some(scope), Source::Passed(incoming), Verdict::Dispatched) =
-        (arrival.redelivered, setup.scope, source, &arrival.verdict)
-    {
-        let meta = Meta::new(Arc::clone(incoming));
-        let deadline = setup.policy.settlement_budget;
-        arrival.redeliveries = scope.count_redelivery(&meta, deadline).await;
     }
 }

@@ -124,7 +124,7 @@ impl HandoffPublisher {
 /// Destination queue of a lane.
 pub(crate) fn destination(topology: &Topology, lane: Lane) -> Option<String> {
     match lane {
-        Lane::Retry { bucket, .. } | Lane::Held { bucket, .. } => {
+        Lane::Retry { bucket, .. } | Lane::Held { bucket, .. } | Lane::Wait { bucket } => {
             topology.bucket(bucket).map(str::to_owned)
         }
         Lane::DeadLetter => Some(topology.dead_letter_queue()),
@@ -167,6 +167,7 @@ pub(crate) fn copy_properties(incoming: &Incoming, note: &FailureNote<'_>) -> Ba
         .unwrap_or_default();
     map.remove(headers::DELIVERY_COUNT);
     let holds = map.remove(headers::HOLDS).as_ref().and_then(as_u32);
+    let waits = map.remove(headers::WAITS).as_ref().and_then(as_u32);
     map.remove(headers::HELD_FOR);
     for (routing, aside) in [
         (headers::CC, headers::ORIGINAL_CC),
@@ -179,10 +180,16 @@ pub(crate) fn copy_properties(incoming: &Incoming, note: &FailureNote<'_>) -> Ba
     let mut table = FieldTable::from(map);
     let attempt = match note.lane {
         Lane::Retry { next_attempt, .. } => next_attempt,
-        Lane::DeadLetter | Lane::Parking | Lane::Held { .. } => incoming.attempt(),
+        Lane::DeadLetter | Lane::Parking | Lane::Held { .. } | Lane::Wait { .. } => {
+            incoming.attempt()
+        }
     };
     table.insert(headers::ATTEMPT.into(), AMQPValue::LongUInt(attempt));
     held_headers(&mut table, note.lane, holds);
+    if let Lane::Wait { .. } = note.lane {
+        let waits = waits.unwrap_or(0).saturating_add(1);
+        table.insert(headers::WAITS.into(), AMQPValue::LongUInt(waits));
+    }
     table.insert(
         headers::FIRST_FAILURE_AT.into(),
         AMQPValue::LongLongInt(first),

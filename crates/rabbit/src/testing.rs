@@ -63,7 +63,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admit::{Admitted, CopyFacts, Raw, Source, admit, epoch_millis};
 use crate::config::ConsumerConfig;
 use crate::error::Error;
-use crate::execute::{Effects, Setup, count_redelivery, execute};
+use crate::execute::{Effects, Setup, execute};
 use crate::handoff::destination;
 use crate::publisher::{HeaderValue, Outgoing};
 use crate::sync::lock;
@@ -172,7 +172,6 @@ impl TestConsumer {
             self.scope.as_deref(),
             &shutdown,
         );
-        count_redelivery(&setup, &mut arrival, &source).await;
         let mut recorder = Recorder {
             consumer: self,
             source: &source,

@@ -240,6 +240,7 @@ fn check_copies(d: &Delivery) {
                 }
                 Lane::DeadLetter | Lane::Parking => assert_eq!(copy.attempt(), Some(env.attempt)),
                 Lane::Held { .. } => panic!("every handoff is confirmed: nothing is held"),
+                Lane::Wait { .. } => panic!("no scope holds a lease: nothing waits"),
             }
             check_original(&copy, p);
         }

@@ -27,8 +27,8 @@ use lily_mq_core::transport::{
     Authority, CleanupResult, Evidence, GateRejection, HandoffResult, PipelineResult, SettleResult,
 };
 use lily_mq_core::{
-    FailureKind, Lane, Outcome, Policy, Reason, RequeueCause, Terminal, TransactionOutcome,
-    Unresolved,
+    Committed, FailureKind, Lane, Outcome, Policy, Reason, RequeueCause, Terminal,
+    TransactionOutcome, Unresolved,
 };
 use lily_mq_fuzz::script::Script;
 
@@ -96,7 +96,7 @@ fn requeues(a: &Arrival, policy: &Policy) -> u32 {
         None => policy.max_requeues,
         Some(local) => (if a.redelivered { local } else { 0 }).max(a.delivery_count.unwrap_or(0)),
     };
-    known.max(a.redeliveries.unwrap_or(0))
+    known
 }
 
 /// What one delivery did.
@@ -174,11 +174,7 @@ fn drive(arrival: &Arrival, policy: &Policy, script: &mut Script<'_>, now: &mut 
             ..
         }
     );
-    let runs_handler = arrival.verdict == Verdict::Dispatched
-        && arrival.held.is_none()
-        && arrival
-            .redeliveries
-            .is_none_or(|n| n <= policy.max_requeues);
+    let mut runs_handler = arrival.verdict == Verdict::Dispatched && arrival.held.is_none();
     let mut lost = false;
     let mut m = Delivery::new(
         arrival.clone(),
@@ -228,9 +224,25 @@ fn drive(arrival: &Arrival, policy: &Policy, script: &mut Script<'_>, now: &mut 
                     runs_handler && arrival.scoped,
                     "a scope opened for {arrival:?}"
                 );
-                let opened = match script.pick(6) {
-                    0 => ScopeOpened::Proceed { transaction: true },
-                    1 => ScopeOpened::Proceed { transaction: false },
+                let deaths = [
+                    None,
+                    Some(0),
+                    Some(policy.max_requeues - 1),
+                    Some(policy.max_requeues),
+                ][script.pick(4)];
+                let opened = match script.pick(7) {
+                    0 => ScopeOpened::Proceed {
+                        transaction: true,
+                        deaths,
+                    },
+                    1 => ScopeOpened::Proceed {
+                        transaction: false,
+                        deaths,
+                    },
+                    6 => ScopeOpened::Wait {
+                        reason: Reason::new("lease held"),
+                        expires_in: Duration::from_millis(u64::from(script.byte()) * 400),
+                    },
                     2 => ScopeOpened::Duplicate,
                     3 => ScopeOpened::Conflict(Reason::new("fingerprint differs")),
                     4 => ScopeOpened::Transient(Reason::new("write conflict")),
@@ -240,8 +252,14 @@ fn drive(arrival: &Arrival, policy: &Policy, script: &mut Script<'_>, now: &mut 
                     },
                 };
                 ack_ok = opened == ScopeOpened::Duplicate;
-                if let ScopeOpened::Proceed { transaction: t } = opened {
+                if let ScopeOpened::Proceed {
+                    transaction: t,
+                    deaths,
+                } = opened
+                {
                     transaction = t;
+                    // Its handlings died up to the limit: the handler does not run again.
+                    runs_handler &= deaths.is_none_or(|n| n < policy.max_requeues);
                 }
                 *now += small_wait(script);
                 m.handle_scope(opened, authority(script, &mut lost), *now);
@@ -275,8 +293,14 @@ fn drive(arrival: &Arrival, policy: &Policy, script: &mut Script<'_>, now: &mut 
                     TransactionOutcome::Committed | TransactionOutcome::NotRequired
                 );
                 *now += small_wait(script);
-                let deferrals = deferrals(script);
-                m.handle_commit(outcome, deferrals, None, authority(script, &mut lost), *now);
+                let committed = Committed {
+                    outcome,
+                    reason: None,
+                    deferrals: deferrals(script),
+                    wait: (outcome == TransactionOutcome::Fenced && script.pick(2) == 1)
+                        .then(|| Duration::from_millis(u64::from(script.byte()) * 400)),
+                };
+                m.handle_commit(committed, authority(script, &mut lost), *now);
             }
             Action::Abort => {
                 *now += small_wait(script);
@@ -317,7 +341,9 @@ fn drive(arrival: &Arrival, policy: &Policy, script: &mut Script<'_>, now: &mut 
                         assert!(next_attempt <= policy.max_attempts);
                         assert_ne!(arrival.replayed_from, Some(Terminal::Parking));
                     }
-                    Lane::Held { bucket, .. } => assert!(bucket < policy.retry_delays.len()),
+                    Lane::Held { bucket, .. } | Lane::Wait { bucket } => {
+                        assert!(bucket < policy.retry_delays.len());
+                    }
                     Lane::DeadLetter | Lane::Parking => {}
                 }
                 let result = [
@@ -419,6 +445,7 @@ fn check_outcome(
         Outcome::DeadLettered => handed_off(|l| *l == Lane::DeadLetter),
         Outcome::Parked => handed_off(|l| *l == Lane::Parking),
         Outcome::Held => handed_off(|l| matches!(l, Lane::Held { .. })),
+        Outcome::Waited => handed_off(|l| matches!(l, Lane::Wait { .. })),
         Outcome::Requeued(_) => written(|a| matches!(a, Action::Requeue { .. })),
         Outcome::RejectedToDlx => written(|a| *a == Action::Reject),
         Outcome::AuthorityLost => {

@@ -353,11 +353,8 @@ fn machine() -> Vec<(&'static str, Vec<u8>)> {
             seed([0, 0, 0, 0, 0, 0, 2, 1, 0], &[confirmed, 0, 0, 0]),
         ),
         (
-            "redelivered_unsettled",
-            seed(
-                [0, 0, flag::SCOPED | flag::REDELIVERIES, 0, 0, 5, 0, 0, 0],
-                &[],
-            ),
+            "waited_past_the_most",
+            seed([0, 0, flag::SCOPED | flag::WAITS, 0, 0, 3, 0, 0, 0], &[]),
         ),
         (
             "replayed_from_parking",
