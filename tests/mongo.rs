@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{config, header_str};
+use lily::core::machine::MAX_LEASE_WAITS;
 use lily::core::{Begin, BoxFuture, TransactionalScope};
 use lily::prelude::*;
 use lily_mq_mongo::mongodb::bson::{Bson, DateTime, Document, doc};
@@ -438,7 +439,7 @@ async fn stale_owner_cut_off_mid_handler_is_fenced_and_the_redelivery_commits_on
     assert_eq!(report_a.totals.acked, 0);
     assert!(b_calls.get() >= 1);
     assert!(
-        report_b.totals.deferred >= 1,
+        report_b.totals.waited + report_b.totals.deferred >= 1,
         "B waited for A's lease and transaction: {:?}",
         report_b.totals
     );
@@ -528,8 +529,14 @@ async fn stale_owner_still_holding_its_delivery_defers_instead_of_retrying() {
         report_a.totals
     );
     assert!(
-        report_a.totals.deferred >= 1,
-        "A's fenced commit deferred: A {:?}",
+        report_a.totals.waited >= 1,
+        "A's fenced commit waited out B's lease in a bucket: A {:?}",
+        report_a.totals
+    );
+    assert_eq!(
+        report_a.totals.requeued + report_a.totals.deferred,
+        0,
+        "a wait is no requeue: A {:?}",
         report_a.totals
     );
     assert_eq!(
@@ -642,8 +649,11 @@ async fn lost_commit_reply_defers_and_the_redelivery_is_suppressed_as_duplicate(
     assert_dlq_empty(&client, &queue).await;
 }
 
+/// A lease a live owner keeps renewing for ever: the message waits it out in a retry bucket,
+/// spaced by the bucket, never requeued, up to `MAX_LEASE_WAITS` waits; then it defers, counted,
+/// and reaches the DLQ at the requeue limit. Nothing loops.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn lease_held_by_a_live_owner_defers_with_spacing_then_dead_letters_at_the_limit() {
+async fn lease_held_by_a_live_owner_waits_in_a_bucket_then_dead_letters_at_the_limit() {
     let broker = Broker::from_env();
     let queue = Broker::unique("held");
     let database = MongoNode::database_name("held");
@@ -668,11 +678,14 @@ async fn lease_held_by_a_live_owner_defers_with_spacing_then_dead_letters_at_the
     };
     let begins = Arc::clone(&timed.begins);
     let max_requeues = 3;
-    let policy = deferring_policy(max_requeues).deferral_delays([
-        Duration::from_millis(300),
-        Duration::from_millis(500),
-        Duration::from_millis(700),
-    ]);
+    let bucket = Duration::from_millis(150);
+    let policy = deferring_policy(max_requeues)
+        .retry_delays([bucket])
+        .deferral_delays([
+            Duration::from_millis(300),
+            Duration::from_millis(500),
+            Duration::from_millis(700),
+        ]);
     let calls = Counter::default();
     let running = start_scoped_with(
         broker.url(),
@@ -685,46 +698,35 @@ async fn lease_held_by_a_live_owner_defers_with_spacing_then_dead_letters_at_the
     client
         .send(&queue, "order.placed", "held-1", b"{\"qty\":1}")
         .await;
-    common::wait_settled("dead-lettered at the requeue limit", &queue, 1).await;
+    let dlq = format!("{queue}.dlq");
+    assert!(
+        eventually(Duration::from_secs(60), || broker.messages(&dlq) == 1).await,
+        "dead-lettered at the requeue limit"
+    );
     // Nothing keeps spinning after the DLQ handoff.
     tokio::time::sleep(Duration::from_millis(800)).await;
     let report = running.stop().await;
 
     assert_eq!(effect_docs(&db, "held-1").await.len(), 0, "no effect");
     assert_eq!(calls.get(), 0, "the handler never ran");
-    assert_eq!(
-        report.totals.deferred,
-        u64::from(max_requeues),
-        "{:?}",
-        report.totals
-    );
-    assert_eq!(report.totals.acked + report.totals.retried, 0);
+    let t = &report.totals;
+    assert_eq!(t.waited, u64::from(MAX_LEASE_WAITS), "{t:?}");
+    assert_eq!(t.deferred, u64::from(max_requeues), "{t:?}");
+    assert_eq!(t.acked + t.retried, 0, "{t:?}");
     let begins = begins.lock().unwrap().clone();
     assert_eq!(
         begins.len(),
-        max_requeues as usize + 1,
-        "one delivery per deferral plus the last: never a hot loop"
+        (MAX_LEASE_WAITS + max_requeues) as usize + 1,
+        "one delivery per wait and per deferral plus the last: never a hot loop"
     );
     for (i, pair) in begins.windows(2).enumerate() {
         let gap = pair[1] - pair[0];
-        let held = policy.deferral_delay(u32::try_from(i).unwrap());
         assert!(
-            gap >= held,
-            "redelivery {} came {gap:?} after the previous one, before its {held:?} hold",
+            gap >= bucket,
+            "delivery {} came {gap:?} after the previous one, before the bucket's {bucket:?}",
             i + 1
         );
     }
-    let deferrals = db
-        .collection::<Document>("lily_deferrals")
-        .find_one(doc! { "_id": key.clone() })
-        .await
-        .expect("read deferrals")
-        .expect("durable deferral count");
-    assert_eq!(
-        int(&deferrals, "n"),
-        i64::from(max_requeues) + 1,
-        "every deferral counted durably: {deferrals:?}"
-    );
     let lease = db
         .collection::<Document>("lily_leases")
         .find_one(doc! { "_id": key })
@@ -738,7 +740,7 @@ async fn lease_held_by_a_live_owner_defers_with_spacing_then_dead_letters_at_the
         "the live owner's lease was not touched"
     );
     let dead = client
-        .take(&format!("{queue}.dlq"), Duration::from_secs(2))
+        .take(&dlq, Duration::from_secs(2))
         .await
         .expect("the message ends in the DLQ");
     let reason = header_str(&dead.delivery.properties, "x-lily-reason").unwrap_or_default();
@@ -747,6 +749,115 @@ async fn lease_held_by_a_live_owner_defers_with_spacing_then_dead_letters_at_the
         "{reason}"
     );
     assert_eq!(client.depth(&queue).await, 0);
+}
+
+/// Many messages whose leases a dead worker left (expiring in a few seconds) among as many
+/// free ones, at prefetch 50: the free ones are handled at once, the held ones wait their
+/// leases out in a retry bucket without a single requeue, then each is handled once. Nothing
+/// reaches the DLQ; checked by id in the database and by draining every queue.
+async fn a_dead_owners_leases_are_waited_out_without_blocking_the_rest(kind: QueueKind) {
+    const N: usize = 60;
+    let broker = Broker::from_env();
+    let queue = Broker::unique("dead-owner");
+    let database = MongoNode::database_name("deadowner");
+    let db = direct(&database).await;
+    let consumer = "e2e-dead-owner";
+    let expires = DateTime::from_millis(DateTime::now().timestamp_millis() + 3_000);
+    let held: Vec<String> = (0..N).map(|i| format!("held-{i}")).collect();
+    let free: Vec<String> = (0..N).map(|i| format!("free-{i}")).collect();
+    for id in &held {
+        db.collection::<Document>("lily_leases")
+            .insert_one(doc! {
+                "_id": { "c": consumer, "m": id },
+                "owner": "a-dead-worker",
+                "fence": 1_i64,
+                "expires_at": expires,
+                "acquired_at": DateTime::now(),
+            })
+            .await
+            .expect("insert a dead owner's lease");
+    }
+    let scope = scope_with(&database, MongoConfig::new(consumer).with_lease()).await;
+    // Few requeues allowed, quick deferrals: a deferral by requeue would reach the DLQ long
+    // before the leases expire.
+    let policy = deferring_policy(2).retry_delays([Duration::from_secs(1), Duration::from_secs(4)]);
+    let calls = Counter::default();
+    let running = start_scoped_with(
+        broker.url(),
+        config(&queue, kind)
+            .policy(policy)
+            .prefetch(50)
+            .concurrency(50),
+        effect_router("W", &calls, Duration::ZERO),
+        scope,
+    );
+    common::wait_declared(broker.url(), &queue).await;
+    let client = Client::connect(broker.url()).await;
+    let started = Instant::now();
+    for (h, f) in held.iter().zip(&free) {
+        client.send(&queue, "order.placed", h, b"{\"qty\":1}").await;
+        client.send(&queue, "order.placed", f, b"{\"qty\":1}").await;
+    }
+    let effects_of = |ids: Vec<String>| {
+        let db = db.clone();
+        async move {
+            let mut n = 0;
+            for id in &ids {
+                n += effect_docs(&db, id).await.len();
+            }
+            n
+        }
+    };
+    // The free ones do not wait for the held ones.
+    let mut free_done = false;
+    while started.elapsed() < Duration::from_secs(2) {
+        if effects_of(free.clone()).await == N {
+            free_done = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(free_done, "the free messages waited behind the held ones");
+    let mut all_done = false;
+    while started.elapsed() < Duration::from_secs(30) {
+        if effects_of(held.clone()).await == N {
+            all_done = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        all_done,
+        "the held messages were not all handled once their leases expired"
+    );
+    common::wait_depths("every queue empty", WAIT, &[(&queue, 0)]).await;
+    let report = running.stop().await;
+
+    for id in held.iter().chain(&free) {
+        assert_eq!(
+            effect_docs(&db, id).await.len(),
+            1,
+            "{id}: exactly one effect"
+        );
+    }
+    let t = &report.totals;
+    assert!(t.waited >= N as u64, "every held message waited: {t:?}");
+    assert_eq!(t.requeued + t.deferred + t.dead_lettered, 0, "{t:?}");
+    for lane in [format!("{queue}.dlq"), format!("{queue}.parking")] {
+        assert!(client.drain_ids(&lane).await.is_empty(), "{lane} is empty");
+    }
+    assert!(client.drain_ids(&queue).await.is_empty());
+    assert_no_lease_left(&db).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_owners_leases_are_waited_out_without_blocking_the_rest_on_classic() {
+    a_dead_owners_leases_are_waited_out_without_blocking_the_rest(QueueKind::Classic).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_owners_leases_are_waited_out_without_blocking_the_rest_on_quorum() {
+    a_dead_owners_leases_are_waited_out_without_blocking_the_rest(QueueKind::Quorum).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
