@@ -44,6 +44,14 @@ pub const BCC: &str = "BCC";
 pub const HELD_FOR: &str = "x-lily-held-for";
 /// On a held copy: how many times the message waited for its lane so far.
 pub const HOLDS: &str = "x-lily-holds";
+/// Proof that Lily wrote the `x-lily-*` headers beside it: a keyed MAC over the message id and
+/// every one of them ([`HeaderKey`](crate::HeaderKey)). Headers of Lily's namespace without it
+/// are a publisher's: the gate does not read them and no copy carries them.
+pub const SEAL: &str = "x-lily-seal";
+/// Whether `key` is in Lily's namespace, `x-lily-*`.
+pub fn is_lily(key: &str) -> bool {
+    key.starts_with("x-lily-")
+}
 /// On a copy waiting out another owner's lease in a retry bucket: how many times the message
 /// waited so far, this time included.
 pub const WAITS: &str = "x-lily-waits";

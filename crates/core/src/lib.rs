@@ -44,6 +44,7 @@ mod report;
 mod resources;
 mod router;
 mod scope;
+mod seal;
 mod shutdown;
 mod transaction;
 
@@ -64,6 +65,7 @@ pub use report::{EXIT_UNRESOLVED, Incidents, SCHEMA, ShutdownReport, UnresolvedD
 pub use resources::Resources;
 pub use router::Router;
 pub use scope::{CleanupError, DynHook, Hook};
+pub use seal::HeaderKey;
 pub use shutdown::{Phase, PhaseTiming, ShutdownBudget, Trigger};
 pub use transaction::{Begin, Committed, OpenTransaction, TransactionalScope};
 

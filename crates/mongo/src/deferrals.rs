@@ -32,9 +32,11 @@ impl Deferrals {
     }
 
     /// Marks the message as being handled under `token` and returns how many earlier
-    /// handlings left their mark (died); `None` when the database cannot be reached.
+    /// handlings left their mark (died); `None` when the database cannot be reached. The mark
+    /// of `token` itself (the same handling's transaction run again) is no death.
     pub(crate) async fn began(&self, token: &str) -> Option<u32> {
-        let left = doc! { "$cond": [{ "$ifNull": ["$h", false] }, 1_i64, 0_i64] };
+        let other = doc! { "$and": [{ "$ifNull": ["$h", false] }, { "$ne": ["$h", token] }] };
+        let left = doc! { "$cond": [other, 1_i64, 0_i64] };
         let update = vec![doc! { "$set": {
             "d": { "$add": [{ "$ifNull": ["$d", 0_i64] }, left] },
             "h": token,

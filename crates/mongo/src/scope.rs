@@ -336,9 +336,14 @@ impl MongoScope {
         }
     }
 
-    /// Marks the message as handled by this process; the deaths counted, if it could.
+    /// Marks the message as handled by this process; the deaths counted, if it could. A
+    /// handling this process already marked (its transaction run again after a conflict, or a
+    /// duplicate delivery of it handled here meanwhile) keeps its mark, which is no death.
     async fn began(&self, meta: &Meta, deferrals: &Deferrals) -> Option<u32> {
-        let token = lease::owner_token();
+        let known = crate::lock(&self.0.handling)
+            .get(meta.message_id())
+            .cloned();
+        let token = known.unwrap_or_else(lease::owner_token);
         let deaths = deferrals.began(&token).await?;
         let mut marks = crate::lock(&self.0.handling);
         if marks.len() >= MAX_MARKS {

@@ -71,7 +71,19 @@ struct Args {
     kind: QueueKind,
     /// The kinds of fault injected, in turn.
     faults: Vec<Fault>,
+    /// Up to this much more between two faults, drawn from the seed.
+    fault_jitter: Duration,
+    /// The skus orders are for (their stock documents: the keys their transactions contend on).
+    skus: &'static [&'static str],
+    /// A kill storm: every order valid and sent once (no duplicates, conflicts, unknown skus or
+    /// first attempts that fail), the workers at the library's own requeue limit and a 10 s
+    /// lease, only SIGKILLs; no order may reach the DLQ or parking lane, and every effect must
+    /// be done within [`STORM_SETTLED_WITHIN`] of the last kill.
+    storm: bool,
 }
+
+/// How soon after the storm's last kill every order's effect must be done.
+const STORM_SETTLED_WITHIN: Duration = Duration::from_secs(120);
 
 /// Failed injections of one kind after which the soak stops insisting on it.
 const REFUSALS: u32 = 5;
@@ -96,6 +108,9 @@ impl Args {
             min_each: 1,
             kind: QueueKind::Classic,
             faults: FAULTS.to_vec(),
+            fault_jitter: Duration::ZERO,
+            skus: &SKUS,
+            storm: false,
         };
         let mut it = std::env::args().skip(1);
         while let Some(flag) = it.next() {
@@ -116,6 +131,21 @@ impl Args {
                 "--burst" => args.burst = u32::try_from(number()?.max(1)).unwrap_or(u32::MAX),
                 "--fault-every-ms" => args.fault_every = Duration::from_millis(number()?.max(100)),
                 "--min-each" => args.min_each = u32::try_from(number()?).unwrap_or(u32::MAX),
+                "--fault-jitter-ms" => args.fault_jitter = Duration::from_millis(number()?),
+                // Leaked once: the names live as long as the soak.
+                "--skus" => {
+                    let names = (0..number()?.max(1)).map(|i| &*format!("SKU-{i}").leak());
+                    args.skus = names.collect::<Vec<_>>().leak();
+                }
+                "--storm" => {
+                    args.storm = value == "on";
+                    if args.storm {
+                        args.faults = vec![Fault::KillWorker];
+                        args.flaky_one_in = 0;
+                        args.unknown_one_in = u64::MAX;
+                        args.min_each = 0;
+                    }
+                }
                 "--faults" => {
                     args.faults = value
                         .split(',')
@@ -185,14 +215,17 @@ fn plan(args: &Args) -> Vec<Order> {
             id: format!("order-{i}"),
             sku: if rng.below(args.unknown_one_in) == 0 {
                 UNKNOWN_SKU
+            } else if args.skus.len() >= args.messages {
+                // One key per order.
+                args.skus[i % args.skus.len()]
             } else {
-                SKUS[rng.below(SKUS.len() as u64) as usize]
+                args.skus[rng.below(args.skus.len() as u64) as usize]
             },
             quantity: 1,
         })
         .collect();
     let mut extra = Vec::new();
-    for order in &orders {
+    for order in orders.iter().filter(|_| !args.storm) {
         match rng.below(40) {
             0 | 1 => extra.push(order.clone()),
             2 if order.sku != UNKNOWN_SKU => extra.push(Order {
@@ -223,6 +256,9 @@ struct Supervisor {
     queue: String,
     kind: QueueKind,
     flaky_one_in: u32,
+    /// The workers' `LILY_MAX_REQUEUES` and `LILY_LEASE_TTL_MS`.
+    max_requeues: u32,
+    lease_ttl_ms: u32,
     database: String,
     slots: Vec<Slot>,
     reports: Vec<serde_json::Value>,
@@ -241,9 +277,9 @@ impl Supervisor {
             .env("LILY_MONGO_DB", &self.database)
             .env("LILY_QUEUE", &self.queue)
             .env("LILY_PREFETCH", "10")
-            .env("LILY_LEASE_TTL_MS", "2000")
+            .env("LILY_LEASE_TTL_MS", self.lease_ttl_ms.to_string())
             .env("LILY_DEFERRAL_MS", "250")
-            .env("LILY_MAX_REQUEUES", MAX_REQUEUES.to_string())
+            .env("LILY_MAX_REQUEUES", self.max_requeues.to_string())
             .env(
                 "LILY_QUEUE_TYPE",
                 match self.kind {
@@ -630,14 +666,10 @@ async fn declare_topology(url: &str, queue: &str, kind: QueueKind) {
     let _ = topology.apply(&channel, TopologyMode::Declare).await;
 }
 
-async fn seed_stock(database: &Database, each: i64) {
+async fn seed_stock(database: &Database, skus: &[&str], each: i64) {
     let stock = database.collection::<Document>("stock");
-    for sku in SKUS {
-        stock
-            .insert_one(doc! { "_id": sku, "available": each })
-            .await
-            .expect("seed stock");
-    }
+    let docs = skus.iter().map(|sku| doc! { "_id": sku, "available": each });
+    stock.insert_many(docs).await.expect("seed stock");
 }
 
 /// The queues of the work queue's topology that must end empty, with their depth now.
@@ -674,7 +706,7 @@ async fn main() -> ExitCode {
         .expect("mongo client");
     let database = mongo.database(&database_name);
     let orders = plan(&args);
-    seed_stock(&database, 10 * args.messages as i64).await;
+    seed_stock(&database, args.skus, 10 * args.messages as i64).await;
 
     let mut supervisor = Supervisor {
         service: args.service.clone(),
@@ -682,6 +714,10 @@ async fn main() -> ExitCode {
         queue: queue.clone(),
         kind: args.kind,
         flaky_one_in: args.flaky_one_in,
+        // The storm runs at the library's default requeue limit: deferrals and waits must not
+        // need more. The other runs allow many (250 ms deferrals on 2 s leases).
+        max_requeues: if args.storm { 5 } else { MAX_REQUEUES },
+        lease_ttl_ms: if args.storm { 10_000 } else { 2_000 },
         database: database_name.clone(),
         slots: (0..args.workers)
             .map(|_| Slot {
@@ -715,7 +751,12 @@ async fn main() -> ExitCode {
     let mut rng = Rng::new(args.seed ^ 0xFA17);
     let mut injected: BTreeMap<Fault, u32> = BTreeMap::new();
     let mut books = Books::default();
-    let mut next_fault = Instant::now() + args.fault_every;
+    let gap = |rng: &mut Rng| {
+        let jitter = u64::try_from(args.fault_jitter.as_millis()).unwrap_or(u64::MAX);
+        args.fault_every + Duration::from_millis(rng.below(jitter.saturating_add(1)))
+    };
+    let mut next_fault = Instant::now() + gap(&mut rng);
+    let mut last_fault = Instant::now();
     let faults = &args.faults;
     let mut turn = rng.below(faults.len() as u64) as usize;
     // Faults go on while orders are published, and until each kind came `min_each` times.
@@ -744,7 +785,8 @@ async fn main() -> ExitCode {
             *if done { &mut injected } else { &mut refused }
                 .entry(fault)
                 .or_default() += 1;
-            next_fault = Instant::now() + args.fault_every;
+            last_fault = Instant::now();
+            next_fault = last_fault + gap(&mut rng);
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -782,6 +824,7 @@ async fn main() -> ExitCode {
         }
     }
 
+    let settled_after_last_fault = last_fault.elapsed();
     drain_dead(&client, &format!("{queue}.dlq"), &mut books.dead).await;
     let mut violations = count_deliveries(&broker, &client, &trace, &mut books.deliveries).await;
     violations.extend(
@@ -796,6 +839,19 @@ async fn main() -> ExitCode {
         )
         .await,
     );
+    if args.storm {
+        println!(
+            "storm: every queue drained {:.1} s after the last kill",
+            settled_after_last_fault.as_secs_f64()
+        );
+        if settled_after_last_fault > STORM_SETTLED_WITHIN {
+            violations.push(format!(
+                "storm: drained {:.1} s after the last kill, past {} s",
+                settled_after_last_fault.as_secs_f64(),
+                STORM_SETTLED_WITHIN.as_secs()
+            ));
+        }
+    }
     for &fault in faults {
         if injected.get(&fault).copied().unwrap_or(0) < args.min_each {
             violations.push(format!(
@@ -1012,20 +1068,25 @@ async fn check(
     }
     // Stock: seeded minus the ledger.
     let seeded = 10 * args.messages as i64;
-    for sku in SKUS {
-        let taken: i64 = ledger
-            .values()
-            .flatten()
-            .filter(|(s, _)| s == sku)
-            .map(|(_, q)| q)
-            .sum();
-        let available = database
-            .collection::<Document>("stock")
-            .find_one(doc! { "_id": sku })
-            .await
-            .expect("read stock")
-            .and_then(|d| d.get_i64("available").ok())
-            .unwrap_or(i64::MIN);
+    let mut stock = BTreeMap::new();
+    let mut docs = database
+        .collection::<Document>("stock")
+        .find(doc! {})
+        .await
+        .expect("read stock");
+    while docs.advance().await.expect("read stock") {
+        let doc = docs.deserialize_current().expect("a stock document");
+        if let (Ok(sku), Ok(available)) = (doc.get_str("_id"), doc.get_i64("available")) {
+            stock.insert(sku.to_owned(), available);
+        }
+    }
+    let mut taken_by_sku: BTreeMap<&str, i64> = BTreeMap::new();
+    for (sku, quantity) in ledger.values().flatten() {
+        *taken_by_sku.entry(sku.as_ref()).or_default() += quantity;
+    }
+    for sku in args.skus {
+        let taken = taken_by_sku.get(sku).copied().unwrap_or(0);
+        let available = stock.get(*sku).copied().unwrap_or(i64::MIN);
         if available != seeded - taken {
             violations.push(format!(
                 "{sku}: available {available}, expected {}",
@@ -1042,9 +1103,10 @@ async fn check(
     };
     let suppressed = total("duplicates_suppressed");
     println!(
-        "reported: retried {}, held {}, requeued {}, deferred {}, authority lost {}",
+        "reported: retried {}, held {}, waited {}, requeued {}, deferred {}, authority lost {}",
         total("retried"),
         total("held"),
+        total("waited"),
         total("requeued"),
         total("deferred"),
         total("authority_lost"),
