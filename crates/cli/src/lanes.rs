@@ -300,6 +300,7 @@ pub(crate) async fn replay(
             at_millis: now_millis(),
             user: &user,
             keep_user_id_aside: options.keep_user_id_aside,
+            key: lily_mq_core::HeaderKey::public_ref(),
         };
         let properties = match replay_properties(&message.delivery.properties, &replay) {
             Ok(properties) => properties,

@@ -10,6 +10,7 @@ use amq_protocol_types::{AMQPValue, FieldTable, ShortString};
 
 use crate::headers;
 use crate::reason::Reason;
+use crate::seal::HeaderKey;
 
 /// Bounds on what a delivery may carry. The defaults suit typical JSON commands and events.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -70,6 +71,8 @@ pub struct PropertiesView<'a> {
     /// The first property or routing field whose wire bytes were not valid UTF-8 (see
     /// [`not_utf8`]).
     pub not_utf8: Option<&'static str>,
+    /// The key Lily's headers are sealed with; `None` for the [public](HeaderKey::public) one.
+    pub key: Option<&'a HeaderKey>,
 }
 
 /// A delivery that passed the gate: identity and routing facts, borrowed from the delivery.
@@ -112,6 +115,10 @@ pub struct Known<'a> {
     pub replayed_from: Option<&'a AMQPValue>,
     /// [`headers::WAITS`].
     pub waits: Option<&'a AMQPValue>,
+    /// The message carries headers of Lily's namespace without a valid
+    /// [`SEAL`](headers::SEAL): a publisher's. None of them was read, and no copy of the
+    /// message carries them.
+    pub unsealed: bool,
 }
 
 /// The keys of [`Known`]'s headers.
@@ -128,14 +135,25 @@ const KNOWN: [&str; 8] = [
 
 impl<'a> Known<'a> {
     /// Looks each of them up in `table`: for a delivery the gate refused before its walk ended.
-    pub fn lookup(table: Option<&'a FieldTable>) -> Self {
+    /// Lily's own are read only under a seal `key` (the public one when `None`) proves for
+    /// `message_id`.
+    pub fn lookup(
+        table: Option<&'a FieldTable>,
+        message_id: Option<&str>,
+        key: Option<&HeaderKey>,
+    ) -> Self {
         let mut known = Self::default();
         if let Some(table) = table {
+            let lily = table.inner().keys().any(|k| headers::is_lily(k.as_str()));
+            let trusted = lily && sealed(table, message_id.unwrap_or_default(), key);
             for key in KNOWN {
-                if let Some(value) = table.inner().get(key) {
+                if let Some(value) = table.inner().get(key)
+                    && (trusted || !headers::is_lily(key))
+                {
                     known.note(key, value);
                 }
             }
+            known.unsealed = lily && !trusted;
         }
         known
     }
@@ -155,6 +173,13 @@ impl<'a> Known<'a> {
         };
         *slot = Some(value);
     }
+}
+
+/// Whether `table`'s Lily headers carry a valid seal for `message_id` under `key` (the public
+/// key when `None`).
+fn sealed(table: &FieldTable, message_id: &str, key: Option<&HeaderKey>) -> bool {
+    key.unwrap_or_else(|| HeaderKey::public_ref())
+        .verify(message_id, table)
 }
 
 /// Why the gate refused a delivery.
@@ -216,6 +241,7 @@ pub fn inspect<'a>(
     if let Some(table) = properties.headers {
         // The producer's headers and the ones Lily and the broker add are bounded apart.
         let (mut producer, mut reserved) = (Walk::default(), Walk::default());
+        let mut lily = false;
         for (key, value) in table.inner() {
             let key_text = key.as_str();
             let walk = if headers::is_reserved(key_text) {
@@ -225,7 +251,23 @@ pub fn inspect<'a>(
             };
             walk.entry(key, value, 1, limits)
                 .map_err(GateRejection::Invalid)?;
-            known.note(key_text, value);
+            if headers::is_lily(key_text) {
+                lily = true;
+            } else {
+                known.note(key_text, value);
+            }
+        }
+        // Lily's namespace is read only under Lily's seal: a publisher's is not Lily's.
+        if lily {
+            if sealed(table, message_id, properties.key) {
+                for (key, value) in table.inner() {
+                    if headers::is_lily(key.as_str()) {
+                        known.note(key.as_str(), value);
+                    }
+                }
+            } else {
+                known.unsealed = true;
+            }
         }
     }
     let attempt = match known.attempt {
@@ -405,7 +447,15 @@ mod tests {
             content_type: Some("application/json; charset=utf-8"),
             headers,
             not_utf8: None,
+            key: None,
         }
+    }
+
+    /// `table` with the public key's seal for `m-1`, as Lily would write it.
+    fn sealed(mut table: FieldTable) -> FieldTable {
+        let seal = crate::HeaderKey::public().seal("m-1", &table);
+        table.insert(headers::SEAL.into(), seal);
+        table
     }
 
     fn rejection(props: &PropertiesView<'_>) -> String {
@@ -594,16 +644,20 @@ mod tests {
             AMQPValue::LongString("2".into()),
         );
         table.insert(headers::DELIVERY_COUNT.into(), AMQPValue::LongLongInt(4));
+        let table = sealed(table);
         let env = inspect(&view(Some(&table)), 1, &Limits::default()).expect("valid");
         assert_eq!(
             (env.attempt, env.schema_version, env.delivery_count),
             (3, 2, Some(4))
         );
 
+        let mut table = table;
         table.insert(headers::ATTEMPT.into(), AMQPValue::LongInt(0));
+        let mut table = sealed(table);
         assert!(rejection(&view(Some(&table))).starts_with("x-lily-attempt"));
         table.insert(headers::ATTEMPT.into(), AMQPValue::LongInt(1));
         table.insert(headers::SCHEMA_VERSION.into(), AMQPValue::LongLongInt(-1));
+        let table = sealed(table);
         assert!(rejection(&view(Some(&table))).starts_with("schema-version"));
     }
 
@@ -680,6 +734,7 @@ mod tests {
             table.insert(key.into(), AMQPValue::LongString("orders.retry.1s".into()));
         }
         table.insert(headers::DELIVERY_COUNT.into(), AMQPValue::LongLongInt(2));
+        let mut table = sealed(table);
         let envelope = inspect(&view(Some(&table)), 1, &limits).expect("still admitted");
         assert_eq!(envelope.attempt, 3);
 
@@ -699,11 +754,62 @@ mod tests {
         let mut nested = FieldTable::default();
         nested.insert(headers::HELD_FOR.into(), AMQPValue::LongInt(99));
         table.insert("x-death".into(), AMQPValue::FieldTable(nested));
+        let table = sealed(table);
         let envelope = inspect(&view(Some(&table)), 1, &Limits::default()).expect("valid");
-        assert_eq!(envelope.known, Known::lookup(Some(&table)));
+        assert_eq!(
+            envelope.known,
+            Known::lookup(Some(&table), Some("m-1"), None)
+        );
         assert_eq!(envelope.known.held_for, Some(&AMQPValue::LongInt(4)));
         assert_eq!(envelope.known.replayed_from, Some(&AMQPValue::LongInt(7)));
-        assert_eq!(Known::lookup(None), Known::default());
+        assert!(!envelope.known.unsealed);
+        assert_eq!(Known::lookup(None, None, None), Known::default());
+    }
+
+    #[test]
+    fn lilys_headers_without_lilys_seal_are_not_read() {
+        let mut table = FieldTable::default();
+        table.insert(headers::ATTEMPT.into(), AMQPValue::LongUInt(4));
+        table.insert(
+            headers::HELD_FOR.into(),
+            AMQPValue::LongString("dead-letter".into()),
+        );
+        table.insert(headers::SCHEMA_VERSION.into(), AMQPValue::LongUInt(2));
+        // A garbage attempt number is not refused either: it is not Lily's.
+        let mut garbage = table.clone();
+        garbage.insert(headers::ATTEMPT.into(), AMQPValue::LongString("x".into()));
+        for forged in [&table, &garbage] {
+            let envelope = inspect(&view(Some(forged)), 1, &Limits::default()).expect("admitted");
+            assert_eq!(envelope.attempt, 1);
+            assert_eq!(
+                envelope.schema_version, 2,
+                "the producer's own header is read"
+            );
+            assert!(envelope.known.unsealed);
+            assert_eq!(envelope.known.held_for, None);
+            let looked_up = Known::lookup(Some(forged), Some("m-1"), None);
+            assert!(looked_up.unsealed && looked_up.held_for.is_none());
+        }
+        // Sealed for another message, or under another key: not Lily's either.
+        let other = {
+            let mut t = table.clone();
+            let seal = crate::HeaderKey::public().seal("m-2", &t);
+            t.insert(headers::SEAL.into(), seal);
+            t
+        };
+        let keyed = crate::HeaderKey::new("a secret of sixteen bytes or more");
+        let sealed_public = sealed(table.clone());
+        for (t, key) in [(&other, None), (&sealed_public, Some(&keyed))] {
+            let props = PropertiesView {
+                key,
+                ..view(Some(t))
+            };
+            let envelope = inspect(&props, 1, &Limits::default()).expect("admitted");
+            assert_eq!((envelope.attempt, envelope.known.unsealed), (1, true));
+        }
+        // Sealed for it under the key in use: read.
+        let envelope = inspect(&view(Some(&sealed_public)), 1, &Limits::default()).expect("ok");
+        assert_eq!((envelope.attempt, envelope.known.unsealed), (4, false));
     }
 
     #[test]

@@ -66,6 +66,13 @@ impl HeaderKey {
         }
     }
 
+    /// The public key, made once.
+    pub fn public_ref() -> &'static Self {
+        static PUBLIC_KEY: std::sync::LazyLock<HeaderKey> =
+            std::sync::LazyLock::new(HeaderKey::public);
+        &PUBLIC_KEY
+    }
+
     /// Whether this is the [`public`](Self::public) key.
     pub fn is_public(&self) -> bool {
         self.public
@@ -137,7 +144,11 @@ fn from_hex(text: &str) -> Option<[u8; SEAL_BYTES]> {
     if text.len() != SEAL_BYTES * 2 {
         return None;
     }
-    let nibble = |c: u8| HEX.iter().position(|h| *h == c).and_then(|n| u8::try_from(n).ok());
+    let nibble = |c: u8| {
+        HEX.iter()
+            .position(|h| *h == c)
+            .and_then(|n| u8::try_from(n).ok())
+    };
     let mut out = [0; SEAL_BYTES];
     for (byte, pair) in out.iter_mut().zip(text.chunks_exact(2)) {
         *byte = nibble(pair[0])? << 4 | nibble(pair[1])?;
@@ -180,14 +191,22 @@ fn encode(mac: &mut Hmac<Sha256>, value: &AMQPValue) {
         AMQPValue::Void => tag(b'V', &[]),
         AMQPValue::FieldArray(array) => {
             let items = array.as_slice();
-            tag(b'A', &u64::try_from(items.len()).unwrap_or(u64::MAX).to_be_bytes());
+            tag(
+                b'A',
+                &u64::try_from(items.len()).unwrap_or(u64::MAX).to_be_bytes(),
+            );
             for item in items {
                 encode(mac, item);
             }
         }
         AMQPValue::FieldTable(table) => {
             let entries = table.inner();
-            tag(b'F', &u64::try_from(entries.len()).unwrap_or(u64::MAX).to_be_bytes());
+            tag(
+                b'F',
+                &u64::try_from(entries.len())
+                    .unwrap_or(u64::MAX)
+                    .to_be_bytes(),
+            );
             for (key, item) in entries {
                 bytes(mac, key.as_str().as_bytes());
                 encode(mac, item);
@@ -240,7 +259,10 @@ mod tests {
         assert!(!key.verify("m-1", &changed), "a changed value");
         let mut changed = sealed(&key, "m-1");
         changed.insert(ATTEMPT.into(), AMQPValue::LongInt(3));
-        assert!(!key.verify("m-1", &changed), "the same number as another type");
+        assert!(
+            !key.verify("m-1", &changed),
+            "the same number as another type"
+        );
         let mut added = sealed(&key, "m-1");
         added.insert(
             "x-lily-original-expiration".into(),
@@ -249,7 +271,10 @@ mod tests {
         assert!(!key.verify("m-1", &added), "a header added");
         let mut producer = sealed(&key, "m-1");
         producer.insert("producer".into(), AMQPValue::LongString("changed".into()));
-        assert!(key.verify("m-1", &producer), "the producer's own headers are not sealed");
+        assert!(
+            key.verify("m-1", &producer),
+            "the producer's own headers are not sealed"
+        );
         let mut garbled = sealed(&key, "m-1");
         garbled.insert(SEAL.into(), AMQPValue::LongString("zz".into()));
         assert!(!key.verify("m-1", &garbled), "a malformed seal");

@@ -132,6 +132,7 @@ fn gate_view(message_id: Option<&str>) -> PropertiesView<'_> {
         content_type: Some("application/json"),
         headers: None,
         not_utf8: None,
+        key: None,
     }
 }
 

@@ -11,7 +11,7 @@ use lily_mq_core::transport::{
     BoxedHandler, Cause, Envelope, Handoff, HandoffId, IncomingParts, Known, PropertiesView,
     as_text, as_u32, inspect, is_token, not_utf8,
 };
-use lily_mq_core::{Incoming, Lane, Limits, Reason, Router, headers};
+use lily_mq_core::{HeaderKey, Incoming, Lane, Limits, Reason, Router, headers};
 
 use crate::handoff::{FailureNote, copy_properties, sanitized_properties};
 
@@ -42,6 +42,7 @@ pub(crate) fn admit(
     limits: &Limits,
     queue: &Arc<str>,
     scoped: bool,
+    key: &HeaderKey,
 ) -> Admitted {
     let Raw {
         body,
@@ -57,6 +58,7 @@ pub(crate) fn admit(
         content_type: properties.content_type().as_ref().map(|s| s.as_str()),
         headers: properties.headers().as_ref(),
         not_utf8: not_utf8(&properties, &exchange, &routing_key),
+        key: Some(key),
     };
     let ((verdict, handler), attempt, schema_version, delivery_count, known) =
         match inspect(&view, body.len(), limits) {
@@ -78,7 +80,7 @@ pub(crate) fn admit(
             Err(rejection) => {
                 let reason = rejection.reason(limits);
                 let refused = (Verdict::Refused { rejection, reason }, None);
-                let known = Known::lookup(view.headers);
+                let known = Known::lookup(view.headers, view.message_id, Some(key));
                 (refused, 1, 1, known.delivery_count.and_then(as_u32), known)
             }
         };
@@ -148,6 +150,8 @@ pub(crate) struct CopyFacts<'a> {
     /// Now, in milliseconds since the Unix epoch.
     pub(crate) at_millis: i64,
     pub(crate) limits: &'a Limits,
+    /// Seals Lily's headers on the copy.
+    pub(crate) key: &'a HeaderKey,
 }
 
 impl Source {
@@ -200,6 +204,7 @@ impl Source {
                 (None, _) => "rejected",
             },
             reason: &reason,
+            key: facts.key,
             source_queue: facts.source_queue,
             id: facts.id,
             at_millis: facts.at_millis,

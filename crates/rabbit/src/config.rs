@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use lily_mq_core::{Limits, Policy, ShutdownBudget};
+use lily_mq_core::{HeaderKey, Limits, Policy, ShutdownBudget};
 
 use crate::connect::ClientCertificate;
 use crate::error::{ConfigError, Error};
@@ -86,6 +86,10 @@ pub struct ConsumerConfig {
     /// [`Consumer::run`](crate::Consumer::run) takes its budget from the
     /// [`Shutdown`](crate::Shutdown) it is given.
     pub shutdown_budget: ShutdownBudget,
+    /// The key that seals Lily's `x-lily-*` headers on every copy and checks them when a
+    /// message comes back ([`HeaderKey`]). Every worker of the queue and the `lily` command
+    /// must hold the same one. Without one, the [public](HeaderKey::public) key.
+    pub header_key: HeaderKey,
 }
 
 impl ConsumerConfig {
@@ -110,7 +114,17 @@ impl ConsumerConfig {
             delivery_limit: Some(20),
             leader_locator: None,
             shutdown_budget: ShutdownBudget::default(),
+            header_key: HeaderKey::public(),
         }
+    }
+
+    /// Seals Lily's headers with `secret` ([`ConsumerConfig::header_key`]), at least
+    /// [`HeaderKey::MIN_LEN`] bytes; every worker of the queue and the `lily` command that
+    /// replays its lanes take the same.
+    #[must_use]
+    pub fn header_key(mut self, secret: impl AsRef<[u8]>) -> Self {
+        self.header_key = HeaderKey::new(secret);
+        self
     }
 
     /// Sets [`ConsumerConfig::shutdown_budget`].
@@ -272,6 +286,11 @@ impl ConsumerConfig {
             "must be 1..=200 bytes",
         )?;
         rule(self.prefetch >= 1, "prefetch", "must be at least 1")?;
+        rule(
+            self.header_key.is_long_enough(),
+            "header_key",
+            "must be at least 16 bytes",
+        )?;
         rule(self.concurrency >= 1, "concurrency", "must be at least 1")?;
         rule(
             !self.handler_timeout.is_zero(),

@@ -87,7 +87,14 @@ fn arrive(shared: &Shared, delivery: Delivery) -> Arrived {
         mut arrival,
         source,
         handler,
-    } = admit(raw, &shared.router, limits, &shared.queue, scoped);
+    } = admit(
+        raw,
+        &shared.router,
+        limits,
+        &shared.queue,
+        scoped,
+        &shared.config.header_key,
+    );
     let valid_id = source.message_id(limits);
     let identity = Identity {
         queue: Arc::clone(&shared.queue),
@@ -324,6 +331,7 @@ impl Work<'_> {
             id: self.settler.next_handoff_id(),
             at_millis: epoch_millis(),
             limits: &self.shared.config.limits,
+            key: &self.shared.config.header_key,
         };
         let (body, properties) = self.source.copy(handoff, &reason, copy, &facts);
         // From the copy built to its verdict: how long the broker took to confirm it.

@@ -10,7 +10,7 @@ use std::time::Duration;
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lily_mq_core::transport::{HandoffId, HandoffResult, as_text, as_u32, is_token};
-use lily_mq_core::{Incoming, Lane, Reason, headers};
+use lily_mq_core::{HeaderKey, Incoming, Lane, Reason, headers};
 use tracing::{info, warn};
 
 use crate::confirms::{Confirms, Role, Route};
@@ -137,6 +137,8 @@ pub(crate) struct FailureNote<'a> {
     pub(crate) lane: Lane,
     pub(crate) kind: &'a str,
     pub(crate) reason: &'a Reason,
+    /// Seals Lily's headers on the copy.
+    pub(crate) key: &'a HeaderKey,
     pub(crate) source_queue: &'a str,
     /// The handoff the copy belongs to; its `basic.return`, if any, carries it back.
     pub(crate) id: HandoffId,
@@ -153,19 +155,23 @@ pub(crate) struct FailureNote<'a> {
 pub(crate) fn copy_properties(incoming: &Incoming, note: &FailureNote<'_>) -> BasicProperties {
     let original = incoming.properties();
     let now = note.at_millis;
-    let first = incoming
-        .header(headers::FIRST_FAILURE_AT)
-        .and_then(|v| match v {
-            AMQPValue::LongLongInt(n) => Some(*n),
-            _ => None,
-        })
-        .unwrap_or(now);
-    let mut map = original
-        .headers()
-        .as_ref()
-        .map(|t| t.inner().clone())
-        .unwrap_or_default();
+    let message_id = original.message_id().as_ref().map_or("", |id| id.as_str());
+    let mut map = match original.headers() {
+        // Lily's namespace without Lily's seal is a publisher's: the copy does not carry it.
+        Some(table) if !note.key.verify(message_id, table) => {
+            let mut map = table.inner().clone();
+            map.retain(|key, _| !headers::is_lily(key.as_str()));
+            map
+        }
+        Some(table) => table.inner().clone(),
+        None => Default::default(),
+    };
+    let first = match map.get(headers::FIRST_FAILURE_AT) {
+        Some(AMQPValue::LongLongInt(n)) => *n,
+        _ => now,
+    };
     map.remove(headers::DELIVERY_COUNT);
+    map.remove(headers::SEAL);
     let holds = map.remove(headers::HOLDS).as_ref().and_then(as_u32);
     let waits = map.remove(headers::WAITS).as_ref().and_then(as_u32);
     map.remove(headers::HELD_FOR);
@@ -215,6 +221,8 @@ pub(crate) fn copy_properties(incoming: &Incoming, note: &FailureNote<'_>) -> Ba
     if let Some(user_id) = original.user_id() {
         table.insert(headers::ORIGINAL_USER_ID.into(), long(user_id.as_str()));
     }
+    let seal = note.key.seal(message_id, &table);
+    table.insert(headers::SEAL.into(), seal);
     without_moved(original)
         .with_headers(table)
         .with_delivery_mode(2)
@@ -247,9 +255,16 @@ pub(crate) fn sanitized_properties(
         headers::ORIGINAL_ROUTING_KEY.into(),
         long(Reason::new(routing_key.to_owned()).as_str()),
     );
+    let token = |s: &Option<ShortString>, max: usize| {
+        s.as_ref().filter(|v| is_token(v.as_str(), max)).cloned()
+    };
+    let message_id = token(original.message_id(), limits.max_message_id_len);
+    let id_text = message_id.as_ref().map_or("", |id| id.as_str());
+    // A held copy's count, when Lily's seal proves it.
     let holds = original
         .headers()
         .as_ref()
+        .filter(|h| note.key.verify(id_text, h))
         .and_then(|h| h.inner().get(headers::HOLDS))
         .and_then(as_u32);
     held_headers(&mut table, note.lane, holds);
@@ -264,13 +279,12 @@ pub(crate) fn sanitized_properties(
     if let Some(traceparent) = traceparent {
         table.insert(headers::TRACEPARENT.into(), long(traceparent));
     }
+    let seal = note.key.seal(id_text, &table);
+    table.insert(headers::SEAL.into(), seal);
     let mut props = BasicProperties::default()
         .with_headers(table)
         .with_delivery_mode(2);
-    let token = |s: &Option<ShortString>, max: usize| {
-        s.as_ref().filter(|v| is_token(v.as_str(), max)).cloned()
-    };
-    if let Some(id) = token(original.message_id(), limits.max_message_id_len) {
+    if let Some(id) = message_id {
         props = props.with_message_id(id);
     }
     if let Some(kind) = token(original.kind(), limits.max_type_len) {
@@ -352,6 +366,7 @@ mod tests {
             },
             kind: "retryable",
             reason,
+            key: HeaderKey::public_ref(),
             source_queue: "work",
             id: HandoffId::new(42),
             at_millis: 1_700_000_000_000,

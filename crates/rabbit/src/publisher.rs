@@ -188,6 +188,7 @@ impl Outgoing {
             // What Lily adds goes through the gate too: the consumer counts every header.
             headers: properties.headers().as_ref(),
             not_utf8: None,
+            key: None,
         };
         match inspect(&view, self.body.len(), limits) {
             Ok(_) => Ok(properties),

@@ -7,7 +7,9 @@
 //! headers (so the attempt starts again at 1) and records the replay in
 //! [`REPLAYED_FROM`](headers::REPLAYED_FROM), [`REPLAYED_AT`](headers::REPLAYED_AT) and
 //! [`REPLAYS`](headers::REPLAYS). What the copy learnt on the way (`x-death`, the original
-//! exchange and routing key) stays.
+//! exchange and routing key) stays, and Lily's headers are sealed again
+//! ([`HeaderKey`]). A copy whose `x-lily-*` headers carry no valid seal is not Lily's to
+//! restore: it is replayed as it is, without any of them.
 //!
 //! A replay is published to the work queue's replay exchange ([`Topology::replay_exchange`]),
 //! never the default exchange: the restored `CC` and `BCC` name routing keys of the original
@@ -21,7 +23,7 @@ use std::fmt;
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lily_mq_core::transport::{as_text, as_u32};
-use lily_mq_core::{Terminal, headers};
+use lily_mq_core::{HeaderKey, Terminal, headers};
 
 /// Lily's headers about a failure, dropped on replay: the replayed message starts again.
 const FAILURE_HEADERS: [&str; 10] = [
@@ -49,6 +51,9 @@ pub struct Replay<'a> {
     /// Leave an original `user_id` that is not `user` in its
     /// [`ORIGINAL_USER_ID`](headers::ORIGINAL_USER_ID) header instead of refusing the copy.
     pub keep_user_id_aside: bool,
+    /// The key the consumers seal Lily's headers with: it checks the copy's and seals the
+    /// replay's.
+    pub key: &'a HeaderKey,
 }
 
 /// Why a copy cannot be replayed as it is.
@@ -85,11 +90,18 @@ pub fn replay_properties(
     copy: &BasicProperties,
     replay: &Replay<'_>,
 ) -> Result<BasicProperties, Refusal> {
-    let mut map = copy
-        .headers()
-        .as_ref()
-        .map(|t| t.inner().clone())
-        .unwrap_or_default();
+    let message_id = copy.message_id().as_ref().map_or("", |id| id.as_str());
+    let mut map = match copy.headers() {
+        // Not sealed by Lily: nothing of its namespace is restored or carried.
+        Some(table) if !replay.key.verify(message_id, table) => {
+            let mut map = table.inner().clone();
+            map.retain(|key, _| !headers::is_lily(key.as_str()));
+            map
+        }
+        Some(table) => table.inner().clone(),
+        None => Default::default(),
+    };
+    map.remove(headers::SEAL);
     for key in FAILURE_HEADERS {
         map.remove(key);
     }
@@ -126,7 +138,10 @@ pub fn replay_properties(
         AMQPValue::LongLongInt(replay.at_millis),
     );
     map.insert(headers::REPLAYS.into(), AMQPValue::LongUInt(replays));
-    Ok(props.with_headers(FieldTable::from(map)))
+    let mut table = FieldTable::from(map);
+    let seal = replay.key.seal(message_id, &table);
+    table.insert(headers::SEAL.into(), seal);
+    Ok(props.with_headers(table))
 }
 
 fn long(text: &str) -> AMQPValue {
@@ -163,6 +178,7 @@ mod tests {
                 lane,
                 kind: "retryable",
                 reason: &reason,
+                key: lily_mq_core::HeaderKey::public_ref(),
                 source_queue: "orders",
                 id: HandoffId::new(7),
                 at_millis: 1_700_000_000_000,
@@ -176,6 +192,7 @@ mod tests {
             at_millis: 1_800_000_000_000,
             user,
             keep_user_id_aside: false,
+            key: HeaderKey::public_ref(),
         }
     }
 
@@ -196,6 +213,7 @@ mod tests {
             ] {
                 map.remove(key);
             }
+            map.remove(headers::SEAL);
         }
         p = p.with_headers(FieldTable::from(map.unwrap_or_default()));
         p

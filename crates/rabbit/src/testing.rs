@@ -159,7 +159,14 @@ impl TestConsumer {
             mut arrival,
             source,
             handler,
-        } = admit(raw, &self.router, limits, &self.queue, scoped);
+        } = admit(
+            raw,
+            &self.router,
+            limits,
+            &self.queue,
+            scoped,
+            &self.config.header_key,
+        );
         let message_id = source.message_id(limits);
         if let (true, Some(id)) = (delivery.redelivered, message_id) {
             arrival.local_requeues = Some(lock(&self.requeues).get(id));
@@ -245,6 +252,7 @@ impl Effects for Recorder<'_> {
             id: HandoffId::new(self.next_id),
             at_millis: epoch_millis(),
             limits: &consumer.config.limits,
+            key: &consumer.config.header_key,
         };
         let (body, properties) = self.source.copy(handoff, reason, copy, &facts);
         self.copy = Some(Copy {

@@ -182,6 +182,7 @@ fn check_copies(d: &Delivery) {
     let (exchange, routing_key) = (ShortString::from(""), ShortString::from(QUEUE));
     let view = PropertiesView {
         not_utf8: not_utf8(p, &exchange, &routing_key),
+        key: None,
         ..d.view()
     };
     let verdict = inspect(&view, d.body.len(), limits);

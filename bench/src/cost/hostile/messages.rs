@@ -259,6 +259,7 @@ mod tests {
             content_type: properties.content_type().as_ref().map(|s| s.as_str()),
             headers: properties.headers().as_ref(),
             not_utf8: None,
+            key: None,
         };
         let result = inspect(&view, body.len(), &limits)
             .map(|_| ())

@@ -668,7 +668,9 @@ async fn declare_topology(url: &str, queue: &str, kind: QueueKind) {
 
 async fn seed_stock(database: &Database, skus: &[&str], each: i64) {
     let stock = database.collection::<Document>("stock");
-    let docs = skus.iter().map(|sku| doc! { "_id": sku, "available": each });
+    let docs = skus
+        .iter()
+        .map(|sku| doc! { "_id": sku, "available": each });
     stock.insert_many(docs).await.expect("seed stock");
 }
 
