@@ -82,11 +82,11 @@ pub trait TransactionalScope: Send + Sync + 'static {
     fn begin<'a>(&'a self, meta: &'a Meta, deadline: Duration) -> BoxFuture<'a, Begin>;
 
     /// The delivery of `meta`, whose handling [`begin`](Self::begin) recorded (it returned
-    /// `deaths: Some(_)`), was settled by this worker: that handling ended alive. Called once,
-    /// within `deadline`, after the ACK, NACK or reject was written; never after authority was
-    /// lost, so a handling that ends with its worker's connection counts as a death.
-    fn settled<'a>(&'a self, meta: &'a Meta, deadline: Duration) -> BoxFuture<'a, ()> {
-        let _ = (meta, deadline);
+    /// `deaths: Some(_)`), ended: `settled` when this worker wrote its ACK, NACK or reject (the
+    /// handling ended alive), not when authority was lost first (its connection died with it,
+    /// which counts as a death). Called once, within `deadline`.
+    fn ended<'a>(&'a self, meta: &'a Meta, settled: bool, deadline: Duration) -> BoxFuture<'a, ()> {
+        let _ = (meta, settled, deadline);
         Box::pin(std::future::ready(()))
     }
 }

@@ -133,8 +133,9 @@ struct Inner {
     handling: std::sync::Mutex<HashMap<Box<str>, String>>,
 }
 
-/// The most handling marks remembered at once; past it, the oldest are forgotten (their marks
-/// then count as deaths, which only errs on the side of stopping a message sooner).
+/// The most handling marks remembered at once (one per delivery being handled, removed when it
+/// ends); past it, they are forgotten (their marks then count as deaths, which only errs on
+/// the side of stopping a message sooner).
 const MAX_MARKS: usize = 65_536;
 
 impl MongoScope {
@@ -337,8 +338,9 @@ impl MongoScope {
     }
 
     /// Marks the message as handled by this process; the deaths counted, if it could. A
-    /// handling this process already marked (its transaction run again after a conflict, or a
-    /// duplicate delivery of it handled here meanwhile) keeps its mark, which is no death.
+    /// handling this process marked and that has not ended (its transaction run again after a
+    /// conflict, or a duplicate delivery of it handled here meanwhile) keeps its mark, which is
+    /// no death.
     async fn began(&self, meta: &Meta, deferrals: &Deferrals) -> Option<u32> {
         let known = crate::lock(&self.0.handling)
             .get(meta.message_id())
@@ -388,11 +390,12 @@ impl TransactionalScope for MongoScope {
         })
     }
 
-    /// Removes the mark the handling left: it ended in a settlement.
-    fn settled<'a>(&'a self, meta: &'a Meta, deadline: Duration) -> BoxFuture<'a, ()> {
+    /// Removes the mark the handling left when it ended in a settlement; one that did not
+    /// stays, and the next handling counts it.
+    fn ended<'a>(&'a self, meta: &'a Meta, settled: bool, deadline: Duration) -> BoxFuture<'a, ()> {
         Box::pin(async move {
             let token = crate::lock(&self.0.handling).remove(meta.message_id());
-            if let Some(token) = token {
+            if let (Some(token), true) = (token, settled) {
                 let key = inbox::key(&self.0.config.consumer, meta.message_id());
                 let marks = Deferrals::new(self.0.deferrals.clone(), key);
                 let _ = tokio::time::timeout(deadline, marks.ended(&token)).await;

@@ -228,12 +228,11 @@ pub(crate) async fn execute(
         }
     }
     let outcome = machine.outcome().unwrap_or(Outcome::AuthorityLost);
-    if let (true, Some(scope), Source::Passed(incoming)) = (recorded, setup.scope, source)
-        && !matches!(outcome, Outcome::AuthorityLost | Outcome::Unresolved(_))
-    {
-        // The handling this worker began ended in a settlement: not a death.
+    if let (true, Some(scope), Source::Passed(incoming)) = (recorded, setup.scope, source) {
+        // Ended in a settlement, the handling this worker began is no death.
+        let settled = !matches!(outcome, Outcome::AuthorityLost | Outcome::Unresolved(_));
         let meta = Meta::new(Arc::clone(incoming));
-        scope.settled(&meta, budget).await;
+        scope.ended(&meta, settled, budget).await;
     }
     Finished {
         outcome,
