@@ -3,7 +3,7 @@
 //! second, each kind at least twice (SIGKILL, SIGTERM, every connection closed, a memory alarm,
 //! the DLQ deleted, the broker's app restarted, mongod restarted, the network stalled, publisher
 //! confirms nacked, the consumers cancelled by the broker), reconciled by message id by `chaos`;
-//! on classic and on quorum queues; then a run heavy with handoffs.
+//! on classic and on quorum queues; then a run heavy with handoffs; then two kill storms.
 
 use std::time::Duration;
 
@@ -42,4 +42,12 @@ async fn a_seeded_soak_under_faults_accounts_for_every_id() {
          --faults DlqGone,NackedConfirms --min-each 8 --fault-every-ms 1000",
     )
     .await;
+    // A kill storm: one worker SIGKILLed every 3-6 s while 3 000 valid orders flow, the workers
+    // at the library's own requeue limit: a dead worker's leases are waited out, its deaths
+    // counted only for what it was handling. No valid order may reach the DLQ or parking, and
+    // every queue must be drained within 120 s of the last kill. On five hot skus (their stock
+    // contended), then on one sku per order.
+    let storm = "--storm on --messages 3000 --rate 50 --fault-every-ms 3000 --fault-jitter-ms 3000";
+    soak(&format!("{storm} --skus 5 --seed 11")).await;
+    soak(&format!("{storm} --skus 3000 --seed 12 --queue-type quorum")).await;
 }
