@@ -28,8 +28,7 @@ pub(crate) struct Raw {
 /// What the gate and dispatch made of a delivery.
 pub(crate) struct Admitted {
     /// What the machine starts from. Its `local_requeues` is 0 for a valid id (`None`
-    /// otherwise) and `redeliveries` is `None`: the consumer fills in what its books and scope
-    /// know.
+    /// otherwise): the consumer fills in what its books know.
     pub(crate) arrival: Arrival,
     pub(crate) source: Source,
     pub(crate) handler: Option<BoxedHandler>,
