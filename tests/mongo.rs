@@ -213,6 +213,72 @@ async fn a_classic_message_that_keeps_killing_its_worker_is_counted_durably_and_
     assert!(report.incidents.connections_lost >= u64::from(MAX_REQUEUES));
 }
 
+/// A worker whose connection dies again and again takes its whole window with it: every
+/// message waiting in its prefetch comes back redelivered, each time, though its handler never
+/// ran. Only a handling that began and never settled is evidence that a message kills its
+/// worker: here the window is redelivered more often than the requeue limit, and still every
+/// message ends with exactly one effect and none in the DLQ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_workers_window_is_not_counted_as_killing_it() {
+    const N: usize = 60;
+    const CLOSES: usize = 5;
+    let broker = Broker::from_env();
+    let queue = Broker::unique("window");
+    let database = MongoNode::database_name("window");
+    let scope = scope_with(&database, MongoConfig::new("e2e")).await;
+    let calls = Counter::default();
+    let seen = calls.clone();
+    let router = Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| {
+        let seen = seen.clone();
+        async move {
+            seen.bump();
+            record_effect(tx, meta).await?;
+            // Slow, one at a time: the rest of the window waits in the prefetch.
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            Ok(())
+        }
+    });
+    let policy = common::fast_policy().max_requeues(2);
+    let cfg = config(&queue, QueueKind::Classic)
+        .policy(policy)
+        .prefetch(50)
+        .concurrency(1);
+    let running = common::start_with(broker.url(), cfg, router, |c| c.scope(scope.clone()));
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    let ids: Vec<String> = (0..N).map(|i| format!("window-{i}")).collect();
+    for id in &ids {
+        client.send(&queue, "order.placed", id, b"{}").await;
+    }
+    let consuming = format!("lily:{queue}:consuming");
+    for close in 0..CLOSES {
+        assert!(
+            eventually(WAIT, || broker.channels_of(&consuming).is_some()).await,
+            "consuming again before close {close}"
+        );
+        broker.close_connection_named(&consuming);
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+    common::wait_depths("drained", WAIT, &[(&queue, 0)]).await;
+    let report = running.stop().await;
+
+    for id in &ids {
+        assert_eq!(effects(&scope, id).await, 1, "{id}: exactly one effect");
+    }
+    assert!(
+        client.drain_ids(&format!("{queue}.dlq")).await.is_empty(),
+        "no valid message in the DLQ: {:?}",
+        report.totals
+    );
+    let t = &report.totals;
+    assert!(
+        t.authority_lost >= CLOSES as u64,
+        "the window went back each time: {t:?}"
+    );
+    assert_eq!(calls.get(), N, "each handled once: {t:?}");
+    assert!(report.incidents.connections_lost >= CLOSES as u64);
+}
+
 fn start_scoped(url: &str, queue: &str, router: Router, scope: MongoScope) -> common::Running {
     common::start_with(url, config(queue, QueueKind::Classic), router, |c| {
         c.scope(scope)

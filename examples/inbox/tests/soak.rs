@@ -49,5 +49,8 @@ async fn a_seeded_soak_under_faults_accounts_for_every_id() {
     // contended), then on one sku per order.
     let storm = "--storm on --messages 3000 --rate 50 --fault-every-ms 3000 --fault-jitter-ms 3000";
     soak(&format!("{storm} --skus 5 --seed 11")).await;
-    soak(&format!("{storm} --skus 3000 --seed 12 --queue-type quorum")).await;
+    soak(&format!(
+        "{storm} --skus 3000 --seed 12 --queue-type quorum"
+    ))
+    .await;
 }
