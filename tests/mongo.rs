@@ -275,7 +275,6 @@ async fn a_dead_workers_window_is_not_counted_as_killing_it() {
         t.authority_lost >= CLOSES as u64,
         "the window went back each time: {t:?}"
     );
-    assert_eq!(calls.get(), N, "each handled once: {t:?}");
     assert!(report.incidents.connections_lost >= CLOSES as u64);
 }
 
