@@ -535,7 +535,7 @@ const HOLD_MAX: Duration = Duration::from_secs(60);
 /// The longest hold between two tries of a handoff the broker refused: short, so the lane
 /// resumes soon after the permission is granted again (the publisher bounds what the tries
 /// cost the broker).
-const REFUSED_HOLD_MAX: Duration = Duration::from_secs(4);
+const REFUSED_HOLD_MAX: Duration = Duration::from_secs(2);
 
 impl<'p> Settlement<'p> {
     /// Starts settlement of `plan` at `now`. `requeues` is how many times the message has been

@@ -811,7 +811,7 @@ fn a_refused_handoff_below_the_requeue_limit_is_held_and_tried_again_never_nacke
         s.handle_handoff(HandoffResult::Refused, Authority::Held, now);
     }
     // Short holds, so the lane resumes within seconds of the permission coming back.
-    assert_eq!(holds, vec![1, 2, 4, 4, 4, 4]);
+    assert_eq!(holds, vec![1, 2, 2, 2, 2, 2]);
     // Granted again: the copy goes to its lane and the original is ACKed.
     assert!(matches!(next_publish_lane(&mut s), Lane::Held { .. }));
     s.handle_handoff(HandoffResult::Confirmed, Authority::Held, now);
@@ -844,8 +844,8 @@ fn a_handoff_refused_for_release_held_after_ends_in_one_nack() {
             other => panic!("unexpected {other:?}"),
         }
     }
-    // 1 + 2 + 4 s, then what is left of the 10 s: the documented bound on a held delivery.
-    assert_eq!(holds, vec![1, 2, 4, 3]);
+    // 1 + 2 + 2 + 2 s, then what is left of the 10 s: the documented bound on a held delivery.
+    assert_eq!(holds, vec![1, 2, 2, 2, 2, 1]);
     s.handle_settled(SettleResult::Written);
     assert_eq!(
         s.outcome(),

@@ -39,6 +39,16 @@
 //!   stream of publishes their own confirms are the evidence and no probe is sent; a message
 //!   published in the instant an alarm starts can still be held by the broker, time out and
 //!   land later.
+//! - **Refused.** A publish the broker refuses for want of a permission (`ACCESS_REFUSED`:
+//!   `write` on the exchange, taken from the user while Lily runs) closes its channel. The pool
+//!   then knows it is refused and names the permission ([`Confirms::refused`]); its publishes
+//!   answer [`HandoffResult::Refused`] at once, without a channel, except that one worker at a
+//!   time, at most every [`REFUSED_RETRY`], opens a channel and tries what it holds (a probe
+//!   first, after a quiet spell): so a refusal costs the broker a few channels a second, not
+//!   one per publish, and the first publish it confirms once the permission is granted again
+//!   ends the refusal, without a reconnect. The refusal is the pool's, not one exchange's: the
+//!   handoff copies all go through the default exchange; a [`Publisher`](crate::Publisher)
+//!   publishing to several exchanges, one of them refused, publishes to all at that pace.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::pin::Pin;
@@ -58,6 +68,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::connect::{Dialer, Endpoint};
+use crate::error::{MissingPermission, Needs, missing_permission};
 use crate::sync::lock;
 
 /// Confirm channels publishing, each with many publishes in flight.
@@ -72,6 +83,10 @@ const PROBE_AFTER: Duration = Duration::from_millis(100);
 /// Routing key of the probe: RabbitMQ reserves `amq.` queue names, so nothing can route it.
 const PROBE_ROUTE: &str = "amq.lily.probe";
 
+/// While the broker refuses the pool's publishes, how often at most a worker opens a channel
+/// to try again: two a second, under the five the README allows.
+pub(crate) const REFUSED_RETRY: Duration = Duration::from_millis(500);
+
 /// What a pool is for: how its connection is named, the header its publishes carry their id
 /// in, and the gauge that says the broker blocks it.
 #[derive(Clone, Copy, Debug)]
@@ -82,6 +97,12 @@ pub(crate) struct Role {
     pub(crate) id_header: &'static str,
     /// The gauge set to 1 while the broker blocks the connection, labelled `queue=<label>`.
     pub(crate) blocked_gauge: &'static str,
+    /// The gauge set to 1 while the broker refuses the pool's publishes (a permission),
+    /// labelled `queue=<label>`.
+    pub(crate) refused_gauge: &'static str,
+    /// What the publishes are for, in the text naming a refused permission: `publish handoff
+    /// copies`.
+    pub(crate) doing: &'static str,
 }
 
 /// Where one publish goes: an exchange (`""` is the default one) and a routing key.
@@ -144,7 +165,22 @@ struct Link {
     /// Registered on first use, so a recorder installed after [`Confirms::new`] (by
     /// `health::serve`, say) still gets it.
     blocked_gauge: std::sync::OnceLock<metrics::Gauge>,
+    /// Whether the broker refuses the pool's publishes, and when a worker may try again.
+    refusal: Mutex<Refusal>,
     label: String,
+}
+
+/// The broker's refusal of the pool's publishes (a permission), while it lasts.
+#[derive(Default)]
+struct Refusal {
+    /// The permission refused; `None` while publishes are accepted.
+    missing: Option<MissingPermission>,
+    /// When a worker may next open a channel to try again.
+    next_try: Option<Instant>,
+    /// How many times publishes came to be refused, for the pool's life.
+    spells: u64,
+    /// Registered at the first refusal.
+    gauge: Option<metrics::Gauge>,
 }
 
 impl Confirms {
@@ -162,6 +198,7 @@ impl Confirms {
                 last_confirm: Mutex::new(None),
                 blocked: Arc::new(AtomicBool::new(false)),
                 blocked_gauge: std::sync::OnceLock::new(),
+                refusal: Mutex::new(Refusal::default()),
                 label: label.to_owned(),
             }),
             requests,
@@ -174,6 +211,17 @@ impl Confirms {
     /// Whether the broker blocks the connection (a resource alarm): publishes wait.
     pub(crate) fn blocked(&self) -> bool {
         self.link.blocked.load(Ordering::Acquire)
+    }
+
+    /// The permission the broker refuses the pool's publishes for, while it does: publishes
+    /// answer [`HandoffResult::Refused`] until one is confirmed again.
+    pub(crate) fn refused(&self) -> Option<MissingPermission> {
+        lock(&self.link.refusal).missing.clone()
+    }
+
+    /// How many times the broker came to refuse the pool's publishes, for its life.
+    pub(crate) fn refusals(&self) -> u64 {
+        lock(&self.link.refusal).spells
     }
 
     /// Opens the connection, so a broker that refuses it is known before the first publish,
@@ -320,9 +368,16 @@ async fn work(
         worker.settle();
         worker.expire(Instant::now());
         if worker.pipe.is_none() && !worker.held.is_empty() {
-            tokio::select! {
-                () = &mut cancelled => return,
-                () = worker.open() => {}
+            if worker.link.may_try(Instant::now()) {
+                tokio::select! {
+                    () = &mut cancelled => return,
+                    () = worker.open() => {}
+                }
+            } else {
+                // Refused, and another channel tried a moment ago: no channel for these.
+                for request in worker.held.drain(..) {
+                    let _ = request.reply.send(HandoffResult::Refused);
+                }
             }
         }
         worker.publish_held();
@@ -354,6 +409,9 @@ struct Pipe {
     /// Deadlines of the publishes in flight.
     deadlines: BTreeSet<(Instant, Seq)>,
     wakes: Arc<Wakes>,
+    /// The broker refused a publish on the channel (a permission), closing it: what fails on
+    /// it was refused, not lost.
+    refused: bool,
 }
 
 /// One publish in flight.
@@ -363,6 +421,8 @@ struct Flight {
     /// Where its result goes; `None` for a probe.
     reply: Option<oneshot::Sender<HandoffResult>>,
     until: Instant,
+    /// The exchange it is published to, named when the broker refuses it.
+    exchange: ShortString,
 }
 
 enum Stage {
@@ -476,6 +536,11 @@ impl Worker {
             }
             let result = match result {
                 HandoffResult::TimedOut if blocked => HandoffResult::Blocked,
+                HandoffResult::Failed if pipe.refused => HandoffResult::Refused,
+                HandoffResult::Confirmed => {
+                    self.link.accepted();
+                    HandoffResult::Confirmed
+                }
                 r => r,
             };
             if let Some(reply) = flight.reply {
@@ -508,6 +573,7 @@ impl Worker {
                     flights: HashMap::new(),
                     deadlines: BTreeSet::new(),
                     wakes: Arc::default(),
+                    refused: false,
                 });
             }
             Ok(Err(_)) => {
@@ -586,6 +652,7 @@ impl Pipe {
             until,
             ..
         } = copy;
+        let exchange = route.exchange.clone();
         let publish = Box::pin(async move {
             channel
                 .basic_publish(
@@ -607,6 +674,7 @@ impl Pipe {
                 waker,
                 reply,
                 until,
+                exchange,
             },
         );
         self.deadlines.insert((until, seq));
@@ -624,8 +692,9 @@ impl Pipe {
         if let Stage::Writing(publish) = &mut flight.stage {
             match publish.as_mut().poll(&mut cx) {
                 Poll::Pending => return,
-                Poll::Ready(Err(_)) => {
+                Poll::Ready(Err(err)) => {
                     flight.stage = Stage::Seen;
+                    self.refused |= link.refuses(&err, flight.exchange.as_str());
                     self.evidence.handle_failed(seq);
                     return;
                 }
@@ -657,7 +726,11 @@ impl Pipe {
                 let brought = message.map(|m| link.returned_id(&m));
                 self.evidence.handle_confirm(seq, Confirm::Nack, brought);
             }
-            Ok(Confirmation::NotRequested) | Err(_) => self.evidence.handle_failed(seq),
+            Ok(Confirmation::NotRequested) => self.evidence.handle_failed(seq),
+            Err(err) => {
+                self.refused |= link.refuses(&err, flight.exchange.as_str());
+                self.evidence.handle_failed(seq);
+            }
         }
     }
 }
@@ -695,6 +768,66 @@ impl Link {
 
     fn confirmed(&self) {
         *lock(&self.last_confirm) = Some(Instant::now());
+    }
+
+    /// Whether `err`, of a publish to `exchange`, is the broker refusing the `write`
+    /// permission; if so the pool is refused from now on, until a publish is confirmed again.
+    fn refuses(&self, err: &lapin::Error, exchange: &str) -> bool {
+        let needs = [Needs::exchange(exchange, "write")];
+        let Some(missing) = missing_permission(err, || self.role.doing.to_owned(), &needs) else {
+            return false;
+        };
+        let mut refusal = lock(&self.refusal);
+        if refusal.missing.is_none() {
+            refusal.spells += 1;
+            // The broker's text names the resource and the user, never a password.
+            warn!(
+                queue = %self.label,
+                role = self.role.name,
+                lacks = %missing,
+                "the broker refuses publishes: they fail at once, and a channel tries again at most every {REFUSED_RETRY:?}, until the permission is granted"
+            );
+            let gauge = refusal.gauge.get_or_insert_with(
+                || metrics::gauge!(self.role.refused_gauge, "queue" => self.label.clone()),
+            );
+            gauge.set(1.0);
+        }
+        refusal.missing = Some(missing);
+        refusal.next_try = Some(Instant::now() + REFUSED_RETRY);
+        true
+    }
+
+    /// Whether a worker may open a channel now: always, unless the broker refuses the pool's
+    /// publishes, and then one worker every [`REFUSED_RETRY`].
+    fn may_try(&self, now: Instant) -> bool {
+        let mut refusal = lock(&self.refusal);
+        if refusal.missing.is_none() {
+            return true;
+        }
+        match refusal.next_try {
+            Some(at) if at > now => false,
+            _ => {
+                refusal.next_try = Some(now + REFUSED_RETRY);
+                true
+            }
+        }
+    }
+
+    /// A publish was confirmed: whatever the broker refused before, it accepts them again.
+    fn accepted(&self) {
+        let mut refusal = lock(&self.refusal);
+        if let Some(missing) = refusal.missing.take() {
+            refusal.next_try = None;
+            info!(
+                queue = %self.label,
+                role = self.role.name,
+                was_lacking = %missing,
+                "the broker accepts publishes again"
+            );
+            if let Some(gauge) = &refusal.gauge {
+                gauge.set(0.0);
+            }
+        }
     }
 
     /// A new confirm channel; waits while the broker blocks the connection.

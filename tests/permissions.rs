@@ -1,0 +1,224 @@
+//! A permission taken from Lily's broker user while it runs, and given back: handoffs refused
+//! for want of `write` on the default exchange are a failing lane with its cause, open few
+//! channels, ACK nothing without its copy, requeue nothing, and resume by themselves once the
+//! permission is restored, without a restart or a reconnect.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::{Calls, config};
+use lily::prelude::*;
+use lily_mq_testkit::{Broker, Client, http_get};
+
+/// Messages of each kind: failures that need a DLQ copy, and successes.
+const EACH: usize = 100;
+/// Prefetch and concurrency: many deliveries in flight while the copies are refused.
+const PREFETCH: u16 = 60;
+/// How long the permission stays revoked.
+const REFUSED_FOR: Duration = Duration::from_secs(8);
+/// At most this many channel opens a second while refused (the README's bound).
+const OPENS_PER_SECOND: f64 = 5.0;
+/// Handoffs resume this soon after the permission is granted again.
+const RESUME_WITHIN: Duration = Duration::from_secs(10);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_permission_revoked_mid_run_holds_failures_and_resumes_once_restored_on_classic() {
+    revoked_mid_run(QueueKind::Classic).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_permission_revoked_mid_run_holds_failures_and_resumes_once_restored_on_quorum() {
+    revoked_mid_run(QueueKind::Quorum).await;
+}
+
+/// `text` with the characters a regular expression gives meaning to escaped.
+fn escape(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len());
+    for c in text.chars() {
+        if r"\.+*?()|[]{}^$".contains(c) {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    escaped
+}
+
+/// The README's permissions for a consumer of `queue` that declares its topology, with `write`
+/// replaced by `write` when given: `(configure, write, read)`.
+fn permissions(queue: &str) -> [String; 3] {
+    let q = escape(queue);
+    [
+        format!(r"^{q}(\.retry\.[0-9a-z]+|\.dlq|\.parking|\.dlx)?$"),
+        format!(r"^(amq\.default|{q}\.dlq|{q}\.dlx)$"),
+        format!(r"^{q}(\.retry\.[0-9a-z]+|\.dlx)?$"),
+    ]
+}
+
+fn set_permissions(broker: &Broker, user: &str, [configure, write, read]: &[String; 3]) {
+    broker.ctl(&["set_permissions", "-p", "/", user, configure, write, read]);
+}
+
+/// The broker's own log lines that say it refused a channel of `user` access: one per channel
+/// closed with `ACCESS_REFUSED`.
+fn refusals_logged(user: &str) -> usize {
+    let dir =
+        std::env::var("LILY_RABBIT_DIR").expect("LILY_RABBIT_DIR names the broker's data dir");
+    let needle = format!("user: '{user}'");
+    let mut count = 0;
+    for entry in std::fs::read_dir(format!("{dir}/log")).expect("the broker's log dir") {
+        let path = entry.expect("a log file").path();
+        if path.extension().is_some_and(|e| e == "log") {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            count += text
+                .split("Channel error on connection")
+                .skip(1)
+                .filter(|e| e.contains(&needle) && e.contains("access_refused"))
+                .count();
+        }
+    }
+    count
+}
+
+async fn revoked_mid_run(kind: QueueKind) {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("perm-revoked");
+    let user = Broker::unique("perm-user");
+    let granted = permissions(&queue);
+    let url = {
+        let [c, w, r] = &granted;
+        broker.add_user(&user, "perm-password", [c, w, r])
+    };
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let router = Router::new().route("order.placed", move |meta: Meta| {
+        let seen = seen.clone();
+        async move {
+            seen.record(&meta);
+            if meta.message_id().starts_with("bad-") {
+                Err(QueueHandlerError::permanent("rejected by a business rule"))
+            } else {
+                Ok(())
+            }
+        }
+    });
+    let cfg = config(&queue, kind)
+        .prefetch(PREFETCH)
+        .concurrency(usize::from(PREFETCH));
+    let running = common::start(&url, cfg, router);
+    running.wait_ready().await;
+    let (addr, health) = lily::rabbit::health::serve(
+        "127.0.0.1:0".parse().expect("address"),
+        running.stats.clone(),
+    )
+    .await
+    .expect("health endpoint");
+    let client = Client::connect(broker.url()).await;
+    let dlq = format!("{queue}.dlq");
+
+    // Write taken away: the default exchange (every copy goes through it) refuses the user.
+    let mut revoked = granted.clone();
+    revoked[1] = "^$".to_owned();
+    set_permissions(&broker, &user, &revoked);
+    let refusals_before = refusals_logged(&user);
+    let revoked_at = Instant::now();
+    for i in 0..EACH {
+        for id in [format!("bad-{i}"), format!("good-{i}")] {
+            client.send(&queue, "order.placed", &id, b"{}").await;
+        }
+    }
+    // Asked while refused, after the first refusals had time to come.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let readyz = http_get(addr, "/readyz").await;
+    tokio::time::sleep(REFUSED_FOR.saturating_sub(revoked_at.elapsed())).await;
+    // While refused: no copy reached the DLQ and nothing was ACKed without its copy, so every
+    // failure is still in the work queue (held unacknowledged, or behind the full prefetch).
+    let depths = broker.depths();
+    let acked = running.stats.totals().acked;
+    let refused_for = revoked_at.elapsed();
+    let refusals = refusals_logged(&user) - refusals_before;
+    eprintln!(
+        "{kind:?}: while refused {refused_for:?}: {refusals} channels refused, {acked} ACKed, \
+         depths {depths:?}, totals {:?}",
+        running.stats.totals()
+    );
+    assert_eq!(
+        depths.get(&dlq),
+        Some(&0),
+        "no copy while refused: {depths:?}"
+    );
+    assert_eq!(
+        depths.get(&queue).copied().unwrap_or_default() + acked,
+        2 * EACH as u64,
+        "every message not ACKed is still in the work queue: {depths:?}, {acked} ACKed"
+    );
+    assert_eq!(running.stats.totals().dead_lettered, 0);
+    assert!(
+        readyz.status == 200
+            && readyz
+                .body
+                .contains("handoffs refused: the write permission on exchange 'amq.default'"),
+        "/readyz names the refusal: {readyz:?}"
+    );
+    let bound = (OPENS_PER_SECOND * refused_for.as_secs_f64()).ceil() as usize + 4;
+    assert!(
+        refusals > 0 && refusals <= bound,
+        "{refusals} channels refused in {refused_for:?}, at most {bound} allowed"
+    );
+
+    // Given back: everything settles without a restart or a reconnect, checked from outside.
+    set_permissions(&broker, &user, &granted);
+    let restored_at = Instant::now();
+    // Resumed by itself: the first copy in the DLQ within RESUME_WITHIN, as the broker counts.
+    let mut timeline = Vec::new();
+    let resumed = lily_mq_testkit::eventually(RESUME_WITHIN, || {
+        let in_dlq = broker.depths().get(&dlq).copied().unwrap_or_default();
+        timeline.push((restored_at.elapsed().as_millis(), in_dlq));
+        in_dlq > 0
+    })
+    .await;
+    assert!(
+        resumed,
+        "no copy within {RESUME_WITHIN:?} of the permission restored: (ms, in the DLQ) {timeline:?}"
+    );
+    let first_copy_in = restored_at.elapsed();
+    let (first, second) = (format!("{queue}.retry.1s"), format!("{queue}.retry.2s"));
+    common::wait_depths(
+        "every failure in the DLQ once the permission is back",
+        Duration::from_secs(30),
+        &[(&queue, 0), (&first, 0), (&second, 0), (&dlq, EACH as u64)],
+    )
+    .await;
+    let resumed_in = restored_at.elapsed();
+    let totals = running.stats.totals();
+    let report = running.stop().await;
+    health.abort();
+    assert!(report.clean, "{report:?}");
+    assert_eq!(
+        report.incidents.connections_lost, 0,
+        "resumed without a reconnect"
+    );
+
+    let ids = |prefix: &'static str| (0..EACH).map(move |i| (format!("{prefix}-{i}"), 1));
+    let every: BTreeMap<String, usize> = ids("bad").chain(ids("good")).collect();
+    assert_eq!(
+        calls.by_id(),
+        every,
+        "each message handled once: nothing was NACK-requeued"
+    );
+    let bad: BTreeMap<String, usize> = ids("bad").collect();
+    assert_eq!(
+        client.drain_ids(&dlq).await,
+        bad,
+        "each failure once in the DLQ"
+    );
+    assert!(client.drain_ids(&queue).await.is_empty());
+    for bucket in [&first, &second] {
+        assert!(client.drain_ids(bucket).await.is_empty(), "{bucket}");
+    }
+    eprintln!(
+        "{kind:?}: {refusals} channels refused in {refused_for:?}; first copy {first_copy_in:?} \
+         and all {resumed_in:?} after the permission was restored; totals {totals:?}"
+    );
+}
