@@ -931,3 +931,80 @@ async fn confirm_channel(connection: &Connection) -> lapin::Result<Channel> {
         .await?;
     Ok(channel)
 }
+
+#[cfg(test)]
+mod tests {
+    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPSoftError};
+
+    use super::*;
+
+    fn pool() -> Confirms {
+        Confirms::new(
+            "orders",
+            Role {
+                name: "handoffs",
+                id_header: "x-test-id",
+                blocked_gauge: "lily_test_blocked",
+                refused_gauge: "lily_test_refused",
+                doing: "publish handoff copies",
+            },
+        )
+    }
+
+    fn refused_write() -> lapin::Error {
+        let message = "ACCESS_REFUSED - access to exchange 'amq.default' in vhost '/' refused \
+                       for user 'lily'";
+        lapin::ErrorKind::ProtocolError(AMQPError::new(
+            AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED),
+            message.into(),
+        ))
+        .into()
+    }
+
+    #[test]
+    fn a_refusal_is_named_and_lets_one_channel_try_again_every_retry_until_a_confirm() {
+        let pool = pool();
+        let link = &pool.link;
+        assert!(
+            link.may_try(Instant::now()),
+            "accepted: channels open freely"
+        );
+
+        assert!(link.refuses(&refused_write(), ""));
+        let missing = pool.refused().expect("refused");
+        assert_eq!(
+            missing.to_string(),
+            "the write permission on exchange 'amq.default' in vhost '/' (needed to publish \
+             handoff copies)"
+        );
+        assert_eq!(pool.refusals(), 1);
+
+        let now = Instant::now();
+        assert!(!link.may_try(now), "the refused channel was the try");
+        let later = now + REFUSED_RETRY;
+        assert!(link.may_try(later), "one try every REFUSED_RETRY");
+        assert!(!link.may_try(later), "only one");
+        // Refused again: still one spell.
+        assert!(link.refuses(&refused_write(), ""));
+        assert_eq!(pool.refusals(), 1);
+
+        link.accepted();
+        assert_eq!(pool.refused(), None);
+        assert!(link.may_try(now), "accepted again: channels open freely");
+        assert!(link.refuses(&refused_write(), ""));
+        assert_eq!(pool.refusals(), 2);
+    }
+
+    #[test]
+    fn other_channel_errors_are_no_refusal() {
+        let pool = pool();
+        let not_found: lapin::Error = lapin::ErrorKind::ProtocolError(AMQPError::new(
+            AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND),
+            "NOT_FOUND - no exchange 'x' in vhost '/'".into(),
+        ))
+        .into();
+        assert!(!pool.link.refuses(&not_found, "x"));
+        assert_eq!(pool.refused(), None);
+        assert!(pool.link.may_try(Instant::now()));
+    }
+}
