@@ -38,6 +38,26 @@ fn set_permissions(broker: &Broker, user: &str, [configure, write, read]: &[Stri
     broker.ctl(&["set_permissions", "-p", "/", user, configure, write, read]);
 }
 
+/// The broker's process ids of Lily's connections for `queue` (named `lily:<queue>:<role>`):
+/// the same before and after means nothing reconnected.
+fn connections_of(broker: &Broker, queue: &str) -> Vec<String> {
+    let out = broker.ctl(&[
+        "list_connections",
+        "-q",
+        "--no-table-headers",
+        "pid",
+        "client_properties",
+    ]);
+    let prefix = format!("\"lily:{queue}:");
+    let mut pids: Vec<String> = out
+        .lines()
+        .filter(|line| line.contains(&prefix))
+        .filter_map(|line| line.split_whitespace().next().map(str::to_owned))
+        .collect();
+    pids.sort();
+    pids
+}
+
 /// The broker's own log lines that say it refused a channel of `user` access: one per channel
 /// closed with `ACCESS_REFUSED`.
 fn refusals_logged(user: &str) -> usize {
@@ -94,6 +114,12 @@ async fn revoked_mid_run(kind: QueueKind) {
     .expect("health endpoint");
     let client = Client::connect(broker.url()).await;
     let dlq = format!("{queue}.dlq");
+
+    let connections = connections_of(&broker, &queue);
+    assert!(
+        connections.len() >= 2,
+        "the consuming and the handoff connection: {connections:?}"
+    );
 
     // Write taken away: the default exchange (every copy goes through it) refuses the user.
     let mut revoked = granted.clone();
@@ -168,6 +194,11 @@ async fn revoked_mid_run(kind: QueueKind) {
     )
     .await;
     let resumed_in = restored_at.elapsed();
+    assert_eq!(
+        connections_of(&broker, &queue),
+        connections,
+        "resumed on the same connections: nothing reconnected"
+    );
     let totals = running.stats.totals();
     let report = running.stop().await;
     health.abort();
