@@ -87,6 +87,18 @@ const PROBE_ROUTE: &str = "amq.lily.probe";
 /// to try again: two a second, under the five the README allows.
 pub(crate) const REFUSED_RETRY: Duration = Duration::from_millis(500);
 
+/// How many channels the broker may close for a refusal on one connection before the pool
+/// dials a new one: lapin 4.12 cannot open a channel again on an id the broker closed with an
+/// error, so once its ids (RabbitMQ's `channel_max`, 2047) have all been refused the connection
+/// opens no channel at all. Half of them: at [`REFUSED_RETRY`], a new connection every eight
+/// minutes or so of a refusal.
+const REFUSED_PER_CONNECTION: u32 = 1024;
+
+/// How long a connection replaced for [`REFUSED_PER_CONNECTION`] stays open for what is still in
+/// flight on it: far longer than a publish's deadline (the settlement budget, 10 s by default).
+/// A publish still unconfirmed when it closes fails, as on any lost connection: not confirmed.
+const WORN_GRACE: Duration = Duration::from_secs(120);
+
 /// What a pool is for: how its connection is named, the header its publishes carry their id
 /// in, and the gauge that says the broker blocks it.
 #[derive(Clone, Copy, Debug)]
@@ -179,6 +191,8 @@ struct Refusal {
     next_try: Option<Instant>,
     /// How many times publishes came to be refused, for the pool's life.
     spells: u64,
+    /// Channels refused on the current connection.
+    on_connection: u32,
     /// Registered at the first refusal.
     gauge: Option<metrics::Gauge>,
 }
@@ -794,7 +808,14 @@ impl Link {
         }
         refusal.missing = Some(missing);
         refusal.next_try = Some(Instant::now() + REFUSED_RETRY);
+        refusal.on_connection = refusal.on_connection.saturating_add(1);
         true
+    }
+
+    /// Whether the current connection has had [`REFUSED_PER_CONNECTION`] channels refused:
+    /// its channel ids run out, so the next channel is opened on a new connection.
+    fn worn(&self) -> bool {
+        lock(&self.refusal).on_connection >= REFUSED_PER_CONNECTION
     }
 
     /// Whether a worker may open a channel now: always, unless the broker refuses the pool's
@@ -832,6 +853,21 @@ impl Link {
 
     /// A new confirm channel; waits while the broker blocks the connection.
     async fn open_channel(&self) -> lapin::Result<Channel> {
+        if self.worn()
+            && let Some(worn) = lock(&self.current).take()
+        {
+            info!(
+                queue = %self.label,
+                role = self.role.name,
+                "{REFUSED_PER_CONNECTION} channels refused on the publishing connection; opening a new one"
+            );
+            // Closed once what may still be in flight on it (publishes of channels opened
+            // before, each within its deadline) had its time.
+            tokio::spawn(async move {
+                tokio::time::sleep(WORN_GRACE).await;
+                let _ = worn.close(200, "lily: channel ids used up".into()).await;
+            });
+        }
         loop {
             let connection = self.connection().await?;
             if connection.status().blocked() {
@@ -857,6 +893,7 @@ impl Link {
             ))
         })?;
         let connection = Arc::new(dialer.connect().await?);
+        lock(&self.refusal).on_connection = 0;
         *lock(&self.last_confirm) = None;
         self.blocked.store(false, Ordering::Release);
         let gauge = self.blocked_gauge.get_or_init(
@@ -987,6 +1024,12 @@ mod tests {
         // Refused again: still one spell.
         assert!(link.refuses(&refused_write(), ""));
         assert_eq!(pool.refusals(), 1);
+
+        assert!(!link.worn(), "two refusals leave the connection's ids");
+        for _ in 2..REFUSED_PER_CONNECTION {
+            link.refuses(&refused_write(), "");
+        }
+        assert!(link.worn(), "the next channel goes on a new connection");
 
         link.accepted();
         assert_eq!(pool.refused(), None);
