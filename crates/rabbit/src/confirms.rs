@@ -708,7 +708,8 @@ impl Pipe {
                 Poll::Pending => return,
                 Poll::Ready(Err(err)) => {
                     flight.stage = Stage::Seen;
-                    self.refused |= link.refuses(&err, flight.exchange.as_str());
+                    let exchange = flight.exchange.clone();
+                    self.note_error(&err, exchange.as_str(), link);
                     self.evidence.handle_failed(seq);
                     return;
                 }
@@ -742,9 +743,18 @@ impl Pipe {
             }
             Ok(Confirmation::NotRequested) => self.evidence.handle_failed(seq),
             Err(err) => {
-                self.refused |= link.refuses(&err, flight.exchange.as_str());
+                let exchange = flight.exchange.clone();
+                self.note_error(&err, exchange.as_str(), link);
                 self.evidence.handle_failed(seq);
             }
+        }
+    }
+
+    /// Notes a publish's error: a refusal marks the channel refused, counted once on `link`
+    /// however many publishes it fails.
+    fn note_error(&mut self, err: &lapin::Error, exchange: &str, link: &Link) {
+        if link.refuses(err, exchange) && !std::mem::replace(&mut self.refused, true) {
+            link.channel_refused();
         }
     }
 }
@@ -808,8 +818,13 @@ impl Link {
         }
         refusal.missing = Some(missing);
         refusal.next_try = Some(Instant::now() + REFUSED_RETRY);
-        refusal.on_connection = refusal.on_connection.saturating_add(1);
         true
+    }
+
+    /// A channel of the current connection was closed for a refusal.
+    fn channel_refused(&self) {
+        let mut refusal = lock(&self.refusal);
+        refusal.on_connection = refusal.on_connection.saturating_add(1);
     }
 
     /// Whether the current connection has had [`REFUSED_PER_CONNECTION`] channels refused:
@@ -1025,9 +1040,9 @@ mod tests {
         assert!(link.refuses(&refused_write(), ""));
         assert_eq!(pool.refusals(), 1);
 
-        assert!(!link.worn(), "two refusals leave the connection's ids");
-        for _ in 2..REFUSED_PER_CONNECTION {
-            link.refuses(&refused_write(), "");
+        assert!(!link.worn(), "publishes refused, no channel counted");
+        for _ in 0..REFUSED_PER_CONNECTION {
+            link.channel_refused();
         }
         assert!(link.worn(), "the next channel goes on a new connection");
 
