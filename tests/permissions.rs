@@ -230,3 +230,47 @@ async fn revoked_mid_run(kind: QueueKind) {
          and all {resumed_in:?} after the permission was restored; totals {totals:?}"
     );
 }
+
+/// The README's boundary, shown: RabbitMQ 3.10 checks `read` on a queue with a dead-letter
+/// exchange only when it creates the queue, so a user without `read` on the retry buckets starts
+/// against an existing topology; the bucket deleted, the next session creates it, and the
+/// consumer stops there, its report naming the permission and the bucket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_on_an_existing_bucket_is_checked_only_when_the_bucket_is_created() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("perm-bucket");
+    let topology = lily::rabbit::Topology::new(
+        &queue,
+        QueueKind::Classic,
+        &common::fast_policy().retry_delays,
+    );
+    let admin = Client::connect(broker.url()).await;
+    let setup = lapin::Connection::connect(broker.url(), Default::default())
+        .await
+        .expect("connect");
+    let channel = setup.create_channel().await.expect("channel");
+    topology
+        .apply(&channel, TopologyMode::Declare)
+        .await
+        .expect("declared by the administrator");
+    let [configure, write, _] = declare_permissions(&queue);
+    let read = format!(r"^{}(\.dlx)?$", common::escape(&queue));
+    let user = Broker::unique("perm-bucket-user");
+    let url = broker.add_user(&user, "perm-password", [&configure, &write, &read]);
+
+    let running = common::start(&url, config(&queue, QueueKind::Classic), Router::new());
+    running.wait_ready().await;
+
+    let bucket = format!("{queue}.retry.1s");
+    admin.delete(&bucket).await;
+    broker.close_connection_named(&format!("lily:{queue}:consuming"));
+    // Past the first session, `run` ends with its report, which names the error.
+    let report = running.ended().await.expect("a report");
+    assert_eq!(report.trigger, Some(Trigger::Error), "{report:?}");
+    let err = report.error.unwrap_or_default();
+    assert!(
+        err.contains("the configure and read permission on queue '")
+            && err.contains(&format!("declare queue '{bucket}'")),
+        "{err}"
+    );
+}
