@@ -199,6 +199,7 @@ async fn revoked_mid_run(kind: QueueKind) {
         connections,
         "resumed on the same connections: nothing reconnected"
     );
+    assert_eq!(running.stats.handoffs_refused(), None, "the refusal ended");
     let totals = running.stats.totals();
     let report = running.stop().await;
     health.abort();
@@ -206,6 +207,10 @@ async fn revoked_mid_run(kind: QueueKind) {
     assert_eq!(
         report.incidents.connections_lost, 0,
         "resumed without a reconnect"
+    );
+    assert_eq!(
+        report.incidents.handoffs_refused, 1,
+        "the report counts the refusal"
     );
 
     let ids = |prefix: &'static str| (0..EACH).map(move |i| (format!("{prefix}-{i}"), 1));
