@@ -41,12 +41,13 @@
 //!   land later.
 //! - **Refused.** A publish the broker refuses for want of a permission (`ACCESS_REFUSED`:
 //!   `write` on the exchange, taken from the user while Lily runs) closes its channel. The pool
-//!   then knows it is refused and names the permission ([`Confirms::refused`]); its publishes
-//!   answer [`HandoffResult::Refused`] at once, without a channel, except that one worker at a
+//!   then knows it is refused and names the permission ([`Confirms::refused`]). One worker at a
 //!   time, at most every [`REFUSED_RETRY`], opens a channel and tries what it holds (a probe
-//!   first, after a quiet spell): so a refusal costs the broker a few channels a second, not
-//!   one per publish, and the first publish it confirms once the permission is granted again
-//!   ends the refusal, without a reconnect. The refusal is the pool's, not one exchange's: the
+//!   first, after a quiet spell); the others' publishes wait for that try's answer, at most
+//!   [`TRY_WAIT`], and are otherwise answered [`HandoffResult::Refused`] at once, without a
+//!   channel. So a refusal costs the broker a few channels a second, not one per publish, and
+//!   the first publish it confirms once the permission is granted again ends the refusal,
+//!   without a reconnect. The refusal is the pool's, not one exchange's: the
 //!   handoff copies all go through the default exchange; a [`Publisher`](crate::Publisher)
 //!   publishing to several exchanges, one of them refused, publishes to all at that pace.
 
@@ -86,6 +87,10 @@ const PROBE_ROUTE: &str = "amq.lily.probe";
 /// While the broker refuses the pool's publishes, how often at most a worker opens a channel
 /// to try again: two a second, under the five the README allows.
 pub(crate) const REFUSED_RETRY: Duration = Duration::from_millis(500);
+
+/// How long the other workers' publishes wait for a try (a channel opened while refused) to
+/// show whether the broker still refuses, before they are answered without it.
+const TRY_WAIT: Duration = Duration::from_secs(1);
 
 /// How many channels the broker may close for a refusal on one connection before the pool
 /// dials a new one: lapin 4.12 cannot open a channel again on an id the broker closed with an
@@ -189,6 +194,8 @@ struct Refusal {
     missing: Option<MissingPermission>,
     /// When a worker may next open a channel to try again.
     next_try: Option<Instant>,
+    /// When the try under way began, until its channel is refused or a publish confirmed.
+    trying_since: Option<Instant>,
     /// How many times publishes came to be refused, for the pool's life.
     spells: u64,
     /// Channels refused on the current connection.
@@ -382,15 +389,18 @@ async fn work(
         worker.settle();
         worker.expire(Instant::now());
         if worker.pipe.is_none() && !worker.held.is_empty() {
-            if worker.link.may_try(Instant::now()) {
-                tokio::select! {
+            match worker.link.gate(Instant::now()) {
+                Gate::Open => tokio::select! {
                     () = &mut cancelled => return,
                     () = worker.open() => {}
-                }
-            } else {
-                // Refused, and another channel tried a moment ago: no channel for these.
-                for request in worker.held.drain(..) {
-                    let _ = request.reply.send(HandoffResult::Refused);
+                },
+                // Another worker's channel tries: its verdict is theirs too.
+                Gate::Wait => {}
+                Gate::Shut => {
+                    // Refused, and tried a moment ago: no channel for these.
+                    for request in worker.held.drain(..) {
+                        let _ = request.reply.send(HandoffResult::Refused);
+                    }
                 }
             }
         }
@@ -399,6 +409,17 @@ async fn work(
             return;
         }
     }
+}
+
+/// What a worker without a channel may do while the broker refuses the pool's publishes.
+#[derive(Debug, PartialEq, Eq)]
+enum Gate {
+    /// Open one: publishes are accepted, or it is this worker's turn to try.
+    Open,
+    /// Wait for the try another worker's channel makes.
+    Wait,
+    /// Answer the held publishes [`HandoffResult::Refused`] without a channel.
+    Shut,
 }
 
 /// One worker's requests and its confirm channel.
@@ -483,9 +504,11 @@ impl Worker {
             .pipe
             .as_ref()
             .and_then(|pipe| pipe.deadlines.first().map(|(at, _)| *at));
-        let blocked =
-            (!self.held.is_empty() && self.link.blocked()).then(|| Instant::now() + BLOCKED_POLL);
-        [held, flying, blocked].into_iter().flatten().min()
+        let now = Instant::now();
+        let waiting = !self.held.is_empty()
+            && (self.link.blocked() || (self.pipe.is_none() && self.link.trying(now)));
+        let poll = waiting.then(|| now + BLOCKED_POLL);
+        [held, flying, poll].into_iter().flatten().min()
     }
 
     /// Handles every wake-up of the channel up to a quiet point and answers what was judged.
@@ -604,10 +627,10 @@ impl Worker {
         !self.held.is_empty()
             && self.probing.is_none()
             && !self.link.blocked()
-            && self
-                .pipe
-                .as_ref()
-                .is_none_or(|pipe| pipe.evidence.retired().is_none())
+            && match &self.pipe {
+                Some(pipe) => pipe.evidence.retired().is_none(),
+                None => !self.link.trying(Instant::now()),
+            }
     }
 
     /// Publishes the held requests, unless the channel must not take them yet. After a quiet
@@ -818,6 +841,7 @@ impl Link {
         }
         refusal.missing = Some(missing);
         refusal.next_try = Some(Instant::now() + REFUSED_RETRY);
+        refusal.trying_since = None;
         true
     }
 
@@ -834,19 +858,31 @@ impl Link {
     }
 
     /// Whether a worker may open a channel now: always, unless the broker refuses the pool's
-    /// publishes, and then one worker every [`REFUSED_RETRY`].
-    fn may_try(&self, now: Instant) -> bool {
+    /// publishes, and then one worker every [`REFUSED_RETRY`]; the others wait for that try,
+    /// at most [`TRY_WAIT`], or are answered at once when none is under way.
+    fn gate(&self, now: Instant) -> Gate {
         let mut refusal = lock(&self.refusal);
         if refusal.missing.is_none() {
-            return true;
+            return Gate::Open;
         }
-        match refusal.next_try {
-            Some(at) if at > now => false,
-            _ => {
-                refusal.next_try = Some(now + REFUSED_RETRY);
-                true
-            }
+        if refusal.next_try.is_none_or(|at| at <= now) {
+            refusal.next_try = Some(now + REFUSED_RETRY);
+            refusal.trying_since = Some(now);
+            return Gate::Open;
         }
+        match refusal.trying_since {
+            Some(since) if now < since + TRY_WAIT => Gate::Wait,
+            _ => Gate::Shut,
+        }
+    }
+
+    /// Whether publishes wait for a try under way (see [`Link::gate`]).
+    fn trying(&self, now: Instant) -> bool {
+        let refusal = lock(&self.refusal);
+        refusal.missing.is_some()
+            && refusal
+                .trying_since
+                .is_some_and(|since| now < since + TRY_WAIT)
     }
 
     /// A publish was confirmed: whatever the broker refused before, it accepts them again.
@@ -854,6 +890,7 @@ impl Link {
         let mut refusal = lock(&self.refusal);
         if let Some(missing) = refusal.missing.take() {
             refusal.next_try = None;
+            refusal.trying_since = None;
             info!(
                 queue = %self.label,
                 role = self.role.name,
@@ -1014,12 +1051,13 @@ mod tests {
     }
 
     #[test]
-    fn a_refusal_is_named_and_lets_one_channel_try_again_every_retry_until_a_confirm() {
+    fn a_refusal_is_named_and_lets_one_channel_try_at_a_time_every_retry_until_a_confirm() {
         let pool = pool();
         let link = &pool.link;
-        assert!(
-            link.may_try(Instant::now()),
-            "accepted: channels open freely"
+        assert_eq!(
+            link.gate(Instant::now()),
+            Gate::Open,
+            "accepted: channels open"
         );
 
         assert!(link.refuses(&refused_write(), ""));
@@ -1032,13 +1070,27 @@ mod tests {
         assert_eq!(pool.refusals(), 1);
 
         let now = Instant::now();
-        assert!(!link.may_try(now), "the refused channel was the try");
+        assert_eq!(
+            link.gate(now),
+            Gate::Shut,
+            "the refused channel was the try"
+        );
+        assert!(!link.trying(now));
         let later = now + REFUSED_RETRY;
-        assert!(link.may_try(later), "one try every REFUSED_RETRY");
-        assert!(!link.may_try(later), "only one");
-        // Refused again: still one spell.
+        assert_eq!(link.gate(later), Gate::Open, "one try every REFUSED_RETRY");
+        assert!(link.trying(later));
+        assert_eq!(link.gate(later), Gate::Wait, "the others wait for it");
+        let late = later + TRY_WAIT;
+        assert_eq!(
+            link.gate(late),
+            Gate::Open,
+            "a try that says nothing is given up"
+        );
+        assert_eq!(link.gate(late), Gate::Wait);
+        // Refused again: still one spell, and the waiting publishes are answered.
         assert!(link.refuses(&refused_write(), ""));
         assert_eq!(pool.refusals(), 1);
+        assert_eq!(link.gate(Instant::now()), Gate::Shut);
 
         assert!(!link.worn(), "publishes refused, no channel counted");
         for _ in 0..REFUSED_PER_CONNECTION {
@@ -1048,7 +1100,8 @@ mod tests {
 
         link.accepted();
         assert_eq!(pool.refused(), None);
-        assert!(link.may_try(now), "accepted again: channels open freely");
+        assert_eq!(link.gate(now), Gate::Open, "accepted again: channels open");
+        assert!(!link.trying(now));
         assert!(link.refuses(&refused_write(), ""));
         assert_eq!(pool.refusals(), 2);
     }
@@ -1063,6 +1116,6 @@ mod tests {
         .into();
         assert!(!pool.link.refuses(&not_found, "x"));
         assert_eq!(pool.refused(), None);
-        assert!(pool.link.may_try(Instant::now()));
+        assert_eq!(pool.link.gate(Instant::now()), Gate::Open);
     }
 }
