@@ -9,36 +9,13 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{config, start, start_with};
+use common::{config, declare_permissions, escape, start, start_with};
 use lily::prelude::*;
 use lily::rabbit::{Applied, Topology};
 use lily_mq_mongo::mongodb::bson::{Document, doc};
 use lily_mq_mongo::mongodb::{self, Client as MongoClient};
 use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};
 use lily_mq_testkit::{Broker, Client, MongoNode};
-
-/// `text` with the characters a regular expression gives meaning to escaped.
-fn escape(text: &str) -> String {
-    let mut escaped = String::with_capacity(text.len());
-    for c in text.chars() {
-        if r"\.+*?()|[]{}^$".contains(c) {
-            escaped.push('\\');
-        }
-        escaped.push(c);
-    }
-    escaped
-}
-
-/// The README's permissions for a consumer of `queue` that declares its topology:
-/// `(configure, write, read)`.
-fn declare_permissions(queue: &str) -> [String; 3] {
-    let q = escape(queue);
-    [
-        format!(r"^{q}(\.retry\.[0-9a-z]+|\.dlq|\.parking|\.dlx)?$"),
-        format!(r"^(amq\.default|{q}\.dlq|{q}\.dlx)$"),
-        format!(r"^{q}(\.retry\.[0-9a-z]+|\.dlx)?$"),
-    ]
-}
 
 /// The README's permissions for a consumer of `queue` in Verify mode: it configures nothing.
 fn verify_permissions(queue: &str) -> [String; 3] {

@@ -261,3 +261,26 @@ pub async fn wait_declared(url: &str, queue: &str) {
     }
     panic!("queue {queue} was never declared");
 }
+
+/// `text` with the characters a regular expression gives meaning to escaped.
+pub fn escape(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len());
+    for c in text.chars() {
+        if r"\.+*?()|[]{}^$".contains(c) {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    escaped
+}
+
+/// The README's permissions for a consumer of `queue` that declares its topology:
+/// `(configure, write, read)`.
+pub fn declare_permissions(queue: &str) -> [String; 3] {
+    let q = escape(queue);
+    [
+        format!(r"^{q}(\.retry\.[0-9a-z]+|\.dlq|\.parking|\.dlx)?$"),
+        format!(r"^(amq\.default|{q}\.dlq|{q}\.dlx)$"),
+        format!(r"^{q}(\.retry\.[0-9a-z]+|\.dlx)?$"),
+    ]
+}

@@ -391,6 +391,11 @@ pub enum HandoffResult {
     /// The broker blocked the publishing connection (a resource alarm) for the whole budget,
     /// so the copy was never published.
     Blocked,
+    /// The broker refused the publish for want of a permission (`ACCESS_REFUSED`, or the
+    /// publisher held it back while the broker refuses): the lane fails until the permission
+    /// is granted again. The delivery is held, never NACKed below the requeue limit: a NACK
+    /// would only bring it back to a refusal and spend its requeues.
+    Refused,
 }
 
 /// Evidence from writing an ACK, NACK or reject.
@@ -542,6 +547,10 @@ enum AfterHold {
 const HOLD_MIN: Duration = Duration::from_secs(1);
 /// The longest hold at the requeue limit between two tries of the failed handoff.
 const HOLD_MAX: Duration = Duration::from_secs(60);
+/// The longest hold between two tries of a handoff the broker refused: short, so the lane
+/// resumes soon after the permission is granted again (the publisher bounds what the tries
+/// cost the broker).
+const REFUSED_HOLD_MAX: Duration = Duration::from_secs(2);
 
 impl<'p> Settlement<'p> {
     /// Starts settlement of `plan` at `now`. `requeues` is how many times the message has been
@@ -620,7 +629,7 @@ impl<'p> Settlement<'p> {
             _ if self.budget.remaining(now).is_zero() => {
                 Stage::Done(Outcome::Unresolved(Unresolved::BudgetExhausted))
             }
-            _ => self.after_failed(handoff, now),
+            _ => self.after_failed(handoff, result == HandoffResult::Refused, now),
         };
     }
 
@@ -632,8 +641,11 @@ impl<'p> Settlement<'p> {
     /// - below the requeue limit, a hold (the deferral delay) and then the NACK;
     /// - at the limit, holds with growing backoff between tries of the handoff, and a NACK once
     ///   the delivery was held for [`Policy::release_held_after`] (before the broker's
-    ///   `consumer_timeout` would close the channel) or when shutdown cuts a hold short.
-    fn after_failed(&mut self, handoff: Handoff, now: Instant) -> Stage {
+    ///   `consumer_timeout` would close the channel) or when shutdown cuts a hold short;
+    /// - when the broker `refused` the publish (a permission), as at the limit whatever the
+    ///   requeues, each hold at most [`REFUSED_HOLD_MAX`]: a NACK would bring the delivery
+    ///   back only to be refused again, spending its requeues towards the delivery limit.
+    fn after_failed(&mut self, handoff: Handoff, refused: bool, now: Instant) -> Stage {
         let bucket = self.hold_bucket();
         let failing = self.failing.get_or_insert_default();
         if let (Some(target), Some(bucket), false) =
@@ -648,7 +660,7 @@ impl<'p> Settlement<'p> {
                 deadline: self.budget.for_handoff(now),
             });
         }
-        if self.may_requeue {
+        if self.may_requeue && !refused {
             let delay = self.policy.deferral_delay(self.requeues);
             failing.after_hold = Some((AfterHold::Requeue, now + delay));
             return Stage::Ready(Action::Hold(delay));
@@ -666,9 +678,10 @@ impl<'p> Settlement<'p> {
             },
             None => handoff,
         };
+        let longest = if refused { REFUSED_HOLD_MAX } else { HOLD_MAX };
         let delay = HOLD_MIN
             .saturating_mul(1 << holds.min(6))
-            .min(HOLD_MAX)
+            .min(longest)
             .min(release - now);
         failing.after_hold = Some((AfterHold::Publish(retry), now + delay));
         Stage::Ready(Action::Hold(delay))

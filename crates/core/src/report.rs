@@ -84,6 +84,11 @@ pub struct Incidents {
     /// delivery in that frame went back to the queue and came first again on the next session:
     /// any such loss makes the report unclean, since the queue may have stalled behind it.
     pub unparseable_frames: u64,
+    /// Times the broker came to refuse handoff copies for want of a permission (`write` on the
+    /// default exchange taken away while running). Each is logged at WARN naming the permission
+    /// and the resource, and so is one still under way at shutdown.
+    #[serde(default)]
+    pub handoffs_refused: u64,
 }
 
 impl ShutdownReport {

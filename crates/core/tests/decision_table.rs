@@ -790,6 +790,71 @@ fn at_the_requeue_limit_a_failing_lane_is_tried_again_with_backoff_then_released
 }
 
 #[test]
+fn a_refused_handoff_below_the_requeue_limit_is_held_and_tried_again_never_nacked() {
+    let t0 = Instant::now();
+    let p = policy().clone().release_held_after(Duration::from_secs(30));
+    let plan = dead_letter(FailureKind::Permanent, Cause::Handler);
+    let mut s = start_publish(plan, 0, &p, t0);
+    let mut now = within_budget(t0);
+    s.handle_handoff(HandoffResult::Refused, Authority::Held, now);
+    let mut holds = Vec::new();
+    for _ in 0..6 {
+        // The held copy is refused too: the refused right is write on the default exchange.
+        assert!(matches!(next_publish_lane(&mut s), Lane::Held { .. }));
+        s.handle_handoff(HandoffResult::Refused, Authority::Held, now);
+        let Some(Action::Hold(hold)) = s.poll_action() else {
+            panic!("a refused handoff is held, never NACKed below the limit");
+        };
+        holds.push(hold.as_secs());
+        now += hold;
+        s.handle_held(now);
+        assert_eq!(next_publish_lane(&mut s), Lane::DeadLetter);
+        s.handle_handoff(HandoffResult::Refused, Authority::Held, now);
+    }
+    // Short holds, so the lane resumes within seconds of the permission coming back.
+    assert_eq!(holds, vec![1, 2, 2, 2, 2, 2]);
+    // Granted again: the copy goes to its lane and the original is ACKed.
+    assert!(matches!(next_publish_lane(&mut s), Lane::Held { .. }));
+    s.handle_handoff(HandoffResult::Confirmed, Authority::Held, now);
+    assert_eq!(s.poll_action(), Some(Action::Ack));
+    s.handle_settled(SettleResult::Written);
+    assert_eq!(s.outcome(), Some(Outcome::Held));
+}
+
+#[test]
+fn a_handoff_refused_for_release_held_after_ends_in_one_nack() {
+    let t0 = Instant::now();
+    let p = policy().clone().release_held_after(Duration::from_secs(10));
+    let plan = dead_letter(FailureKind::Permanent, Cause::Handler);
+    let mut s = start_publish(plan, 0, &p, t0);
+    let mut now = within_budget(t0);
+    s.handle_handoff(HandoffResult::Refused, Authority::Held, now);
+    let mut holds = Vec::new();
+    loop {
+        assert!(matches!(next_publish_lane(&mut s), Lane::Held { .. }));
+        s.handle_handoff(HandoffResult::Refused, Authority::Held, now);
+        match s.poll_action() {
+            Some(Action::Hold(hold)) => {
+                holds.push(hold.as_secs());
+                now += hold;
+                s.handle_held(now);
+                assert_eq!(next_publish_lane(&mut s), Lane::DeadLetter);
+                s.handle_handoff(HandoffResult::Refused, Authority::Held, now);
+            }
+            Some(Action::Requeue) => break,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    // 1 + 2 + 2 + 2 s, then what is left of the 10 s: the documented bound on a held delivery.
+    assert_eq!(holds, vec![1, 2, 2, 2, 2, 1]);
+    s.handle_settled(SettleResult::Written);
+    assert_eq!(
+        s.outcome(),
+        Some(Outcome::Requeued(RequeueCause::HandoffFailed))
+    );
+}
+
+#[test]
 fn a_hold_at_the_requeue_limit_cut_short_by_shutdown_releases_the_delivery() {
     let t0 = Instant::now();
     let p = policy();

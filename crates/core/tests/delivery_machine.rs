@@ -876,6 +876,7 @@ mod properties {
             Just(HandoffResult::Failed),
             Just(HandoffResult::TimedOut),
             Just(HandoffResult::Blocked),
+            Just(HandoffResult::Refused),
         ];
         let settled = prop_oneof![Just(SettleResult::Written), Just(SettleResult::Refused)];
         (
@@ -923,7 +924,8 @@ mod properties {
         let mut trace = Trace::default();
         let mut authority = s.authority.iter().cycle();
         let mut now = start;
-        for _ in 0..400 {
+        // A refused handoff is tried every few seconds until `release_held_after`.
+        for _ in 0..2000 {
             let auth = if *authority.next().unwrap() {
                 Authority::Held
             } else {

@@ -39,6 +39,17 @@
 //!   stream of publishes their own confirms are the evidence and no probe is sent; a message
 //!   published in the instant an alarm starts can still be held by the broker, time out and
 //!   land later.
+//! - **Refused.** A publish the broker refuses for want of a permission (`ACCESS_REFUSED`:
+//!   `write` on the exchange, taken from the user while Lily runs) closes its channel. The pool
+//!   then knows it is refused and names the permission ([`Confirms::refused`]). One worker at a
+//!   time, at most every [`REFUSED_RETRY`], opens a channel and tries what it holds (a probe
+//!   first, after a quiet spell); the others' publishes wait for that try's answer, at most
+//!   [`TRY_WAIT`], and are otherwise answered [`HandoffResult::Refused`] at once, without a
+//!   channel. So a refusal costs the broker a few channels a second, not one per publish, and
+//!   the first publish it confirms once the permission is granted again ends the refusal,
+//!   without a reconnect. The refusal is the pool's, not one exchange's: the
+//!   handoff copies all go through the default exchange; a [`Publisher`](crate::Publisher)
+//!   publishing to several exchanges, one of them refused, publishes to all at that pace.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::pin::Pin;
@@ -58,6 +69,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::connect::{Dialer, Endpoint};
+use crate::error::{MissingPermission, Needs, missing_permission};
 use crate::sync::lock;
 
 /// Confirm channels publishing, each with many publishes in flight.
@@ -72,6 +84,26 @@ const PROBE_AFTER: Duration = Duration::from_millis(100);
 /// Routing key of the probe: RabbitMQ reserves `amq.` queue names, so nothing can route it.
 const PROBE_ROUTE: &str = "amq.lily.probe";
 
+/// While the broker refuses the pool's publishes, how often at most a worker opens a channel
+/// to try again: two a second, under the five the README allows.
+pub(crate) const REFUSED_RETRY: Duration = Duration::from_millis(500);
+
+/// How long the other workers' publishes wait for a try (a channel opened while refused) to
+/// show whether the broker still refuses, before they are answered without it.
+const TRY_WAIT: Duration = Duration::from_secs(1);
+
+/// How many channels the broker may close for a refusal on one connection before the pool
+/// dials a new one: with lapin 4.12, a connection that had 2047 channels refused (RabbitMQ's
+/// `channel_max`) opens no channel again, the permission given back or not (seen with a plain
+/// lapin loop against 3.10.8). Half of that: at [`REFUSED_RETRY`], a new connection every eight
+/// minutes or so of a refusal.
+const REFUSED_PER_CONNECTION: u32 = 1024;
+
+/// How long a connection replaced for [`REFUSED_PER_CONNECTION`] stays open for what is still in
+/// flight on it: far longer than a publish's deadline (the settlement budget, 10 s by default).
+/// A publish still unconfirmed when it closes fails, as on any lost connection: not confirmed.
+const WORN_GRACE: Duration = Duration::from_secs(120);
+
 /// What a pool is for: how its connection is named, the header its publishes carry their id
 /// in, and the gauge that says the broker blocks it.
 #[derive(Clone, Copy, Debug)]
@@ -82,6 +114,12 @@ pub(crate) struct Role {
     pub(crate) id_header: &'static str,
     /// The gauge set to 1 while the broker blocks the connection, labelled `queue=<label>`.
     pub(crate) blocked_gauge: &'static str,
+    /// The gauge set to 1 while the broker refuses the pool's publishes (a permission),
+    /// labelled `queue=<label>`.
+    pub(crate) refused_gauge: &'static str,
+    /// What the publishes are for, in the text naming a refused permission: `publish handoff
+    /// copies`.
+    pub(crate) doing: &'static str,
 }
 
 /// Where one publish goes: an exchange (`""` is the default one) and a routing key.
@@ -144,7 +182,26 @@ struct Link {
     /// Registered on first use, so a recorder installed after [`Confirms::new`] (by
     /// `health::serve`, say) still gets it.
     blocked_gauge: std::sync::OnceLock<metrics::Gauge>,
+    /// Whether the broker refuses the pool's publishes, and when a worker may try again.
+    refusal: Mutex<Refusal>,
     label: String,
+}
+
+/// The broker's refusal of the pool's publishes (a permission), while it lasts.
+#[derive(Default)]
+struct Refusal {
+    /// The permission refused; `None` while publishes are accepted.
+    missing: Option<MissingPermission>,
+    /// When a worker may next open a channel to try again.
+    next_try: Option<Instant>,
+    /// When the try under way began, until its channel is refused or a publish confirmed.
+    trying_since: Option<Instant>,
+    /// How many times publishes came to be refused, for the pool's life.
+    spells: u64,
+    /// Channels refused on the current connection.
+    on_connection: u32,
+    /// Registered at the first refusal.
+    gauge: Option<metrics::Gauge>,
 }
 
 impl Confirms {
@@ -162,6 +219,7 @@ impl Confirms {
                 last_confirm: Mutex::new(None),
                 blocked: Arc::new(AtomicBool::new(false)),
                 blocked_gauge: std::sync::OnceLock::new(),
+                refusal: Mutex::new(Refusal::default()),
                 label: label.to_owned(),
             }),
             requests,
@@ -174,6 +232,17 @@ impl Confirms {
     /// Whether the broker blocks the connection (a resource alarm): publishes wait.
     pub(crate) fn blocked(&self) -> bool {
         self.link.blocked.load(Ordering::Acquire)
+    }
+
+    /// The permission the broker refuses the pool's publishes for, while it does: publishes
+    /// answer [`HandoffResult::Refused`] until one is confirmed again.
+    pub(crate) fn refused(&self) -> Option<MissingPermission> {
+        lock(&self.link.refusal).missing.clone()
+    }
+
+    /// How many times the broker came to refuse the pool's publishes, for its life.
+    pub(crate) fn refusals(&self) -> u64 {
+        lock(&self.link.refusal).spells
     }
 
     /// Opens the connection, so a broker that refuses it is known before the first publish,
@@ -320,9 +389,19 @@ async fn work(
         worker.settle();
         worker.expire(Instant::now());
         if worker.pipe.is_none() && !worker.held.is_empty() {
-            tokio::select! {
-                () = &mut cancelled => return,
-                () = worker.open() => {}
+            match worker.link.gate(Instant::now()) {
+                Gate::Open => tokio::select! {
+                    () = &mut cancelled => return,
+                    () = worker.open() => {}
+                },
+                // Another worker's channel tries: its verdict is theirs too.
+                Gate::Wait => {}
+                Gate::Shut => {
+                    // Refused, and tried a moment ago: no channel for these.
+                    for request in worker.held.drain(..) {
+                        let _ = request.reply.send(HandoffResult::Refused);
+                    }
+                }
             }
         }
         worker.publish_held();
@@ -330,6 +409,17 @@ async fn work(
             return;
         }
     }
+}
+
+/// What a worker without a channel may do while the broker refuses the pool's publishes.
+#[derive(Debug, PartialEq, Eq)]
+enum Gate {
+    /// Open one: publishes are accepted, or it is this worker's turn to try.
+    Open,
+    /// Wait for the try another worker's channel makes.
+    Wait,
+    /// Answer the held publishes [`HandoffResult::Refused`] without a channel.
+    Shut,
 }
 
 /// One worker's requests and its confirm channel.
@@ -354,6 +444,9 @@ struct Pipe {
     /// Deadlines of the publishes in flight.
     deadlines: BTreeSet<(Instant, Seq)>,
     wakes: Arc<Wakes>,
+    /// The broker refused a publish on the channel (a permission), closing it: what fails on
+    /// it was refused, not lost.
+    refused: bool,
 }
 
 /// One publish in flight.
@@ -363,6 +456,8 @@ struct Flight {
     /// Where its result goes; `None` for a probe.
     reply: Option<oneshot::Sender<HandoffResult>>,
     until: Instant,
+    /// The exchange it is published to, named when the broker refuses it.
+    exchange: ShortString,
 }
 
 enum Stage {
@@ -409,9 +504,11 @@ impl Worker {
             .pipe
             .as_ref()
             .and_then(|pipe| pipe.deadlines.first().map(|(at, _)| *at));
-        let blocked =
-            (!self.held.is_empty() && self.link.blocked()).then(|| Instant::now() + BLOCKED_POLL);
-        [held, flying, blocked].into_iter().flatten().min()
+        let now = Instant::now();
+        let waiting = !self.held.is_empty()
+            && (self.link.blocked() || (self.pipe.is_none() && self.link.trying(now)));
+        let poll = waiting.then(|| now + BLOCKED_POLL);
+        [held, flying, poll].into_iter().flatten().min()
     }
 
     /// Handles every wake-up of the channel up to a quiet point and answers what was judged.
@@ -476,6 +573,11 @@ impl Worker {
             }
             let result = match result {
                 HandoffResult::TimedOut if blocked => HandoffResult::Blocked,
+                HandoffResult::Failed if pipe.refused => HandoffResult::Refused,
+                HandoffResult::Confirmed => {
+                    self.link.accepted();
+                    HandoffResult::Confirmed
+                }
                 r => r,
             };
             if let Some(reply) = flight.reply {
@@ -508,6 +610,7 @@ impl Worker {
                     flights: HashMap::new(),
                     deadlines: BTreeSet::new(),
                     wakes: Arc::default(),
+                    refused: false,
                 });
             }
             Ok(Err(_)) => {
@@ -524,10 +627,10 @@ impl Worker {
         !self.held.is_empty()
             && self.probing.is_none()
             && !self.link.blocked()
-            && self
-                .pipe
-                .as_ref()
-                .is_none_or(|pipe| pipe.evidence.retired().is_none())
+            && match &self.pipe {
+                Some(pipe) => pipe.evidence.retired().is_none(),
+                None => !self.link.trying(Instant::now()),
+            }
     }
 
     /// Publishes the held requests, unless the channel must not take them yet. After a quiet
@@ -586,6 +689,7 @@ impl Pipe {
             until,
             ..
         } = copy;
+        let exchange = route.exchange.clone();
         let publish = Box::pin(async move {
             channel
                 .basic_publish(
@@ -607,6 +711,7 @@ impl Pipe {
                 waker,
                 reply,
                 until,
+                exchange,
             },
         );
         self.deadlines.insert((until, seq));
@@ -624,8 +729,10 @@ impl Pipe {
         if let Stage::Writing(publish) = &mut flight.stage {
             match publish.as_mut().poll(&mut cx) {
                 Poll::Pending => return,
-                Poll::Ready(Err(_)) => {
+                Poll::Ready(Err(err)) => {
                     flight.stage = Stage::Seen;
+                    let exchange = flight.exchange.clone();
+                    self.note_error(&err, exchange.as_str(), link);
                     self.evidence.handle_failed(seq);
                     return;
                 }
@@ -657,7 +764,20 @@ impl Pipe {
                 let brought = message.map(|m| link.returned_id(&m));
                 self.evidence.handle_confirm(seq, Confirm::Nack, brought);
             }
-            Ok(Confirmation::NotRequested) | Err(_) => self.evidence.handle_failed(seq),
+            Ok(Confirmation::NotRequested) => self.evidence.handle_failed(seq),
+            Err(err) => {
+                let exchange = flight.exchange.clone();
+                self.note_error(&err, exchange.as_str(), link);
+                self.evidence.handle_failed(seq);
+            }
+        }
+    }
+
+    /// Notes a publish's error: a refusal marks the channel refused, counted once on `link`
+    /// however many publishes it fails.
+    fn note_error(&mut self, err: &lapin::Error, exchange: &str, link: &Link) {
+        if link.refuses(err, exchange) && !std::mem::replace(&mut self.refused, true) {
+            link.channel_refused();
         }
     }
 }
@@ -697,8 +817,109 @@ impl Link {
         *lock(&self.last_confirm) = Some(Instant::now());
     }
 
+    /// Whether `err`, of a publish to `exchange`, is the broker refusing the `write`
+    /// permission; if so the pool is refused from now on, until a publish is confirmed again.
+    fn refuses(&self, err: &lapin::Error, exchange: &str) -> bool {
+        let needs = [Needs::exchange(exchange, "write")];
+        let Some(missing) = missing_permission(err, || self.role.doing.to_owned(), &needs) else {
+            return false;
+        };
+        let mut refusal = lock(&self.refusal);
+        if refusal.missing.is_none() {
+            refusal.spells += 1;
+            // The broker's text names the resource and the user, never a password.
+            warn!(
+                queue = %self.label,
+                role = self.role.name,
+                lacks = %missing,
+                "the broker refuses publishes: they fail at once, and a channel tries again at most every {REFUSED_RETRY:?}, until the permission is granted"
+            );
+            let gauge = refusal.gauge.get_or_insert_with(
+                || metrics::gauge!(self.role.refused_gauge, "queue" => self.label.clone()),
+            );
+            gauge.set(1.0);
+        }
+        refusal.missing = Some(missing);
+        refusal.next_try = Some(Instant::now() + REFUSED_RETRY);
+        refusal.trying_since = None;
+        true
+    }
+
+    /// A channel of the current connection was closed for a refusal.
+    fn channel_refused(&self) {
+        let mut refusal = lock(&self.refusal);
+        refusal.on_connection = refusal.on_connection.saturating_add(1);
+    }
+
+    /// Whether the current connection has had [`REFUSED_PER_CONNECTION`] channels refused:
+    /// its channel ids run out, so the next channel is opened on a new connection.
+    fn worn(&self) -> bool {
+        lock(&self.refusal).on_connection >= REFUSED_PER_CONNECTION
+    }
+
+    /// Whether a worker may open a channel now: always, unless the broker refuses the pool's
+    /// publishes, and then one worker every [`REFUSED_RETRY`]; the others wait for that try,
+    /// at most [`TRY_WAIT`], or are answered at once when none is under way.
+    fn gate(&self, now: Instant) -> Gate {
+        let mut refusal = lock(&self.refusal);
+        if refusal.missing.is_none() {
+            return Gate::Open;
+        }
+        if refusal.next_try.is_none_or(|at| at <= now) {
+            refusal.next_try = Some(now + REFUSED_RETRY);
+            refusal.trying_since = Some(now);
+            return Gate::Open;
+        }
+        match refusal.trying_since {
+            Some(since) if now < since + TRY_WAIT => Gate::Wait,
+            _ => Gate::Shut,
+        }
+    }
+
+    /// Whether publishes wait for a try under way (see [`Link::gate`]).
+    fn trying(&self, now: Instant) -> bool {
+        let refusal = lock(&self.refusal);
+        refusal.missing.is_some()
+            && refusal
+                .trying_since
+                .is_some_and(|since| now < since + TRY_WAIT)
+    }
+
+    /// A publish was confirmed: whatever the broker refused before, it accepts them again.
+    fn accepted(&self) {
+        let mut refusal = lock(&self.refusal);
+        if let Some(missing) = refusal.missing.take() {
+            refusal.next_try = None;
+            refusal.trying_since = None;
+            info!(
+                queue = %self.label,
+                role = self.role.name,
+                was_lacking = %missing,
+                "the broker accepts publishes again"
+            );
+            if let Some(gauge) = &refusal.gauge {
+                gauge.set(0.0);
+            }
+        }
+    }
+
     /// A new confirm channel; waits while the broker blocks the connection.
     async fn open_channel(&self) -> lapin::Result<Channel> {
+        if self.worn()
+            && let Some(worn) = lock(&self.current).take()
+        {
+            info!(
+                queue = %self.label,
+                role = self.role.name,
+                "{REFUSED_PER_CONNECTION} channels refused on the publishing connection; opening a new one"
+            );
+            // Closed once what may still be in flight on it (publishes of channels opened
+            // before, each within its deadline) had its time.
+            tokio::spawn(async move {
+                tokio::time::sleep(WORN_GRACE).await;
+                let _ = worn.close(200, "lily: channel ids used up".into()).await;
+            });
+        }
         loop {
             let connection = self.connection().await?;
             if connection.status().blocked() {
@@ -724,6 +945,7 @@ impl Link {
             ))
         })?;
         let connection = Arc::new(dialer.connect().await?);
+        lock(&self.refusal).on_connection = 0;
         *lock(&self.last_confirm) = None;
         self.blocked.store(false, Ordering::Release);
         let gauge = self.blocked_gauge.get_or_init(
@@ -797,4 +1019,103 @@ async fn confirm_channel(connection: &Connection) -> lapin::Result<Channel> {
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
     Ok(channel)
+}
+
+#[cfg(test)]
+mod tests {
+    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPSoftError};
+
+    use super::*;
+
+    fn pool() -> Confirms {
+        Confirms::new(
+            "orders",
+            Role {
+                name: "handoffs",
+                id_header: "x-test-id",
+                blocked_gauge: "lily_test_blocked",
+                refused_gauge: "lily_test_refused",
+                doing: "publish handoff copies",
+            },
+        )
+    }
+
+    fn refused_write() -> lapin::Error {
+        let message = "ACCESS_REFUSED - access to exchange 'amq.default' in vhost '/' refused \
+                       for user 'lily'";
+        lapin::ErrorKind::ProtocolError(AMQPError::new(
+            AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED),
+            message.into(),
+        ))
+        .into()
+    }
+
+    #[test]
+    fn a_refusal_is_named_and_lets_one_channel_try_at_a_time_every_retry_until_a_confirm() {
+        let pool = pool();
+        let link = &pool.link;
+        assert_eq!(
+            link.gate(Instant::now()),
+            Gate::Open,
+            "accepted: channels open"
+        );
+
+        assert!(link.refuses(&refused_write(), ""));
+        let missing = pool.refused().expect("refused");
+        assert_eq!(
+            missing.to_string(),
+            "the write permission on exchange 'amq.default' in vhost '/' (needed to publish \
+             handoff copies)"
+        );
+        assert_eq!(pool.refusals(), 1);
+
+        let now = Instant::now();
+        assert_eq!(
+            link.gate(now),
+            Gate::Shut,
+            "the refused channel was the try"
+        );
+        assert!(!link.trying(now));
+        let later = now + REFUSED_RETRY;
+        assert_eq!(link.gate(later), Gate::Open, "one try every REFUSED_RETRY");
+        assert!(link.trying(later));
+        assert_eq!(link.gate(later), Gate::Wait, "the others wait for it");
+        let late = later + TRY_WAIT;
+        assert_eq!(
+            link.gate(late),
+            Gate::Open,
+            "a try that says nothing is given up"
+        );
+        assert_eq!(link.gate(late), Gate::Wait);
+        // Refused again: still one spell, and the waiting publishes are answered.
+        assert!(link.refuses(&refused_write(), ""));
+        assert_eq!(pool.refusals(), 1);
+        assert_eq!(link.gate(Instant::now()), Gate::Shut);
+
+        assert!(!link.worn(), "publishes refused, no channel counted");
+        for _ in 0..REFUSED_PER_CONNECTION {
+            link.channel_refused();
+        }
+        assert!(link.worn(), "the next channel goes on a new connection");
+
+        link.accepted();
+        assert_eq!(pool.refused(), None);
+        assert_eq!(link.gate(now), Gate::Open, "accepted again: channels open");
+        assert!(!link.trying(now));
+        assert!(link.refuses(&refused_write(), ""));
+        assert_eq!(pool.refusals(), 2);
+    }
+
+    #[test]
+    fn other_channel_errors_are_no_refusal() {
+        let pool = pool();
+        let not_found: lapin::Error = lapin::ErrorKind::ProtocolError(AMQPError::new(
+            AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND),
+            "NOT_FOUND - no exchange 'x' in vhost '/'".into(),
+        ))
+        .into();
+        assert!(!pool.link.refuses(&not_found, "x"));
+        assert_eq!(pool.refused(), None);
+        assert_eq!(pool.link.gate(Instant::now()), Gate::Open);
+    }
 }

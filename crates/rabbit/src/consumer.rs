@@ -17,7 +17,7 @@ use tracing::{error, info, warn};
 use crate::config::ConsumerConfig;
 use crate::connect::{Dialer, Endpoint, EndpointError, jittered};
 use crate::crew::Crew;
-use crate::error::{ConfigError, Error};
+use crate::error::{ConfigError, Error, MissingPermission};
 use crate::handoff::HandoffPublisher;
 use crate::report::ReportSinks;
 use crate::service::{Books, Metrics, Shared, Signals};
@@ -89,6 +89,14 @@ impl Stats {
     /// deliveries are still ACKed, but handoffs wait, within their budget, for the unblock.
     pub fn handoffs_blocked(&self) -> bool {
         self.publisher.blocked()
+    }
+
+    /// The permission the broker refuses handoff copies for, while it does (`write` on the
+    /// default exchange, taken from the user while Lily runs): failures are held
+    /// unacknowledged (see the README's "A failing lane") and handoffs resume by themselves
+    /// once it is granted again.
+    pub fn handoffs_refused(&self) -> Option<MissingPermission> {
+        self.publisher.refused()
     }
 
     /// The lanes (queue names: the DLQ, the parking lane, a retry bucket) whose latest handoff
@@ -400,7 +408,12 @@ async fn shut_down(
     let mut ledger = lock(&shared.books.ledger);
     // ACKs written on channels that are gone were never confirmed.
     ledger.acks_uncertain(None);
-    let incidents = *lock(&shared.books.incidents);
+    let mut incidents = *lock(&shared.books.incidents);
+    incidents.handoffs_refused = shared.publisher.refusals();
+    if let Some(missing) = shared.publisher.refused() {
+        // Failures held for it were released (NACKed) by the shutdown: they wait in the queue.
+        warn!(queue = %shared.queue, lacks = %missing, "shutting down while the broker refuses handoff copies");
+    }
     let mut report =
         ShutdownReport::build(&shared.queue, &clock, &ledger, incidents, Instant::now());
     report.error = error.map(|err| error_text(&err));

@@ -15,7 +15,7 @@ use lily_mq_core::{
     Begin, DynHook, Lane, Meta, Outcome, Policy, Reason, Resources, Router, TransactionalScope,
 };
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::admit::Source;
 use crate::config::ConsumerConfig;
@@ -214,8 +214,14 @@ pub(crate) async fn execute(
                 settling_since.get_or_insert(last);
                 let reason = machine.reason().clone();
                 let result = effects.publish(handoff, &reason, copy, deadline).await;
-                if result != HandoffResult::Confirmed {
-                    warn!(handoff = ?handoff.lane, ?result, "handoff failed");
+                match result {
+                    HandoffResult::Confirmed => {}
+                    // Named once, with the permission, when the refusal starts; every try of
+                    // every held delivery would repeat it every few seconds.
+                    HandoffResult::Refused => {
+                        debug!(handoff = ?handoff.lane, ?result, "handoff failed");
+                    }
+                    _ => warn!(handoff = ?handoff.lane, ?result, "handoff failed"),
                 }
                 last = effects.now();
                 machine.handle_handoff(result, effects.authority(), last);

@@ -15,6 +15,7 @@ use tracing::{info, warn};
 
 use crate::confirms::{Confirms, Role, Route};
 use crate::connect::Endpoint;
+use crate::error::MissingPermission;
 use crate::sync::lock;
 use crate::topology::Topology;
 
@@ -35,6 +36,8 @@ impl HandoffPublisher {
             name: "handoffs",
             id_header: headers::HANDOFF_ID,
             blocked_gauge: "lily_handoff_blocked",
+            refused_gauge: "lily_handoff_refused",
+            doing: "publish handoff copies",
         };
         Self {
             confirms: Confirms::new(queue, role),
@@ -51,6 +54,17 @@ impl HandoffPublisher {
     /// Whether the broker blocks the handoff connection (a resource alarm): handoffs wait.
     pub(crate) fn blocked(&self) -> bool {
         self.confirms.blocked()
+    }
+
+    /// The permission the broker refuses handoff copies for, while it does: see
+    /// [`Confirms::refused`].
+    pub(crate) fn refused(&self) -> Option<MissingPermission> {
+        self.confirms.refused()
+    }
+
+    /// How many times the broker came to refuse handoff copies; see [`Confirms::refusals`].
+    pub(crate) fn refusals(&self) -> u64 {
+        self.confirms.refusals()
     }
 
     /// See [`Confirms::warm`].
@@ -114,7 +128,12 @@ impl HandoffPublisher {
                     "lily_lane_failing", "queue" => self.queue.clone(), "lane" => lane.to_owned()
                 );
                 gauge.set(1.0);
-                warn!(queue = %self.queue, lane, ?result, "handoffs to the lane fail");
+                match self.refused().filter(|_| result == HandoffResult::Refused) {
+                    Some(missing) => {
+                        warn!(queue = %self.queue, lane, ?result, lacks = %missing, "handoffs to the lane fail");
+                    }
+                    None => warn!(queue = %self.queue, lane, ?result, "handoffs to the lane fail"),
+                }
                 failing.insert(lane.to_owned(), gauge);
             }
         }

@@ -6,7 +6,9 @@
 //!   to a pod that is shutting down. While the broker blocks the handoff connection (a resource
 //!   alarm), `/readyz` still answers 200, since deliveries are still consumed and ACKed, and
 //!   its body adds `handoffs blocked`; likewise `lane failing: <queue>` for each lane whose
-//!   latest handoff failed.
+//!   latest handoff failed, and `handoffs refused: <the permission, its resource and what
+//!   for>` while the broker refuses handoff copies for want of a permission: failures are then
+//!   held unacknowledged and may fill the prefetch.
 //! - `GET /metrics` answers every `lily_*` metric in the Prometheus text format, through a
 //!   `metrics-exporter-prometheus` recorder that [`serve`] installs for the process. An
 //!   application that installed another recorder first keeps it, and `/metrics` answers 404
@@ -68,6 +70,9 @@ fn readiness(stats: &Stats) -> (StatusCode, String) {
     let mut body = "ready\n".to_owned();
     if stats.handoffs_blocked() {
         body.push_str("handoffs blocked\n");
+    }
+    if let Some(missing) = stats.handoffs_refused() {
+        body.push_str(&format!("handoffs refused: {missing}\n"));
     }
     for lane in stats.failing_lanes() {
         body.push_str("lane failing: ");

@@ -69,7 +69,9 @@ impl From<HandoffResult> for Published {
             HandoffResult::Nacked => Self::Nacked,
             HandoffResult::TimedOut => Self::TimedOut,
             HandoffResult::Blocked => Self::Blocked,
-            HandoffResult::Failed => Self::Failed,
+            // On a channel the broker closed for a refused permission, a publish written
+            // before the refused one (to another exchange) may be in a queue.
+            HandoffResult::Failed | HandoffResult::Refused => Self::Failed,
         }
     }
 }
@@ -474,6 +476,8 @@ impl Publisher {
             name: "publisher",
             id_header: PUBLISH_ID,
             blocked_gauge: "lily_publisher_blocked",
+            refused_gauge: "lily_publisher_refused",
+            doing: "publish messages",
         };
         let confirms = Confirms::new(&config.name, role);
         if let Err(source) = confirms.warm(&endpoint).await {
