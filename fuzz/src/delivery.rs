@@ -79,7 +79,7 @@ impl Delivery {
             content_type: p.content_type().as_ref().map(ShortString::as_str),
             headers: p.headers().as_ref(),
             not_utf8: not_utf8(p, &self.exchange, &self.routing_key),
-        key: None,
+            key: None,
         }
     }
 }

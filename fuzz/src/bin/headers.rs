@@ -23,7 +23,9 @@ use lily_mq_core::transport::not_utf8;
 use lily_mq_core::transport::{
     GateRejection, Known, PropertiesView, as_text, as_u32, inspect, is_token,
 };
-use lily_mq_core::{FailureKind, Lane, Limits, Outcome, QueueHandlerError, Reason, Router};
+use lily_mq_core::{
+    FailureKind, HeaderKey, Lane, Limits, Outcome, QueueHandlerError, Reason, Router,
+};
 use lily_mq_core::{Terminal, headers};
 use lily_mq_fuzz::delivery::{BODY_MARKER, Delivery};
 use lily_mq_fuzz::walk::Size;
@@ -51,7 +53,9 @@ const SANITIZED: [&str; 11] = [
 ];
 
 /// Headers a copy of a message that passed the gate may write over or drop.
-const REWRITTEN: [&str; 17] = [
+const REWRITTEN: [&str; 19] = [
+    headers::SEAL,
+    headers::WAITS,
     headers::ATTEMPT,
     headers::FIRST_FAILURE_AT,
     headers::LAST_FAILURE_AT,
@@ -151,9 +155,12 @@ fn check_traceparent(text: &str) {
 }
 
 fn check_held(h: &FieldTable) {
-    let Some(held) = HeldCopy::from_known(&Known::lookup(Some(h))) else {
+    let known = Known::lookup(Some(h), None, None);
+    let Some(held) = HeldCopy::from_known(&known) else {
         return;
     };
+    // Only Lily's sealed headers make a held copy.
+    assert!(!known.unsealed && HeaderKey::public().verify("", h));
     let text = |key| h.inner().get(key).and_then(as_text);
     assert_eq!(text(headers::HELD_FOR), Some(held.target.as_str()));
     assert_eq!(
@@ -188,10 +195,11 @@ fn check_copies(d: &Delivery) {
     let verdict = inspect(&view, d.body.len(), limits);
     let settled = settle(limits, p.clone(), d.body.clone());
     check_bounded(settled.reason.as_str());
-    let held = HeldCopy::from_known(&Known::lookup(view.headers));
+    let known = Known::lookup(view.headers, view.message_id, None);
+    let held = HeldCopy::from_known(&known);
     if let Ok(envelope) = &verdict {
         // The gate's walk finds what a lookup of each would.
-        assert_eq!(envelope.known, Known::lookup(view.headers));
+        assert_eq!(envelope.known, known);
     }
     match verdict {
         Err(GateRejection::Oversized { .. }) => {
@@ -339,13 +347,27 @@ fn check_original(copy: &Copy, original: &BasicProperties) {
             );
         }
     }
+    let id = original.message_id().as_ref().map_or("", |id| id.as_str());
+    let sealed = original
+        .headers()
+        .as_ref()
+        .is_some_and(|h| HeaderKey::public().verify(id, h));
     for (key, value) in o {
         let key = key.as_str();
-        if key != headers::DELIVERY_COUNT && !REWRITTEN.contains(&key) {
+        if headers::is_lily(key) && !sealed {
+            // A publisher's header in Lily's namespace: never carried as if Lily wrote it.
+            let carried = copy.header(key).is_some_and(|v| same(v, value));
+            assert!(
+                !carried || REWRITTEN.contains(&key),
+                "the copy carries {key:?}"
+            );
+        } else if key != headers::DELIVERY_COUNT && !REWRITTEN.contains(&key) {
             let kept = copy.header(key).is_some_and(|v| same(v, value));
             assert!(kept, "the copy keeps header {key:?}");
         }
     }
+    let table = c.headers().as_ref().expect("a copy has headers");
+    assert!(HeaderKey::public().verify(id, table), "the copy is sealed");
     let long = |s: &ShortString| AMQPValue::LongString(LongString::from(s.as_str().as_bytes()));
     for (property, aside) in [
         (original.expiration(), headers::ORIGINAL_EXPIRATION),
