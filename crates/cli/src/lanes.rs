@@ -8,7 +8,7 @@ use std::num::NonZeroU64;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use lapin::types::AMQPValue;
 use lily_mq_core::transport::as_text;
-use lily_mq_core::{Terminal, headers};
+use lily_mq_core::{HeaderKey, Terminal, headers};
 use lily_mq_rabbit::replay::{Replay, replay_properties};
 use lily_mq_rabbit::{QueueKind, Topology};
 use serde_json::json;
@@ -38,9 +38,42 @@ pub(crate) struct Target {
     /// Print JSON instead of text.
     #[arg(long)]
     pub(crate) json: bool,
+    /// The key the consumers seal Lily's headers with (`ConsumerConfig::header_key`), read
+    /// from this file (trailing newline ignored); the environment's `LILY_HEADER_KEY` gives it
+    /// directly. Without either, the public key. Never printed.
+    #[arg(long, env = "LILY_HEADER_KEY_FILE", value_name = "FILE")]
+    pub(crate) header_key_file: Option<std::path::PathBuf>,
 }
 
 impl Target {
+    /// The key Lily's headers are sealed with.
+    fn header_key(&self) -> Result<HeaderKey, Failure> {
+        let secret = match &self.header_key_file {
+            Some(path) => Some(std::fs::read(path).map_err(|e| {
+                Failure::usage(format!(
+                    "cannot read --header-key-file {}: {e}",
+                    path.display()
+                ))
+            })?),
+            None => std::env::var_os("LILY_HEADER_KEY").map(|k| k.into_encoded_bytes()),
+        };
+        let Some(mut secret) = secret else {
+            return Ok(HeaderKey::public());
+        };
+        while secret.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
+            secret.pop();
+        }
+        let key = HeaderKey::new(secret);
+        if key.is_long_enough() {
+            Ok(key)
+        } else {
+            Err(Failure::usage(format!(
+                "the header key must be at least {} bytes",
+                HeaderKey::MIN_LEN
+            )))
+        }
+    }
+
     /// Where the broker is, for [`Pass::open`].
     fn broker(&self) -> Broker<'_> {
         Broker {
@@ -269,6 +302,7 @@ pub(crate) async fn replay(
 ) -> Result<Outcome, Failure> {
     let (topology, queue) = names(lane, target);
     let user = replaying_user(&target.url);
+    let key = target.header_key()?;
     let mut pass = Pass::open(&target.broker(), &queue).await?;
     let exchange = if options.dry_run {
         topology.replay_exchange()
@@ -300,7 +334,7 @@ pub(crate) async fn replay(
             at_millis: now_millis(),
             user: &user,
             keep_user_id_aside: options.keep_user_id_aside,
-            key: lily_mq_core::HeaderKey::public_ref(),
+            key: &key,
         };
         let properties = match replay_properties(&message.delivery.properties, &replay) {
             Ok(properties) => properties,
@@ -320,6 +354,7 @@ pub(crate) async fn replay(
             match published {
                 Ok(Published::Confirmed) => {
                     pass.ack(message.delivery.delivery_tag).await?;
+                    audit("replayed", &queue, &id, Some(&target.queue));
                     replayed.push(id);
                 }
                 other => {
@@ -395,31 +430,47 @@ pub(crate) async fn replay(
     Ok(Outcome::text(out, code))
 }
 
-/// `purge`: a count, a confirmation, then the selected messages ACKed away (or the whole lane
-/// purged for `--all`).
+/// `purge`: a count, a confirmation, then the selected messages ACKed away, each named in an
+/// audit line; with `dry_run`, only the count and the ids.
 pub(crate) async fn purge(
     lane: Terminal,
     target: &Target,
     selection: &Selection,
     yes: bool,
+    dry_run: bool,
 ) -> Result<Outcome, Failure> {
     let (_, queue) = names(lane, target);
     let mut pass = Pass::open(&target.broker(), &queue).await?;
-    // Delivery tags only: a large selection holds no bodies.
+    // Delivery tags and ids only: a large selection holds no bodies.
     let mut taken = Vec::new();
-    let count = if selection.is_all() {
-        u64::from(pass.size)
-    } else {
-        while let Some(message) = pass.next().await? {
-            let tag = message.delivery.delivery_tag;
-            if selection.takes(&Seen::of(&message.delivery.properties)) {
-                taken.push(tag);
-            } else {
-                pass.hold(tag);
-            }
+    while let Some(message) = pass.next().await? {
+        let tag = message.delivery.delivery_tag;
+        let seen = Seen::of(&message.delivery.properties);
+        // Held until the purge: none is removed before the confirmation.
+        pass.hold(tag);
+        if selection.takes(&seen) {
+            taken.push((tag, seen.message_id.unwrap_or_else(|| "-".into())));
         }
-        taken.len() as u64
-    };
+    }
+    let count = taken.len() as u64;
+    if dry_run {
+        pass.close().await?;
+        let mut out = format!(
+            "would purge {count} message{} from {queue}\n",
+            plural(count)
+        );
+        for (_, id) in &taken {
+            let _ = writeln!(out, "  {}", text(id));
+        }
+        if target.json {
+            let ids: Vec<_> = taken.iter().map(|(_, id)| id).collect();
+            return Ok(json_out(
+                &json!({"queue": queue, "dry_run": true, "would_purge": ids}),
+                0,
+            ));
+        }
+        return Ok(Outcome::text(out, 0));
+    }
     let question = format!(
         "purge {count} message{} from {queue}? type yes to confirm: ",
         plural(count)
@@ -428,28 +479,34 @@ pub(crate) async fn purge(
         && !yes
         && let Err(failure) = confirm(&question)
     {
-        for tag in &taken {
-            pass.hold(*tag);
-        }
         pass.close().await?;
         return Err(failure);
     }
-    let purged = if selection.is_all() {
-        u64::from(pass.purge().await?)
-    } else {
-        for tag in &taken {
-            pass.ack(*tag).await?;
-        }
-        count
-    };
+    for (tag, id) in &taken {
+        pass.ack(*tag).await?;
+        audit("purged", &queue, id, None);
+    }
     pass.close().await?;
     if target.json {
-        return Ok(json_out(&json!({"queue": queue, "purged": purged}), 0));
+        return Ok(json_out(&json!({"queue": queue, "purged": count}), 0));
     }
     Ok(Outcome::text(
-        format!("purged {purged} message{} from {queue}\n", plural(purged)),
+        format!("purged {count} message{} from {queue}\n", plural(count)),
         0,
     ))
+}
+
+/// One line on stderr for each message a command moved or deleted: when, what, which lane,
+/// which message id (never a body or a header value).
+fn audit(action: &str, lane: &str, id: &str, to: Option<&str>) {
+    let at = std::time::SystemTime::now();
+    let to = to.map(|q| format!(" to={}", text(q))).unwrap_or_default();
+    eprintln!(
+        "lily audit: at={} action={action} lane={} message_id={}{to}",
+        humantime::format_rfc3339_millis(at),
+        text(lane),
+        text(id),
+    );
 }
 
 /// Asks on the terminal; anything but `yes` aborts. Without a terminal, refuses.
@@ -506,15 +563,7 @@ fn value_text(key: &str, value: &AMQPValue) -> String {
         };
     }
     match value {
-        AMQPValue::LongLongInt(ms) if key.ends_with("-at") => {
-            let at = u64::try_from(*ms)
-                .ok()
-                .map(|ms| std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms));
-            match at {
-                Some(at) => format!("{ms} ({})", humantime::format_rfc3339_millis(at)),
-                None => ms.to_string(),
-            }
-        }
+        AMQPValue::LongLongInt(ms) if key.ends_with("-at") => time_text(*ms),
         AMQPValue::FieldTable(t) => format!("(table of {})", t.inner().len()),
         AMQPValue::FieldArray(a) => format!("(array of {})", a.as_slice().len()),
         AMQPValue::ByteArray(b) => format!("({} bytes)", b.as_slice().len()),
@@ -526,6 +575,22 @@ fn value_text(key: &str, value: &AMQPValue) -> String {
                 _ => "(not shown)".into(),
             },
         },
+    }
+}
+
+/// The last millisecond RFC 3339 can write: 9999-12-31T23:59:59.999Z.
+const LAST_RFC3339_MS: i64 = 253_402_300_799_999;
+
+/// Milliseconds since the Unix epoch, with the time they name when RFC 3339 can write it; a
+/// time before 1970 or after 9999 is named as such, never formatted.
+fn time_text(ms: i64) -> String {
+    match ms {
+        ..0 => format!("{ms} (before 1970: not a time Lily writes)"),
+        0..=LAST_RFC3339_MS => {
+            let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms.unsigned_abs());
+            format!("{ms} ({})", humantime::format_rfc3339_millis(at))
+        }
+        _ => format!("{ms} (after the year 9999: not a time Lily writes)"),
     }
 }
 
@@ -560,6 +625,43 @@ mod tests {
         assert_eq!(age(now, Some(now - 3 * 60_000)), "3m");
         assert_eq!(age(now, Some(now - 7_500_000)), "2h 5m");
         assert_eq!(age(now, Some(now - 90_000_000)), "1d 1h");
+    }
+
+    #[test]
+    fn times_outside_what_rfc3339_writes_are_named_not_formatted() {
+        assert_eq!(time_text(0), "0 (1970-01-01T00:00:00.000Z)");
+        assert!(time_text(LAST_RFC3339_MS).contains("9999-12-31T23:59:59.999Z"));
+        assert!(time_text(LAST_RFC3339_MS + 1).contains("after the year 9999"));
+        assert!(time_text(i64::MAX).contains("after the year 9999"));
+        assert!(time_text(-1).contains("before 1970"));
+        assert!(time_text(i64::MIN).contains("before 1970"));
+    }
+
+    proptest::proptest! {
+        /// Whatever a lane message's header holds, its text is bounded and nothing panics.
+        #[test]
+        fn any_header_value_renders_bounded(
+            key in "x-lily-[a-z-]{0,12}(-at)?",
+            n in proptest::prelude::any::<i64>(),
+            u in proptest::prelude::any::<u32>(),
+            text in "\\PC{0,600}",
+        ) {
+            for value in [
+                AMQPValue::LongLongInt(n),
+                AMQPValue::LongInt(n as i32),
+                AMQPValue::LongUInt(u),
+                AMQPValue::Timestamp(n.unsigned_abs()),
+                AMQPValue::Double(n as f64),
+                AMQPValue::LongString(text.as_bytes().to_vec().into()),
+                AMQPValue::ShortString(text.chars().take(60).collect::<String>().into()),
+                AMQPValue::LongString(vec![0xff, 0xfe, 0x00, b'a'].into()),
+            ] {
+                let rendered = value_text(&key, &value);
+                proptest::prop_assert!(rendered.len() <= 600, "{}", rendered.len());
+            }
+            let _ = age(n, Some(n.wrapping_neg()));
+            let _ = age(i64::MAX, Some(n));
+        }
     }
 
     #[test]

@@ -140,6 +140,9 @@ enum LaneCommand {
         /// Do not ask for confirmation.
         #[arg(short, long)]
         yes: bool,
+        /// Show what would be purged; remove nothing.
+        #[arg(long)]
+        dry_run: bool,
     },
 }
 
@@ -212,8 +215,9 @@ fn lane(lane: Terminal, command: LaneCommand) -> Outcome {
                 target,
                 selection,
                 yes,
+                dry_run,
             } => match selection.check() {
-                Ok(filter) => lanes::purge(lane, &target, &filter, yes).await,
+                Ok(filter) => lanes::purge(lane, &target, &filter, yes, dry_run).await,
                 Err(problem) => Err(outcome::Failure::usage(problem)),
             },
         }

@@ -6,6 +6,9 @@ pub(crate) const EXIT_INPUT: u8 = 1;
 pub(crate) const EXIT_USAGE: u8 = 2;
 /// Exit status when some selected messages were left in their lane.
 pub(crate) const EXIT_LEFT: u8 = 4;
+/// Exit status when the lane is in use (a consumer, another lily command, or messages being
+/// put back): nothing was done.
+pub(crate) const EXIT_BUSY: u8 = 5;
 
 /// What a command prints on stdout and the status it exits with.
 pub(crate) struct Outcome {
@@ -38,6 +41,14 @@ impl Failure {
         Self {
             message,
             code: EXIT_INPUT,
+        }
+    }
+
+    /// The lane is in use: nothing was done.
+    pub(crate) fn busy(message: String) -> Self {
+        Self {
+            message,
+            code: EXIT_BUSY,
         }
     }
 

@@ -134,11 +134,6 @@ impl Selection {
         }
     }
 
-    /// Whether the selection takes every message.
-    pub(crate) fn is_all(&self) -> bool {
-        self.all
-    }
-
     /// Whether it takes `seen`.
     pub(crate) fn takes(&self, seen: &Seen) -> bool {
         if self.all {

@@ -61,6 +61,22 @@ fn long(text: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(text.as_bytes().to_vec()))
 }
 
+/// `table` with the seal Lily writes on a copy of `id` (the public key).
+fn sealed(id: &str, mut table: FieldTable) -> FieldTable {
+    let seal = lily::core::HeaderKey::public().seal(id, &table);
+    table.insert("x-lily-seal".into(), seal);
+    table
+}
+
+/// The audit lines of a command's stderr.
+fn audit_lines(out: &Output) -> Vec<String> {
+    stderr(out)
+        .lines()
+        .filter(|l| l.starts_with("lily audit:"))
+        .map(str::to_owned)
+        .collect()
+}
+
 fn kinds() -> [QueueKind; 2] {
     [QueueKind::Classic, QueueKind::Quorum]
 }
@@ -282,7 +298,7 @@ async fn seed_lane(client: &Client, lane: &str, ids: impl IntoIterator<Item = St
             "x-lily-last-failure-at".into(),
             AMQPValue::LongLongInt(1_764_000_000_000),
         );
-        let p = props(&id, "order.placed").with_headers(table);
+        let p = props(&id, "order.placed").with_headers(sealed(&id, table));
         client.publish(lane, b"{\"qty\":1}", p).await;
     }
 }
@@ -339,7 +355,8 @@ async fn a_replay_killed_midway_loses_nothing_and_doubles_at_most_one_message() 
             .env("LILY_AMQP_URL", broker.url())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+            // Its audit lines are not read here: a full pipe would stop it.
+            .stderr(Stdio::null())
             .spawn()
             .expect("run lily");
         // Read over AMQP, in milliseconds: rabbitmqctl takes so long that the replay could
@@ -411,7 +428,7 @@ async fn show_dry_run_batch_user_id_and_purge_each_do_what_they_say() {
         .publish(
             &dlq,
             b"MARKER-IN-BODY",
-            props("foreign", "order.placed").with_headers(table),
+            props("foreign", "order.placed").with_headers(sealed("foreign", table)),
         )
         .await;
 
@@ -457,8 +474,14 @@ async fn show_dry_run_batch_user_id_and_purge_each_do_what_they_say() {
     );
 
     let out = exits(0, &["dlq", "replay", "-q", &queue, "--all", "--batch", "2"]);
-    // No progress bar when stderr is not a terminal.
-    assert_eq!(stderr(&out), "");
+    // No progress bar when stderr is not a terminal: only an audit line per message moved.
+    let audit = audit_lines(&out);
+    assert_eq!(audit.len(), 2, "{}", stderr(&out));
+    assert_eq!(stderr(&out).lines().count(), 2, "{}", stderr(&out));
+    assert!(
+        audit.iter().all(|l| l.contains("action=replayed")),
+        "{audit:?}"
+    );
     assert_eq!(
         (client.depth(&dlq).await, client.depth(&queue).await),
         (4, 2)
@@ -517,12 +540,35 @@ async fn show_dry_run_batch_user_id_and_purge_each_do_what_they_say() {
         ],
     );
     assert_eq!(json(&out)["purged"], 1);
-    let out = lily(&["dlq", "purge", "-q", &queue, "--all", "--yes"]);
+    let out = exits(0, &["dlq", "purge", "-q", &queue, "--all", "--dry-run"]);
     assert!(
-        stdout(&out).contains("purged 3 messages"),
+        stdout(&out).contains("would purge 3 messages"),
         "{}",
         stdout(&out)
     );
+    assert!(audit_lines(&out).is_empty());
+    assert_eq!(
+        ready_soon(client, &dlq, 3).await,
+        3,
+        "a dry run purges nothing"
+    );
+    let out = lily(&["dlq", "purge", "-q", &queue, "--all", "--yes"]);
+    assert!(
+        stdout(&out).contains("purged 3 messages"),
+        "{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    let audit = audit_lines(&out);
+    assert_eq!(audit.len(), 3, "one audit line per message: {audit:?}");
+    for id in ["purge-0", "purge-2", "purge-3"] {
+        assert!(
+            audit
+                .iter()
+                .any(|l| l.contains("action=purged") && l.contains(id)),
+            "{id}: {audit:?}"
+        );
+    }
     assert_eq!(client.depth(&dlq).await, 0);
     let out = exits(1, &["parking", "list", "-q", "no-such-queue-anywhere"]);
     assert!(
@@ -621,6 +667,7 @@ async fn a_parking_replay_is_judged_by_the_inbox_and_never_retried_without_an_op
     let mut charged = FieldTable::default();
     charged.insert("x-lily-failure-kind".into(), long("indeterminate"));
     charged.insert("x-lily-reason".into(), long("requeue limit reached"));
+    let charged = sealed("charged-1", charged);
     client
         .publish(
             &parking,
@@ -787,5 +834,171 @@ async fn the_documented_permissions_suffice_and_a_missing_one_is_named() {
         ["order-2"]
     );
     broker.ctl(&["delete_user", &user]);
+    lanes.remove().await;
+}
+
+/// Commands run back to back each see the whole lane: a command ends only once what it held is
+/// back in the queue. 2 000 copies; list, show the last, list again, at once, on classic and
+/// quorum queues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_back_to_back_each_see_the_whole_lane() {
+    const N: usize = 2000;
+    for kind in kinds() {
+        let lanes = Lanes::new("back-to-back", kind, N).await;
+        let queue = lanes.queue.clone();
+        let count = |out: &Output| json(out)["messages"].as_u64();
+        let last = format!("order-{}", N - 1);
+        let first = exits(0, &["dlq", "list", "-q", &queue, "--json"]);
+        let shown = exits(0, &["dlq", "show", "-q", &queue, &last, "--json"]);
+        let second = exits(0, &["dlq", "list", "-q", &queue, "--json"]);
+        assert_eq!(count(&first), Some(N as u64), "{kind:?}: the first list");
+        assert_eq!(json(&shown)["copies"], 1, "{kind:?}: show finds {last}");
+        assert_eq!(count(&second), Some(N as u64), "{kind:?}: the second list");
+        let ids = lanes.client.drain_ids(&lanes.dlq).await;
+        assert_eq!(ids.len(), N, "{kind:?}: every copy still there");
+        assert!(ids.values().all(|n| *n == 1), "{kind:?}: none doubled");
+        lanes.remove().await;
+    }
+}
+
+/// A lane another consumer holds messages of is not acted on: every command says so and exits
+/// 5, and nothing moves; two replays at once: one runs, the other refuses; every message is
+/// replayed exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_in_use_is_not_acted_on_and_two_replays_cannot_run_at_once() {
+    const N: usize = 1500;
+    let lanes = Lanes::new("in-use", QueueKind::Classic, N).await;
+    let (client, queue, dlq) = (&lanes.client, lanes.queue.clone(), lanes.dlq.clone());
+
+    // Another consumer holds ten of them, unacknowledged.
+    let holder = Client::connect(lanes.broker.url()).await;
+    let (holding, held) = holder.hold(&dlq, 10).await;
+    assert_eq!(held, 10);
+    for args in [
+        &["dlq", "list", "-q", &queue][..],
+        &["dlq", "show", "-q", &queue, "order-0"],
+        &["dlq", "replay", "-q", &queue, "--all"],
+        &["dlq", "purge", "-q", &queue, "--all", "--yes"],
+    ] {
+        let out = exits(5, args);
+        assert!(
+            stderr(&out).contains("consumer"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+        assert!(audit_lines(&out).is_empty());
+    }
+    drop(holding);
+    holder.close().await;
+    assert_eq!(
+        ready_soon(client, &dlq, N as u32).await,
+        N as u32,
+        "nothing moved"
+    );
+    assert_eq!(client.depth(&queue).await, 0);
+
+    // Two operators replay at once.
+    let spawn = || {
+        Command::new(env!("CARGO_BIN_EXE_lily"))
+            .args(["dlq", "replay", "-q", &queue, "--all"])
+            .env("LILY_AMQP_URL", Broker::from_env().url())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run lily")
+    };
+    let a = spawn();
+    std::thread::sleep(Duration::from_millis(700));
+    let b = spawn();
+    let (a, b) = (
+        a.wait_with_output().expect("a"),
+        b.wait_with_output().expect("b"),
+    );
+    let mut codes = [a.status.code(), b.status.code()];
+    codes.sort();
+    assert_eq!(
+        codes,
+        [Some(0), Some(5)],
+        "one replays, the other refuses:\n{}\n{}",
+        stderr(&a),
+        stderr(&b)
+    );
+    let refused = if a.status.code() == Some(5) { &a } else { &b };
+    assert!(audit_lines(refused).is_empty());
+    assert!(stderr(refused).contains("in use") || stderr(refused).contains("consumer"));
+    let replayed = client.drain_ids(&queue).await;
+    assert_eq!(replayed.len(), N, "every message replayed");
+    assert!(replayed.values().all(|n| *n == 1), "none twice");
+    assert_eq!(client.depth(&dlq).await, 0);
+    lanes.remove().await;
+}
+
+/// A copy whose restored fields the broker would refuse is left in the lane, named and
+/// counted, and the messages behind it are replayed; a publisher's unsealed Lily headers are
+/// not restored at all. A time past the year 9999 is shown as such.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_that_cannot_be_restored_is_left_and_the_rest_replayed() {
+    let lanes = Lanes::new("restore", QueueKind::Classic, 0).await;
+    let (client, queue, dlq) = (&lanes.client, lanes.queue.clone(), lanes.dlq.clone());
+    seed_lane(client, &dlq, (0..5).map(|i| format!("before-{i}"))).await;
+    // Sealed (a publisher who read the public key), but not restorable.
+    for (id, header, value) in [
+        (
+            "bad-expiration",
+            "x-lily-original-expiration",
+            long("garbage"),
+        ),
+        ("bad-cc", "x-lily-original-cc", long("not-an-array")),
+    ] {
+        let mut table = FieldTable::default();
+        table.insert(header.into(), value);
+        let p = props(id, "order.placed").with_headers(sealed(id, table));
+        client.publish(&dlq, b"{}", p).await;
+    }
+    // Unsealed: a publisher's own headers, which no replay restores.
+    let mut forged = FieldTable::default();
+    forged.insert("x-lily-original-expiration".into(), long("garbage"));
+    forged.insert(
+        "x-lily-last-failure-at".into(),
+        AMQPValue::LongLongInt(i64::MAX),
+    );
+    client
+        .publish(
+            &dlq,
+            b"{}",
+            props("unsealed", "order.placed").with_headers(forged),
+        )
+        .await;
+    seed_lane(client, &dlq, (0..5).map(|i| format!("after-{i}"))).await;
+
+    let out = exits(0, &["dlq", "show", "-q", &queue, "unsealed"]);
+    assert!(
+        stdout(&out).contains("after the year 9999"),
+        "{}",
+        stdout(&out)
+    );
+    let out = exits(4, &["dlq", "replay", "-q", &queue, "--all", "--json"]);
+    let report = json(&out);
+    let left: Vec<&str> = report["left"]
+        .as_array()
+        .expect("left")
+        .iter()
+        .filter_map(|l| l["message_id"].as_str())
+        .collect();
+    assert_eq!(left, ["bad-expiration", "bad-cc"], "{report}");
+    assert_eq!(report["replayed"].as_array().map(Vec::len), Some(11));
+    assert_eq!(audit_lines(&out).len(), 11);
+    let replayed = client.drain(&queue).await;
+    assert_eq!(replayed.len(), 11);
+    for m in &replayed {
+        let p = &m.delivery.properties;
+        assert_eq!(p.expiration(), &None, "nothing forged restored");
+    }
+    let still = client.drain_ids(&dlq).await;
+    assert_eq!(
+        still.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["bad-cc", "bad-expiration"]
+    );
     lanes.remove().await;
 }

@@ -65,6 +65,15 @@ pub enum Refusal {
         /// The original `user_id`.
         original: String,
     },
+    /// What the copy would restore is not something the broker accepts (its `expiration` not
+    /// a number of milliseconds, its `CC` not a list of routing keys): published, it would
+    /// close the channel. Left in the lane.
+    Invalid {
+        /// The header that holds it.
+        header: &'static str,
+        /// What is wrong with it.
+        problem: &'static str,
+    },
 }
 
 impl fmt::Display for Refusal {
@@ -76,8 +85,43 @@ impl fmt::Display for Refusal {
                  publish: replay as that user, or keep the user_id aside",
                 original.escape_debug().to_string()
             ),
+            Self::Invalid { header, problem } => {
+                write!(f, "{header} cannot be restored: {problem}")
+            }
         }
     }
+}
+
+/// Checks what a replay would restore the way the broker will: an `expiration` of decimal
+/// milliseconds (at most 2^32-1), `CC` and `BCC` as arrays of strings, a textual `user_id`.
+fn check_restorable(
+    map: &std::collections::BTreeMap<ShortString, AMQPValue>,
+) -> Result<(), Refusal> {
+    let invalid = |header, problem| Err(Refusal::Invalid { header, problem });
+    if let Some(value) = map.get(headers::ORIGINAL_EXPIRATION) {
+        let ms = as_text(value).filter(|t| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()));
+        if ms.and_then(|t| t.parse::<u32>().ok()).is_none() {
+            return invalid(
+                headers::ORIGINAL_EXPIRATION,
+                "not a whole number of milliseconds up to 4294967295",
+            );
+        }
+    }
+    for header in [headers::ORIGINAL_CC, headers::ORIGINAL_BCC] {
+        match map.get(header) {
+            None => {}
+            Some(AMQPValue::FieldArray(keys))
+                if keys.as_slice().iter().all(|k| as_text(k).is_some()) => {}
+            Some(_) => return invalid(header, "not an array of routing keys"),
+        }
+    }
+    if map
+        .get(headers::ORIGINAL_USER_ID)
+        .is_some_and(|v| as_text(v).is_none())
+    {
+        return invalid(headers::ORIGINAL_USER_ID, "not text");
+    }
+    Ok(())
 }
 
 /// The properties a replay of `copy` publishes: the producer's message, the attempt reset, the
@@ -85,7 +129,8 @@ impl fmt::Display for Refusal {
 ///
 /// # Errors
 /// [`Refusal::UserId`] when the original `user_id` is not `replay.user` and
-/// [`Replay::keep_user_id_aside`] is off.
+/// [`Replay::keep_user_id_aside`] is off; [`Refusal::Invalid`] when what it would restore is
+/// not something the broker accepts.
 pub fn replay_properties(
     copy: &BasicProperties,
     replay: &Replay<'_>,
@@ -102,6 +147,7 @@ pub fn replay_properties(
         None => Default::default(),
     };
     map.remove(headers::SEAL);
+    check_restorable(&map)?;
     for key in FAILURE_HEADERS {
         map.remove(key);
     }

@@ -23,6 +23,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use futures_util::StreamExt;
 use lapin::message::BasicGetMessage;
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
@@ -344,6 +345,41 @@ impl Client {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Closes the connection: whatever it held unacknowledged goes back to its queue.
+    pub async fn close(self) {
+        let _ = self._connection.close(200, "done".into()).await;
+    }
+
+    /// Consumes up to `n` messages of `queue` and holds them unacknowledged, as a consumer
+    /// that is slow or stuck would, until this client is dropped (its connection's close puts
+    /// them back); returns the consumer, which stays registered while it lives, and how many
+    /// it holds.
+    pub async fn hold(&self, queue: &str, n: u16) -> (lapin::Consumer, u32) {
+        self.channel
+            .basic_qos(n, lapin::options::BasicQosOptions::default())
+            .await
+            .expect("basic_qos");
+        let mut consumer = self
+            .channel
+            .basic_consume(
+                queue.into(),
+                "testkit-holder".into(),
+                lapin::options::BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("basic_consume");
+        let mut held = 0;
+        while held < u32::from(n) {
+            let next = tokio::time::timeout(Duration::from_secs(5), consumer.next()).await;
+            match next {
+                Ok(Some(Ok(_))) => held += 1,
+                _ => break,
+            }
+        }
+        (consumer, held)
     }
 
     /// Takes every ready message of `queue` (acknowledging each) until it is empty.

@@ -353,7 +353,8 @@ fn drive(arrival: &Arrival, policy: &Policy, script: &mut Script<'_>, now: &mut 
                     HandoffResult::Failed,
                     HandoffResult::TimedOut,
                     HandoffResult::Blocked,
-                ][script.pick(6)];
+                    HandoffResult::Refused,
+                ][script.pick(7)];
                 *now += match result {
                     HandoffResult::TimedOut | HandoffResult::Blocked => deadline,
                     _ => small_wait(script).min(deadline),
