@@ -10,10 +10,11 @@
 //! - an accepted envelope reports what the properties say;
 //! - a refusal's reason is bounded, printable and never quotes the body.
 
+use amq_protocol::protocol::BasicProperties;
 use amq_protocol_types::{AMQPValue, ShortString};
 use lily_mq_core::transport::inspect;
 use lily_mq_core::transport::{GateRejection, as_u32, is_token, not_utf8};
-use lily_mq_core::{Limits, Reason, headers};
+use lily_mq_core::{HeaderKey, Limits, Reason, headers};
 use lily_mq_fuzz::delivery::{BODY_MARKER, Delivery};
 use lily_mq_fuzz::walk::Size;
 
@@ -64,13 +65,23 @@ fn expected(d: &Delivery, limits: &Limits) -> Result<(), bool> {
         && token(p.kind(), limits.max_type_len)
         && p.headers().as_ref().is_none_or(|h| {
             let get = |key: &str| h.inner().get(key);
+            // Lily's own headers are read only under Lily's seal.
             Size::of(h).fits(limits)
-                && get(headers::ATTEMPT).is_none_or(|v| {
-                    number(v).is_some_and(|n| (1..=limits.max_attempt).contains(&n))
-                })
+                && (!sealed(p)
+                    || get(headers::ATTEMPT).is_none_or(|v| {
+                        number(v).is_some_and(|n| (1..=limits.max_attempt).contains(&n))
+                    }))
                 && get(headers::SCHEMA_VERSION).is_none_or(|v| number(v).is_some_and(|n| n >= 1))
         });
     if valid { Ok(()) } else { Err(false) }
+}
+
+/// Whether the message's headers carry a valid seal of the public key for its id.
+fn sealed(p: &BasicProperties) -> bool {
+    let id = p.message_id().as_ref().map_or("", |id| id.as_str());
+    p.headers()
+        .as_ref()
+        .is_some_and(|h| HeaderKey::public().verify(id, h))
 }
 
 /// A non-negative integer header that fits `u32`; decimal text is accepted, a long string of
@@ -113,10 +124,8 @@ fn check_with(d: &Delivery, limits: &Limits) {
             assert!(env.kind.len() <= limits.max_type_len);
             assert_eq!(not_utf8(p, &d.exchange, &d.routing_key), None);
             let header = |key| view.headers.and_then(|h| h.inner().get(key));
-            assert_eq!(
-                env.attempt,
-                header(headers::ATTEMPT).map_or(1, |v| number(v).unwrap())
-            );
+            let attempt = header(headers::ATTEMPT).filter(|_| sealed(p));
+            assert_eq!(env.attempt, attempt.map_or(1, |v| number(v).unwrap()));
             assert!((1..=limits.max_attempt.max(1)).contains(&env.attempt));
             assert_eq!(
                 env.schema_version,

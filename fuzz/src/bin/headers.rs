@@ -38,7 +38,8 @@ const QUEUE: &str = "fuzz";
 const RETRIED: &str = "fuzz.retry";
 
 /// The only headers a sanitized copy may carry.
-const SANITIZED: [&str; 11] = [
+const SANITIZED: [&str; 12] = [
+    headers::SEAL,
     headers::FAILURE_KIND,
     headers::REASON,
     headers::SOURCE_QUEUE,

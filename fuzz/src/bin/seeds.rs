@@ -35,6 +35,47 @@ fn write(dir: &Path, seeds: &[(&str, Vec<u8>)]) {
     println!("{}: {} seeds", dir.display(), seeds.len());
 }
 
+/// `p` with the seal Lily writes (the public key) over its `x-lily-*` headers and id.
+fn sealed(p: Properties) -> Properties {
+    use amq_protocol_types::{AMQPValue, FieldArray, FieldTable};
+    fn amqp(value: &Value) -> AMQPValue {
+        match value {
+            Value::Bool(b) => AMQPValue::Boolean(*b),
+            Value::I32(n) => AMQPValue::LongInt(*n),
+            Value::U32(n) => AMQPValue::LongUInt(*n),
+            Value::I64(n) => AMQPValue::LongLongInt(*n),
+            Value::F64(n) => AMQPValue::Double(*n),
+            Value::Timestamp(n) => AMQPValue::Timestamp(*n),
+            Value::Text(t) => AMQPValue::LongString(t.clone().into()),
+            Value::Bytes(b) => AMQPValue::ByteArray(b.clone().into()),
+            Value::Void => AMQPValue::Void,
+            Value::Array(items) => {
+                AMQPValue::FieldArray(FieldArray::from(items.iter().map(amqp).collect::<Vec<_>>()))
+            }
+            Value::Table(t) => AMQPValue::FieldTable(table(t)),
+        }
+    }
+    fn table(t: &Table) -> FieldTable {
+        let mut out = FieldTable::default();
+        for (key, value) in &t.0 {
+            out.insert(String::from_utf8_lossy(key).as_ref().into(), amqp(value));
+        }
+        out
+    }
+    let id = p
+        .message_id
+        .as_deref()
+        .map(String::from_utf8_lossy)
+        .unwrap_or_default()
+        .into_owned();
+    let headers = p.headers.as_ref().map(table).unwrap_or_default();
+    let seal = lily_mq_core::HeaderKey::public().seal(&id, &headers);
+    let text = lily_mq_core::transport::as_text(&seal)
+        .unwrap_or_default()
+        .to_owned();
+    p.header(headers::SEAL, Value::text(text))
+}
+
 /// A body of `len` bytes once [`BODY_MARKER`] is appended.
 fn body(len: usize) -> Vec<u8> {
     vec![b'b'; len - BODY_MARKER.len()]
@@ -214,6 +255,20 @@ fn deliveries() -> Vec<(&'static str, Vec<u8>)> {
                 .header(headers::ATTEMPT, Value::U32(2))
                 .header(headers::REPLAYED_FROM, Value::text("parking"));
             small(&p, json)
+        }),
+        // Lily's headers count only under Lily's seal: the same, sealed.
+        ("retried_type_sealed", {
+            let p = Properties::message("m-2", "fuzz.retry")
+                .header(headers::ATTEMPT, Value::U32(2))
+                .header(headers::REPLAYED_FROM, Value::text("parking"));
+            small(&sealed(p), json)
+        }),
+        ("held_for_dead_letter_sealed", {
+            let p = order()
+                .header(headers::HELD_FOR, Value::text("dead-letter"))
+                .header(headers::FAILURE_KIND, Value::text("permanent"))
+                .header(headers::HOLDS, Value::U32(2));
+            small(&sealed(p), json)
         }),
         ("refused_bad_traceparent", {
             let p = Properties::default().header(
