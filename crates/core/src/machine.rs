@@ -396,7 +396,7 @@ impl<'p> Delivery<'p> {
             ScopeOpened::Proceed {
                 transaction,
                 deaths: Some(deaths),
-            } if deaths >= self.policy.max_requeues => {
+            } if deaths > 0 && deaths >= self.policy.max_requeues => {
                 self.transaction = transaction;
                 self.requeues = self.requeues.max(deaths);
                 self.ran = Ran {

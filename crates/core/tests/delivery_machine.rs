@@ -524,6 +524,25 @@ fn a_message_whose_handlings_died_up_to_the_limit_is_not_run_again() {
     // Below the limit it runs.
     let mut d = opened(p.max_requeues - 1);
     assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
+    // No death is no evidence, whatever the limit.
+    let none = policy().max_requeues(0);
+    let mut d = Delivery::new(
+        Arrival {
+            scoped: true,
+            redelivered: true,
+            ..arrival(Verdict::Dispatched)
+        },
+        &none,
+        || HELD,
+        now,
+    );
+    assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
+    let proceed = ScopeOpened::Proceed {
+        transaction: true,
+        deaths: Some(0),
+    };
+    d.handle_scope(proceed, HELD, now);
+    assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
     // At it, its worker died with it each time: the transaction is aborted, the handler not
     // run, and the message goes to the DLQ.
     let mut d = opened(p.max_requeues);

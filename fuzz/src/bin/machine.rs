@@ -227,7 +227,7 @@ fn drive(arrival: &Arrival, policy: &Policy, script: &mut Script<'_>, now: &mut 
                 let deaths = [
                     None,
                     Some(0),
-                    Some(policy.max_requeues - 1),
+                    Some(policy.max_requeues.saturating_sub(1)),
                     Some(policy.max_requeues),
                 ][script.pick(4)];
                 let opened = match script.pick(7) {
@@ -259,7 +259,7 @@ fn drive(arrival: &Arrival, policy: &Policy, script: &mut Script<'_>, now: &mut 
                 {
                     transaction = t;
                     // Its handlings died up to the limit: the handler does not run again.
-                    runs_handler &= deaths.is_none_or(|n| n < policy.max_requeues);
+                    runs_handler &= deaths.is_none_or(|n| n == 0 || n < policy.max_requeues);
                 }
                 *now += small_wait(script);
                 m.handle_scope(opened, authority(script, &mut lost), *now);
