@@ -223,7 +223,7 @@ impl Cause {
             Self::AttemptsExhausted => "attempts exhausted",
             Self::RequeueLimit => "requeue limit reached",
             Self::Held => "held",
-            Self::LeaseHeld => "lease held by another owner",
+            Self::LeaseHeld => "waiting out a lease",
         }
     }
 }

@@ -235,7 +235,10 @@ impl MongoScope {
                 Ok(lease) => Some(lease),
                 Err(Refused::Held { expires_in }) => {
                     return Begin::Wait {
-                        reason: Reason::new("lease held by another owner"),
+                        reason: Reason::new(format!(
+                            "lease held by another owner, expiring in {} ms unless renewed",
+                            expires_in.as_millis()
+                        )),
                         expires_in,
                     };
                 }
