@@ -137,7 +137,7 @@ pub(crate) async fn execute(
                     } => {
                         resources = r;
                         transaction = Some(t);
-                        recorded = deaths.is_some();
+                        recorded |= deaths.is_some();
                         ScopeOpened::Proceed {
                             transaction: true,
                             deaths,
