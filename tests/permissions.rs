@@ -212,6 +212,11 @@ async fn revoked_mid_run(kind: QueueKind) {
         report.incidents.handoffs_refused, 1,
         "the report counts the refusal"
     );
+    let named = report.handoffs_refused_for.as_deref().unwrap_or_default();
+    assert!(
+        named.contains("write") && named.contains("amq.default"),
+        "the report names the refused permission and its resource: {named:?}"
+    );
 
     let ids = |prefix: &'static str| (0..EACH).map(move |i| (format!("{prefix}-{i}"), 1));
     let every: BTreeMap<String, usize> = ids("bad").chain(ids("good")).collect();

@@ -61,6 +61,14 @@ fn report(loaded: &Loaded) -> String {
         "\nconnections lost: {}, of them to unparseable frames: {}",
         i.connections_lost, i.unparseable_frames
     );
+    if let Some(lacks) = &r.handoffs_refused_for {
+        let _ = writeln!(
+            out,
+            "handoffs refused {} time(s), for {}",
+            i.handoffs_refused,
+            crate::select::clean(lacks)
+        );
+    }
 
     let _ = write!(out, "unresolved: {} listed", r.unresolved.len());
     if r.unresolved_overflow > 0 {

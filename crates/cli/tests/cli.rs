@@ -59,6 +59,7 @@ fn report(acked: u64, unresolved: &[&str]) -> ShutdownReport {
         })
         .collect();
     ShutdownReport {
+        handoffs_refused_for: None,
         schema: SCHEMA.into(),
         queue: "orders".into(),
         trigger: Some(Trigger::Sigterm),

@@ -71,6 +71,11 @@ pub struct ShutdownReport {
     /// Why the consumer stopped, when an error stopped it ([`Trigger::Error`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The permission the broker last refused handoff copies for, and its resource, when it
+    /// did ([`Incidents::handoffs_refused`]): `the write permission on exchange 'amq.default'
+    /// in vhost '/' (needed to publish handoff copies)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handoffs_refused_for: Option<String>,
     /// True when nothing is unresolved and no frame from the broker was unparseable.
     pub clean: bool,
 }
@@ -133,6 +138,7 @@ impl ShutdownReport {
             unresolved_overflow: overflow,
             incidents,
             error: None,
+            handoffs_refused_for: None,
         }
     }
 

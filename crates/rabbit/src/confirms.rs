@@ -192,6 +192,8 @@ struct Link {
 struct Refusal {
     /// The permission refused; `None` while publishes are accepted.
     missing: Option<MissingPermission>,
+    /// The permission refused last, kept once publishes are accepted again.
+    last: Option<MissingPermission>,
     /// When a worker may next open a channel to try again.
     next_try: Option<Instant>,
     /// When the try under way began, until its channel is refused or a publish confirmed.
@@ -238,6 +240,11 @@ impl Confirms {
     /// answer [`HandoffResult::Refused`] until one is confirmed again.
     pub(crate) fn refused(&self) -> Option<MissingPermission> {
         lock(&self.link.refusal).missing.clone()
+    }
+
+    /// The permission the broker last refused the pool's publishes for, if it ever did.
+    pub(crate) fn last_refused(&self) -> Option<MissingPermission> {
+        lock(&self.link.refusal).last.clone()
     }
 
     /// How many times the broker came to refuse the pool's publishes, for its life.
@@ -839,6 +846,7 @@ impl Link {
             );
             gauge.set(1.0);
         }
+        refusal.last = Some(missing.clone());
         refusal.missing = Some(missing);
         refusal.next_try = Some(Instant::now() + REFUSED_RETRY);
         refusal.trying_since = None;

@@ -417,6 +417,7 @@ async fn shut_down(
     let mut report =
         ShutdownReport::build(&shared.queue, &clock, &ledger, incidents, Instant::now());
     report.error = error.map(|err| error_text(&err));
+    report.handoffs_refused_for = shared.publisher.last_refused().map(|m| m.to_string());
     report
 }
 

@@ -62,6 +62,12 @@ impl HandoffPublisher {
         self.confirms.refused()
     }
 
+    /// The permission the broker last refused handoff copies for; see
+    /// [`Confirms::last_refused`].
+    pub(crate) fn last_refused(&self) -> Option<MissingPermission> {
+        self.confirms.last_refused()
+    }
+
     /// How many times the broker came to refuse handoff copies; see [`Confirms::refusals`].
     pub(crate) fn refusals(&self) -> u64 {
         self.confirms.refusals()
