@@ -109,7 +109,11 @@ fn properties(case: &Case) -> BasicProperties {
         table.insert((*key).into(), value);
     }
     // Lily's headers stand for a copy Lily wrote: sealed as it seals them.
-    if table.inner().keys().any(|k| k.as_str().starts_with("x-lily-")) {
+    if table
+        .inner()
+        .keys()
+        .any(|k| k.as_str().starts_with("x-lily-"))
+    {
         let seal = lily::core::HeaderKey::public().seal(case.id, &table);
         table.insert("x-lily-seal".into(), seal);
     }
