@@ -5,8 +5,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use clap::Args;
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable};
+use lily_mq_core::headers;
 use lily_mq_core::transport::as_text;
-use lily_mq_core::{Reason, headers};
 
 /// The failure kind of a message the broker dead-lettered itself (an oversized message Lily
 /// rejected, a quorum queue's delivery limit): it carries `x-death`, not Lily's headers.
@@ -57,10 +57,7 @@ impl Seen {
     }
 }
 
-/// Text from a message, bounded and without control characters: it came from a stranger.
-pub(crate) fn clean(text: &str) -> String {
-    Reason::new(text.to_owned()).as_str().to_owned()
-}
+pub(crate) use lily_mq_cli::message::clean;
 
 /// The reason and time (ms) of the latest `x-death` entry.
 fn latest_death(table: &FieldTable) -> Option<(String, Option<i64>)> {

@@ -20,7 +20,7 @@ fn main() {
         PathBuf::from,
     );
     let deliveries = deliveries();
-    for target in ["gate", "headers"] {
+    for target in ["gate", "headers", "lane"] {
         write(&root.join(target), &deliveries);
     }
     write(&root.join("codec"), &codec());
@@ -263,6 +263,16 @@ fn deliveries() -> Vec<(&'static str, Vec<u8>)> {
                 .header(headers::REPLAYED_FROM, Value::text("parking"));
             small(&sealed(p), json)
         }),
+        // Times no RFC 3339 writes, for the lane rendering.
+        (
+            "times_out_of_range",
+            small(
+                &order()
+                    .header(headers::LAST_FAILURE_AT, Value::I64(i64::MAX))
+                    .header(headers::FIRST_FAILURE_AT, Value::I64(-5)),
+                json,
+            ),
+        ),
         ("held_for_dead_letter_sealed", {
             let p = order()
                 .header(headers::HELD_FOR, Value::text("dead-letter"))
