@@ -18,15 +18,35 @@
 #   scripts/rabbitmq.sh cluster-stop DIR stop the three nodes of that cluster (by their PIDs)
 #   scripts/rabbitmq.sh kill DIR         kill -9 the node started with DIR (a crash); `start DIR
 #                                        PORT` brings it back with its data
+#   scripts/rabbitmq.sh version DIR      the RabbitMQ version of the node set up in DIR
+#
+# LILY_RABBIT_VERSION picks the broker for `install`, `start` and `cluster-start`: 3.10 (the
+# default: Debian 12's rabbitmq-server, installed with apt) or 4.0 (Debian 13's, with Erlang 27,
+# in a root of its own under target/rabbitmq-4.0, built once with debootstrap, about 370 MB).
+# A node remembers its version: `stop`, `ctl`, `kill` and a restart use it.
 #
 # Each node has its own data directory, AMQP port, distribution port, epmd port and Erlang
 # cookie, so it never touches another node on the machine. Nothing listens beyond 127.0.0.1.
+# A 4.0 node runs in a mount namespace of its own, chrooted into the 4.0 root, which sees its
+# data directory at the same path as the host does; the mounts end with its last process.
 set -euo pipefail
 
-RABBIT_BIN=/usr/lib/rabbitmq/bin
+ROOT4="$(cd "$(dirname "$0")/.." && pwd)/target/rabbitmq-4.0/root"
+VERSION=${LILY_RABBIT_VERSION:-3.10}
+
+# The broker binaries of VERSION, as the host sees them.
+rabbit_bin() {
+  case "$VERSION" in
+    3.10) echo /usr/lib/rabbitmq/bin ;;
+    4.0) echo "$ROOT4/usr/lib/rabbitmq/bin" ;;
+    *) echo "lily: LILY_RABBIT_VERSION must be 3.10 or 4.0, not '$VERSION'" >&2; return 2 ;;
+  esac
+}
 
 install() {
-  if [ -x "$RABBIT_BIN/rabbitmq-server" ]; then return 0; fi
+  rabbit_bin >/dev/null
+  if [ "$VERSION" = 4.0 ]; then install_root; return; fi
+  if [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ]; then return 0; fi
   echo "lily: installing rabbitmq-server from Debian packages" >&2
   local sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
@@ -34,6 +54,75 @@ install() {
   # policy-rc.d keeps the package from starting the system-wide node: Lily runs its own.
   $sudo env DEBIAN_FRONTEND=noninteractive RUNLEVEL=1 apt-get install -y -qq --no-install-recommends \
     rabbitmq-server >&2
+}
+
+# The 4.0 root: Debian 13's rabbitmq-server and Erlang 27, made with debootstrap into a
+# directory beside it and moved into place once complete. Its version is checked, not pinned:
+# a Debian point release may bring 4.0.6, but never another minor version.
+install_root() {
+  local dir version
+  dir=$(dirname "$ROOT4")
+  if [ ! -x "$ROOT4/usr/lib/rabbitmq/bin/rabbitmq-server" ]; then
+    [ "$(id -u)" -eq 0 ] || { echo "lily: building the RabbitMQ 4.0 root needs root (debootstrap, chroot)" >&2; return 1; }
+    if ! command -v debootstrap >/dev/null; then
+      echo "lily: installing debootstrap from Debian packages" >&2
+      env DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
+      env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >&2
+    fi
+    echo "lily: building the RabbitMQ 4.0 root in $ROOT4 (Debian 13 packages, once)" >&2
+    mkdir -p "$dir"
+    rm -rf "$dir/root.partial"
+    debootstrap --variant=minbase --include=rabbitmq-server trixie "$dir/root.partial" \
+      >"$dir/debootstrap.log" 2>&1 || {
+      echo "lily: debootstrap failed; see $dir/debootstrap.log" >&2
+      tail -n 20 "$dir/debootstrap.log" >&2
+      return 1
+    }
+    chroot "$dir/root.partial" dpkg-query -W -f '${Version}' rabbitmq-server >"$dir/version"
+    mv "$dir/root.partial" "$ROOT4"
+  fi
+  version=$(cat "$dir/version")
+  case "$version" in
+    4.0.*) ;;
+    *) echo "lily: the 4.0 root holds rabbitmq-server $version, not 4.0.x; remove $dir to rebuild" >&2; return 1 ;;
+  esac
+}
+
+# Runs a command of the 4.0 root (a path inside it) with the node environment node_env set,
+# and nothing else of the host's: in a private mount namespace, with /proc (the broker's memory
+# and disk monitors read it) and the node's directory mounted at the same paths inside.
+in_root() {
+  local vars=(PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 LC_ALL=C.UTF-8) name
+  for name in HOME ERL_EPMD_ADDRESS ERL_EPMD_PORT $(compgen -e | grep '^RABBITMQ_'); do
+    vars+=("$name=${!name}")
+  done
+  unshare --mount --propagation private -- /bin/sh -c '
+    root=$1 dir=$2; shift 2
+    mount -t proc proc "$root/proc"
+    mkdir -p "$root$dir" && mount --bind "$dir" "$root$dir"
+    exec chroot "$root" /usr/bin/env -i "$@"' sh "$ROOT4" "$HOME" "${vars[@]}" "$@"
+}
+
+# Runs one of the broker's programs (rabbitmq-server, rabbitmqctl, ...) of the node's version.
+run() {
+  local program=$1
+  shift
+  if [ "$VERSION" = 4.0 ]; then
+    in_root "/usr/lib/rabbitmq/bin/$program" "$@"
+  else
+    "/usr/lib/rabbitmq/bin/$program" "$@"
+  fi
+}
+
+# Stops the epmd on PORT (a node's epmd outlives it).
+kill_epmd() {
+  local epmd
+  if [ "$VERSION" = 4.0 ]; then
+    epmd=$(ls "$ROOT4"/usr/lib/erlang/erts-*/bin/epmd 2>/dev/null | head -n 1)
+  else
+    epmd=$(ls /usr/lib/erlang/erts-*/bin/epmd 2>/dev/null | head -n 1)
+  fi
+  [ -n "$epmd" ] && "$epmd" -port "$1" -kill >/dev/null 2>&1 || true
 }
 
 node_env() {
@@ -52,11 +141,15 @@ node_env() {
   export RABBITMQ_ENABLED_PLUGINS_FILE="$dir/enabled_plugins"
   export RABBITMQ_CONFIG_FILE="$dir/rabbitmq.conf"
   export RABBITMQ_ADVANCED_CONFIG_FILE="$dir/advanced.config"
+  # The command-line tools' own distribution ports: private too (the default range is shared).
+  export RABBITMQ_CTL_DIST_PORT_MIN=$((port + 4)) RABBITMQ_CTL_DIST_PORT_MAX=$((port + 9))
 }
 
 start() {
   local dir port
   dir=$(mkdir -p "$1" && cd "$1" && pwd) port=$2
+  # A node brought back keeps its version.
+  if [ -z "${LILY_RABBIT_VERSION:-}" ] && [ -f "$dir/version" ]; then VERSION=$(cat "$dir/version"); fi
   install
   # A node brought back (after `kill`) keeps the epmd its cluster shares.
   if [ -z "${LILY_RABBIT_EPMD_PORT:-}" ] && [ -f "$dir/epmd_port" ]; then
@@ -79,13 +172,25 @@ log.file.level = warning
 # the machine is shared: do not let a full disk elsewhere block publishers in tests
 disk_free_limit.absolute = 50MB
 CONF
+  if [ "$VERSION" = 4.0 ]; then
+    # Lily uses no deprecated feature: a 4.x operator may turn every one off.
+    cat >>"$RABBITMQ_CONFIG_FILE" <<CONF
+deprecated_features.permit.transient_nonexcl_queues = false
+deprecated_features.permit.global_qos = false
+deprecated_features.permit.ram_node_type = false
+deprecated_features.permit.queue_master_locator = false
+CONF
+  fi
   if [ -n "${LILY_RABBIT_TLS_DIR:-}" ]; then
+    # The node reads its own copy (a 4.0 node sees only its directory).
+    mkdir -p "$dir/tls"
+    cp "$LILY_RABBIT_TLS_DIR/ca.pem" "$LILY_RABBIT_TLS_DIR/server.pem" "$LILY_RABBIT_TLS_DIR/server.key" "$dir/tls/"
     # An AMQPS listener on PORT+3 besides the plain one, with the given certificates.
     cat >>"$RABBITMQ_CONFIG_FILE" <<CONF
 listeners.ssl.default = 127.0.0.1:$((port + 3))
-ssl_options.cacertfile = $LILY_RABBIT_TLS_DIR/ca.pem
-ssl_options.certfile = $LILY_RABBIT_TLS_DIR/server.pem
-ssl_options.keyfile = $LILY_RABBIT_TLS_DIR/server.key
+ssl_options.cacertfile = $dir/tls/ca.pem
+ssl_options.certfile = $dir/tls/server.pem
+ssl_options.keyfile = $dir/tls/server.key
 # Mutual TLS: a client must present a certificate this CA signed.
 ssl_options.verify = verify_peer
 ssl_options.fail_if_no_peer_cert = true
@@ -93,18 +198,19 @@ CONF
   fi
   echo "$port" >"$dir/port"
   echo "$ERL_EPMD_PORT" >"$dir/epmd_port"
+  echo "$VERSION" >"$dir/version"
   if [ -n "${LILY_RABBIT_COOKIE:-}" ]; then
     rm -f "$dir/.erlang.cookie"
     printf '%s' "$LILY_RABBIT_COOKIE" >"$dir/.erlang.cookie"
     chmod 400 "$dir/.erlang.cookie"
   fi
-  "$RABBIT_BIN/rabbitmq-server" >"$dir/log/stdout.log" 2>&1 &
+  run rabbitmq-server >"$dir/log/stdout.log" 2>&1 &
   echo $! >"$dir/server.pid"
   # wait for the node and its AMQP listener
   local i
   for i in $(seq 1 120); do
-    if "$RABBIT_BIN/rabbitmqctl" -q await_startup >/dev/null 2>&1; then
-      echo "lily: rabbitmq node $RABBITMQ_NODENAME ready on 127.0.0.1:$port (data $dir)" >&2
+    if run rabbitmqctl -q await_startup >/dev/null 2>&1; then
+      echo "lily: rabbitmq $VERSION node $RABBITMQ_NODENAME ready on 127.0.0.1:$port (data $dir)" >&2
       return 0
     fi
     if ! kill -0 "$(cat "$dir/server.pid")" 2>/dev/null; then
@@ -121,6 +227,7 @@ CONF
 # The environment of the node already set up in DIR, with the epmd port it was started with.
 known_env() {
   local dir=$1
+  VERSION=$(cat "$dir/version" 2>/dev/null || echo 3.10)
   LILY_RABBIT_EPMD_PORT=$(cat "$dir/epmd_port" 2>/dev/null || echo $(($(cat "$dir/port") + 2))) \
     node_env "$dir" "$(cat "$dir/port")"
 }
@@ -129,16 +236,14 @@ stop() {
   local dir=$1
   [ -f "$dir/port" ] || return 0
   known_env "$dir"
-  "$RABBIT_BIN/rabbitmqctl" -q stop >/dev/null 2>&1 || true
+  run rabbitmqctl -q stop >/dev/null 2>&1 || true
   local pid
   for f in server.pid rabbit.pid; do
     pid=$(cat "$dir/$f" 2>/dev/null || true)
     [ -n "$pid" ] && kill "$pid" 2>/dev/null || true
   done
   # the node's own epmd, started on its private port
-  local epmd
-  epmd=$(ls /usr/lib/erlang/erts-*/bin/epmd 2>/dev/null | head -n 1)
-  [ -n "$epmd" ] && "$epmd" -port "$ERL_EPMD_PORT" -kill >/dev/null 2>&1 || true
+  kill_epmd "$ERL_EPMD_PORT"
   rm -f "$dir/port"
 }
 
@@ -146,7 +251,13 @@ ctl() {
   local dir=$1
   shift
   known_env "$dir"
-  "$RABBIT_BIN/rabbitmqctl" "$@"
+  run rabbitmqctl "$@"
+}
+
+version() {
+  local dir=$1
+  known_env "$dir"
+  run rabbitmqctl -q version
 }
 
 # kill -9 of the node's Erlang VM: no clean stop, as a crash or an OOM kill looks.
@@ -204,5 +315,6 @@ case "$cmd" in
   kill) kill_node "$@" ;;
   cluster-start) cluster_start "$@" ;;
   cluster-stop) cluster_stop "$@" ;;
-  *) sed -n '2,18p' "$0" >&2; exit 2 ;;
+  version) version "$@" ;;
+  *) sed -n '2,30p' "$0" >&2; exit 2 ;;
 esac

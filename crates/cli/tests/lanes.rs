@@ -15,6 +15,7 @@ use std::time::Duration;
 use common::{config, fast_policy, header_str, header_u32, props};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lily::prelude::*;
+use lily::rabbit::Topology;
 use lily_mq_mongo::mongodb::bson::{Document, doc};
 use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};
 use lily_mq_testkit::{Broker, Client, MongoNode, eventually};
@@ -1001,4 +1002,168 @@ async fn a_copy_that_cannot_be_restored_is_left_and_the_rest_replayed() {
         ["bad-cc", "bad-expiration"]
     );
     lanes.remove().await;
+}
+
+/// Every lane of a quorum work queue keeps its messages however often it is read: RabbitMQ 4.0
+/// limits each quorum queue to 20 deliveries unless declared otherwise, and drops a message at
+/// the limit where the queue has no dead-letter target, as the lanes have none. The DLQ and
+/// the parking lane, as the consumer declared them, are listed and shown 100 times each; every
+/// message is still there once, by id. The work queue, read and given back past its limit
+/// (Lily declares 20), dead-letters into the DLQ instead. Classic queues have no delivery
+/// limit on any version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_lane_keeps_its_messages_through_a_hundred_reads() {
+    const N: usize = 20;
+    const READS: usize = 100;
+    let broker = Broker::from_env();
+    let queue = Broker::unique("read-often");
+    let broken = Arc::new(AtomicBool::new(true));
+    let calls = Calls::default();
+    let running = common::start(
+        broker.url(),
+        config(&queue, QueueKind::Quorum),
+        shop(&broken, &calls),
+    );
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    let dead: Vec<String> = (0..N).map(|i| format!("dead-{i}")).collect();
+    for id in &dead {
+        client
+            .send(&queue, "order.placed", id, b"{\"qty\":1}")
+            .await;
+    }
+    common::wait_settled("every order dead-lettered", &queue, N as u64).await;
+    running.stop().await;
+    let dlq = format!("{queue}.dlq");
+    let parking = format!("{queue}.parking");
+    let parked: Vec<String> = (0..N).map(|i| format!("parked-{i}")).collect();
+    seed_lane(&client, &parking, parked.iter().cloned()).await;
+    assert_eq!(ready_soon(&client, &parking, N as u32).await, N as u32);
+
+    // The two lanes are read at once, each by one command after the other.
+    std::thread::scope(|threads| {
+        for (lane, ids) in [("dlq", &dead), ("parking", &parked)] {
+            let queue = &queue;
+            threads.spawn(move || {
+                for read in 1..=READS {
+                    let listed = exits(0, &[lane, "list", "-q", queue, "--json"]);
+                    assert_eq!(
+                        json(&listed)["messages"],
+                        N,
+                        "{lane}, list {read}: {}",
+                        stdout(&listed)
+                    );
+                    let id = &ids[read % N];
+                    let shown = exits(0, &[lane, "show", "-q", queue, id, "--json"]);
+                    assert_eq!(json(&shown)["copies"], 1, "{lane}, show {read}: {id}");
+                }
+            });
+        }
+    });
+    let once = |ids: &[String]| -> BTreeMap<String, usize> {
+        ids.iter().map(|id| (id.clone(), 1)).collect()
+    };
+    assert_eq!(
+        client.drain_ids(&parking).await,
+        once(&parked),
+        "the parking lane"
+    );
+    assert_eq!(client.drain_ids(&dlq).await, once(&dead), "the DLQ");
+
+    // The work queue, read by something that gives its messages back: a limit Lily chose,
+    // and the broker dead-letters at it, at least once, into the DLQ.
+    let given_back: Vec<String> = (0..5).map(|i| format!("given-back-{i}")).collect();
+    for id in &given_back {
+        client
+            .send(&queue, "order.placed", id, b"{\"qty\":1}")
+            .await;
+    }
+    for _ in 0..25 {
+        let reader = Client::connect(broker.url()).await;
+        let (_consumer, _held) = reader.hold(&queue, 5).await;
+        reader.close().await;
+        if client.depth(&queue).await == 0 && client.depth(&dlq).await == 5 {
+            break;
+        }
+    }
+    let moved = eventually(WAIT, || broker.messages(&dlq) == 5).await;
+    assert!(moved, "the work queue's messages reached the DLQ");
+    assert_eq!(
+        client.drain_ids(&dlq).await,
+        once(&given_back),
+        "given back, then dead-lettered"
+    );
+    assert_eq!(client.depth(&queue).await, 0);
+    for name in [&queue, &dlq, &parking] {
+        client.delete(name).await;
+    }
+}
+
+/// RabbitMQ 4.0 and later: lanes declared before the broker limited deliveries (no
+/// `x-delivery-limit`, as Lily declares them on 3.10) cannot be declared again with `-1` (406).
+/// The consumer starts on them anyway, declaring them as they are, and a policy with
+/// `delivery-limit: -1` lifts their limit: the DLQ keeps its messages through 30 reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lanes_declared_before_4_0_keep_the_consumer_running_and_a_policy_lifts_their_limit() {
+    const N: usize = 10;
+    let broker = Broker::from_env();
+    let version = lily::rabbit::broker_version(broker.url(), None)
+        .await
+        .expect("connect")
+        .expect("the broker names its version");
+    if !version.limits_deliveries_by_default() {
+        eprintln!("RabbitMQ {version} has no default delivery limit: nothing to migrate");
+        return;
+    }
+    let queue = Broker::unique("upgraded");
+    let connection = lapin::Connection::connect(broker.url(), Default::default())
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    // As the consumer declared them on 3.10: no limit on the lanes.
+    Topology::new(&queue, QueueKind::Quorum, &fast_policy().retry_delays)
+        .delivery_limit(Some(20))
+        .apply(&channel, TopologyMode::Declare)
+        .await
+        .expect("declared as on 3.10");
+    let broken = Arc::new(AtomicBool::new(true));
+    let calls = Calls::default();
+    let running = common::start(
+        broker.url(),
+        config(&queue, QueueKind::Quorum),
+        shop(&broken, &calls),
+    );
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    let dead: Vec<String> = (0..N).map(|i| format!("dead-{i}")).collect();
+    for id in &dead {
+        client
+            .send(&queue, "order.placed", id, b"{\"qty\":1}")
+            .await;
+    }
+    common::wait_settled("every order dead-lettered", &queue, N as u64).await;
+    running.stop().await;
+
+    let policy = format!("lily-lanes-{queue}");
+    let pattern = format!("^{}\\.(dlq|parking)$", queue.replace('.', "\\."));
+    broker.ctl(&[
+        "set_policy",
+        "--apply-to",
+        "quorum_queues",
+        &policy,
+        &pattern,
+        r#"{"delivery-limit":-1}"#,
+    ]);
+    for read in 1..=30 {
+        let listed = exits(0, &["dlq", "list", "-q", &queue, "--json"]);
+        assert_eq!(json(&listed)["messages"], N, "list {read}");
+    }
+    let dlq = format!("{queue}.dlq");
+    let once: BTreeMap<String, usize> = dead.iter().map(|id| (id.clone(), 1)).collect();
+    assert_eq!(client.drain_ids(&dlq).await, once);
+    broker.ctl(&["clear_policy", &policy]);
+    for name in [queue.clone(), dlq, format!("{queue}.parking")] {
+        client.delete(&name).await;
+    }
+    let _ = connection.close(200, "done".into()).await;
 }

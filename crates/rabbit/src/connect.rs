@@ -14,6 +14,7 @@
 use std::net::SocketAddr;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lapin::tcp::{AsyncTcpStream, OwnedIdentity, OwnedTLSConfig};
@@ -21,6 +22,8 @@ use lapin::types::LongString;
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{Connection, ConnectionProperties};
 use tracing::{debug, warn};
+
+use crate::version::BrokerVersion;
 
 /// A client certificate for mutual TLS (`amqps://` to a broker with `fail_if_no_peer_cert`):
 /// the PEM certificate chain, leaf first, and its PEM private key (PKCS#8, PKCS#1 or SEC1).
@@ -198,8 +201,16 @@ impl Endpoint {
     }
 
     /// Opens a connection to `node`, named `lily:<queue>:<role>` (the name the broker's tools
-    /// show), within the connect timeout.
-    async fn dial(&self, node: &Node, role: &str) -> lapin::Result<Connection> {
+    /// show), within the connect timeout. With `version`, first reads the node's version on a
+    /// connection of its own ([`crate::version`]) and writes it there (`None` when the node
+    /// did not say).
+    async fn dial(
+        &self,
+        node: &Node,
+        role: &str,
+        version: Option<&Arc<Mutex<Option<BrokerVersion>>>>,
+    ) -> lapin::Result<Connection> {
+        let version = version.cloned();
         let name = format!("lily:{}:{role}", self.queue);
         let props = ConnectionProperties::default()
             .with_connection_name(LongString::from(name.into_bytes()));
@@ -209,6 +220,7 @@ impl Endpoint {
         let presents_certificate = self.tls.client.is_some();
         // The verdict's wait counts against the connect timeout: half of it at most.
         let verdict_cap = self.connect_timeout / 2;
+        let probe_wait = self.connect_timeout / 2;
         let tls = OwnedTLSConfig {
             identity: self.tls.client.as_ref().map(ClientCertificate::identity),
             cert_chain: self.tls.ca_pem.clone(),
@@ -220,19 +232,28 @@ impl Endpoint {
             runtime,
             async move |uri: AMQPUri, runtime| {
                 // TCP to the resolved address; TLS checks the certificate against the name.
-                let stream = AsyncTcpStream::connect(&runtime, ip).await?;
-                Ok(match uri.scheme {
-                    AMQPScheme::AMQP => stream,
-                    AMQPScheme::AMQPS => {
-                        let started = std::time::Instant::now();
-                        let mut stream = stream.into_tls(&uri.authority.host, tls.as_ref()).await?;
-                        if presents_certificate {
-                            let wait = verdict_wait(started.elapsed()).min(verdict_cap);
-                            await_verdict(&mut stream, wait).await?;
+                let open = async || {
+                    let stream = AsyncTcpStream::connect(&runtime, ip).await?;
+                    Ok::<_, lapin::Error>(match uri.scheme {
+                        AMQPScheme::AMQP => stream,
+                        AMQPScheme::AMQPS => {
+                            let started = std::time::Instant::now();
+                            let mut stream =
+                                stream.into_tls(&uri.authority.host, tls.as_ref()).await?;
+                            if presents_certificate {
+                                let wait = verdict_wait(started.elapsed()).min(verdict_cap);
+                                await_verdict(&mut stream, wait).await?;
+                            }
+                            stream
                         }
-                        stream
-                    }
-                })
+                    })
+                };
+                if let Some(version) = &version {
+                    let mut probe = open().await?;
+                    let read = crate::version::read_version(&mut probe, probe_wait).await;
+                    *crate::sync::lock(version) = read;
+                }
+                open().await
             },
             props,
         );
@@ -423,6 +444,27 @@ impl Dialer {
     /// # Errors
     /// Every node failed: the last node's error, or the refusal.
     pub(crate) async fn connect(&self) -> lapin::Result<Connection> {
+        self.connect_reading(None).await
+    }
+
+    /// [`Dialer::connect`], and the version of the node connected to, read just before on a
+    /// connection of its own (see [`crate::version`]); `None` when the node did not say.
+    ///
+    /// # Errors
+    /// As [`Dialer::connect`].
+    pub(crate) async fn connect_with_version(
+        &self,
+    ) -> lapin::Result<(Connection, Option<BrokerVersion>)> {
+        let version = Arc::new(Mutex::new(None));
+        let connection = self.connect_reading(Some(&version)).await?;
+        let version = crate::sync::lock(&version).take();
+        Ok((connection, version))
+    }
+
+    async fn connect_reading(
+        &self,
+        version: Option<&Arc<Mutex<Option<BrokerVersion>>>>,
+    ) -> lapin::Result<Connection> {
         let (nodes, unresolved) = self.endpoint.nodes().await;
         if nodes.is_empty() {
             let err = unresolved.unwrap_or_else(|| std::io::Error::other("no address resolved"));
@@ -438,11 +480,11 @@ impl Dialer {
             let shown = self
                 .endpoint
                 .display_node(&node.host, node.port, Some(node.ip));
-            let mut dialed = self.endpoint.dial(node, self.role).await;
+            let mut dialed = self.endpoint.dial(node, self.role, version).await;
             for _ in 0..CERTIFICATE_REDIALS {
                 match &dialed {
                     Err(err) if self.endpoint.tls.client.is_some() && reset(err) => {
-                        dialed = self.endpoint.dial(node, self.role).await;
+                        dialed = self.endpoint.dial(node, self.role, version).await;
                     }
                     _ => break,
                 }
@@ -502,6 +544,41 @@ pub async fn connect(
         Err(source) if tls_refusal(&source).is_some() => Err(crate::Error::Tls {
             problem: tls_refusal(&source).unwrap_or_default(),
             node,
+            source,
+        }),
+        Err(source) => Err(crate::Error::Connect { node, source }),
+    }
+}
+
+/// The version of the broker at `url` (see [`BrokerVersion`]), read from the `connection.start`
+/// of a connection that ends there: what [`Topology::broker`](crate::Topology::broker) takes
+/// when an application declares a topology itself. The consumer reads it on its own.
+///
+/// # Errors
+/// As [`connect`]; `Ok(None)` when the broker answered without a version.
+pub async fn broker_version(
+    url: &str,
+    tls_ca_pem: Option<String>,
+) -> Result<Option<BrokerVersion>, crate::Error> {
+    let tls = Tls {
+        ca_pem: tls_ca_pem,
+        client: None,
+    };
+    let endpoint = Endpoint::new(url, &[], tls, "", Duration::from_secs(5)).map_err(|_| {
+        crate::Error::Config(crate::error::ConfigError {
+            field: "url",
+            problem: "does not parse as amqp:// or amqps://".into(),
+        })
+    })?;
+    let node = endpoint.display();
+    let dialer = Dialer::new(endpoint, "version");
+    match dialer.connect_with_version().await {
+        Ok((connection, version)) => {
+            let _ = connection.close(200, "version read".into()).await;
+            Ok(version)
+        }
+        Err(source) if refused(&source) => Err(crate::Error::Refused {
+            queue: String::new(),
             source,
         }),
         Err(source) => Err(crate::Error::Connect { node, source }),

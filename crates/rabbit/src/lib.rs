@@ -34,9 +34,10 @@ mod sync;
 pub mod testing;
 mod topology;
 mod trace;
+mod version;
 
 pub use config::ConsumerConfig;
-pub use connect::{ClientCertificate, connect};
+pub use connect::{ClientCertificate, broker_version, connect};
 pub use consumer::{Consumer, Stats};
 pub use error::{ConfigError, Error, MissingPermission};
 pub use publisher::{
@@ -45,6 +46,7 @@ pub use publisher::{
 pub use report::{ReportSinks, emit};
 pub use shutdown::Shutdown;
 pub use topology::{Applied, LeaderLocator, QueueKind, Topology, TopologyError, TopologyMode};
+pub use version::BrokerVersion;
 
 /// A `tracing` filter directive that silences lapin's log of returned messages: lapin logs each
 /// message the broker returns, body and headers included, at WARN. Add it to every filter, also

@@ -30,7 +30,7 @@ use crate::handoff::HandoffPublisher;
 use crate::inline::Inline;
 use crate::service::{Revoked, Shared};
 use crate::sync::lock;
-use crate::topology::{Applied, TopologyError, TopologyMode};
+use crate::topology::{Applied, QueueKind, TopologyError, TopologyMode};
 
 /// How long the probe publish that checks the `write` permission at start may wait for its
 /// confirm before the session goes on without it.
@@ -588,11 +588,14 @@ async fn ready_count(channel: &Channel, queue: &str) -> lapin::Result<u32> {
 /// a channel of their own, to find the refusal and the permission it needs. Verification
 /// always goes that way.
 async fn declare(shared: &Shared) -> Result<(Connection, Channel), SessionError> {
-    let connection = shared
-        .dialer
-        .connect()
-        .await
-        .map_err(|e| connect_error(shared, e))?;
+    // Only quorum queues' arguments depend on the broker's version.
+    let (connection, version) = if shared.config.queue_kind == QueueKind::Quorum {
+        shared.dialer.connect_with_version().await
+    } else {
+        shared.dialer.connect().await.map(|c| (c, None))
+    }
+    .map_err(|e| connect_error(shared, e))?;
+    let topology = shared.topology.clone().broker(version);
     let prefetch = |channel: Channel| async move {
         channel
             .basic_qos(shared.config.prefetch, BasicQosOptions::default())
@@ -604,7 +607,7 @@ async fn declare(shared: &Shared) -> Result<(Connection, Channel), SessionError>
             .create_channel()
             .await
             .map_err(SessionError::Connect)?;
-        if shared.topology.declare_unanswered(&channel).await.is_ok()
+        if topology.declare_unanswered(&channel).await.is_ok()
             && let Ok(consuming) = prefetch(channel).await
         {
             return Ok((connection, consuming));
@@ -614,20 +617,35 @@ async fn declare(shared: &Shared) -> Result<(Connection, Channel), SessionError>
         .create_channel()
         .await
         .map_err(SessionError::Connect)?;
-    let applied = shared
-        .topology
-        .apply(&setup, shared.config.topology)
-        .await
-        .map_err(|TopologyError { missing, source }| match missing {
-            Some(missing) => lacking(missing, source),
-            None if definitive(&source, shared.config.topology) => {
-                SessionError::Fatal(Error::Topology {
-                    queue: shared.config.queue.clone(),
-                    source,
-                })
-            }
-            None => SessionError::Connect(source),
-        })?;
+    let mut applied = topology.apply(&setup, shared.config.topology).await;
+    if let Err(TopologyError { source, .. }) = &applied
+        && topology.declares_unlimited()
+        && refuses_delivery_limit(source)
+    {
+        // Declared before the broker limited deliveries: declared again as they are.
+        let setup = connection
+            .create_channel()
+            .await
+            .map_err(SessionError::Connect)?;
+        applied = shared.topology.apply(&setup, shared.config.topology).await;
+        if applied.is_ok() {
+            warn!(
+                queue = %shared.queue,
+                broker = %version.map(|v| v.to_string()).unwrap_or_default(),
+                "the queues were declared without x-delivery-limit, before RabbitMQ 4.0: each has the broker's default delivery limit (20) unless a policy sets delivery-limit -1, and the DLQ and the parking lane drop a message read and given back that often; see the compatibility chapter"
+            );
+        }
+    }
+    let applied = applied.map_err(|TopologyError { missing, source }| match missing {
+        Some(missing) => lacking(missing, source),
+        None if definitive(&source, shared.config.topology) => {
+            SessionError::Fatal(Error::Topology {
+                queue: shared.config.queue.clone(),
+                source,
+            })
+        }
+        None => SessionError::Connect(source),
+    })?;
     if let Applied::ExistenceOnly(missing) = applied {
         warn!(queue = %shared.queue, lacks = %missing, "topology verified by existence only: the queues' arguments (type, dead-lettering, TTLs) were not checked");
     }
@@ -639,6 +657,21 @@ async fn declare(shared: &Shared) -> Result<(Connection, Channel), SessionError>
         .map_err(SessionError::Connect)?;
     let consuming = prefetch(consuming).await.map_err(SessionError::Connect)?;
     Ok((connection, consuming))
+}
+
+/// Whether the broker refused a declaration because an existing queue has another
+/// `x-delivery-limit` (406 `inequivalent arg 'x-delivery-limit'`).
+fn refuses_delivery_limit(err: &lapin::Error) -> bool {
+    let lapin::ErrorKind::ProtocolError(amqp) = err.kind() else {
+        return false;
+    };
+    matches!(
+        amqp.kind(),
+        AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED)
+    ) && amqp
+        .get_message()
+        .to_string()
+        .contains("'x-delivery-limit'")
 }
 
 /// Opens the handoff publisher's connection and checks that it may publish.

@@ -8,6 +8,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, ExchangeKind};
 
 use crate::error::{MissingPermission, Needs, missing_permission};
+use crate::version::BrokerVersion;
 
 /// The RabbitMQ queue type of the work queue and its companions.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -64,6 +65,13 @@ pub enum TopologyMode {
 /// [`Topology::delivery_limit`]) with at-least-once dead-lettering (`x-dead-letter-strategy`,
 /// which needs `x-overflow: reject-publish`), so a message redelivered past the limit reaches
 /// the DLQ, or waits for it, and is never dropped.
+///
+/// On RabbitMQ 4.0 and later every quorum queue has a delivery limit (20) unless declared
+/// with `x-delivery-limit: -1`, and a queue with no dead-letter target drops a message at
+/// it. So on such a broker (see [`Topology::broker`]) the DLQ, the parking lane and a work
+/// queue without a limit of its own are declared with `-1`: a lane read and given back any
+/// number of times keeps its messages. The buckets are not: each dead-letters, at least once,
+/// to the work queue, so a bucket's limit sends a copy on early rather than dropping it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
     queue: String,
@@ -71,6 +79,7 @@ pub struct Topology {
     buckets: Vec<(String, Duration)>,
     delivery_limit: Option<u32>,
     leader_locator: Option<LeaderLocator>,
+    unlimited: bool,
 }
 
 impl Topology {
@@ -86,7 +95,24 @@ impl Topology {
             buckets,
             delivery_limit: None,
             leader_locator: None,
+            unlimited: false,
         }
+    }
+
+    /// Declares for a broker of `version`: on 4.0 and later, quorum queues that must have no
+    /// delivery limit get `x-delivery-limit: -1` (see [`Topology`]). `None`, or a version
+    /// before 4.0, declares no limit where none is configured, as before 4.0 no limit is the
+    /// default and `-1` is not understood.
+    #[must_use]
+    pub fn broker(mut self, version: Option<BrokerVersion>) -> Self {
+        self.unlimited = version.is_some_and(BrokerVersion::limits_deliveries_by_default);
+        self
+    }
+
+    /// Whether quorum queues without a limit of their own are declared with
+    /// `x-delivery-limit: -1` (see [`Topology::broker`]).
+    pub fn declares_unlimited(&self) -> bool {
+        self.unlimited && self.kind == QueueKind::Quorum
     }
 
     /// Declares quorum queues with `x-queue-leader-locator`; `None` declares none. Classic
@@ -369,22 +395,34 @@ impl Topology {
             }
             args
         };
-        let mut work = base();
+        // A lane, or a work queue without a limit of its own, must have none.
+        let unlimited = || {
+            let mut args = base();
+            if self.declares_unlimited() {
+                args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(-1));
+            }
+            args
+        };
+        let mut work = match (self.kind, self.delivery_limit) {
+            (QueueKind::Quorum, Some(limit)) => {
+                let mut work = base();
+                work.insert(
+                    "x-delivery-limit".into(),
+                    AMQPValue::LongLongInt(limit.into()),
+                );
+                work.insert("x-dead-letter-strategy".into(), long("at-least-once"));
+                work.insert("x-overflow".into(), long("reject-publish"));
+                work
+            }
+            _ => unlimited(),
+        };
         work.insert(
             "x-dead-letter-exchange".into(),
             long(&self.dead_letter_exchange()),
         );
-        if let (QueueKind::Quorum, Some(limit)) = (self.kind, self.delivery_limit) {
-            work.insert(
-                "x-delivery-limit".into(),
-                AMQPValue::LongLongInt(limit.into()),
-            );
-            work.insert("x-dead-letter-strategy".into(), long("at-least-once"));
-            work.insert("x-overflow".into(), long("reject-publish"));
-        }
         let mut queues = vec![
-            (self.dead_letter_queue(), base()),
-            (self.parking_queue(), base()),
+            (self.dead_letter_queue(), unlimited()),
+            (self.parking_queue(), unlimited()),
             (self.queue.clone(), work),
         ];
         for (name, delay) in &self.buckets {
