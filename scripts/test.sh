@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: installs what is missing (rustfmt, clippy,
-# rabbitmq-server, mongod), starts a private RabbitMQ node, a private three-node RabbitMQ
-# cluster and a private MongoDB replica set on loopback, runs fmt, clippy, docs and all tests
-# against them, and stops them.
+# rabbitmq-server 3.10 and 4.0, mongod), runs fmt, clippy and the docs, then every test against
+# RabbitMQ 3.10 and every test that talks to a broker against RabbitMQ 4.0, the two side by side.
+# Each version gets its own private servers on loopback: a node, a three-node cluster and a
+# MongoDB replica set (the soak restarts mongod), all stopped at the end.
+#
+#   LILY_TEST_VERSIONS="3.10"   run against one version only (a quicker loop; CI runs both)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,53 +14,121 @@ if command -v rustup >/dev/null; then
   rustup component add rustfmt clippy >/dev/null 2>&1 || true
 fi
 
-PORT=${LILY_TEST_PORT:-25672}
-DIR="$PWD/target/lily-rabbit-test"
+VERSIONS=${LILY_TEST_VERSIONS:-3.10 4.0}
+BASE=${LILY_TEST_PORT:-25672}
+CLUSTER_BASE=${LILY_TEST_CLUSTER_PORT:-26672}
+MONGO_BASE=${LILY_TEST_MONGO_PORT:-27517}
 TLS_DIR="$PWD/target/lily-tls-test"
-scripts/rabbitmq.sh stop "$DIR" || true
-rm -rf "$DIR" "$TLS_DIR"
-# A throwaway local CA; both nodes also listen with TLS (RabbitMQ on PORT+3).
+# Authentication is on: the tests connect as an administrator whose password is new on each
+# run, and the security tests make users with less.
+MONGO_ADMIN="lily-admin:$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+
+# The servers of one version: the first version on the base ports, the next 100 above.
+offset() { case "$1" in 3.10) echo 0 ;; 4.0) echo 100 ;; *) echo "lily: no such version $1" >&2; return 1 ;; esac; }
+dir_of() { echo "$PWD/target/lily-test-$1"; }
+
+# Exports what the tests read to find the servers of version $1.
+use_servers() {
+  local d port cluster mongo
+  d=$(dir_of "$1")
+  port=$((BASE + $(offset "$1")))
+  cluster=$((CLUSTER_BASE + $(offset "$1")))
+  mongo=$((MONGO_BASE + $(offset "$1")))
+  export LILY_AMQP_URL="amqp://guest:guest@127.0.0.1:$port/%2f"
+  export LILY_AMQPS_URL="amqps://guest:guest@127.0.0.1:$((port + 3))/%2f"
+  export LILY_RABBIT_DIR="$d/rabbit"
+  export LILY_TLS_DIR="$TLS_DIR"
+  export LILY_CLUSTER_DIR="$d/cluster"
+  export LILY_CLUSTER_PORT="$cluster"
+  export LILY_MONGOD_DIR="$d/mongod"
+  export LILY_MONGO_URL="mongodb://$MONGO_ADMIN@127.0.0.1:$mongo/?replicaSet=lily&directConnection=true&authSource=admin"
+  # Mutual TLS: the client presents the certificate scripts/tls.sh signed.
+  export LILY_MONGO_TLS_URL="$LILY_MONGO_URL&tls=true&tlsCAFile=$TLS_DIR/ca.pem&tlsCertificateKeyFile=$TLS_DIR/client-combined.pem"
+}
+
+stop_servers() {
+  local d
+  d=$(dir_of "$1")
+  scripts/mongod.sh stop "$d/mongod" || true
+  scripts/rabbitmq.sh cluster-stop "$d/cluster" || true
+  scripts/rabbitmq.sh stop "$d/rabbit" || true
+}
+
+# Starts the servers of version $1; the RabbitMQ nodes in parallel with each other.
+start_servers() (
+  local version=$1 d port
+  d=$(dir_of "$version")
+  port=$((BASE + $(offset "$version")))
+  export LILY_RABBIT_VERSION=$version
+  scripts/rabbitmq.sh install
+  # The node also listens with TLS (on PORT+3).
+  LILY_RABBIT_TLS_DIR="$TLS_DIR" scripts/rabbitmq.sh start "$d/rabbit" "$port" &
+  local node=$!
+  scripts/rabbitmq.sh cluster-start "$d/cluster" $((CLUSTER_BASE + $(offset "$version")))
+  wait "$node"
+)
+
+trap 'for v in $VERSIONS; do stop_servers "$v"; done' EXIT
+for v in $VERSIONS; do
+  stop_servers "$v"
+  rm -rf "$(dir_of "$v")"
+  mkdir -p "$(dir_of "$v")"
+done
+rm -rf "$TLS_DIR"
+# A throwaway local CA for the brokers' and mongod's TLS listeners.
 scripts/tls.sh "$TLS_DIR"
-LILY_RABBIT_TLS_DIR="$TLS_DIR" scripts/rabbitmq.sh start "$DIR" "$PORT"
-MONGO_PORT=${LILY_TEST_MONGO_PORT:-27517}
-MONGO_DIR="$PWD/target/lily-mongod-test"
-CLUSTER_PORT=${LILY_TEST_CLUSTER_PORT:-26672}
-CLUSTER_DIR="$PWD/target/lily-rabbit-cluster-test"
-trap 'scripts/mongod.sh stop "$MONGO_DIR" || true; scripts/rabbitmq.sh cluster-stop "$CLUSTER_DIR" || true; scripts/rabbitmq.sh stop "$DIR"' EXIT
-# The cluster starts in the background while the checks below build and run.
-scripts/rabbitmq.sh cluster-stop "$CLUSTER_DIR" || true
-rm -rf "$CLUSTER_DIR"
-scripts/rabbitmq.sh cluster-start "$CLUSTER_DIR" "$CLUSTER_PORT" &
-CLUSTER_PID=$!
-export LILY_AMQP_URL="amqp://guest:guest@127.0.0.1:$PORT/%2f"
-export LILY_AMQPS_URL="amqps://guest:guest@127.0.0.1:$((PORT + 3))/%2f"
-export LILY_RABBIT_DIR="$DIR"
-export LILY_TLS_DIR="$TLS_DIR"
+declare -A STARTING
+for v in $VERSIONS; do
+  start_servers "$v" >"target/lily-test-start-$v.log" 2>&1 &
+  STARTING[$v]=$!
+done
 
 scripts/mongod.sh install
-scripts/mongod.sh stop "$MONGO_DIR" || true
-rm -rf "$MONGO_DIR"
-# Authentication is on: the tests connect as an administrator whose password is new on each
-# run, and the security tests make users with less. Abandoned transactions (a worker killed
-# mid-transaction) are aborted after 10 s instead of 60 s, so the crash tests' redeliveries stop
-# deferring sooner.
-MONGO_ADMIN="lily-admin:$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
-LILY_MONGOD_AUTH="$MONGO_ADMIN" LILY_MONGOD_TXN_LIFETIME_S=10 LILY_MONGOD_TLS_DIR="$TLS_DIR" \
-  scripts/mongod.sh start "$MONGO_DIR" "$MONGO_PORT"
-export LILY_MONGO_URL="mongodb://$MONGO_ADMIN@127.0.0.1:$MONGO_PORT/?replicaSet=lily&directConnection=true&authSource=admin"
-# Mutual TLS: the client presents the certificate scripts/tls.sh signed.
-export LILY_MONGO_TLS_URL="$LILY_MONGO_URL&tls=true&tlsCAFile=$TLS_DIR/ca.pem&tlsCertificateKeyFile=$TLS_DIR/client-combined.pem"
-export LILY_MONGOD_DIR="$MONGO_DIR"
-export LILY_CLUSTER_DIR="$CLUSTER_DIR"
-export LILY_CLUSTER_PORT="$CLUSTER_PORT"
+for v in $VERSIONS; do
+  # Abandoned transactions (a worker killed mid-transaction) are aborted after 10 s instead of
+  # 60 s, so the crash tests' redeliveries stop deferring sooner.
+  LILY_MONGOD_AUTH="$MONGO_ADMIN" LILY_MONGOD_TXN_LIFETIME_S=10 LILY_MONGOD_TLS_DIR="$TLS_DIR" \
+    scripts/mongod.sh start "$(dir_of "$v")/mongod" $((MONGO_BASE + $(offset "$v")))
+done
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # The transport alone, without the features the workspace turns on (otel, testing, health).
 cargo clippy -p lily-mq-rabbit --lib -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
-wait "$CLUSTER_PID" || { echo "lily: the three-node cluster did not start" >&2; exit 1; }
-cargo test --workspace
+cargo test --workspace --no-run --quiet
+for v in $VERSIONS; do
+  if ! wait "${STARTING[$v]}"; then
+    echo "lily: the RabbitMQ $v servers did not start:" >&2
+    cat "target/lily-test-start-$v.log" >&2
+    exit 1
+  fi
+  grep '^lily: ' "target/lily-test-start-$v.log" >&2 || true
+done
+
+# The first version runs everything; each other version, side by side with it, runs every
+# integration test (the broker-facing ones; the unit tests and doctests need no broker).
+first=${VERSIONS%% *}
+declare -A RUNNING
+for v in $VERSIONS; do
+  [ "$v" = "$first" ] && continue
+  (use_servers "$v" && exec cargo test --workspace --test '*') >"target/lily-test-$v.log" 2>&1 &
+  RUNNING[$v]=$!
+done
+status=0
+(use_servers "$first" && cargo test --workspace) || status=$?
+for v in "${!RUNNING[@]}"; do
+  if wait "${RUNNING[$v]}"; then
+    echo "lily: RabbitMQ $v: $(grep -c '^test result: ok' "target/lily-test-$v.log") test binaries passed" >&2
+  else
+    echo "lily: the tests against RabbitMQ $v failed (target/lily-test-$v.log):" >&2
+    { grep -q '^failures:' "target/lily-test-$v.log" && sed -n '/^failures:/,$p' "target/lily-test-$v.log"; } >&2 ||
+      tail -n 60 "target/lily-test-$v.log" >&2
+    status=1
+  fi
+done
+[ "$status" -eq 0 ] || exit "$status"
+
 cargo test --manifest-path patches/amq-protocol-types/Cargo.toml --quiet
 # A short coverage-guided fuzzing run of each target (cargo-afl, installed when missing): the
 # seed corpora replay as regression tests, then AFL++ explores; any crash fails the suite.
