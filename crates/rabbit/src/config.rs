@@ -86,6 +86,13 @@ pub struct ConsumerConfig {
     /// [`Consumer::run`](crate::Consumer::run) takes its budget from the
     /// [`Shutdown`](crate::Shutdown) it is given.
     pub shutdown_budget: ShutdownBudget,
+    /// The broker's `consumer_timeout` (RabbitMQ's default: 30 minutes): a delivery left
+    /// unacknowledged this long makes the broker close the channel, and every delivery on it
+    /// goes back to the queue. AMQP gives a client no way to read it, so it is taken here, and
+    /// at start every time a delivery may stay unacknowledged under Lily must be shorter: the
+    /// policy's `release_held_after`, the handler timeout with the settlement budget after it,
+    /// and the shutdown budget. Lily sets no timeout of its own on the queue or the consumer.
+    pub broker_consumer_timeout: Duration,
     /// The key that seals Lily's `x-lily-*` headers on every copy and checks them when a
     /// message comes back ([`HeaderKey`]). Every worker of the queue and the `lily` command
     /// must hold the same one. Without one, the [public](HeaderKey::public) key.
@@ -114,6 +121,7 @@ impl ConsumerConfig {
             delivery_limit: Some(20),
             leader_locator: None,
             shutdown_budget: ShutdownBudget::default(),
+            broker_consumer_timeout: Duration::from_secs(30 * 60),
             header_key: HeaderKey::public(),
         }
     }
@@ -124,6 +132,14 @@ impl ConsumerConfig {
     #[must_use]
     pub fn header_key(mut self, secret: impl AsRef<[u8]>) -> Self {
         self.header_key = HeaderKey::new(secret);
+        self
+    }
+
+    /// Sets [`ConsumerConfig::broker_consumer_timeout`], as the broker's `consumer_timeout`
+    /// is configured (`rabbitmq.conf`, or `x-consumer-timeout` on the queue by policy).
+    #[must_use]
+    pub fn broker_consumer_timeout(mut self, timeout: Duration) -> Self {
+        self.broker_consumer_timeout = timeout;
         self
     }
 
@@ -319,6 +335,24 @@ impl ConsumerConfig {
         {
             rule(false, "tls_client", problem)?;
         }
+        let timeout = self.broker_consumer_timeout;
+        rule(
+            self.policy.release_held_after < timeout,
+            "policy.release_held_after",
+            "must be shorter than broker_consumer_timeout: the broker would close the channel \
+             under a held delivery first",
+        )?;
+        rule(
+            self.handler_timeout + self.policy.settlement_budget < timeout,
+            "handler_timeout",
+            "with policy.settlement_budget after it, must be shorter than \
+             broker_consumer_timeout: the broker would close the channel under a running handler",
+        )?;
+        rule(
+            self.shutdown_budget.total < timeout,
+            "shutdown_budget",
+            "must be shorter than broker_consumer_timeout",
+        )?;
         if let (QueueKind::Quorum, Some(limit)) = (self.queue_kind, self.delivery_limit) {
             rule(
                 limit > self.policy.max_requeues,
@@ -398,7 +432,9 @@ mod tests {
     fn every_rule_names_its_field() {
         let base = || ConsumerConfig::new("orders");
         assert_eq!(field_of(&base()), None);
-        let cases: [(ConsumerConfig, &str); 9] = [
+        // A broker that times consumers out after 10 minutes.
+        let ten = || base().broker_consumer_timeout(Duration::from_secs(600));
+        let cases: [(ConsumerConfig, &str); 12] = [
             (ConsumerConfig::new(""), "queue"),
             (ConsumerConfig::new("q".repeat(201)), "queue"),
             (base().prefetch(0), "prefetch"),
@@ -419,6 +455,20 @@ mod tests {
                     .delivery_limit(Some(5))
                     .policy(Policy::default().max_requeues(5)),
                 "delivery_limit",
+            ),
+            // Holds are released after 15 minutes by default.
+            (ten(), "policy.release_held_after"),
+            (
+                ten()
+                    .policy(Policy::default().release_held_after(Duration::from_secs(300)))
+                    .handler_timeout(Duration::from_secs(595)),
+                "handler_timeout",
+            ),
+            (
+                ten()
+                    .policy(Policy::default().release_held_after(Duration::from_secs(300)))
+                    .shutdown_budget(ShutdownBudget::new(Duration::from_secs(600))),
+                "shutdown_budget",
             ),
         ];
         for (config, field) in cases {

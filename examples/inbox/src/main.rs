@@ -493,11 +493,18 @@ async fn demo(settings: &Settings) -> Result<ExitCode, BoxError> {
     // One handler at a time so the printed sequence is the same on every run (concurrent
     // reservations of one sku conflict in MongoDB and are retried: correct, but noisier).
     let config = settings.consumer_config(1);
+    // Declared as the consumer declares it, for the broker's version (on RabbitMQ 4 the lanes
+    // of a quorum queue get no delivery limit).
+    let version = lily::rabbit::broker_version(&settings.amqp_url, None)
+        .await
+        .map_err(|e| format!("cannot connect to the broker in LILY_AMQP_URL: {e}"))?;
     let topology = Topology::new(
         &settings.queue,
         settings.queue_kind,
         &config.policy.retry_delays,
-    );
+    )
+    .delivery_limit(config.delivery_limit)
+    .broker(version);
     println!("Lily inbox demo");
     println!(
         "  queue {}, database {}, consumer {CONSUMER}",

@@ -661,8 +661,10 @@ async fn declare_topology(url: &str, queue: &str, kind: QueueKind) {
     let Some((_connection, channel)) = open_channel(url).await else {
         return;
     };
+    let version = lily::rabbit::broker_version(url, None).await.ok().flatten();
     let topology = Topology::new(queue, kind, &RETRY_DELAYS)
-        .delivery_limit(Some(MAX_REQUEUES.saturating_add(20)));
+        .delivery_limit(Some(MAX_REQUEUES.saturating_add(20)))
+        .broker(version);
     let _ = topology.apply(&channel, TopologyMode::Declare).await;
 }
 
