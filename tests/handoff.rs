@@ -12,7 +12,7 @@ use common::{config, header, header_str, props};
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use lily::prelude::*;
-use lily_mq_testkit::{Broker, Client};
+use lily_mq_testkit::{Broker, Client, eventually};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -228,10 +228,16 @@ async fn timed_out_confirms_are_drained_and_never_taken_for_later_evidence(kind:
     // requeued and handed off again.
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(proxy.swallowed() > 0, "no confirm was swallowed");
-    let channels = broker.channels_of(&format!("lily:{queue}:handoffs"));
+    // The pool may be opening its connection again (one that stopped confirming is replaced):
+    // sampled a few times, it is there, and never holds more than a few channels.
+    let mut seen = Vec::new();
+    for _ in 0..6 {
+        seen.push(broker.channels_of(&format!("lily:{queue}:handoffs")));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     assert!(
-        channels.is_some_and(|n| n <= 8),
-        "channels open on the handoff connection: {channels:?}"
+        seen.iter().any(Option::is_some) && seen.iter().flatten().all(|n| *n <= 8),
+        "channels open on the handoff connection: {seen:?}"
     );
     let totals = running.stats.totals();
     assert_eq!(
@@ -242,11 +248,15 @@ async fn timed_out_confirms_are_drained_and_never_taken_for_later_evidence(kind:
 
     let before = proxy.swallowed();
     proxy.swallow_confirms(5);
+    // At least 3 s of it, and until one in five confirm frames has been swallowed (a busy
+    // machine sends fewer frames, each confirming more).
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert!(proxy.swallowed() > before, "no confirm was swallowed");
+    let swallowed = eventually(Duration::from_secs(20), || proxy.swallowed() > before).await;
+    assert!(swallowed, "no confirm was swallowed");
     proxy.swallow_confirms(0);
+    // Each handoff has 1 s: on a loaded machine some still miss it and go round again.
     running
-        .wait_for("every retryable failure handed off", WAIT, |t| {
+        .wait_for("every retryable failure handed off", WAIT * 2, |t| {
             t.retried >= RETRYABLE as u64
         })
         .await;
