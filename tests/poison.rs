@@ -325,6 +325,9 @@ async fn a_message_that_keeps_killing_its_consumer_reaches_the_dlq_through_the_d
         config(q, QueueKind::Quorum)
             .policy(policy)
             .delivery_limit(Some(LIMIT))
+            // Only the connection's end stops the killer: a handler timeout on a slow round
+            // would fail it retryably, through a retry bucket.
+            .handler_timeout(Duration::from_secs(120))
     })
     .await;
     let dlq = format!("{queue}.dlq");
