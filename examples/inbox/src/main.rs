@@ -38,6 +38,7 @@
 //! | `LILY_QUEUE` | work queue, default `stock` |
 //! | `LILY_PREFETCH` | `serve`: prefetch and concurrency, default 10 (the demo uses 1) |
 //! | `LILY_DEFERRAL_MS` | how long a deferred delivery waits before its requeue, default 1000 |
+//! | `LILY_DEFERRAL_MAX_MS` | each further requeue of one message waits twice as long, up to this; default `LILY_DEFERRAL_MS` (no growth) |
 //! | `LILY_LEASE_TTL_MS` | per-message lease TTL, default 30000 |
 //! | `LILY_MAX_REQUEUES` | deferrals (and failed handoffs) before the DLQ, default 100 |
 //! | `LILY_QUEUE_TYPE` | `classic` (default) or `quorum`; a quorum work queue gets `x-delivery-limit` `LILY_MAX_REQUEUES` + 20 |
@@ -215,6 +216,7 @@ struct Settings {
     queue: String,
     prefetch: u16,
     deferral: Duration,
+    deferral_max: Duration,
     lease_ttl: Duration,
     max_requeues: u32,
     queue_kind: QueueKind,
@@ -242,6 +244,13 @@ impl Settings {
         if deferral.is_zero() {
             return Err("LILY_DEFERRAL_MS must be above zero: a deferral must wait".into());
         }
+        let deferral_max = Duration::from_millis(env_number(
+            "LILY_DEFERRAL_MAX_MS",
+            u64::try_from(deferral.as_millis()).unwrap_or(u64::MAX),
+        )?);
+        if deferral_max < deferral {
+            return Err("LILY_DEFERRAL_MAX_MS must be at least LILY_DEFERRAL_MS".into());
+        }
         let lease_ttl = Duration::from_millis(env_number("LILY_LEASE_TTL_MS", 30_000)?);
         if lease_ttl < Duration::from_millis(100) {
             return Err("LILY_LEASE_TTL_MS must be at least 100".into());
@@ -253,6 +262,7 @@ impl Settings {
             queue: std::env::var("LILY_QUEUE").unwrap_or_else(|_| "stock".into()),
             prefetch: env_number("LILY_PREFETCH", 10_u16)?.max(1),
             deferral,
+            deferral_max,
             lease_ttl,
             max_requeues: env_number("LILY_MAX_REQUEUES", 100)?,
             queue_kind: match std::env::var("LILY_QUEUE_TYPE").as_deref() {
@@ -264,14 +274,18 @@ impl Settings {
         })
     }
 
-    /// Short delays: 3 attempts with retry buckets of 1 s and 5 s; deferrals wait
-    /// `LILY_DEFERRAL_MS` each, up to `LILY_MAX_REQUEUES` of them.
+    /// Short delays: 3 attempts with retry buckets of 1 s and 5 s; up to `LILY_MAX_REQUEUES`
+    /// deferrals (and failed handoffs), the first waiting `LILY_DEFERRAL_MS`, each next one
+    /// twice as long up to `LILY_DEFERRAL_MAX_MS`.
     fn policy(&self) -> Policy {
+        let ladder = std::iter::successors(Some(self.deferral), |d| {
+            (*d < self.deferral_max).then(|| (*d * 2).min(self.deferral_max))
+        });
         Policy::default()
             .max_attempts(3)
             .retry_delays([Duration::from_secs(1), Duration::from_secs(5)])
             .max_requeues(self.max_requeues)
-            .deferral_delays([self.deferral])
+            .deferral_delays(ladder)
     }
 
     fn consumer_config(&self, prefetch: u16) -> ConsumerConfig {

@@ -29,7 +29,9 @@
 //! ```
 //!
 //! The broker and mongod are the ones `scripts/test.sh` starts (`LILY_AMQP_URL`,
-//! `LILY_RABBIT_DIR`, `LILY_MONGO_URL`): faults use `rabbitmqctl` on that node.
+//! `LILY_RABBIT_DIR`, `LILY_MONGO_URL`): faults use `rabbitmqctl` on that node. To see what
+//! the workers did, set `LILY_CHAOS_LOG_DIR` (each worker's log is written there when it exits)
+//! and `LILY_CHAOS_RUST_LOG` (their filter, `warn` by default).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -88,7 +90,7 @@ const STORM_SETTLED_WITHIN: Duration = Duration::from_secs(120);
 /// Failed injections of one kind after which the soak stops insisting on it.
 const REFUSALS: u32 = 5;
 /// The workers' `LILY_MAX_REQUEUES`: deferrals wait on a dead worker's lease and on its
-/// abandoned transaction (mongod's lifetime limit), 250 ms each.
+/// abandoned transaction (mongod's lifetime limit), from 250 ms growing to 2 s.
 const MAX_REQUEUES: u32 = 400;
 /// The retry delays of the inbox service.
 const RETRY_DELAYS: [Duration; 2] = [Duration::from_secs(1), Duration::from_secs(5)];
@@ -259,6 +261,8 @@ struct Supervisor {
     /// The workers' `LILY_MAX_REQUEUES` and `LILY_LEASE_TTL_MS`.
     max_requeues: u32,
     lease_ttl_ms: u32,
+    /// The workers' `LILY_DEFERRAL_MAX_MS`.
+    deferral_max_ms: u32,
     database: String,
     slots: Vec<Slot>,
     reports: Vec<serde_json::Value>,
@@ -279,6 +283,7 @@ impl Supervisor {
             .env("LILY_PREFETCH", "10")
             .env("LILY_LEASE_TTL_MS", self.lease_ttl_ms.to_string())
             .env("LILY_DEFERRAL_MS", "250")
+            .env("LILY_DEFERRAL_MAX_MS", self.deferral_max_ms.to_string())
             .env("LILY_MAX_REQUEUES", self.max_requeues.to_string())
             .env(
                 "LILY_QUEUE_TYPE",
@@ -288,7 +293,10 @@ impl Supervisor {
                 },
             )
             .env("INBOX_FLAKY_ONE_IN", self.flaky_one_in.to_string())
-            .env("RUST_LOG", "warn")
+            .env(
+                "RUST_LOG",
+                std::env::var("LILY_CHAOS_RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .env_remove("INBOX_FAULT");
         self.slots[slot].process = Some(ChildProcess::spawn(command));
         self.slots[slot].starts += 1;
@@ -319,6 +327,13 @@ impl Supervisor {
             _ => "unknown".to_owned(),
         };
         *self.exits.entry(how).or_default() += 1;
+        if let Some(dir) = std::env::var_os("LILY_CHAOS_LOG_DIR") {
+            let n = self.exits.values().sum::<u32>();
+            let _ = std::fs::write(
+                std::path::Path::new(&dir).join(format!("worker-{n}.log")),
+                process.log(),
+            );
+        }
         let text = process.stdout().await;
         if let Ok(report) = serde_json::from_str::<serde_json::Value>(&text) {
             self.reports.push(report);
@@ -719,9 +734,14 @@ async fn main() -> ExitCode {
         kind: args.kind,
         flaky_one_in: args.flaky_one_in,
         // The storm runs at the library's default requeue limit: deferrals and waits must not
-        // need more. The other runs allow many (250 ms deferrals on 2 s leases).
+        // need more. The other runs allow many (deferrals from 250 ms on 2 s leases).
         max_requeues: if args.storm { 5 } else { MAX_REQUEUES },
         lease_ttl_ms: if args.storm { 10_000 } else { 2_000 },
+        // Requeues back off, as the library's default ladder does: a lane that refuses every
+        // handoff for as long as an operator's policy stays (tens of seconds when
+        // `rabbitmqctl` is slow on a loaded machine) redelivers its messages every 2 s, not
+        // every 250 ms.
+        deferral_max_ms: if args.storm { 250 } else { 2_000 },
         database: database_name.clone(),
         slots: (0..args.workers)
             .map(|_| Slot {
