@@ -208,7 +208,10 @@ async fn timed_out_confirms_are_drained_and_never_taken_for_later_evidence(kind:
         .max_attempts(2)
         .retry_delays([PARKED])
         .max_requeues(100_000)
-        .settlement_budget(Duration::from_secs(1), Duration::from_millis(200));
+        .settlement_budget(Duration::from_secs(1), Duration::from_millis(200))
+        // Short holds between requeues: with the default ladder (up to 30 s) a slow first
+        // phase leaves every delivery in a long hold, and the second phase sees no handoff.
+        .deferral_delays([Duration::from_millis(500), Duration::from_secs(1)]);
     let cfg = config(&queue, kind)
         .policy(policy)
         .delivery_limit(None)
