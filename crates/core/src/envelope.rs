@@ -5,7 +5,6 @@
 //! a broker-native reject (oversized body), a dead-letter handoff with sanitized metadata
 //! (invalid envelope) and dispatch.
 
-use amq_protocol::protocol::BasicProperties;
 use amq_protocol_types::{AMQPValue, FieldTable, ShortString};
 
 use crate::headers;
@@ -68,8 +67,9 @@ pub struct PropertiesView<'a> {
     pub content_type: Option<&'a str>,
     /// The headers table.
     pub headers: Option<&'a FieldTable>,
-    /// The first property or routing field whose wire bytes were not valid UTF-8 (see
-    /// [`not_utf8`]).
+    /// The first property, routing field or header key whose wire bytes were not valid UTF-8:
+    /// the transport rewrites such bytes before its AMQP client parses them, and names the
+    /// field here, since the text it hands over is only an approximation.
     pub not_utf8: Option<&'static str>,
     /// The key Lily's headers are sealed with; `None` for the [public](HeaderKey::public) one.
     pub key: Option<&'a HeaderKey>,
@@ -297,35 +297,6 @@ pub fn inspect<'a>(
     })
 }
 
-/// The first property or routing field of a delivery whose wire bytes were not valid UTF-8.
-///
-/// Lily's client parses such short strings leniently (see `patches/README.md`) instead of
-/// failing the frame, and the gate then refuses the delivery: its text is only a lossy decoding.
-/// Header keys are checked by [`inspect`] itself.
-pub fn not_utf8(
-    properties: &BasicProperties,
-    exchange: &ShortString,
-    routing_key: &ShortString,
-) -> Option<&'static str> {
-    let lossy = |s: &Option<ShortString>| s.as_ref().is_some_and(ShortString::is_lossy);
-    [
-        ("message_id", lossy(properties.message_id())),
-        ("type", lossy(properties.kind())),
-        ("correlation_id", lossy(properties.correlation_id())),
-        ("content_type", lossy(properties.content_type())),
-        ("content_encoding", lossy(properties.content_encoding())),
-        ("reply_to", lossy(properties.reply_to())),
-        ("expiration", lossy(properties.expiration())),
-        ("user_id", lossy(properties.user_id())),
-        ("app_id", lossy(properties.app_id())),
-        ("cluster_id", lossy(properties.cluster_id())),
-        ("exchange", exchange.is_lossy()),
-        ("routing_key", routing_key.is_lossy()),
-    ]
-    .into_iter()
-    .find_map(|(field, lossy)| lossy.then_some(field))
-}
-
 /// True when `text` is 1..=`max` bytes of printable, non-space ASCII.
 pub fn is_token(text: &str, max: usize) -> bool {
     !text.is_empty() && text.len() <= max && text.bytes().all(|b| b.is_ascii_graphic())
@@ -383,13 +354,6 @@ impl Walk {
         depth: usize,
         limits: &Limits,
     ) -> Result<(), Reason> {
-        if key.is_lossy() {
-            return Err(Reason::new(if depth == 1 {
-                "a header key is not valid UTF-8"
-            } else {
-                "a nested header key is not valid UTF-8"
-            }));
-        }
         if key.as_str().len() > limits.max_header_key_len {
             return Err(Reason::new("header key too long"));
         }
@@ -505,48 +469,13 @@ mod tests {
         assert_eq!(rejection(&props), "type property missing");
     }
 
-    /// A short string parsed from wire bytes that are not valid UTF-8.
-    fn lossy(text: &[u8]) -> ShortString {
-        let mut wire = vec![u8::try_from(text.len()).unwrap()];
-        wire.extend_from_slice(text);
-        let parsed = amq_protocol_types::parsing::parse_short_string(&wire[..])
-            .unwrap()
-            .1;
-        assert!(parsed.is_lossy());
-        parsed
-    }
-
     #[test]
     fn text_that_was_not_utf8_is_refused_by_field() {
         let mut props = view(None);
         props.not_utf8 = Some("correlation_id");
         assert_eq!(rejection(&props), "correlation_id is not valid UTF-8");
-
-        let mut table = FieldTable::default();
-        table.insert(lossy(b"k\xff"), AMQPValue::Boolean(true));
-        assert_eq!(
-            rejection(&view(Some(&table))),
-            "a header key is not valid UTF-8"
-        );
-        let mut outer = FieldTable::default();
-        outer.insert("ok".into(), AMQPValue::FieldTable(table));
-        assert_eq!(
-            rejection(&view(Some(&outer))),
-            "a nested header key is not valid UTF-8"
-        );
-
-        let valid = ShortString::from("orders");
-        let props = BasicProperties::default()
-            .with_message_id("m-1".into())
-            .with_app_id(lossy(b"\xc3("));
-        assert_eq!(not_utf8(&props, &valid, &valid), Some("app_id"));
-        assert_eq!(not_utf8(&props, &valid, &lossy(b"\xfe")), Some("app_id"));
-        let props = BasicProperties::default().with_message_id("m-1".into());
-        assert_eq!(
-            not_utf8(&props, &valid, &lossy(b"\xfe")),
-            Some("routing_key")
-        );
-        assert_eq!(not_utf8(&props, &valid, &valid), None);
+        props.not_utf8 = Some("a nested header key");
+        assert_eq!(rejection(&props), "a nested header key is not valid UTF-8");
     }
 
     #[test]

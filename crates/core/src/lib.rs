@@ -82,7 +82,6 @@ pub mod transport {
     };
     pub use crate::envelope::{
         Envelope, GateRejection, Known, PropertiesView, as_text, as_u32, inspect, is_token,
-        not_utf8,
     };
     pub use crate::extract::DeliveryCancel;
     pub use crate::handler::BoxedHandler;

@@ -9,7 +9,7 @@ use lapin::types::ShortString;
 use lily_mq_core::machine::{Arrival, CopyOf, HeldCopy, Verdict, replayed_from};
 use lily_mq_core::transport::{
     BoxedHandler, Cause, Envelope, Handoff, HandoffId, IncomingParts, Known, PropertiesView,
-    as_text, as_u32, inspect, is_token, not_utf8,
+    as_text, as_u32, inspect, is_token,
 };
 use lily_mq_core::{HeaderKey, Incoming, Lane, Limits, Reason, Router, headers};
 
@@ -23,6 +23,8 @@ pub(crate) struct Raw {
     pub(crate) routing_key: ShortString,
     pub(crate) delivery_tag: u64,
     pub(crate) redelivered: bool,
+    /// The first field whose bytes were not valid UTF-8 (see [`crate::wire`]).
+    pub(crate) not_utf8: Option<&'static str>,
 }
 
 /// What the gate and dispatch made of a delivery.
@@ -50,13 +52,14 @@ pub(crate) fn admit(
         routing_key,
         delivery_tag,
         redelivered,
+        not_utf8,
     } = raw;
     let view = PropertiesView {
         message_id: properties.message_id().as_ref().map(|s| s.as_str()),
         kind: properties.kind().as_ref().map(|s| s.as_str()),
         content_type: properties.content_type().as_ref().map(|s| s.as_str()),
         headers: properties.headers().as_ref(),
-        not_utf8: not_utf8(&properties, &exchange, &routing_key),
+        not_utf8,
         key: Some(key),
     };
     let ((verdict, handler), attempt, schema_version, delivery_count, known) =

@@ -24,6 +24,7 @@ use lapin::{Connection, ConnectionProperties};
 use tracing::{debug, warn};
 
 use crate::version::BrokerVersion;
+use crate::wire::{Rewrites, Sanitizing, Transport, Wire};
 
 /// A client certificate for mutual TLS (`amqps://` to a broker with `fail_if_no_peer_cert`):
 /// the PEM certificate chain, leaf first, and its PEM private key (PKCS#8, PKCS#1 or SEC1).
@@ -201,15 +202,16 @@ impl Endpoint {
     }
 
     /// Opens a connection to `node`, named `lily:<queue>:<role>` (the name the broker's tools
-    /// show), within the connect timeout. With `version`, first reads the node's version on a
-    /// connection of its own ([`crate::version`]) and writes it there (`None` when the node
-    /// did not say).
+    /// show), within the connect timeout, on a stream that rewrites what lapin could not parse
+    /// (see [`crate::wire`]); returns it with the deliveries so rewritten. With `version`,
+    /// first reads the node's version on a connection of its own ([`crate::version`]) and
+    /// writes it there (`None` when the node did not say).
     async fn dial(
         &self,
         node: &Node,
         role: &str,
         version: Option<&Arc<Mutex<Option<BrokerVersion>>>>,
-    ) -> lapin::Result<Connection> {
+    ) -> lapin::Result<(Connection, Rewrites)> {
         let version = version.cloned();
         let name = format!("lily:{}:{role}", self.queue);
         let props = ConnectionProperties::default()
@@ -225,15 +227,17 @@ impl Endpoint {
             identity: self.tls.client.as_ref().map(ClientCertificate::identity),
             cert_chain: self.tls.ca_pem.clone(),
         };
-        let runtime = lapin::runtime::default_runtime()?;
         let ip = node.ip;
+        let tokio = async_rs::Tokio::current();
+        let rewrites = Rewrites::default();
+        let rewritten = rewrites.clone();
         let opening = Connection::connector(
             uri,
-            runtime,
-            async move |uri: AMQPUri, runtime| {
+            Wire::runtime(),
+            async move |uri: AMQPUri, _| {
                 // TCP to the resolved address; TLS checks the certificate against the name.
                 let open = async || {
-                    let stream = AsyncTcpStream::connect(&runtime, ip).await?;
+                    let stream: Transport = AsyncTcpStream::connect(&tokio, ip).await?;
                     Ok::<_, lapin::Error>(match uri.scheme {
                         AMQPScheme::AMQP => stream,
                         AMQPScheme::AMQPS => {
@@ -253,12 +257,18 @@ impl Endpoint {
                     let read = crate::version::read_version(&mut probe, probe_wait).await;
                     *crate::sync::lock(version) = read;
                 }
-                open().await
+                let stream = open().await?;
+                // A new stream: its channels and delivery tags start over.
+                rewritten.clear();
+                Ok(AsyncTcpStream::Plain(Sanitizing::new(
+                    stream,
+                    rewritten.clone(),
+                )))
             },
             props,
         );
         match tokio::time::timeout(self.connect_timeout, opening).await {
-            Ok(result) => result,
+            Ok(result) => result.map(|connection| (connection, rewrites)),
             Err(_) => {
                 Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out").into())
             }
@@ -444,7 +454,7 @@ impl Dialer {
     /// # Errors
     /// Every node failed: the last node's error, or the refusal.
     pub(crate) async fn connect(&self) -> lapin::Result<Connection> {
-        self.connect_reading(None).await
+        Ok(self.connect_reading(None).await?.0)
     }
 
     /// [`Dialer::connect`], and the version of the node connected to, read just before on a
@@ -455,16 +465,32 @@ impl Dialer {
     pub(crate) async fn connect_with_version(
         &self,
     ) -> lapin::Result<(Connection, Option<BrokerVersion>)> {
-        let version = Arc::new(Mutex::new(None));
-        let connection = self.connect_reading(Some(&version)).await?;
-        let version = crate::sync::lock(&version).take();
+        let (connection, version, _) = self.connect_consuming(true).await?;
         Ok((connection, version))
+    }
+
+    /// [`Dialer::connect`] for consuming: with the deliveries whose metadata the connection's
+    /// stream rewrote (see [`crate::wire`]), and, when `read_version`, the node's version as
+    /// [`Dialer::connect_with_version`] reads it.
+    ///
+    /// # Errors
+    /// As [`Dialer::connect`].
+    pub(crate) async fn connect_consuming(
+        &self,
+        read_version: bool,
+    ) -> lapin::Result<(Connection, Option<BrokerVersion>, Rewrites)> {
+        let version = Arc::new(Mutex::new(None));
+        let (connection, rewrites) = self
+            .connect_reading(read_version.then_some(&version))
+            .await?;
+        let version = crate::sync::lock(&version).take();
+        Ok((connection, version, rewrites))
     }
 
     async fn connect_reading(
         &self,
         version: Option<&Arc<Mutex<Option<BrokerVersion>>>>,
-    ) -> lapin::Result<Connection> {
+    ) -> lapin::Result<(Connection, Rewrites)> {
         let (nodes, unresolved) = self.endpoint.nodes().await;
         if nodes.is_empty() {
             let err = unresolved.unwrap_or_else(|| std::io::Error::other("no address resolved"));

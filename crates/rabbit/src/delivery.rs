@@ -39,7 +39,7 @@ pub(crate) fn work(
     session: &Arc<Session>,
     delivery: Delivery,
 ) -> Option<impl Future<Output = ()> + Send + 'static> {
-    let arrived = match catch_unwind(AssertUnwindSafe(|| arrive(shared, delivery))) {
+    let arrived = match catch_unwind(AssertUnwindSafe(|| arrive(shared, session, delivery))) {
         Ok(arrived) => arrived,
         Err(_) => {
             error!(
@@ -62,7 +62,7 @@ struct Arrived {
 }
 
 /// Runs the gate and dispatch over `delivery` and opens its ledger entry.
-fn arrive(shared: &Shared, delivery: Delivery) -> Arrived {
+fn arrive(shared: &Shared, session: &Session, delivery: Delivery) -> Arrived {
     let Delivery {
         delivery_tag,
         exchange,
@@ -80,6 +80,7 @@ fn arrive(shared: &Shared, delivery: Delivery) -> Arrived {
         routing_key,
         delivery_tag,
         redelivered,
+        not_utf8: session.not_utf8(delivery_tag),
     };
     let limits = &shared.config.limits;
     let scoped = shared.scope.is_some();

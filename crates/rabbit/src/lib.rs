@@ -35,6 +35,7 @@ pub mod testing;
 mod topology;
 mod trace;
 mod version;
+mod wire;
 
 pub use config::ConsumerConfig;
 pub use connect::{ClientCertificate, broker_version, connect};

@@ -31,6 +31,7 @@ use crate::inline::Inline;
 use crate::service::{Revoked, Shared};
 use crate::sync::lock;
 use crate::topology::{Applied, QueueKind, TopologyError, TopologyMode};
+use crate::wire::Rewrites;
 
 /// How long the probe publish that checks the `write` permission at start may wait for its
 /// confirm before the session goes on without it.
@@ -62,6 +63,8 @@ pub(crate) struct Session {
     pub(crate) id: u64,
     connection: Connection,
     consuming: Channel,
+    /// The deliveries whose metadata the connection's stream rewrote (see [`crate::wire`]).
+    rewrites: Rewrites,
     /// Deliveries open on the consuming channel and their ready ACKs.
     acks: Mutex<Acks>,
     /// Woken after every ACK flush.
@@ -224,6 +227,12 @@ pub(crate) enum SessionError {
 }
 
 impl Session {
+    /// The first property, routing field or header key of delivery `delivery_tag` whose bytes
+    /// were not valid UTF-8 (rewritten before lapin parsed them: see [`crate::wire`]).
+    pub(crate) fn not_utf8(&self, delivery_tag: u64) -> Option<&'static str> {
+        self.rewrites.take(self.consuming.id(), delivery_tag)
+    }
+
     /// The settle handle of `delivery_tag`, one of this session's deliveries.
     pub(crate) fn settler<'a>(
         &'a self,
@@ -527,6 +536,7 @@ fn permission_error(
 struct Opened {
     connection: Connection,
     consuming: Channel,
+    rewrites: Rewrites,
     consumer: lapin::Consumer,
     /// The messages the work queue held ready just after `basic.consume`; `None` when the
     /// broker did not say.
@@ -543,7 +553,8 @@ struct Opened {
 /// connection's only once the topology is in place. Nothing is consumed before both are
 /// ready.
 async fn open(shared: &Shared) -> Result<Opened, SessionError> {
-    let (connection, consuming) = first_then(declare(shared), ready_handoffs(shared)).await?;
+    let (connection, consuming, rewrites) =
+        first_then(declare(shared), ready_handoffs(shared)).await?;
     // Sent together: the passive declare that measures the backlog goes out behind
     // `basic.consume` without waiting for its reply.
     let consume = consuming.basic_consume(
@@ -561,6 +572,7 @@ async fn open(shared: &Shared) -> Result<Opened, SessionError> {
     Ok(Opened {
         connection,
         consuming,
+        rewrites,
         consumer,
         ready: ready.ok(),
     })
@@ -587,14 +599,13 @@ async fn ready_count(channel: &Channel, queue: &str) -> lapin::Result<u32> {
 /// `basic.qos` proves them. Only when that fails are they declared again, one reply each, on
 /// a channel of their own, to find the refusal and the permission it needs. Verification
 /// always goes that way.
-async fn declare(shared: &Shared) -> Result<(Connection, Channel), SessionError> {
+async fn declare(shared: &Shared) -> Result<(Connection, Channel, Rewrites), SessionError> {
     // Only quorum queues' arguments depend on the broker's version.
-    let (connection, version) = if shared.config.queue_kind == QueueKind::Quorum {
-        shared.dialer.connect_with_version().await
-    } else {
-        shared.dialer.connect().await.map(|c| (c, None))
-    }
-    .map_err(|e| connect_error(shared, e))?;
+    let (connection, version, rewrites) = shared
+        .dialer
+        .connect_consuming(shared.config.queue_kind == QueueKind::Quorum)
+        .await
+        .map_err(|e| connect_error(shared, e))?;
     let topology = shared.topology.clone().broker(version);
     let prefetch = |channel: Channel| async move {
         channel
@@ -610,7 +621,7 @@ async fn declare(shared: &Shared) -> Result<(Connection, Channel), SessionError>
         if topology.declare_unanswered(&channel).await.is_ok()
             && let Ok(consuming) = prefetch(channel).await
         {
-            return Ok((connection, consuming));
+            return Ok((connection, consuming, rewrites));
         }
     }
     let setup = connection
@@ -656,7 +667,7 @@ async fn declare(shared: &Shared) -> Result<(Connection, Channel), SessionError>
         .await
         .map_err(SessionError::Connect)?;
     let consuming = prefetch(consuming).await.map_err(SessionError::Connect)?;
-    Ok((connection, consuming))
+    Ok((connection, consuming, rewrites))
 }
 
 /// Whether the broker refused a declaration because an existing queue has another
@@ -738,6 +749,7 @@ pub(crate) async fn consume(
     let Opened {
         connection,
         consuming,
+        rewrites,
         mut consumer,
         ready,
     } = tokio::select! {
@@ -749,6 +761,7 @@ pub(crate) async fn consume(
         id: shared.sessions.fetch_add(1, Ordering::Relaxed),
         connection,
         consuming,
+        rewrites,
         acks: Mutex::new(Acks {
             window: AckWindow::new(),
             due: None,

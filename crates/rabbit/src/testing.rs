@@ -152,6 +152,7 @@ impl TestConsumer {
             routing_key: ShortString::from(&*self.queue),
             delivery_tag: self.next_tag.fetch_add(1, Ordering::Relaxed),
             redelivered: delivery.redelivered,
+            not_utf8: None,
         };
         let limits = &self.config.limits;
         let scoped = self.scope.is_some();
