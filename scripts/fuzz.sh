@@ -3,7 +3,8 @@
 #
 #   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]
 #
-# Defaults: 20 s for each of the targets gate, headers, codec, machine and lane (fuzz/src/bin/).
+# Defaults: 20 s for each of the targets gate, headers, codec, machine, lane and frames
+# (fuzz/src/bin/).
 # Installs cargo-afl when missing, builds AFL++ when it is not built yet, builds the targets
 # instrumented, replays their seed corpora (fuzz/seeds/<target>/: each seed is also a regression
 # test), then runs AFL++ on each target in turn, headless, for SECONDS_PER_TARGET. Prints one
@@ -19,7 +20,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 AFL_VERSION=0.18.2
-ALL_TARGETS=(gate headers codec machine lane)
+ALL_TARGETS=(gate headers codec machine lane frames)
 SECONDS_PER_TARGET=${1:-20}
 shift || true
 TARGETS=("$@")

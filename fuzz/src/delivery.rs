@@ -10,24 +10,25 @@
 //! | 2 + … | basic properties in wire form: property flags, then the present fields |
 //! | rest | the body; [`BODY_MARKER`] is appended to it |
 //!
-//! The strings and properties go through amq-protocol's own parser (with Lily's patch, which
-//! reads short strings that are not UTF-8 leniently and marks them), so the gate sees exactly
-//! what lapin would give it. Input the parser refuses decodes to `None`, and so does input
-//! over [`MAX_INPUT`] bytes: amq-protocol parses nested tables and arrays recursively and
-//! overflows the stack at some thousands of levels (about 10 000 on an 8 MiB stack), a limit
-//! of the client library that this target leaves out.
+//! The strings and properties reach amq-protocol's own parser as the consumer's do: framed as a
+//! `basic.deliver` and a content header, through Lily's stream rewriter
+//! (`lily_mq_rabbit::testing::Sanitizer`), which makes short strings that are not UTF-8 valid
+//! and cuts tables nested too deeply, and names the first field it rewrote. So the gate sees
+//! exactly what lapin would give it. Input the parser still refuses decodes to `None`, and so
+//! does input over [`MAX_INPUT`] bytes.
 
 use amq_protocol::protocol::BasicProperties;
 use amq_protocol::protocol::basic::parse_properties;
 use amq_protocol_types::ShortString;
 use amq_protocol_types::parsing::parse_short_string;
 use lily_mq_core::Limits;
-use lily_mq_core::transport::{PropertiesView, not_utf8};
+use lily_mq_core::transport::PropertiesView;
+use lily_mq_rabbit::testing::{Rewrites, Sanitizer};
 
 /// Appended to every decoded body: no reason, header or log line may ever contain it.
 pub const BODY_MARKER: &[u8] = b"<lily-fuzz-body-marker:4f1c>";
 
-/// The largest input decoded: at most some 2 700 levels of nesting, well within the stack.
+/// The largest input decoded.
 pub const MAX_INPUT: usize = 16 * 1024;
 
 /// How many leading bytes set the limits.
@@ -46,6 +47,10 @@ pub struct Delivery {
     pub properties: BasicProperties,
     /// Its body, ending in [`BODY_MARKER`].
     pub body: Vec<u8>,
+    /// The first field the rewriter found not UTF-8, as the consumer hands it to the gate.
+    pub not_utf8: Option<&'static str>,
+    /// Whether the rewriter changed any byte (text that was not UTF-8, or nesting cut).
+    pub rewritten: bool,
 }
 
 impl Delivery {
@@ -56,9 +61,34 @@ impl Delivery {
         }
         let (head, rest) = data.split_at_checked(LIMIT_BYTES)?;
         let limits = limits(head.try_into().ok()?);
-        let (rest, exchange) = parse_short_string(rest).ok()?;
-        let (rest, routing_key) = parse_short_string(rest).ok()?;
-        let (rest, properties) = parse_properties(rest).ok()?;
+        let (exchange, rest) = short(rest)?;
+        let (routing_key, rest) = short(rest)?;
+        // basic.deliver on channel 1, delivery tag 1, then its content header, whose payload
+        // is the properties and whatever follows them (the body, here).
+        let mut deliver = vec![0, 60, 0, 60, 0];
+        deliver.extend_from_slice(&1u64.to_be_bytes());
+        deliver.push(0);
+        deliver.extend_from_slice(exchange);
+        deliver.extend_from_slice(routing_key);
+        let mut header = vec![0, 60, 0, 0];
+        header.extend_from_slice(&0u64.to_be_bytes());
+        header.extend_from_slice(rest);
+        let mut wire = frame(1, &deliver);
+        let header_at = wire.len() + 7;
+        wire.extend(frame(2, &header));
+        let raw = wire.clone();
+        let rewrites = Rewrites::default();
+        let ready = Sanitizer::new(rewrites.clone()).scan(&mut wire);
+        assert_eq!(ready, wire.len(), "two whole frames are ready at once");
+        assert_eq!(wire.len(), raw.len());
+        let not_utf8 = rewrites.take(1, 1);
+        let rewritten = wire != raw;
+        assert!(not_utf8.is_none() || rewritten, "a rewrite reported is a rewrite made");
+        let strings = &wire[7 + 14..];
+        let (strings, exchange) = parse_short_string(strings).ok()?;
+        let (_, routing_key) = parse_short_string(strings).ok()?;
+        let payload = &wire[header_at + 12..header_at + header.len()];
+        let (rest, properties) = parse_properties(payload).ok()?;
         let mut body = rest.to_vec();
         body.extend_from_slice(BODY_MARKER);
         Some(Self {
@@ -67,21 +97,46 @@ impl Delivery {
             routing_key,
             properties,
             body,
+            not_utf8,
+            rewritten,
         })
+    }
+
+    /// The text of property `field`, unless it was rewritten (as `crates/rabbit/src/admit.rs`).
+    pub fn sent<'a>(&self, field: &str, value: &'a Option<ShortString>) -> Option<&'a str> {
+        value
+            .as_ref()
+            .filter(|_| self.not_utf8 != Some(field))
+            .map(ShortString::as_str)
     }
 
     /// What the gate reads, built as the consumer builds it (`crates/rabbit/src/admit.rs`).
     pub fn view(&self) -> PropertiesView<'_> {
         let p = &self.properties;
         PropertiesView {
-            message_id: p.message_id().as_ref().map(ShortString::as_str),
-            kind: p.kind().as_ref().map(ShortString::as_str),
-            content_type: p.content_type().as_ref().map(ShortString::as_str),
+            message_id: self.sent("message_id", p.message_id()),
+            kind: self.sent("type", p.kind()),
+            content_type: self.sent("content_type", p.content_type()),
             headers: p.headers().as_ref(),
-            not_utf8: not_utf8(p, &self.exchange, &self.routing_key),
+            not_utf8: self.not_utf8,
             key: None,
         }
     }
+}
+
+/// A short string's wire bytes (length, then text) at the start of `data`, and the rest.
+fn short(data: &[u8]) -> Option<(&[u8], &[u8])> {
+    let len = usize::from(*data.first()?);
+    data.split_at_checked(1 + len)
+}
+
+/// An AMQP frame of `kind` on channel 1 around `payload`.
+fn frame(kind: u8, payload: &[u8]) -> Vec<u8> {
+    let mut frame = vec![kind, 0, 1];
+    frame.extend_from_slice(&u32::try_from(payload.len()).expect("small").to_be_bytes());
+    frame.extend_from_slice(payload);
+    frame.push(0xCE);
+    frame
 }
 
 /// Gate limits from nine bytes: body bytes ÷ 4, header count, key length, value length ÷ 4,

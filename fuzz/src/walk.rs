@@ -36,8 +36,6 @@ pub struct Size {
     pub longest_key: usize,
     /// Longest string or byte-array value.
     pub longest_value: usize,
-    /// Whether a key, at any depth, was not valid UTF-8 on the wire.
-    pub lossy_key: bool,
 }
 
 impl Size {
@@ -62,8 +60,7 @@ impl Size {
     pub fn fits(&self, limits: &Limits) -> bool {
         let fits =
             |g: &Group| g.entries <= limits.max_headers && g.bytes <= limits.max_header_bytes;
-        !self.lossy_key
-            && fits(&self.producer)
+        fits(&self.producer)
             && fits(&self.reserved)
             && self.depth <= limits.max_header_depth
             && self.longest_key <= limits.max_header_key_len
@@ -77,7 +74,6 @@ impl Size {
         value: &AMQPValue,
         depth: usize,
     ) {
-        self.lossy_key |= key.is_lossy();
         let len = key.as_str().len();
         self.longest_key = self.longest_key.max(len);
         group.bytes += len;

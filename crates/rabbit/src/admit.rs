@@ -36,6 +36,18 @@ pub(crate) struct Admitted {
     pub(crate) handler: Option<BoxedHandler>,
 }
 
+/// The text of property `field`, unless its bytes were not UTF-8 (`not_utf8` names it).
+fn sent<'p>(
+    field: &str,
+    value: &'p Option<ShortString>,
+    not_utf8: Option<&str>,
+) -> Option<&'p str> {
+    value
+        .as_ref()
+        .filter(|_| not_utf8 != Some(field))
+        .map(ShortString::as_str)
+}
+
 /// Runs the gate over `raw` and, if it passes, dispatches it through `router`.
 pub(crate) fn admit(
     raw: Raw,
@@ -54,10 +66,12 @@ pub(crate) fn admit(
         redelivered,
         not_utf8,
     } = raw;
+    // A property whose bytes were rewritten is not read as the sender's: it only looks like it.
+    let text = |field: &str, value| sent(field, value, not_utf8);
     let view = PropertiesView {
-        message_id: properties.message_id().as_ref().map(|s| s.as_str()),
-        kind: properties.kind().as_ref().map(|s| s.as_str()),
-        content_type: properties.content_type().as_ref().map(|s| s.as_str()),
+        message_id: text("message_id", properties.message_id()),
+        kind: text("type", properties.kind()),
+        content_type: text("content_type", properties.content_type()),
         headers: properties.headers().as_ref(),
         not_utf8,
         key: Some(key),
@@ -104,6 +118,7 @@ pub(crate) fn admit(
             properties,
             exchange,
             routing_key,
+            not_utf8,
         }))
     } else {
         Source::Passed(Arc::new(Incoming::from_parts(IncomingParts {
@@ -142,6 +157,8 @@ pub(crate) struct Refused {
     properties: BasicProperties,
     exchange: ShortString,
     routing_key: ShortString,
+    /// The field whose bytes were not UTF-8: its rewritten text is not copied.
+    not_utf8: Option<&'static str>,
 }
 
 /// What a handoff's copy says, besides what the machine chose.
@@ -219,8 +236,8 @@ impl Source {
                 incoming.body(),
                 sanitized_properties(
                     incoming.properties(),
-                    incoming.exchange(),
-                    incoming.routing_key(),
+                    (incoming.exchange(), incoming.routing_key()),
+                    None,
                     &note,
                     facts.limits,
                 ),
@@ -229,8 +246,8 @@ impl Source {
                 refused.body.as_slice(),
                 sanitized_properties(
                     &refused.properties,
-                    refused.exchange.as_str(),
-                    refused.routing_key.as_str(),
+                    (refused.exchange.as_str(), refused.routing_key.as_str()),
+                    refused.not_utf8,
                     &note,
                     facts.limits,
                 ),

@@ -256,8 +256,8 @@ pub(crate) fn copy_properties(incoming: &Incoming, note: &FailureNote<'_>) -> Ba
 /// Properties of the DLQ copy of a message the gate refused: only bounded, sanitized metadata.
 pub(crate) fn sanitized_properties(
     original: &BasicProperties,
-    exchange: &str,
-    routing_key: &str,
+    (exchange, routing_key): (&str, &str),
+    not_utf8: Option<&str>,
     note: &FailureNote<'_>,
     limits: &lily_mq_core::Limits,
 ) -> BasicProperties {
@@ -280,10 +280,12 @@ pub(crate) fn sanitized_properties(
         headers::ORIGINAL_ROUTING_KEY.into(),
         long(Reason::new(routing_key.to_owned()).as_str()),
     );
-    let token = |s: &Option<ShortString>, max: usize| {
-        s.as_ref().filter(|v| is_token(v.as_str(), max)).cloned()
+    let token = |field: &str, s: &Option<ShortString>, max: usize| {
+        s.as_ref()
+            .filter(|v| not_utf8 != Some(field) && is_token(v.as_str(), max))
+            .cloned()
     };
-    let message_id = token(original.message_id(), limits.max_message_id_len);
+    let message_id = token("message_id", original.message_id(), limits.max_message_id_len);
     let id_text = message_id.as_ref().map_or("", |id| id.as_str());
     // A held copy's count, when Lily's seal proves it.
     let holds = original
@@ -312,10 +314,10 @@ pub(crate) fn sanitized_properties(
     if let Some(id) = message_id {
         props = props.with_message_id(id);
     }
-    if let Some(kind) = token(original.kind(), limits.max_type_len) {
+    if let Some(kind) = token("type", original.kind(), limits.max_type_len) {
         props = props.with_type(kind);
     }
-    if let Some(ct) = token(original.content_type(), 128) {
+    if let Some(ct) = token("content_type", original.content_type(), 128) {
         props = props.with_content_type(ct);
     }
     props

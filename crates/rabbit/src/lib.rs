@@ -35,6 +35,8 @@ pub mod testing;
 mod topology;
 mod trace;
 mod version;
+// Public to the fuzz targets through `testing`.
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
 mod wire;
 
 pub use config::ConsumerConfig;

@@ -45,6 +45,8 @@
 //! # }
 //! ```
 
+/// The rewriter of what the broker sends, for the fuzz targets (see `wire.rs`).
+pub use crate::wire::{MAX_NESTING, Rewrites, Sanitizer};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -40,7 +40,7 @@ use crate::sync::lock;
 
 /// Tables and arrays nested deeper than this are cut (read as byte arrays): lapin parses
 /// nesting by recursion, and a frame can hold thousands of levels.
-pub(crate) const MAX_NESTING: usize = 64;
+pub const MAX_NESTING: usize = 64;
 
 /// Method and content-header frames up to this size are buffered whole and rewritten. A larger
 /// one passes unread: RabbitMQ's largest frame is far smaller, and lapin refuses it anyway.
@@ -57,7 +57,7 @@ const FRAME_HEADER_LEN: usize = 7;
 /// The deliveries of one connection whose metadata was rewritten, by channel and delivery tag,
 /// with the first field rewritten.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Rewrites(Arc<RewritesInner>);
+pub struct Rewrites(Arc<RewritesInner>);
 
 #[derive(Debug, Default)]
 struct RewritesInner {
@@ -69,7 +69,7 @@ struct RewritesInner {
 
 impl Rewrites {
     /// The first field rewritten in delivery `tag` on `channel`, forgotten once read.
-    pub(crate) fn take(&self, channel: u16, tag: u64) -> Option<&'static str> {
+    pub fn take(&self, channel: u16, tag: u64) -> Option<&'static str> {
         if !self.0.any.load(Ordering::Acquire) {
             return None;
         }
@@ -130,7 +130,7 @@ enum State {
 /// The frame-aware rewriter of one incoming stream. Sans-IO: [`Sanitizer::scan`] is given the
 /// bytes not yet released, starting where the last scan stopped.
 #[derive(Debug)]
-pub(crate) struct Sanitizer {
+pub struct Sanitizer {
     state: State,
     /// The delivery each channel's next content header belongs to: the tag of its last
     /// `basic.deliver` or `basic.get-ok`, `None` after a `basic.return`.
@@ -139,7 +139,8 @@ pub(crate) struct Sanitizer {
 }
 
 impl Sanitizer {
-    pub(crate) fn new(rewrites: Rewrites) -> Self {
+    /// A sanitizer at the start of a stream, recording into `rewrites`.
+    pub fn new(rewrites: Rewrites) -> Self {
         Self {
             state: State::Start,
             content: HashMap::new(),
@@ -150,7 +151,7 @@ impl Sanitizer {
     /// Rewrites what it can of `bytes` in place and returns how many of them, from the start,
     /// are ready to be read by lapin. The rest (part of a frame still arriving) must be given
     /// again, with more after it, to the next call.
-    pub(crate) fn scan(&mut self, bytes: &mut [u8]) -> usize {
+    pub fn scan(&mut self, bytes: &mut [u8]) -> usize {
         let mut done = 0;
         loop {
             let rest = &mut bytes[done..];

@@ -13,7 +13,7 @@
 use amq_protocol::protocol::BasicProperties;
 use amq_protocol_types::{AMQPValue, ShortString};
 use lily_mq_core::transport::inspect;
-use lily_mq_core::transport::{GateRejection, as_u32, is_token, not_utf8};
+use lily_mq_core::transport::{GateRejection, as_u32, is_token};
 use lily_mq_core::{HeaderKey, Limits, Reason, headers};
 use lily_mq_fuzz::delivery::{BODY_MARKER, Delivery};
 use lily_mq_fuzz::walk::Size;
@@ -37,23 +37,8 @@ fn expected(d: &Delivery, limits: &Limits) -> Result<(), bool> {
         return Err(true);
     }
     let p = &d.properties;
-    let lossy = |s: &Option<ShortString>| s.as_ref().is_some_and(ShortString::is_lossy);
-    let any_lossy = [
-        p.message_id(),
-        p.kind(),
-        p.correlation_id(),
-        p.content_type(),
-        p.content_encoding(),
-        p.reply_to(),
-        p.expiration(),
-        p.user_id(),
-        p.app_id(),
-        p.cluster_id(),
-    ]
-    .into_iter()
-    .any(lossy)
-        || d.exchange.is_lossy()
-        || d.routing_key.is_lossy();
+    // Text that was not UTF-8 (rewritten) or nesting cut: both past what the gate accepts.
+    let any_lossy = d.rewritten;
     let token = |s: &Option<ShortString>, max: usize| {
         s.as_ref().is_some_and(|s| {
             let s = s.as_str().as_bytes();
@@ -122,7 +107,8 @@ fn check_with(d: &Delivery, limits: &Limits) {
             assert!(is_token(env.kind, limits.max_type_len));
             assert!(env.message_id.len() <= limits.max_message_id_len);
             assert!(env.kind.len() <= limits.max_type_len);
-            assert_eq!(not_utf8(p, &d.exchange, &d.routing_key), None);
+            assert_eq!(d.not_utf8, None);
+            assert!(!d.rewritten);
             let header = |key| view.headers.and_then(|h| h.inner().get(key));
             let attempt = header(headers::ATTEMPT).filter(|_| sealed(p));
             assert_eq!(env.attempt, attempt.map_or(1, |v| number(v).unwrap()));

@@ -92,11 +92,10 @@ fn check(data: &[u8]) {
 
 /// The requeues the machine should count at arrival.
 fn requeues(a: &Arrival, policy: &Policy) -> u32 {
-    let known = match a.local_requeues {
+    match a.local_requeues {
         None => policy.max_requeues,
         Some(local) => (if a.redelivered { local } else { 0 }).max(a.delivery_count.unwrap_or(0)),
-    };
-    known
+    }
 }
 
 /// What one delivery did.

@@ -25,6 +25,99 @@ fn main() {
     }
     write(&root.join("codec"), &codec());
     write(&root.join("machine"), &machine());
+    write(&root.join("frames"), &frames());
+}
+
+/// Streams as the broker sends them (each after the byte that chooses how it is split):
+/// deliveries with every kind of property and header, text that is not UTF-8, nesting past
+/// the cap, a protocol header, a frame cut short.
+fn frames() -> Vec<(&'static str, Vec<u8>)> {
+    use amq_protocol::frame::{AMQPContentHeader, AMQPFrame, WriteContext, gen_frame};
+    use amq_protocol::protocol::{AMQPClass, basic, channel};
+    use amq_protocol_types::{AMQPValue, FieldArray, FieldTable};
+
+    let encode = |frames: &[AMQPFrame]| {
+        let mut wire = vec![0x31];
+        for frame in frames {
+            wire = gen_frame(frame)(WriteContext::from(wire))
+                .expect("encodes")
+                .write;
+        }
+        wire
+    };
+    let message = |tag: u64, routing_key: &str, properties: basic::AMQPProperties| {
+        vec![
+            AMQPFrame::Method(
+                1,
+                AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+                    consumer_tag: "ctag".into(),
+                    delivery_tag: tag,
+                    redelivered: false,
+                    exchange: "".into(),
+                    routing_key: routing_key.into(),
+                })),
+            ),
+            AMQPFrame::Header(
+                1,
+                AMQPContentHeader {
+                    class_id: 60,
+                    body_size: 2,
+                    properties,
+                },
+            ),
+            AMQPFrame::Body(1, b"{}".to_vec()),
+        ]
+    };
+    let mut headers = FieldTable::default();
+    headers.insert("x-café".into(), AMQPValue::LongString("naïve".into()));
+    headers.insert(
+        "list".into(),
+        AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::LongInt(1)])),
+    );
+    let full = basic::AMQPProperties::default()
+        .with_message_id("m-1".into())
+        .with_type("order.placed".into())
+        .with_content_type("application/json".into())
+        .with_correlation_id("c".into())
+        .with_app_id("app".into())
+        .with_timestamp(1)
+        .with_headers(headers);
+    let mut traffic = vec![AMQPFrame::Method(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
+    )];
+    traffic.extend(message(1, "orders", full.clone()));
+    traffic.push(AMQPFrame::Heartbeat);
+    traffic.extend(message(2, "#BAD#", full));
+    let valid = encode(&traffic);
+    let mut poison = valid.clone();
+    let at = poison
+        .windows(5)
+        .position(|w| w == b"#BAD#")
+        .expect("marker");
+    poison[at] = 0xff;
+    poison[at + 4] = 0xc3;
+    let mut deep = AMQPValue::Boolean(true);
+    for _ in 0..70 {
+        let mut t = FieldTable::default();
+        t.insert("n".into(), deep);
+        deep = AMQPValue::FieldTable(t);
+    }
+    let mut nested = FieldTable::default();
+    nested.insert("deep".into(), deep);
+    let deep = encode(&message(
+        3,
+        "orders",
+        basic::AMQPProperties::default().with_headers(nested),
+    ));
+    let cut = valid[..valid.len() - 5].to_vec();
+    vec![
+        ("valid", valid),
+        ("not_utf8", poison),
+        ("nested_past_the_cap", deep),
+        ("protocol_header", b"\x31AMQP\x00\x00\x09\x01".to_vec()),
+        ("cut_short", cut),
+    ]
 }
 
 fn write(dir: &Path, seeds: &[(&str, Vec<u8>)]) {
