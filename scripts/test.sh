@@ -95,8 +95,17 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # The transport alone, without the features the workspace turns on (otel, testing, health).
 cargo clippy -p lily-mq-rabbit --lib -- -D warnings
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --quiet
+# The facade builds with each feature alone and with none.
+for feature in "" health mongo testing otel; do
+  cargo check -p lily-mq --quiet --no-default-features --features "$feature"
+done
 cargo test --workspace --no-run --quiet
+# The crates meant for the registry, packaged and verified: each builds from its .crate, the
+# others it needs coming from cargo's temporary registry. Then an application outside the
+# workspace is built against those packages (tests/outside.rs runs it against the broker).
+cargo package --quiet -p lily-mq-core -p lily-mq-rabbit -p lily-mq-mongo -p lily-mq -p lily-mq-cli
+CARGO_TARGET_DIR="$PWD/target" cargo build --quiet --locked --manifest-path outside/Cargo.toml
 for v in $VERSIONS; do
   if ! wait "${STARTING[$v]}"; then
     echo "lily: the RabbitMQ $v servers did not start:" >&2
@@ -129,7 +138,6 @@ for v in "${!RUNNING[@]}"; do
 done
 [ "$status" -eq 0 ] || exit "$status"
 
-cargo test --manifest-path patches/amq-protocol-types/Cargo.toml --quiet
 # A short coverage-guided fuzzing run of each target (cargo-afl, installed when missing): the
 # seed corpora replay as regression tests, then AFL++ explores; any crash fails the suite.
 scripts/fuzz.sh "${LILY_FUZZ_SECONDS:-15}"

@@ -285,7 +285,11 @@ pub(crate) fn sanitized_properties(
             .filter(|v| not_utf8 != Some(field) && is_token(v.as_str(), max))
             .cloned()
     };
-    let message_id = token("message_id", original.message_id(), limits.max_message_id_len);
+    let message_id = token(
+        "message_id",
+        original.message_id(),
+        limits.max_message_id_len,
+    );
     let id_text = message_id.as_ref().map_or("", |id| id.as_str());
     // A held copy's count, when Lily's seal proves it.
     let holds = original
