@@ -232,14 +232,18 @@ async fn timed_out_confirms_are_drained_and_never_taken_for_later_evidence(kind:
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(proxy.swallowed() > 0, "no confirm was swallowed");
     // The pool may be opening its connection again (one that stopped confirming is replaced):
-    // sampled a few times, it is there, and never holds more than a few channels.
+    // sampled a few times, it is there and holds a few channels. A sample may catch the
+    // channels of batches that just timed out, dropped but not yet closed by the broker; a
+    // leak (2 047 channels in 1.8 s, once) would grow without bound.
     let mut seen = Vec::new();
     for _ in 0..6 {
         seen.push(broker.channels_of(&format!("lily:{queue}:handoffs")));
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    let mut open: Vec<u32> = seen.iter().flatten().copied().collect();
+    open.sort_unstable();
     assert!(
-        seen.iter().any(Option::is_some) && seen.iter().flatten().all(|n| *n <= 8),
+        !open.is_empty() && open[open.len() / 2] <= 8 && open[open.len() - 1] <= 32,
         "channels open on the handoff connection: {seen:?}"
     );
     let totals = running.stats.totals();
