@@ -3,7 +3,9 @@
 # rabbitmq-server 3.10 and 4.0, mongod), runs fmt, clippy and the docs, then every test against
 # RabbitMQ 3.10 and every test that talks to a broker against RabbitMQ 4.0, the two side by side.
 # Each version gets its own private servers on loopback: a node, a three-node cluster and a
-# MongoDB replica set (the soak restarts mongod), all stopped at the end.
+# MongoDB replica set (the soak restarts mongod), all stopped at the end. It also packages the
+# crates meant for the registry and builds and runs an application outside the workspace
+# against those packages (outside/, tests/outside.rs).
 #
 #   LILY_TEST_VERSIONS="3.10"   run against one version only (a quicker loop; CI runs both)
 set -euo pipefail
@@ -96,8 +98,8 @@ cargo clippy --workspace --all-targets -- -D warnings
 # The transport alone, without the features the workspace turns on (otel, testing, health).
 cargo clippy -p lily-mq-rabbit --lib -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --quiet
-# The facade builds with each feature alone and with none.
-for feature in "" health mongo testing otel; do
+# The facade builds with no feature, each feature alone, and all of them.
+for feature in "" health mongo testing otel "health mongo testing otel"; do
   cargo check -p lily-mq --quiet --no-default-features --features "$feature"
 done
 cargo test --workspace --no-run --quiet

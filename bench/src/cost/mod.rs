@@ -20,6 +20,7 @@
 pub mod consume;
 pub mod hostile;
 pub mod memory;
+pub mod reader;
 mod report;
 pub mod shutdown;
 
@@ -170,6 +171,7 @@ pub fn main() -> ExitCode {
         Some("hostile-raw") => child(hostile::child::child(Contender::Raw, &args[1..])),
         Some("hostile-lily") => child(hostile::child::child(Contender::Lily, &args[1..])),
         Some("prepare") => child(prepare(&args[1..])),
+        Some("reader") => child(reader::child(&args[1..])),
         Some("-h" | "--help") => {
             println!("{USAGE}");
             ExitCode::SUCCESS
@@ -543,6 +545,38 @@ fn instructions_on(b: &Bench, multi_thread: bool) -> Result<Value, String> {
     }))
 }
 
+/// Instructions per message of Lily's frame reader alone ([`reader`]), under callgrind: two
+/// runs that build the same frames and read N or N0 deliveries' worth. Its share of Lily's
+/// layer is judged against the `instructions` step of the same run, when it ran.
+fn reader_instructions(b: &Bench) -> Result<Value, String> {
+    let (n, n0) = (b.options.valgrind_n, b.options.valgrind_n0);
+    let collected = |k: usize| -> Result<u64, String> {
+        let mut command = Command::new("valgrind");
+        command
+            .args(["--tool=callgrind", "--callgrind-out-file=/dev/null"])
+            .arg(&b.exe)
+            .args(["reader", &n.to_string(), &k.to_string()]);
+        let (_, stderr) = run_child(command, Duration::from_secs(600))?;
+        stderr
+            .lines()
+            .find_map(|l| l.split("Collected :").nth(1))
+            .and_then(|v| v.trim().parse().ok())
+            .ok_or_else(|| format!("no `Collected` line:\n{}", tail(&stderr, 10)))
+    };
+    let (big, small) = (collected(n)?, collected(n0)?);
+    let per = per_message(big as f64, small as f64, n, n0);
+    eprintln!("cost: the frame reader: {per:.0} instructions a message");
+    Ok(json!({
+        "method": format!(
+            "valgrind --tool=callgrind; the frames of {n} deliveries built in both runs, those of \
+             N = {n} or N0 = {n0} read through Sanitizing in 128 KiB reads; per message = \
+             (I(N) - I(N0)) / (N - N0)"
+        ),
+        "per_message": per,
+        "target_share_of_layer": 0.05,
+    }))
+}
+
 /// Instructions per message under callgrind: the target is judged on the current-thread runtime
 /// (the stricter and steadier baseline); the multi-thread figures are reported beside it.
 fn instructions(b: &Bench) -> Result<Value, String> {
@@ -740,9 +774,10 @@ fn orchestrate(options: &Options) -> ExitCode {
         }
     }
     let mut failed = Vec::new();
-    let steps: [(&str, Step); 5] = [
+    let steps: [(&str, Step); 6] = [
         ("allocations", allocations),
         ("instructions", instructions),
+        ("reader", reader_instructions),
         ("memory", memory),
         ("shutdown", shutdown_latency),
         ("hostile", hostile::measure),

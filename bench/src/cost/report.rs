@@ -93,6 +93,29 @@ fn rows(r: &Value) -> Vec<[String; 6]> {
             ]);
         }
     }
+    let reader = &r["reader"];
+    if let Some(per) = reader["per_message"].as_f64() {
+        // The frame reader is part of Lily's layer: its share, against the layer of this run.
+        let layer = i["lily_layer"].as_f64();
+        let share = layer.map(|l| per / l);
+        rows.push([
+            s("  of it, the frame reader (wire.rs), instructions / message"),
+            s("-"),
+            num(&Value::from(per), 0),
+            share.map_or_else(|| s("-"), |x| format!("{:.1} % of the layer", x * 100.0)),
+            s("< 5 % of the layer"),
+            share.map_or_else(|| s("-"), |x| met(&Value::from(x < 0.05))),
+        ]);
+    } else if let Some(err) = reader["error"].as_str() {
+        rows.push([
+            s("the frame reader"),
+            s("error"),
+            s(err),
+            s("-"),
+            s("-"),
+            s("-"),
+        ]);
+    }
     let a = &r["allocations"];
     if let Some(err) = a["error"].as_str() {
         rows.push([

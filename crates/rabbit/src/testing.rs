@@ -45,8 +45,9 @@
 //! # }
 //! ```
 
-/// The rewriter of what the broker sends, for the fuzz targets (see `wire.rs`).
-pub use crate::wire::{MAX_NESTING, Rewrites, Sanitizer};
+/// The rewriter of what the broker sends, for the fuzz targets and the cost benchmark (see
+/// `wire.rs`).
+pub use crate::wire::{MAX_NESTING, Rewrites, Sanitizer, Sanitizing};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

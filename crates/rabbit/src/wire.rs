@@ -503,7 +503,7 @@ const READ_CHUNK: usize = 64 * 1024;
 
 /// A connection's stream with a [`Sanitizer`] on what it reads; writes pass through.
 #[derive(Debug)]
-pub(crate) struct Sanitizing<S> {
+pub struct Sanitizing<S> {
     inner: S,
     sanitizer: Sanitizer,
     /// Read from `inner`: `buf[..filled]`, of which `buf[..released]` is read by lapin and
@@ -516,7 +516,8 @@ pub(crate) struct Sanitizing<S> {
 }
 
 impl<S> Sanitizing<S> {
-    pub(crate) fn new(inner: S, rewrites: Rewrites) -> Self {
+    /// `inner` with a sanitizer on what is read from it, recording into `rewrites`.
+    pub fn new(inner: S, rewrites: Rewrites) -> Self {
         Self {
             inner,
             sanitizer: Sanitizer::new(rewrites),

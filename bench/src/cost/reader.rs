@@ -1,0 +1,91 @@
+//! The cost of Lily's frame reader (`crates/rabbit/src/wire.rs`, the stream that rewrites what
+//! lapin could not parse), alone: the frames of `n` deliveries as the broker sends them (a
+//! `basic.deliver`, a content header with a message id, type, content type, delivery mode and
+//! two headers, and a 512-byte body), read through [`Sanitizing`] in 128 KiB reads, as lapin's
+//! I/O loop reads. The child builds the frames of `total` deliveries whatever it reads, so the
+//! difference of two runs is the reading alone.
+
+use futures_util::io::{AsyncReadExt, Cursor};
+use lily::testing::{Rewrites, Sanitizing};
+use serde_json::{Value, json};
+
+/// The frames of delivery `tag`.
+fn delivery(out: &mut Vec<u8>, tag: u64) {
+    let frame = |out: &mut Vec<u8>, kind: u8, payload: &[u8]| {
+        out.extend([kind, 0, 1]);
+        out.extend(u32::try_from(payload.len()).expect("small").to_be_bytes());
+        out.extend_from_slice(payload);
+        out.push(0xCE);
+    };
+    let short = |out: &mut Vec<u8>, text: &str| {
+        out.push(u8::try_from(text.len()).expect("short"));
+        out.extend_from_slice(text.as_bytes());
+    };
+    let mut method = vec![0, 60, 0, 60];
+    short(&mut method, "amq.ctag-Xq3CqkQf1Tn8c0vG6pWd2A");
+    method.extend(tag.to_be_bytes());
+    method.push(0);
+    short(&mut method, "");
+    short(&mut method, "lily-bench-cost");
+    frame(out, 1, &method);
+
+    let body = [b'x'; 512];
+    let mut header = vec![0, 60, 0, 0];
+    header.extend((body.len() as u64).to_be_bytes());
+    // content_type, headers, delivery_mode, message_id, type
+    header.extend(0b1011_0000_1010_0000u16.to_be_bytes());
+    short(&mut header, "application/json");
+    let mut table = Vec::new();
+    short(&mut table, "x-schema-version");
+    table.push(b'I');
+    table.extend(1i32.to_be_bytes());
+    short(&mut table, "traceparent");
+    table.push(b'S');
+    let trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    table.extend(u32::try_from(trace.len()).expect("small").to_be_bytes());
+    table.extend_from_slice(trace.as_bytes());
+    header.extend(u32::try_from(table.len()).expect("small").to_be_bytes());
+    header.extend(table);
+    header.push(2);
+    short(&mut header, &format!("order-{tag:08}"));
+    short(&mut header, "order.placed");
+    frame(out, 2, &header);
+    frame(out, 3, &body);
+}
+
+/// `reader TOTAL N`: builds the frames of TOTAL deliveries, reads those of the first N.
+pub fn child(args: &[String]) -> Result<Value, String> {
+    let number = |i: usize| -> Result<usize, String> {
+        args.get(i)
+            .and_then(|a| a.parse().ok())
+            .ok_or_else(|| "usage: reader TOTAL N".to_owned())
+    };
+    let (total, n) = (number(0)?, number(1)?);
+    let mut wire = Vec::new();
+    let mut ends = Vec::with_capacity(total);
+    for tag in 1..=total as u64 {
+        delivery(&mut wire, tag);
+        ends.push(wire.len());
+    }
+    let len = if n == 0 { 0 } else { ends[n - 1] };
+    wire.truncate(len);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let read = runtime.block_on(async {
+        let mut stream = Sanitizing::new(Cursor::new(wire), Rewrites::default());
+        let mut buf = vec![0u8; 128 * 1024];
+        let mut read = 0;
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) => break Ok(read),
+                Ok(k) => read += k,
+                Err(e) => break Err(e.to_string()),
+            }
+        }
+    })?;
+    if read != len {
+        return Err(format!("read {read} of {len} bytes"));
+    }
+    Ok(json!({ "handled": n, "bytes": read }))
+}
