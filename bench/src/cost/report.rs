@@ -95,15 +95,22 @@ fn rows(r: &Value) -> Vec<[String; 6]> {
     }
     let reader = &r["reader"];
     if let Some(per) = reader["per_message"].as_f64() {
-        // The frame reader is part of Lily's layer: its share, against the layer of this run.
-        let layer = i["lily_layer"].as_f64();
-        let share = layer.map(|l| per / l);
+        // The frame reader is part of Lily's layer: its share of Lily's whole cost per message
+        // (the target), and of the layer, against the figures of this run.
+        let share = i["lily"].as_f64().map(|l| per / l);
+        let of_layer = i["lily_layer"].as_f64().map_or_else(
+            || s("-"),
+            |l| format!("{:.0} % of the layer", per / l * 100.0),
+        );
         rows.push([
             s("  of it, the frame reader (wire.rs), instructions / message"),
             s("-"),
             num(&Value::from(per), 0),
-            share.map_or_else(|| s("-"), |x| format!("{:.1} % of the layer", x * 100.0)),
-            s("< 5 % of the layer"),
+            of_layer,
+            share.map_or_else(
+                || s("< 5 % of Lily"),
+                |x| format!("< 5 % of Lily: {:.1} %", x * 100.0),
+            ),
             share.map_or_else(|| s("-"), |x| met(&Value::from(x < 0.05))),
         ]);
     } else if let Some(err) = reader["error"].as_str() {

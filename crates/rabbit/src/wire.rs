@@ -133,8 +133,9 @@ enum State {
 pub struct Sanitizer {
     state: State,
     /// The delivery each channel's next content header belongs to: the tag of its last
-    /// `basic.deliver` or `basic.get-ok`, `None` after a `basic.return`.
-    content: HashMap<u16, Option<u64>>,
+    /// `basic.deliver` or `basic.get-ok`, `None` after a `basic.return`. A connection has a
+    /// few channels: a list is cheaper than a hash map.
+    content: Vec<(u16, Option<u64>)>,
     rewrites: Rewrites,
 }
 
@@ -143,7 +144,7 @@ impl Sanitizer {
     pub fn new(rewrites: Rewrites) -> Self {
         Self {
             state: State::Start,
-            content: HashMap::new(),
+            content: Vec::new(),
             rewrites,
         }
     }
@@ -198,8 +199,10 @@ impl Sanitizer {
                     }
                     let payload = &mut rest[FRAME_HEADER_LEN..FRAME_HEADER_LEN + size];
                     if kind == FRAME_METHOD {
-                        self.method(channel, payload);
-                    } else {
+                        if !self.owner(channel, payload) {
+                            self.method(channel, payload);
+                        }
+                    } else if !plain_header(payload) {
                         self.header(channel, payload);
                     }
                     done += whole;
@@ -207,6 +210,48 @@ impl Sanitizer {
                 }
             }
         }
+    }
+
+    fn set_content(&mut self, channel: u16, owner: Option<u64>) {
+        match self.content.iter_mut().find(|(c, _)| *c == channel) {
+            Some(entry) => entry.1 = owner,
+            None => self.content.push((channel, owner)),
+        }
+    }
+
+    /// The fast path for a method frame: true when it needs no rewrite (a method without text,
+    /// or a `basic.deliver` or `basic.get-ok` whose text is ASCII, whose delivery it notes as
+    /// the owner of the content that follows); false when [`Sanitizer::method`] must read it.
+    fn owner(&mut self, channel: u16, payload: &[u8]) -> bool {
+        let (tag_at, text) = match payload.get(..4) {
+            // basic.deliver: consumer tag, delivery tag, redelivered, exchange, routing key.
+            Some([0, 60, 0, 60]) => {
+                let tag_at = 5 + usize::from(payload.get(4).copied().unwrap_or(0));
+                let ascii = payload.get(5..tag_at).is_some_and(<[u8]>::is_ascii);
+                (
+                    tag_at,
+                    ascii && payload.get(tag_at + 9..).is_some_and(<[u8]>::is_ascii),
+                )
+            }
+            // basic.get-ok: delivery tag, redelivered, exchange, routing key, message count.
+            Some([0, 60, 0, 71]) => (4, payload.get(13..).is_some_and(<[u8]>::is_ascii)),
+            Some(
+                [0, 10, 0, 10 | 20 | 41 | 50 | 60]
+                | [0, 20, 0, 11 | 40]
+                | [0, 50, 0, 11]
+                | [0, 60, 0, 21 | 30 | 31 | 50 | 72],
+            ) => return false,
+            _ => return true,
+        };
+        let Some(tag) = payload.get(tag_at..tag_at + 8) else {
+            return false;
+        };
+        if !text {
+            return false;
+        }
+        let tag = u64::from_be_bytes(tag.try_into().unwrap_or_default());
+        self.set_content(channel, Some(tag));
+        true
     }
 
     fn method(&mut self, channel: u16, payload: &mut [u8]) {
@@ -224,12 +269,12 @@ impl Sanitizer {
             (10, 50) | (20, 40) => &[U16, Short(None)],
             (20, 11) => {
                 // channel.open-ok: the channel's delivery tags start over.
-                self.content.remove(&channel);
+                self.content.retain(|(c, _)| *c != channel);
                 self.rewrites.forget_channel(channel);
                 &[Long]
             }
             (60, 50) => {
-                self.content.insert(channel, None);
+                self.set_content(channel, None);
                 &[U16, Short(None), Short(None), Short(None)]
             }
             (60, 60) => &[
@@ -262,7 +307,7 @@ impl Sanitizer {
             }
         }
         if let Some(tag) = tag {
-            self.content.insert(channel, Some(tag));
+            self.set_content(channel, Some(tag));
             if let Some(field) = rewritten {
                 self.rewrites.record(channel, tag, field);
             }
@@ -296,10 +341,18 @@ impl Sanitizer {
                 break;
             }
         }
-        if let (Some(field), Some(Some(tag))) = (rewritten, self.content.get(&channel)) {
+        let owner = self.content.iter().find(|(c, _)| *c == channel);
+        if let (Some(field), Some((_, Some(tag)))) = (rewritten, owner) {
             self.rewrites.record(channel, *tag, field);
         }
     }
+}
+
+/// Whether a content header's payload needs no rewrite: everything after its class, weight,
+/// body size and property flags is ASCII (so no text is invalid), and it is too short to nest
+/// past the cap (each level takes at least five bytes).
+fn plain_header(payload: &[u8]) -> bool {
+    payload.len() < MAX_NESTING * 5 && payload.get(14..).is_some_and(<[u8]>::is_ascii)
 }
 
 /// How a rewritten header key is named: at the top of the headers or nested in them.
@@ -886,6 +939,43 @@ mod tests {
         assert_eq!(parse_all(&out).len(), 3);
         assert_eq!(rewrites.take(1, 7), None);
         assert_eq!(rewrites.take(2, 7), Some("routing_key"));
+    }
+
+    #[test]
+    fn a_get_ok_owns_the_content_after_it_and_a_return_owns_none() {
+        let bad = basic::AMQPProperties::default().with_message_id("#BAD1#".into());
+        let mut frames = vec![AMQPFrame::Method(
+            6,
+            AMQPClass::Basic(basic::AMQPMethod::GetOk(basic::GetOk {
+                delivery_tag: 77,
+                redelivered: false,
+                exchange: "".into(),
+                routing_key: "lane".into(),
+                message_count: 3,
+            })),
+        )];
+        frames.extend(header(6, bad.clone(), b"{}"));
+        frames.push(AMQPFrame::Method(
+            6,
+            AMQPClass::Basic(basic::AMQPMethod::Return(basic::Return {
+                reply_code: 312,
+                reply_text: "NO_ROUTE".into(),
+                exchange: "".into(),
+                routing_key: "gone".into(),
+            })),
+        ));
+        frames.extend(header(6, bad, b"{}"));
+        let mut wire = encode(&frames);
+        poison(&mut wire, "#BAD1#");
+        poison(&mut wire, "#BAD1#");
+        let rewrites = Rewrites::default();
+        let out = sanitize(&wire, 3, &rewrites);
+        assert_eq!(parse_all(&out).len(), 6);
+        assert_eq!(rewrites.take(6, 77), Some("message_id"));
+        assert!(
+            !rewrites.0.any.load(Ordering::Acquire),
+            "the return's content is no delivery"
+        );
     }
 
     #[test]
