@@ -38,6 +38,7 @@ pub mod headers;
 mod ledger;
 pub mod machine;
 mod message;
+mod pace;
 mod policy;
 mod reason;
 mod report;
@@ -88,6 +89,7 @@ pub mod transport {
     pub use crate::handoff::{Confirm, HandoffId};
     pub use crate::ledger::{EntryId, Evidence, Identity, Ledger, UnresolvedEntry};
     pub use crate::message::IncomingParts;
+    pub use crate::pace::{ACK_HOLD, ACK_LINGER, AckPacer, BACKLOG_HOLD};
     pub use crate::report::TERMINATION_MESSAGE_MAX;
     pub use crate::shutdown::PhaseClock;
 }

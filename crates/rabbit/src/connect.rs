@@ -561,19 +561,10 @@ pub async fn connect(
     })?;
     let node = endpoint.display();
     let dialer = Dialer::new(endpoint, role);
-    match dialer.connect().await {
-        Ok(connection) => Ok(connection),
-        Err(source) if refused(&source) => Err(crate::Error::Refused {
-            queue: queue.to_owned(),
-            source,
-        }),
-        Err(source) if tls_refusal(&source).is_some() => Err(crate::Error::Tls {
-            problem: tls_refusal(&source).unwrap_or_default(),
-            node,
-            source,
-        }),
-        Err(source) => Err(crate::Error::Connect { node, source }),
-    }
+    dialer
+        .connect()
+        .await
+        .map_err(|source| crate::Error::from_connect(source, queue, node))
 }
 
 /// The version of the broker at `url` (see [`BrokerVersion`]), read from the `connection.start`
@@ -603,11 +594,7 @@ pub async fn broker_version(
             let _ = connection.close(200, "version read".into()).await;
             Ok(version)
         }
-        Err(source) if refused(&source) => Err(crate::Error::Refused {
-            queue: String::new(),
-            source,
-        }),
-        Err(source) => Err(crate::Error::Connect { node, source }),
+        Err(source) => Err(crate::Error::from_connect(source, "", node)),
     }
 }
 

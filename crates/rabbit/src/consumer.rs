@@ -14,14 +14,15 @@ use lily_mq_core::{
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
+use crate::channel::Session;
 use crate::config::ConsumerConfig;
 use crate::connect::{Dialer, Endpoint, EndpointError, jittered};
-use crate::crew::Crew;
+use crate::consume::crew::Crew;
+use crate::consume::{SessionEnd, SessionError, consume};
+use crate::copy::handoff::HandoffPublisher;
 use crate::error::{ConfigError, Error, MissingPermission};
-use crate::handoff::HandoffPublisher;
 use crate::report::ReportSinks;
 use crate::service::{Books, Metrics, Shared, Signals};
-use crate::session::{Session, SessionEnd, SessionError, consume};
 use crate::shutdown::Shutdown;
 use crate::sync::lock;
 use crate::topology::Topology;

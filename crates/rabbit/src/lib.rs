@@ -9,25 +9,19 @@
 //! shutdown whose [`ShutdownReport`](lily_mq_core::ShutdownReport) lists every delivery whose
 //! settlement is unresolved; [`emit`] writes it out.
 
-mod admit;
+mod channel;
 mod config;
-mod confirms;
 mod connect;
+mod consume;
 mod consumer;
-mod crew;
+mod copy;
 mod delivery;
 mod error;
-mod execute;
-mod handoff;
 #[cfg(feature = "health")]
 pub mod health;
-mod inline;
-mod pipeline;
-mod publisher;
-pub mod replay;
+mod publish;
 mod report;
 mod service;
-mod session;
 mod shutdown;
 mod sync;
 #[cfg(feature = "testing")]
@@ -42,8 +36,9 @@ mod wire;
 pub use config::ConsumerConfig;
 pub use connect::{ClientCertificate, broker_version, connect};
 pub use consumer::{Consumer, Stats};
+pub use copy::replay;
 pub use error::{ConfigError, Error, MissingPermission};
-pub use publisher::{
+pub use publish::publisher::{
     Destination, HeaderValue, Outgoing, PUBLISH_ID, Published, Publisher, PublisherConfig,
 };
 pub use report::{ReportSinks, emit};

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::ConsumerConfig;
 use crate::connect::Dialer;
-use crate::handoff::HandoffPublisher;
+use crate::copy::handoff::HandoffPublisher;
 use crate::topology::Topology;
 
 /// Everything the sessions and delivery tasks share: the service's fixed setup, its books, its

@@ -63,12 +63,12 @@ use lily_mq_core::{DynHook, Hook, Lane, Outcome, Reason, Router, TransactionalSc
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::admit::{Admitted, CopyFacts, Raw, Source, admit, epoch_millis};
 use crate::config::ConsumerConfig;
+use crate::copy::handoff::destination;
+use crate::delivery::admit::{Admitted, CopyFacts, Raw, Source, admit, epoch_millis};
+use crate::delivery::execute::{Effects, Setup, execute};
 use crate::error::Error;
-use crate::execute::{Effects, Setup, execute};
-use crate::handoff::destination;
-use crate::publisher::{HeaderValue, Outgoing};
+use crate::publish::publisher::{HeaderValue, Outgoing};
 use crate::sync::lock;
 use crate::topology::Topology;
 

@@ -162,7 +162,7 @@ impl Topology {
     }
 
     /// The work queue's replay exchange: a direct exchange whose only binding routes the work
-    /// queue's name to the work queue. Replays publish through it (see [`crate::replay`]).
+    /// queue's name to the work queue. Replays publish through it (see [`crate::copy::replay`]).
     pub fn replay_exchange(&self) -> String {
         format!("{}.replay", self.queue)
     }

@@ -267,7 +267,7 @@ mod tests {
         let yielding = Box::pin(tokio::task::yield_now());
         let mut within = std::pin::pin!(within(Duration::from_secs(5), yielding));
         // Polled once, not again at once behind the timer it armed.
-        assert!(crate::session::first_poll(within.as_mut()).is_pending());
+        assert!(crate::channel::first_poll(within.as_mut()).is_pending());
         assert!(matches!(within.await, Ok(())));
     }
 

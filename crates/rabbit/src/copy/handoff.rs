@@ -13,9 +13,9 @@ use lily_mq_core::transport::{HandoffId, HandoffResult, as_text, as_u32, is_toke
 use lily_mq_core::{HeaderKey, Incoming, Lane, Reason, headers};
 use tracing::{info, warn};
 
-use crate::confirms::{Confirms, Role, Route};
 use crate::connect::Endpoint;
 use crate::error::MissingPermission;
+use crate::publish::{Confirms, Role, Route};
 use crate::sync::lock;
 use crate::topology::Topology;
 

@@ -203,7 +203,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::handoff::{FailureNote, copy_properties};
+    use crate::copy::handoff::{FailureNote, copy_properties};
 
     fn copy_of(original: &BasicProperties, lane: Lane) -> BasicProperties {
         let incoming = Incoming::from_parts(IncomingParts {

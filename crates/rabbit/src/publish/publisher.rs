@@ -15,9 +15,9 @@ use lily_mq_core::transport::{HandoffId, HandoffResult, PropertiesView, inspect}
 use lily_mq_core::{Limits, Reason, headers};
 use serde::Serialize;
 
-use crate::confirms::{Confirms, Role, Route};
 use crate::connect::{ClientCertificate, Endpoint};
 use crate::error::{ConfigError, Error};
+use crate::publish::{Confirms, Role, Route};
 
 /// The header a message carries its publish id in, so a `basic.return` is matched to the one
 /// message it concerns. The id is numbered per publisher and means nothing downstream.
@@ -481,23 +481,11 @@ impl Publisher {
         };
         let confirms = Confirms::new(&config.name, role);
         if let Err(source) = confirms.warm(&endpoint).await {
-            return Err(if crate::connect::refused(&source) {
-                Error::Refused {
-                    queue: config.name.clone(),
-                    source,
-                }
-            } else if let Some(problem) = crate::connect::tls_refusal(&source) {
-                Error::Tls {
-                    node: endpoint.display(),
-                    problem,
-                    source,
-                }
-            } else {
-                Error::Connect {
-                    node: endpoint.display(),
-                    source,
-                }
-            });
+            return Err(Error::from_connect(
+                source,
+                &config.name,
+                endpoint.display(),
+            ));
         }
         Ok(Self { confirms, config })
     }

@@ -13,7 +13,7 @@ use lily_mq_core::transport::{
 };
 use lily_mq_core::{HeaderKey, Incoming, Lane, Limits, Reason, Router, headers};
 
-use crate::handoff::{FailureNote, copy_properties, sanitized_properties};
+use crate::copy::handoff::{FailureNote, copy_properties, sanitized_properties};
 
 /// A delivery as the broker handed it over.
 pub(crate) struct Raw {

@@ -1,54 +1,55 @@
 //! The consume loop's own share of the deliveries.
 //!
-//! Handing a delivery to a worker costs a wake-up of another thread, and on a busy node that
-//! costs more than most handlers do: one that parses the message and updates something in
-//! memory is done in microseconds. So the consume loop polls each delivery once itself, and
-//! where that first poll stops decides the rest:
+//! Handing a delivery to a worker costs a wake-up of another thread, and on a busy node that costs
+//! more than most handlers do: one that parses the message and updates something in memory is done
+//! in microseconds. So the consume loop polls each delivery once itself, and where that first poll
+//! stops decides the rest:
 //!
 //! - **The delivery ended** (the gate settled it): nothing is left to do.
 //! - **Its ACK is marked ready** (the handler succeeded without waiting for anything): it is
 //!   *parked* here. Parked ACKs are written together, as one `multiple` frame when nothing below
-//!   them is still being handled, once half the prefetch is parked, before the loop waits for
-//!   a worker, and when nothing more is buffered and the loop's previous ACK frame has been
-//!   sent. That last rule is Nagle's: a frame goes out at once when none is on its way, and
-//!   while one is, the ACKs that become ready share the next. So a lone delivery is ACKed
-//!   without a wait, and under load the frames grow by themselves, the way a loop that awaits
-//!   each `multiple` ACK batches them, without holding an ACK for a timer (tokio's timer
-//!   rounds up to whole milliseconds). Each parked delivery is then polled again, finds its
-//!   result and ends (one whose ACK waits above a delivery still being handled finishes on a
-//!   task of its own, see [`Session::ack`]).
+//!   them is still being handled, once half the prefetch is parked, before the loop waits for a
+//!   worker, and when nothing more is buffered and the loop's previous ACK frame has been sent.
+//!   That last rule is Nagle's: a frame goes out at once when none is on its way, and while one is,
+//!   the ACKs that become ready share the next. So a lone delivery is ACKed without a wait, and
+//!   under load the frames grow by themselves, the way a loop that awaits each `multiple` ACK
+//!   batches them, without holding an ACK for a timer (tokio's timer rounds up to whole
+//!   milliseconds). Each parked delivery is then polled again, finds its result and ends (one whose
+//!   ACK waits above a delivery still being handled finishes on a task of its own, see
+//!   [`Session::ack`]).
 //!
-//!   How fast the loop catches up with lapin decides how large Nagle's frames are, and on an
-//!   idle machine they carried 5 to 15 ACKs in a backlog: a frame each is a log entry on a
-//!   quorum queue. So while the work queue holds a backlog (at least half the prefetch ready,
-//!   as a passive declare says at the session's start and every 200 ms, see
-//!   [`Session::backlogged`]) more deliveries are known to be on their way, and parked ACKs
-//!   wait for half the prefetch or [`BACKLOG_HOLD`] instead.
-//! - **It waits for anything else** (a handler awaiting I/O, a copy's confirm, a transaction):
-//!   it goes to the worker hired for it, which finishes it.
+//!   How fast the loop catches up with lapin decides how large Nagle's frames are, and on an idle
+//!   machine they carried 5 to 15 ACKs in a backlog: a frame each is a log entry on a quorum queue.
+//!   So while the work queue holds a backlog (at least half the prefetch ready, as a passive
+//!   declare says at the session's start and every 200 ms, see [`Session::backlogged`]) more
+//!   deliveries are known to be on their way, and parked ACKs wait for half the prefetch or
+//!   [`BACKLOG_HOLD`] instead.
+//! - **It waits for anything else** (a handler awaiting I/O, a copy's confirm, a transaction): it
+//!   goes to the worker hired for it, which finishes it.
 //!
-//! A handler that computes for long without waiting would keep every delivery on the loop's
-//! one thread. So the loop counts its first polls that took longer than [`HEAVY`] against those
-//! that did not; while the long ones lead by [`LEAD`], deliveries go to the crew unpolled, to
-//! run in parallel on every worker thread (their gate, dispatch and ledger entry, a few
-//! microseconds, still run here, see [`crate::delivery::work`]), and one in [`PROBE`] is still
-//! polled here: the first such probe that is short ends the spell. A count, not an average: on a busy node the thread
-//! is sometimes descheduled in the middle of a poll, and one such poll must not look like a
-//! heavy handler. Nor must a burst of them keep light handlers off the loop for long: a spell
-//! that ended only after as many short probes as long polls began it once sent hundreds of
-//! deliveries in a row to workers, whose ACKs share frames less well.
+//! A handler that computes for long without waiting would keep every delivery on the loop's one
+//! thread. So the loop counts its first polls that took longer than [`HEAVY`] against those that
+//! did not; while the long ones lead by [`LEAD`], deliveries go to the crew unpolled, to run in
+//! parallel on every worker thread (their gate, dispatch and ledger entry, a few microseconds,
+//! still run here, see [`crate::delivery::work`]), and one in [`PROBE`] is still polled here: the
+//! first such probe that is short ends the spell. A count, not an average: on a busy node the
+//! thread is sometimes descheduled in the middle of a poll, and one such poll must not look like a
+//! heavy handler. Nor must a burst of them keep light handlers off the loop for long: a spell that
+//! ended only after as many short probes as long polls began it once sent hundreds of deliveries in
+//! a row to workers, whose ACKs share frames less well.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::pin::Pin;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
+use lily_mq_core::transport::BACKLOG_HOLD;
 use tokio_util::task::TaskTracker;
 use tracing::error;
 
-use crate::crew::Job;
+use super::crew::Job;
+use crate::channel::{Sending, Session, first_poll};
 use crate::service::Revoked;
-use crate::session::{BACKLOG_HOLD, Sending, Session, first_poll};
 
 /// A first poll longer than this is worth a hand-off to another thread. An unoptimised build
 /// runs Lily's own share of every delivery many times slower (a first poll took 20–50 µs for a

@@ -2,12 +2,12 @@
 //!
 //! The crew knows nothing of deliveries: a job is a future, which a worker polls to its end.
 //!
-//! A delivery the consume loop cannot finish itself (see [`crate::inline`]) is handed to an
-//! idle worker instead of being spawned as a task of its own, so it allocates no task. The crew
-//! grows on demand up to its limit (the concurrency, at most the prefetch), which also bounds
-//! how many handlers run at once: the consume loop runs a handler only while it holds a hired
-//! worker. When the crew closes, idle workers end at once and busy ones after their delivery,
-//! so the task tracker's `wait` means "every delivery finished".
+//! A delivery the consume loop cannot finish itself (see [`crate::consume::inline`]) is handed to
+//! an idle worker instead of being spawned as a task of its own, so it allocates no task. The crew
+//! grows on demand up to its limit (the concurrency, at most the prefetch), which also bounds how
+//! many handlers run at once: the consume loop runs a handler only while it holds a hired worker.
+//! When the crew closes, idle workers end at once and busy ones after their delivery, so the task
+//! tracker's `wait` means "every delivery finished".
 
 use std::future::Future;
 use std::pin::Pin;

@@ -17,9 +17,9 @@ use lily_mq_core::{
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::admit::Source;
 use crate::config::ConsumerConfig;
-use crate::pipeline;
+use crate::delivery::admit::Source;
+use crate::delivery::pipeline;
 
 /// What carrying out a delivery's actions takes besides the scope and the handler.
 pub(crate) trait Effects {
