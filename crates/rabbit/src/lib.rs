@@ -38,9 +38,8 @@ pub use connect::{ClientCertificate, broker_version, connect};
 pub use consumer::{Consumer, Stats};
 pub use copy::replay;
 pub use error::{ConfigError, Error, MissingPermission};
-pub use publish::publisher::{
-    Destination, HeaderValue, Outgoing, PUBLISH_ID, Published, Publisher, PublisherConfig,
-};
+pub use publish::outgoing::{Destination, HeaderValue, Outgoing};
+pub use publish::publisher::{PUBLISH_ID, Published, Publisher, PublisherConfig};
 pub use report::{ReportSinks, emit};
 pub use shutdown::Shutdown;
 pub use topology::{Applied, LeaderLocator, QueueKind, Topology, TopologyError, TopologyMode};

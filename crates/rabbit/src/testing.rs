@@ -68,7 +68,7 @@ use crate::copy::handoff::destination;
 use crate::delivery::admit::{Admitted, CopyFacts, Raw, Source, admit, epoch_millis};
 use crate::delivery::execute::{Effects, Setup, execute};
 use crate::error::Error;
-use crate::publish::publisher::{HeaderValue, Outgoing};
+use crate::publish::outgoing::{HeaderValue, Outgoing};
 use crate::sync::lock;
 use crate::topology::Topology;
 

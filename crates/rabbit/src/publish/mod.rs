@@ -50,6 +50,7 @@
 //!   exchanges, one of them refused, publishes to all at that pace.
 
 mod link;
+pub(crate) mod outgoing;
 pub(crate) mod publisher;
 mod request;
 mod worker;

@@ -1,0 +1,305 @@
+//! What a [`Publisher`](super::publisher::Publisher) sends: a message and where it goes.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lily_mq_core::transport::{HandoffId, PropertiesView, inspect};
+use lily_mq_core::{Limits, Reason, headers};
+use serde::Serialize;
+
+use super::publisher::PUBLISH_ID;
+
+/// Where a message goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Destination {
+    pub(super) exchange: String,
+    pub(super) routing_key: String,
+}
+
+impl Destination {
+    /// The queue `name`, through the default exchange.
+    pub fn queue(name: &str) -> Self {
+        Self {
+            exchange: String::new(),
+            routing_key: name.to_owned(),
+        }
+    }
+
+    /// The exchange `name`, with `routing_key`.
+    pub fn exchange(name: &str, routing_key: &str) -> Self {
+        Self {
+            exchange: name.to_owned(),
+            routing_key: routing_key.to_owned(),
+        }
+    }
+}
+
+/// A message to publish: body, `message_id`, `type`, `schema-version` header and content type,
+/// and any further headers.
+///
+/// ```
+/// use lily_mq_rabbit::Outgoing;
+///
+/// #[derive(serde::Serialize)]
+/// struct OrderPlaced { order_id: String, quantity: u32 }
+///
+/// let order = OrderPlaced { order_id: "o-17".into(), quantity: 2 };
+/// let message = Outgoing::json("order.placed", "o-17", &order)?
+///     .schema_version(2)
+///     .header("tenant", "acme");
+/// assert_eq!(message.message_id(), "o-17");
+/// # Ok::<(), serde_json::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Outgoing {
+    pub(crate) body: Vec<u8>,
+    message_id: String,
+    kind: String,
+    content_type: String,
+    schema_version: u32,
+    headers: Vec<(String, AMQPValue)>,
+}
+
+impl Outgoing {
+    /// `value` as JSON (`application/json`), of type `kind`, with id `message_id`, schema
+    /// version 1.
+    ///
+    /// # Errors
+    /// `value` does not serialize (a map with keys that are not strings, say).
+    pub fn json<T: Serialize + ?Sized>(
+        kind: &str,
+        message_id: &str,
+        value: &T,
+    ) -> Result<Self, serde_json::Error> {
+        let body = serde_json::to_vec(value)?;
+        Ok(Self::bytes(kind, message_id, "application/json", body))
+    }
+
+    /// `body` as it is, of type `kind` and `content_type`, with id `message_id`, schema
+    /// version 1.
+    pub fn bytes(kind: &str, message_id: &str, content_type: &str, body: Vec<u8>) -> Self {
+        Self {
+            body,
+            message_id: message_id.to_owned(),
+            kind: kind.to_owned(),
+            content_type: content_type.to_owned(),
+            schema_version: 1,
+            headers: Vec::new(),
+        }
+    }
+
+    /// Sets the `schema-version` header (1 unless set).
+    #[must_use]
+    pub fn schema_version(mut self, version: u32) -> Self {
+        self.schema_version = version;
+        self
+    }
+
+    /// Adds a header; a header of the same key is replaced.
+    #[must_use]
+    pub fn header(mut self, key: &str, value: impl Into<HeaderValue>) -> Self {
+        self.headers.retain(|(k, _)| k != key);
+        self.headers.push((key.to_owned(), value.into().0));
+        self
+    }
+
+    /// The `message_id`.
+    pub fn message_id(&self) -> &str {
+        &self.message_id
+    }
+
+    /// The body.
+    pub fn body(&self) -> &[u8] {
+        &self.body
+    }
+
+    /// The properties to publish with, or why the consumer's gate would refuse the message.
+    pub(super) fn properties(
+        &self,
+        id: HandoffId,
+        limits: &Limits,
+    ) -> Result<BasicProperties, Reason> {
+        let properties = self.build(id)?;
+        let view = PropertiesView {
+            message_id: Some(&self.message_id),
+            kind: Some(&self.kind),
+            content_type: Some(&self.content_type),
+            // What Lily adds goes through the gate too: the consumer counts every header.
+            headers: properties.headers().as_ref(),
+            not_utf8: None,
+            key: None,
+        };
+        match inspect(&view, self.body.len(), limits) {
+            Ok(_) => Ok(properties),
+            Err(rejection) => Err(rejection.reason(limits)),
+        }
+    }
+
+    /// The properties as published, carrying `id`, before the gate looks at them.
+    pub(crate) fn build(&self, id: HandoffId) -> Result<BasicProperties, Reason> {
+        let short = |what: &str, text: &str| {
+            ShortString::try_new(text).map_err(|_| Reason::new(format!("{what} is over 255 bytes")))
+        };
+        let mut table = FieldTable::default();
+        for (key, value) in &self.headers {
+            if key.starts_with("x-lily-") || key == headers::SCHEMA_VERSION {
+                return Err(Reason::new(format!(
+                    "header {key:?} is Lily's own; set it through Outgoing's methods"
+                )));
+            }
+            table.insert(short("a header key", key)?, value.clone());
+        }
+        table.insert(
+            headers::SCHEMA_VERSION.into(),
+            AMQPValue::LongUInt(self.schema_version),
+        );
+        table.insert(PUBLISH_ID.into(), id.header_value());
+        if !table.inner().contains_key(headers::TRACEPARENT)
+            && let Some((parent, state)) = crate::trace::current()
+        {
+            table.insert(
+                headers::TRACEPARENT.into(),
+                AMQPValue::LongString(parent.into()),
+            );
+            if let Some(state) = state {
+                table.insert(
+                    headers::TRACESTATE.into(),
+                    AMQPValue::LongString(state.into()),
+                );
+            }
+        }
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        Ok(BasicProperties::default()
+            .with_message_id(short("message_id", &self.message_id)?)
+            .with_type(short("type", &self.kind)?)
+            .with_content_type(short("content_type", &self.content_type)?)
+            .with_delivery_mode(2)
+            .with_timestamp(now)
+            .with_headers(table))
+    }
+}
+
+impl std::fmt::Debug for Outgoing {
+    // Not derived: the body and header values are the application's, never logged.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outgoing")
+            .field("message_id", &self.message_id)
+            .field("kind", &self.kind)
+            .field("schema_version", &self.schema_version)
+            .field("body_len", &self.body.len())
+            .field(
+                "headers",
+                &self.headers.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+/// A header value: text, a number, a flag, or any AMQP value.
+#[derive(Clone, Debug)]
+pub struct HeaderValue(pub(crate) AMQPValue);
+
+impl From<&str> for HeaderValue {
+    fn from(text: &str) -> Self {
+        Self(AMQPValue::LongString(text.into()))
+    }
+}
+
+impl From<String> for HeaderValue {
+    fn from(text: String) -> Self {
+        Self(AMQPValue::LongString(text.into()))
+    }
+}
+
+impl From<i64> for HeaderValue {
+    fn from(n: i64) -> Self {
+        Self(AMQPValue::LongLongInt(n))
+    }
+}
+
+impl From<bool> for HeaderValue {
+    fn from(flag: bool) -> Self {
+        Self(AMQPValue::Boolean(flag))
+    }
+}
+
+impl From<AMQPValue> for HeaderValue {
+    fn from(value: AMQPValue) -> Self {
+        Self(value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text<'a>(p: &'a BasicProperties, key: &str) -> Option<&'a AMQPValue> {
+        p.headers().as_ref()?.inner().get(key)
+    }
+
+    #[test]
+    fn a_message_carries_what_the_consumer_reads() {
+        let message = Outgoing::json("order.placed", "o-1", &serde_json::json!({"q": 1}))
+            .unwrap()
+            .schema_version(3)
+            .header("tenant", "acme")
+            .header("tenant", "other");
+        let p = message
+            .properties(HandoffId::new(9), &Limits::default())
+            .unwrap();
+        assert_eq!(p.message_id().as_ref().unwrap().as_str(), "o-1");
+        assert_eq!(p.kind().as_ref().unwrap().as_str(), "order.placed");
+        assert_eq!(
+            p.content_type().as_ref().unwrap().as_str(),
+            "application/json"
+        );
+        assert_eq!(*p.delivery_mode(), Some(2));
+        assert_eq!(
+            text(&p, headers::SCHEMA_VERSION),
+            Some(&AMQPValue::LongUInt(3))
+        );
+        assert_eq!(
+            text(&p, "tenant"),
+            Some(&AMQPValue::LongString("other".into()))
+        );
+        assert_eq!(
+            text(&p, PUBLISH_ID),
+            Some(&HandoffId::new(9).header_value())
+        );
+    }
+
+    #[test]
+    fn the_headers_lily_adds_count_against_the_consumers_limit() {
+        let limits = Limits::default();
+        // `schema-version` counts with the producer's headers: one over the limit. The publish
+        // id is Lily's own (`x-lily-*`), counted apart as the consumer's gate counts it.
+        let message = (0..limits.max_headers).fold(
+            Outgoing::bytes("t", "id-1", "text/plain", Vec::new()),
+            |m, n| m.header(&format!("h{n}"), "v"),
+        );
+        assert!(message.properties(HandoffId::new(0), &limits).is_err());
+        let message = (0..limits.max_headers - 1).fold(
+            Outgoing::bytes("t", "id-1", "text/plain", Vec::new()),
+            |m, n| m.header(&format!("h{n}"), "v"),
+        );
+        assert!(message.properties(HandoffId::new(0), &limits).is_ok());
+    }
+
+    #[test]
+    fn debug_shows_ids_and_sizes_never_the_body_or_header_values() {
+        let message = Outgoing::bytes("t", "id-1", "text/plain", b"card-4111".to_vec())
+            .header("note", "secret-value");
+        let shown = format!("{message:?}");
+        assert!(
+            shown.contains("id-1") && shown.contains("body_len: 9"),
+            "{shown}"
+        );
+        assert!(
+            !shown.contains("4111") && !shown.contains("secret-value"),
+            "{shown}"
+        );
+    }
+}

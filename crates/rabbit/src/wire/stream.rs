@@ -1,0 +1,192 @@
+//! The connection's stream with a [`Sanitizer`] on what it reads, and the reactor that lets
+//! lapin run on it.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use async_rs::traits::Reactor;
+use async_rs::util::RuntimeParts;
+use async_rs::{Runtime, Tokio};
+use futures_io::{AsyncRead, AsyncWrite, IoSlice, IoSliceMut};
+use lapin::tcp::AsyncTcpStream;
+
+use super::{Rewrites, Sanitizer};
+/// Bytes read from the stream at a time, at least.
+const READ_CHUNK: usize = 64 * 1024;
+
+/// A connection's stream with a [`Sanitizer`] on what it reads; writes pass through.
+#[derive(Debug)]
+pub struct Sanitizing<S> {
+    inner: S,
+    sanitizer: Sanitizer,
+    /// Read from `inner`: `buf[..filled]`, of which `buf[..released]` is read by lapin and
+    /// `buf[released..ready]` is ready for it.
+    buf: Vec<u8>,
+    released: usize,
+    ready: usize,
+    filled: usize,
+    eof: bool,
+}
+
+impl<S> Sanitizing<S> {
+    /// `inner` with a sanitizer on what is read from it, recording into `rewrites`.
+    pub fn new(inner: S, rewrites: Rewrites) -> Self {
+        Self {
+            inner,
+            sanitizer: Sanitizer::new(rewrites),
+            buf: Vec::new(),
+            released: 0,
+            ready: 0,
+            filled: 0,
+            eof: false,
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> Sanitizing<S> {
+    /// Reads from `inner` until some bytes are ready (or the stream ended).
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.ready == self.released {
+            if self.eof {
+                // A frame cut short by the end passes as it is: lapin sees the same end.
+                self.ready = self.filled;
+                return Poll::Ready(Ok(()));
+            }
+            if self.released > 0 {
+                self.buf.copy_within(self.released..self.filled, 0);
+                self.filled -= self.released;
+                self.ready -= self.released;
+                self.released = 0;
+            }
+            if self.buf.len() - self.filled < READ_CHUNK / 4 {
+                let len = (self.filled + READ_CHUNK).max(self.buf.len() * 2);
+                self.buf.resize(len, 0);
+            }
+            let read = Pin::new(&mut self.inner).poll_read(cx, &mut self.buf[self.filled..]);
+            match read {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(err)) => return Poll::Ready(Err(err)),
+                Poll::Ready(Ok(0)) => self.eof = true,
+                Poll::Ready(Ok(n)) => {
+                    self.filled += n;
+                    let ready = self.ready;
+                    self.ready += self.sanitizer.scan(&mut self.buf[ready..self.filled]);
+                }
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Sanitizing<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut [u8],
+    ) -> Poll<io::Result<usize>> {
+        self.poll_read_vectored(cx, &mut [IoSliceMut::new(out)])
+    }
+
+    fn poll_read_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        outs: &mut [IoSliceMut<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if outs.iter().all(|out| out.is_empty()) {
+            return Poll::Ready(Ok(0));
+        }
+        if let Err(err) = std::task::ready!(this.poll_ready(cx)) {
+            return Poll::Ready(Err(err));
+        }
+        let mut copied = 0;
+        for out in outs {
+            let n = out.len().min(this.ready - this.released);
+            out[..n].copy_from_slice(&this.buf[this.released..this.released + n]);
+            this.released += n;
+            copied += n;
+        }
+        Poll::Ready(Ok(copied))
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Sanitizing<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_close(cx)
+    }
+}
+
+/// The stream a connection runs on: TCP, with TLS when the URL says `amqps`.
+pub(crate) type Transport = AsyncTcpStream<<Tokio as Reactor>::TcpStream>;
+
+/// The reactor lapin runs Lily's connections on: tokio's, with [`Sanitizing`] streams.
+///
+/// lapin's connector takes the stream its runtime's reactor makes, so a stream of Lily's own
+/// needs a reactor of Lily's own. Lily opens every stream itself (see
+/// [`crate::connect`]): [`Reactor::tcp_connect_addr`] only serves a runtime asked directly.
+#[derive(Clone, Debug)]
+pub(crate) struct Wire(Tokio);
+
+impl Wire {
+    /// The runtime of a connection: tokio's executor, this reactor.
+    pub(crate) fn runtime() -> Runtime<RuntimeParts<Tokio, Wire>> {
+        Runtime::new(RuntimeParts::new(Tokio::current(), Wire(Tokio::current())))
+    }
+}
+
+impl Reactor for Wire {
+    type TcpStream = Sanitizing<Transport>;
+    type Sleep = <Tokio as Reactor>::Sleep;
+
+    fn register<H: io::Read + io::Write + Send + 'static>(
+        &self,
+        _socket: H,
+    ) -> io::Result<impl AsyncRead + AsyncWrite + Send + Unpin + 'static> {
+        Err::<async_rs::util::DummyIO, _>(io::Error::other(
+            "Lily's connections register no raw sockets",
+        ))
+    }
+
+    fn sleep(&self, dur: std::time::Duration) -> Self::Sleep {
+        self.0.sleep(dur)
+    }
+
+    fn interval(
+        &self,
+        dur: std::time::Duration,
+    ) -> impl futures_core::Stream<Item = std::time::Instant> + Send + 'static {
+        self.0.interval(dur)
+    }
+
+    fn tcp_connect_addr(
+        &self,
+        addr: std::net::SocketAddr,
+    ) -> impl Future<Output = io::Result<Self::TcpStream>> + Send + 'static {
+        let connect = self.0.tcp_connect_addr(addr);
+        async move {
+            let stream = AsyncTcpStream::Plain(connect.await?);
+            Ok(Sanitizing::new(stream, Rewrites::default()))
+        }
+    }
+}
