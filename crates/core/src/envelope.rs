@@ -7,7 +7,7 @@
 
 use amq_protocol_types::{AMQPValue, FieldTable, ShortString};
 
-use crate::headers;
+use crate::headers::{self, as_u32};
 use crate::reason::Reason;
 use crate::seal::HeaderKey;
 
@@ -300,34 +300,6 @@ pub fn inspect<'a>(
 /// True when `text` is 1..=`max` bytes of printable, non-space ASCII.
 pub fn is_token(text: &str, max: usize) -> bool {
     !text.is_empty() && text.len() <= max && text.bytes().all(|b| b.is_ascii_graphic())
-}
-
-/// Reads a string header: a short or long string that is valid UTF-8.
-pub fn as_text(value: &AMQPValue) -> Option<&str> {
-    match value {
-        AMQPValue::ShortString(s) => Some(s.as_str()),
-        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
-        _ => None,
-    }
-}
-
-/// Reads a non-negative integer header that fits in `u32`; decimal strings are accepted.
-pub fn as_u32(value: &AMQPValue) -> Option<u32> {
-    let wide: i128 = match value {
-        AMQPValue::ShortShortInt(n) => (*n).into(),
-        AMQPValue::ShortShortUInt(n) => (*n).into(),
-        AMQPValue::ShortInt(n) => (*n).into(),
-        AMQPValue::ShortUInt(n) => (*n).into(),
-        AMQPValue::LongInt(n) => (*n).into(),
-        AMQPValue::LongUInt(n) => (*n).into(),
-        AMQPValue::LongLongInt(n) => (*n).into(),
-        AMQPValue::ShortString(s) => s.as_str().parse().ok()?,
-        AMQPValue::LongString(s) if s.len() <= 10 => {
-            std::str::from_utf8(s.as_bytes()).ok()?.parse().ok()?
-        }
-        _ => return None,
-    };
-    u32::try_from(wide).ok()
 }
 
 #[derive(Default)]

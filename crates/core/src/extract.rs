@@ -255,7 +255,7 @@ impl Headers {
 
     /// A string header (short or long string, valid UTF-8).
     pub fn get_str(&self, key: &str) -> Option<&str> {
-        crate::envelope::as_text(self.get(key)?)
+        crate::headers::as_text(self.get(key)?)
     }
 
     /// All headers, in key order.

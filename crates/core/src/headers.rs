@@ -3,6 +3,8 @@
 //! Lily owns every header starting with `x-lily-`. Producers set `schema-version`; the broker sets
 //! `x-delivery-count` on quorum queues and `x-death` when it dead-letters.
 
+use amq_protocol_types::AMQPValue;
+
 /// Attempt number of this delivery, starting at 1. Absent means 1.
 pub const ATTEMPT: &str = "x-lily-attempt";
 /// Milliseconds since the Unix epoch of the first failure.
@@ -116,6 +118,34 @@ pub fn is_traceparent(text: &str) -> bool {
         && [trace, span, flags].into_iter().all(hex)
         && nonzero(trace)
         && nonzero(span)
+}
+
+/// Reads a string header: a short or long string that is valid UTF-8.
+pub fn as_text(value: &AMQPValue) -> Option<&str> {
+    match value {
+        AMQPValue::ShortString(s) => Some(s.as_str()),
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
+        _ => None,
+    }
+}
+
+/// Reads a non-negative integer header that fits in `u32`; decimal strings are accepted.
+pub fn as_u32(value: &AMQPValue) -> Option<u32> {
+    let wide: i128 = match value {
+        AMQPValue::ShortShortInt(n) => (*n).into(),
+        AMQPValue::ShortShortUInt(n) => (*n).into(),
+        AMQPValue::ShortInt(n) => (*n).into(),
+        AMQPValue::ShortUInt(n) => (*n).into(),
+        AMQPValue::LongInt(n) => (*n).into(),
+        AMQPValue::LongUInt(n) => (*n).into(),
+        AMQPValue::LongLongInt(n) => (*n).into(),
+        AMQPValue::ShortString(s) => s.as_str().parse().ok()?,
+        AMQPValue::LongString(s) if s.len() <= 10 => {
+            std::str::from_utf8(s.as_bytes()).ok()?.parse().ok()?
+        }
+        _ => return None,
+    };
+    u32::try_from(wide).ok()
 }
 
 #[cfg(test)]

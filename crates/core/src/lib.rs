@@ -81,12 +81,11 @@ pub mod transport {
         Action, Authority, Cause, CleanupResult, Handoff, HandoffResult, PipelineResult, Plan,
         SettleResult, Settlement, Situation, decide, decide_at_gate,
     };
-    pub use crate::envelope::{
-        Envelope, GateRejection, Known, PropertiesView, as_text, as_u32, inspect, is_token,
-    };
+    pub use crate::envelope::{Envelope, GateRejection, Known, PropertiesView, inspect, is_token};
     pub use crate::extract::DeliveryCancel;
     pub use crate::handler::BoxedHandler;
     pub use crate::handoff::{Confirm, HandoffId};
+    pub use crate::headers::{as_text, as_u32};
     pub use crate::ledger::{EntryId, Evidence, Identity, Ledger, UnresolvedEntry};
     pub use crate::message::IncomingParts;
     pub use crate::pace::{ACK_HOLD, ACK_LINGER, AckPacer, BACKLOG_HOLD};

@@ -34,8 +34,9 @@ use crate::decision::{
     RequeueCause, SettleResult, Settlement, Situation, Terminal, TransactionOutcome, decide,
     decide_at_gate,
 };
-use crate::envelope::{GateRejection, Known, as_text, as_u32};
+use crate::envelope::{GateRejection, Known};
 use crate::error::FailureKind;
+use crate::headers::{as_text, as_u32};
 use crate::ledger::Evidence;
 use crate::policy::Policy;
 use crate::reason::Reason;

@@ -97,7 +97,7 @@ impl HeaderKey {
 
     /// Whether `headers` carry a valid seal for the message `message_id`.
     pub fn verify(&self, message_id: &str, headers: &FieldTable) -> bool {
-        let Some(seal) = headers.inner().get(SEAL).and_then(crate::envelope::as_text) else {
+        let Some(seal) = headers.inner().get(SEAL).and_then(crate::headers::as_text) else {
             return false;
         };
         let Some(tag) = from_hex(seal) else {

@@ -68,29 +68,6 @@ pub enum Error {
     },
 }
 
-impl Error {
-    /// A failed connect, classified once for every caller: [`Error::Refused`] when the broker
-    /// refused the credentials or the virtual host, [`Error::Tls`] when TLS failed for good,
-    /// [`Error::Connect`] (worth retrying) otherwise. `queue` names what the connection was for,
-    /// `node` where it went (never with credentials).
-    pub(crate) fn from_connect(source: lapin::Error, queue: &str, node: String) -> Self {
-        if crate::connect::refused(&source) {
-            Self::Refused {
-                queue: queue.to_owned(),
-                source,
-            }
-        } else if let Some(problem) = crate::connect::tls_refusal(&source) {
-            Self::Tls {
-                node,
-                problem,
-                source,
-            }
-        } else {
-            Self::Connect { node, source }
-        }
-    }
-}
-
 /// A setting that cannot work: its field and why.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{field} {problem}")]

@@ -210,6 +210,29 @@ pub async fn broker_version(
     }
 }
 
+impl crate::Error {
+    /// A failed connect, classified once for every caller: [`Error::Refused`] when the broker
+    /// refused the credentials or the virtual host, [`Error::Tls`] when TLS failed for good,
+    /// [`Error::Connect`] (worth retrying) otherwise. `queue` names what the connection was for,
+    /// `node` where it went (never with credentials).
+    pub(crate) fn from_connect(source: lapin::Error, queue: &str, node: String) -> Self {
+        if refused(&source) {
+            Self::Refused {
+                queue: queue.to_owned(),
+                source,
+            }
+        } else if let Some(problem) = tls_refusal(&source) {
+            Self::Tls {
+                node,
+                problem,
+                source,
+            }
+        } else {
+            Self::Connect { node, source }
+        }
+    }
+}
+
 /// Whether the broker refused a connection for good: wrong credentials (403) or no access to
 /// the virtual host (530). Anything else (refused at TCP, closed while opening, as a broker
 /// restart looks) is retried with backoff.

@@ -8,7 +8,9 @@ use lily_mq_core::transport::{HandoffId, PropertiesView, inspect};
 use lily_mq_core::{Limits, Reason, headers};
 use serde::Serialize;
 
-use super::publisher::PUBLISH_ID;
+/// The header a message carries its publish id in, so a `basic.return` is matched to the one
+/// message it concerns. The id is numbered per publisher and means nothing downstream.
+pub const PUBLISH_ID: &str = "x-lily-publish-id";
 
 /// Where a message goes.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -12,14 +12,10 @@ use std::time::Duration;
 use lily_mq_core::transport::HandoffResult;
 use lily_mq_core::{Limits, Reason};
 
-use super::outgoing::{Destination, Outgoing};
+use super::outgoing::{Destination, Outgoing, PUBLISH_ID};
 use crate::connect::{ClientCertificate, Endpoint};
 use crate::error::{ConfigError, Error};
 use crate::publish::{Confirms, Role, Route};
-
-/// The header a message carries its publish id in, so a `basic.return` is matched to the one
-/// message it concerns. The id is numbered per publisher and means nothing downstream.
-pub const PUBLISH_ID: &str = "x-lily-publish-id";
 
 /// What became of one message: the evidence of its publish.
 #[derive(Clone, Debug, PartialEq, Eq)]
