@@ -1,7 +1,7 @@
 //! One delivery as a pure machine, in the style of quinn-proto: evidence goes in through
-//! `handle_*`, the next thing to do comes out of [`Delivery::poll_action`], and what the ledger
-//! should record comes out of [`Delivery::poll_evidence`]. Nothing here waits, reads a clock or
-//! touches a socket; the transport executes the actions and reports back.
+//! [`Delivery::handle`], the next thing to do comes out of [`Delivery::poll_action`], and what the
+//! ledger should record comes out of [`Delivery::poll_evidence`]. Nothing here waits, reads a clock
+//! or touches a socket; the transport executes the actions and reports back.
 //!
 //! The machine owns every decision between `basic.deliver` and a terminal [`Outcome`]:
 //!
@@ -9,21 +9,21 @@
 //!   publish a copy, ACK, requeue, reject;
 //! - how many requeues the message has had (the broker's `x-delivery-count`, this consumer's
 //!   [`RequeueMemory`] for a redelivery, the deferrals a scope counted durably, whichever is
-//!   highest), and that a message without a valid id counts as already at the limit, since
-//!   nothing could count its requeues;
-//! - which copy a handoff publishes (the original, or only sanitized metadata for an envelope
-//!   the gate refused);
+//!   highest), and that a message without a valid id counts as already at the limit, since nothing
+//!   could count its requeues;
+//! - which copy a handoff publishes (the original, or only sanitized metadata for an envelope the
+//!   gate refused);
 //! - the deferral hold before a deferred requeue, so it is never requeued hot;
 //! - a held copy back from its retry bucket ([`HeldCopy`]): straight to its lane, without the
 //!   handler;
-//! - a transient transaction error (write conflict): the whole transaction again, after a
-//!   growing backoff, within the settlement budget since arrival, then a deferral; never an
-//!   application attempt;
+//! - a transient transaction error (write conflict): the whole transaction again, after a growing
+//!   backoff, within the settlement budget since arrival, then a deferral; never an application
+//!   attempt;
 //! - the plan ([`decide_at_gate`], [`decide`]) and its settlement ([`Settlement`]).
 //!
-//! Each settle action (ACK, requeue, reject) is handed out at most once, and every terminal
-//! outcome rests on the evidence reported for it; the property tests below drive the machine
-//! with random evidence to check both.
+//! Each settle action (ACK, requeue, reject) is handed out at most once, and every terminal outcome
+//! rests on the evidence reported for it; the property tests below drive the machine with random
+//! evidence to check both.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -187,22 +187,22 @@ pub enum CopyOf {
 /// The next thing to do for a delivery.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Action {
-    /// Open the scope; report through [`Delivery::handle_scope`].
+    /// Open the scope; report through [`Input::Scope`].
     OpenScope,
     /// Run the pipeline (extractors, hooks, handler, cleanup); report through
-    /// [`Delivery::handle_pipeline`].
+    /// [`Input::Pipeline`].
     RunHandler,
-    /// Commit the transaction; report through [`Delivery::handle_commit`].
+    /// Commit the transaction; report through [`Input::Commit`].
     Commit,
-    /// Abort the transaction; report through [`Delivery::handle_aborted`].
+    /// Abort the transaction; report through [`Input::Aborted`].
     Abort,
-    /// Wait this long (cut short by shutdown), then report through [`Delivery::handle_held`].
+    /// Wait this long (cut short by shutdown), then report through [`Input::Held`].
     Hold(Duration),
     /// Wait up to this long (the executor picks a random part of it, at least half, so that
     /// transactions that conflicted do not meet again), then report through
-    /// [`Delivery::handle_held`]; the whole transaction runs again.
+    /// [`Input::Held`]; the whole transaction runs again.
     Backoff(Duration),
-    /// Publish the copy within `deadline`; report through [`Delivery::handle_handoff`].
+    /// Publish the copy within `deadline`; report through [`Input::Handoff`].
     Publish {
         /// Lane and cause.
         handoff: Handoff,
@@ -211,16 +211,39 @@ pub enum Action {
         /// Time allowed for publish and confirm.
         deadline: Duration,
     },
-    /// ACK the original; report through [`Delivery::handle_settled`].
+    /// ACK the original; report through [`Input::Settled`].
     Ack,
     /// NACK the original with requeue; count the requeue first when `counted` (the redelivery
-    /// can arrive before the report); report through [`Delivery::handle_settled`].
+    /// can arrive before the report); report through [`Input::Settled`].
     Requeue {
         /// Whether the message's requeues are counted in the [`RequeueMemory`].
         counted: bool,
     },
-    /// Reject the original without requeue; report through [`Delivery::handle_settled`].
+    /// Reject the original without requeue; report through [`Input::Settled`].
     Reject,
+}
+
+/// What the executor reports back to the machine, each the answer to one [`Action`]:
+/// [`Delivery::handle`] takes it.
+#[derive(Debug)]
+pub enum Input {
+    /// What opening the scope found ([`Action::OpenScope`]).
+    Scope(ScopeOpened),
+    /// The pipeline's result, its cleanup's, and its failure's reason ([`Action::RunHandler`]).
+    Pipeline(PipelineResult, CleanupResult, Option<Reason>),
+    /// The commit's outcome, with the deferrals the scope counted durably and, when the lease
+    /// was taken over, how long the new owner's lease can live ([`Action::Commit`]).
+    Commit(Committed),
+    /// The transaction was aborted ([`Action::Abort`]).
+    Aborted,
+    /// The hold or the backoff is over; a hold may have been cut short by shutdown
+    /// ([`Action::Hold`], [`Action::Backoff`]).
+    Held,
+    /// The evidence of the handoff publish ([`Action::Publish`]).
+    Handoff(HandoffResult),
+    /// The evidence of an ACK, NACK or reject ([`Action::Ack`], [`Action::Requeue`],
+    /// [`Action::Reject`]).
+    Settled(SettleResult),
 }
 
 #[derive(Clone, Debug)]
@@ -386,8 +409,23 @@ impl<'p> Delivery<'p> {
         self.evidence.pop()
     }
 
+    /// Takes the answer to the last action, with the delivery's authority and the time now.
+    pub fn handle(&mut self, input: Input, authority: Authority, now: Instant) {
+        match input {
+            Input::Scope(opened) => self.on_scope(opened, authority, now),
+            Input::Pipeline(pipeline, cleanup, reason) => {
+                self.on_pipeline(pipeline, cleanup, reason, authority, now);
+            }
+            Input::Commit(committed) => self.on_commit(committed, authority, now),
+            Input::Aborted => self.on_aborted(authority, now),
+            Input::Held => self.on_held(now),
+            Input::Handoff(result) => self.on_handoff(result, authority, now),
+            Input::Settled(result) => self.on_settled(result),
+        }
+    }
+
     /// Takes what opening the scope found.
-    pub fn handle_scope(&mut self, opened: ScopeOpened, authority: Authority, now: Instant) {
+    fn on_scope(&mut self, opened: ScopeOpened, authority: Authority, now: Instant) {
         if !self.waiting_for(Action::OpenScope) {
             return;
         }
@@ -445,7 +483,7 @@ impl<'p> Delivery<'p> {
     }
 
     /// Takes the pipeline's result (and its failure's reason).
-    pub fn handle_pipeline(
+    fn on_pipeline(
         &mut self,
         pipeline: PipelineResult,
         cleanup: CleanupResult,
@@ -478,7 +516,7 @@ impl<'p> Delivery<'p> {
 
     /// Takes the commit's outcome, with the deferrals the scope counted durably and, when the
     /// lease was taken over, how long the new owner's lease can live.
-    pub fn handle_commit(&mut self, committed: Committed, authority: Authority, now: Instant) {
+    fn on_commit(&mut self, committed: Committed, authority: Authority, now: Instant) {
         if !self.waiting_for(Action::Commit) {
             return;
         }
@@ -503,7 +541,7 @@ impl<'p> Delivery<'p> {
     }
 
     /// The transaction was aborted.
-    pub fn handle_aborted(&mut self, authority: Authority, now: Instant) {
+    fn on_aborted(&mut self, authority: Authority, now: Instant) {
         if !self.waiting_for(Action::Abort) {
             return;
         }
@@ -515,7 +553,7 @@ impl<'p> Delivery<'p> {
     }
 
     /// The hold or the backoff is over (a hold may have been cut short by shutdown).
-    pub fn handle_held(&mut self, now: Instant) {
+    fn on_held(&mut self, now: Instant) {
         self.now = now;
         match &mut self.step {
             Step::Settling(settlement) => settlement.handle_held(now),
@@ -532,7 +570,7 @@ impl<'p> Delivery<'p> {
     }
 
     /// Takes the evidence of the handoff publish.
-    pub fn handle_handoff(&mut self, result: HandoffResult, authority: Authority, now: Instant) {
+    fn on_handoff(&mut self, result: HandoffResult, authority: Authority, now: Instant) {
         self.now = now;
         if let Step::Settling(settlement) = &mut self.step {
             self.evidence.push(if result == HandoffResult::Confirmed {
@@ -545,7 +583,7 @@ impl<'p> Delivery<'p> {
     }
 
     /// Takes the evidence of an ACK, NACK or reject.
-    pub fn handle_settled(&mut self, result: SettleResult) {
+    fn on_settled(&mut self, result: SettleResult) {
         if let Step::Settling(settlement) = &mut self.step {
             if result == SettleResult::Refused {
                 self.evidence.push(Evidence::AuthorityLost);

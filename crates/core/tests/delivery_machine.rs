@@ -4,8 +4,8 @@
 use std::time::{Duration, Instant};
 
 use lily_mq_core::machine::{
-    Action, Arrival, CopyOf, Delivery, HeldCopy, MAX_LEASE_WAITS, RequeueMemory, ScopeOpened,
-    Verdict,
+    Action, Arrival, CopyOf, Delivery, HeldCopy, Input, MAX_LEASE_WAITS, RequeueMemory,
+    ScopeOpened, Verdict,
 };
 use lily_mq_core::transport::{
     Authority, Cause, CleanupResult, Evidence, GateRejection, HandoffResult, PipelineResult,
@@ -75,11 +75,11 @@ fn scoped_and_running(p: &Policy, now: Instant) -> Delivery<'_> {
         now,
     );
     assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
-    d.handle_scope(
-        ScopeOpened::Proceed {
+    d.handle(
+        Input::Scope(ScopeOpened::Proceed {
             transaction: true,
             deaths: None,
-        },
+        }),
         HELD,
         now,
     );
@@ -97,15 +97,13 @@ fn success_runs_the_handler_then_acks() {
         None,
         "each action is handed out once"
     );
-    d.handle_pipeline(
-        PipelineResult::Succeeded,
-        CleanupResult::Succeeded,
-        None,
+    d.handle(
+        Input::Pipeline(PipelineResult::Succeeded, CleanupResult::Succeeded, None),
         HELD,
         now,
     );
     assert_eq!(d.poll_action(|| HELD), Some(Action::Ack));
-    d.handle_settled(SettleResult::Written);
+    d.handle(Input::Settled(SettleResult::Written), HELD, now);
     assert_eq!(d.poll_action(|| HELD), None);
     assert_eq!(d.outcome(), Some(Outcome::Acked));
     assert_eq!(evidence(&mut d), [Evidence::HandlerReturned]);
@@ -116,16 +114,14 @@ fn success_runs_the_handler_then_acks() {
 fn a_scope_commits_after_success_and_aborts_after_failure() {
     let (p, now) = (policy(), Instant::now());
     let mut d = scoped_and_running(&p, now);
-    d.handle_pipeline(
-        PipelineResult::Succeeded,
-        CleanupResult::Succeeded,
-        None,
+    d.handle(
+        Input::Pipeline(PipelineResult::Succeeded, CleanupResult::Succeeded, None),
         HELD,
         now,
     );
     assert_eq!(d.poll_action(|| HELD), Some(Action::Commit));
-    d.handle_commit(
-        committed(TransactionOutcome::Committed, None, None),
+    d.handle(
+        Input::Commit(committed(TransactionOutcome::Committed, None, None)),
         HELD,
         now,
     );
@@ -133,15 +129,17 @@ fn a_scope_commits_after_success_and_aborts_after_failure() {
 
     let mut d = scoped_and_running(&p, now);
     let reason = Reason::new("stock service down");
-    d.handle_pipeline(
-        failed(FailureKind::Retryable),
-        CleanupResult::Succeeded,
-        Some(reason.clone()),
+    d.handle(
+        Input::Pipeline(
+            failed(FailureKind::Retryable),
+            CleanupResult::Succeeded,
+            Some(reason.clone()),
+        ),
         HELD,
         now,
     );
     assert_eq!(d.poll_action(|| HELD), Some(Action::Abort));
-    d.handle_aborted(HELD, now);
+    d.handle(Input::Aborted, HELD, now);
     let Some(Action::Publish { handoff, copy, .. }) = d.poll_action(|| HELD) else {
         panic!("a retryable failure hands off")
     };
@@ -172,10 +170,12 @@ fn a_handoff_acks_only_after_its_confirm_and_requeues_otherwise() {
     ] {
         let mut d = Delivery::new(arrival(Verdict::Dispatched), &p, || HELD, now);
         d.poll_action(|| HELD);
-        d.handle_pipeline(
-            failed(FailureKind::Permanent),
-            CleanupResult::Succeeded,
-            None,
+        d.handle(
+            Input::Pipeline(
+                failed(FailureKind::Permanent),
+                CleanupResult::Succeeded,
+                None,
+            ),
             HELD,
             now,
         );
@@ -183,17 +183,17 @@ fn a_handoff_acks_only_after_its_confirm_and_requeues_otherwise() {
             d.poll_action(|| HELD),
             Some(Action::Publish { .. })
         ));
-        d.handle_handoff(result, HELD, now);
+        d.handle(Input::Handoff(result), HELD, now);
         if result != HandoffResult::Confirmed {
             // The DLQ failed: a held copy, failing the same way, then a backoff.
             assert!(matches!(
                 d.poll_action(|| HELD),
                 Some(Action::Publish { handoff, .. }) if matches!(handoff.lane, Lane::Held { .. })
             ));
-            d.handle_handoff(result, HELD, now);
+            d.handle(Input::Handoff(result), HELD, now);
             let hold = p.deferral_delay(0);
             assert_eq!(d.poll_action(|| HELD), Some(Action::Hold(hold)));
-            d.handle_held(now + hold);
+            d.handle(Input::Held, HELD, now + hold);
         }
         let settle = d.poll_action(|| HELD).expect("a settle action");
         let expected = if result == HandoffResult::Confirmed {
@@ -202,7 +202,7 @@ fn a_handoff_acks_only_after_its_confirm_and_requeues_otherwise() {
             Action::Requeue { counted: true }
         };
         assert_eq!(settle, expected);
-        d.handle_settled(SettleResult::Written);
+        d.handle(Input::Settled(SettleResult::Written), HELD, now);
         assert_eq!(d.outcome(), Some(outcome));
     }
 }
@@ -212,10 +212,12 @@ fn no_copy_is_published_once_authority_is_lost() {
     let (p, now) = (policy(), Instant::now());
     let mut d = Delivery::new(arrival(Verdict::Dispatched), &p, || HELD, now);
     d.poll_action(|| HELD);
-    d.handle_pipeline(
-        failed(FailureKind::Permanent),
-        CleanupResult::Succeeded,
-        None,
+    d.handle(
+        Input::Pipeline(
+            failed(FailureKind::Permanent),
+            CleanupResult::Succeeded,
+            None,
+        ),
         HELD,
         now,
     );
@@ -252,7 +254,7 @@ fn a_refused_envelope_hands_off_sanitized_metadata_and_an_oversized_one_is_rejec
     };
     let mut d = Delivery::new(arrival(oversized), &p, || HELD, now);
     assert_eq!(d.poll_action(|| HELD), Some(Action::Reject));
-    d.handle_settled(SettleResult::Written);
+    d.handle(Input::Settled(SettleResult::Written), HELD, now);
     assert_eq!(d.outcome(), Some(Outcome::RejectedToDlx));
 }
 
@@ -269,14 +271,14 @@ fn a_message_without_a_valid_id_is_at_the_requeue_limit_from_the_start() {
     };
     let mut d = Delivery::new(unknown, &p, || HELD, now);
     d.poll_action(|| HELD);
-    d.handle_handoff(HandoffResult::Returned, HELD, now);
+    d.handle(Input::Handoff(HandoffResult::Returned), HELD, now);
     // Its copy waits in a bucket as a held copy; that failing too, it is held and tried again,
     // never requeued at once: nothing could count it, so it could loop for ever.
     assert!(matches!(
         d.poll_action(|| HELD),
         Some(Action::Publish { handoff, .. }) if matches!(handoff.lane, Lane::Held { .. })
     ));
-    d.handle_handoff(HandoffResult::Returned, HELD, now);
+    d.handle(Input::Handoff(HandoffResult::Returned), HELD, now);
     assert_eq!(
         d.poll_action(|| HELD),
         Some(Action::Hold(Duration::from_secs(1)))
@@ -299,11 +301,11 @@ fn requeues_are_the_highest_of_broker_count_local_count_and_durable_deferrals() 
             now,
         );
         d.poll_action(|| HELD);
-        d.handle_scope(
-            ScopeOpened::Defer {
+        d.handle(
+            Input::Scope(ScopeOpened::Defer {
                 reason: Reason::new("lease held"),
                 deferrals,
-            },
+            }),
             HELD,
             now,
         );
@@ -337,20 +339,18 @@ fn requeues_are_the_highest_of_broker_count_local_count_and_durable_deferrals() 
 fn a_deferred_requeue_holds_first_and_an_ambiguous_commit_at_the_limit_is_parked() {
     let (p, now) = (policy(), Instant::now());
     let mut d = scoped_and_running(&p, now);
-    d.handle_pipeline(
-        PipelineResult::Succeeded,
-        CleanupResult::Succeeded,
-        None,
+    d.handle(
+        Input::Pipeline(PipelineResult::Succeeded, CleanupResult::Succeeded, None),
         HELD,
         now,
     );
     d.poll_action(|| HELD);
-    d.handle_commit(
-        committed(
+    d.handle(
+        Input::Commit(committed(
             TransactionOutcome::CommitAmbiguous,
             Some(4),
             Some(Reason::new("commit unknown")),
-        ),
+        )),
         HELD,
         now,
     );
@@ -370,11 +370,11 @@ fn a_deferred_requeue_holds_first_and_an_ambiguous_commit_at_the_limit_is_parked
         now,
     );
     d.poll_action(|| HELD);
-    d.handle_scope(
-        ScopeOpened::Defer {
+    d.handle(
+        Input::Scope(ScopeOpened::Defer {
             reason: Reason::new("lease held"),
             deferrals: None,
-        },
+        }),
         HELD,
         now,
     );
@@ -383,12 +383,12 @@ fn a_deferred_requeue_holds_first_and_an_ambiguous_commit_at_the_limit_is_parked
         Some(Action::Hold(Duration::from_millis(100)))
     );
     assert_eq!(d.poll_action(|| HELD), None, "nothing while holding");
-    d.handle_held(now);
+    d.handle(Input::Held, HELD, now);
     assert_eq!(
         d.poll_action(|| HELD),
         Some(Action::Requeue { counted: true })
     );
-    d.handle_settled(SettleResult::Written);
+    d.handle(Input::Settled(SettleResult::Written), HELD, now);
     assert_eq!(d.outcome(), Some(Outcome::Requeued(RequeueCause::Deferred)));
 }
 
@@ -411,13 +411,17 @@ fn requeue_counts_are_forgotten_only_when_a_redelivered_message_leaves_for_good(
         } else {
             PipelineResult::Deferred
         };
-        d.handle_pipeline(result, CleanupResult::Succeeded, None, HELD, now);
+        d.handle(
+            Input::Pipeline(result, CleanupResult::Succeeded, None),
+            HELD,
+            now,
+        );
         if !ok {
             d.poll_action(|| HELD);
-            d.handle_held(now);
+            d.handle(Input::Held, HELD, now);
         }
         d.poll_action(|| HELD);
-        d.handle_settled(SettleResult::Written);
+        d.handle(Input::Settled(SettleResult::Written), HELD, now);
         d.forgets_requeues()
     };
     assert!(run(true, true));
@@ -450,41 +454,41 @@ fn a_transient_transaction_error_runs_the_whole_transaction_again() {
     let (p, now) = (policy(), Instant::now());
     let mut d = scoped_and_running(&p, now);
     let conflict = Reason::new("write conflict");
-    d.handle_pipeline(
-        PipelineResult::Transient,
-        CleanupResult::Succeeded,
-        Some(conflict),
+    d.handle(
+        Input::Pipeline(
+            PipelineResult::Transient,
+            CleanupResult::Succeeded,
+            Some(conflict),
+        ),
         HELD,
         now,
     );
     assert_eq!(d.poll_action(|| HELD), Some(Action::Abort));
-    d.handle_aborted(HELD, now);
+    d.handle(Input::Aborted, HELD, now);
     let Some(Action::Backoff(wait)) = d.poll_action(|| HELD) else {
         panic!("a backoff before the transaction runs again")
     };
     let now = now + wait;
-    d.handle_held(now);
+    d.handle(Input::Held, HELD, now);
     assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
-    d.handle_scope(
-        ScopeOpened::Proceed {
+    d.handle(
+        Input::Scope(ScopeOpened::Proceed {
             transaction: true,
             deaths: None,
-        },
+        }),
         HELD,
         now,
     );
     assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
-    d.handle_pipeline(
-        PipelineResult::Succeeded,
-        CleanupResult::Succeeded,
-        None,
+    d.handle(
+        Input::Pipeline(PipelineResult::Succeeded, CleanupResult::Succeeded, None),
         HELD,
         now,
     );
     assert_eq!(d.poll_action(|| HELD), Some(Action::Commit));
     // The commit conflicts this time: once more.
-    d.handle_commit(
-        committed(TransactionOutcome::Transient, None, None),
+    d.handle(
+        Input::Commit(committed(TransactionOutcome::Transient, None, None)),
         HELD,
         now,
     );
@@ -492,7 +496,7 @@ fn a_transient_transaction_error_runs_the_whole_transaction_again() {
         panic!("a backoff after a transient commit")
     };
     assert!(second > wait, "the backoff grows");
-    d.handle_held(now + second);
+    d.handle(Input::Held, HELD, now + second);
     assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
 }
 
@@ -511,11 +515,11 @@ fn a_message_whose_handlings_died_up_to_the_limit_is_not_run_again() {
             now,
         );
         assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
-        d.handle_scope(
-            ScopeOpened::Proceed {
+        d.handle(
+            Input::Scope(ScopeOpened::Proceed {
                 transaction: true,
                 deaths: Some(deaths),
-            },
+            }),
             HELD,
             now,
         );
@@ -541,13 +545,13 @@ fn a_message_whose_handlings_died_up_to_the_limit_is_not_run_again() {
         transaction: true,
         deaths: Some(0),
     };
-    d.handle_scope(proceed, HELD, now);
+    d.handle(Input::Scope(proceed), HELD, now);
     assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
     // At it, its worker died with it each time: the transaction is aborted, the handler not
     // run, and the message goes to the DLQ.
     let mut d = opened(p.max_requeues);
     assert_eq!(d.poll_action(|| HELD), Some(Action::Abort));
-    d.handle_aborted(HELD, now);
+    d.handle(Input::Aborted, HELD, now);
     let Some(Action::Publish { handoff, .. }) = d.poll_action(|| HELD) else {
         panic!("straight to a handoff")
     };
@@ -573,11 +577,11 @@ fn a_lease_held_elsewhere_is_waited_out_in_a_bucket_without_a_requeue() {
             now,
         );
         assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
-        d.handle_scope(
-            ScopeOpened::Wait {
+        d.handle(
+            Input::Scope(ScopeOpened::Wait {
                 reason: Reason::new("lease held by another owner"),
                 expires_in,
-            },
+            }),
             HELD,
             now,
         );
@@ -596,9 +600,9 @@ fn a_lease_held_elsewhere_is_waited_out_in_a_bucket_without_a_requeue() {
         };
         assert_eq!(handoff.lane, Lane::Wait { bucket });
         assert_eq!(handoff.cause, Cause::LeaseHeld);
-        d.handle_handoff(HandoffResult::Confirmed, HELD, now);
+        d.handle(Input::Handoff(HandoffResult::Confirmed), HELD, now);
         assert_eq!(d.poll_action(|| HELD), Some(Action::Ack));
-        d.handle_settled(SettleResult::Written);
+        d.handle(Input::Settled(SettleResult::Written), HELD, now);
         assert_eq!(d.outcome(), Some(Outcome::Waited));
     }
     // Past the most waits it is a deferral again, counted, here at the limit: the DLQ.
@@ -622,28 +626,26 @@ fn a_commit_fenced_by_a_newer_owner_waits_out_its_lease() {
         now,
     );
     assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
-    d.handle_scope(
-        ScopeOpened::Proceed {
+    d.handle(
+        Input::Scope(ScopeOpened::Proceed {
             transaction: true,
             deaths: None,
-        },
+        }),
         HELD,
         now,
     );
     assert_eq!(d.poll_action(|| HELD), Some(Action::RunHandler));
-    d.handle_pipeline(
-        PipelineResult::Succeeded,
-        CleanupResult::Succeeded,
-        None,
+    d.handle(
+        Input::Pipeline(PipelineResult::Succeeded, CleanupResult::Succeeded, None),
         HELD,
         now,
     );
     assert_eq!(d.poll_action(|| HELD), Some(Action::Commit));
-    d.handle_commit(
-        Committed {
+    d.handle(
+        Input::Commit(Committed {
             wait: Some(p.retry_delays[0]),
             ..committed(TransactionOutcome::Fenced, None, None)
-        },
+        }),
         HELD,
         now,
     );
@@ -670,8 +672,10 @@ fn a_transient_error_while_opening_the_scope_opens_it_again_then_defers() {
     let mut reruns = 0;
     let last = loop {
         assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
-        d.handle_scope(
-            ScopeOpened::Transient(Reason::new("inbox insert: write conflict")),
+        d.handle(
+            Input::Scope(ScopeOpened::Transient(Reason::new(
+                "inbox insert: write conflict",
+            ))),
             HELD,
             now,
         );
@@ -679,7 +683,7 @@ fn a_transient_error_while_opening_the_scope_opens_it_again_then_defers() {
             Some(Action::Backoff(wait)) => {
                 reruns += 1;
                 now += wait;
-                d.handle_held(now);
+                d.handle(Input::Held, HELD, now);
             }
             other => break other,
         }
@@ -702,13 +706,17 @@ fn a_transient_error_while_opening_the_scope_opens_it_again_then_defers() {
         start,
     );
     d.poll_action(|| HELD);
-    d.handle_scope(ScopeOpened::Transient(Reason::new("conflict")), HELD, start);
+    d.handle(
+        Input::Scope(ScopeOpened::Transient(Reason::new("conflict"))),
+        HELD,
+        start,
+    );
     let Some(Action::Backoff(wait)) = d.poll_action(|| HELD) else {
         panic!("a backoff first")
     };
-    d.handle_held(start + wait);
+    d.handle(Input::Held, HELD, start + wait);
     assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
-    d.handle_scope(ScopeOpened::Duplicate, HELD, start + wait);
+    d.handle(Input::Scope(ScopeOpened::Duplicate), HELD, start + wait);
     assert_eq!(d.poll_action(|| HELD), Some(Action::Ack));
 }
 
@@ -719,26 +727,24 @@ fn a_transaction_still_transient_at_the_budget_is_deferred_without_using_an_atte
     let mut now = start;
     let mut reruns = 0;
     let last_attempt = loop {
-        d.handle_pipeline(
-            PipelineResult::Transient,
-            CleanupResult::Succeeded,
-            None,
+        d.handle(
+            Input::Pipeline(PipelineResult::Transient, CleanupResult::Succeeded, None),
             HELD,
             now,
         );
         assert_eq!(d.poll_action(|| HELD), Some(Action::Abort));
-        d.handle_aborted(HELD, now);
+        d.handle(Input::Aborted, HELD, now);
         match d.poll_action(|| HELD) {
             Some(Action::Backoff(wait)) => {
                 reruns += 1;
                 now += wait;
-                d.handle_held(now);
+                d.handle(Input::Held, HELD, now);
                 assert_eq!(d.poll_action(|| HELD), Some(Action::OpenScope));
-                d.handle_scope(
-                    ScopeOpened::Proceed {
+                d.handle(
+                    Input::Scope(ScopeOpened::Proceed {
                         transaction: true,
                         deaths: None,
-                    },
+                    }),
                     HELD,
                     now,
                 );
@@ -763,10 +769,8 @@ fn a_transient_error_without_a_transaction_is_an_ordinary_retry() {
     let (p, now) = (policy(), Instant::now());
     let mut d = Delivery::new(arrival(Verdict::Dispatched), &p, || HELD, now);
     d.poll_action(|| HELD);
-    d.handle_pipeline(
-        PipelineResult::Transient,
-        CleanupResult::Succeeded,
-        None,
+    d.handle(
+        Input::Pipeline(PipelineResult::Transient, CleanupResult::Succeeded, None),
         HELD,
         now,
     );
@@ -955,25 +959,29 @@ mod properties {
             };
             trace.actions.push(action);
             match action {
-                Action::OpenScope => d.handle_scope(s.opened.clone(), auth, now),
-                Action::RunHandler => d.handle_pipeline(s.pipeline, s.cleanup, None, auth, now),
-                Action::Commit => {
-                    d.handle_commit(committed(s.commit.0, s.commit.1, None), auth, now)
+                Action::OpenScope => d.handle(Input::Scope(s.opened.clone()), auth, now),
+                Action::RunHandler => {
+                    d.handle(Input::Pipeline(s.pipeline, s.cleanup, None), auth, now)
                 }
-                Action::Abort => d.handle_aborted(auth, now),
+                Action::Commit => d.handle(
+                    Input::Commit(committed(s.commit.0, s.commit.1, None)),
+                    auth,
+                    now,
+                ),
+                Action::Abort => d.handle(Input::Aborted, auth, now),
                 Action::Hold(delay) | Action::Backoff(delay) => {
                     now += delay;
-                    d.handle_held(now);
+                    d.handle(Input::Held, HELD, now);
                 }
                 Action::Publish { .. } => {
                     trace.confirmed = s.handoff == HandoffResult::Confirmed;
-                    d.handle_handoff(s.handoff, auth, now);
+                    d.handle(Input::Handoff(s.handoff), auth, now);
                 }
                 Action::Ack | Action::Requeue { .. } | Action::Reject => {
                     if s.settled == SettleResult::Written {
                         trace.written.push(action);
                     }
-                    d.handle_settled(s.settled);
+                    d.handle(Input::Settled(s.settled), HELD, now);
                 }
             }
         }

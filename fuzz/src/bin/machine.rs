@@ -22,7 +22,7 @@
 
 use std::time::{Duration, Instant};
 
-use lily_mq_core::machine::{Action, Arrival, CopyOf, Delivery, ScopeOpened, Verdict};
+use lily_mq_core::machine::{Action, Arrival, CopyOf, Delivery, Input, ScopeOpened, Verdict};
 use lily_mq_core::transport::{
     Authority, CleanupResult, Evidence, GateRejection, HandoffResult, PipelineResult, SettleResult,
 };
@@ -261,7 +261,7 @@ fn drive(arrival: &Arrival, policy: &Policy, script: &mut Script<'_>, now: &mut 
                     runs_handler &= deaths.is_none_or(|n| n == 0 || n < policy.max_requeues);
                 }
                 *now += small_wait(script);
-                m.handle_scope(opened, authority(script, &mut lost), *now);
+                m.handle(Input::Scope(opened), authority(script, &mut lost), *now);
             }
             Action::RunHandler => {
                 assert!(runs_handler, "the handler ran for {arrival:?}");
@@ -276,7 +276,7 @@ fn drive(arrival: &Arrival, policy: &Policy, script: &mut Script<'_>, now: &mut 
                 ack_ok = result == PipelineResult::Duplicate || (success && !transaction);
                 *now += small_wait(script);
                 let reason = Some(Reason::new("handler said so"));
-                m.handle_pipeline(result, cleanup, reason, authority(script, &mut lost), *now);
+                m.handle(Input::Pipeline(result, cleanup, reason), authority(script, &mut lost), *now);
             }
             Action::Commit => {
                 let outcome = [
@@ -299,11 +299,11 @@ fn drive(arrival: &Arrival, policy: &Policy, script: &mut Script<'_>, now: &mut 
                     wait: (outcome == TransactionOutcome::Fenced && script.pick(2) == 1)
                         .then(|| Duration::from_millis(u64::from(script.byte()) * 400)),
                 };
-                m.handle_commit(committed, authority(script, &mut lost), *now);
+                m.handle(Input::Commit(committed), authority(script, &mut lost), *now);
             }
             Action::Abort => {
                 *now += small_wait(script);
-                m.handle_aborted(authority(script, &mut lost), *now);
+                m.handle(Input::Aborted, authority(script, &mut lost), *now);
             }
             Action::Hold(wait) => {
                 holds += 1;
@@ -311,12 +311,12 @@ fn drive(arrival: &Arrival, policy: &Policy, script: &mut Script<'_>, now: &mut 
                 let cut = script.pick(8) == 7;
                 run.cut_short |= cut;
                 *now += if cut { wait / 3 } else { wait };
-                m.handle_held(*now);
+                m.handle(Input::Held, Authority::Held, *now);
             }
             Action::Backoff(wait) => {
                 *now += wait / 2 + wait / 2 * u32::from(script.byte()) / 255;
                 transaction = false;
-                m.handle_held(*now);
+                m.handle(Input::Held, Authority::Held, *now);
             }
             Action::Publish {
                 handoff,
@@ -365,7 +365,7 @@ fn drive(arrival: &Arrival, policy: &Policy, script: &mut Script<'_>, now: &mut 
                     run.first_failure = Some(*now);
                 }
                 last_publish = Some((handoff.lane, result, authority));
-                m.handle_handoff(result, authority, *now);
+                m.handle(Input::Handoff(result), authority, *now);
             }
             Action::Ack | Action::Requeue { .. } | Action::Reject => {
                 assert_eq!(settled, None, "a second settle action: {action:?}");
@@ -392,7 +392,7 @@ fn drive(arrival: &Arrival, policy: &Policy, script: &mut Script<'_>, now: &mut 
                     SettleResult::Written
                 };
                 settled = Some((action, result));
-                m.handle_settled(result);
+                m.handle(Input::Settled(result), Authority::Held, *now);
             }
         }
     };
@@ -408,10 +408,10 @@ fn drive(arrival: &Arrival, policy: &Policy, script: &mut Script<'_>, now: &mut 
     // Late or stray reports change nothing.
     for _ in 0..4 {
         match script.pick(4) {
-            0 => m.handle_settled(SettleResult::Written),
-            1 => m.handle_handoff(HandoffResult::Confirmed, Authority::Held, *now),
-            2 => m.handle_held(*now),
-            _ => m.handle_aborted(Authority::Held, *now),
+            0 => m.handle(Input::Settled(SettleResult::Written), Authority::Held, *now),
+            1 => m.handle(Input::Handoff(HandoffResult::Confirmed), Authority::Held, *now),
+            2 => m.handle(Input::Held, Authority::Held, *now),
+            _ => m.handle(Input::Aborted, Authority::Held, *now),
         }
         assert_eq!(
             m.outcome(),

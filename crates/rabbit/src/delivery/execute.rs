@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lily_mq_core::machine::{Action, Arrival, CopyOf, Delivery as Machine, ScopeOpened};
+use lily_mq_core::machine::{Action, Arrival, CopyOf, Delivery as Machine, Input, ScopeOpened};
 use lily_mq_core::transport::{
     Authority, BoxedHandler, DeliveryCancel, Handoff, HandoffResult, SettleResult,
 };
@@ -153,7 +153,7 @@ pub(crate) async fn execute(
                     Begin::Transient(reason) => ScopeOpened::Transient(reason),
                 };
                 last = effects.now();
-                machine.handle_scope(opened, effects.authority(), last);
+                machine.handle(Input::Scope(opened), effects.authority(), last);
             }
             Action::RunHandler => {
                 let (Some(handler), Source::Passed(incoming)) = (handler, source) else {
@@ -175,7 +175,11 @@ pub(crate) async fn execute(
                 last = effects.now();
                 effects.handler_ran(last.saturating_duration_since(began));
                 let authority = effects.authority();
-                machine.handle_pipeline(out.result, out.cleanup, out.reason, authority, last);
+                machine.handle(
+                    Input::Pipeline(out.result, out.cleanup, out.reason),
+                    authority,
+                    last,
+                );
             }
             Action::Commit => {
                 let committed = match transaction.take() {
@@ -183,7 +187,7 @@ pub(crate) async fn execute(
                     None => unreachable!("the machine commits only an open transaction"),
                 };
                 last = effects.now();
-                machine.handle_commit(committed, effects.authority(), last);
+                machine.handle(Input::Commit(committed), effects.authority(), last);
             }
             Action::Abort => {
                 // Bounded: a database that stopped answering must not hold the delivery (an
@@ -194,17 +198,17 @@ pub(crate) async fn execute(
                     warn!("the transaction's abort did not complete within the budget");
                 }
                 last = effects.now();
-                machine.handle_aborted(effects.authority(), last);
+                machine.handle(Input::Aborted, effects.authority(), last);
             }
             Action::Backoff(longest) => {
                 effects.wait(longest, true).await;
                 last = effects.now();
-                machine.handle_held(last);
+                machine.handle(Input::Held, effects.authority(), last);
             }
             Action::Hold(delay) => {
                 effects.wait(delay, false).await;
                 last = effects.now();
-                machine.handle_held(last);
+                machine.handle(Input::Held, effects.authority(), last);
             }
             Action::Publish {
                 handoff,
@@ -224,12 +228,12 @@ pub(crate) async fn execute(
                     _ => warn!(handoff = ?handoff.lane, ?result, "handoff failed"),
                 }
                 last = effects.now();
-                machine.handle_handoff(result, effects.authority(), last);
+                machine.handle(Input::Handoff(result), effects.authority(), last);
             }
             Action::Ack | Action::Requeue { .. } | Action::Reject => {
                 settling_since.get_or_insert(last);
                 let result = effects.settle(action).await;
-                machine.handle_settled(result);
+                machine.handle(Input::Settled(result), effects.authority(), last);
             }
         }
     }
