@@ -28,7 +28,8 @@
 //!   goes to the worker hired for it, which finishes it.
 //!
 //! A handler that computes for long without waiting would keep every delivery on the loop's one
-//! thread. So the loop counts its first polls that took longer than [`HEAVY`] against those that
+//! thread. So the loop counts its first polls that took longer than [`HEAVY`] and than
+//! [`GATE_FACTOR`] times the gate (Lily's own work, at this build's speed) against those that
 //! did not; while the long ones lead by [`LEAD`], deliveries go to the crew unpolled, to run in
 //! parallel on every worker thread (their gate, dispatch and ledger entry, a few microseconds,
 //! still run here, see [`crate::delivery::work`]), and one in [`PROBE`] is still polled here: the
@@ -51,12 +52,20 @@ use super::crew::Job;
 use crate::channel::{Sending, Session, first_poll};
 use crate::service::Revoked;
 
-/// A first poll longer than this is worth a hand-off to another thread. An unoptimised build
-/// runs Lily's own share of every delivery many times slower (a first poll took 20–50 µs for a
-/// handler that only records its call, in this project's tests, while the gate still ran in
-/// it), so there a handler counts as heavy from ten times as long; at 50 µs, light handlers
-/// were taken for heavy ones there.
-const HEAVY: Duration = Duration::from_micros(if cfg!(debug_assertions) { 500 } else { 50 });
+/// A first poll longer than this is worth a hand-off to another thread, at the least: a wake-up
+/// of another thread costs about as much on a busy node.
+const HEAVY: Duration = Duration::from_micros(50);
+
+/// A first poll counts as heavy only when it is also this many times as long as the gate took
+/// for the same delivery. The gate is Lily's own work and runs at the speed of this build and
+/// this machine: an unoptimised build runs it many times slower (a first poll took 20–50 µs
+/// for a handler that only records its call, in this project's tests), and a fixed 50 µs took
+/// light handlers for heavy ones there. Measured against the gate, the threshold follows the
+/// build without asking which one it is.
+const GATE_FACTOR: u32 = 16;
+
+/// How much of the gate's running average one new measure moves: 1/8.
+const GATE_WEIGHT: u32 = 8;
 
 /// How far the long first polls must lead the short ones for handlers to count as heavy.
 const LEAD: u8 = 8;
@@ -89,6 +98,8 @@ struct Weight {
     long: u8,
     /// Deliveries started, for the probe.
     started: u32,
+    /// The gate's running average.
+    gate: Duration,
 }
 
 impl Weight {
@@ -99,9 +110,15 @@ impl Weight {
         self.long < LEAD || self.started.is_multiple_of(PROBE)
     }
 
+    /// Notes how long a delivery's gate took: see [`GATE_FACTOR`].
+    fn note_gate(&mut self, took: Duration) {
+        self.gate = (self.gate * (GATE_WEIGHT - 1) + took) / GATE_WEIGHT;
+    }
+
     /// Notes how long a first poll on the loop took.
     fn note(&mut self, took: Duration) {
-        self.long = match (took > HEAVY, self.long >= LEAD) {
+        let heavy = took > HEAVY.max(self.gate * GATE_FACTOR);
+        self.long = match (heavy, self.long >= LEAD) {
             (true, _) => (self.long + 1).min(LEAD),
             // A short probe: handlers are light again.
             (false, true) => 0,
@@ -146,14 +163,21 @@ impl<'s, F: Future<Output = ()> + Send + 'static> Inline<'s, F> {
         }
     }
 
-    /// Runs `work`, the delivery of `tag` on `session`, up to where it first stops (see the
-    /// module's text); returns it when a worker must finish it.
-    pub(crate) fn start(&mut self, work: F, session: &Session, tag: u64) -> Option<Job> {
+    /// Runs `work`, the delivery of `tag` on `session` whose gate began at `gated`, up to where
+    /// it first stops (see the module's text); returns it when a worker must finish it.
+    pub(crate) fn start(
+        &mut self,
+        work: F,
+        session: &Session,
+        tag: u64,
+        gated: Instant,
+    ) -> Option<Job> {
         let mut job = self.spare.boxed(work);
+        let began = Instant::now();
+        self.weight.note_gate(began - gated);
         if !self.weight.poll_here() {
             return Some(job);
         }
-        let began = Instant::now();
         let polled = poll(&mut job);
         self.weight.note(began.elapsed());
         match polled {
@@ -295,6 +319,21 @@ mod tests {
             weight.poll_here(),
             "seven long polls in a row are not a lead of eight"
         );
+    }
+
+    #[test]
+    fn a_slow_gate_raises_the_bar_for_a_heavy_handler() {
+        let mut weight = Weight::default();
+        // An unoptimised build: the gate takes 30 µs, a light handler's first poll 200 µs.
+        for _ in 0..64 {
+            weight.note_gate(Duration::from_micros(30));
+        }
+        let light = Duration::from_micros(200);
+        assert_eq!(run(&mut weight, 10 * PROBE, light), 10 * PROBE);
+        // Long against the gate too: heavy.
+        let heavy = Duration::from_micros(30 * u64::from(GATE_FACTOR) + 100);
+        assert_eq!(run(&mut weight, u32::from(LEAD), heavy), u32::from(LEAD));
+        assert_eq!(run(&mut weight, PROBE, heavy), 1, "one probe in PROBE");
     }
 
     #[test]

@@ -7,7 +7,7 @@ mod open;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_core::Stream;
 use lapin::options::BasicCancelOptions;
@@ -142,8 +142,9 @@ pub(crate) async fn consume(
             Some(Some(Ok(delivery))) => {
                 let tag = delivery.delivery_tag;
                 session.delivered(tag);
+                let gated = Instant::now();
                 match delivery::work(shared, &session, delivery)
-                    .and_then(|work| inline.start(work, &session, tag))
+                    .and_then(|work| inline.start(work, &session, tag, gated))
                 {
                     Some(job) => hired.assign(job),
                     None => worker = Some(hired),
