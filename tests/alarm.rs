@@ -44,7 +44,7 @@ async fn a_memory_alarm_blocks_handoffs_but_not_acks_and_loses_or_doubles_nothin
     let connection = lapin::Connection::connect(broker.url(), Default::default())
         .await
         .expect("connect");
-    lily::rabbit::Topology::new(&queue, QueueKind::Classic, &policy.retry_delays)
+    lily::topology::Topology::new(&queue, QueueKind::Classic, &policy.retry_delays)
         .apply(
             &connection.create_channel().await.expect("channel"),
             TopologyMode::Declare,

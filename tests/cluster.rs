@@ -175,7 +175,7 @@ async fn leader_loss(fault: Fault, locator: LeaderLocator) {
         .leader_locator(Some(locator));
     let running = common::start(&cluster.url(0), config, router(&handled));
     running.wait_ready().await;
-    let topology = lily::rabbit::Topology::new(
+    let topology = lily::topology::Topology::new(
         &queue,
         QueueKind::Quorum,
         &common::fast_policy().retry_delays,
@@ -376,7 +376,7 @@ async fn a_leader_locator_over_queues_declared_without_one_is_refused_at_start()
             tokio::time::timeout(Duration::from_secs(20), consumer.run(Shutdown::default()))
                 .await
                 .expect("refused at start");
-        let Err(err @ lily::rabbit::Error::Topology { .. }) = ended else {
+        let Err(err @ lily::Error::Topology { .. }) = ended else {
             panic!("{mode:?}: not refused: {:?}", ended.map(|r| r.clean));
         };
         let text = format!("{:?}", std::error::Error::source(&err));

@@ -409,14 +409,14 @@ async fn verify_with(
     verify_as: QueueKind,
     defective: &str,
     args: FieldTable,
-) -> lily::rabbit::Error {
+) -> lily::Error {
     let broker = Broker::from_env();
     let connection = lapin::Connection::connect(broker.url(), Default::default())
         .await
         .expect("connect");
     let channel = connection.create_channel().await.expect("channel");
     let policy = common::fast_policy();
-    lily::rabbit::Topology::new(queue, QueueKind::Classic, &policy.retry_delays)
+    lily::topology::Topology::new(queue, QueueKind::Classic, &policy.retry_delays)
         .apply(&channel, TopologyMode::Declare)
         .await
         .expect("declare topology");
@@ -468,10 +468,7 @@ async fn a_refused_declaration_names_the_queue_and_consumes_nothing() {
         .expect("the topology is refused at start, without a retry loop");
         let err = refused.expect_err("a work queue with other arguments is refused");
         let text = error_text(&err);
-        assert!(
-            matches!(err, lily::rabbit::Error::Topology { .. }),
-            "{text}"
-        );
+        assert!(matches!(err, lily::Error::Topology { .. }), "{text}");
         assert!(
             text.contains(&format!("queue '{queue}'")) && text.contains("inequivalent arg"),
             "{text}"
@@ -508,7 +505,7 @@ async fn a_refused_declaration_names_the_queue_and_consumes_nothing() {
     }
 }
 
-fn error_text(err: &lily::rabbit::Error) -> String {
+fn error_text(err: &lily::Error) -> String {
     let mut text = err.to_string();
     let mut source = std::error::Error::source(err);
     while let Some(cause) = source {
@@ -531,10 +528,7 @@ async fn verify_mode_refuses_arguments_lily_relies_on_naming_queue_and_argument(
     let bucket = format!("{queue}.retry.1s");
     let err = verify_with(&queue, QueueKind::Classic, &bucket, ttl(1000)).await;
     let text = error_text(&err);
-    assert!(
-        matches!(err, lily::rabbit::Error::Topology { .. }),
-        "{text}"
-    );
+    assert!(matches!(err, lily::Error::Topology { .. }), "{text}");
     assert!(
         text.contains(&bucket) && text.contains("x-dead-letter-exchange"),
         "{text}"

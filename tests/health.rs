@@ -31,10 +31,9 @@ async fn livez_readyz_and_metrics_answer_over_http_and_count_what_the_broker_saw
     let consumer = Consumer::new(broker.url(), config(&queue, QueueKind::Quorum), router);
     let stats = consumer.stats();
     // Before `run`: the consumer's metrics are registered with the recorder it installs.
-    let (addr, server) =
-        lily::rabbit::health::serve("127.0.0.1:0".parse().expect("addr"), stats.clone())
-            .await
-            .expect("bind");
+    let (addr, server) = lily::health::serve("127.0.0.1:0".parse().expect("addr"), stats.clone())
+        .await
+        .expect("bind");
     let before = http_get(addr, "/readyz").await;
     assert_eq!((before.status, before.body.as_str()), (503, "not ready\n"));
 

@@ -37,7 +37,7 @@ async fn no_body_or_header_value_reaches_any_log_line() {
     let writer = captured.clone();
     let filter =
         EnvFilter::new("warn,lily_mq_rabbit=trace,lily_mq_core=trace,lily=trace,lily_mq_e2e=trace")
-            .add_directive(lily::rabbit::NO_BODY_LOGS.parse().unwrap());
+            .add_directive(lily::logging::NO_BODY_LOGS.parse().unwrap());
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(move || writer.clone())

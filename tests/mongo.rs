@@ -9,9 +9,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{config, header_str};
-use lily::core::machine::MAX_LEASE_WAITS;
-use lily::core::{Begin, BoxFuture, TransactionalScope};
+use lily::handler::BoxFuture;
 use lily::prelude::*;
+use lily::scope::{Begin, TransactionalScope};
+use lily_mq_core::machine::MAX_LEASE_WAITS;
 use lily_mq_mongo::mongodb::bson::{Bson, DateTime, Document, doc};
 use lily_mq_mongo::mongodb::{Client as MongoClient, Database};
 use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};

@@ -106,7 +106,7 @@ async fn revoked_mid_run(kind: QueueKind) {
         .concurrency(usize::from(PREFETCH));
     let running = common::start(&url, cfg, router);
     running.wait_ready().await;
-    let (addr, health) = lily::rabbit::health::serve(
+    let (addr, health) = lily::health::serve(
         "127.0.0.1:0".parse().expect("address"),
         running.stats.clone(),
     )
@@ -249,7 +249,7 @@ async fn revoked_mid_run(kind: QueueKind) {
 async fn read_on_an_existing_bucket_is_checked_only_when_the_bucket_is_created() {
     let broker = Broker::from_env();
     let queue = Broker::unique("perm-bucket");
-    let topology = lily::rabbit::Topology::new(
+    let topology = lily::topology::Topology::new(
         &queue,
         QueueKind::Classic,
         &common::fast_policy().retry_delays,

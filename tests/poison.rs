@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use common::{Calls, config, header_str, props};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lily::core::Incidents;
 use lily::prelude::*;
+use lily::shutdown::Incidents;
 use lily_mq_testkit::{Client, FaultProxy};
 
 /// Where each poison message puts its bad bytes. Every marker is six bytes, as is what the proxy
@@ -242,7 +242,7 @@ async fn failing_dlq(kind: QueueKind, fault: DlqFault) {
         running.stats.failing_lanes()
     );
     // Readiness says so, still ready: the good messages are handled.
-    let (addr, health) = lily::rabbit::health::serve(
+    let (addr, health) = lily::health::serve(
         "127.0.0.1:0".parse().expect("address"),
         running.stats.clone(),
     )
@@ -414,7 +414,7 @@ async fn near_limit_messages_survive_two_retries(kind: QueueKind) {
     let router = calls.router_succeeding_at(3, "not yet");
     let (_, queue, client, running) =
         common::scenario("near-limit", router, |q| config(q, kind)).await;
-    let limits = lily::core::Limits::default();
+    let limits = lily::consumer::Limits::default();
     let mut headers = FieldTable::default();
     for n in 0..limits.max_headers - 1 {
         let value = vec![b'v'; limits.max_header_bytes / limits.max_headers - 16];

@@ -234,7 +234,7 @@ async fn a_publish_carries_what_the_consumer_reads() {
         headers.get("tenant"),
         Some(&AMQPValue::LongString("acme".into()))
     );
-    assert!(headers.contains_key(lily::rabbit::PUBLISH_ID));
+    assert!(headers.contains_key(lily::publish::PUBLISH_ID));
     assert_eq!(first.data, br#"{"n":7}"#);
     publisher.close().await;
     client.delete(&queue).await;
@@ -334,7 +334,7 @@ async fn wrong_credentials_are_refused_at_connect() {
         .replacen("guest:guest", "guest:hunter2-wrong", 1);
     let err = Publisher::connect(&url).await.expect_err("refused");
     let text = format!("{err} {err:?}");
-    assert!(matches!(err, lily::rabbit::Error::Refused { .. }), "{text}");
+    assert!(matches!(err, lily::Error::Refused { .. }), "{text}");
     assert!(!text.contains("hunter2"), "{text}");
 }
 

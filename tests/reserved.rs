@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use common::{Calls, config, header, header_str, header_u32, props};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lily::core::HeaderKey;
-use lily::core::headers;
+use lily::consumer::HeaderKey;
+use lily::headers;
 use lily::prelude::*;
 use lily_mq_testkit::{Broker, Client, eventually};
 

@@ -187,7 +187,7 @@ async fn confirmed_handoff_with_unconfirmed_ack_is_unresolved_and_keeps_the_hand
         .expect("the uncertain ack is listed");
     assert_eq!(
         entry.last_evidence,
-        lily::core::transport::Evidence::SettleWritten
+        lily_mq_core::transport::Evidence::SettleWritten
     );
     assert_eq!(
         entry.handoff_confirmed_to.as_deref(),
@@ -243,7 +243,7 @@ async fn a_consumer_that_fails_after_starting_leaves_no_connection_behind() {
         .await
         .expect("connect");
     let channel = connection.create_channel().await.expect("channel");
-    lily::rabbit::Topology::new(
+    lily::topology::Topology::new(
         &queue,
         QueueKind::Classic,
         &common::fast_policy().retry_delays,
@@ -298,10 +298,7 @@ async fn wrong_credentials_stop_the_consumer_at_once_without_naming_the_password
         .await
         .expect("refused at once, not retried for ever");
     let err = ended.expect_err("nothing started: an error");
-    assert!(
-        matches!(err, lily::rabbit::Error::Refused { .. }),
-        "{err:?}"
-    );
+    assert!(matches!(err, lily::Error::Refused { .. }), "{err:?}");
     let shown = format!("{err:?} {err}");
     assert!(!shown.contains("not-the-password"), "{shown}");
 }

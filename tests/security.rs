@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::{config, declare_permissions, escape, start, start_with};
 use lily::prelude::*;
-use lily::rabbit::{Applied, Topology};
+use lily::topology::{Applied, Topology};
 use lily_mq_mongo::mongodb::bson::{Document, doc};
 use lily_mq_mongo::mongodb::{self, Client as MongoClient};
 use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};
@@ -172,10 +172,7 @@ async fn start_error(queue: &str, mode: TopologyMode, permissions: &[String; 3])
         .await
         .expect("a missing permission fails at start, not after retries");
     let err = ended.expect_err("a missing permission is an error");
-    assert!(
-        matches!(err, lily::rabbit::Error::Permission { .. }),
-        "{err:?}"
-    );
+    assert!(matches!(err, lily::Error::Permission { .. }), "{err:?}");
     let shown = format!("{err} / {err:?}");
     assert!(!shown.contains("NEVER-SHOWN"), "{shown}");
     err.to_string()

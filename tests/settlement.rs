@@ -782,7 +782,7 @@ async fn verify_mode_refuses_a_missing_topology_and_consumes_a_declared_one() {
         .run(Shutdown::default())
         .await;
     assert!(
-        matches!(refused, Err(lily::rabbit::Error::Topology { .. })),
+        matches!(refused, Err(lily::Error::Topology { .. })),
         "missing topology is a startup error, not a retry loop"
     );
 
@@ -792,7 +792,7 @@ async fn verify_mode_refuses_a_missing_topology_and_consumes_a_declared_one() {
     let channel = connection.create_channel().await.expect("channel");
     let policy = common::fast_policy();
     // As Lily declares it, with the default delivery limit.
-    lily::rabbit::Topology::new(&queue, QueueKind::Quorum, &policy.retry_delays)
+    lily::topology::Topology::new(&queue, QueueKind::Quorum, &policy.retry_delays)
         .delivery_limit(cfg().delivery_limit)
         .apply(&channel, TopologyMode::Declare)
         .await

@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use common::{config, fast_policy, header_str, header_u32, scenario};
 use lapin::BasicProperties;
-use lily::core::{Lane, Outcome};
 use lily::prelude::*;
-use lily::rabbit::Topology;
+use lily::shutdown::{Lane, Outcome};
 use lily::testing::{TestConsumer, TestDelivery};
+use lily::topology::Topology;
 
 /// Buckets so long that retry copies stay in them until the test drains them.
 const DELAYS: [Duration; 2] = [Duration::from_secs(600), Duration::from_secs(900)];
@@ -114,7 +114,7 @@ fn properties(case: &Case) -> BasicProperties {
         .keys()
         .any(|k| k.as_str().starts_with("x-lily-"))
     {
-        let seal = lily::core::HeaderKey::public().seal(case.id, &table);
+        let seal = lily::consumer::HeaderKey::public().seal(case.id, &table);
         table.insert("x-lily-seal".into(), seal);
     }
     common::props(case.id, case.kind).with_headers(table)
@@ -299,7 +299,7 @@ async fn failing_lanes_follow_the_machine() {
         .redelivered(redelivered);
         outcomes.push(no_buckets.deliver(delivery).await.outcome);
     }
-    let requeued = Outcome::Requeued(lily::core::RequeueCause::HandoffFailed);
+    let requeued = Outcome::Requeued(lily::shutdown::RequeueCause::HandoffFailed);
     assert_eq!(
         outcomes,
         [requeued, requeued, requeued, Outcome::DeadLettered]
@@ -308,14 +308,14 @@ async fn failing_lanes_follow_the_machine() {
 
 /// A scope that opens every delivery the same way, as a lease held elsewhere or an inbox that
 /// has the message already would.
-struct FixedScope(fn() -> lily::core::Begin);
+struct FixedScope(fn() -> lily::scope::Begin);
 
-impl lily::core::TransactionalScope for FixedScope {
+impl lily::scope::TransactionalScope for FixedScope {
     fn begin<'a>(
         &'a self,
         _meta: &'a Meta,
         _deadline: Duration,
-    ) -> lily::core::BoxFuture<'a, lily::core::Begin> {
+    ) -> lily::handler::BoxFuture<'a, lily::scope::Begin> {
         Box::pin(std::future::ready((self.0)()))
     }
 }
@@ -332,8 +332,8 @@ async fn a_scope_defers_and_suppresses_duplicates_as_in_the_consumer() {
         async { Ok(()) }
     });
     let config = ConsumerConfig::new("orders").policy(fast_policy());
-    let held = || lily::core::Begin::Defer {
-        reason: lily::core::Reason::new("lease held by another worker"),
+    let held = || lily::scope::Begin::Defer {
+        reason: lily::shutdown::Reason::new("lease held by another worker"),
         deferrals: None,
     };
     let deferring = TestConsumer::new(config.clone(), router.clone())
@@ -346,13 +346,16 @@ async fn a_scope_defers_and_suppresses_duplicates_as_in_the_consumer() {
         let settled = deferring.deliver(delivery).await;
         outcomes.push((settled.outcome, settled.held_for > Duration::ZERO));
     }
-    let deferred = (Outcome::Requeued(lily::core::RequeueCause::Deferred), true);
+    let deferred = (
+        Outcome::Requeued(lily::shutdown::RequeueCause::Deferred),
+        true,
+    );
     assert_eq!(outcomes[..3], [deferred; 3]);
     assert_eq!(outcomes[3].0, Outcome::DeadLettered, "its requeues spent");
 
     let duplicates = TestConsumer::new(config, router)
         .unwrap()
-        .scope(FixedScope(|| lily::core::Begin::Duplicate));
+        .scope(FixedScope(|| lily::scope::Begin::Duplicate));
     let settled = duplicates
         .deliver(TestDelivery::json(
             "order.placed",
@@ -377,9 +380,11 @@ async fn hooks_run_around_the_handler() {
         async fn after_delivery(
             &self,
             _meta: &Meta,
-            _result: lily::core::transport::PipelineResult,
+            _result: lily_mq_core::transport::PipelineResult,
         ) -> Result<(), CleanupError> {
-            Err(CleanupError(lily::core::Reason::new("outbox flush failed")))
+            Err(CleanupError(lily::shutdown::Reason::new(
+                "outbox flush failed",
+            )))
         }
     }
     let consumer = TestConsumer::new(ConsumerConfig::new("orders"), router())

@@ -91,7 +91,7 @@ async fn amqps_without_trusting_the_local_ca_fails_at_start_naming_it() {
     let running = start_with(&amqps, cfg, router, |c| c);
     let err = running.ended().await.expect_err("an unknown CA is refused");
     assert!(
-        matches!(err, lily::rabbit::Error::Tls { .. })
+        matches!(err, lily::Error::Tls { .. })
             && err
                 .to_string()
                 .contains("the broker's certificate is not trusted"),
@@ -115,10 +115,7 @@ async fn refused_with(presented: Option<&str>) -> (String, String) {
         .await
         .expect("a refused certificate fails at start, not after retries")
         .expect_err("refused");
-    assert!(
-        matches!(consumer, lily::rabbit::Error::Tls { .. }),
-        "{consumer:?}"
-    );
+    assert!(matches!(consumer, lily::Error::Tls { .. }), "{consumer:?}");
     // The broker may reset the connection before its alert is read; an application retries a
     // failed connect, and the refusal is named once the alert arrives.
     let mut publisher_err = None;
@@ -126,7 +123,7 @@ async fn refused_with(presented: Option<&str>) -> (String, String) {
         let err = Publisher::connect_with(&amqps, publisher.clone())
             .await
             .expect_err("refused");
-        let named = matches!(err, lily::rabbit::Error::Tls { .. });
+        let named = matches!(err, lily::Error::Tls { .. });
         publisher_err = Some(err);
         if named {
             break;
@@ -134,7 +131,7 @@ async fn refused_with(presented: Option<&str>) -> (String, String) {
     }
     let publisher = publisher_err.expect("tried");
     assert!(
-        matches!(publisher, lily::rabbit::Error::Tls { .. }),
+        matches!(publisher, lily::Error::Tls { .. }),
         "{publisher:?}"
     );
     for shown in [format!("{consumer:?}"), format!("{publisher:?}")] {

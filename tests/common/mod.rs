@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lily::consumer::Stats;
 use lily::prelude::*;
-use lily::rabbit::Stats;
 use lily_mq_testkit::{Broker, Client, eventually};
 use tokio::task::JoinHandle;
 
@@ -41,7 +41,7 @@ pub fn props(message_id: &str, kind: &str) -> BasicProperties {
 /// A consumer running in the background.
 pub struct Running {
     pub shutdown: Shutdown,
-    join: JoinHandle<Result<ShutdownReport, lily::rabbit::Error>>,
+    join: JoinHandle<Result<ShutdownReport, lily::Error>>,
     pub stats: Stats,
 }
 
@@ -101,7 +101,7 @@ impl Running {
         &self,
         what: &str,
         timeout: Duration,
-        check: impl Fn(&lily::core::Totals) -> bool,
+        check: impl Fn(&lily::consumer::Totals) -> bool,
     ) {
         let stats = self.stats.clone();
         let seen = eventually(timeout, || check(&stats.totals())).await;
@@ -121,7 +121,7 @@ impl Running {
     }
 
     /// Waits for the consumer to end on its own and returns what `run` returned.
-    pub async fn ended(self) -> Result<ShutdownReport, lily::rabbit::Error> {
+    pub async fn ended(self) -> Result<ShutdownReport, lily::Error> {
         tokio::time::timeout(Duration::from_secs(30), self.join)
             .await
             .expect("the consumer ended")
@@ -213,7 +213,7 @@ pub fn header_str(props: &BasicProperties, key: &str) -> Option<String> {
 }
 
 pub fn header_u32(props: &BasicProperties, key: &str) -> Option<u32> {
-    lily::core::transport::as_u32(header(props, key)?)
+    lily::headers::as_u32(header(props, key)?)
 }
 
 /// Waits until the broker counts exactly `depth` messages, ready and unacknowledged, in each
@@ -238,7 +238,7 @@ pub async fn wait_depths(what: &str, timeout: Duration, depths: &[(&str, u64)]) 
 /// queue and the retry buckets of [`fast_policy`] empty, ready and unacknowledged.
 pub async fn wait_settled(what: &str, queue: &str, dead: u64) {
     let topology =
-        lily::rabbit::Topology::new(queue, QueueKind::Classic, &fast_policy().retry_delays);
+        lily::topology::Topology::new(queue, QueueKind::Classic, &fast_policy().retry_delays);
     let dlq = topology.dead_letter_queue();
     let mut depths: Vec<(&str, u64)> = vec![(queue, 0), (&dlq, dead)];
     depths.extend(topology.buckets().map(|(bucket, _)| (bucket, 0)));

@@ -15,7 +15,7 @@ use std::time::Duration;
 use common::{config, fast_policy, header_str, header_u32, props};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lily::prelude::*;
-use lily::rabbit::Topology;
+use lily::topology::Topology;
 use lily_mq_mongo::mongodb::bson::{Document, doc};
 use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};
 use lily_mq_testkit::{Broker, Client, MongoNode, eventually};
@@ -64,7 +64,7 @@ fn long(text: &str) -> AMQPValue {
 
 /// `table` with the seal Lily writes on a copy of `id` (the public key).
 fn sealed(id: &str, mut table: FieldTable) -> FieldTable {
-    let seal = lily::core::HeaderKey::public().seal(id, &table);
+    let seal = lily::consumer::HeaderKey::public().seal(id, &table);
     table.insert("x-lily-seal".into(), seal);
     table
 }
@@ -116,7 +116,7 @@ fn shop(broken: &Arc<AtomicBool>, calls: &Calls) -> Router {
             replayed_from: headers.get_str("x-lily-replayed-from").map(str::to_owned),
             replays: headers
                 .get("x-lily-replays")
-                .and_then(lily::core::transport::as_u32),
+                .and_then(lily::headers::as_u32),
         };
         calls
             .lock()
@@ -653,7 +653,7 @@ async fn a_parking_replay_is_judged_by_the_inbox_and_never_retried_without_an_op
     let client = Client::connect(broker.url()).await;
     let parking = format!("{queue}.parking");
     let topology =
-        lily::rabbit::Topology::new(&queue, QueueKind::Quorum, &fast_policy().retry_delays);
+        lily::topology::Topology::new(&queue, QueueKind::Quorum, &fast_policy().retry_delays);
     let mut quiet: Vec<(&str, u64)> = vec![(&queue, 0)];
     quiet.extend(topology.buckets().map(|(b, _)| (b, 0)));
 
@@ -1107,7 +1107,7 @@ async fn every_lane_keeps_its_messages_through_a_hundred_reads() {
 async fn lanes_declared_before_4_0_keep_the_consumer_running_and_a_policy_lifts_their_limit() {
     const N: usize = 10;
     let broker = Broker::from_env();
-    let version = lily::rabbit::broker_version(broker.url(), None)
+    let version = lily::topology::broker_version(broker.url(), None)
         .await
         .expect("connect")
         .expect("the broker names its version");

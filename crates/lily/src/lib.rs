@@ -1,9 +1,9 @@
 //! Lily: consume RabbitMQ messages with typed handlers that never see ACK or NACK.
 //!
 //! A handler is an async function returning `Result<(), QueueHandlerError>`; its arguments are
-//! extractors. Lily settles every delivery from evidence, through the decision table in
-//! [`core`]: ACK on success, a confirmed handoff to a retry bucket, the dead-letter queue or the
-//! parking lane on failure, one bounded NACK with requeue when a handoff fails.
+//! extractors. Lily settles every delivery from evidence: ACK on success, a confirmed handoff to
+//! a retry bucket, the dead-letter queue or the parking lane on failure, one bounded NACK with
+//! requeue when a handoff fails.
 //!
 //! ```no_run
 //! use lily::prelude::*;
@@ -20,7 +20,7 @@
 //! }
 //!
 //! #[tokio::main]
-//! async fn main() -> Result<ShutdownReport, lily::rabbit::Error> {
+//! async fn main() -> Result<ShutdownReport, lily::Error> {
 //!     let router = Router::new().route("order.placed", place);
 //!     let config = ConsumerConfig::new("orders");
 //!     // SIGTERM drains within 25 s, a second forces; the report is logged, printed and
@@ -31,36 +31,31 @@
 //! }
 //! ```
 //!
-//! [`Publisher`](rabbit::Publisher) sends what a consumer takes, each message with its own
-//! evidence ([`Published`](rabbit::Published)); with feature `testing`, `lily::testing` settles a
-//! synthetic delivery through the consumer's own gate, handler and decision machine, with no
-//! broker.
+//! [`prelude`] gathers what most services use; each module below holds one concern, and each
+//! concept has one name. [`Publisher`](publish::Publisher) sends what a consumer takes,
+//! each message with its own evidence; with feature `testing`, [`testing`] settles a synthetic
+//! delivery through the consumer's own gate, handler and decision machine, with no broker.
 //!
 //! # Features
 //!
 //! | feature | what it adds |
 //! |---|---|
-//! | `health` | `lily::rabbit::health::serve`: `/livez`, `/readyz` and `/metrics` (Prometheus) over HTTP |
+//! | `health` | [`health::serve`]: `/livez`, `/readyz` and `/metrics` (Prometheus) over HTTP |
 //! | `testing` | `lily::testing`: settle a synthetic delivery through the real gate, hooks, handler and decision machine, in process, with no broker |
 //! | `otel` | a delivery's W3C `traceparent` header becomes the parent of its `delivery` span, through `tracing-opentelemetry`; the publisher writes the current span's context into what it sends. Copies carry the header with or without it |
 //! | `mongo` | `lily::mongo`: the MongoDB transaction scope, transactional inbox and fenced lease; [`prelude`] gains `MongoScope`, `MongoConfig` and the `MongoTx` extractor |
 //!
 //! None is on by default.
 
-pub use lily_mq_core as core;
-#[cfg(feature = "mongo")]
-pub use lily_mq_mongo as mongo;
-pub use lily_mq_rabbit as rabbit;
-#[cfg(feature = "testing")]
-pub use lily_mq_rabbit::testing;
+pub use lily_mq_rabbit::{BrokerError, ConfigError, Error, MissingPermission};
 
 /// What most services need.
 pub mod prelude {
     pub use lily_mq_core::{
-        Attempt, Cancellation, CleanupError, FailureKind, Headers, Hook, Json, Meta, Payload,
-        Policy, QueueHandlerError, RawDelivery, Router, State,
+        Attempt, Cancellation, CleanupError, FailureKind, HandlerResult, Headers, Hook, Json, Meta,
+        Payload, Policy, QueueHandlerError, RawDelivery, Router, ShutdownBudget, ShutdownReport,
+        State, Trigger,
     };
-    pub use lily_mq_core::{HandlerResult, ShutdownBudget, ShutdownReport, Trigger};
     pub use lily_mq_rabbit::{
         ClientCertificate, Consumer, ConsumerConfig, Destination, LeaderLocator, Outgoing,
         Published, Publisher, PublisherConfig, QueueKind, ReportSinks, Shutdown, TopologyMode,
@@ -70,4 +65,84 @@ pub mod prelude {
     /// The Mongo scope and its extractor (feature `mongo`).
     #[cfg(feature = "mongo")]
     pub use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};
+}
+
+/// Handlers: the router, the extractors a handler takes, its result, and hooks around it.
+pub mod handler {
+    pub use lily_mq_core::{
+        Attempt, BoxFuture, Cancellation, CleanupError, Codec, Context, FailureKind, FromDelivery,
+        Handler, HandlerResult, Headers, Hook, Incoming, Json, JsonCodec, Meta, Payload,
+        QueueHandlerError, RawDelivery, Resources, Router, State, StateNeed,
+    };
+}
+
+/// The consumer, its configuration, its policy and what it counts.
+pub mod consumer {
+    pub use lily_mq_core::{HeaderKey, Limits, Policy, PolicyError, Totals};
+    pub use lily_mq_rabbit::{ClientCertificate, Consumer, ConsumerConfig, Stats};
+}
+
+/// The queues Lily uses (work queue, retry buckets, DLQ, parking lane), declared or verified.
+pub mod topology {
+    pub use lily_mq_rabbit::{
+        Applied, BrokerVersion, LeaderLocator, QueueKind, Topology, TopologyError, TopologyMode,
+        broker_version,
+    };
+}
+
+/// Publishing messages a Lily consumer takes, each with the evidence of its publish.
+pub mod publish {
+    pub use lily_mq_rabbit::{
+        Destination, HeaderValue, Outgoing, PUBLISH_ID, Published, Publisher, PublisherConfig,
+    };
+}
+
+/// Shutdown and its report: every delivery whose settlement is unresolved, and how each
+/// delivery ended.
+pub mod shutdown {
+    pub use lily_mq_core::{
+        EXIT_UNRESOLVED, Incidents, Lane, Outcome, Phase, PhaseTiming, Reason, RequeueCause,
+        SCHEMA, ShutdownBudget, ShutdownReport, Terminal, Trigger, Unresolved, UnresolvedDelivery,
+    };
+    pub use lily_mq_rabbit::{ReportSinks, Shutdown, emit};
+}
+
+/// A transactional scope of one's own: what a handler's transaction must answer.
+pub mod scope {
+    pub use lily_mq_core::{
+        Begin, Committed, OpenTransaction, TransactionOutcome, TransactionalScope,
+    };
+}
+
+/// The headers Lily reads and writes, and readers of header values.
+pub mod headers {
+    pub use lily_mq_core::headers::*;
+}
+
+/// Logging without message bodies.
+pub mod logging {
+    pub use lily_mq_rabbit::NO_BODY_LOGS;
+}
+
+/// Liveness, readiness and Prometheus metrics over HTTP (feature `health`).
+#[cfg(feature = "health")]
+pub mod health {
+    pub use lily_mq_rabbit::health::*;
+}
+
+/// The MongoDB transaction scope, transactional inbox and fenced lease (feature `mongo`).
+#[cfg(feature = "mongo")]
+pub mod mongo {
+    /// The MongoDB driver Lily is built on, for the client and the documents a handler writes.
+    pub use lily_mq_mongo::mongodb;
+    pub use lily_mq_mongo::{CommitObserver, ConnectError, MongoConfig, MongoScope, MongoTx};
+}
+
+/// Settle a synthetic delivery through the consumer's own gate, handler and decision machine,
+/// with no broker (feature `testing`).
+#[cfg(feature = "testing")]
+pub mod testing {
+    pub use lily_mq_rabbit::testing::{
+        Copy, MAX_NESTING, Rewrites, Sanitizer, Sanitizing, Settled, TestConsumer, TestDelivery,
+    };
 }

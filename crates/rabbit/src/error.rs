@@ -18,7 +18,7 @@ pub enum Error {
         queue: String,
         /// The broker's error.
         #[source]
-        source: lapin::Error,
+        source: BrokerError,
     },
     /// TLS with the broker failed for good: it refused the client certificate, or its own
     /// certificate is not trusted. Retrying with the same certificates cannot help.
@@ -30,7 +30,7 @@ pub enum Error {
         problem: &'static str,
         /// The TLS error, with the broker's alert.
         #[source]
-        source: lapin::Error,
+        source: BrokerError,
     },
     /// The broker user lacks a permission Lily needs, on a queue or an exchange of its
     /// topology. Retrying cannot help until it is granted (see the README's `rabbitmqctl
@@ -41,7 +41,7 @@ pub enum Error {
         missing: Box<MissingPermission>,
         /// The broker's error.
         #[source]
-        source: lapin::Error,
+        source: BrokerError,
     },
     /// The signal handlers could not be installed
     /// ([`Consumer::run_until_signal`](crate::Consumer::run_until_signal)).
@@ -54,7 +54,7 @@ pub enum Error {
         node: String,
         /// The last node's error.
         #[source]
-        source: lapin::Error,
+        source: BrokerError,
     },
     /// The broker refused the topology (missing in verify mode, or declared with other
     /// arguments).
@@ -64,8 +64,26 @@ pub enum Error {
         queue: String,
         /// The broker's error.
         #[source]
-        source: lapin::Error,
+        source: BrokerError,
     },
+}
+
+/// What the broker or the connection answered, as the AMQP client reported it: its text, and
+/// the errors beneath it through [`source`](std::error::Error::source). The client's own error
+/// type is not part of Lily's API.
+#[derive(Debug)]
+pub struct BrokerError(pub(crate) lapin::Error);
+
+impl std::fmt::Display for BrokerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for BrokerError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
 }
 
 /// A setting that cannot work: its field and why.

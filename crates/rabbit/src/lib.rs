@@ -37,7 +37,7 @@ pub use config::ConsumerConfig;
 pub use connect::{ClientCertificate, broker_version, connect};
 pub use consumer::{Consumer, Stats};
 pub use copy::replay;
-pub use error::{ConfigError, Error, MissingPermission};
+pub use error::{BrokerError, ConfigError, Error, MissingPermission};
 pub use publish::outgoing::{Destination, HeaderValue, Outgoing, PUBLISH_ID};
 pub use publish::publisher::{Published, Publisher, PublisherConfig};
 pub use report::{ReportSinks, emit};

@@ -64,9 +64,9 @@ use std::time::{Duration, Instant};
 
 use lapin::options::QueuePurgeOptions;
 use lapin::{Connection, ConnectionProperties};
-use lily::core::Totals;
+use lily::consumer::Totals;
 use lily::prelude::*;
-use lily::rabbit::{QueueKind, Topology};
+use lily::topology::{QueueKind, Topology};
 use lily_mq_example_support::{DeadLetter, drain_dead_letters, error_chain};
 use lily_mq_mongo::mongodb::bson::{Bson, Document, doc};
 use lily_mq_mongo::mongodb::error::{ErrorKind, TRANSIENT_TRANSACTION_ERROR};
@@ -337,7 +337,11 @@ fn router(fault: Option<Fault>, flaky_one_in: u32) -> Router {
 async fn main() -> ExitCode {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,lily_mq_rabbit=info"))
-        .add_directive(lily::rabbit::NO_BODY_LOGS.parse().expect("valid directive"));
+        .add_directive(
+            lily::logging::NO_BODY_LOGS
+                .parse()
+                .expect("valid directive"),
+        );
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -509,7 +513,7 @@ async fn demo(settings: &Settings) -> Result<ExitCode, BoxError> {
     let config = settings.consumer_config(1);
     // Declared as the consumer declares it, for the broker's version (on RabbitMQ 4 the lanes
     // of a quorum queue get no delivery limit).
-    let version = lily::rabbit::broker_version(&settings.amqp_url, None)
+    let version = lily::topology::broker_version(&settings.amqp_url, None)
         .await
         .map_err(|e| format!("cannot connect to the broker in LILY_AMQP_URL: {e}"))?;
     let topology = Topology::new(

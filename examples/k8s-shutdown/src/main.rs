@@ -75,7 +75,11 @@ async fn main() -> ExitCode {
         .with_env_filter(
             EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| EnvFilter::new("warn,lily_mq_rabbit=info"))
-                .add_directive(lily::rabbit::NO_BODY_LOGS.parse().expect("valid directive")),
+                .add_directive(
+                    lily::logging::NO_BODY_LOGS
+                        .parse()
+                        .expect("valid directive"),
+                ),
         )
         .with_writer(std::io::stderr)
         .with_ansi(false)
@@ -127,7 +131,7 @@ async fn run() -> Result<ShutdownReport, Box<dyn std::error::Error>> {
         let addr = addr
             .parse()
             .map_err(|_| "LILY_HEALTH_ADDR must be host:port")?;
-        let (bound, _task) = lily::rabbit::health::serve(addr, consumer.stats()).await?;
+        let (bound, _task) = lily::health::serve(addr, consumer.stats()).await?;
         eprintln!("k8s-shutdown: health on http://{bound}/livez and /readyz");
     }
 

@@ -29,9 +29,9 @@ use std::time::{Duration, Instant};
 
 use lapin::options::QueuePurgeOptions;
 use lapin::{Connection, ConnectionProperties};
-use lily::core::Totals;
+use lily::consumer::Totals;
 use lily::prelude::*;
-use lily::rabbit::Topology;
+use lily::topology::Topology;
 use lily_mq_example_support::{drain_dead_letters, error_chain};
 use serde::Deserialize;
 use serde_json::json;
@@ -96,7 +96,11 @@ fn config(queue: &str) -> ConsumerConfig {
 async fn main() -> ExitCode {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,lily_mq_rabbit=info"))
-        .add_directive(lily::rabbit::NO_BODY_LOGS.parse().expect("valid directive"));
+        .add_directive(
+            lily::logging::NO_BODY_LOGS
+                .parse()
+                .expect("valid directive"),
+        );
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -14,7 +14,7 @@ async fn main() -> Result<ShutdownReport, Box<dyn std::error::Error>> {
     // carry bodies.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
-        .add_directive(lily::rabbit::NO_BODY_LOGS.parse()?);
+        .add_directive(lily::logging::NO_BODY_LOGS.parse()?);
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -28,7 +28,7 @@ async fn main() -> Result<ShutdownReport, Box<dyn std::error::Error>> {
         router(Stock::default()),
     );
     let addr = env("LILY_HEALTH_ADDR", "127.0.0.1:8080").parse()?;
-    let (addr, _health) = lily::rabbit::health::serve(addr, consumer.stats()).await?;
+    let (addr, _health) = lily::health::serve(addr, consumer.stats()).await?;
     eprintln!("service: /livez, /readyz and /metrics on http://{addr}");
     Ok(consumer.run_until_signal(ReportSinks::default()).await?)
 }

@@ -3,8 +3,8 @@
 
 use std::sync::atomic::Ordering;
 
-use lily::core::{Lane, Outcome};
 use lily::prelude::*;
+use lily::shutdown::{Lane, Outcome};
 use lily::testing::{TestConsumer, TestDelivery};
 use lily_mq_example_service::{OrderPlaced, Stock, router};
 

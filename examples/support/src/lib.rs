@@ -6,7 +6,7 @@ use std::error::Error as StdError;
 use lapin::Connection;
 use lapin::options::{BasicAckOptions, BasicGetOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use lily::core::headers;
+use lily::headers;
 
 /// A dead-lettered message as the demos show it: identity and Lily's headers, no body.
 #[derive(Clone, Debug, PartialEq, Eq)]

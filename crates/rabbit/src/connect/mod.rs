@@ -21,6 +21,7 @@ use std::time::Duration;
 use lapin::Connection;
 use tracing::{debug, warn};
 
+use crate::error::BrokerError;
 use crate::version::BrokerVersion;
 use crate::wire::Rewrites;
 
@@ -219,16 +220,19 @@ impl crate::Error {
         if refused(&source) {
             Self::Refused {
                 queue: queue.to_owned(),
-                source,
+                source: BrokerError(source),
             }
         } else if let Some(problem) = tls_refusal(&source) {
             Self::Tls {
                 node,
                 problem,
-                source,
+                source: BrokerError(source),
             }
         } else {
-            Self::Connect { node, source }
+            Self::Connect {
+                node,
+                source: BrokerError(source),
+            }
         }
     }
 }

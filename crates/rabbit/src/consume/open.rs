@@ -11,7 +11,7 @@ use tracing::{debug, warn};
 
 use super::SessionError;
 use crate::channel::ready_count;
-use crate::error::{Error, MissingPermission, Needs, missing_permission};
+use crate::error::{BrokerError, Error, MissingPermission, Needs, missing_permission};
 use crate::service::Shared;
 use crate::topology::{Applied, QueueKind, TopologyError, TopologyMode};
 use crate::wire::Rewrites;
@@ -41,7 +41,7 @@ fn definitive(err: &lapin::Error, mode: TopologyMode) -> bool {
 fn connect_error(shared: &Shared, source: lapin::Error) -> SessionError {
     let node = shared.dialer.endpoint().display();
     match Error::from_connect(source, &shared.config.queue, node) {
-        Error::Connect { source, .. } => SessionError::Connect(source),
+        Error::Connect { source, .. } => SessionError::Connect(source.0),
         fatal => SessionError::Fatal(fatal),
     }
 }
@@ -50,7 +50,7 @@ fn connect_error(shared: &Shared, source: lapin::Error) -> SessionError {
 fn lacking(missing: MissingPermission, source: lapin::Error) -> SessionError {
     SessionError::Fatal(Error::Permission {
         missing: Box::new(missing),
-        source,
+        source: BrokerError(source),
     })
 }
 
@@ -153,7 +153,7 @@ async fn declare(shared: &Shared) -> Result<(Connection, Channel, Rewrites), Ses
     let mut applied = topology.apply(&setup, shared.config.topology).await;
     if let Err(TopologyError { source, .. }) = &applied
         && topology.declares_unlimited()
-        && refuses_delivery_limit(source)
+        && refuses_delivery_limit(&source.0)
     {
         // Declared before the broker limited deliveries: declared again as they are.
         let setup = connection
@@ -170,14 +170,14 @@ async fn declare(shared: &Shared) -> Result<(Connection, Channel, Rewrites), Ses
         }
     }
     let applied = applied.map_err(|TopologyError { missing, source }| match missing {
-        Some(missing) => lacking(missing, source),
-        None if definitive(&source, shared.config.topology) => {
+        Some(missing) => lacking(missing, source.0),
+        None if definitive(&source.0, shared.config.topology) => {
             SessionError::Fatal(Error::Topology {
                 queue: shared.config.queue.clone(),
                 source,
             })
         }
-        None => SessionError::Connect(source),
+        None => SessionError::Connect(source.0),
     })?;
     if let Applied::ExistenceOnly(missing) = applied {
         warn!(queue = %shared.queue, lacks = %missing, "topology verified by existence only: the queues' arguments (type, dead-lettering, TTLs) were not checked");

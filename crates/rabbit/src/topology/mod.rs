@@ -10,7 +10,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, ExchangeKind};
 
 use self::declare::{Replies, Request, declaration, queue_requests};
-use crate::error::MissingPermission;
+use crate::error::{BrokerError, MissingPermission};
 use crate::version::BrokerVersion;
 
 /// The RabbitMQ queue type of the work queue and its companions.
@@ -357,12 +357,15 @@ pub struct TopologyError {
     pub missing: Option<MissingPermission>,
     /// The broker's error.
     #[source]
-    pub source: lapin::Error,
+    pub source: BrokerError,
 }
 
 impl TopologyError {
     fn new(source: lapin::Error, missing: Option<MissingPermission>) -> Self {
-        Self { missing, source }
+        Self {
+            missing,
+            source: BrokerError(source),
+        }
     }
 }
 

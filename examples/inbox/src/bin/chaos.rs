@@ -39,8 +39,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lily::core::transport::as_text;
-use lily::rabbit::{Destination, Outgoing, Publisher, QueueKind, Topology, TopologyMode};
+use lily::headers::as_text;
+use lily::publish::{Destination, Outgoing, Publisher};
+use lily::topology::{QueueKind, Topology, TopologyMode};
 use lily_mq_mongo::mongodb::bson::{Bson, Document, doc};
 use lily_mq_mongo::mongodb::{self, Database};
 use lily_mq_testkit::{Broker, ChildProcess, Client, MongoNode, TcpProxy};
@@ -676,7 +677,10 @@ async fn declare_topology(url: &str, queue: &str, kind: QueueKind) {
     let Some((_connection, channel)) = open_channel(url).await else {
         return;
     };
-    let version = lily::rabbit::broker_version(url, None).await.ok().flatten();
+    let version = lily::topology::broker_version(url, None)
+        .await
+        .ok()
+        .flatten();
     let topology = Topology::new(queue, kind, &RETRY_DELAYS)
         .delivery_limit(Some(MAX_REQUEUES.saturating_add(20)))
         .broker(version);
