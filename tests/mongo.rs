@@ -521,7 +521,7 @@ async fn stale_owner_cut_off_mid_handler_is_fenced_and_the_redelivery_commits_on
 async fn stale_owner_still_holding_its_delivery_defers_instead_of_retrying() {
     // The same message id published twice (a producer retry): A handles copy 1 slowly, its
     // lease expires, B takes copy 2 over. A still holds its delivery, so its fenced commit must
-    // be a deferral (DESIGN §2: "a stale owner cannot commit" → deferral), not a retryable
+    // be a deferral (the design chapter: a stale owner cannot commit, which is a deferral), not a retryable
     // failure that consumes an application attempt.
     let broker = Broker::from_env();
     let queue = Broker::unique("stale");

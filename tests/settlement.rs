@@ -1,4 +1,4 @@
-//! Settlement paths against the real local RabbitMQ node (see DESIGN.md §2).
+//! Settlement paths against the real local RabbitMQ node (see the book's design chapter).
 
 mod common;
 

@@ -83,7 +83,10 @@ impl Delivery {
         assert_eq!(wire.len(), raw.len());
         let not_utf8 = rewrites.take(1, 1);
         let rewritten = wire != raw;
-        assert!(not_utf8.is_none() || rewritten, "a rewrite reported is a rewrite made");
+        assert!(
+            not_utf8.is_none() || rewritten,
+            "a rewrite reported is a rewrite made"
+        );
         let strings = &wire[7 + 14..];
         let (strings, exchange) = parse_short_string(strings).ok()?;
         let (_, routing_key) = parse_short_string(strings).ok()?;

@@ -1,10 +1,10 @@
-//! The decision table of DESIGN.md §2, as pure functions, and the settlement machine that
-//! carries one delivery from its plan to a terminal [`Outcome`].
+//! The decision table of the book's design chapter (`docs/src/design.md`), as pure functions, and
+//! the settlement machine that carries one delivery from its plan to a terminal [`Outcome`].
 //!
 //! [`decide_at_gate`] covers the rows before the pipeline, [`decide`] the rows after it.
-//! [`Settlement`] then sequences the actions of a plan (handoff publish, ACK, NACK, reject)
-//! and takes the evidence of each back through `handle_*`; every action is handed out at most
-//! once, so no delivery is settled twice by construction.
+//! [`Settlement`] then sequences the actions of a plan (handoff publish, ACK, NACK, reject) and
+//! takes the evidence of each back through `handle_*`; every action is handed out at most once, so
+//! no delivery is settled twice by construction.
 
 use std::time::{Duration, Instant};
 

@@ -1,5 +1,5 @@
-//! The decision table of DESIGN.md §2 and its cut-across rules, driven through the public API
-//! with time passed in: one test per row, then properties over every situation and every
+//! The decision table of the book's design chapter and its cut-across rules, driven through the
+//! public API with time passed in: one test per row, then properties over every situation and every
 //! sequence of evidence.
 
 use std::time::{Duration, Instant};
@@ -451,8 +451,8 @@ fn retryable_failure_at_the_requeue_limit_is_dead_lettered_not_retried() {
 
 #[test]
 fn indeterminate_failure_at_the_requeue_limit_stays_in_the_parking_lane() {
-    // DESIGN.md §2: a message that keeps failing its handoff "ends in the DLQ (or parking)"; an
-    // indeterminate effect must never be relabelled as replayable dead letter.
+    // The design chapter: a message whose handoffs keep failing ends in the DLQ or the parking
+    // lane; an indeterminate effect must never be relabelled as replayable dead letter.
     let p = policy();
     let s = Situation {
         requeues: p.max_requeues,
@@ -917,7 +917,7 @@ fn confirmed_handoff_with_authority_lost_is_unresolved_without_ack() {
 
 #[test]
 fn confirmed_handoff_with_authority_lost_keeps_the_confirmed_lane() {
-    // DESIGN.md §2: "Keep the confirmation"; `confirmed_handoff` is documented as "kept even
+    // The design chapter: a confirmed handoff stays confirmed; `confirmed_handoff` is "kept even
     // when the ACK that follows fails". Losing authority is the ACK not being possible.
     let t0 = Instant::now();
     let handoff = some_handoff();

@@ -54,7 +54,12 @@ fn frame_headers(stream: &[u8]) -> Vec<usize> {
     }
     while at + 7 <= stream.len() {
         headers.push(at);
-        let size = u32::from_be_bytes([stream[at + 3], stream[at + 4], stream[at + 5], stream[at + 6]]);
+        let size = u32::from_be_bytes([
+            stream[at + 3],
+            stream[at + 4],
+            stream[at + 5],
+            stream[at + 6],
+        ]);
         at += 7 + size as usize + 1;
     }
     headers
@@ -66,11 +71,23 @@ fn check(data: &[u8]) {
     };
     let out = rewrite(stream, pattern);
     assert_eq!(out.len(), stream.len(), "a rewrite changed the length");
-    assert_eq!(out, rewrite(stream, 0xff), "the output depends on how the stream was split");
+    assert_eq!(
+        out,
+        rewrite(stream, 0xff),
+        "the output depends on how the stream was split"
+    );
     for at in frame_headers(stream) {
-        assert_eq!(out[at..at + 7], stream[at..at + 7], "a frame header moved or changed");
+        assert_eq!(
+            out[at..at + 7],
+            stream[at..at + 7],
+            "a frame header moved or changed"
+        );
     }
-    assert_eq!(rewrite(&out, pattern), out, "a second rewrite changed the output");
+    assert_eq!(
+        rewrite(&out, pattern),
+        out,
+        "a second rewrite changed the output"
+    );
 
     let mut rest = stream;
     while !rest.is_empty() {

@@ -298,11 +298,8 @@ fn check_sanitized(copy: &Copy, original: &BasicProperties, limits: &Limits) {
         .and_then(as_text)
         .filter(|t| traceparent(t));
     assert_eq!(copy.header_text(headers::TRACEPARENT), traceparent);
-    let token = |s: &Option<ShortString>, max| {
-        s.as_ref()
-            .filter(|s| is_token(s.as_str(), max))
-            .cloned()
-    };
+    let token =
+        |s: &Option<ShortString>, max| s.as_ref().filter(|s| is_token(s.as_str(), max)).cloned();
     assert_eq!(
         c.message_id(),
         &token(original.message_id(), limits.max_message_id_len)

@@ -2,7 +2,7 @@
 //! like the transport drives it, with every answer (scope, handler, commit, handoff, ACK,
 //! authority, time) chosen by the fuzz bytes, for a message and its redeliveries.
 //!
-//! Invariants, from DESIGN.md §2 and the machine's docs:
+//! Invariants, from the decision table of the book's design chapter and the machine's docs:
 //! - every delivery reaches an outcome within a bounded number of steps, each action is handed
 //!   out once, and the outcome, once set, never changes;
 //! - at most one ACK, requeue or reject per delivery; a reject only for an oversized body;
@@ -276,7 +276,11 @@ fn drive(arrival: &Arrival, policy: &Policy, script: &mut Script<'_>, now: &mut 
                 ack_ok = result == PipelineResult::Duplicate || (success && !transaction);
                 *now += small_wait(script);
                 let reason = Some(Reason::new("handler said so"));
-                m.handle(Input::Pipeline(result, cleanup, reason), authority(script, &mut lost), *now);
+                m.handle(
+                    Input::Pipeline(result, cleanup, reason),
+                    authority(script, &mut lost),
+                    *now,
+                );
             }
             Action::Commit => {
                 let outcome = [
@@ -409,7 +413,11 @@ fn drive(arrival: &Arrival, policy: &Policy, script: &mut Script<'_>, now: &mut 
     for _ in 0..4 {
         match script.pick(4) {
             0 => m.handle(Input::Settled(SettleResult::Written), Authority::Held, *now),
-            1 => m.handle(Input::Handoff(HandoffResult::Confirmed), Authority::Held, *now),
+            1 => m.handle(
+                Input::Handoff(HandoffResult::Confirmed),
+                Authority::Held,
+                *now,
+            ),
             2 => m.handle(Input::Held, Authority::Held, *now),
             _ => m.handle(Input::Aborted, Authority::Held, *now),
         }
