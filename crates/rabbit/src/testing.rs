@@ -7,7 +7,7 @@
 //! (or fails those to a lane you name) and accepts every ACK and NACK. It answers what the
 //! real consumer would do, [`Settled`], and the copy it would publish, headers included.
 //!
-//! It runs the consumer's own delivery loop (`execute.rs`): only what would reach the broker is
+//! It runs the consumer's own delivery loop (`delivery::execute`): only what would reach the broker is
 //! played. Waits the consumer would sleep through (a deferral's hold, the backoff between
 //! transaction runs) are added up in [`Settled::held_for`] instead. A transactional scope is
 //! run as the consumer runs it ([`TestConsumer::scope`]): the MongoDB scope against a real
@@ -46,7 +46,7 @@
 //! ```
 
 /// The rewriter of what the broker sends, for the fuzz targets and the cost benchmark (see
-/// `wire.rs`).
+/// the `wire` module).
 pub use crate::wire::{MAX_NESTING, Rewrites, Sanitizer, Sanitizing};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};

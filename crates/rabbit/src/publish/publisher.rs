@@ -1,10 +1,10 @@
 //! [`Publisher`]: publishes messages a Lily consumer takes, and says what became of each.
 //!
 //! Every message is persistent and mandatory, published with a confirm on a connection of the
-//! publisher's own, and checked first against the gate of the consumer that will read it: what
-//! the gate would refuse is not published. Confirms are pipelined the way the handoff publisher
-//! pipelines them (see `confirms.rs`): four channels, each publish sent at once without waiting
-//! for earlier confirms, and a return counts only against the message whose publish id it
+//! publisher's own, and checked first against the gate of the consumer that will read it: what the
+//! gate would refuse is not published. Confirms are pipelined the way the handoff publisher
+//! pipelines them (see the `publish` module): four channels, each publish sent at once without
+//! waiting for earlier confirms, and a return counts only against the message whose publish id it
 //! carries.
 
 use std::time::Duration;
