@@ -8,6 +8,7 @@ pub(crate) mod admit;
 mod effects;
 pub(crate) mod execute;
 pub(crate) mod pipeline;
+mod timeout;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
