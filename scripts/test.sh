@@ -98,6 +98,9 @@ cargo clippy --workspace --all-targets -- -D warnings
 # The transport alone, without the features the workspace turns on (otel, testing, health).
 cargo clippy -p lily-mq-rabbit --lib -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --quiet
+# The guide (docs/, an mdBook). Its code samples are a workspace member, docs/samples, built
+# by clippy above and tested with the rest.
+scripts/book.sh
 # The facade builds with no feature, each feature alone, and all of them.
 for feature in "" health mongo testing otel "health mongo testing otel"; do
   cargo check -p lily-mq --quiet --no-default-features --features "$feature"
