@@ -279,7 +279,7 @@ cluster_start() {
   export LILY_RABBIT_COOKIE="lily-cluster-$(od -An -N12 -tx1 /dev/urandom | tr -d ' \n')"
   # At-least-once dead-lettering (the retry buckets back to the work queue) resends what a
   # leader change left unconfirmed after this long; RabbitMQ's default of 3 min stalls every
-  # retry behind 32 such copies for that long (see the README, "Running on a cluster").
+  # retry behind 32 such copies for that long (see the guide, "Running on a cluster").
   export LILY_RABBIT_ADVANCED="[{rabbit, [{dead_letter_worker_publisher_confirm_timeout, 5000}]}]."
   local i pids=()
   for i in 1 2 3; do

@@ -1445,7 +1445,7 @@ async fn replaying_the_dlq_keeps_identity_so_the_inbox_prevents_a_second_effect(
 /// The failure matrix's row "the dedup record expires before a delayed redelivery": Lily does
 /// not block it. The inbox record lives `inbox_retention` (a TTL index on `at`); once mongod's
 /// TTL monitor has removed it, as this test does by hand, a redelivery runs the handler again.
-/// The boundary the README states: keep the retention longer than the redelivery horizon.
+/// The boundary the MongoDB chapter states: keep the retention longer than the redelivery horizon.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redelivery_after_its_inbox_record_expired_runs_again() {
     let broker = Broker::from_env();

@@ -18,7 +18,7 @@ const EACH: usize = 100;
 const PREFETCH: u16 = 60;
 /// How long the permission stays revoked.
 const REFUSED_FOR: Duration = Duration::from_secs(8);
-/// At most this many channel opens a second while refused (the README's bound).
+/// At most this many channel opens a second while refused (the security chapter's bound).
 const OPENS_PER_SECOND: f64 = 5.0;
 /// Handoffs resume this soon after the permission is granted again.
 const RESUME_WITHIN: Duration = Duration::from_secs(10);
@@ -241,10 +241,10 @@ async fn revoked_mid_run(kind: QueueKind) {
     );
 }
 
-/// The README's boundary, shown: RabbitMQ 3.10 checks `read` on a queue with a dead-letter
-/// exchange only when it creates the queue, so a user without `read` on the retry buckets starts
-/// against an existing topology; the bucket deleted, the next session creates it, and the
-/// consumer stops there, its report naming the permission and the bucket.
+/// The security chapter's boundary, shown: RabbitMQ 3.10 checks `read` on a queue with a
+/// dead-letter exchange only when it creates the queue, so a user without `read` on the retry
+/// buckets starts against an existing topology; the bucket deleted, the next session creates it,
+/// and the consumer stops there, its report naming the permission and the bucket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_on_an_existing_bucket_is_checked_only_when_the_bucket_is_created() {
     let broker = Broker::from_env();

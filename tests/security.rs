@@ -1,8 +1,7 @@
-//! Lily as the narrow identity a production deployment gives it: a RabbitMQ user whose
-//! permissions cover only its own queue names (the README's `set_permissions` lines), a user
-//! that cannot configure in Verify mode, a missing permission named at start, and a MongoDB
-//! user with `readWrite` on its own database only, against the suite's mongod, which enforces
-//! authentication.
+//! Lily as the narrow identity a production deployment gives it: a RabbitMQ user whose permissions
+//! cover only its own queue names (the security chapter's `set_permissions` lines), a user that
+//! cannot configure in Verify mode, a missing permission named at start, and a MongoDB user with
+//! `readWrite` on its own database only, against the suite's mongod, which enforces authentication.
 
 mod common;
 
@@ -17,7 +16,8 @@ use lily_mq_mongo::mongodb::{self, Client as MongoClient};
 use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};
 use lily_mq_testkit::{Broker, Client, MongoNode};
 
-/// The README's permissions for a consumer of `queue` in Verify mode: it configures nothing.
+/// The security chapter's permissions for a consumer of `queue` in Verify mode: it configures
+/// nothing.
 fn verify_permissions(queue: &str) -> [String; 3] {
     [
         "^$".to_owned(),

@@ -274,7 +274,7 @@ pub fn escape(text: &str) -> String {
     escaped
 }
 
-/// The README's permissions for a consumer of `queue` that declares its topology:
+/// The security chapter's permissions for a consumer of `queue` that declares its topology:
 /// `(configure, write, read)`.
 pub fn declare_permissions(queue: &str) -> [String; 3] {
     let q = escape(queue);

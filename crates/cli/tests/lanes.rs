@@ -771,7 +771,7 @@ async fn a_parking_replay_is_judged_by_the_inbox_and_never_retried_without_an_op
     );
 }
 
-/// The README's `set_permissions` line is enough for every command, and a missing permission
+/// The security chapter's `set_permissions` line is enough for every command, and a missing permission
 /// stops the command naming the resource, with nothing lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_documented_permissions_suffice_and_a_missing_one_is_named() {

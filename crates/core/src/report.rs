@@ -193,7 +193,7 @@ impl ShutdownReport {
             let _ = writeln!(
                 out,
                 "waiting for an operator: `lily dlq list -q {0}`, `lily parking list -q {0}` \
-                 (README: Operating the DLQ)",
+                 (the guide: Operating the DLQ)",
                 self.queue
             );
         }

@@ -89,7 +89,7 @@ impl MongoConfig {
     /// `transactionLifetimeLimitSeconds`, whose transaction mongod aborts) and makes a stale
     /// owner's commit fail on its fence. It costs four more database operations a message:
     /// two majority writes before the handler runs, one inside the transaction and one after
-    /// the commit (README: Performance).
+    /// the commit (the guide's performance chapter).
     #[must_use]
     pub fn with_lease(mut self) -> Self {
         self.lease = true;

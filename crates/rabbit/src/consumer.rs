@@ -94,7 +94,7 @@ impl Stats {
 
     /// The permission the broker refuses handoff copies for, while it does (`write` on the
     /// default exchange, taken from the user while Lily runs): failures are held
-    /// unacknowledged (see the README's "A failing lane") and handoffs resume by themselves
+    /// unacknowledged (see the guide's "A failing lane") and handoffs resume by themselves
     /// once it is granted again.
     pub fn handoffs_refused(&self) -> Option<MissingPermission> {
         self.publisher.refused()

@@ -33,7 +33,7 @@ pub enum Error {
         source: BrokerError,
     },
     /// The broker user lacks a permission Lily needs, on a queue or an exchange of its
-    /// topology. Retrying cannot help until it is granted (see the README's `rabbitmqctl
+    /// topology. Retrying cannot help until it is granted (see the security chapter's `rabbitmqctl
     /// set_permissions` lines).
     #[error("the broker user lacks {missing}")]
     Permission {

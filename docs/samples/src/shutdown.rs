@@ -21,7 +21,7 @@ pub async fn run_in_a_pod(
         .shutdown_budget(ShutdownBudget::new(Duration::from_secs(25)));
     let consumer = Consumer::new(url, config, router);
     // /livez, /readyz (503 from the start of draining) and /metrics; before `run`.
-    let (_bound, _health) = lily::rabbit::health::serve(health_addr, consumer.stats()).await?;
+    let (_bound, _health) = lily::health::serve(health_addr, consumer.stats()).await?;
     let sinks = ReportSinks::default().json_file("/var/run/lily/report.json");
     Ok(consumer.run_until_signal(sinks).await?)
     // ANCHOR_END: pod

@@ -25,7 +25,7 @@ pub fn router() -> Router {
 /// When the prediction is not the one stated.
 pub async fn an_order_of_zero_is_dead_lettered() {
     // ANCHOR: test
-    use lily::core::{Lane, Outcome};
+    use lily::shutdown::{Lane, Outcome};
     use lily::testing::{TestConsumer, TestDelivery};
 
     let consumer = TestConsumer::new(ConsumerConfig::new("orders"), router()).unwrap();

@@ -10,7 +10,7 @@ pub fn init() -> Result<(), Box<dyn std::error::Error>> {
     // carry bodies.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
-        .add_directive(lily::rabbit::NO_BODY_LOGS.parse()?);
+        .add_directive(lily::logging::NO_BODY_LOGS.parse()?);
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

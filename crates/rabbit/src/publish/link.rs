@@ -28,7 +28,7 @@ pub(super) const PROBE_AFTER: Duration = Duration::from_millis(100);
 pub(super) const PROBE_ROUTE: &str = "amq.lily.probe";
 
 /// While the broker refuses the pool's publishes, how often at most a worker opens a channel
-/// to try again: two a second, under the five the README allows.
+/// to try again: two a second, under the five the security chapter allows.
 pub(super) const REFUSED_RETRY: Duration = Duration::from_millis(500);
 
 /// How long the other workers' publishes wait for a try (a channel opened while refused) to

@@ -19,7 +19,7 @@ async fn place(Json(order): Json<OrderPlaced>, meta: Meta) -> Result<(), QueueHa
 }
 
 #[tokio::main]
-async fn main() -> Result<ShutdownReport, lily::rabbit::Error> {
+async fn main() -> Result<ShutdownReport, lily::Error> {
     let router = Router::new().route("order.placed", place);
     let config = ConsumerConfig::new("orders")
         .queue_kind(QueueKind::Quorum)
