@@ -51,6 +51,8 @@ pub use lily_mq_core as core;
 #[cfg(feature = "mongo")]
 pub use lily_mq_mongo as mongo;
 pub use lily_mq_rabbit as rabbit;
+/// Logging with no message body in any line: [`logging::init`] is how the examples set it up.
+pub use lily_mq_rabbit::logging;
 #[cfg(feature = "testing")]
 pub use lily_mq_rabbit::testing;
 

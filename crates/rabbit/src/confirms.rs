@@ -66,6 +66,7 @@ use lily_mq_core::transport::{Confirm, HandoffId, HandoffResult, InFlight, Retir
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::connect::{Dialer, Endpoint};
@@ -162,6 +163,8 @@ pub(crate) struct Confirms {
     /// Taken by the first [`Confirms::warm`], which starts the workers.
     pending: Mutex<Vec<mpsc::UnboundedReceiver<Request>>>,
     closed: CancellationToken,
+    /// The workers, which [`Confirms::close`] waits for before it closes the connection.
+    workers: TaskTracker,
 }
 
 /// The connection the workers share.
@@ -228,6 +231,7 @@ impl Confirms {
             turn: AtomicUsize::new(0),
             pending: Mutex::new(pending),
             closed: CancellationToken::new(),
+            workers: TaskTracker::new(),
         }
     }
 
@@ -261,7 +265,8 @@ impl Confirms {
             .get_or_init(|| Dialer::new(endpoint.clone(), self.link.role.name));
         self.link.connection().await?;
         for requests in std::mem::take(&mut *lock(&self.pending)) {
-            tokio::spawn(work(Arc::clone(&self.link), requests, self.closed.clone()));
+            self.workers
+                .spawn(work(Arc::clone(&self.link), requests, self.closed.clone()));
         }
         Ok(())
     }
@@ -316,12 +321,17 @@ impl Confirms {
     /// Stops the workers and closes the connection, waiting at most `within`: a blocked
     /// connection writes nothing, not even its close.
     pub(crate) async fn close(&self, within: Duration) {
+        let until = Instant::now() + within;
         self.closed.cancel();
+        // The workers close their channels first: lapin logs a channel that closes while the
+        // connection does (as one dropped then) as a connection error.
+        self.workers.close();
+        let _ = tokio::time::timeout_at(until, self.workers.wait()).await;
         let Some(connection) = lock(&self.link.current).take() else {
             return;
         };
         let closing = connection.close(200, "lily shutdown".into());
-        if tokio::time::timeout(within, closing).await.is_err() {
+        if tokio::time::timeout_at(until, closing).await.is_err() {
             warn!(
                 role = self.link.role.name,
                 "publishing connection did not close in time; dropping it"
@@ -375,7 +385,7 @@ async fn work(
         } else {
             tokio::select! {
                 biased;
-                () = &mut cancelled => return,
+                () = &mut cancelled => break,
                 () = async { pipe_woken.as_ref().expect("guarded").notify.notified().await },
                     if pipe_woken.is_some() => {}
                 request = requests.recv(), if open => match request {
@@ -398,7 +408,7 @@ async fn work(
         if worker.pipe.is_none() && !worker.held.is_empty() {
             match worker.link.gate(Instant::now()) {
                 Gate::Open => tokio::select! {
-                    () = &mut cancelled => return,
+                    () = &mut cancelled => break,
                     () = worker.open() => {}
                 },
                 // Another worker's channel tries: its verdict is theirs too.
@@ -415,6 +425,13 @@ async fn work(
         if !open && worker.held.is_empty() && worker.pipe.is_none() {
             return;
         }
+    }
+    // Closed and awaited before the pool closes the connection (see `Confirms::close`); a
+    // blocked connection writes nothing, not even this.
+    if let Some(pipe) = worker.pipe.take()
+        && !worker.link.blocked()
+    {
+        let _ = pipe.channel.close(200, "lily shutdown".into()).await;
     }
 }
 
