@@ -119,9 +119,10 @@ pub mod headers {
     pub use lily_mq_core::headers::*;
 }
 
-/// Logging without message bodies.
+/// Logging with no message body in any line: [`logging::init`] is how the examples set it up.
 pub mod logging {
     pub use lily_mq_rabbit::NO_BODY_LOGS;
+    pub use lily_mq_rabbit::logging::{filter, init};
 }
 
 /// Liveness, readiness and Prometheus metrics over HTTP (feature `health`).

@@ -242,6 +242,7 @@ impl Consumer {
             })
         })?;
         info!(queue = %self.config.queue, node = %endpoint.display(), addresses = endpoint.address_count(), "starting");
+        crate::logging::warn_if_bodies_logged();
         let topology = Topology::new(
             &self.config.queue,
             self.config.queue_kind,

@@ -19,6 +19,7 @@ mod delivery;
 mod error;
 #[cfg(feature = "health")]
 pub mod health;
+pub mod logging;
 mod publish;
 mod report;
 mod service;
@@ -46,8 +47,9 @@ pub use topology::{Applied, LeaderLocator, QueueKind, Topology, TopologyError, T
 pub use version::BrokerVersion;
 
 /// A `tracing` filter directive that silences lapin's log of returned messages: lapin logs each
-/// message the broker returns, body and headers included, at WARN. Add it to every filter, also
-/// one taken from `RUST_LOG`:
+/// message the broker returns, body and headers included, at WARN. [`logging::init`] and
+/// [`logging::filter`] always add it; an application that builds its own filter adds it to every
+/// one, also one taken from `RUST_LOG` (a consumer or publisher started without it says so):
 ///
 /// ```
 /// # use tracing_subscriber::EnvFilter;

@@ -1,20 +1,25 @@
-//! The log filter every Lily service should start with (handlers and extractors: tracing).
+//! The log set-up every Lily service should start with (handlers and extractors: tracing).
 
 /// Installs a `tracing` subscriber on stderr that never shows lapin's returned messages.
-///
-/// # Errors
-/// `RUST_LOG` holds a directive that does not parse.
-pub fn init() -> Result<(), Box<dyn std::error::Error>> {
-    // ANCHOR: filter
+pub fn init() {
+    // ANCHOR: init
     // INFO and above unless RUST_LOG says otherwise; lapin's returned messages never, as they
     // carry bodies.
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
-        .add_directive(lily::logging::NO_BODY_LOGS.parse()?);
+    lily::logging::init("info");
+    // ANCHOR_END: init
+}
+
+/// The same filter for a subscriber of one's own.
+///
+/// # Errors
+/// Never in practice: the filter is built from `RUST_LOG` or the default given.
+pub fn own_subscriber() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    // ANCHOR: filter
+    let filter = lily::logging::filter("info");
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
-        .init();
+        .try_init()?;
     // ANCHOR_END: filter
     Ok(())
 }

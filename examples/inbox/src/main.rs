@@ -58,7 +58,6 @@
 
 use std::collections::BTreeSet;
 use std::error::Error as StdError;
-use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -335,18 +334,7 @@ fn router(fault: Option<Fault>, flaky_one_in: u32) -> Router {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,lily_mq_rabbit=info"))
-        .add_directive(
-            lily::logging::NO_BODY_LOGS
-                .parse()
-                .expect("valid directive"),
-        );
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    lily::logging::init("warn,lily_mq_rabbit=info");
 
     let mode = std::env::args().nth(1).unwrap_or_else(|| "demo".to_owned());
     if matches!(mode.as_str(), "-h" | "--help" | "help") {

@@ -27,7 +27,6 @@ use std::process::{ExitCode, Termination};
 use std::time::Duration;
 
 use lily::prelude::*;
-use tracing_subscriber::EnvFilter;
 
 /// How the handler behaves, from the environment.
 #[derive(Clone, Copy)]
@@ -71,19 +70,7 @@ fn env_ms(name: &str) -> Result<Option<Duration>, String> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| EnvFilter::new("warn,lily_mq_rabbit=info"))
-                .add_directive(
-                    lily::logging::NO_BODY_LOGS
-                        .parse()
-                        .expect("valid directive"),
-                ),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .init();
+    lily::logging::init("warn,lily_mq_rabbit=info");
     match run().await {
         Ok(report) => report.report(),
         Err(err) => {

@@ -17,13 +17,9 @@ struct OrderPlaced {
 
 #[tokio::main]
 async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
-    // WARN and above unless RUST_LOG says otherwise.
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    // WARN and above unless RUST_LOG says otherwise; lapin's returned messages never, as they
+    // carry bodies.
+    lily::logging::init("warn");
     let env = |name, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
     let (queue, count) = (
         env("LILY_QUEUE", "orders"),

@@ -3,8 +3,6 @@
 //! `LILY_QUEUE` (default `orders`), `LILY_HEALTH_ADDR` (default `127.0.0.1:8080`) and `RUST_LOG`
 //! (default `info`) are optional.
 
-use std::io::IsTerminal;
-
 use lily::prelude::*;
 use lily_mq_example_service::{Stock, router};
 
@@ -12,14 +10,7 @@ use lily_mq_example_service::{Stock, router};
 async fn main() -> Result<ShutdownReport, Box<dyn std::error::Error>> {
     // INFO and above unless RUST_LOG says otherwise; lapin's returned messages never, as they
     // carry bodies.
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
-        .add_directive(lily::logging::NO_BODY_LOGS.parse()?);
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    lily::logging::init("info");
     let env = |name, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
     let config = ConsumerConfig::new(env("LILY_QUEUE", "orders")).prefetch(50);
     let consumer = Consumer::new(

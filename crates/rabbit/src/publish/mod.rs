@@ -64,6 +64,7 @@ use lily_mq_core::transport::{HandoffId, HandoffResult};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::warn;
 
 use self::link::{Link, confirm_channel, probe};
@@ -86,6 +87,8 @@ pub(crate) struct Confirms {
     /// Taken by the first [`Confirms::warm`], which starts the workers.
     pending: Mutex<Vec<mpsc::UnboundedReceiver<Request>>>,
     closed: CancellationToken,
+    /// The workers, which [`Confirms::close`] waits for before it closes the connection.
+    workers: TaskTracker,
 }
 
 impl Confirms {
@@ -99,6 +102,7 @@ impl Confirms {
             turn: AtomicUsize::new(0),
             pending: Mutex::new(pending),
             closed: CancellationToken::new(),
+            workers: TaskTracker::new(),
         }
     }
 
@@ -132,7 +136,8 @@ impl Confirms {
             .get_or_init(|| Dialer::new(endpoint.clone(), self.link.role.name));
         self.link.connection().await?;
         for requests in std::mem::take(&mut *lock(&self.pending)) {
-            tokio::spawn(work(Arc::clone(&self.link), requests, self.closed.clone()));
+            self.workers
+                .spawn(work(Arc::clone(&self.link), requests, self.closed.clone()));
         }
         Ok(())
     }
@@ -187,12 +192,17 @@ impl Confirms {
     /// Stops the workers and closes the connection, waiting at most `within`: a blocked
     /// connection writes nothing, not even its close.
     pub(crate) async fn close(&self, within: Duration) {
+        let until = Instant::now() + within;
         self.closed.cancel();
+        // The workers close their channels first: lapin logs a channel that closes while the
+        // connection does (as one dropped then) as a connection error.
+        self.workers.close();
+        let _ = tokio::time::timeout_at(until, self.workers.wait()).await;
         let Some(connection) = lock(&self.link.current).take() else {
             return;
         };
         let closing = connection.close(200, "lily shutdown".into());
-        if tokio::time::timeout(within, closing).await.is_err() {
+        if tokio::time::timeout_at(until, closing).await.is_err() {
             warn!(
                 role = self.link.role.name,
                 "publishing connection did not close in time; dropping it"

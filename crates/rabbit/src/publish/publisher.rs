@@ -255,6 +255,7 @@ impl Publisher {
             refused_gauge: "lily_publisher_refused",
             doing: "publish messages",
         };
+        crate::logging::warn_if_bodies_logged();
         let confirms = Confirms::new(&config.name, role);
         if let Err(source) = confirms.warm(&endpoint).await {
             return Err(Error::from_connect(

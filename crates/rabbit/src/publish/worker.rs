@@ -53,7 +53,7 @@ pub(super) async fn work(
         } else {
             tokio::select! {
                 biased;
-                () = &mut cancelled => return,
+                () = &mut cancelled => break,
                 () = async { pipe_woken.as_ref().expect("guarded").notify.notified().await },
                     if pipe_woken.is_some() => {}
                 request = requests.recv(), if open => match request {
@@ -76,7 +76,7 @@ pub(super) async fn work(
         if worker.pipe.is_none() && !worker.held.is_empty() {
             match worker.link.gate(Instant::now()) {
                 Gate::Open => tokio::select! {
-                    () = &mut cancelled => return,
+                    () = &mut cancelled => break,
                     () = worker.open() => {}
                 },
                 // Another worker's channel tries: its verdict is theirs too.
@@ -93,6 +93,13 @@ pub(super) async fn work(
         if !open && worker.held.is_empty() && worker.pipe.is_none() {
             return;
         }
+    }
+    // Closed and awaited before the pool closes the connection (see `Confirms::close`); a
+    // blocked connection writes nothing, not even this.
+    if let Some(pipe) = worker.pipe.take()
+        && !worker.link.blocked()
+    {
+        let _ = pipe.channel.close(200, "lily shutdown".into()).await;
     }
 }
 
