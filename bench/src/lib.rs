@@ -4,6 +4,9 @@
 //! Run them through `scripts/bench.sh`, which starts a private RabbitMQ node on loopback.
 #![allow(missing_docs, unreachable_pub)]
 
+pub mod cli;
+pub mod cluster;
+pub mod confirm_floor;
 pub mod cost;
 pub mod latency;
 pub mod mongo;

@@ -1,7 +1,7 @@
 //! The settlement-latency benchmark: p50, p99 and p99.9 of the time from a message's publish
 //! to its settlement, for Lily and for `raw-batch` (a hand-tuned raw lapin consumer), at 50 % and
 //! 90 % of the maximum rate, on the success path (delivery → ACK written) and the handoff path
-//! (delivery → copy confirmed → ACK written). `src/bin/latency.rs` drives it.
+//! (delivery → copy confirmed → ACK written). `cli` drives it.
 //!
 //! - The maximum rate of a path × prefetch is what each contender settles while the paced
 //!   publisher runs beside it, offering the higher of the two drain rates (N messages published
@@ -17,6 +17,7 @@
 
 use serde::Serialize;
 
+pub mod cli;
 pub mod pace;
 pub mod raw_batch;
 pub mod report;

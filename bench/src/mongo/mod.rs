@@ -1,6 +1,6 @@
 //! The Mongo scope benchmark: what Lily's [`MongoScope`](lily::mongo::MongoScope) costs against
 //! a hand-written lapin + mongodb consumer doing the same transactional work, and whether hot
-//! keys (write conflicts) ever cost a valid message. `src/bin/mongo.rs` drives it.
+//! keys (write conflicts) ever cost a valid message. `cli` drives it.
 //!
 //! Two cases, each over N pre-published 512-byte JSON orders (ids `m-0` … `m-{N-1}`) on a
 //! classic queue:
@@ -26,6 +26,7 @@ use serde::Serialize;
 
 use crate::throughput::Sample;
 
+pub mod cli;
 pub mod db;
 pub mod lily_run;
 pub mod raw;
@@ -55,12 +56,13 @@ pub const HOT_KEYS: u64 = 5;
 pub const TARGET: f64 = 0.9;
 
 /// Which work a run does per message.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum Case {
     /// Inbox record + one effect insert.
     Scope,
     /// Inbox record + effect insert + `$inc` on one of [`HOT_KEYS`] counters.
+    #[value(name = "hot", alias = "hot-keys")]
     HotKeys,
 }
 
@@ -74,7 +76,7 @@ impl Case {
 }
 
 /// Who consumes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum Contender {
     /// lapin + the mongodb driver, written by hand.

@@ -1,5 +1,5 @@
 //! The failure-storm benchmark: every delivery fails retryably, at the maximum rate, for minutes
-//! on end. `src/bin/storm.rs` drives it.
+//! on end. `cli` drives it.
 //!
 //! A fresh classic work queue with one retry bucket of 1 s is filled with a population of
 //! messages (default 40 000); then every message cycles work queue → handler fails → copy to
@@ -24,6 +24,7 @@ use ::lily::core::Totals;
 use serde::Serialize;
 
 pub mod check;
+pub mod cli;
 pub mod lily;
 pub mod raw;
 pub mod report;
@@ -41,7 +42,7 @@ pub const REASON: &str = "bench: every attempt fails (storm)";
 pub const MAX_ATTEMPTS: u32 = 1_000_000;
 
 /// Who runs the storm.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum Contender {
     /// Hand-written lapin, pipelined confirms (a task per delivery).

@@ -1,11 +1,12 @@
 //! The throughput benchmark: Lily against hand-written and hand-tuned lapin, the no-ack ceiling
 //! and ruststream-lapin on the success path, and against pipelined and batched raw handoffs.
-//! `src/bin/throughput.rs` drives it.
+//! `cli` drives it.
 
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+pub mod cli;
 pub mod copy;
 pub mod lily_run;
 pub mod peer;
@@ -93,7 +94,7 @@ impl Sample {
 pub type FirstDelivery = std::sync::OnceLock<Instant>;
 
 /// Which path a case measures.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum Path {
     /// Every message is deserialized and ACKed.
@@ -145,7 +146,7 @@ impl Path {
 }
 
 /// Who consumes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Contender {
     /// Hand-written lapin, one delivery after the other, each ACK awaited; on the handoff path a
@@ -161,6 +162,7 @@ pub enum Contender {
     /// ruststream-lapin.
     Peer,
     /// Hand-written lapin with a task per delivery (not run by default).
+    #[value(name = "raw-tasks")]
     RawConcurrent,
 }
 

@@ -252,6 +252,7 @@ fn run(b: &Bench, who: Contender, prefetch: u16, n: usize) -> Result<Value, Stri
     ));
     let mut child = Command::new(&b.exe)
         .env("LILY_AMQP_URL", &b.url)
+        .arg("cost")
         .arg(format!("hostile-{}", who.name()))
         .arg(prefetch.to_string())
         .arg(n.to_string())

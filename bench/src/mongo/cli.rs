@@ -11,7 +11,7 @@
 //!
 //! - **scope** (N = 20 000, `--quick` 5 000; concurrency 32, prefetch 64): per message one
 //!   transaction with the inbox record and one effect insert, committed, then ACKed. Contenders:
-//!   the raw driver consumer (`lily_mq_bench::mongo::raw`), Lily with its default scope (inbox
+//!   the raw driver consumer (`crate::mongo::raw`), Lily with its default scope (inbox
 //!   only, the like-for-like one), Lily with the lease (inbox + fenced lease per message).
 //!   Target: Lily / raw ≥ 0.9. On request (`--contenders …,raw-lily-record`) also the raw
 //!   consumer writing Lily's inbox record shape with Lily's TTL index: a diagnostic that
@@ -22,7 +22,7 @@
 //!
 //! Every run re-declares the topology (classic queue), drops and re-creates the database,
 //! publishes N messages (not timed), then times from consumer start until N are ACKed, and
-//! checks the outcome by message id from outside (`lily_mq_bench::mongo::verify`). Medians of
+//! checks the outcome by message id from outside (`crate::mongo::verify`). Medians of
 //! the repetitions (3, `--quick` 2) go to `target/bench/mongo.{json,md,svg}`. `LILY_RABBIT_DIR`
 //! and `LILY_MONGO_DIR` (the nodes' directories) add broker and mongod CPU per message.
 //! `--quick` takes about 1.5–2 minutes on a shared 2-core machine; the default run about 8.
@@ -30,141 +30,58 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::mongo::report::{self, CaseResult, ContenderResult, Results};
+use crate::mongo::{Case, Contender, Counters, Load, Run, db, lily_run, raw, verify};
+use crate::throughput::report::rate;
+use crate::throughput::{CpuMeter, broker_version, cpu_secs, load_average, revision};
+use crate::{body_512, broker_url, fresh_topology, publish};
 use lily::prelude::{Policy, QueueKind};
-use lily_mq_bench::mongo::report::{self, CaseResult, ContenderResult, Results};
-use lily_mq_bench::mongo::{Case, Contender, Counters, Load, Run, db, lily_run, raw, verify};
-use lily_mq_bench::throughput::report::rate;
-use lily_mq_bench::throughput::{CpuMeter, broker_version, cpu_secs, load_average, revision};
-use lily_mq_bench::{body_512, broker_url, fresh_topology, publish};
 
 const QUEUE: &str = "lily-bench-mongo";
 
-struct Args {
+/// Lily's MongoDB scope against a hand-written driver transaction. Environment:
+/// `LILY_AMQP_URL`, `LILY_MONGO_URL` (a replica set), optional `LILY_RABBIT_DIR` and
+/// `LILY_MONGO_DIR` for the nodes' CPU.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// 5 000 and 2 000 messages, 2 repetitions.
+    #[arg(long)]
+    quick: bool,
+    /// Messages of the scope case.
+    #[arg(short = 'n', long, default_value = "20000", value_parser = crate::cli::count,
+          default_value_if("quick", "true", Some("5000")))]
     messages: u64,
+    /// Messages of the hot-keys case.
+    #[arg(long, default_value = "5000", value_parser = crate::cli::count,
+          default_value_if("quick", "true", Some("2000")))]
     hot_messages: u64,
+    /// Repetitions.
+    #[arg(short, long, default_value = "3", value_parser = clap::value_parser!(u32).range(1..),
+          default_value_if("quick", "true", Some("2")))]
     reps: u32,
+    /// Concurrency of the scope case.
+    #[arg(long, default_value_t = 32, value_parser = crate::cli::nonzero)]
     concurrency: usize,
+    /// Prefetch of every case (default: twice its concurrency).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     prefetch: Option<u16>,
+    /// Concurrency of the hot-keys case.
+    #[arg(long, default_value_t = 8, value_parser = crate::cli::nonzero)]
     hot_concurrency: usize,
+    /// Cases: scope, hot.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "scope,hot")]
     cases: Vec<Case>,
+    /// Who runs: raw, lily, lily-lease, raw-lily-record.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "raw,lily,lily-lease"
+    )]
     contenders: Vec<Contender>,
+    /// Where the results go.
+    #[arg(long, default_value = "target/bench")]
     out: PathBuf,
-}
-
-const USAGE: &str = "usage: mongo [--quick] [--messages N] [--hot-messages N] [--reps R] \
-    [--concurrency C] [--prefetch P] [--hot-concurrency C] [--cases scope,hot] \
-    [--contenders raw,lily,lily-lease[,raw-lily-record]] [--out DIR]\n\
-    environment: LILY_AMQP_URL, LILY_MONGO_URL (a replica set), optional LILY_RABBIT_DIR and \
-    LILY_MONGO_DIR for the nodes' CPU";
-
-fn parse_args() -> Args {
-    let mut args = Args {
-        messages: 20_000,
-        hot_messages: 5_000,
-        reps: 3,
-        concurrency: 32,
-        prefetch: None,
-        hot_concurrency: 8,
-        cases: vec![Case::Scope, Case::HotKeys],
-        contenders: Contender::DEFAULT.to_vec(),
-        out: PathBuf::from("target/bench"),
-    };
-    let mut explicit = (false, false, false);
-    let mut quick = false;
-    let mut it = std::env::args().skip(1);
-    let fail = |msg: String| -> ! {
-        eprintln!("{msg}\n{USAGE}");
-        std::process::exit(2)
-    };
-    let number = |flag: &str, v: String| -> u64 {
-        v.replace('_', "")
-            .parse()
-            .unwrap_or_else(|e| fail(format!("{flag}: {e}")))
-    };
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .unwrap_or_else(|| fail(format!("{flag} needs a value")))
-        };
-        match flag.as_str() {
-            "--quick" => quick = true,
-            "--messages" | "-n" => {
-                args.messages = number(&flag, value());
-                explicit.0 = true;
-            }
-            "--hot-messages" => {
-                args.hot_messages = number(&flag, value());
-                explicit.1 = true;
-            }
-            "--reps" | "-r" => {
-                args.reps = u32::try_from(number(&flag, value()))
-                    .unwrap_or_else(|_| fail("--reps too large".into()));
-                explicit.2 = true;
-            }
-            "--concurrency" => {
-                args.concurrency = usize::try_from(number(&flag, value())).unwrap_or(0);
-            }
-            "--hot-concurrency" => {
-                args.hot_concurrency = usize::try_from(number(&flag, value())).unwrap_or(0);
-            }
-            "--prefetch" => {
-                args.prefetch = Some(
-                    u16::try_from(number(&flag, value()))
-                        .ok()
-                        .filter(|&p| p > 0)
-                        .unwrap_or_else(|| fail("--prefetch must be 1..=65535".into())),
-                );
-            }
-            "--cases" => {
-                args.cases = value()
-                    .split(',')
-                    .map(|c| match c {
-                        "scope" => Case::Scope,
-                        "hot" | "hot-keys" => Case::HotKeys,
-                        other => fail(format!("unknown case {other}")),
-                    })
-                    .collect();
-            }
-            "--contenders" => {
-                args.contenders = value()
-                    .split(',')
-                    .map(|c| {
-                        Contender::ALL
-                            .into_iter()
-                            .find(|who| who.flag() == c)
-                            .unwrap_or_else(|| fail(format!("unknown contender {c}")))
-                    })
-                    .collect();
-            }
-            "--out" => args.out = PathBuf::from(value()),
-            "--help" | "-h" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            other => fail(format!("unknown argument {other}")),
-        }
-    }
-    if quick {
-        if !explicit.0 {
-            args.messages = 5_000;
-        }
-        if !explicit.1 {
-            args.hot_messages = 2_000;
-        }
-        if !explicit.2 {
-            args.reps = 2;
-        }
-    }
-    if args.messages == 0 || args.hot_messages == 0 || args.reps == 0 {
-        fail("message counts and --reps must be above zero".into());
-    }
-    if args.concurrency == 0 || args.hot_concurrency == 0 {
-        fail("concurrencies must be above zero".into());
-    }
-    if args.contenders.is_empty() || args.cases.is_empty() {
-        fail("nothing to run".into());
-    }
-    args
 }
 
 /// Prefetch of a case: `--prefetch`, or twice the concurrency.
@@ -348,9 +265,8 @@ fn opt(value: Option<f64>) -> String {
     value.map_or_else(|| "-".into(), |v| format!("{v:.0}"))
 }
 
-#[tokio::main]
-async fn main() {
-    let args = parse_args();
+/// Runs the benchmark.
+pub async fn run(args: Args) {
     let mongo_url = db::mongo_url().unwrap_or_else(|e| {
         eprintln!("mongo: {e}");
         std::process::exit(2)
@@ -374,7 +290,7 @@ async fn main() {
     let mut results = Results {
         benchmark: "mongo",
         broker: broker_version(),
-        broker_url: lily_mq_bench::redact(&url),
+        broker_url: crate::redact(&url),
         mongodb,
         mongodb_url: db::redact(&mongo_url),
         queue_type: "classic",
@@ -431,7 +347,7 @@ async fn main() {
     results.wall_secs = total.elapsed().as_secs_f64();
     println!();
     print!("{}", report::human(&results));
-    lily_mq_bench::write_results(
+    crate::write_results(
         &args.out,
         "mongo",
         &results,

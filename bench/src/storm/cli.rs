@@ -22,94 +22,40 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use ::lily::prelude::{QueueKind, Trigger};
-use lily_mq_bench::storm::{
+use crate::storm::{
     Contender, MAX_ATTEMPTS, QUEUE, RETRY_DELAY, Results, StormRun, Summary, check, lily, raw,
     report, sample,
 };
-use lily_mq_bench::throughput::{broker_version, load_average, revision};
-use lily_mq_bench::{body_512, broker_url, fresh_topology, publish};
+use crate::throughput::{broker_version, load_average, revision};
+use crate::{body_512, broker_url, fresh_topology, publish};
+use ::lily::prelude::{QueueKind, Trigger};
 use tokio_util::sync::CancellationToken;
 
 /// Seconds at the start of a run left out of the rates and the RSS start and slope.
 const WARMUP: u32 = 10;
 
-struct Args {
+/// Failure storm: raw lapin against Lily.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// 45 s a contender.
+    #[arg(long)]
+    quick: bool,
+    /// Seconds each contender consumes (above the warm-up).
+    #[arg(long, default_value = "300", value_parser = clap::value_parser!(u32).range(i64::from(WARMUP) + 2..),
+          default_value_if("quick", "true", Some("45")))]
     secs: u32,
+    /// Messages published up front.
+    #[arg(short = 'n', long, default_value = "40000", value_parser = crate::cli::count)]
     population: u64,
+    /// Prefetch (and Lily's concurrency).
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u16).range(1..))]
     prefetch: u16,
+    /// Who runs, in order.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "raw,lily")]
     contenders: Vec<Contender>,
+    /// Where the results go.
+    #[arg(long, default_value = "target/bench")]
     out: PathBuf,
-}
-
-const USAGE: &str = "usage: storm [--quick] [--secs S] [--population N] [--prefetch P] \
-    [--contenders raw,lily] [--out DIR]";
-
-fn parse_args() -> Args {
-    let mut args = Args {
-        secs: 0,
-        population: 40_000,
-        prefetch: 500,
-        contenders: vec![Contender::Raw, Contender::Lily],
-        out: PathBuf::from("target/bench"),
-    };
-    let (mut secs, mut quick) = (None, false);
-    let mut it = std::env::args().skip(1);
-    let fail = |msg: String| -> ! {
-        eprintln!("{msg}\n{USAGE}");
-        std::process::exit(2)
-    };
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .unwrap_or_else(|| fail(format!("{flag} needs a value")))
-        };
-        match flag.as_str() {
-            "--quick" => quick = true,
-            "--secs" => {
-                secs = Some(
-                    value()
-                        .parse::<u32>()
-                        .ok()
-                        .filter(|&s| s > WARMUP + 1)
-                        .unwrap_or_else(|| fail(format!("--secs must exceed {}", WARMUP + 1))),
-                );
-            }
-            "--population" | "-n" => {
-                args.population = value()
-                    .replace('_', "")
-                    .parse()
-                    .ok()
-                    .filter(|&n| n > 0)
-                    .unwrap_or_else(|| fail("--population must be above zero".into()));
-            }
-            "--prefetch" => {
-                args.prefetch = value()
-                    .parse()
-                    .ok()
-                    .filter(|&p| p > 0)
-                    .unwrap_or_else(|| fail("--prefetch must be above zero".into()));
-            }
-            "--contenders" => {
-                args.contenders = value()
-                    .split(',')
-                    .map(|c| match c {
-                        "raw" => Contender::Raw,
-                        "lily" => Contender::Lily,
-                        other => fail(format!("unknown contender {other}")),
-                    })
-                    .collect();
-            }
-            "--out" => args.out = PathBuf::from(value()),
-            "--help" | "-h" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            other => fail(format!("unknown argument {other}")),
-        }
-    }
-    args.secs = secs.unwrap_or(if quick { 45 } else { 300 });
-    args
 }
 
 /// One contender's storm on a fresh topology.
@@ -185,15 +131,14 @@ async fn storm(url: &str, body: &[u8], args: &Args, who: Contender) -> StormRun 
     }
 }
 
-#[tokio::main]
-async fn main() {
-    let args = parse_args();
+/// Runs the benchmark.
+pub async fn run(args: Args) {
     let url = broker_url();
     let body = body_512();
     let mut results = Results {
         benchmark: "storm",
         broker: broker_version(),
-        broker_url: lily_mq_bench::redact(&url),
+        broker_url: crate::redact(&url),
         message_bytes: body.len(),
         population: args.population,
         prefetch: args.prefetch,
@@ -245,7 +190,7 @@ async fn main() {
     results.wall_secs = total.elapsed().as_secs_f64();
     println!();
     print!("{}", report::human(&results));
-    lily_mq_bench::write_results(
+    crate::write_results(
         &args.out,
         "storm",
         &results,

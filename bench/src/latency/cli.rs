@@ -36,114 +36,64 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use lily_mq_bench::latency::run::{self, Setup};
-use lily_mq_bench::latency::timer::{self, Sinks};
-use lily_mq_bench::latency::{
+use crate::latency::run::{self, Setup};
+use crate::latency::timer::{self, Sinks};
+use crate::latency::{
     BACKLOG_SECS, Case, Contender, KEPT_UP, LOADS, MaxRate, P99_MARGIN_MS, Path, Results,
     SUSTAIN_STEP, SUSTAIN_TRIES, SUSTAINED, report,
 };
-use lily_mq_bench::throughput::{broker_version, load_average, revision};
-use lily_mq_bench::{body_512, broker_url};
+use crate::throughput::{broker_version, load_average, revision};
+use crate::{body_512, broker_url};
 
-struct Args {
+/// Settlement latency of Lily against raw-batch.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Prefetch 500 only, 8 s cases with 2 s of warm-up, 20 000 messages, one round.
+    #[arg(long)]
+    quick: bool,
+    /// Paths to measure.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "success,handoff"
+    )]
     paths: Vec<Path>,
+    /// Prefetch values.
+    #[arg(long = "prefetch", value_delimiter = ',', default_value = "500,50",
+          value_parser = clap::value_parser!(u16).range(1..),
+          default_value_if("quick", "true", Some("500")))]
     prefetches: Vec<u16>,
+    /// Seconds a paced run publishes.
+    #[arg(long, default_value = "20", value_parser = crate::cli::positive,
+          default_value_if("quick", "true", Some("8")))]
     secs: f64,
+    /// Seconds of warm-up, not timed.
+    #[arg(long, default_value = "3", value_parser = crate::cli::positive,
+          default_value_if("quick", "true", Some("2")))]
     warmup: f64,
+    /// Messages of each drain-rate run.
+    #[arg(short = 'n', long, default_value = "60000", value_parser = crate::cli::count,
+          default_value_if("quick", "true", Some("20000")))]
     messages: u64,
+    /// The maximum rate of every case, instead of measuring it.
+    #[arg(long, value_parser = crate::cli::positive)]
     max_rate: Option<f64>,
     /// Rounds of each case; the case reports the median round.
-    reps: usize,
+    #[arg(long, default_value = "3", value_parser = clap::value_parser!(u32).range(1..),
+          default_value_if("quick", "true", Some("1")))]
+    reps: u32,
+    /// Where the results go.
+    #[arg(long, default_value = "target/bench")]
     out: PathBuf,
 }
 
-const USAGE: &str = "usage: latency [--quick] [--paths success,handoff] [--prefetch 500,50] \
-    [--secs S] [--warmup S] [--messages N] [--max-rate R] [--reps R] [--out DIR]";
-
-fn parse_args() -> Args {
-    let mut paths = vec![Path::Success, Path::Handoff];
-    let (mut prefetches, mut secs, mut warmup, mut messages) = (None, None, None, None);
-    let (mut max_rate, mut out, mut quick) = (None, PathBuf::from("target/bench"), false);
-    let mut reps = None;
-    let mut it = std::env::args().skip(1);
-    let fail = |msg: String| -> ! {
-        eprintln!("{msg}\n{USAGE}");
-        std::process::exit(2)
-    };
-    let number = |flag: &str, text: String| -> f64 {
-        match text.replace('_', "").parse::<f64>() {
-            Ok(v) if v.is_finite() && v > 0.0 => v,
-            _ => fail(format!("{flag}: not a positive number: {text}")),
-        }
-    };
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .unwrap_or_else(|| fail(format!("{flag} needs a value")))
-        };
-        match flag.as_str() {
-            "--quick" => quick = true,
-            "--paths" => {
-                paths = value()
-                    .split(',')
-                    .map(|p| match p {
-                        "success" => Path::Success,
-                        "handoff" => Path::Handoff,
-                        other => fail(format!("unknown path {other}")),
-                    })
-                    .collect();
-            }
-            "--prefetch" => {
-                prefetches = Some(
-                    value()
-                        .split(',')
-                        .map(|p| match p.parse::<u16>() {
-                            Ok(p) if p > 0 => p,
-                            _ => fail(format!("bad prefetch {p}")),
-                        })
-                        .collect::<Vec<_>>(),
-                );
-            }
-            "--secs" => secs = Some(number("--secs", value())),
-            "--warmup" => warmup = Some(number("--warmup", value())),
-            "--messages" | "-n" => {
-                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-                let n = number("--messages", value()) as u64;
-                messages = Some(n);
-            }
-            "--max-rate" => max_rate = Some(number("--max-rate", value())),
-            "--reps" => {
-                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-                let r = number("--reps", value()).max(1.0) as usize;
-                reps = Some(r);
-            }
-            "--out" => out = PathBuf::from(value()),
-            "--help" | "-h" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            other => fail(format!("unknown argument {other}")),
-        }
-    }
-    let args = Args {
-        paths,
-        prefetches: prefetches.unwrap_or_else(|| if quick { vec![500] } else { vec![500, 50] }),
-        secs: secs.unwrap_or(if quick { 8.0 } else { 20.0 }),
-        warmup: warmup.unwrap_or(if quick { 2.0 } else { 3.0 }),
-        messages: messages.unwrap_or(if quick { 20_000 } else { 60_000 }),
-        max_rate,
-        reps: reps.unwrap_or(if quick { 1 } else { 3 }),
-        out,
-    };
-    if args.warmup >= args.secs {
-        fail("--warmup must be shorter than --secs".into());
-    }
-    args
-}
-
-#[tokio::main]
-async fn main() {
-    let args = parse_args();
+/// Runs the benchmark.
+pub async fn run(args: Args) {
+    assert!(
+        args.warmup < args.secs,
+        "--warmup must be shorter than --secs"
+    );
     let lily = Sinks::default();
     timer::install(lily.clone());
     let url = broker_url();
@@ -158,7 +108,7 @@ async fn main() {
     let mut results = Results {
         benchmark: "latency",
         broker: broker_version(),
-        broker_url: lily_mq_bench::redact(&url),
+        broker_url: crate::redact(&url),
         message_bytes: body.len(),
         cpus: std::thread::available_parallelism().map_or(1, usize::from),
         started_at_unix: SystemTime::now()
@@ -251,7 +201,7 @@ async fn main() {
     results.wall_secs = total.elapsed().as_secs_f64();
     println!();
     print!("{}", report::human(&results));
-    lily_mq_bench::write_results(
+    crate::write_results(
         &args.out,
         "latency",
         &results,

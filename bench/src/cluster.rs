@@ -14,46 +14,31 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use crate::throughput::{HANDOFF_DELAY, Path, Sample, lily_run, raw, revision};
+use crate::{body_512, broker_url, fresh_topology, median, publish};
 use lily::prelude::QueueKind;
-use lily_mq_bench::throughput::{HANDOFF_DELAY, Path, Sample, lily_run, raw, revision};
-use lily_mq_bench::{body_512, broker_url, fresh_topology, median, publish};
 use serde::Serialize;
 
 /// Lily and raw lapin on a three-node cluster against the single node, side by side.
-#[derive(clap::Parser)]
-struct Args {
-    /// Messages per run (`_` separators allowed).
-    #[arg(short = 'n', long, default_value = "50000", value_parser = count)]
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Messages per run.
+    #[arg(short = 'n', long, default_value = "50000", value_parser = crate::cli::count,
+          default_value_if("quick", "true", Some("20000")))]
     messages: u64,
     /// Repetitions of each case.
-    #[arg(short, long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(short, long, default_value = "3", value_parser = clap::value_parser!(u32).range(1..),
+          default_value_if("quick", "true", Some("2")))]
     reps: u32,
     /// Prefetch of every consumer.
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u16).range(1..))]
     prefetch: u16,
-    /// 20 000 messages and 2 repetitions, whatever --messages and --reps say.
+    /// 20 000 messages and 2 repetitions.
     #[arg(long)]
     quick: bool,
     /// Where the JSON and the table go.
     #[arg(long, default_value = "target/bench")]
     out: PathBuf,
-}
-
-/// A message count above zero.
-fn count(text: &str) -> Result<u64, String> {
-    match text.replace('_', "").parse() {
-        Ok(n) if n > 0 => Ok(n),
-        _ => Err("a count above zero".into()),
-    }
-}
-
-fn parse_args() -> Args {
-    let mut args = <Args as clap::Parser>::parse();
-    if args.quick {
-        args.messages = 20_000;
-        args.reps = 2;
-    }
-    args
 }
 
 /// One path's medians, in messages a second.
@@ -109,9 +94,8 @@ async fn run_once(url: &str, path: Path, lily: bool, prefetch: u16, n: u64) -> S
     }
 }
 
-#[tokio::main]
-async fn main() {
-    let args = parse_args();
+/// Runs the benchmark.
+pub async fn run(args: Args) {
     let single = broker_url();
     let cluster = std::env::var("LILY_CLUSTER_URL")
         .expect("LILY_CLUSTER_URL is unset: run it through scripts/bench.sh cluster");

@@ -24,14 +24,43 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::throughput::{HANDOFF_DELAY, broker_version, load_average, revision};
+use crate::{body_512, broker_url, fresh_topology, redact};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
 use lily::prelude::QueueKind;
-use lily_mq_bench::throughput::{HANDOFF_DELAY, broker_version, load_average, revision};
-use lily_mq_bench::{body_512, broker_url, fresh_topology, redact};
 use serde::Serialize;
 
-const USAGE: &str = "usage: confirm_floor [--quick] [--rates 2400,4320] [--channels 1,4] [--secs S] [--warmup S] [--out DIR]";
+/// The broker's publish-to-confirm latency, pipelined and batched.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// 6 s runs with 1 s of warm-up.
+    #[arg(long)]
+    quick: bool,
+    /// Publish rates, messages a second.
+    #[arg(long, value_delimiter = ',', default_value = "2400,4320")]
+    rates: Vec<f64>,
+    /// Confirm channels.
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    channels: Vec<usize>,
+    /// Seconds a run publishes.
+    #[arg(
+        long,
+        default_value = "8",
+        default_value_if("quick", "true", Some("6"))
+    )]
+    secs: u64,
+    /// Seconds of warm-up, not timed.
+    #[arg(
+        long,
+        default_value = "2",
+        default_value_if("quick", "true", Some("1"))
+    )]
+    warmup: u64,
+    /// Where the results go.
+    #[arg(long, default_value = "target/bench")]
+    out: std::path::PathBuf,
+}
 
 /// One pattern at one rate: publish-to-confirm latencies of the timed messages.
 #[derive(Debug, Serialize)]
@@ -59,68 +88,11 @@ struct Report {
     rows: Vec<Row>,
 }
 
-struct Args {
-    rates: Vec<f64>,
-    channels: Vec<usize>,
-    secs: u64,
-    warmup: u64,
-    out: std::path::PathBuf,
-}
-
-fn parse_args() -> Args {
-    let mut args = Args {
-        rates: vec![2400.0, 4320.0],
-        channels: vec![1, 4],
-        secs: 8,
-        warmup: 2,
-        out: "target/bench".into(),
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .unwrap_or_else(|| fail(&format!("{flag} needs a value")))
-        };
-        match flag.as_str() {
-            "--quick" => (args.secs, args.warmup) = (6, 1),
-            "--rates" => args.rates = list(&value()),
-            "--channels" => args.channels = list(&value()),
-            "--secs" => args.secs = value().parse().unwrap_or_else(|_| fail("--secs")),
-            "--warmup" => args.warmup = value().parse().unwrap_or_else(|_| fail("--warmup")),
-            "--out" => args.out = value().into(),
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            other => fail(&format!("unknown argument {other}")),
-        }
-    }
-    if args.warmup >= args.secs {
-        fail("--warmup must be shorter than --secs");
-    }
-    args
-}
-
-fn list<T: std::str::FromStr>(text: &str) -> Vec<T> {
-    text.split(',')
-        .map(|v| {
-            v.trim()
-                .parse()
-                .unwrap_or_else(|_| fail(&format!("bad value {v}")))
-        })
-        .collect()
-}
-
-fn fail(msg: &str) -> ! {
-    eprintln!("{msg}\n{USAGE}");
-    std::process::exit(2);
-}
-
 /// A publish in flight: when it was due (its latency's start) and whether it is timed.
 type Timed = (Instant, bool);
 
 /// Publishes at `rate` for `secs` into `bucket` with `pattern` on `channels` channels.
-async fn run(
+async fn time_confirms(
     url: &str,
     bucket: &str,
     pattern: &'static str,
@@ -282,9 +254,12 @@ fn shown(load: Option<f64>) -> String {
     load.map_or_else(|| "-".into(), |l| format!("{l:.2}"))
 }
 
-#[tokio::main]
-async fn main() {
-    let args = parse_args();
+/// Runs the benchmark.
+pub async fn run(args: Args) {
+    assert!(
+        args.warmup < args.secs,
+        "--warmup must be shorter than --secs"
+    );
     let url = broker_url();
     let load_start = load_average();
     let topology = fresh_topology(
@@ -299,7 +274,7 @@ async fn main() {
     for &rate in &args.rates {
         for &channels in &args.channels {
             for pattern in ["pipelined", "batched"] {
-                let row = run(
+                let row = time_confirms(
                     &url,
                     &bucket,
                     pattern,

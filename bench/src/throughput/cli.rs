@@ -29,25 +29,53 @@
 use std::path::PathBuf;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use lily::prelude::QueueKind;
-use lily::rabbit::Topology;
-use lily_mq_bench::throughput::report::{self, CaseResult, Results, Start};
-use lily_mq_bench::throughput::{
+use crate::throughput::report::{self, CaseResult, Results, Start};
+use crate::throughput::{
     Contender, CpuMeter, HANDOFF_DELAY, Path, Profile, Sample, broker_version, depth, lily_run,
     load_average, peer, raw, revision,
 };
-use lily_mq_bench::{body_512, broker_url, fresh_topology, kind_name, publish};
+use crate::{body_512, broker_url, fresh_topology, kind_name, publish};
+use lily::prelude::QueueKind;
+use lily::rabbit::Topology;
 
-struct Args {
+/// Throughput of Lily against raw lapin contenders, taking turns run by run.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Messages a run.
+    #[arg(short = 'n', long, default_value = "200000", value_parser = crate::cli::count,
+          default_value_if("quick", "true", Some("20000")))]
     messages: u64,
+    /// Repetitions of each case.
+    #[arg(short, long, default_value = "3", value_parser = clap::value_parser!(u32).range(1..),
+          default_value_if("quick", "true", Some("2")))]
     reps: u32,
-    paths: Vec<Path>,
-    kinds: Vec<QueueKind>,
-    prefetches: Vec<u16>,
-    /// Empty: each path's defaults.
-    contenders: Vec<Contender>,
+    /// 20 000 messages, 2 repetitions, and only raw-batch, ceiling and Lily on the success path.
+    #[arg(long)]
     quick: bool,
+    /// Paths to measure.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "success,handoff"
+    )]
+    paths: Vec<Path>,
+    /// Queue types.
+    #[arg(long = "queues", value_delimiter = ',', default_value = "classic,quorum",
+          value_parser = crate::cli::queue_kind)]
+    kinds: Vec<QueueKind>,
+    /// Prefetch values.
+    #[arg(long = "prefetch", value_delimiter = ',', default_value = "50,500",
+          value_parser = clap::value_parser!(u16).range(1..))]
+    prefetches: Vec<u16>,
+    /// Who runs, in order (default: each path's own list).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    contenders: Vec<Contender>,
+    /// Starts timed per contender and queue type (one message waiting).
+    #[arg(long, default_value_t = 5)]
     start_reps: u32,
+    /// Where the results go.
+    #[arg(long, default_value = "target/bench")]
     out: PathBuf,
 }
 
@@ -61,117 +89,6 @@ impl Args {
             self.contenders.iter().filter(runs).copied().collect()
         }
     }
-}
-
-const USAGE: &str = "usage: throughput [--messages N] [--reps R] [--quick] \
-    [--paths success,handoff] [--queues classic,quorum] [--prefetch 50,500] \
-    [--contenders raw-batch,ceiling,lily,raw,peer,raw-tasks] [--start-reps S] [--out DIR]";
-
-fn parse_args() -> Args {
-    let mut args = Args {
-        messages: 200_000,
-        reps: 3,
-        paths: vec![Path::Success, Path::Handoff],
-        kinds: vec![QueueKind::Classic, QueueKind::Quorum],
-        prefetches: vec![50, 500],
-        contenders: Vec::new(),
-        quick: false,
-        start_reps: 5,
-        out: PathBuf::from("target/bench"),
-    };
-    let mut explicit = (false, false);
-    let mut quick = false;
-    let mut it = std::env::args().skip(1);
-    let fail = |msg: String| -> ! {
-        eprintln!("{msg}\n{USAGE}");
-        std::process::exit(2)
-    };
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .unwrap_or_else(|| fail(format!("{flag} needs a value")))
-        };
-        match flag.as_str() {
-            "--messages" | "-n" => {
-                args.messages = value()
-                    .replace('_', "")
-                    .parse()
-                    .unwrap_or_else(|e| fail(format!("--messages: {e}")));
-                explicit.0 = true;
-            }
-            "--reps" | "-r" => {
-                args.reps = value()
-                    .parse()
-                    .unwrap_or_else(|e| fail(format!("--reps: {e}")));
-                explicit.1 = true;
-            }
-            "--quick" => quick = true,
-            "--paths" => {
-                args.paths = value()
-                    .split(',')
-                    .map(|p| match p {
-                        "success" => Path::Success,
-                        "handoff" => Path::Handoff,
-                        other => fail(format!("unknown path {other}")),
-                    })
-                    .collect();
-            }
-            "--queues" => {
-                args.kinds = value()
-                    .split(',')
-                    .map(|q| match q {
-                        "classic" => QueueKind::Classic,
-                        "quorum" => QueueKind::Quorum,
-                        other => fail(format!("unknown queue type {other}")),
-                    })
-                    .collect();
-            }
-            "--prefetch" => {
-                args.prefetches = value()
-                    .split(',')
-                    .map(|p| match p.parse::<u16>() {
-                        Ok(p) if p > 0 => p,
-                        _ => fail(format!("bad prefetch {p}")),
-                    })
-                    .collect();
-            }
-            "--contenders" => {
-                args.contenders = value()
-                    .split(',')
-                    .map(|c| {
-                        Contender::ALL
-                            .into_iter()
-                            .find(|who| who.flag() == c)
-                            .unwrap_or_else(|| fail(format!("unknown contender {c}")))
-                    })
-                    .collect();
-            }
-            "--start-reps" => {
-                args.start_reps = value()
-                    .parse()
-                    .unwrap_or_else(|e| fail(format!("--start-reps: {e}")));
-            }
-            "--out" => args.out = PathBuf::from(value()),
-            "--help" | "-h" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            other => fail(format!("unknown argument {other}")),
-        }
-    }
-    args.quick = quick;
-    if quick {
-        if !explicit.0 {
-            args.messages = 20_000;
-        }
-        if !explicit.1 {
-            args.reps = 2;
-        }
-    }
-    if args.messages == 0 || args.reps == 0 {
-        fail("--messages and --reps must be above zero".into());
-    }
-    args
 }
 
 /// One run: fresh topology, N messages published, the contender timed, its leftovers checked.
@@ -255,9 +172,8 @@ fn in_turn(n: usize, rep: u32) -> Vec<usize> {
     order
 }
 
-#[tokio::main]
-async fn main() {
-    let args = parse_args();
+/// Runs the benchmark.
+pub async fn run(args: Args) {
     let url = broker_url();
     let body = body_512();
     let started_at_unix = SystemTime::now()
@@ -266,7 +182,7 @@ async fn main() {
     let mut results = Results {
         benchmark: "throughput",
         broker: broker_version(),
-        broker_url: lily_mq_bench::redact(&url),
+        broker_url: crate::redact(&url),
         message_bytes: body.len(),
         messages_per_run: args.messages,
         repetitions: args.reps,
@@ -415,7 +331,7 @@ async fn main() {
     results.wall_secs = total.elapsed().as_secs_f64();
     println!();
     print!("{}", report::human(&results));
-    lily_mq_bench::write_results(
+    crate::write_results(
         &args.out,
         "throughput",
         &results,
