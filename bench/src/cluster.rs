@@ -19,6 +19,8 @@ use crate::{body_512, broker_url, fresh_topology, median, publish};
 use lily::prelude::QueueKind;
 use serde::Serialize;
 
+use crate::report::Table;
+
 /// Lily and raw lapin on a three-node cluster against the single node, side by side.
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -165,22 +167,29 @@ pub async fn run(args: Args) {
         wall_secs: started.elapsed().as_secs_f64(),
         cases,
     };
-    let mut table = String::from(
-        "| path | one node: raw | one node: Lily | cluster: raw | cluster: Lily | Lily cluster / one node | Lily / raw, cluster | Lily / raw, one node |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|\n",
-    );
+    let head = [
+        "path",
+        "one node: raw",
+        "one node: Lily",
+        "cluster: raw",
+        "cluster: Lily",
+        "Lily cluster / one node",
+        "Lily / raw, cluster",
+        "Lily / raw, one node",
+    ];
+    let mut table = Table::new(&head, 1);
     for c in &results.cases {
-        table.push_str(&format!(
-            "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} |\n",
-            c.path,
-            c.single_raw,
-            c.single_lily,
-            c.cluster_raw,
-            c.cluster_lily,
+        let mut cells = vec![c.path.to_owned()];
+        cells.extend(
+            [c.single_raw, c.single_lily, c.cluster_raw, c.cluster_lily].map(|v| format!("{v:.0}")),
+        );
+        let ratios = [
             c.lily_cluster_over_single,
             c.lily_over_raw_on_cluster,
             c.lily_over_raw_on_single,
-        ));
+        ];
+        cells.extend(ratios.map(|v| format!("{v:.2}")));
+        table.row(&cells);
     }
     let header = format!(
         "Quorum queues, prefetch {}, {} persistent {}-byte messages a run, medians of {} \
@@ -192,12 +201,10 @@ pub async fn run(args: Args) {
         results.repetitions,
         results.lily_revision
     );
-    println!("\n{header}{table}");
-    std::fs::create_dir_all(&args.out).expect("create the output directory");
-    let json = serde_json::to_string_pretty(&results).expect("json") + "\n";
-    for (name, text) in [("cluster.json", json), ("cluster.md", header + &table)] {
-        let file = args.out.join(name);
-        std::fs::write(&file, text).expect("write results");
-        println!("wrote {}", file.display());
-    }
+    crate::report::write(
+        &args.out,
+        "cluster",
+        &results,
+        &(header + table.end().trim_end() + "\n"),
+    );
 }

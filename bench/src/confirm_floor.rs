@@ -24,6 +24,7 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::report::{Table, fixed};
 use crate::throughput::{HANDOFF_DELAY, broker_version, load_average, revision};
 use crate::{body_512, broker_url, fresh_topology, redact};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
@@ -212,46 +213,52 @@ async fn time_confirms(
 }
 
 fn markdown(report: &Report, url: &str) -> String {
-    let mut md =
-        String::from("# The broker's confirm latency: the floor under the handoff tail\n\n");
+    let mut md = "# The broker's confirm latency: the floor under the handoff tail\n\n".to_owned();
+    let (start, end) = (fixed(report.load_start, 2), fixed(report.load_end, 2));
     let _ = writeln!(
         md,
-        "Broker: {} on {}  \nLily {}; load average {} at start, {} at end; paced runs of {} s, the first {} s not timed\n",
+        "Broker: {} on {}  \nLily {}; load average {start} at start, {end} at end; paced runs of \
+         {} s, the first {} s not timed\n",
         report.broker,
         redact(url),
         report.revision,
-        shown(report.load_start),
-        shown(report.load_end),
         report.secs,
         report.warmup
     );
-    md.push_str("| pattern | channels | rate msg/s | timed | unconfirmed | p50 ms | p99 ms | p99.9 ms | max ms |\n");
-    md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    let head = [
+        "pattern",
+        "channels",
+        "rate msg/s",
+        "timed",
+        "unconfirmed",
+        "p50 ms",
+        "p99 ms",
+        "p99.9 ms",
+        "max ms",
+    ];
+    let mut table = Table::new(&head, 1);
     for r in &report.rows {
-        let _ = writeln!(
-            md,
-            "| {} | {} | {:.0} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} |",
-            r.pattern,
-            r.channels,
-            r.rate,
-            r.timed,
-            r.unconfirmed,
-            r.p50_ms,
-            r.p99_ms,
-            r.p999_ms,
-            r.max_ms
-        );
+        let mut cells = vec![
+            r.pattern.to_owned(),
+            r.channels.to_string(),
+            format!("{:.0}", r.rate),
+        ];
+        cells.extend([r.timed.to_string(), r.unconfirmed.to_string()]);
+        cells.extend([r.p50_ms, r.p99_ms, r.p999_ms, r.max_ms].map(|v| format!("{v:.2}")));
+        table.row(&cells);
     }
-    md.push_str(
-        "\n- A raw lapin publisher alone (no consumer, nothing else publishing) sends persistent, mandatory 512-byte messages into the latency benchmark's retry bucket (classic, parked 10 minutes), paced every 1 ms, and times each from when the schedule owed it to its confirm.\n\
-         - pipelined: published at once, round robin over the channels, without waiting for earlier confirms (Lily's confirm pool). batched: a channel publishes its next batch only once every confirm of the previous one is in (raw-batch); the wait to be published counts.\n\
-         - Patterns and channel counts run one after the other, in the order shown: compare the rows of one run, and repeat it to see the spread.\n",
-    );
-    md
-}
-
-fn shown(load: Option<f64>) -> String {
-    load.map_or_else(|| "-".into(), |l| format!("{l:.2}"))
+    md + table.end().trim_end()
+        + "\n\n\
+        - A raw lapin publisher alone (no consumer, nothing else publishing) sends persistent, \
+          mandatory 512-byte messages into the latency benchmark's retry bucket (classic, parked \
+          10 minutes), paced every 1 ms, and times each from when the schedule owed it to its \
+          confirm.\n\
+        - pipelined: published at once, round robin over the channels, without waiting for \
+          earlier confirms (Lily's confirm pool). batched: a channel publishes its next batch \
+          only once every confirm of the previous one is in (raw-batch); the wait to be \
+          published counts.\n\
+        - Patterns and channel counts run one after the other, in the order shown: compare the \
+          rows of one run, and repeat it to see the spread.\n"
 }
 
 /// Runs the benchmark.
@@ -300,18 +307,10 @@ pub async fn run(args: Args) {
         warmup: args.warmup,
         rows,
     };
-    let md = markdown(&report, &url);
-    print!("{md}");
-    std::fs::create_dir_all(&args.out).expect("create the output directory");
-    for (ext, text) in [
-        (
-            "json",
-            serde_json::to_string_pretty(&report).expect("json") + "\n",
-        ),
-        ("md", md),
-    ] {
-        let file = args.out.join(format!("confirm-floor.{ext}"));
-        std::fs::write(&file, text).expect("write results");
-        println!("wrote {}", file.display());
-    }
+    crate::report::write(
+        &args.out,
+        "confirm-floor",
+        &report,
+        &markdown(&report, &url),
+    );
 }

@@ -21,7 +21,6 @@ pub mod consume;
 pub mod hostile;
 pub mod memory;
 pub mod reader;
-mod report;
 pub mod shutdown;
 
 use std::io::{BufRead as _, BufReader, Read as _};
@@ -795,27 +794,7 @@ fn orchestrate(options: &Options) -> ExitCode {
         .and_then(Path::parent)
         .map_or_else(|| PathBuf::from("target"), Path::to_path_buf)
         .join("bench");
-    let markdown = report::markdown(&results);
-    println!("{}", report::table(&results));
-    let written = std::fs::create_dir_all(&dir)
-        .and_then(|()| {
-            std::fs::write(
-                dir.join("cost.json"),
-                serde_json::to_string_pretty(&results).unwrap_or_default() + "\n",
-            )
-        })
-        .and_then(|()| std::fs::write(dir.join("cost.md"), markdown));
-    match written {
-        Ok(()) => println!(
-            "written: {} and {}",
-            dir.join("cost.json").display(),
-            dir.join("cost.md").display()
-        ),
-        Err(err) => {
-            eprintln!("cost: writing results to {}: {err}", dir.display());
-            return ExitCode::FAILURE;
-        }
-    }
+    crate::report::write(&dir, "cost", &results, &crate::report::cost(&results));
     if failed.is_empty() {
         ExitCode::SUCCESS
     } else {

@@ -40,10 +40,10 @@ use crate::latency::run::{self, Setup};
 use crate::latency::timer::{self, Sinks};
 use crate::latency::{
     BACKLOG_SECS, Case, Contender, KEPT_UP, LOADS, MaxRate, P99_MARGIN_MS, Path, Results,
-    SUSTAIN_STEP, SUSTAIN_TRIES, SUSTAINED, report,
+    SUSTAIN_STEP, SUSTAIN_TRIES, SUSTAINED,
 };
 use crate::throughput::{broker_version, load_average, revision};
-use crate::{body_512, broker_url};
+use crate::{body_512, broker_url, report};
 
 /// Settlement latency of Lily against raw-batch.
 #[derive(clap::Args, Debug)]
@@ -200,14 +200,7 @@ pub async fn run(args: Args) {
     results.load_average[1] = load_average();
     results.wall_secs = total.elapsed().as_secs_f64();
     println!();
-    print!("{}", report::human(&results));
-    crate::write_results(
-        &args.out,
-        "latency",
-        &results,
-        report::markdown(&results),
-        report::svg(&results),
-    );
+    report::write(&args.out, "latency", &results, &report::latency(&results));
     println!("total {:.0} s", total.elapsed().as_secs_f64());
 }
 

@@ -20,7 +20,6 @@ use serde::Serialize;
 pub mod cli;
 pub mod pace;
 pub mod raw_batch;
-pub mod report;
 pub mod run;
 pub mod timer;
 

@@ -30,9 +30,9 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::mongo::report::{self, CaseResult, ContenderResult, Results};
 use crate::mongo::{Case, Contender, Counters, Load, Run, db, lily_run, raw, verify};
-use crate::throughput::report::rate;
+use crate::mongo::{CaseResult, ContenderResult, Results};
+use crate::report::{self, rate};
 use crate::throughput::{CpuMeter, broker_version, cpu_secs, load_average, revision};
 use crate::{body_512, broker_url, fresh_topology, publish};
 use lily::prelude::{Policy, QueueKind};
@@ -346,14 +346,7 @@ pub async fn run(args: Args) {
     results.load_average[1] = load_average();
     results.wall_secs = total.elapsed().as_secs_f64();
     println!();
-    print!("{}", report::human(&results));
-    crate::write_results(
-        &args.out,
-        "mongo",
-        &results,
-        report::markdown(&results),
-        report::svg(&results),
-    );
+    report::write(&args.out, "mongo", &results, &report::mongo(&results));
     println!("total {:.0} s", total.elapsed().as_secs_f64());
 }
 

@@ -24,13 +24,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::Serialize;
 
+use crate::median;
+use crate::mongo::db::Ops;
 use crate::throughput::Sample;
 
 pub mod cli;
 pub mod db;
 pub mod lily_run;
 pub mod raw;
-pub mod report;
 pub mod verify;
 
 /// The database every run drops and re-creates.
@@ -203,4 +204,141 @@ pub struct Run {
     /// Lily's totals after its shutdown.
     pub lily_totals: Option<lily::core::Totals>,
     pub check: verify::Check,
+}
+
+/// Everything one benchmark run measured.
+#[derive(Debug, Serialize)]
+pub struct Results {
+    pub benchmark: &'static str,
+    pub broker: String,
+    pub broker_url: String,
+    pub mongodb: String,
+    pub mongodb_url: String,
+    pub queue_type: &'static str,
+    pub message_bytes: usize,
+    pub repetitions: u32,
+    pub cpus: usize,
+    pub started_at_unix: u64,
+    /// `git describe --always --dirty` of the tree the benchmark ran in.
+    pub lily_revision: String,
+    /// 1-minute load average when the run started and when it ended (the machine is shared).
+    pub load_average: [Option<f64>; 2],
+    pub wall_secs: f64,
+    pub notes: Vec<String>,
+    pub cases: Vec<CaseResult>,
+}
+
+/// One case, every contender's runs and medians.
+#[derive(Debug, Serialize)]
+pub struct CaseResult {
+    pub case: Case,
+    pub messages_per_run: u64,
+    pub concurrency: usize,
+    pub prefetch: u16,
+    pub contenders: Vec<ContenderResult>,
+}
+
+/// One contender in one case.
+#[derive(Debug, Serialize)]
+pub struct ContenderResult {
+    pub contender: Contender,
+    pub median_msgs_per_sec: f64,
+    /// This contender's median over the raw contender's (Lily only).
+    pub over_raw: Option<f64>,
+    /// The target of `over_raw` (the scope case only).
+    pub over_raw_target: Option<f64>,
+    pub over_raw_met: Option<bool>,
+    /// Median transaction attempts (raw) or handler runs (Lily) per message.
+    pub attempts_per_msg: f64,
+    /// Median transient transaction errors seen per message.
+    pub conflicts_per_msg: f64,
+    /// Valid messages found in the DLQ or the parking lane, all runs together (must be 0).
+    pub dead_lettered_or_parked: u64,
+    /// Every run passed its checks by message id.
+    pub all_verified: bool,
+    /// Every run settled all its messages within the limit.
+    pub all_complete: bool,
+    /// Median CPU µs per message: this process, the broker's VM, mongod.
+    pub client_cpu_us_per_msg: Option<f64>,
+    pub broker_cpu_us_per_msg: Option<f64>,
+    pub mongod_cpu_us_per_msg: Option<f64>,
+    /// Median mongod operations per message, by kind.
+    pub mongod_ops_per_msg: Option<Ops>,
+    pub runs: Vec<Run>,
+}
+
+impl ContenderResult {
+    pub fn new(contender: Contender, runs: Vec<Run>) -> Self {
+        let med = |f: &dyn Fn(&Run) -> Option<f64>| {
+            let mut v: Vec<f64> = runs.iter().filter_map(f).collect();
+            (!v.is_empty()).then(|| median(&mut v))
+        };
+        #[allow(clippy::cast_precision_loss)]
+        let per_msg = |count: u64, run: &Run| count as f64 / run.sample.expected.max(1) as f64;
+        Self {
+            contender,
+            median_msgs_per_sec: med(&|r| Some(r.sample.msgs_per_sec)).unwrap_or(f64::NAN),
+            over_raw: None,
+            over_raw_target: None,
+            over_raw_met: None,
+            attempts_per_msg: med(&|r| Some(per_msg(r.observed.attempts, r))).unwrap_or(f64::NAN),
+            conflicts_per_msg: med(&|r| Some(per_msg(r.observed.conflicts, r))).unwrap_or(f64::NAN),
+            dead_lettered_or_parked: runs
+                .iter()
+                .map(|r| r.check.dead_lettered + r.check.parked)
+                .sum(),
+            all_verified: runs.iter().all(|r| r.check.passed),
+            all_complete: runs.iter().all(|r| r.sample.complete),
+            client_cpu_us_per_msg: med(&|r| r.sample.client_cpu_us_per_msg),
+            broker_cpu_us_per_msg: med(&|r| r.sample.broker_cpu_us_per_msg),
+            mongod_cpu_us_per_msg: med(&|r| r.mongod_cpu_us_per_msg),
+            mongod_ops_per_msg: med(&|r| r.mongod_ops_per_msg.map(|o| o.insert)).map(|insert| {
+                let m = |f: fn(&Ops) -> f64| med(&|r| r.mongod_ops_per_msg.as_ref().map(f));
+                Ops {
+                    insert,
+                    query: m(|o| o.query).unwrap_or(f64::NAN),
+                    update: m(|o| o.update).unwrap_or(f64::NAN),
+                    delete: m(|o| o.delete).unwrap_or(f64::NAN),
+                    getmore: m(|o| o.getmore).unwrap_or(f64::NAN),
+                    command: m(|o| o.command).unwrap_or(f64::NAN),
+                }
+            }),
+            runs,
+        }
+    }
+}
+
+impl CaseResult {
+    /// Computes the ratios to the raw contender, when it ran.
+    pub fn new(
+        case: Case,
+        messages_per_run: u64,
+        concurrency: usize,
+        prefetch: u16,
+        mut contenders: Vec<ContenderResult>,
+    ) -> Self {
+        let raw = contenders
+            .iter()
+            .find(|c| c.contender == Contender::Raw)
+            .map(|c| c.median_msgs_per_sec);
+        for c in contenders
+            .iter_mut()
+            .filter(|c| c.contender != Contender::Raw)
+        {
+            c.over_raw = raw.map(|r| c.median_msgs_per_sec / r);
+            // The target is the default scope's, the like-for-like one: the lease is an
+            // opt-in for effects outside the database, which the raw contender does not guard.
+            if case == Case::Scope && c.contender == Contender::Lily {
+                c.over_raw_target = c.over_raw.map(|_| TARGET);
+                c.over_raw_met = c.over_raw.map(|r| r >= TARGET);
+            }
+        }
+        Self {
+            case,
+            messages_per_run,
+            concurrency,
+            prefetch,
+            contenders,
+        }
+    }
 }

@@ -22,9 +22,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::report;
 use crate::storm::{
     Contender, MAX_ATTEMPTS, QUEUE, RETRY_DELAY, Results, StormRun, Summary, check, lily, raw,
-    report, sample,
+    sample,
 };
 use crate::throughput::{broker_version, load_average, revision};
 use crate::{body_512, broker_url, fresh_topology, publish};
@@ -189,14 +190,7 @@ pub async fn run(args: Args) {
     results.load_average[1] = load_average();
     results.wall_secs = total.elapsed().as_secs_f64();
     println!();
-    print!("{}", report::human(&results));
-    crate::write_results(
-        &args.out,
-        "storm",
-        &results,
-        report::markdown(&results),
-        report::svg(&results),
-    );
+    report::write(&args.out, "storm", &results, &report::storm(&results));
     println!("total {:.0} s", total.elapsed().as_secs_f64());
 }
 

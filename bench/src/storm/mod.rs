@@ -27,7 +27,6 @@ pub mod check;
 pub mod cli;
 pub mod lily;
 pub mod raw;
-pub mod report;
 
 /// The bucket's delay: short, so copies come back.
 pub const RETRY_DELAY: Duration = Duration::from_secs(1);

@@ -29,7 +29,8 @@
 use std::path::PathBuf;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use crate::throughput::report::{self, CaseResult, Results, Start};
+use crate::report;
+use crate::throughput::{CaseResult, Results, Start};
 use crate::throughput::{
     Contender, CpuMeter, HANDOFF_DELAY, Path, Profile, Sample, broker_version, depth, lily_run,
     load_average, peer, raw, revision,
@@ -329,14 +330,11 @@ pub async fn run(args: Args) {
     }
     results.load_average[1] = load_average();
     results.wall_secs = total.elapsed().as_secs_f64();
-    println!();
-    print!("{}", report::human(&results));
-    crate::write_results(
+    report::write(
         &args.out,
         "throughput",
         &results,
-        report::markdown(&results),
-        report::svg(&results),
+        &report::throughput(&results),
     );
     println!("total {:.0} s", total.elapsed().as_secs_f64());
 }
