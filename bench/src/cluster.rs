@@ -14,11 +14,12 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use crate::throughput::{HANDOFF_DELAY, Path, Sample, lily_run, raw, revision};
+use crate::throughput::{HANDOFF_DELAY, Path, Sample, lily_run, revision};
 use crate::{body_512, broker_url, fresh_topology, median, publish};
 use lily::prelude::QueueKind;
 use serde::Serialize;
 
+use crate::raw::{self, Settle};
 use crate::report::Table;
 
 /// Lily and raw lapin on a three-node cluster against the single node, side by side.
@@ -85,7 +86,7 @@ async fn run_once(url: &str, path: Path, lily: bool, prefetch: u16, n: u64) -> S
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     let bucket = topology.bucket(0).expect("a retry bucket").to_owned();
     match (path, lily) {
-        (Path::Success, false) => raw::success(url, queue, prefetch, n).await,
+        (Path::Success, false) => raw::success(url, queue, prefetch, n, Settle::Each).await,
         (Path::Success, true) => {
             lily_run::success(url, queue, QueueKind::Quorum, prefetch, n).await
         }

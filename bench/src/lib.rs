@@ -10,6 +10,7 @@ pub mod confirm_floor;
 pub mod cost;
 pub mod latency;
 pub mod mongo;
+pub mod raw;
 pub mod report;
 pub mod storm;
 

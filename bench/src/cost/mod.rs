@@ -74,35 +74,6 @@ pub fn alloc_snapshot() -> stats_alloc::Stats {
     stats_alloc::INSTRUMENTED_SYSTEM.stats()
 }
 
-/// A hand-written lapin consumer of `queue`: its connection, channel (with `prefetch`) and
-/// delivery stream.
-pub async fn raw_consumer(
-    url: &str,
-    queue: &str,
-    prefetch: u16,
-) -> Result<(lapin::Connection, lapin::Channel, lapin::Consumer), String> {
-    use lapin::options::{BasicConsumeOptions, BasicQosOptions};
-    let e = |what: &'static str| move |err: lapin::Error| format!("{what}: {err}");
-    let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
-        .await
-        .map_err(e("connect"))?;
-    let channel = connection.create_channel().await.map_err(e("channel"))?;
-    channel
-        .basic_qos(prefetch, BasicQosOptions::default())
-        .await
-        .map_err(e("basic.qos"))?;
-    let consumer = channel
-        .basic_consume(
-            queue.into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            lapin::types::FieldTable::default(),
-        )
-        .await
-        .map_err(e("basic.consume"))?;
-    Ok((connection, channel, consumer))
-}
-
 /// A tokio runtime: current-thread by default (repeatable counts), multi-thread when asked.
 pub fn runtime(multi_thread: bool) -> Runtime {
     let mut builder = if multi_thread {

@@ -22,10 +22,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::raw;
 use crate::report;
 use crate::storm::{
-    Contender, MAX_ATTEMPTS, QUEUE, RETRY_DELAY, Results, StormRun, Summary, check, lily, raw,
-    sample,
+    Contender, MAX_ATTEMPTS, QUEUE, RETRY_DELAY, Results, StormRun, Summary, check, lily, sample,
 };
 use crate::throughput::{broker_version, load_average, revision};
 use crate::{body_512, broker_url, fresh_topology, publish};
@@ -70,7 +70,7 @@ async fn storm(url: &str, body: &[u8], args: &Args, who: Contender) -> StormRun 
         Contender::Raw => {
             let counters = Arc::new(raw::Counters::default());
             let stop = CancellationToken::new();
-            let task = tokio::spawn(raw::run(
+            let task = tokio::spawn(raw::storm(
                 url.to_owned(),
                 QUEUE.to_owned(),
                 bucket.clone(),
@@ -207,7 +207,7 @@ fn notes(args: &Args) -> Vec<String> {
             args.prefetch,
             args.prefetch
         ),
-        "raw lapin: throughput::raw::handoff's algorithm for the duration: a task per delivery \
+        "raw lapin: raw::handoff's algorithm for the duration: a task per delivery \
          publishes the copy (mandatory, persistent, Lily's 8 failure headers, attempt bumped) on \
          one confirm channel, awaits its own confirm, then ACKs (NACK with requeue if the copy \
          failed)."

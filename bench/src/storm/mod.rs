@@ -6,7 +6,7 @@
 //! the bucket (confirmed) → original ACKed → the bucket's TTL dead-letters it back. Each
 //! contender runs for the duration on its own fresh topology:
 //!
-//! - raw lapin ([`raw`]): `throughput::raw::handoff`'s algorithm (a task per delivery publishes
+//! - raw lapin ([`crate::raw::storm`]): `raw::handoff`'s algorithm (a task per delivery publishes
 //!   the copy, mandatory and persistent, on one confirm channel, awaits its own confirm, then
 //!   ACKs) running for the duration;
 //! - Lily ([`lily`]): a handler that always returns `QueueHandlerError::retryable`, a policy that
@@ -26,7 +26,6 @@ use serde::Serialize;
 pub mod check;
 pub mod cli;
 pub mod lily;
-pub mod raw;
 
 /// The bucket's delay: short, so copies come back.
 pub const RETRY_DELAY: Duration = Duration::from_secs(1);

@@ -29,11 +29,12 @@
 use std::path::PathBuf;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use crate::raw::{self, Settle};
 use crate::report;
 use crate::throughput::{CaseResult, Results, Start};
 use crate::throughput::{
     Contender, CpuMeter, HANDOFF_DELAY, Path, Profile, Sample, broker_version, depth, lily_run,
-    load_average, peer, raw, revision,
+    load_average, peer, revision,
 };
 use crate::{body_512, broker_url, fresh_topology, kind_name, publish};
 use lily::prelude::QueueKind;
@@ -124,13 +125,19 @@ async fn run_once(
     ));
     let cpu = CpuMeter::start();
     let mut sample = match (path, who) {
-        (Path::Success, Contender::Raw) => raw::success(url, &queue, prefetch, n).await,
-        (Path::Success, Contender::RawBatch) => raw::success_batch(url, &queue, prefetch, n).await,
-        (Path::Success, Contender::Ceiling) => raw::ceiling(url, &queue, prefetch, n).await,
+        (Path::Success, Contender::Raw) => {
+            raw::success(url, &queue, prefetch, n, Settle::Each).await
+        }
+        (Path::Success, Contender::RawBatch) => {
+            raw::success(url, &queue, prefetch, n, Settle::Batch).await
+        }
+        (Path::Success, Contender::Ceiling) => {
+            raw::success(url, &queue, prefetch, n, Settle::NoAck).await
+        }
         (Path::Success, Contender::Lily) => lily_run::success(url, &queue, kind, prefetch, n).await,
         (Path::Success, Contender::Peer) => peer::success(url, &queue, kind, prefetch, n).await,
         (Path::Success, Contender::RawConcurrent) => {
-            raw::success_concurrent(url, &queue, prefetch, n).await
+            raw::success(url, &queue, prefetch, n, Settle::Tasks).await
         }
         (Path::Handoff, Contender::Raw) => raw::handoff(url, &queue, &bucket, prefetch, n).await,
         (Path::Handoff, Contender::RawBatch) => {

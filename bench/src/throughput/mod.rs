@@ -9,10 +9,9 @@ use serde::Serialize;
 use crate::median;
 
 pub mod cli;
-pub mod copy;
+
 pub mod lily_run;
 pub mod peer;
-pub mod raw;
 
 /// How often a run polls a contender's settled count (Lily's totals, the peer's counter).
 pub const POLL: Duration = Duration::from_millis(1);
