@@ -1,15 +1,5 @@
-//! Lily on a three-node cluster beside one node: the success and handoff paths on quorum
-//! queues, each run against the single node and against the cluster in turn, with the raw lapin
-//! consumer of the throughput benchmark beside Lily, in one run.
-//!
-//! ```text
-//! scripts/bench.sh cluster [--messages N] [--reps R] [--prefetch P] [--quick] [--out DIR]
-//! ```
-//!
-//! The single node is `LILY_AMQP_URL`; the cluster is `LILY_CLUSTER_URL` (node 1; its queues
-//! have three replicas, led by the node the declaring client is on). Each run re-creates the
-//! topology, publishes N messages (not timed) and times from consumer start until N are
-//! settled. Results go to `target/bench/cluster.{json,md}`.
+//! `lily-bench cluster`: Lily and raw lapin on a three-node cluster beside one node.
+//! Method: `bench/README.md`.
 
 use std::path::PathBuf;
 use std::time::Instant;

@@ -1,23 +1,5 @@
-//! The broker's own confirm latency: the floor under every handoff path's tail.
-//!
-//! A paced raw lapin publisher sends persistent, mandatory 512-byte messages into a retry bucket
-//! declared exactly as the latency benchmark's handoff path declares it (classic, parked for
-//! 10 minutes), at the rates that benchmark uses, and times each message from its publish to its
-//! confirm. No consumer runs and nothing else publishes: what the figures show is the broker's
-//! (and this machine's) share of any handoff's latency. Two publishing patterns are timed side
-//! by side:
-//!
-//! - `pipelined`: what the schedule owes is published every millisecond, round robin over the
-//!   channels, without waiting for earlier confirms (Lily's confirm pool publishes this way);
-//! - `batched`: a channel publishes the next batch only once every confirm of its previous one
-//!   is in (`raw-batch` awaits its confirms this way); a message's time includes its wait to be
-//!   published.
-//!
-//! ```text
-//! confirm_floor [--quick] [--rates 2400,4320] [--channels 1,4] [--secs 8] [--warmup 2] [--out DIR]
-//! ```
-//!
-//! `--quick` runs 6 s with 1 s of warm-up.
+//! `lily-bench confirm-floor`: the broker's own publish-to-confirm latency, the floor under every
+//! handoff path's tail. Method: `bench/README.md`.
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;

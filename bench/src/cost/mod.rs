@@ -1,21 +1,6 @@
-//! The cost benchmark (`lily-bench cost`): what Lily's layer adds per message over a
-//! hand-written lapin consumer, memory per in-flight delivery and shutdown latency.
-//!
-//! The binary installs `stats_alloc`'s counting allocator as its global allocator; these modules
-//! read it through [`alloc_snapshot`]. Without a subcommand [`main`] orchestrates every
-//! measurement in child processes of the same binary:
-//!
-//! - **allocations** (native): `run-raw N` / `run-lily N` and the same with `N0`, each counting
-//!   the whole process; per message = `(A(N) - A(N0)) / (N - N0)`, so connection, topology and
-//!   shutdown cancel out. Lily's layer = Lily's per message − raw's. Median of `--reps` rounds.
-//! - **instructions**: the same four runs under `valgrind --tool=callgrind`, the `Collected`
-//!   total of each (every thread), same formula; on tokio's current-thread runtime (the target is
-//!   judged there: the steadier, stricter baseline) and again on the multi-thread runtime, where
-//!   the raw loop pays more for cross-thread wake-ups and Lily's layer looks smaller.
-//! - **memory**: `mem-raw K` / `mem-lily K` ([`memory`]).
-//! - **shutdown**: the `k8s-shutdown` example service ([`shutdown`]).
-//! - **hostile**: 10 000 messages just under the limits (and some just over) at prefetch 1 000,
-//!   peak RSS against a stated bound, every id checked from outside ([`hostile`]).
+//! `lily-bench cost`: what Lily's layer adds per message over a hand-written lapin consumer,
+//! memory per in-flight delivery, shutdown latency and the hostile load, each measured in a
+//! child process. Method: `bench/README.md`.
 
 pub mod consume;
 pub mod hostile;

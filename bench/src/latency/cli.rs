@@ -1,37 +1,5 @@
-//! Settlement latency of Lily against `raw-batch` (a hand-tuned raw lapin consumer): p50, p99 and
-//! p99.9 at 50 % and 90 % of the maximum rate, on the success and the handoff path.
-//!
-//! ```text
-//! scripts/bench.sh latency [--quick] [--paths success,handoff] [--prefetch 500,50]
-//!                          [--secs S] [--warmup S] [--messages N] [--max-rate R] [--reps R]
-//!                          [--out DIR]
-//! ```
-//!
-//! - Maximum rate of a path × prefetch, measured with the publisher running: first each
-//!   contender's drain rate (N messages, default 60 000, quick 20 000, published to a fresh
-//!   classic queue, then drained and timed from consumer start until all are settled), then
-//!   what each settles per second while the paced publisher offers the higher drain rate (one
-//!   paced run of half the length). From 90 % of the lower settled rate down, by 10 % a step,
-//!   the first rate both contenders sustain in a paced run is used (or `--max-rate R` for
-//!   every case): under overload a contender settles more than it sustains, so 90 % of that
-//!   rate was not 90 %.
-//! - Each case: for each contender (order alternating case by case), a fresh topology, the
-//!   contender consuming, and a paced publisher (own connection, Lily's `Publisher`, 1 ms ticks)
-//!   at the target rate for S seconds (default 20, quick 8). Messages published after the
-//!   warm-up (default 3 s, quick 2 s) and before publishing stopped are timed.
-//! - Each case runs R rounds (default 3, quick 1), the contenders' order alternating round by
-//!   round, and reports the round whose p99 difference is the median, with every round's
-//!   difference: one stall of tens of milliseconds decides a single round's p99 on a shared
-//!   machine.
-//! - Success path: deserialize, ACK. Handoff path: deserialize, fail; the copy goes to a retry
-//!   bucket of 10 minutes (confirmed) and the original is ACKed.
-//! - Both contenders are timed from the message's publish (the paced publisher stamps it) to
-//!   its settlement: Lily's `delivery` span closing (a tracing layer), raw-batch's covering ACK
-//!   completing. On the handoff path each copy is timed too, to its confirm: Lily's `handoff`
-//!   span, raw-batch's publish written to its confirm seen at the flush.
-//!
-//! `--quick` (prefetch 500 only) takes about two and a half minutes. Results go to
-//! `target/bench/latency.{json,md,svg}`.
+//! `lily-bench latency`: settlement latency of Lily against raw-batch at 50 % and 90 % of the
+//! maximum rate. Method: `bench/README.md`.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};

@@ -1,19 +1,4 @@
-//! The settlement-latency benchmark: p50, p99 and p99.9 of the time from a message's publish
-//! to its settlement, for Lily and for `raw-batch` (a hand-tuned raw lapin consumer), at 50 % and
-//! 90 % of the maximum rate, on the success path (delivery → ACK written) and the handoff path
-//! (delivery → copy confirmed → ACK written). `cli` drives it.
-//!
-//! - The maximum rate of a path × prefetch is what each contender settles while the paced
-//!   publisher runs beside it, offering the higher of the two drain rates (N messages published
-//!   first, then drained and timed with nothing publishing); the lower of the two contenders'
-//!   settled rates is used, or `--max-rate`. A publisher competes with the consumer for the
-//!   node's cores, so a drain rate alone overstates what a consumer sustains under load.
-//! - A run re-creates the topology, starts the contender, then a paced publisher on its own
-//!   connection ([`pace`]) publishes at the target rate for the run's duration. Latencies of the
-//!   messages published after the warm-up and before publishing stopped are kept.
-//! - Every latency starts when the paced publisher published the message ([`timer::Sent`]),
-//!   for both contenders. Lily's ends when its `delivery` span closes (a tracing layer,
-//!   [`timer`]); raw-batch's ([`raw_batch`]) when the ACK that covered it completed.
+//! The settlement-latency benchmark: its cases, runs and latencies. Method: `bench/README.md`.
 
 use serde::Serialize;
 

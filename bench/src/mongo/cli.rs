@@ -1,31 +1,5 @@
-//! What Lily's MongoDB scope costs: Lily's transactional-inbox handler against a hand-written
-//! lapin + mongodb consumer doing the same transaction, and what hot keys (write conflicts) do
-//! to both, on one broker and one replica set, alternating the contenders run by run.
-//!
-//! ```text
-//! LILY_AMQP_URL=… LILY_MONGO_URL=… [LILY_RABBIT_DIR=…] [LILY_MONGO_DIR=…] \
-//! mongo [--quick] [--messages N] [--hot-messages N] [--reps R] [--concurrency C] [--prefetch P]
-//!       [--hot-concurrency C] [--cases scope,hot] [--out DIR]
-//!       [--contenders raw,lily,lily-lease[,raw-lily-record]]
-//! ```
-//!
-//! - **scope** (N = 20 000, `--quick` 5 000; concurrency 32, prefetch 64): per message one
-//!   transaction with the inbox record and one effect insert, committed, then ACKed. Contenders:
-//!   the raw driver consumer (`crate::mongo::raw`), Lily with its default scope (inbox
-//!   only, the like-for-like one), Lily with the lease (inbox + fenced lease per message).
-//!   Target: Lily / raw ≥ 0.9. On request (`--contenders …,raw-lily-record`) also the raw
-//!   consumer writing Lily's inbox record shape with Lily's TTL index: a diagnostic that
-//!   separates what Lily's record costs mongod from what Lily's machinery costs.
-//! - **hot keys** (N = 5 000, `--quick` 2 000; concurrency 8, prefetch 16): the same plus `$inc`
-//!   on counter `index % 5`, so transactions conflict. Required: no valid message in the DLQ
-//!   or the parking lane, the counters sum to N, every id in the inbox once.
-//!
-//! Every run re-declares the topology (classic queue), drops and re-creates the database,
-//! publishes N messages (not timed), then times from consumer start until N are ACKed, and
-//! checks the outcome by message id from outside (`crate::mongo::verify`). Medians of
-//! the repetitions (3, `--quick` 2) go to `target/bench/mongo.{json,md,svg}`. `LILY_RABBIT_DIR`
-//! and `LILY_MONGO_DIR` (the nodes' directories) add broker and mongod CPU per message.
-//! `--quick` takes about 1.5–2 minutes on a shared 2-core machine; the default run about 8.
+//! `lily-bench mongo`: Lily's MongoDB scope against a hand-written lapin + mongodb consumer.
+//! Method: `bench/README.md`.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};

@@ -1,23 +1,4 @@
-//! The Mongo scope benchmark: what Lily's [`MongoScope`](lily::mongo::MongoScope) costs against
-//! a hand-written lapin + mongodb consumer doing the same transactional work, and whether hot
-//! keys (write conflicts) ever cost a valid message. `cli` drives it.
-//!
-//! Two cases, each over N pre-published 512-byte JSON orders (ids `m-0` … `m-{N-1}`) on a
-//! classic queue:
-//!
-//! - **scope**: per message one transaction that inserts the inbox record and one effect
-//!   document `{_id: message_id, sku, quantity}` into `effects`, committed before the ACK;
-//! - **hot keys**: the same plus `$inc: {n: 1}` on counter document `index % 5` in `counters`, so
-//!   concurrent transactions conflict (`WriteConflict`, labelled `TransientTransactionError`).
-//!
-//! Contenders ([`Contender`]): the raw driver consumer ([`raw`]), Lily with its default scope
-//! (inbox only: the like-for-like comparison with the raw consumer) and Lily with
-//! `MongoConfig::with_lease` (inbox + per-message fenced lease) ([`lily_run`]); on request also the raw
-//! consumer writing Lily's inbox record, which separates what Lily's record costs mongod from
-//! what Lily's machinery costs. Every run gets a fresh
-//! topology and a dropped and re-created database; after it, [`verify`] checks from outside,
-//! by message id, that every effect and inbox record exists exactly once, the counters add up,
-//! and the work queue, the DLQ, the parking lane and the retry buckets hold nothing.
+//! The Mongo scope benchmark: cases, contenders and results. Method: `bench/README.md`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -1,21 +1,5 @@
-//! Failure storm: 100 % retryable failures at the maximum rate for minutes, raw lapin against
-//! Lily, watching throughput and memory over time.
-//!
-//! ```text
-//! scripts/bench.sh storm [--quick] [--secs S] [--population N] [--prefetch P]
-//!                        [--contenders raw,lily] [--out DIR]
-//! ```
-//!
-//! For each contender (raw lapin first, then Lily) a fresh classic topology whose retry bucket
-//! delays 1 s, a population of N messages (default 40 000) published up front, then the
-//! contender consumes for S seconds (default 300, quick 45) with prefetch P (default 500; Lily's
-//! concurrency = P): every delivery fails, its copy goes to the bucket (confirmed), the original
-//! is ACKed, and the bucket dead-letters the copy back 1 s later. Every second: handoffs
-//! completed, `VmRSS` of this process, the work queue's ready depth. After the contender stopped
-//! and the bucket's TTL passed, the work queue and the bucket are drained and counted by
-//! message id: every id of the population exactly once, DLQ and parking empty.
-//!
-//! `--quick` takes about two and a half minutes. Results go to `target/bench/storm.{json,md,svg}`.
+//! `lily-bench storm`: 100 % retryable failures for minutes, raw lapin against Lily.
+//! Method: `bench/README.md`.
 
 use std::path::PathBuf;
 use std::sync::Arc;

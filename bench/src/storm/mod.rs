@@ -1,22 +1,4 @@
-//! The failure-storm benchmark: every delivery fails retryably, at the maximum rate, for minutes
-//! on end. `cli` drives it.
-//!
-//! A fresh classic work queue with one retry bucket of 1 s is filled with a population of
-//! messages (default 40 000); then every message cycles work queue → handler fails → copy to
-//! the bucket (confirmed) → original ACKed → the bucket's TTL dead-letters it back. Each
-//! contender runs for the duration on its own fresh topology:
-//!
-//! - raw lapin ([`crate::raw::storm`]): `raw::handoff`'s algorithm (a task per delivery publishes
-//!   the copy, mandatory and persistent, on one confirm channel, awaits its own confirm, then
-//!   ACKs) running for the duration;
-//! - Lily ([`lily`]): a handler that always returns `QueueHandlerError::retryable`, a policy that
-//!   never runs out of attempts during the run, prefetch = concurrency.
-//!
-//! Every second the benchmark samples the handoffs completed that second (Lily's
-//! `stats().totals().retried`, raw's counter), this process's `VmRSS` and the work queue's
-//! ready depth. After a contender stopped and the bucket's TTL passed, [`check`] drains the
-//! work queue and the bucket and counts the copies by message id: every id of the population
-//! must be there exactly once, and the DLQ and parking lane must be empty.
+//! The failure-storm benchmark: its contenders, samples and summary. Method: `bench/README.md`.
 
 use std::time::{Duration, Instant};
 

@@ -1,30 +1,5 @@
-//! Throughput of Lily against hand-written and hand-tuned lapin consumers, the no-ack ceiling and
-//! ruststream-lapin, side by side on one broker, the contenders taking turns run by run (their
-//! order reversed every other repetition) and reporting medians.
-//!
-//! ```text
-//! scripts/bench.sh throughput [--messages N] [--reps R] [--quick]
-//!                             [--paths success,handoff] [--queues classic,quorum]
-//!                             [--prefetch 50,500] [--contenders raw-batch,ceiling,lily,raw,peer,raw-tasks]
-//!                             [--start-reps S] [--out DIR]
-//! ```
-//!
-//! - Success path: N 512-byte JSON messages deserialized and settled by (a) `raw-batch`, hand-tuned
-//!   lapin that ACKs with `multiple` every prefetch/2 deliveries; (b) `ceiling`, the same loop
-//!   consuming with `no_ack` (the broker settles nothing, so no settling consumer is faster);
-//!   (c) a Lily handler doing the same work (concurrency = prefetch); (d) raw lapin, one delivery
-//!   after the other, each ACK awaited; (e) the same handler in ruststream-lapin (a pool of
-//!   prefetch workers). `--quick` runs (a)–(c).
-//! - Handoff path: every message fails once: (a) `raw-batch` publishes the retry copies (mandatory,
-//!   persistent) on one confirm channel and awaits their confirms prefetch/2 at a time while the
-//!   next batch is published, then ACKs the batch with one `multiple` ACK; (b) raw lapin awaits
-//!   each copy's own confirm in a task per delivery (pipelined) then ACKs; (c) Lily hands each off
-//!   to its retry bucket. The bucket delays 10 minutes so the copies stay parked.
-//!
-//! Each run re-creates the topology, publishes N messages (not timed), then times from consumer
-//! start until N are settled. Then each success-path contender starts `--start-reps` times (5
-//! unless told) per queue type with one message waiting: its start, which every run above
-//! includes. Results go to `target/bench/throughput.{json,md,svg}`.
+//! `lily-bench throughput`: Lily against raw lapin contenders, the no-ack ceiling and
+//! ruststream-lapin, taking turns run by run. Method: `bench/README.md`.
 
 use std::path::PathBuf;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
