@@ -172,3 +172,45 @@ pub fn median(values: &mut [f64]) -> f64 {
 }
 
 pub mod throughput;
+
+/// What every program's results open with: the conditions of the run.
+#[derive(Debug, Serialize)]
+pub struct Meta {
+    pub benchmark: &'static str,
+    pub broker: String,
+    pub broker_url: String,
+    pub message_bytes: usize,
+    pub cpus: usize,
+    pub started_at_unix: u64,
+    /// `git describe --always --dirty` of the tree the benchmark ran in.
+    pub lily_revision: String,
+    /// 1-minute load average when the run started and when it ended (the machine is shared).
+    pub load_average: [Option<f64>; 2],
+    pub wall_secs: f64,
+    pub notes: Vec<String>,
+}
+
+impl Meta {
+    /// The conditions at the start of `benchmark` against the broker at `url`.
+    pub fn new(benchmark: &'static str, url: &str, notes: Vec<String>) -> Self {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        Self {
+            benchmark,
+            broker: throughput::broker_version(),
+            broker_url: redact(url),
+            message_bytes: body_512().len(),
+            cpus: std::thread::available_parallelism().map_or(1, usize::from),
+            started_at_unix: now.map_or(0, |d| d.as_secs()),
+            lily_revision: throughput::revision(),
+            load_average: [throughput::load_average(), None],
+            wall_secs: 0.0,
+            notes,
+        }
+    }
+
+    /// Records the load average at the end, and the time since `started`.
+    pub fn finish(&mut self, started: std::time::Instant) {
+        self.load_average[1] = throughput::load_average();
+        self.wall_secs = started.elapsed().as_secs_f64();
+    }
+}

@@ -96,7 +96,8 @@ pub fn spread(runs: &[f64]) -> String {
 }
 
 /// The line every report opens with after its title: revision, load and duration.
-fn run_line(revision: &str, load: [Option<f64>; 2], wall_secs: f64) -> String {
+fn run_line(meta: &crate::Meta) -> String {
+    let (revision, load, wall_secs) = (&meta.lily_revision, meta.load_average, meta.wall_secs);
     let (start, end) = (fixed(load[0], 2), fixed(load[1], 2));
     format!("Lily {revision}; load average {start} at start, {end} at end; {wall_secs:.0} s  \n")
 }
@@ -121,15 +122,15 @@ fn verdict(value: f64, target: Option<f64>) -> String {
 /// message; then each contender's start.
 pub fn throughput(r: &throughput::Results) -> String {
     use throughput::{CaseResult, Contender, Path};
-    let mut out = format!("Broker: {} on {}  \n", r.broker, r.broker_url);
+    let mut out = format!("Broker: {} on {}  \n", r.meta.broker, r.meta.broker_url);
     let _ = writeln!(
         out,
         "Messages: {} a run, {}-byte JSON, persistent; {} repetition(s), contenders taking turns \
          run by run, in reverse order every other repetition; medians, [lowest–highest] of the \
          repetitions' ratios; {} CPU(s)  ",
-        r.messages_per_run, r.message_bytes, r.repetitions, r.cpus
+        r.messages_per_run, r.meta.message_bytes, r.repetitions, r.meta.cpus
     );
-    out += &run_line(&r.lily_revision, r.load_average, r.wall_secs);
+    out += &run_line(&r.meta);
     out.push('\n');
     let key = |c: &CaseResult| {
         [
@@ -263,7 +264,7 @@ pub fn throughput(r: &throughput::Results) -> String {
         }
         out += &table.end();
     }
-    notes(&mut out, &r.notes);
+    notes(&mut out, &r.meta.notes);
     out
 }
 
@@ -316,14 +317,14 @@ fn sustained(max: &MaxRate) -> String {
 /// maximum rates.
 pub fn latency(r: &latency::Results) -> String {
     let mut out = "# Settlement latency: Lily and raw-batch\n\n".to_owned();
-    let _ = writeln!(out, "Broker: {} on {}  ", r.broker, r.broker_url);
+    let _ = writeln!(out, "Broker: {} on {}  ", r.meta.broker, r.meta.broker_url);
     let _ = writeln!(
         out,
         "{}-byte JSON, persistent, classic queue; paced runs of {:.0} s, the first {:.0} s not \
          timed; {} CPU(s)  ",
-        r.message_bytes, r.run_secs, r.warmup_secs, r.cpus
+        r.meta.message_bytes, r.run_secs, r.warmup_secs, r.meta.cpus
     );
-    out += &run_line(&r.lily_revision, r.load_average, r.wall_secs);
+    out += &run_line(&r.meta);
     out.push('\n');
     let head = [
         "path",
@@ -466,27 +467,27 @@ pub fn latency(r: &latency::Results) -> String {
         ]);
     }
     out += &table.end();
-    notes(&mut out, &r.notes);
+    notes(&mut out, &r.meta.notes);
     out
 }
 
 /// The storm report: each contender's rates, RSS and check by id.
 pub fn storm(r: &storm::Results) -> String {
     let mut out = "# Failure storm: 100 % retryable failures\n\n".to_owned();
-    let _ = writeln!(out, "Broker: {} on {}  ", r.broker, r.broker_url);
+    let _ = writeln!(out, "Broker: {} on {}  ", r.meta.broker, r.meta.broker_url);
     let _ = writeln!(
         out,
         "Population {} × {}-byte JSON, classic queue, retry bucket {:.0} s, prefetch {}; {} s a \
          contender, warm-up {} s; {} CPU(s)  ",
         r.population,
-        r.message_bytes,
+        r.meta.message_bytes,
         r.retry_delay_secs,
         r.prefetch,
         r.secs,
         r.warmup_secs,
-        r.cpus
+        r.meta.cpus
     );
-    out += &run_line(&r.lily_revision, r.load_average, r.wall_secs);
+    out += &run_line(&r.meta);
     out.push('\n');
     let head = [
         "contender",
@@ -577,21 +578,21 @@ pub fn storm(r: &storm::Results) -> String {
         let _ = writeln!(out, "- Lily / raw lapin mean rate: {x:.3}");
     }
     out.push('\n');
-    notes(&mut out, &r.notes);
+    notes(&mut out, &r.meta.notes);
     out
 }
 
 /// The Mongo scope report: rates and ratios, mongod's operations, the verdicts.
 pub fn mongo(r: &mongo::Results) -> String {
-    let mut out = format!("Broker: {} on {}  \n", r.broker, r.broker_url);
+    let mut out = format!("Broker: {} on {}  \n", r.meta.broker, r.meta.broker_url);
     let _ = writeln!(out, "Database: {} on {}  ", r.mongodb, r.mongodb_url);
     let _ = writeln!(
         out,
         "Queue: {}; {}-byte JSON orders, persistent, pre-published; {} repetition(s) alternating \
          the contenders; medians; {} CPU(s)  ",
-        r.queue_type, r.message_bytes, r.repetitions, r.cpus
+        r.queue_type, r.meta.message_bytes, r.repetitions, r.meta.cpus
     );
-    out += &run_line(&r.lily_revision, r.load_average, r.wall_secs);
+    out += &run_line(&r.meta);
     out.push('\n');
     let head = [
         "case",
@@ -689,7 +690,7 @@ pub fn mongo(r: &mongo::Results) -> String {
         );
     }
     out.push('\n');
-    notes(&mut out, &r.notes);
+    notes(&mut out, &r.meta.notes);
     out
 }
 

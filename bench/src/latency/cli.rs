@@ -2,7 +2,7 @@
 //! maximum rate. Method: `bench/README.md`.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use crate::latency::run::{self, Setup};
 use crate::latency::timer::{self, Sinks};
@@ -10,7 +10,6 @@ use crate::latency::{
     BACKLOG_SECS, Case, Contender, KEPT_UP, LOADS, MaxRate, P99_MARGIN_MS, Path, Results,
     SUSTAIN_STEP, SUSTAIN_TRIES, SUSTAINED,
 };
-use crate::throughput::{broker_version, load_average, revision};
 use crate::{body_512, broker_url, report};
 
 /// Settlement latency of Lily against raw-batch.
@@ -74,16 +73,7 @@ pub async fn run(args: Args) {
         lily,
     };
     let mut results = Results {
-        benchmark: "latency",
-        broker: broker_version(),
-        broker_url: crate::redact(&url),
-        message_bytes: body.len(),
-        cpus: std::thread::available_parallelism().map_or(1, usize::from),
-        started_at_unix: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
-        lily_revision: revision(),
-        load_average: [load_average(), None],
+        meta: crate::Meta::new("latency", &url, notes(&args)),
         max_rate_messages: if args.max_rate.is_some() {
             0
         } else {
@@ -91,13 +81,11 @@ pub async fn run(args: Args) {
         },
         run_secs: args.secs,
         warmup_secs: args.warmup,
-        wall_secs: 0.0,
-        notes: notes(&args),
         cases: Vec::new(),
     };
     println!(
         "Lily settlement-latency benchmark: {}; {:.0} s paced runs",
-        results.broker, args.secs
+        results.meta.broker, args.secs
     );
     let total = Instant::now();
     let mut order = 0;
@@ -165,8 +153,7 @@ pub async fn run(args: Args) {
             }
         }
     }
-    results.load_average[1] = load_average();
-    results.wall_secs = total.elapsed().as_secs_f64();
+    results.meta.finish(total);
     println!();
     report::write(&args.out, "latency", &results, &report::latency(&results));
     println!("total {:.0} s", total.elapsed().as_secs_f64());

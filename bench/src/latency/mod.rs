@@ -267,21 +267,13 @@ impl Case {
 /// Everything one benchmark run measured.
 #[derive(Debug, Serialize)]
 pub struct Results {
-    pub benchmark: &'static str,
-    pub broker: String,
-    pub broker_url: String,
-    pub message_bytes: usize,
-    pub cpus: usize,
-    pub started_at_unix: u64,
-    pub lily_revision: String,
-    /// 1-minute load average when the run started and when it ended (the machine is shared).
-    pub load_average: [Option<f64>; 2],
+    /// The run's conditions.
+    #[serde(flatten)]
+    pub meta: crate::Meta,
     /// Messages each drain-rate measurement published (0 with `--max-rate`).
     pub max_rate_messages: u64,
     /// Publishing time of a paced run, and the warm-up excluded from its latencies.
     pub run_secs: f64,
     pub warmup_secs: f64,
-    pub wall_secs: f64,
-    pub notes: Vec<String>,
     pub cases: Vec<Case>,
 }

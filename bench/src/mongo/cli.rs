@@ -2,12 +2,12 @@
 //! Method: `bench/README.md`.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use crate::mongo::{Case, Contender, Counters, Load, Run, db, lily_run, raw, verify};
 use crate::mongo::{CaseResult, ContenderResult, Results};
 use crate::report::{self, rate};
-use crate::throughput::{CpuMeter, broker_version, cpu_secs, load_average, revision};
+use crate::throughput::{CpuMeter, cpu_secs};
 use crate::{body_512, broker_url, fresh_topology, publish};
 use lily::prelude::{Policy, QueueKind};
 
@@ -258,29 +258,17 @@ pub async fn run(args: Args) {
         mongo_url: &mongo_url,
         body: &body,
     };
-    let started_at_unix = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
     let mut results = Results {
-        benchmark: "mongo",
-        broker: broker_version(),
-        broker_url: crate::redact(&url),
+        meta: crate::Meta::new("mongo", &url, notes()),
         mongodb,
         mongodb_url: db::redact(&mongo_url),
         queue_type: "classic",
-        message_bytes: body.len(),
         repetitions: args.reps,
-        cpus: std::thread::available_parallelism().map_or(1, usize::from),
-        started_at_unix,
-        lily_revision: revision(),
-        load_average: [load_average(), None],
-        wall_secs: 0.0,
-        notes: notes(),
         cases: Vec::new(),
     };
     println!(
         "Lily Mongo scope benchmark: {} and {}; {} repetition(s)",
-        results.broker, results.mongodb, args.reps
+        results.meta.broker, results.mongodb, args.reps
     );
     let total = Instant::now();
     for &case in &args.cases {
@@ -317,8 +305,7 @@ pub async fn run(args: Args) {
             .cases
             .push(CaseResult::new(case, n, concurrency, prefetch, contenders));
     }
-    results.load_average[1] = load_average();
-    results.wall_secs = total.elapsed().as_secs_f64();
+    results.meta.finish(total);
     println!();
     report::write(&args.out, "mongo", &results, &report::mongo(&results));
     println!("total {:.0} s", total.elapsed().as_secs_f64());

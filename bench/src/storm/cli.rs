@@ -4,14 +4,13 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use crate::raw;
 use crate::report;
 use crate::storm::{
     Contender, MAX_ATTEMPTS, QUEUE, RETRY_DELAY, Results, StormRun, Summary, check, lily, sample,
 };
-use crate::throughput::{broker_version, load_average, revision};
 use crate::{body_512, broker_url, fresh_topology, publish};
 use ::lily::prelude::{QueueKind, Trigger};
 use tokio_util::sync::CancellationToken;
@@ -121,29 +120,18 @@ pub async fn run(args: Args) {
     let url = broker_url();
     let body = body_512();
     let mut results = Results {
-        benchmark: "storm",
-        broker: broker_version(),
-        broker_url: crate::redact(&url),
-        message_bytes: body.len(),
+        meta: crate::Meta::new("storm", &url, notes(&args)),
         population: args.population,
         prefetch: args.prefetch,
         retry_delay_secs: RETRY_DELAY.as_secs_f64(),
         secs: args.secs,
         warmup_secs: WARMUP,
-        cpus: std::thread::available_parallelism().map_or(1, usize::from),
-        started_at_unix: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
-        lily_revision: revision(),
-        load_average: [load_average(), None],
-        wall_secs: 0.0,
         runs: Vec::new(),
         lily_over_raw: None,
-        notes: notes(&args),
     };
     println!(
         "Lily failure storm: {}; {} messages, {} s a contender",
-        results.broker, args.population, args.secs
+        results.meta.broker, args.population, args.secs
     );
     let total = Instant::now();
     for &who in &args.contenders {
@@ -171,8 +159,7 @@ pub async fn run(args: Args) {
     results.lily_over_raw = mean(Contender::Lily)
         .zip(mean(Contender::Raw))
         .map(|(l, r)| l / r);
-    results.load_average[1] = load_average();
-    results.wall_secs = total.elapsed().as_secs_f64();
+    results.meta.finish(total);
     println!();
     report::write(&args.out, "storm", &results, &report::storm(&results));
     println!("total {:.0} s", total.elapsed().as_secs_f64());

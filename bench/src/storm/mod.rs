@@ -214,22 +214,15 @@ pub struct StormRun {
 /// Everything one storm measured.
 #[derive(Debug, Serialize)]
 pub struct Results {
-    pub benchmark: &'static str,
-    pub broker: String,
-    pub broker_url: String,
-    pub message_bytes: usize,
+    /// The run's conditions.
+    #[serde(flatten)]
+    pub meta: crate::Meta,
     pub population: u64,
     pub prefetch: u16,
     pub retry_delay_secs: f64,
     pub secs: u32,
     pub warmup_secs: u32,
-    pub cpus: usize,
-    pub started_at_unix: u64,
-    pub lily_revision: String,
-    pub load_average: [Option<f64>; 2],
-    pub wall_secs: f64,
     pub runs: Vec<StormRun>,
     /// Lily's mean rate over raw's.
     pub lily_over_raw: Option<f64>,
-    pub notes: Vec<String>,
 }

@@ -2,14 +2,13 @@
 //! ruststream-lapin, taking turns run by run. Method: `bench/README.md`.
 
 use std::path::PathBuf;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use crate::raw::{self, Settle};
 use crate::report;
 use crate::throughput::{CaseResult, Results, Start};
 use crate::throughput::{
-    Contender, CpuMeter, HANDOFF_DELAY, Path, Profile, Sample, broker_version, depth, lily_run,
-    load_average, peer, revision,
+    Contender, CpuMeter, HANDOFF_DELAY, Path, Profile, Sample, depth, lily_run, peer,
 };
 use crate::{body_512, broker_url, fresh_topology, kind_name, publish};
 use lily::prelude::QueueKind;
@@ -159,22 +158,11 @@ fn in_turn(n: usize, rep: u32) -> Vec<usize> {
 pub async fn run(args: Args) {
     let url = broker_url();
     let body = body_512();
-    let started_at_unix = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
     let mut results = Results {
-        benchmark: "throughput",
-        broker: broker_version(),
-        broker_url: crate::redact(&url),
-        message_bytes: body.len(),
-        messages_per_run: args.messages,
-        repetitions: args.reps,
-        cpus: std::thread::available_parallelism().map_or(1, usize::from),
-        started_at_unix,
-        lily_revision: revision(),
-        load_average: [load_average(), None],
-        wall_secs: 0.0,
-        notes: vec![
+        meta: crate::Meta::new(
+            "throughput",
+            &url,
+            vec![
             "Time runs from consumer start (connect included) until N messages are settled; \
              publishing the N messages before each run is not timed. The steady rate leaves the \
              start out: N over the time from the first delivery that reached the contender's \
@@ -206,12 +194,15 @@ pub async fn run(args: Args) {
              the machine is shared, so read the ratios, not the absolute figures."
                 .into(),
         ],
+        ),
+        messages_per_run: args.messages,
+        repetitions: args.reps,
         cases: Vec::new(),
         starts: Vec::new(),
     };
     println!(
         "Lily throughput benchmark: {}; {} messages a run, {} repetition(s)",
-        results.broker, args.messages, args.reps
+        results.meta.broker, args.messages, args.reps
     );
     let total = Instant::now();
     for &path in &args.paths {
@@ -301,7 +292,7 @@ pub async fn run(args: Args) {
             .filter(|&l| l > 0)
             .collect();
         if !left.is_empty() {
-            results.notes.push(format!(
+            results.meta.notes.push(format!(
                 "{} left messages ready in the work queue after {} run(s) ({:?}): deliveries it had \
                  counted were not ACKed when it shut down, so the broker requeued them.",
                 who.name(),
@@ -310,8 +301,7 @@ pub async fn run(args: Args) {
             ));
         }
     }
-    results.load_average[1] = load_average();
-    results.wall_secs = total.elapsed().as_secs_f64();
+    results.meta.finish(total);
     report::write(
         &args.out,
         "throughput",

@@ -467,20 +467,11 @@ mod tests {
 /// Everything one benchmark run measured.
 #[derive(Debug, Serialize)]
 pub struct Results {
-    pub benchmark: &'static str,
-    pub broker: String,
-    pub broker_url: String,
-    pub message_bytes: usize,
+    /// The run's conditions.
+    #[serde(flatten)]
+    pub meta: crate::Meta,
     pub messages_per_run: u64,
     pub repetitions: u32,
-    pub cpus: usize,
-    pub started_at_unix: u64,
-    /// `git describe --always --dirty` of the tree the benchmark ran in.
-    pub lily_revision: String,
-    /// 1-minute load average when the run started and when it ended (the machine is shared).
-    pub load_average: [Option<f64>; 2],
-    pub wall_secs: f64,
-    pub notes: Vec<String>,
     pub cases: Vec<CaseResult>,
     /// How long each contender takes to start, per queue type (success path).
     pub starts: Vec<Start>,
