@@ -10,8 +10,9 @@
 #
 # Each is a subcommand of one program, `lily-bench` (`target/release/lily-bench --help`; `cost`
 # runs in `lily-bench-counting`, the same program counting its heap allocations).
-# Results go to target/bench/ (JSON, a table and, but for confirm-floor, an SVG chart). Absolute
-# figures on a shared machine are noise: read the ratios, measured side by side in one run.
+# Results go to target/bench/ (JSON and a markdown report, also printed); bench/README.md says
+# how each program measures. Absolute figures on a shared machine are noise: read the ratios,
+# measured side by side in one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -58,5 +59,5 @@ case "$what" in
     mongo "$@"
     target/release/lily-bench cost "$@"
     echo "lily: all benchmarks in $((SECONDS - started)) s" ;;
-  *) sed -n '2,16p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,15p' "$0" >&2; exit 2 ;;
 esac

@@ -75,26 +75,12 @@ pub enum Contender {
 }
 
 impl Contender {
-    /// Every contender.
-    pub const ALL: [Self; 4] = [Self::Raw, Self::Lily, Self::LilyLease, Self::RawLilyRecord];
-    /// Those run without `--contenders`.
-    pub const DEFAULT: [Self; 3] = [Self::Raw, Self::Lily, Self::LilyLease];
-
     pub fn name(self) -> &'static str {
         match self {
             Self::Raw => "raw driver",
             Self::Lily => "Lily",
             Self::LilyLease => "Lily (lease)",
             Self::RawLilyRecord => "raw (Lily record)",
-        }
-    }
-
-    pub fn flag(self) -> &'static str {
-        match self {
-            Self::Raw => "raw",
-            Self::Lily => "lily",
-            Self::LilyLease => "lily-lease",
-            Self::RawLilyRecord => "raw-lily-record",
         }
     }
 }

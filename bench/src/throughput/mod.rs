@@ -426,44 +426,6 @@ pub fn revision() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::{cpu_secs, open_files};
-
-    /// A file this process holds open is listed with its descriptor and path.
-    #[test]
-    fn the_open_files_name_each_descriptor() {
-        let path = std::env::temp_dir().join(format!("lily-open-files-{}", std::process::id()));
-        let file = std::fs::File::create(&path).expect("a file to hold open");
-        let listed = open_files(std::process::id());
-        let _ = std::fs::remove_file(&path);
-        drop(file);
-        let line = listed
-            .lines()
-            .find(|line| line.ends_with(&*path.to_string_lossy()))
-            .unwrap_or_else(|| panic!("{} is not among\n{listed}", path.display()));
-        let fd = line.split(' ').next().expect("a descriptor");
-        assert!(fd.parse::<u32>().is_ok(), "{line}");
-    }
-
-    /// The process's own CPU is read finer than the kernel's 10 ms ticks: the first change a
-    /// busy loop sees is far below a tick, where `/proc`'s count would first move by a whole one.
-    #[test]
-    fn this_process_cpu_is_read_below_a_tick() {
-        let start = cpu_secs(None).expect("the CPU clock");
-        let step = loop {
-            let now = cpu_secs(None).expect("the CPU clock");
-            if now > start {
-                break now - start;
-            }
-        };
-        assert!(
-            step < 0.005,
-            "the CPU clock moved by {step} s at once, a tick's step"
-        );
-    }
-}
-
 /// Everything one benchmark run measured.
 #[derive(Debug, Serialize)]
 pub struct Results {
@@ -630,5 +592,43 @@ impl CaseResult {
     /// Lily / `over`, if both ran.
     pub fn ratio(&self, over: Contender) -> Option<&Ratio> {
         self.lily_over.iter().find(|r| r.over == over)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{cpu_secs, open_files};
+
+    /// A file this process holds open is listed with its descriptor and path.
+    #[test]
+    fn the_open_files_name_each_descriptor() {
+        let path = std::env::temp_dir().join(format!("lily-open-files-{}", std::process::id()));
+        let file = std::fs::File::create(&path).expect("a file to hold open");
+        let listed = open_files(std::process::id());
+        let _ = std::fs::remove_file(&path);
+        drop(file);
+        let line = listed
+            .lines()
+            .find(|line| line.ends_with(&*path.to_string_lossy()))
+            .unwrap_or_else(|| panic!("{} is not among\n{listed}", path.display()));
+        let fd = line.split(' ').next().expect("a descriptor");
+        assert!(fd.parse::<u32>().is_ok(), "{line}");
+    }
+
+    /// The process's own CPU is read finer than the kernel's 10 ms ticks: the first change a
+    /// busy loop sees is far below a tick, where `/proc`'s count would first move by a whole one.
+    #[test]
+    fn this_process_cpu_is_read_below_a_tick() {
+        let start = cpu_secs(None).expect("the CPU clock");
+        let step = loop {
+            let now = cpu_secs(None).expect("the CPU clock");
+            if now > start {
+                break now - start;
+            }
+        };
+        assert!(
+            step < 0.005,
+            "the CPU clock moved by {step} s at once, a tick's step"
+        );
     }
 }
