@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use crate::raw::{self, Settle};
+use crate::raw;
 use crate::report;
 use crate::throughput::{CaseResult, Results, Start};
 use crate::throughput::{
@@ -99,20 +99,9 @@ async fn run_once(
     ));
     let cpu = CpuMeter::start();
     let mut sample = match (path, who) {
-        (Path::Success, Contender::Raw) => {
-            raw::success(url, &queue, prefetch, n, Settle::Each).await
-        }
-        (Path::Success, Contender::RawBatch) => {
-            raw::success(url, &queue, prefetch, n, Settle::Batch).await
-        }
-        (Path::Success, Contender::Ceiling) => {
-            raw::success(url, &queue, prefetch, n, Settle::NoAck).await
-        }
         (Path::Success, Contender::Lily) => lily_run::success(url, &queue, kind, prefetch, n).await,
         (Path::Success, Contender::Peer) => peer::success(url, &queue, kind, prefetch, n).await,
-        (Path::Success, Contender::RawConcurrent) => {
-            raw::success(url, &queue, prefetch, n, Settle::Tasks).await
-        }
+        (Path::Success, _) => raw::success(url, &queue, prefetch, n, who.settle()).await,
         (Path::Handoff, Contender::Raw) => raw::handoff(url, &queue, &bucket, prefetch, n).await,
         (Path::Handoff, Contender::RawBatch) => {
             raw::handoff_batch(url, &queue, &bucket, prefetch, n).await

@@ -187,6 +187,21 @@ impl Contender {
         }
     }
 
+    /// How a raw lapin contender settles on the success path.
+    ///
+    /// # Panics
+    /// For Lily and ruststream-lapin.
+    pub fn settle(self) -> crate::raw::Settle {
+        use crate::raw::Settle;
+        match self {
+            Self::Raw => Settle::Each,
+            Self::RawBatch => Settle::Batch,
+            Self::Ceiling => Settle::NoAck,
+            Self::RawConcurrent => Settle::Tasks,
+            Self::Lily | Self::Peer => unreachable!("{} is not raw lapin", self.name()),
+        }
+    }
+
     /// The name `--contenders` takes.
     pub fn flag(self) -> &'static str {
         match self {
