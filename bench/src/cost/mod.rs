@@ -655,16 +655,6 @@ fn shutdown_latency(b: &Bench) -> Result<Value, String> {
     }))
 }
 
-fn broker_version() -> String {
-    Command::new("dpkg-query")
-        .args(["-W", "-f", "${Version}", "rabbitmq-server"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| format!("RabbitMQ {}", String::from_utf8_lossy(&o.stdout).trim()))
-        .unwrap_or_else(|| "RabbitMQ (version unknown)".into())
-}
-
 fn orchestrate(options: &Options) -> ExitCode {
     let exe = match std::env::current_exe() {
         Ok(exe) => exe,
@@ -693,7 +683,7 @@ fn orchestrate(options: &Options) -> ExitCode {
     });
     let mut results = json!({
         "schema": "lily.bench.cost.v1",
-        "broker": broker_version(),
+        "broker": crate::throughput::broker_version(),
         "queue_type": "classic",
         "prefetch": PREFETCH,
         "message_bytes": body_512().len(),
