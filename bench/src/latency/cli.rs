@@ -93,15 +93,8 @@ pub async fn run(args: Args) {
         for &prefetch in &args.prefetches {
             let max_rate = match args.max_rate {
                 Some(used) => MaxRate {
-                    lily: None,
-                    raw_batch: None,
-                    offered: None,
-                    lily_loaded: None,
-                    raw_batch_loaded: None,
-                    under_load: None,
-                    tries: None,
-                    sustained: None,
                     used,
+                    ..MaxRate::default()
                 },
                 None => max_rate(&setup, &args, path, prefetch, &total).await,
             };
@@ -154,7 +147,6 @@ pub async fn run(args: Args) {
         }
     }
     results.meta.finish(total);
-    println!();
     report::write(&args.out, "latency", &results, &report::latency(&results));
     println!("total {:.0} s", total.elapsed().as_secs_f64());
 }

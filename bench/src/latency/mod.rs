@@ -175,7 +175,7 @@ impl Run {
 }
 
 /// The maximum rate a case's target is a fraction of.
-#[derive(Clone, Copy, Debug, Serialize)]
+#[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct MaxRate {
     /// Lily's drain rate (msgs/s) with nothing publishing, when measured.
     pub lily: Option<f64>,

@@ -306,7 +306,6 @@ pub async fn run(args: Args) {
             .push(CaseResult::new(case, n, concurrency, prefetch, contenders));
     }
     results.meta.finish(total);
-    println!();
     report::write(&args.out, "mongo", &results, &report::mongo(&results));
     println!("total {:.0} s", total.elapsed().as_secs_f64());
 }

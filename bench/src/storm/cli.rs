@@ -160,7 +160,6 @@ pub async fn run(args: Args) {
         .zip(mean(Contender::Raw))
         .map(|(l, r)| l / r);
     results.meta.finish(total);
-    println!();
     report::write(&args.out, "storm", &results, &report::storm(&results));
     println!("total {:.0} s", total.elapsed().as_secs_f64());
 }
