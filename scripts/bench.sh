@@ -8,8 +8,11 @@
 # cost, passing ARGS (such as --quick) to each; `scripts/bench.sh all --quick` takes about 15
 # minutes.
 #
-# Results go to target/bench/ (JSON, a table and, but for confirm-floor, an SVG chart). Absolute
-# figures on a shared machine are noise: read the ratios, measured side by side in one run.
+# Each is a subcommand of one program, `lily-bench` (`target/release/lily-bench --help`; `cost`
+# runs in `lily-bench-counting`, the same program counting its heap allocations).
+# Results go to target/bench/ (JSON and a markdown report, also printed); bench/README.md says
+# how each program measures. Absolute figures on a shared machine are noise: read the ratios,
+# measured side by side in one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,31 +38,26 @@ mongo() {
   rm -rf "$MONGO_DIR"
   scripts/mongod.sh start "$MONGO_DIR" "$MONGO_PORT"
   LILY_MONGO_URL="mongodb://127.0.0.1:$MONGO_PORT/?replicaSet=lily&directConnection=true" \
-    LILY_MONGO_DIR="$MONGO_DIR" target/release/mongo "$@"
+    LILY_MONGO_DIR="$MONGO_DIR" target/release/lily-bench mongo "$@"
   scripts/mongod.sh stop "$MONGO_DIR"
 }
 
 cargo build --release -p lily-mq-bench --bins -p lily-mq-example-k8s-shutdown
 case "$what" in
-  throughput) target/release/throughput "$@" ;;
-  latency) target/release/latency "$@" ;;
-  confirm-floor) target/release/confirm_floor "$@" ;;
-  storm) target/release/storm "$@" ;;
+  throughput | latency | confirm-floor | storm | cost) target/release/lily-bench "$what" "$@" ;;
   mongo) mongo "$@" ;;
-  cost) target/release/cost "$@" ;;
   cluster)
     scripts/rabbitmq.sh cluster-stop "$CLUSTER_DIR" || true
     rm -rf "$CLUSTER_DIR"
     scripts/rabbitmq.sh cluster-start "$CLUSTER_DIR" "$CLUSTER_PORT"
-    LILY_CLUSTER_URL="amqp://guest:guest@127.0.0.1:$CLUSTER_PORT/%2f" target/release/cluster "$@" ;;
+    LILY_CLUSTER_URL="amqp://guest:guest@127.0.0.1:$CLUSTER_PORT/%2f" target/release/lily-bench cluster "$@" ;;
   all)
     started=$SECONDS
-    target/release/throughput "$@"
-    target/release/latency "$@"
-    target/release/confirm_floor "$@"
-    target/release/storm "$@"
+    for program in throughput latency confirm-floor storm; do
+      target/release/lily-bench "$program" "$@"
+    done
     mongo "$@"
-    target/release/cost "$@"
+    target/release/lily-bench cost "$@"
     echo "lily: all benchmarks in $((SECONDS - started)) s" ;;
-  *) sed -n '2,14p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,15p' "$0" >&2; exit 2 ;;
 esac

@@ -4,9 +4,14 @@
 //! Run them through `scripts/bench.sh`, which starts a private RabbitMQ node on loopback.
 #![allow(missing_docs, unreachable_pub)]
 
+pub mod cli;
+pub mod cluster;
+pub mod confirm_floor;
 pub mod cost;
 pub mod latency;
 pub mod mongo;
+pub mod raw;
+pub mod report;
 pub mod storm;
 
 use std::time::Duration;
@@ -152,84 +157,6 @@ pub fn redact(url: &str) -> String {
     format!("{scheme}://{rest}")
 }
 
-/// Writes `<stem>.json` (`results` serialized), `<stem>.md` and `<stem>.svg` into `out`, saying
-/// where each went.
-///
-/// # Panics
-/// When the directory or a file cannot be written.
-pub fn write_results(
-    out: &std::path::Path,
-    stem: &str,
-    results: &impl Serialize,
-    md: String,
-    svg: String,
-) {
-    std::fs::create_dir_all(out).expect("create the output directory");
-    let json = serde_json::to_string_pretty(results).expect("json") + "\n";
-    for (ext, text) in [("json", json), ("md", md), ("svg", svg)] {
-        let file = out.join(format!("{stem}.{ext}"));
-        std::fs::write(&file, text).expect("write results");
-        println!("wrote {}", file.display());
-    }
-}
-
-/// A tick step and an axis top (a multiple of the step) above `max`, with `fallback` when
-/// there is nothing to show.
-pub fn nice_axis(max: f64, fallback: (f64, f64)) -> (f64, f64) {
-    if max <= 0.0 || !max.is_finite() {
-        return fallback;
-    }
-    let raw = max / 5.0;
-    let mag = 10f64.powf(raw.log10().floor());
-    let step = [1.0, 2.0, 2.5, 5.0, 10.0]
-        .into_iter()
-        .map(|m| m * mag)
-        .find(|s| *s >= raw)
-        .unwrap_or(10.0 * mag);
-    let top = (max / step).ceil() * step;
-    (step, top.max(step))
-}
-
-/// A chart panel's horizontal grid lines every `step` up to `top`, labelled by `label`, and its
-/// two axes, into `svg`; the panel's box is `(x, y, width, height)`.
-pub fn grid(
-    svg: &mut String,
-    (x0, y0, w, h): (f64, f64, f64, f64),
-    step: f64,
-    top: f64,
-    label: fn(f64) -> String,
-) {
-    use std::fmt::Write as _;
-    let mut v = 0.0;
-    while v <= top + step / 2.0 {
-        let y = y0 + h - v / top * h;
-        let _ = writeln!(
-            svg,
-            r##"<line x1="{x0}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#e0e0e0"/><text x="{:.1}" y="{:.1}" text-anchor="end" fill="#555">{}</text>"##,
-            x0 + w,
-            x0 - 6.0,
-            y + 4.0,
-            label(v)
-        );
-        v += step;
-    }
-    let _ = writeln!(
-        svg,
-        r#"<line x1="{x0}" y1="{y0}" x2="{x0}" y2="{:.1}" stroke="black"/><line x1="{x0}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="black"/>"#,
-        y0 + h,
-        y0 + h,
-        x0 + w,
-        y0 + h
-    );
-}
-
-/// `text` safe inside SVG text.
-pub fn escape(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-}
-
 /// Median of `values` (sorted in place).
 pub fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
@@ -245,3 +172,45 @@ pub fn median(values: &mut [f64]) -> f64 {
 }
 
 pub mod throughput;
+
+/// What every program's results open with: the conditions of the run.
+#[derive(Debug, Serialize)]
+pub struct Meta {
+    pub benchmark: &'static str,
+    pub broker: String,
+    pub broker_url: String,
+    pub message_bytes: usize,
+    pub cpus: usize,
+    pub started_at_unix: u64,
+    /// `git describe --always --dirty` of the tree the benchmark ran in.
+    pub lily_revision: String,
+    /// 1-minute load average when the run started and when it ended (the machine is shared).
+    pub load_average: [Option<f64>; 2],
+    pub wall_secs: f64,
+    pub notes: Vec<String>,
+}
+
+impl Meta {
+    /// The conditions at the start of `benchmark` against the broker at `url`.
+    pub fn new(benchmark: &'static str, url: &str, notes: Vec<String>) -> Self {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        Self {
+            benchmark,
+            broker: throughput::broker_version(),
+            broker_url: redact(url),
+            message_bytes: body_512().len(),
+            cpus: std::thread::available_parallelism().map_or(1, usize::from),
+            started_at_unix: now.map_or(0, |d| d.as_secs()),
+            lily_revision: throughput::revision(),
+            load_average: [throughput::load_average(), None],
+            wall_secs: 0.0,
+            notes,
+        }
+    }
+
+    /// Records the load average at the end, and the time since `started`.
+    pub fn finish(&mut self, started: std::time::Instant) {
+        self.load_average[1] = throughput::load_average();
+        self.wall_secs = started.elapsed().as_secs_f64();
+    }
+}

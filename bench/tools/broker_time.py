@@ -7,7 +7,7 @@
     RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="+JPperf true" scripts/rabbitmq.sh start /tmp/lrb 25692
     LILY_BENCH_PERF_BROKER=/tmp/prof LILY_RABBIT_DIR=/tmp/lrb \\
         LILY_AMQP_URL=amqp://guest:guest@127.0.0.1:25692/%2f \\
-        target/release/throughput --paths success --contenders raw-batch,ceiling,lily ...
+        target/release/lily-bench throughput --paths success --contenders raw-batch,ceiling,lily ...
     python3 bench/tools/broker_time.py MESSAGES /tmp/prof/*.data
 
 or, for recordings of the broker's `fsync` calls (`LILY_BENCH_PERF_EVENTS=syscalls:sys_enter_fsync,

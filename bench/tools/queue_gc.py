@@ -7,7 +7,7 @@ confirmed. This asks the Erlang VM to report every collection longer than 10 ms
 (`erlang:system_monitor/2` with `long_gc`), by queue, while the benchmark runs:
 
     python3 bench/tools/queue_gc.py record /tmp/lrb 90 /tmp/gc.txt &    # the node's data dir
-    target/release/latency --quick --paths handoff ... 2> /tmp/latency.log
+    target/release/lily-bench latency --quick --paths handoff ... 2> /tmp/latency.log
     python3 bench/tools/queue_gc.py report /tmp/gc.txt /tmp/latency.log /tmp/gc.svg
 
 `record` runs `scripts/rabbitmq.sh ctl DIR eval` for SECS seconds (it replaces the node's

@@ -87,7 +87,7 @@ async fn lily(url: &str, queue: &str, n: usize) -> Result<(), String> {
 
 async fn raw(url: &str, queue: &str, n: usize, acker: bool) -> Result<(), String> {
     let e = |what: &'static str| move |err: lapin::Error| format!("{what}: {err}");
-    let (connection, channel, mut consumer) = super::raw_consumer(url, queue, PREFETCH).await?;
+    let (connection, channel, mut consumer) = crate::raw::open(url, queue, PREFETCH, false).await?;
     for _ in 0..n {
         let delivery = poll_fn(|cx| Pin::new(&mut consumer).poll_next(cx))
             .await

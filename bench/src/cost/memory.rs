@@ -112,7 +112,7 @@ async fn lily(url: &str, queue: &str, k: usize) -> Result<Value, String> {
 async fn raw(url: &str, queue: &str, k: usize) -> Result<Value, String> {
     let prefetch = u16::try_from(k).map_err(|_| "K must fit in a u16 prefetch")?;
     let e = |what: &'static str| move |err: lapin::Error| format!("{what}: {err}");
-    let (connection, channel, mut consumer) = super::raw_consumer(url, queue, prefetch).await?;
+    let (connection, channel, mut consumer) = crate::raw::open(url, queue, prefetch, false).await?;
     let mut held = Vec::with_capacity(k);
     tokio::time::sleep(SETTLE).await;
     let idle = sample();

@@ -1,27 +1,11 @@
-//! The cost benchmark (`target/release/cost`): what Lily's layer adds per message over a
-//! hand-written lapin consumer, memory per in-flight delivery and shutdown latency.
-//!
-//! The binary installs `stats_alloc`'s counting allocator as its global allocator; these modules
-//! read it through [`alloc_snapshot`]. Without a subcommand [`main`] orchestrates every
-//! measurement in child processes of the same binary:
-//!
-//! - **allocations** (native): `run-raw N` / `run-lily N` and the same with `N0`, each counting
-//!   the whole process; per message = `(A(N) - A(N0)) / (N - N0)`, so connection, topology and
-//!   shutdown cancel out. Lily's layer = Lily's per message − raw's. Median of `--reps` rounds.
-//! - **instructions**: the same four runs under `valgrind --tool=callgrind`, the `Collected`
-//!   total of each (every thread), same formula; on tokio's current-thread runtime (the target is
-//!   judged there: the steadier, stricter baseline) and again on the multi-thread runtime, where
-//!   the raw loop pays more for cross-thread wake-ups and Lily's layer looks smaller.
-//! - **memory**: `mem-raw K` / `mem-lily K` ([`memory`]).
-//! - **shutdown**: the `k8s-shutdown` example service ([`shutdown`]).
-//! - **hostile**: 10 000 messages just under the limits (and some just over) at prefetch 1 000,
-//!   peak RSS against a stated bound, every id checked from outside ([`hostile`]).
+//! `lily-bench cost`: what Lily's layer adds per message over a hand-written lapin consumer,
+//! memory per in-flight delivery, shutdown latency and the hostile load, each measured in a
+//! child process. Method: `bench/README.md`.
 
 pub mod consume;
 pub mod hostile;
 pub mod memory;
 pub mod reader;
-mod report;
 pub mod shutdown;
 
 use std::io::{BufRead as _, BufReader, Read as _};
@@ -75,35 +59,6 @@ pub fn alloc_snapshot() -> stats_alloc::Stats {
     stats_alloc::INSTRUMENTED_SYSTEM.stats()
 }
 
-/// A hand-written lapin consumer of `queue`: its connection, channel (with `prefetch`) and
-/// delivery stream.
-pub async fn raw_consumer(
-    url: &str,
-    queue: &str,
-    prefetch: u16,
-) -> Result<(lapin::Connection, lapin::Channel, lapin::Consumer), String> {
-    use lapin::options::{BasicConsumeOptions, BasicQosOptions};
-    let e = |what: &'static str| move |err: lapin::Error| format!("{what}: {err}");
-    let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
-        .await
-        .map_err(e("connect"))?;
-    let channel = connection.create_channel().await.map_err(e("channel"))?;
-    channel
-        .basic_qos(prefetch, BasicQosOptions::default())
-        .await
-        .map_err(e("basic.qos"))?;
-    let consumer = channel
-        .basic_consume(
-            queue.into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            lapin::types::FieldTable::default(),
-        )
-        .await
-        .map_err(e("basic.consume"))?;
-    Ok((connection, channel, consumer))
-}
-
 /// A tokio runtime: current-thread by default (repeatable counts), multi-thread when asked.
 pub fn runtime(multi_thread: bool) -> Runtime {
     let mut builder = if multi_thread {
@@ -113,20 +68,6 @@ pub fn runtime(multi_thread: bool) -> Runtime {
     };
     builder.enable_all().build().expect("tokio runtime")
 }
-
-const USAGE: &str = "\
-usage: cost [--n N] [--n0 N0] [--valgrind-n N] [--valgrind-n0 N0] [--reps R] [--quick] [--in-flight K]
-            [--shutdown-runs R] [--multi-thread] [--hostile-n N] [--hostile-prefetch P]
-            [--hostile-copies C]
-            [--only allocs,instructions,memory,shutdown,hostile] [--merge COST_JSON]
-       cost run-raw|run-raw-acker|run-lily N QUEUE [--multi-thread]   (child: consume N)
-       cost mem-raw|mem-lily K QUEUE                    (child: hold K deliveries)
-       cost hostile-raw|hostile-lily P N QUEUE          (child: the hostile load, prefetch P)
-       cost prepare N QUEUE                             (fresh QUEUE holding N messages)
-
---merge keeps the measurements of an earlier cost.json that this run does not repeat.
-
-To profile by hand: `cost prepare 20000 q && valgrind --tool=callgrind cost run-lily 20000 q`";
 
 /// `prepare N QUEUE`: a fresh classic queue (Lily's topology) holding `N` 512-byte orders.
 fn prepare(args: &[String]) -> Result<Value, String> {
@@ -149,9 +90,78 @@ fn prepare(args: &[String]) -> Result<Value, String> {
     Ok(json!({ "queue": queue, "published": n }))
 }
 
-/// Entry point of the `cost` binary.
-pub fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+/// What the orchestrator measures, and how much. A subcommand (`run-raw`, `run-raw-acker`,
+/// `run-lily`, `mem-raw`, `mem-lily`, `hostile-raw`, `hostile-lily`, `reader`, `prepare`) is
+/// one of its child processes. To profile by hand:
+/// `lily-bench cost prepare 20000 q && valgrind --tool=callgrind lily-bench-counting cost run-lily 20000 q`.
+#[derive(clap::Args, Clone, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct Options {
+    #[command(subcommand)]
+    child: Option<Child>,
+    /// Messages of the long native runs.
+    #[arg(long, default_value_t = 20_000)]
+    pub n: usize,
+    /// Messages of the short native runs (subtracted).
+    #[arg(long, default_value_t = 2_000)]
+    pub n0: usize,
+    /// Messages of the long runs under valgrind.
+    #[arg(
+        long,
+        default_value = "20000",
+        default_value_if("quick", "true", Some("5000"))
+    )]
+    pub valgrind_n: usize,
+    /// Messages of the short runs under valgrind.
+    #[arg(
+        long,
+        default_value = "2000",
+        default_value_if("quick", "true", Some("500"))
+    )]
+    pub valgrind_n0: usize,
+    /// Rounds of the allocation counts.
+    #[arg(long, default_value = "3", value_parser = crate::cli::nonzero,
+          default_value_if("quick", "true", Some("2")))]
+    pub reps: usize,
+    /// 2 rounds, valgrind runs of 5 000 and 500, 3 shutdown runs.
+    #[arg(long)]
+    pub quick: bool,
+    /// Deliveries held by the memory step.
+    #[arg(long, default_value_t = 10_000)]
+    pub in_flight: usize,
+    /// Runs of the idle shutdown.
+    #[arg(long, default_value = "5", value_parser = crate::cli::nonzero,
+          default_value_if("quick", "true", Some("3")))]
+    pub shutdown_runs: usize,
+    /// The per-message runs on tokio's multi-thread runtime.
+    #[arg(long)]
+    pub multi_thread: bool,
+    /// Messages of the hostile load.
+    #[arg(long, default_value_t = hostile::N, value_parser = crate::cli::nonzero)]
+    pub hostile_n: usize,
+    /// Prefetch of the hostile load.
+    #[arg(long, default_value_t = hostile::PREFETCH, value_parser = clap::value_parser!(u16).range(1..))]
+    pub hostile_prefetch: u16,
+    /// Copies of each delivery the hostile bound allows for.
+    #[arg(long, default_value_t = hostile::COPIES)]
+    pub hostile_copies: u64,
+    /// Steps to run: allocs, instructions, reader, memory, shutdown, hostile.
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
+    /// An earlier `cost.json` whose measurements this run does not repeat are kept.
+    #[arg(long)]
+    pub merge: Option<PathBuf>,
+}
+
+/// A child process of the orchestrator: its name and arguments.
+#[derive(clap::Subcommand, Clone, Debug)]
+enum Child {
+    #[command(external_subcommand)]
+    Run(Vec<String>),
+}
+
+/// Entry point of `lily-bench cost`.
+pub fn main(options: Options) -> ExitCode {
     let child = |result: Result<Value, String>| match result {
         Ok(value) => {
             println!("RESULT {value}");
@@ -162,122 +172,29 @@ pub fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     };
-    match args.first().map(String::as_str) {
-        Some("run-raw") => child(consume::child(Contender::Raw, &args[1..])),
-        Some("run-raw-acker") => child(consume::child(Contender::RawAcker, &args[1..])),
-        Some("run-lily") => child(consume::child(Contender::Lily, &args[1..])),
-        Some("mem-raw") => child(memory::child(Contender::Raw, &args[1..])),
-        Some("mem-lily") => child(memory::child(Contender::Lily, &args[1..])),
-        Some("hostile-raw") => child(hostile::child::child(Contender::Raw, &args[1..])),
-        Some("hostile-lily") => child(hostile::child::child(Contender::Lily, &args[1..])),
-        Some("prepare") => child(prepare(&args[1..])),
-        Some("reader") => child(reader::child(&args[1..])),
-        Some("-h" | "--help") => {
-            println!("{USAGE}");
-            ExitCode::SUCCESS
+    let Some(Child::Run(args)) = &options.child else {
+        if options.n <= options.n0 || options.valgrind_n <= options.valgrind_n0 {
+            eprintln!("cost: N must be larger than N0");
+            return ExitCode::from(2);
         }
-        _ => match Options::parse(&args) {
-            Ok(options) => orchestrate(&options),
-            Err(err) => {
-                eprintln!("cost: {err}\n{USAGE}");
-                ExitCode::from(2)
-            }
-        },
-    }
-}
-
-/// What the orchestrator measures, and how much.
-#[derive(Clone, Debug)]
-pub struct Options {
-    pub n: usize,
-    pub n0: usize,
-    pub valgrind_n: usize,
-    pub valgrind_n0: usize,
-    pub reps: usize,
-    pub in_flight: usize,
-    pub shutdown_runs: usize,
-    pub multi_thread: bool,
-    pub hostile_n: usize,
-    pub hostile_prefetch: u16,
-    pub hostile_copies: u64,
-    pub only: Vec<String>,
-    /// An earlier `cost.json` whose other measurements the results keep.
-    pub merge: Option<PathBuf>,
-}
-
-impl Default for Options {
-    fn default() -> Self {
-        Self {
-            n: 20_000,
-            n0: 2_000,
-            valgrind_n: 20_000,
-            valgrind_n0: 2_000,
-            reps: 3,
-            in_flight: 10_000,
-            shutdown_runs: 5,
-            multi_thread: false,
-            hostile_n: hostile::N,
-            hostile_prefetch: hostile::PREFETCH,
-            hostile_copies: hostile::COPIES,
-            only: Vec::new(),
-            merge: None,
-        }
+        return orchestrate(&options);
+    };
+    let rest = &args[1..];
+    match args[0].as_str() {
+        "run-raw" => child(consume::child(Contender::Raw, rest)),
+        "run-raw-acker" => child(consume::child(Contender::RawAcker, rest)),
+        "run-lily" => child(consume::child(Contender::Lily, rest)),
+        "mem-raw" => child(memory::child(Contender::Raw, rest)),
+        "mem-lily" => child(memory::child(Contender::Lily, rest)),
+        "hostile-raw" => child(hostile::child::child(Contender::Raw, rest)),
+        "hostile-lily" => child(hostile::child::child(Contender::Lily, rest)),
+        "prepare" => child(prepare(rest)),
+        "reader" => child(reader::child(rest)),
+        other => child(Err(format!("no child {other}"))),
     }
 }
 
 impl Options {
-    fn parse(args: &[String]) -> Result<Self, String> {
-        let mut o = Self::default();
-        let mut it = args.iter();
-        while let Some(flag) = it.next() {
-            let mut value = |name: &str| -> Result<usize, String> {
-                it.next()
-                    .and_then(|v| v.replace('_', "").parse().ok())
-                    .ok_or_else(|| format!("{name} needs a number"))
-            };
-            match flag.as_str() {
-                "--n" => o.n = value("--n")?,
-                "--n0" => o.n0 = value("--n0")?,
-                "--valgrind-n" => o.valgrind_n = value("--valgrind-n")?,
-                "--valgrind-n0" => o.valgrind_n0 = value("--valgrind-n0")?,
-                "--reps" => o.reps = value("--reps")?.max(1),
-                "--in-flight" => o.in_flight = value("--in-flight")?,
-                "--shutdown-runs" => o.shutdown_runs = value("--shutdown-runs")?.max(1),
-                "--multi-thread" => o.multi_thread = true,
-                // For `scripts/bench.sh all --quick`: fewer repetitions and a shorter valgrind run
-                // (instructions per message are a difference of two runs, so they keep).
-                "--quick" => {
-                    o.reps = 2;
-                    o.valgrind_n = 5_000;
-                    o.valgrind_n0 = 500;
-                    o.shutdown_runs = 3;
-                }
-                "--hostile-n" => o.hostile_n = value("--hostile-n")?.max(1),
-                "--hostile-prefetch" => {
-                    o.hostile_prefetch = u16::try_from(value("--hostile-prefetch")?)
-                        .ok()
-                        .filter(|p| *p >= 1)
-                        .ok_or("--hostile-prefetch must be 1..=65535")?;
-                }
-                "--hostile-copies" => o.hostile_copies = value("--hostile-copies")? as u64,
-                "--merge" => o.merge = Some(it.next().ok_or("--merge needs a file")?.into()),
-                "--only" => {
-                    o.only = it
-                        .next()
-                        .ok_or("--only needs a list")?
-                        .split(',')
-                        .map(str::to_owned)
-                        .collect();
-                }
-                other => return Err(format!("unknown argument {other}")),
-            }
-        }
-        if o.n <= o.n0 || o.valgrind_n <= o.valgrind_n0 {
-            return Err("N must be larger than N0".into());
-        }
-        Ok(o)
-    }
-
     fn wants(&self, what: &str) -> bool {
         self.only.is_empty() || self.only.iter().any(|w| w == what)
     }
@@ -377,6 +294,7 @@ impl Bench {
             command.arg(&self.exe);
         }
         command
+            .arg("cost")
             .arg(format!("run-{}", who.name()))
             .arg(n.to_string())
             .arg(queue);
@@ -555,7 +473,7 @@ fn reader_instructions(b: &Bench) -> Result<Value, String> {
         command
             .args(["--tool=callgrind", "--callgrind-out-file=/dev/null"])
             .arg(&b.exe)
-            .args(["reader", &n.to_string(), &k.to_string(), how]);
+            .args(["cost", "reader", &n.to_string(), &k.to_string(), how]);
         let (_, stderr) = run_child(command, Duration::from_secs(600))?;
         stderr
             .lines()
@@ -642,6 +560,7 @@ fn memory_child(b: &Bench, who: Contender, k: usize) -> Result<Value, String> {
     b.queue_with(&queue, 0);
     let mut child = Command::new(&b.exe)
         .env("LILY_AMQP_URL", &b.url)
+        .arg("cost")
         .arg(format!("mem-{}", who.name()))
         .arg(k.to_string())
         .arg(&queue)
@@ -736,16 +655,6 @@ fn shutdown_latency(b: &Bench) -> Result<Value, String> {
     }))
 }
 
-fn broker_version() -> String {
-    Command::new("dpkg-query")
-        .args(["-W", "-f", "${Version}", "rabbitmq-server"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| format!("RabbitMQ {}", String::from_utf8_lossy(&o.stdout).trim()))
-        .unwrap_or_else(|| "RabbitMQ (version unknown)".into())
-}
-
 fn orchestrate(options: &Options) -> ExitCode {
     let exe = match std::env::current_exe() {
         Ok(exe) => exe,
@@ -774,7 +683,7 @@ fn orchestrate(options: &Options) -> ExitCode {
     });
     let mut results = json!({
         "schema": "lily.bench.cost.v1",
-        "broker": broker_version(),
+        "broker": crate::throughput::broker_version(),
         "queue_type": "classic",
         "prefetch": PREFETCH,
         "message_bytes": body_512().len(),
@@ -831,27 +740,7 @@ fn orchestrate(options: &Options) -> ExitCode {
         .and_then(Path::parent)
         .map_or_else(|| PathBuf::from("target"), Path::to_path_buf)
         .join("bench");
-    let markdown = report::markdown(&results);
-    println!("{}", report::table(&results));
-    let written = std::fs::create_dir_all(&dir)
-        .and_then(|()| {
-            std::fs::write(
-                dir.join("cost.json"),
-                serde_json::to_string_pretty(&results).unwrap_or_default() + "\n",
-            )
-        })
-        .and_then(|()| std::fs::write(dir.join("cost.md"), markdown));
-    match written {
-        Ok(()) => println!(
-            "written: {} and {}",
-            dir.join("cost.json").display(),
-            dir.join("cost.md").display()
-        ),
-        Err(err) => {
-            eprintln!("cost: writing results to {}: {err}", dir.display());
-            return ExitCode::FAILURE;
-        }
-    }
+    crate::report::write(&dir, "cost", &results, &crate::report::cost(&results));
     if failed.is_empty() {
         ExitCode::SUCCESS
     } else {

@@ -1,25 +1,10 @@
-//! The settlement-latency benchmark: p50, p99 and p99.9 of the time from a message's publish
-//! to its settlement, for Lily and for `raw-batch` (a hand-tuned raw lapin consumer), at 50 % and
-//! 90 % of the maximum rate, on the success path (delivery → ACK written) and the handoff path
-//! (delivery → copy confirmed → ACK written). `src/bin/latency.rs` drives it.
-//!
-//! - The maximum rate of a path × prefetch is what each contender settles while the paced
-//!   publisher runs beside it, offering the higher of the two drain rates (N messages published
-//!   first, then drained and timed with nothing publishing); the lower of the two contenders'
-//!   settled rates is used, or `--max-rate`. A publisher competes with the consumer for the
-//!   node's cores, so a drain rate alone overstates what a consumer sustains under load.
-//! - A run re-creates the topology, starts the contender, then a paced publisher on its own
-//!   connection ([`pace`]) publishes at the target rate for the run's duration. Latencies of the
-//!   messages published after the warm-up and before publishing stopped are kept.
-//! - Every latency starts when the paced publisher published the message ([`timer::Sent`]),
-//!   for both contenders. Lily's ends when its `delivery` span closes (a tracing layer,
-//!   [`timer`]); raw-batch's ([`raw_batch`]) when the ACK that covered it completed.
+//! The settlement-latency benchmark: its cases, runs and latencies. Method: `bench/README.md`.
 
 use serde::Serialize;
 
+pub mod cli;
 pub mod pace;
 pub mod raw_batch;
-pub mod report;
 pub mod run;
 pub mod timer;
 
@@ -190,7 +175,7 @@ impl Run {
 }
 
 /// The maximum rate a case's target is a fraction of.
-#[derive(Clone, Copy, Debug, Serialize)]
+#[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct MaxRate {
     /// Lily's drain rate (msgs/s) with nothing publishing, when measured.
     pub lily: Option<f64>,
@@ -282,21 +267,13 @@ impl Case {
 /// Everything one benchmark run measured.
 #[derive(Debug, Serialize)]
 pub struct Results {
-    pub benchmark: &'static str,
-    pub broker: String,
-    pub broker_url: String,
-    pub message_bytes: usize,
-    pub cpus: usize,
-    pub started_at_unix: u64,
-    pub lily_revision: String,
-    /// 1-minute load average when the run started and when it ended (the machine is shared).
-    pub load_average: [Option<f64>; 2],
+    /// The run's conditions.
+    #[serde(flatten)]
+    pub meta: crate::Meta,
     /// Messages each drain-rate measurement published (0 with `--max-rate`).
     pub max_rate_messages: u64,
     /// Publishing time of a paced run, and the warm-up excluded from its latencies.
     pub run_secs: f64,
     pub warmup_secs: f64,
-    pub wall_secs: f64,
-    pub notes: Vec<String>,
     pub cases: Vec<Case>,
 }

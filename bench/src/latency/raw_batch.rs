@@ -35,9 +35,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::Order;
 use crate::latency::timer::Sink;
+use crate::raw::{next, retry_properties};
 use crate::throughput::FAILURE_REASON;
-use crate::throughput::copy::retry_properties;
-use crate::throughput::raw::next;
 
 /// Counters a run reads while `raw-batch` consumes.
 #[derive(Debug, Default)]

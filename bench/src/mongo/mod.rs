@@ -1,35 +1,18 @@
-//! The Mongo scope benchmark: what Lily's [`MongoScope`](lily::mongo::MongoScope) costs against
-//! a hand-written lapin + mongodb consumer doing the same transactional work, and whether hot
-//! keys (write conflicts) ever cost a valid message. `src/bin/mongo.rs` drives it.
-//!
-//! Two cases, each over N pre-published 512-byte JSON orders (ids `m-0` … `m-{N-1}`) on a
-//! classic queue:
-//!
-//! - **scope**: per message one transaction that inserts the inbox record and one effect
-//!   document `{_id: message_id, sku, quantity}` into `effects`, committed before the ACK;
-//! - **hot keys**: the same plus `$inc: {n: 1}` on counter document `index % 5` in `counters`, so
-//!   concurrent transactions conflict (`WriteConflict`, labelled `TransientTransactionError`).
-//!
-//! Contenders ([`Contender`]): the raw driver consumer ([`raw`]), Lily with its default scope
-//! (inbox only: the like-for-like comparison with the raw consumer) and Lily with
-//! `MongoConfig::with_lease` (inbox + per-message fenced lease) ([`lily_run`]); on request also the raw
-//! consumer writing Lily's inbox record, which separates what Lily's record costs mongod from
-//! what Lily's machinery costs. Every run gets a fresh
-//! topology and a dropped and re-created database; after it, [`verify`] checks from outside,
-//! by message id, that every effect and inbox record exists exactly once, the counters add up,
-//! and the work queue, the DLQ, the parking lane and the retry buckets hold nothing.
+//! The Mongo scope benchmark: cases, contenders and results. Method: `bench/README.md`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::Serialize;
 
+use crate::median;
+use crate::mongo::db::Ops;
 use crate::throughput::Sample;
 
+pub mod cli;
 pub mod db;
 pub mod lily_run;
 pub mod raw;
-pub mod report;
 pub mod verify;
 
 /// The database every run drops and re-creates.
@@ -55,12 +38,13 @@ pub const HOT_KEYS: u64 = 5;
 pub const TARGET: f64 = 0.9;
 
 /// Which work a run does per message.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum Case {
     /// Inbox record + one effect insert.
     Scope,
     /// Inbox record + effect insert + `$inc` on one of [`HOT_KEYS`] counters.
+    #[value(name = "hot", alias = "hot-keys")]
     HotKeys,
 }
 
@@ -74,7 +58,7 @@ impl Case {
 }
 
 /// Who consumes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum Contender {
     /// lapin + the mongodb driver, written by hand.
@@ -91,26 +75,12 @@ pub enum Contender {
 }
 
 impl Contender {
-    /// Every contender.
-    pub const ALL: [Self; 4] = [Self::Raw, Self::Lily, Self::LilyLease, Self::RawLilyRecord];
-    /// Those run without `--contenders`.
-    pub const DEFAULT: [Self; 3] = [Self::Raw, Self::Lily, Self::LilyLease];
-
     pub fn name(self) -> &'static str {
         match self {
             Self::Raw => "raw driver",
             Self::Lily => "Lily",
             Self::LilyLease => "Lily (lease)",
             Self::RawLilyRecord => "raw (Lily record)",
-        }
-    }
-
-    pub fn flag(self) -> &'static str {
-        match self {
-            Self::Raw => "raw",
-            Self::Lily => "lily",
-            Self::LilyLease => "lily-lease",
-            Self::RawLilyRecord => "raw-lily-record",
         }
     }
 }
@@ -201,4 +171,132 @@ pub struct Run {
     /// Lily's totals after its shutdown.
     pub lily_totals: Option<lily::core::Totals>,
     pub check: verify::Check,
+}
+
+/// Everything one benchmark run measured.
+#[derive(Debug, Serialize)]
+pub struct Results {
+    /// The run's conditions.
+    #[serde(flatten)]
+    pub meta: crate::Meta,
+    pub mongodb: String,
+    pub mongodb_url: String,
+    pub queue_type: &'static str,
+    pub repetitions: u32,
+    pub cases: Vec<CaseResult>,
+}
+
+/// One case, every contender's runs and medians.
+#[derive(Debug, Serialize)]
+pub struct CaseResult {
+    pub case: Case,
+    pub messages_per_run: u64,
+    pub concurrency: usize,
+    pub prefetch: u16,
+    pub contenders: Vec<ContenderResult>,
+}
+
+/// One contender in one case.
+#[derive(Debug, Serialize)]
+pub struct ContenderResult {
+    pub contender: Contender,
+    pub median_msgs_per_sec: f64,
+    /// This contender's median over the raw contender's (Lily only).
+    pub over_raw: Option<f64>,
+    /// The target of `over_raw` (the scope case only).
+    pub over_raw_target: Option<f64>,
+    pub over_raw_met: Option<bool>,
+    /// Median transaction attempts (raw) or handler runs (Lily) per message.
+    pub attempts_per_msg: f64,
+    /// Median transient transaction errors seen per message.
+    pub conflicts_per_msg: f64,
+    /// Valid messages found in the DLQ or the parking lane, all runs together (must be 0).
+    pub dead_lettered_or_parked: u64,
+    /// Every run passed its checks by message id.
+    pub all_verified: bool,
+    /// Every run settled all its messages within the limit.
+    pub all_complete: bool,
+    /// Median CPU µs per message: this process, the broker's VM, mongod.
+    pub client_cpu_us_per_msg: Option<f64>,
+    pub broker_cpu_us_per_msg: Option<f64>,
+    pub mongod_cpu_us_per_msg: Option<f64>,
+    /// Median mongod operations per message, by kind.
+    pub mongod_ops_per_msg: Option<Ops>,
+    pub runs: Vec<Run>,
+}
+
+impl ContenderResult {
+    pub fn new(contender: Contender, runs: Vec<Run>) -> Self {
+        let med = |f: &dyn Fn(&Run) -> Option<f64>| {
+            let mut v: Vec<f64> = runs.iter().filter_map(f).collect();
+            (!v.is_empty()).then(|| median(&mut v))
+        };
+        #[allow(clippy::cast_precision_loss)]
+        let per_msg = |count: u64, run: &Run| count as f64 / run.sample.expected.max(1) as f64;
+        Self {
+            contender,
+            median_msgs_per_sec: med(&|r| Some(r.sample.msgs_per_sec)).unwrap_or(f64::NAN),
+            over_raw: None,
+            over_raw_target: None,
+            over_raw_met: None,
+            attempts_per_msg: med(&|r| Some(per_msg(r.observed.attempts, r))).unwrap_or(f64::NAN),
+            conflicts_per_msg: med(&|r| Some(per_msg(r.observed.conflicts, r))).unwrap_or(f64::NAN),
+            dead_lettered_or_parked: runs
+                .iter()
+                .map(|r| r.check.dead_lettered + r.check.parked)
+                .sum(),
+            all_verified: runs.iter().all(|r| r.check.passed),
+            all_complete: runs.iter().all(|r| r.sample.complete),
+            client_cpu_us_per_msg: med(&|r| r.sample.client_cpu_us_per_msg),
+            broker_cpu_us_per_msg: med(&|r| r.sample.broker_cpu_us_per_msg),
+            mongod_cpu_us_per_msg: med(&|r| r.mongod_cpu_us_per_msg),
+            mongod_ops_per_msg: med(&|r| r.mongod_ops_per_msg.map(|o| o.insert)).map(|insert| {
+                let m = |f: fn(&Ops) -> f64| med(&|r| r.mongod_ops_per_msg.as_ref().map(f));
+                Ops {
+                    insert,
+                    query: m(|o| o.query).unwrap_or(f64::NAN),
+                    update: m(|o| o.update).unwrap_or(f64::NAN),
+                    delete: m(|o| o.delete).unwrap_or(f64::NAN),
+                    getmore: m(|o| o.getmore).unwrap_or(f64::NAN),
+                    command: m(|o| o.command).unwrap_or(f64::NAN),
+                }
+            }),
+            runs,
+        }
+    }
+}
+
+impl CaseResult {
+    /// Computes the ratios to the raw contender, when it ran.
+    pub fn new(
+        case: Case,
+        messages_per_run: u64,
+        concurrency: usize,
+        prefetch: u16,
+        mut contenders: Vec<ContenderResult>,
+    ) -> Self {
+        let raw = contenders
+            .iter()
+            .find(|c| c.contender == Contender::Raw)
+            .map(|c| c.median_msgs_per_sec);
+        for c in contenders
+            .iter_mut()
+            .filter(|c| c.contender != Contender::Raw)
+        {
+            c.over_raw = raw.map(|r| c.median_msgs_per_sec / r);
+            // The target is the default scope's, the like-for-like one: the lease is an
+            // opt-in for effects outside the database, which the raw contender does not guard.
+            if case == Case::Scope && c.contender == Contender::Lily {
+                c.over_raw_target = c.over_raw.map(|_| TARGET);
+                c.over_raw_met = c.over_raw.map(|r| r >= TARGET);
+            }
+        }
+        Self {
+            case,
+            messages_per_run,
+            concurrency,
+            prefetch,
+            contenders,
+        }
+    }
 }

@@ -1,22 +1,4 @@
-//! The failure-storm benchmark: every delivery fails retryably, at the maximum rate, for minutes
-//! on end. `src/bin/storm.rs` drives it.
-//!
-//! A fresh classic work queue with one retry bucket of 1 s is filled with a population of
-//! messages (default 40 000); then every message cycles work queue → handler fails → copy to
-//! the bucket (confirmed) → original ACKed → the bucket's TTL dead-letters it back. Each
-//! contender runs for the duration on its own fresh topology:
-//!
-//! - raw lapin ([`raw`]): `throughput::raw::handoff`'s algorithm (a task per delivery publishes
-//!   the copy, mandatory and persistent, on one confirm channel, awaits its own confirm, then
-//!   ACKs) running for the duration;
-//! - Lily ([`lily`]): a handler that always returns `QueueHandlerError::retryable`, a policy that
-//!   never runs out of attempts during the run, prefetch = concurrency.
-//!
-//! Every second the benchmark samples the handoffs completed that second (Lily's
-//! `stats().totals().retried`, raw's counter), this process's `VmRSS` and the work queue's
-//! ready depth. After a contender stopped and the bucket's TTL passed, [`check`] drains the
-//! work queue and the bucket and counts the copies by message id: every id of the population
-//! must be there exactly once, and the DLQ and parking lane must be empty.
+//! The failure-storm benchmark: its contenders, samples and summary. Method: `bench/README.md`.
 
 use std::time::{Duration, Instant};
 
@@ -24,9 +6,8 @@ use ::lily::core::Totals;
 use serde::Serialize;
 
 pub mod check;
+pub mod cli;
 pub mod lily;
-pub mod raw;
-pub mod report;
 
 /// The bucket's delay: short, so copies come back.
 pub const RETRY_DELAY: Duration = Duration::from_secs(1);
@@ -41,7 +22,7 @@ pub const REASON: &str = "bench: every attempt fails (storm)";
 pub const MAX_ATTEMPTS: u32 = 1_000_000;
 
 /// Who runs the storm.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum Contender {
     /// Hand-written lapin, pipelined confirms (a task per delivery).
@@ -233,22 +214,15 @@ pub struct StormRun {
 /// Everything one storm measured.
 #[derive(Debug, Serialize)]
 pub struct Results {
-    pub benchmark: &'static str,
-    pub broker: String,
-    pub broker_url: String,
-    pub message_bytes: usize,
+    /// The run's conditions.
+    #[serde(flatten)]
+    pub meta: crate::Meta,
     pub population: u64,
     pub prefetch: u16,
     pub retry_delay_secs: f64,
     pub secs: u32,
     pub warmup_secs: u32,
-    pub cpus: usize,
-    pub started_at_unix: u64,
-    pub lily_revision: String,
-    pub load_average: [Option<f64>; 2],
-    pub wall_secs: f64,
     pub runs: Vec<StormRun>,
     /// Lily's mean rate over raw's.
     pub lily_over_raw: Option<f64>,
-    pub notes: Vec<String>,
 }

@@ -1,16 +1,17 @@
 //! The throughput benchmark: Lily against hand-written and hand-tuned lapin, the no-ack ceiling
 //! and ruststream-lapin on the success path, and against pipelined and batched raw handoffs.
-//! `src/bin/throughput.rs` drives it.
+//! `cli` drives it.
 
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-pub mod copy;
+use crate::median;
+
+pub mod cli;
+
 pub mod lily_run;
 pub mod peer;
-pub mod raw;
-pub mod report;
 
 /// How often a run polls a contender's settled count (Lily's totals, the peer's counter).
 pub const POLL: Duration = Duration::from_millis(1);
@@ -93,7 +94,7 @@ impl Sample {
 pub type FirstDelivery = std::sync::OnceLock<Instant>;
 
 /// Which path a case measures.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum Path {
     /// Every message is deserialized and ACKed.
@@ -145,7 +146,7 @@ impl Path {
 }
 
 /// Who consumes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Contender {
     /// Hand-written lapin, one delivery after the other, each ACK awaited; on the handoff path a
@@ -161,6 +162,7 @@ pub enum Contender {
     /// ruststream-lapin.
     Peer,
     /// Hand-written lapin with a task per delivery (not run by default).
+    #[value(name = "raw-tasks")]
     RawConcurrent,
 }
 
@@ -182,6 +184,21 @@ impl Contender {
             Self::Lily => "Lily",
             Self::Peer => "ruststream-lapin",
             Self::RawConcurrent => "raw lapin (tasks)",
+        }
+    }
+
+    /// How a raw lapin contender settles on the success path.
+    ///
+    /// # Panics
+    /// For Lily and ruststream-lapin.
+    pub fn settle(self) -> crate::raw::Settle {
+        use crate::raw::Settle;
+        match self {
+            Self::Raw => Settle::Each,
+            Self::RawBatch => Settle::Batch,
+            Self::Ceiling => Settle::NoAck,
+            Self::RawConcurrent => Settle::Tasks,
+            Self::Lily | Self::Peer => unreachable!("{} is not raw lapin", self.name()),
         }
     }
 
@@ -422,6 +439,175 @@ pub fn revision() -> String {
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
         .filter(|r| !r.is_empty())
         .unwrap_or_else(|| "unknown".into())
+}
+
+/// Everything one benchmark run measured.
+#[derive(Debug, Serialize)]
+pub struct Results {
+    /// The run's conditions.
+    #[serde(flatten)]
+    pub meta: crate::Meta,
+    pub messages_per_run: u64,
+    pub repetitions: u32,
+    pub cases: Vec<CaseResult>,
+    /// How long each contender takes to start, per queue type (success path).
+    pub starts: Vec<Start>,
+}
+
+/// A contender's runs from its start until one waiting message is settled: connect, topology
+/// (Lily's), `basic.consume` and one delivery.
+#[derive(Debug, Serialize)]
+pub struct Start {
+    pub queue_type: &'static str,
+    pub contender: Contender,
+    pub ms: Vec<f64>,
+    pub median_ms: f64,
+}
+
+impl Start {
+    pub fn new(queue_type: &'static str, contender: Contender, samples: &[Sample]) -> Self {
+        let ms: Vec<f64> = samples.iter().map(|s| s.secs * 1000.0).collect();
+        let median_ms = median(&mut ms.clone());
+        Self {
+            queue_type,
+            contender,
+            ms,
+            median_ms,
+        }
+    }
+}
+
+/// One contender's runs in a case and their medians.
+#[derive(Debug, Serialize)]
+pub struct Runs {
+    pub contender: Contender,
+    pub samples: Vec<Sample>,
+    pub median_msgs_per_sec: f64,
+    /// Median client CPU µs per message (this process, every thread).
+    pub client_cpu_us_per_msg: Option<f64>,
+    /// Median broker CPU µs per message (the Erlang VM).
+    pub broker_cpu_us_per_msg: Option<f64>,
+    /// Median steady rate: messages over the time from the first delivery on.
+    pub median_steady_msgs_per_sec: Option<f64>,
+}
+
+/// Lily's median over another contender's, and the target where that contender is a bar.
+#[derive(Debug, Serialize)]
+pub struct Ratio {
+    pub over: Contender,
+    pub value: f64,
+    pub target: Option<f64>,
+    pub met: Option<bool>,
+    /// Lily's rate over the other's in each repetition (the two ran one after the other): the
+    /// spread of `value`.
+    pub runs: Vec<f64>,
+    /// The same over the steady rates (from each one's first delivery on), if both have them.
+    pub steady: Option<f64>,
+    pub steady_runs: Vec<f64>,
+}
+
+/// Each repetition's `lily / other` of `rate`, where both have it.
+fn paired(lily: &[Sample], other: &[Sample], rate: impl Fn(&Sample) -> Option<f64>) -> Vec<f64> {
+    lily.iter()
+        .zip(other)
+        .filter_map(|(l, o)| Some(rate(l)? / rate(o)?))
+        .collect()
+}
+
+/// One path × queue type × prefetch, all its runs and their medians.
+#[derive(Debug, Serialize)]
+pub struct CaseResult {
+    pub path: Path,
+    pub queue_type: &'static str,
+    pub prefetch: u16,
+    pub runs: Vec<Runs>,
+    /// Lily / each other contender.
+    pub lily_over: Vec<Ratio>,
+    pub all_runs_complete: bool,
+}
+
+impl CaseResult {
+    pub fn new(
+        path: Path,
+        queue_type: &'static str,
+        prefetch: u16,
+        samples: Vec<(Contender, Vec<Sample>)>,
+    ) -> Self {
+        let med = |v: &mut Vec<f64>| (!v.is_empty()).then(|| median(v));
+        let runs: Vec<Runs> = samples
+            .into_iter()
+            .filter(|(_, s)| !s.is_empty())
+            .map(|(contender, samples)| Runs {
+                contender,
+                median_msgs_per_sec: median(
+                    &mut samples.iter().map(|x| x.msgs_per_sec).collect::<Vec<_>>(),
+                ),
+                client_cpu_us_per_msg: med(&mut samples
+                    .iter()
+                    .filter_map(|x| x.client_cpu_us_per_msg)
+                    .collect()),
+                broker_cpu_us_per_msg: med(&mut samples
+                    .iter()
+                    .filter_map(|x| x.broker_cpu_us_per_msg)
+                    .collect()),
+                median_steady_msgs_per_sec: med(&mut samples
+                    .iter()
+                    .filter_map(|x| x.steady_msgs_per_sec)
+                    .collect()),
+                samples,
+            })
+            .collect();
+        let all_runs_complete = runs.iter().flat_map(|r| &r.samples).all(|s| s.complete);
+        let lily_over = runs
+            .iter()
+            .find(|r| r.contender == Contender::Lily)
+            .map(|lily| {
+                runs.iter()
+                    .filter(|r| r.contender != Contender::Lily)
+                    .map(|r| {
+                        let value = lily.median_msgs_per_sec / r.median_msgs_per_sec;
+                        let target = path.target(r.contender);
+                        Ratio {
+                            over: r.contender,
+                            value,
+                            target,
+                            met: target.map(|t| value >= t),
+                            runs: paired(&lily.samples, &r.samples, |s| Some(s.msgs_per_sec)),
+                            steady: lily
+                                .median_steady_msgs_per_sec
+                                .zip(r.median_steady_msgs_per_sec)
+                                .map(|(l, o)| l / o),
+                            steady_runs: paired(&lily.samples, &r.samples, |s| {
+                                s.steady_msgs_per_sec
+                            }),
+                        }
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        Self {
+            path,
+            queue_type,
+            prefetch,
+            runs,
+            lily_over,
+            all_runs_complete,
+        }
+    }
+
+    /// The median msgs/s of `who`, if it ran.
+    pub fn median(&self, who: Contender) -> Option<f64> {
+        self.runs(who).map(|r| r.median_msgs_per_sec)
+    }
+
+    pub fn runs(&self, who: Contender) -> Option<&Runs> {
+        self.runs.iter().find(|r| r.contender == who)
+    }
+
+    /// Lily / `over`, if both ran.
+    pub fn ratio(&self, over: Contender) -> Option<&Ratio> {
+        self.lily_over.iter().find(|r| r.over == over)
+    }
 }
 
 #[cfg(test)]

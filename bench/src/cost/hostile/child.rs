@@ -253,8 +253,7 @@ async fn lily(url: &str, queue: &str, prefetch: u16, n: usize) -> Result<Value, 
 async fn raw(url: &str, queue: &str, prefetch: u16, n: usize) -> Result<Value, String> {
     let mut commands = commands();
     let e = |what: &'static str| move |err: lapin::Error| format!("{what}: {err}");
-    let (connection, channel, mut consumer) =
-        crate::cost::raw_consumer(url, queue, prefetch).await?;
+    let (connection, channel, mut consumer) = crate::raw::open(url, queue, prefetch, false).await?;
     let tally = Arc::new(Tally::new(n));
     let held_now = Arc::new(AtomicUsize::new(0));
     tokio::time::sleep(SETTLE).await;

@@ -1,31 +1,4 @@
-//! Bounded memory under hostile load (`cost --only hostile`): `N` messages whose bodies and
-//! headers are just under the consumer's limits, at full prefetch, some of them just over a
-//! limit, against a stated bound on the consumer's RSS.
-//!
-//! For each contender (Lily, then a hand-written lapin consumer at the same prefetch) the parent
-//! declares a fresh topology, starts the child ([`child`]), waits until it consumes the empty
-//! queue (`IDLE`: the idle sample), publishes the `N` messages ([`messages`]) with publisher
-//! confirms while the child holds what it receives, and writes `GO`. The child waits until
-//! `prefetch` deliveries are held (`FULL`: the full-window sample), opens its gate and drains
-//! the queue at full speed, sampling `VmRSS` and the live heap every [`SAMPLE_EVERY`]. Once the
-//! work queue and the retry buckets are empty, nothing is in flight and the handled count no
-//! longer moves, the parent writes `STOP`, reads the child's `RESULT`, then drains every queue
-//! of the topology by message id (`check`) and judges each id against its class.
-//!
-//! **The bound.** Each of the `prefetch` deliveries of the window may be held twice at once —
-//! the delivery itself (body and parsed headers) and one more copy of it: the handler's decoded
-//! payload, or the handoff copy a failure publishes — on top of the idle process and the frame
-//! buffers lapin keeps per connection (32 frames of `frame_max` to read and as many to write;
-//! they are allocated at connect but only touched under load, so the idle sample does not
-//! show them):
-//!
-//! ```text
-//! bound = idle RSS + connections × 2 × 32 × frame_max + prefetch × 2 × (max_body_bytes + max_header_bytes)
-//! ```
-//!
-//! Lily has two connections (consuming, handoffs); raw has one. The figure judged is the peak:
-//! `VmHWM`, the kernel's high-water mark, so a spike between two samples still counts (or a
-//! sampled `VmRSS`, where the kernel's lazily folded counters put that a few pages higher).
+//! Bounded memory under hostile load (`cost --only hostile`). Method: `bench/README.md`.
 
 mod check;
 pub mod child;
@@ -252,6 +225,7 @@ fn run(b: &Bench, who: Contender, prefetch: u16, n: usize) -> Result<Value, Stri
     ));
     let mut child = Command::new(&b.exe)
         .env("LILY_AMQP_URL", &b.url)
+        .arg("cost")
         .arg(format!("hostile-{}", who.name()))
         .arg(prefetch.to_string())
         .arg(n.to_string())

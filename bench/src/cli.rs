@@ -1,0 +1,106 @@
+//! The `lily-bench` command line: one subcommand per benchmark program.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use lily::prelude::QueueKind;
+
+/// Lily's benchmarks against a private RabbitMQ node; run them through `scripts/bench.sh`.
+#[derive(Parser)]
+#[command(name = "lily-bench")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Throughput: Lily against raw lapin contenders, the no-ack ceiling and ruststream-lapin.
+    Throughput(crate::throughput::cli::Args),
+    /// Settlement latency against raw-batch at 50 % and 90 % of the maximum rate.
+    Latency(crate::latency::cli::Args),
+    /// The broker's own publish-to-confirm latency: the floor under every handoff's tail.
+    ConfirmFloor(crate::confirm_floor::Args),
+    /// Failure storm: every delivery fails retryably for minutes; throughput and RSS over time.
+    Storm(crate::storm::cli::Args),
+    /// Lily's MongoDB scope against a hand-written driver transaction.
+    Mongo(crate::mongo::cli::Args),
+    /// Per-message cost, memory per delivery, shutdown latency and the hostile load.
+    Cost(crate::cost::Options),
+    /// Lily and raw lapin on a three-node cluster beside one node.
+    Cluster(crate::cluster::Args),
+}
+
+/// Parses the command line and runs the benchmark it names. `counting` says whether this
+/// process counts its heap allocations (the `lily-bench-counting` binary): `cost` always runs
+/// there, re-executing itself when it is not.
+pub fn main(counting: bool) -> ExitCode {
+    let command = Cli::parse().command;
+    let Command::Cost(args) = command else {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .expect("tokio runtime");
+        runtime.block_on(async {
+            match command {
+                Command::Throughput(args) => crate::throughput::cli::run(args).await,
+                Command::Latency(args) => crate::latency::cli::run(args).await,
+                Command::ConfirmFloor(args) => crate::confirm_floor::run(args).await,
+                Command::Storm(args) => crate::storm::cli::run(args).await,
+                Command::Mongo(args) => crate::mongo::cli::run(args).await,
+                Command::Cluster(args) => crate::cluster::run(args).await,
+                Command::Cost(_) => unreachable!("cost runs below"),
+            }
+        });
+        return ExitCode::SUCCESS;
+    };
+    if counting {
+        return crate::cost::main(args);
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    let counted = exe.with_file_name("lily-bench-counting");
+    match std::process::Command::new(&counted)
+        .args(std::env::args_os().skip(1))
+        .status()
+    {
+        Ok(status) if status.success() => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::FAILURE,
+        Err(err) => {
+            eprintln!("cost runs in {}: {err}", counted.display());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// A count above zero; `_` separators allowed.
+pub fn count(text: &str) -> Result<u64, String> {
+    match text.replace('_', "").parse() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("not a count above zero: {text}")),
+    }
+}
+
+/// A positive, finite number; `_` separators allowed.
+pub fn positive(text: &str) -> Result<f64, String> {
+    match text.replace('_', "").parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("not a positive number: {text}")),
+    }
+}
+
+/// `classic` or `quorum`.
+pub fn queue_kind(text: &str) -> Result<QueueKind, String> {
+    match text {
+        "classic" => Ok(QueueKind::Classic),
+        "quorum" => Ok(QueueKind::Quorum),
+        other => Err(format!("unknown queue type {other}")),
+    }
+}
+
+/// A `usize` above zero; `_` separators allowed.
+pub fn nonzero(text: &str) -> Result<usize, String> {
+    match text.replace('_', "").parse() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("not a count above zero: {text}")),
+    }
+}

@@ -1,0 +1,356 @@
+//! `lily-bench mongo`: Lily's MongoDB scope against a hand-written lapin + mongodb consumer.
+//! Method: `bench/README.md`.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::mongo::{Case, Contender, Counters, Load, Run, db, lily_run, raw, verify};
+use crate::mongo::{CaseResult, ContenderResult, Results};
+use crate::report::{self, rate};
+use crate::throughput::{CpuMeter, cpu_secs};
+use crate::{body_512, broker_url, fresh_topology, publish};
+use lily::prelude::{Policy, QueueKind};
+
+const QUEUE: &str = "lily-bench-mongo";
+
+/// Lily's MongoDB scope against a hand-written driver transaction. Environment:
+/// `LILY_AMQP_URL`, `LILY_MONGO_URL` (a replica set), optional `LILY_RABBIT_DIR` and
+/// `LILY_MONGO_DIR` for the nodes' CPU.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// 5 000 and 2 000 messages, 2 repetitions.
+    #[arg(long)]
+    quick: bool,
+    /// Messages of the scope case.
+    #[arg(short = 'n', long, default_value = "20000", value_parser = crate::cli::count,
+          default_value_if("quick", "true", Some("5000")))]
+    messages: u64,
+    /// Messages of the hot-keys case.
+    #[arg(long, default_value = "5000", value_parser = crate::cli::count,
+          default_value_if("quick", "true", Some("2000")))]
+    hot_messages: u64,
+    /// Repetitions.
+    #[arg(short, long, default_value = "3", value_parser = clap::value_parser!(u32).range(1..),
+          default_value_if("quick", "true", Some("2")))]
+    reps: u32,
+    /// Concurrency of the scope case.
+    #[arg(long, default_value_t = 32, value_parser = crate::cli::nonzero)]
+    concurrency: usize,
+    /// Prefetch of every case (default: twice its concurrency).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    prefetch: Option<u16>,
+    /// Concurrency of the hot-keys case.
+    #[arg(long, default_value_t = 8, value_parser = crate::cli::nonzero)]
+    hot_concurrency: usize,
+    /// Cases: scope, hot.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "scope,hot")]
+    cases: Vec<Case>,
+    /// Who runs: raw, lily, lily-lease, raw-lily-record.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "raw,lily,lily-lease"
+    )]
+    contenders: Vec<Contender>,
+    /// Where the results go.
+    #[arg(long, default_value = "target/bench")]
+    out: PathBuf,
+}
+
+/// Prefetch of a case: `--prefetch`, or twice the concurrency.
+fn prefetch(args: &Args, concurrency: usize) -> u16 {
+    args.prefetch
+        .unwrap_or_else(|| u16::try_from(concurrency * 2).unwrap_or(u16::MAX))
+}
+
+struct Setup<'a> {
+    url: &'a str,
+    mongo_url: &'a str,
+    body: &'a [u8],
+}
+
+/// One run: fresh topology and database, N messages published, the contender timed, the
+/// outcome checked by message id.
+async fn run_once(
+    setup: &Setup<'_>,
+    case: Case,
+    who: Contender,
+    n: u64,
+    concurrency: usize,
+    prefetch: u16,
+) -> Run {
+    let url = setup.url;
+    let topology = fresh_topology(
+        url,
+        QUEUE,
+        QueueKind::Classic,
+        &Policy::default().retry_delays,
+    )
+    .await;
+    let client = db::client(setup.mongo_url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let database = db::fresh(&client, case).await;
+    publish(
+        url,
+        QUEUE,
+        usize::try_from(n).expect("n fits usize"),
+        setup.body,
+    )
+    .await;
+    // Let the broker finish writing the batch before the clock starts.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let counters = Counters::shared();
+    // Lily's scope (its index creation) is set up before the clock, like the raw client.
+    let scope = match who {
+        Contender::Raw | Contender::RawLilyRecord => None,
+        Contender::LilyLease | Contender::Lily => {
+            Some(lily_run::scope(client.clone(), who, &counters).await)
+        }
+    };
+    let load = Load {
+        url,
+        queue: QUEUE,
+        case,
+        concurrency,
+        prefetch,
+        n,
+    };
+    let ops_before = db::Ops::read(&client).await;
+    let mongod = db::mongod_pid();
+    let mongod_before = mongod.and_then(|p| cpu_secs(Some(p)));
+    let cpu = CpuMeter::start();
+    let (mut sample, lily_totals) = match scope {
+        None => {
+            let lily_record = who == Contender::RawLilyRecord;
+            let sample = raw::consume(&load, client.clone(), lily_record, counters.clone()).await;
+            (sample, None)
+        }
+        Some(scope) => {
+            let (sample, totals) = lily_run::consume(&load, scope, counters.clone()).await;
+            (sample, Some(totals))
+        }
+    };
+    cpu.stop(&mut sample);
+    #[allow(clippy::cast_precision_loss)]
+    let mongod_cpu_us_per_msg = match (mongod_before, mongod.and_then(|p| cpu_secs(Some(p)))) {
+        (Some(b), Some(a)) if sample.settled > 0 => Some((a - b) * 1e6 / sample.settled as f64),
+        _ => None,
+    };
+    let ops_after = db::Ops::read(&client).await;
+    let mongod_ops_per_msg = match (ops_before, ops_after) {
+        (Some(b), Some(a)) => Some(b.per_message(&a, n)),
+        _ => None,
+    };
+    let check = verify::check(url, &database, &topology, QUEUE, case, who, n).await;
+    sample.left_in_queue = check.work_queue_ready;
+    Run {
+        sample,
+        mongod_cpu_us_per_msg,
+        mongod_ops_per_msg,
+        observed: counters.snapshot(),
+        lily_totals,
+        check,
+    }
+}
+
+fn describe(run: &Run) -> String {
+    let s = &run.sample;
+    let o = &run.observed;
+    #[allow(clippy::cast_precision_loss)]
+    let per = |v: u64| v as f64 / s.expected.max(1) as f64;
+    let mut line = format!(
+        "{:>7} msgs/s ({:.2} s{}) tries/msg {:.2} conflicts/msg {:.2} cpu µs/msg client {} mongod {} broker {}",
+        rate(s.msgs_per_sec),
+        s.secs,
+        if s.complete {
+            String::new()
+        } else {
+            format!(", INCOMPLETE {}/{}", s.settled, s.expected)
+        },
+        per(o.attempts),
+        per(o.conflicts),
+        opt(s.client_cpu_us_per_msg),
+        opt(run.mongod_cpu_us_per_msg),
+        opt(s.broker_cpu_us_per_msg),
+    );
+    if let Some(o) = &run.mongod_ops_per_msg {
+        line.push_str(&format!(
+            " mongod ops/msg {:.2} (insert {:.2} update {:.2} query {:.2} command {:.2})",
+            o.total(),
+            o.insert,
+            o.update,
+            o.query,
+            o.command
+        ));
+    }
+    if let Some(t) = &run.lily_totals
+        && (t.acked != s.expected
+            || t.deferred
+                + t.requeued
+                + t.dead_lettered
+                + t.parked
+                + t.retried
+                + t.unresolved
+                + t.duplicates_suppressed
+                > 0)
+    {
+        line.push_str(&format!(
+            " Lily totals: acked {} deferred {} requeued {} retried {} dead-lettered {} parked {} duplicates {} unresolved {}",
+            t.acked,
+            t.deferred,
+            t.requeued,
+            t.retried,
+            t.dead_lettered,
+            t.parked,
+            t.duplicates_suppressed,
+            t.unresolved
+        ));
+    }
+    let c = &run.check;
+    if let (Some(l), Some(f)) = (c.lease_documents, c.fence_documents) {
+        line.push_str(&format!(" lease/fence documents left {l}/{f}"));
+    }
+    if c.passed {
+        line.push_str(" verified");
+    } else {
+        line.push_str(&format!(
+            " CHECK FAILED: effects {} (missing {}, unexpected {}), inbox {} (missing {}, unexpected {}), counters {:?} exact {:?}, ready {:?}, DLQ {}, parked {}, retry buckets {}; ids {:?}",
+            c.effects,
+            c.effects_missing,
+            c.effects_unexpected,
+            c.inbox,
+            c.inbox_missing,
+            c.inbox_unexpected,
+            c.counters_sum,
+            c.counters_exact,
+            c.work_queue_ready,
+            c.dead_lettered,
+            c.parked,
+            c.in_retry_buckets,
+            c.sample_ids
+        ));
+    }
+    line
+}
+
+fn opt(value: Option<f64>) -> String {
+    value.map_or_else(|| "-".into(), |v| format!("{v:.0}"))
+}
+
+/// Runs the benchmark.
+pub async fn run(args: Args) {
+    let mongo_url = db::mongo_url().unwrap_or_else(|e| {
+        eprintln!("mongo: {e}");
+        std::process::exit(2)
+    });
+    let url = broker_url();
+    let probe = db::client(&mongo_url).await.unwrap_or_else(|e| {
+        eprintln!("mongo: {e}");
+        std::process::exit(2)
+    });
+    let mongodb = db::server_version(&probe).await;
+    drop(probe);
+    let body = body_512();
+    let setup = Setup {
+        url: &url,
+        mongo_url: &mongo_url,
+        body: &body,
+    };
+    let mut results = Results {
+        meta: crate::Meta::new("mongo", &url, notes()),
+        mongodb,
+        mongodb_url: db::redact(&mongo_url),
+        queue_type: "classic",
+        repetitions: args.reps,
+        cases: Vec::new(),
+    };
+    println!(
+        "Lily Mongo scope benchmark: {} and {}; {} repetition(s)",
+        results.meta.broker, results.mongodb, args.reps
+    );
+    let total = Instant::now();
+    for &case in &args.cases {
+        let (n, concurrency) = match case {
+            Case::Scope => (args.messages, args.concurrency),
+            Case::HotKeys => (args.hot_messages, args.hot_concurrency),
+        };
+        let prefetch = prefetch(&args, concurrency);
+        let mut runs: Vec<(Contender, Vec<Run>)> =
+            args.contenders.iter().map(|&c| (c, Vec::new())).collect();
+        for rep in 1..=args.reps {
+            // Alternate the order too, so no contender always runs first on a cold node.
+            let len = runs.len();
+            for k in 0..len {
+                let slot = (k + usize::try_from(rep - 1).unwrap_or(0)) % len;
+                let who = runs[slot].0;
+                let run = run_once(&setup, case, who, n, concurrency, prefetch).await;
+                eprintln!(
+                    "  {} N {n} concurrency {concurrency} prefetch {prefetch} rep {rep}/{} {:<16} {} [{:.0} s elapsed]",
+                    case.name(),
+                    args.reps,
+                    who.name(),
+                    describe(&run),
+                    total.elapsed().as_secs_f64()
+                );
+                runs[slot].1.push(run);
+            }
+        }
+        let contenders = runs
+            .into_iter()
+            .map(|(who, runs)| ContenderResult::new(who, runs))
+            .collect();
+        results
+            .cases
+            .push(CaseResult::new(case, n, concurrency, prefetch, contenders));
+    }
+    results.meta.finish(total);
+    report::write(&args.out, "mongo", &results, &report::mongo(&results));
+    println!("total {:.0} s", total.elapsed().as_secs_f64());
+}
+
+fn notes() -> Vec<String> {
+    vec![
+        "Time runs from consumer start (AMQP connect included) until N messages are ACKed \
+         (raw: Acker::ack returned Ok(true); Lily: its ledger's acked total, polled every 1 ms). \
+         Publishing, the fresh topology, the dropped and re-created database and each contender's \
+         MongoDB client (and Lily's scope indexes) are set up before the clock."
+            .into(),
+        "Both contenders run the transaction with snapshot read concern and majority write \
+         concern (Lily's settings), through the driver's default pool (maxPoolSize 10 unless \
+         LILY_MONGO_URL sets it), with the same concurrency and prefetch."
+            .into(),
+        "raw driver: a task per delivery (semaphore of C), session → start_transaction → insert \
+         {_id: message_id} into inbox (duplicate key → ACK) → insert the effect (hot keys: $inc \
+         the counter) → commit (again on UnknownTransactionCommitResult); the whole transaction \
+         again, at once, on TransientTransactionError; ACK after the commit; anything else, or 10 s \
+         without a commit, NACK with requeue."
+            .into(),
+        "Lily: MongoConfig::new — inside the transaction the inbox record (with a SHA-256 \
+         fingerprint of the body) and the handler's writes, the commit. Lily (lease): \
+         MongoConfig::with_lease — before the transaction a lease upsert and a fence upsert, \
+         inside it the inbox record and the handler's writes, then the fence check (which \
+         deletes the fence document), the commit and the lease's deletion. Both \
+         with Lily's default policy; a TransientTransactionError in the handler is returned as \
+         QueueHandlerError::transient, which reruns the scope in-process with backoff (10 ms \
+         doubling, at most 500 ms)."
+            .into(),
+        "tries/msg: transaction attempts (raw) or handler runs (Lily) per message; conflicts/msg: \
+         TransientTransactionErrors the contender saw (Lily: in the handler's writes only; a \
+         conflict on its own inbox insert is not observable from outside)."
+            .into(),
+        "Every run is checked from outside by message id: effects hold exactly the N ids once \
+         each, the inbox holds every id once, the hot-key counters sum to N (each exactly its \
+         messages), the work queue is empty, the DLQ and parking lane are drained and must be \
+         empty, the retry buckets must be empty."
+            .into(),
+        "mongod ops/msg: serverStatus.opcounters over the run (setup excluded, Lily's shutdown \
+         included) divided by N; operations inside transactions count, commits and aborts are \
+         commands, findAndModify is a command. raw (Lily record), when run, writes Lily's inbox \
+         record shape ({_id: {c, m}}, a 64-character fingerprint, type, schema version, at) into \
+         a collection with Lily's TTL index on `at`."
+            .into(),
+        "The machine is shared and small: read the ratios, not the absolute figures.".into(),
+    ]
+}

@@ -1,0 +1,488 @@
+//! The hand-written lapin contenders: what a user writes without a framework. One consume
+//! loop for the success path, parameterised by how it settles ([`Settle`]); the handoff path
+//! pipelined ([`handoff`], also the storm's [`storm`]) or batched ([`handoff_batch`]). Their
+//! retry copies carry Lily's eight failure headers ([`retry_properties`]).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
+    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, PublisherConfirm,
+};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::Order;
+use crate::throughput::copy_headers as h;
+use crate::throughput::{FAILURE_REASON, FirstDelivery, Sample, run_limit};
+
+/// How the success-path loop settles each delivery.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Settle {
+    /// `raw lapin`: one delivery after the other, each `ack().await`ed.
+    Each,
+    /// `raw-batch`: one `basic.ack` with `multiple` every `prefetch / 2` deliveries (awaited).
+    Batch,
+    /// `ceiling`: consumed with `no_ack`, nothing settled (the broker ignores the prefetch).
+    NoAck,
+    /// `raw-tasks`: a task per delivery deserializes and `ack().await`s it.
+    Tasks,
+}
+
+/// Connects, sets `basic.qos(prefetch)` and starts consuming `queue` (with `no_ack` if asked).
+pub async fn open(
+    url: &str,
+    queue: &str,
+    prefetch: u16,
+    no_ack: bool,
+) -> Result<(Connection, Channel, lapin::Consumer), String> {
+    let e = |what: &'static str| move |err: lapin::Error| format!("{what}: {err}");
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .map_err(e("connect"))?;
+    let channel = connection.create_channel().await.map_err(e("channel"))?;
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await
+        .map_err(e("basic.qos"))?;
+    let options = BasicConsumeOptions {
+        no_ack,
+        ..BasicConsumeOptions::default()
+    };
+    let consumer = channel
+        .basic_consume(queue.into(), "".into(), options, FieldTable::default())
+        .await
+        .map_err(e("basic.consume"))?;
+    Ok((connection, channel, consumer))
+}
+
+/// A channel in confirm mode on `connection`.
+///
+/// # Panics
+/// When the broker refuses it.
+pub async fn confirm_channel(connection: &Connection) -> Channel {
+    let confirms = connection.create_channel().await.expect("channel");
+    confirms
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirm.select");
+    confirms
+}
+
+/// The consumer's next delivery.
+pub async fn next(consumer: &mut lapin::Consumer) -> Option<lapin::Result<Delivery>> {
+    use futures_core::Stream;
+    std::future::poll_fn(|cx| std::pin::Pin::new(&mut *consumer).poll_next(cx)).await
+}
+
+/// The consumer's next delivery within `limit`; `None` when it ended, failed or took longer.
+async fn next_within(
+    consumer: &mut lapin::Consumer,
+    limit: std::time::Duration,
+) -> Option<Delivery> {
+    match tokio::time::timeout(limit, next(consumer)).await {
+        Ok(Some(Ok(delivery))) => Some(delivery),
+        _ => None,
+    }
+}
+
+/// Cancels the consumer and closes its channel and connection.
+async fn close(connection: Connection, channel: Channel, consumer: &lapin::Consumer) {
+    let _ = channel
+        .basic_cancel(consumer.tag(), BasicCancelOptions::default())
+        .await;
+    let _ = channel.close(200, "done".into()).await;
+    let _ = connection.close(200, "done".into()).await;
+}
+
+/// Deserializes a delivery's order, as every contender does.
+fn deserialize(delivery: &Delivery) {
+    let order: Order = serde_json::from_slice(&delivery.data).expect("order");
+    std::hint::black_box(order);
+}
+
+/// Consumes `n` messages on the success path, settling them as `settle` says.
+///
+/// # Panics
+/// When the broker cannot be reached, or an awaited ACK fails.
+pub async fn success(url: &str, queue: &str, prefetch: u16, n: u64, settle: Settle) -> Sample {
+    let started = Instant::now();
+    let first = FirstDelivery::new();
+    let no_ack = settle == Settle::NoAck;
+    let (connection, channel, mut consumer) =
+        open(url, queue, prefetch, no_ack).await.expect("consume");
+    let batch = if settle == Settle::Batch {
+        u64::from((prefetch / 2).max(1))
+    } else {
+        1
+    };
+    let mut tasks = JoinSet::new();
+    let (mut received, mut settled, mut failed) = (0, 0, 0);
+    let limit = run_limit(n);
+    while received < n {
+        let Some(delivery) = next_within(&mut consumer, limit).await else {
+            break;
+        };
+        first.get_or_init(Instant::now);
+        received += 1;
+        if settle == Settle::Tasks {
+            tasks.spawn(async move {
+                deserialize(&delivery);
+                delivery.acker.ack(BasicAckOptions::default()).await.is_ok()
+            });
+            while let Some(result) = tasks.try_join_next() {
+                tally(result, &mut settled, &mut failed);
+            }
+            continue;
+        }
+        deserialize(&delivery);
+        match settle {
+            Settle::Each => {
+                delivery
+                    .acker
+                    .ack(BasicAckOptions::default())
+                    .await
+                    .expect("ack");
+                settled += 1;
+            }
+            Settle::Batch if received - settled == batch || received == n => {
+                let multiple = BasicAckOptions { multiple: true };
+                channel
+                    .basic_ack(delivery.delivery_tag, multiple)
+                    .await
+                    .expect("ack");
+                settled = received;
+            }
+            Settle::NoAck => settled += 1,
+            Settle::Batch | Settle::Tasks => {}
+        }
+    }
+    while let Some(result) = tasks.join_next().await {
+        tally(result, &mut settled, &mut failed);
+    }
+    let elapsed = started.elapsed();
+    close(connection, channel, &consumer).await;
+    Sample::new(settled, n, elapsed).first_seen(started, &first)
+}
+
+fn tally(result: Result<bool, tokio::task::JoinError>, settled: &mut u64, failed: &mut u64) {
+    match result {
+        Ok(true) => *settled += 1,
+        _ => *failed += 1,
+    }
+}
+
+/// Deserializes `delivery`, publishes its retry copy to `bucket` (mandatory, persistent, Lily's
+/// failure headers) on `confirms`, awaits that copy's own confirm (a returned copy fails), then
+/// ACKs; a failed copy's original is NACKed and requeued. True when the ACK was written.
+pub async fn hand_off_one(
+    confirms: &Channel,
+    bucket: ShortString,
+    delivery: Delivery,
+    source: &str,
+    reason: &str,
+) -> bool {
+    deserialize(&delivery);
+    let properties = retry_properties(&delivery, source, reason);
+    let mandatory = BasicPublishOptions {
+        mandatory: true,
+        immediate: false,
+    };
+    let confirmed = async {
+        confirms
+            .basic_publish("".into(), bucket, mandatory, &delivery.data, properties)
+            .await?
+            .await
+    }
+    .await;
+    if matches!(confirmed, Ok(Confirmation::Ack(None))) {
+        return delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await
+            .is_ok_and(|written| written);
+    }
+    let requeue = BasicNackOptions {
+        multiple: false,
+        requeue: true,
+    };
+    let _ = delivery.acker.nack(requeue).await;
+    false
+}
+
+/// Consumes `n` messages, each failing once: per delivery a task deserializes, publishes the
+/// retry copy to `bucket` (mandatory, persistent, Lily's failure headers) on the one confirm
+/// channel, awaits its own confirm (a returned message is a failure) and then ACKs. Confirms
+/// pipeline across the deliveries in flight (up to `prefetch`).
+pub async fn handoff(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64) -> Sample {
+    let started = Instant::now();
+    let first = FirstDelivery::new();
+    let (connection, channel, mut consumer) =
+        open(url, queue, prefetch, false).await.expect("consume");
+    let confirms = confirm_channel(&connection).await;
+    let bucket: ShortString = bucket.into();
+    let source: Arc<str> = queue.into();
+    let mut tasks = JoinSet::new();
+    let mut settled = 0;
+    let mut failed = 0;
+    let mut received = 0;
+    let limit = run_limit(n);
+    while received < n {
+        let Some(delivery) = next_within(&mut consumer, limit).await else {
+            break;
+        };
+        first.get_or_init(Instant::now);
+        received += 1;
+        let confirms = confirms.clone();
+        let bucket = bucket.clone();
+        let source = Arc::clone(&source);
+        tasks.spawn(async move {
+            hand_off_one(&confirms, bucket, delivery, &source, FAILURE_REASON).await
+        });
+        while let Some(result) = tasks.try_join_next() {
+            tally(result, &mut settled, &mut failed);
+        }
+    }
+    while let Some(result) = tasks.join_next().await {
+        tally(result, &mut settled, &mut failed);
+    }
+    let elapsed = started.elapsed();
+    if failed > 0 {
+        eprintln!("raw handoff: {failed} handoffs failed");
+    }
+    let _ = confirms.close(200, "done".into()).await;
+    close(connection, channel, &consumer).await;
+    Sample::new(settled, n, elapsed).first_seen(started, &first)
+}
+
+/// Consumes `n` messages, each failing once, as a hand-tuned publisher batches confirms: the
+/// loop publishes each retry copy (mandatory, persistent, Lily's failure headers) on one confirm
+/// channel without waiting, and every `prefetch / 2` copies hands the batch to a settler. The
+/// settler awaits the batch's confirms while the next batch is published; when all are acks and
+/// none was returned it ACKs the originals with one `multiple` ACK, otherwise one by one (a failed
+/// copy's original is NACKed and requeued).
+pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64) -> Sample {
+    let started = Instant::now();
+    let first = FirstDelivery::new();
+    let (connection, channel, mut consumer) =
+        open(url, queue, prefetch, false).await.expect("consume");
+    let confirms = confirm_channel(&connection).await;
+    let batch = usize::from((prefetch / 2).max(1));
+    let (batches, mut settle) = tokio::sync::mpsc::channel::<Vec<(u64, PublisherConfirm)>>(1);
+    let settler = tokio::spawn({
+        let channel = channel.clone();
+        async move {
+            let (mut settled, mut failed) = (0_u64, 0_u64);
+            while let Some(batch) = settle.recv().await {
+                let mut outcomes = Vec::with_capacity(batch.len());
+                for (tag, confirm) in batch {
+                    outcomes.push((tag, matches!(confirm.await, Ok(Confirmation::Ack(None)))));
+                }
+                if outcomes.iter().all(|(_, ok)| *ok) {
+                    let Some(&(last, _)) = outcomes.last() else {
+                        continue;
+                    };
+                    if channel
+                        .basic_ack(last, BasicAckOptions { multiple: true })
+                        .await
+                        .is_ok()
+                    {
+                        settled += outcomes.len() as u64;
+                    }
+                    continue;
+                }
+                for (tag, ok) in outcomes {
+                    if ok
+                        && channel
+                            .basic_ack(tag, BasicAckOptions::default())
+                            .await
+                            .is_ok()
+                    {
+                        settled += 1;
+                    } else {
+                        failed += 1;
+                        let requeue = BasicNackOptions {
+                            multiple: false,
+                            requeue: true,
+                        };
+                        let _ = channel.basic_nack(tag, requeue).await;
+                    }
+                }
+            }
+            (settled, failed)
+        }
+    });
+    let bucket: ShortString = bucket.into();
+    let mut pending = Vec::with_capacity(batch);
+    let mut received = 0;
+    let limit = run_limit(n);
+    while received < n {
+        let Some(delivery) = next_within(&mut consumer, limit).await else {
+            break;
+        };
+        first.get_or_init(Instant::now);
+        received += 1;
+        deserialize(&delivery);
+        let properties = retry_properties(&delivery, queue, FAILURE_REASON);
+        let mandatory = BasicPublishOptions {
+            mandatory: true,
+            immediate: false,
+        };
+        let published = confirms
+            .basic_publish(
+                "".into(),
+                bucket.clone(),
+                mandatory,
+                &delivery.data,
+                properties,
+            )
+            .await;
+        match published {
+            Ok(confirm) => pending.push((delivery.delivery_tag, confirm)),
+            Err(_) => {
+                let requeue = BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                };
+                let _ = delivery.acker.nack(requeue).await;
+            }
+        }
+        if (pending.len() == batch || received == n)
+            && batches.send(std::mem::take(&mut pending)).await.is_err()
+        {
+            break;
+        }
+    }
+    drop(batches);
+    let (settled, failed) = settler.await.unwrap_or((0, n));
+    let elapsed = started.elapsed();
+    if failed > 0 {
+        eprintln!("raw-batch handoff: {failed} handoffs failed");
+    }
+    let _ = confirms.close(200, "done".into()).await;
+    close(connection, channel, &consumer).await;
+    Sample::new(settled, n, elapsed).first_seen(started, &first)
+}
+
+/// What the storm's raw contender counts.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Copies confirmed and originals ACKed.
+    pub handoffs: AtomicU64,
+    /// Copies not confirmed (original NACKed) or ACKs that failed.
+    pub failed: AtomicU64,
+}
+
+/// The storm: [`handoff`]'s algorithm until `stop` is cancelled, handing every delivery off to
+/// `bucket`; then cancels the consumer, lets the tasks in flight finish and closes.
+///
+/// # Panics
+/// When the broker cannot be reached or refuses the consumer.
+pub async fn storm(
+    url: String,
+    queue: String,
+    bucket: String,
+    prefetch: u16,
+    counters: Arc<Counters>,
+    stop: CancellationToken,
+) {
+    let (connection, channel, mut consumer) =
+        open(&url, &queue, prefetch, false).await.expect("consume");
+    let confirms = confirm_channel(&connection).await;
+    let bucket: ShortString = bucket.as_str().into();
+    let source: Arc<str> = queue.as_str().into();
+    let mut tasks = JoinSet::new();
+    loop {
+        let next = tokio::select! {
+            biased;
+            () = stop.cancelled() => break,
+            next = next(&mut consumer) => next,
+        };
+        let Some(Ok(delivery)) = next else { break };
+        let (confirms, bucket, source) = (confirms.clone(), bucket.clone(), Arc::clone(&source));
+        let counters = Arc::clone(&counters);
+        tasks.spawn(async move {
+            let done =
+                hand_off_one(&confirms, bucket, delivery, &source, crate::storm::REASON).await;
+            let counter = if done {
+                &counters.handoffs
+            } else {
+                &counters.failed
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+        });
+        while tasks.try_join_next().is_some() {}
+    }
+    let _ = channel
+        .basic_cancel(consumer.tag(), BasicCancelOptions::default())
+        .await;
+    while tasks.join_next().await.is_some() {}
+    let _ = confirms.close(200, "done".into()).await;
+    let _ = channel.close(200, "done".into()).await;
+    let _ = connection.close(200, "done".into()).await;
+}
+
+/// Properties of the retry copy of `delivery`, failed at its current attempt (the
+/// `x-lily-attempt` header, 1 when absent): the attempt is bumped, the first failure time kept
+/// when the delivery already carries one.
+pub fn retry_properties(delivery: &Delivery, source_queue: &str, reason: &str) -> BasicProperties {
+    let now = epoch_millis();
+    let mut headers = delivery
+        .properties
+        .headers()
+        .as_ref()
+        .map(|t| t.inner().clone())
+        .unwrap_or_default();
+    let attempt = headers.get(h::ATTEMPT).and_then(as_u32).unwrap_or(1);
+    let first = headers
+        .get(h::FIRST_FAILURE_AT)
+        .and_then(|v| match v {
+            AMQPValue::LongLongInt(t) => Some(*t),
+            _ => None,
+        })
+        .unwrap_or(now);
+    let mut put = |k: &str, v: AMQPValue| {
+        headers.insert(k.into(), v);
+    };
+    put(h::ATTEMPT, AMQPValue::LongUInt(attempt.saturating_add(1)));
+    put(h::FIRST_FAILURE_AT, AMQPValue::LongLongInt(first));
+    put(h::LAST_FAILURE_AT, AMQPValue::LongLongInt(now));
+    put(h::FAILURE_KIND, long("retryable"));
+    put(h::REASON, long(&format!("handler failed: {reason}")));
+    put(h::SOURCE_QUEUE, long(source_queue));
+    put(h::ORIGINAL_EXCHANGE, long(delivery.exchange.as_str()));
+    put(h::ORIGINAL_ROUTING_KEY, long(delivery.routing_key.as_str()));
+    delivery
+        .properties
+        .clone()
+        .with_headers(FieldTable::from(headers))
+        .with_delivery_mode(2)
+}
+
+fn as_u32(value: &AMQPValue) -> Option<u32> {
+    match value {
+        AMQPValue::LongUInt(v) => Some(*v),
+        AMQPValue::LongInt(v) => u32::try_from(*v).ok(),
+        AMQPValue::LongLongInt(v) => u32::try_from(*v).ok(),
+        AMQPValue::ShortUInt(v) => Some(u32::from(*v)),
+        AMQPValue::ShortShortUInt(v) => Some(u32::from(*v)),
+        _ => None,
+    }
+}
+
+fn long(text: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(text.as_bytes().to_vec()))
+}
+
+fn epoch_millis() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
