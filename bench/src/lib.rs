@@ -19,7 +19,8 @@ use std::time::Duration;
 use lapin::options::QueueDeleteOptions;
 use lapin::{Connection, ConnectionProperties};
 use lily::prelude::{QueueKind, TopologyMode};
-use lily::rabbit::{Destination, Outgoing, Publisher, Topology};
+use lily::publish::{Destination, Outgoing, Publisher};
+use lily::topology::Topology;
 use serde::{Deserialize, Serialize};
 
 /// The broker named by `LILY_AMQP_URL` (set by `scripts/bench.sh`).
@@ -103,7 +104,7 @@ async fn try_fresh_topology(
         .map_err(|e| format!("channel: {e}"))?;
     // As the consumer declares it, with its default delivery limit.
     let topology = Topology::new(queue, kind, retry)
-        .delivery_limit(lily::rabbit::ConsumerConfig::new(queue).delivery_limit);
+        .delivery_limit(lily::consumer::ConsumerConfig::new(queue).delivery_limit);
     let mut names = vec![
         queue.to_owned(),
         topology.dead_letter_queue(),

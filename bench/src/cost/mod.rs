@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use lily::core::Policy;
+use lily::consumer::Policy;
 use lily::prelude::QueueKind;
 use serde_json::{Value, json};
 use tokio::runtime::Runtime;

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
-use lily::core::Policy;
+use lily::consumer::Policy;
 use lily::prelude::QueueKind;
 use rustix::process::{Pid, Signal, kill_process};
 use serde_json::{Value, json};

@@ -4,10 +4,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use lily::consumer::Stats;
 use lily::prelude::{
     Consumer, ConsumerConfig, Json, Policy, QueueHandlerError, QueueKind, Router, Shutdown, Trigger,
 };
-use lily::rabbit::Stats;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 

@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use lily::core::Totals;
+use lily::consumer::Totals;
 use lily::mongo::mongodb::Client;
 use lily::mongo::mongodb::bson::{Document, doc};
 use lily::mongo::mongodb::error::TRANSIENT_TRANSACTION_ERROR;

@@ -169,7 +169,7 @@ pub struct Run {
     pub mongod_ops_per_msg: Option<db::Ops>,
     pub observed: Observed,
     /// Lily's totals after its shutdown.
-    pub lily_totals: Option<lily::core::Totals>,
+    pub lily_totals: Option<lily::consumer::Totals>,
     pub check: verify::Check,
 }
 

@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 
-use lily::rabbit::Topology;
+use lily::topology::Topology;
 use lily_mq_testkit::Client as Inspector;
 use mongodb::Database;
 use mongodb::bson::{Bson, Document, doc};

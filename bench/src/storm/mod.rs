@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use ::lily::core::Totals;
+use ::lily::consumer::Totals;
 use serde::Serialize;
 
 pub mod check;

@@ -12,7 +12,7 @@ use crate::throughput::{
 };
 use crate::{body_512, broker_url, fresh_topology, kind_name, publish};
 use lily::prelude::QueueKind;
-use lily::rabbit::Topology;
+use lily::topology::Topology;
 
 /// Throughput of Lily against raw lapin contenders, taking turns run by run.
 #[derive(clap::Args, Debug)]

@@ -111,7 +111,7 @@ async fn measure(consumer: Consumer, n: u64, retried: bool, progress: &Progress)
     let started = Instant::now();
     let run = tokio::spawn(consumer.run(shutdown.clone()));
     let limit = run_limit(n);
-    let settled = move |stats: &lily::rabbit::Stats| {
+    let settled = move |stats: &lily::consumer::Stats| {
         let totals = stats.totals();
         if retried {
             totals.retried

@@ -6,9 +6,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use lapin::types::AMQPValue;
-use lily::core::headers;
-use lily::core::transport::as_text;
-use lily::rabbit::Topology;
+use lily::headers;
+use lily::headers::as_text;
+use lily::topology::Topology;
 use lily_mq_testkit::Client;
 use serde_json::{Value, json};
 

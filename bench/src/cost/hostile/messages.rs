@@ -4,7 +4,7 @@
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lily::core::Limits;
+use lily::consumer::Limits;
 use serde::Deserialize;
 
 /// The message type of the run.
@@ -242,7 +242,7 @@ pub fn message(i: usize, n: usize, limits: &Limits) -> (Class, Vec<u8>, BasicPro
 
 #[cfg(test)]
 mod tests {
-    use lily::core::transport::{GateRejection, PropertiesView, inspect};
+    use lily_mq_core::transport::{GateRejection, PropertiesView, inspect};
 
     use super::*;
 

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{Confirmation, Connection, ConnectionProperties};
-use lily::core::{Limits, Policy};
+use lily::consumer::{Limits, Policy};
 use lily::prelude::QueueKind;
 use lily_mq_testkit::Client;
 use serde_json::{Value, json};
@@ -328,7 +328,7 @@ fn drive(
     b: &Bench,
     child: &mut Child,
     queue: &str,
-    topology: &lily::rabbit::Topology,
+    topology: &lily::topology::Topology,
     n: usize,
     limits: &Limits,
 ) -> Result<(Value, u64, u64, Duration), String> {
