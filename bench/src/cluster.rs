@@ -16,7 +16,7 @@ use crate::report::Table;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Messages per run.
-    #[arg(short = 'n', long, default_value = "50000", value_parser = crate::cli::count,
+    #[arg(short = 'n', long, default_value = "50000", value_parser = crate::parse::count,
           default_value_if("quick", "true", Some("20000")))]
     messages: u64,
     /// Repetitions of each case.

@@ -10,8 +10,10 @@ pub mod confirm_floor;
 pub mod cost;
 pub mod latency;
 pub mod mongo;
+pub mod parse;
 pub mod raw;
 pub mod report;
+pub mod run;
 pub mod storm;
 
 use std::time::Duration;

@@ -20,8 +20,8 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::Order;
-use crate::throughput::copy_headers as h;
-use crate::throughput::{FAILURE_REASON, FirstDelivery, Sample, run_limit};
+use crate::run::copy_headers as h;
+use crate::run::{FAILURE_REASON, FirstDelivery, Sample, run_limit};
 
 /// How the success-path loop settles each delivery.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -120,7 +120,7 @@ pub struct Options {
     )]
     pub valgrind_n0: usize,
     /// Rounds of the allocation counts.
-    #[arg(long, default_value = "3", value_parser = crate::cli::nonzero,
+    #[arg(long, default_value = "3", value_parser = crate::parse::nonzero,
           default_value_if("quick", "true", Some("2")))]
     pub reps: usize,
     /// 2 rounds, valgrind runs of 5 000 and 500, 3 shutdown runs.
@@ -130,14 +130,14 @@ pub struct Options {
     #[arg(long, default_value_t = 10_000)]
     pub in_flight: usize,
     /// Runs of the idle shutdown.
-    #[arg(long, default_value = "5", value_parser = crate::cli::nonzero,
+    #[arg(long, default_value = "5", value_parser = crate::parse::nonzero,
           default_value_if("quick", "true", Some("3")))]
     pub shutdown_runs: usize,
     /// The per-message runs on tokio's multi-thread runtime.
     #[arg(long)]
     pub multi_thread: bool,
     /// Messages of the hostile load.
-    #[arg(long, default_value_t = hostile::N, value_parser = crate::cli::nonzero)]
+    #[arg(long, default_value_t = hostile::N, value_parser = crate::parse::nonzero)]
     pub hostile_n: usize,
     /// Prefetch of the hostile load.
     #[arg(long, default_value_t = hostile::PREFETCH, value_parser = clap::value_parser!(u16).range(1..))]

@@ -32,19 +32,19 @@ pub struct Args {
           default_value_if("quick", "true", Some("500")))]
     prefetches: Vec<u16>,
     /// Seconds a paced run publishes.
-    #[arg(long, default_value = "20", value_parser = crate::cli::positive,
+    #[arg(long, default_value = "20", value_parser = crate::parse::positive,
           default_value_if("quick", "true", Some("8")))]
     secs: f64,
     /// Seconds of warm-up, not timed.
-    #[arg(long, default_value = "3", value_parser = crate::cli::positive,
+    #[arg(long, default_value = "3", value_parser = crate::parse::positive,
           default_value_if("quick", "true", Some("2")))]
     warmup: f64,
     /// Messages of each drain-rate run.
-    #[arg(short = 'n', long, default_value = "60000", value_parser = crate::cli::count,
+    #[arg(short = 'n', long, default_value = "60000", value_parser = crate::parse::count,
           default_value_if("quick", "true", Some("20000")))]
     messages: u64,
     /// The maximum rate of every case, instead of measuring it.
-    #[arg(long, value_parser = crate::cli::positive)]
+    #[arg(long, value_parser = crate::parse::positive)]
     max_rate: Option<f64>,
     /// Rounds of each case; the case reports the median round.
     #[arg(long, default_value = "3", value_parser = clap::value_parser!(u32).range(1..),

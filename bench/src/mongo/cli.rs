@@ -22,11 +22,11 @@ pub struct Args {
     #[arg(long)]
     quick: bool,
     /// Messages of the scope case.
-    #[arg(short = 'n', long, default_value = "20000", value_parser = crate::cli::count,
+    #[arg(short = 'n', long, default_value = "20000", value_parser = crate::parse::count,
           default_value_if("quick", "true", Some("5000")))]
     messages: u64,
     /// Messages of the hot-keys case.
-    #[arg(long, default_value = "5000", value_parser = crate::cli::count,
+    #[arg(long, default_value = "5000", value_parser = crate::parse::count,
           default_value_if("quick", "true", Some("2000")))]
     hot_messages: u64,
     /// Repetitions.
@@ -34,13 +34,13 @@ pub struct Args {
           default_value_if("quick", "true", Some("2")))]
     reps: u32,
     /// Concurrency of the scope case.
-    #[arg(long, default_value_t = 32, value_parser = crate::cli::nonzero)]
+    #[arg(long, default_value_t = 32, value_parser = crate::parse::nonzero)]
     concurrency: usize,
     /// Prefetch of every case (default: twice its concurrency).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     prefetch: Option<u16>,
     /// Concurrency of the hot-keys case.
-    #[arg(long, default_value_t = 8, value_parser = crate::cli::nonzero)]
+    #[arg(long, default_value_t = 8, value_parser = crate::parse::nonzero)]
     hot_concurrency: usize,
     /// Cases: scope, hot.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "scope,hot")]

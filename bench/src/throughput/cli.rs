@@ -18,7 +18,7 @@ use lily::topology::Topology;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Messages a run.
-    #[arg(short = 'n', long, default_value = "200000", value_parser = crate::cli::count,
+    #[arg(short = 'n', long, default_value = "200000", value_parser = crate::parse::count,
           default_value_if("quick", "true", Some("20000")))]
     messages: u64,
     /// Repetitions of each case.
@@ -38,7 +38,7 @@ pub struct Args {
     paths: Vec<Path>,
     /// Queue types.
     #[arg(long = "queues", value_delimiter = ',', default_value = "classic,quorum",
-          value_parser = crate::cli::queue_kind)]
+          value_parser = crate::parse::queue_kind)]
     kinds: Vec<QueueKind>,
     /// Prefetch values.
     #[arg(long = "prefetch", value_delimiter = ',', default_value = "50,500",
