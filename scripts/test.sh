@@ -102,7 +102,7 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --quie
 # by clippy above and tested with the rest.
 scripts/book.sh
 # The facade builds with no feature, each feature alone, and all of them.
-for feature in "" health mongo testing otel "health mongo testing otel"; do
+for feature in "" health mongo testing otel logging "health mongo testing otel logging"; do
   cargo check -p lily-mq --quiet --no-default-features --features "$feature"
 done
 cargo test --workspace --no-run --quiet

@@ -45,7 +45,9 @@
 //! | `otel` | a delivery's W3C `traceparent` header becomes the parent of its `delivery` span, through `tracing-opentelemetry`; the publisher writes the current span's context into what it sends. Copies carry the header with or without it |
 //! | `mongo` | `lily::mongo`: the MongoDB transaction scope, transactional inbox and fenced lease; [`prelude`] gains `MongoScope`, `MongoConfig` and the `MongoTx` extractor |
 //!
-//! None is on by default.
+//! | `logging` | [`logging::init`] and [`logging::filter`]: a `tracing` subscriber with no message body in any line (on by default) |
+//!
+//! Only `logging` is on by default.
 
 pub use lily_mq_rabbit::{BrokerError, ConfigError, Error, MissingPermission};
 
@@ -122,6 +124,7 @@ pub mod headers {
 /// Logging with no message body in any line: [`logging::init`] is how the examples set it up.
 pub mod logging {
     pub use lily_mq_rabbit::NO_BODY_LOGS;
+    #[cfg(feature = "logging")]
     pub use lily_mq_rabbit::logging::{filter, init};
 }
 

@@ -6,9 +6,11 @@
 //! [`Consumer`](crate::Consumer) or [`Publisher`](crate::Publisher) started under a subscriber
 //! that would let those lines through says so once, at WARN.
 
+#[cfg(feature = "logging")]
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+#[cfg(feature = "logging")]
 use tracing_subscriber::EnvFilter;
 
 /// The target lapin logs returned messages under, bodies included.
@@ -19,6 +21,7 @@ const RETURNS_TARGET: &str = "lapin::returned_messages";
 ///
 /// # Panics
 /// Never: `NO_BODY_LOGS` is a valid directive.
+#[cfg(feature = "logging")]
 #[must_use]
 pub fn filter(default: &str) -> EnvFilter {
     EnvFilter::try_from_default_env()
@@ -33,6 +36,7 @@ pub fn filter(default: &str) -> EnvFilter {
 /// ```no_run
 /// lily_mq_rabbit::logging::init("warn,lily_mq_rabbit=info");
 /// ```
+#[cfg(feature = "logging")]
 pub fn init(default: &str) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter(default))
@@ -86,6 +90,7 @@ mod tests {
                 .add_directive(crate::NO_BODY_LOGS.parse().unwrap())
         ));
         // What `init` installs, whatever `RUST_LOG` asks for.
+        #[cfg(feature = "logging")]
         assert!(!with_filter(super::filter("trace")));
     }
 }
