@@ -109,6 +109,10 @@ cargo test --workspace --no-run --quiet
 # The crates meant for the registry, packaged and verified: each builds from its .crate, the
 # others it needs coming from cargo's temporary registry. Then an application outside the
 # workspace is built against those packages (tests/outside.rs runs it against the broker).
+# Cargo unpacks the packages of its temporary registry under CARGO_HOME and reuses what it
+# unpacked for the same version: a copy left by an earlier run would be verified in place of
+# today's sources.
+rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/lily-mq-*-0.1.0
 cargo package --quiet -p lily-mq-core -p lily-mq-rabbit -p lily-mq-mongo -p lily-mq -p lily-mq-cli
 CARGO_TARGET_DIR="$PWD/target" cargo build --quiet --locked --manifest-path outside/Cargo.toml
 for v in $VERSIONS; do
