@@ -157,7 +157,13 @@ async fn a_classic_message_that_keeps_killing_its_worker_is_counted_durably_and_
         }
     });
     let policy = common::fast_policy().max_requeues(MAX_REQUEUES);
-    let cfg = config(&queue, QueueKind::Classic).policy(policy);
+    // A worker that dies is gone before its message is delivered again: the reconnect waits
+    // (0.5 s at least) until the handling whose connection was closed has ended. Reconnecting
+    // at once, the redelivery could begin while that handling still ran in this process, which
+    // is no death (a duplicate delivery handled meanwhile), and the count came out short.
+    let cfg = config(&queue, QueueKind::Classic)
+        .policy(policy)
+        .reconnect(Duration::from_secs(1), Duration::from_secs(1));
     let running = common::start_with(broker.url(), cfg, router, |c| c.scope(scope.clone()));
     running.wait_ready().await;
     let client = Client::connect(broker.url()).await;
@@ -185,7 +191,8 @@ async fn a_classic_message_that_keeps_killing_its_worker_is_counted_durably_and_
         assert!(running_again, "the killer was not delivered again");
         broker.close_connection_named(&consuming);
         release.notify_one();
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Past the reconnect, so a redelivery that went to the DLQ is seen at the loop's check.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
     }
     running
         .wait_for("the message behind it ACKed", WAIT, |t| {
