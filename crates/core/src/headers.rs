@@ -1,4 +1,5 @@
-//! Names of the headers Lily reads and writes, and readers of header values ([`as_text`], [`as_u32`]).
+//! Names of the headers Lily reads and writes, and readers of header values ([`as_text`],
+//! [`as_u32`]).
 //!
 //! Lily owns every header starting with `x-lily-`. Producers set `schema-version`; the broker sets
 //! `x-delivery-count` on quorum queues and `x-death` when it dead-letters.
