@@ -67,6 +67,10 @@ const GATE_FACTOR: u32 = 16;
 /// How much of the gate's running average one new measure moves: 1/8.
 const GATE_WEIGHT: u32 = 8;
 
+/// One delivery's gate in this many is timed: a clock read is time every delivery would pay,
+/// and the average moves slowly anyway.
+const GATE_SAMPLE: u32 = 8;
+
 /// How far the long first polls must lead the short ones for handlers to count as heavy.
 const LEAD: u8 = 8;
 
@@ -98,8 +102,10 @@ struct Weight {
     long: u8,
     /// Deliveries started, for the probe.
     started: u32,
-    /// The gate's running average.
+    /// The gate's running average; zero until the first measure.
     gate: Duration,
+    /// Deliveries since the gate was last timed.
+    untimed: u32,
 }
 
 impl Weight {
@@ -110,9 +116,20 @@ impl Weight {
         self.long < LEAD || self.started.is_multiple_of(PROBE)
     }
 
+    /// Whether the next delivery's gate is timed: the first, then one in [`GATE_SAMPLE`].
+    fn time_gate(&mut self) -> bool {
+        let due = self.untimed == 0;
+        self.untimed = (self.untimed + 1) % GATE_SAMPLE;
+        due
+    }
+
     /// Notes how long a delivery's gate took: see [`GATE_FACTOR`].
     fn note_gate(&mut self, took: Duration) {
-        self.gate = (self.gate * (GATE_WEIGHT - 1) + took) / GATE_WEIGHT;
+        self.gate = if self.gate.is_zero() {
+            took
+        } else {
+            (self.gate * (GATE_WEIGHT - 1) + took) / GATE_WEIGHT
+        };
     }
 
     /// Notes how long a first poll on the loop took.
@@ -163,19 +180,31 @@ impl<'s, F: Future<Output = ()> + Send + 'static> Inline<'s, F> {
         }
     }
 
-    /// Runs `work`, the delivery of `tag` on `session` whose gate began at `gated`, up to where
-    /// it first stops (see the module's text); returns it when a worker must finish it.
+    /// When the next delivery's gate begins, if it is to be timed (see [`GATE_SAMPLE`]).
+    pub(crate) fn gate_clock(&mut self) -> Option<Instant> {
+        self.weight.time_gate().then(Instant::now)
+    }
+
+    /// Runs `work`, the delivery of `tag` on `session`, up to where it first stops (see the
+    /// module's text); returns it when a worker must finish it. `gated` is when its gate began,
+    /// from [`Inline::gate_clock`].
     pub(crate) fn start(
         &mut self,
         work: F,
         session: &Session,
         tag: u64,
-        gated: Instant,
+        gated: Option<Instant>,
     ) -> Option<Job> {
         let mut job = self.spare.boxed(work);
+        let here = self.weight.poll_here();
+        if !here && gated.is_none() {
+            return Some(job);
+        }
         let began = Instant::now();
-        self.weight.note_gate(began - gated);
-        if !self.weight.poll_here() {
+        if let Some(gated) = gated {
+            self.weight.note_gate(began - gated);
+        }
+        if !here {
             return Some(job);
         }
         let polled = poll(&mut job);
@@ -334,6 +363,19 @@ mod tests {
         let heavy = Duration::from_micros(30 * u64::from(GATE_FACTOR) + 100);
         assert_eq!(run(&mut weight, u32::from(LEAD), heavy), u32::from(LEAD));
         assert_eq!(run(&mut weight, PROBE, heavy), 1, "one probe in PROBE");
+    }
+
+    #[test]
+    fn the_first_gate_and_then_one_in_gate_sample_are_timed() {
+        let mut weight = Weight::default();
+        let timed: Vec<bool> = (0..2 * GATE_SAMPLE).map(|_| weight.time_gate()).collect();
+        assert_eq!(timed.iter().filter(|t| **t).count(), 2);
+        assert!(timed[0] && timed[GATE_SAMPLE as usize]);
+        // The first measure is the average; later ones move it by 1/GATE_WEIGHT.
+        weight.note_gate(Duration::from_micros(80));
+        assert_eq!(weight.gate, Duration::from_micros(80));
+        weight.note_gate(Duration::from_micros(0));
+        assert_eq!(weight.gate, Duration::from_micros(70));
     }
 
     #[test]

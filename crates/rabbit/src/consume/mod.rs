@@ -7,7 +7,7 @@ mod open;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_core::Stream;
 use lapin::options::BasicCancelOptions;
@@ -142,7 +142,7 @@ pub(crate) async fn consume(
             Some(Some(Ok(delivery))) => {
                 let tag = delivery.delivery_tag;
                 session.delivered(tag);
-                let gated = Instant::now();
+                let gated = inline.gate_clock();
                 match delivery::work(shared, &session, delivery)
                     .and_then(|work| inline.start(work, &session, tag, gated))
                 {
