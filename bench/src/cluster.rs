@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use crate::throughput::{HANDOFF_DELAY, Path, Sample, lily_run, revision};
+use crate::throughput::{HANDOFF_DELAY, Path, Sample, lily_run};
 use crate::{body_512, broker_url, fresh_topology, median, publish};
 use lily::prelude::QueueKind;
 use serde::Serialize;
@@ -53,14 +53,12 @@ struct Case {
 
 #[derive(Serialize)]
 struct Results {
-    benchmark: &'static str,
+    #[serde(flatten)]
+    meta: crate::Meta,
     queue_type: &'static str,
     prefetch: u16,
-    message_bytes: usize,
     messages_per_run: u64,
     repetitions: u32,
-    lily_revision: String,
-    wall_secs: f64,
     cases: Vec<Case>,
 }
 
@@ -147,15 +145,14 @@ pub async fn run(args: Args) {
             incomplete_runs: incomplete,
         });
     }
+    let mut meta = crate::Meta::new("cluster", &single, vec![crate::METHOD.into()]);
+    meta.finish(started);
     let results = Results {
-        benchmark: "cluster",
+        meta,
         queue_type: "quorum",
         prefetch: args.prefetch,
-        message_bytes: body_512().len(),
         messages_per_run: args.messages,
         repetitions: args.reps,
-        lily_revision: revision(),
-        wall_secs: started.elapsed().as_secs_f64(),
         cases,
     };
     let head = [
@@ -182,20 +179,12 @@ pub async fn run(args: Args) {
         cells.extend(ratios.map(|v| format!("{v:.2}")));
         table.row(&cells);
     }
-    let header = format!(
-        "Quorum queues, prefetch {}, {} persistent {}-byte messages a run, medians of {} \
-         repetitions (msgs/s), revision {}; the three nodes share this machine's cores with \
-         the client.\n\n",
-        results.prefetch,
-        results.messages_per_run,
-        results.message_bytes,
-        results.repetitions,
-        results.lily_revision
+    let conditions = format!(
+        "Quorum queues, prefetch {}, {} persistent messages a run, medians of {} repetitions \
+         (msg/s); the three nodes share this machine's cores with the client",
+        results.prefetch, results.messages_per_run, results.repetitions
     );
-    crate::report::write(
-        &args.out,
-        "cluster",
-        &results,
-        &(header + table.end().trim_end() + "\n"),
-    );
+    let title = "Lily on a three-node cluster beside one node";
+    let markdown = crate::report::opening(title, &results.meta, &conditions) + &table.end();
+    crate::report::write(&args.out, "cluster", &results, &markdown, None);
 }

@@ -2,13 +2,12 @@
 //! handoff path's tail. Method: `bench/README.md`.
 
 use std::collections::VecDeque;
-use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::report::{Table, fixed};
-use crate::throughput::{HANDOFF_DELAY, broker_version, load_average, revision};
-use crate::{body_512, broker_url, fresh_topology, redact};
+use crate::report::Table;
+use crate::throughput::HANDOFF_DELAY;
+use crate::{body_512, broker_url, fresh_topology};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
 use lily::prelude::QueueKind;
@@ -62,10 +61,8 @@ struct Row {
 
 #[derive(Debug, Serialize)]
 struct Report {
-    broker: String,
-    revision: String,
-    load_start: Option<f64>,
-    load_end: Option<f64>,
+    #[serde(flatten)]
+    meta: crate::Meta,
     secs: u64,
     warmup: u64,
     rows: Vec<Row>,
@@ -194,53 +191,29 @@ async fn time_confirms(
     }
 }
 
-fn markdown(report: &Report, url: &str) -> String {
-    let mut md = "# The broker's confirm latency: the floor under the handoff tail\n\n".to_owned();
-    let (start, end) = (fixed(report.load_start, 2), fixed(report.load_end, 2));
-    let _ = writeln!(
-        md,
-        "Broker: {} on {}  \nLily {}; load average {start} at start, {end} at end; paced runs of \
-         {} s, the first {} s not timed\n",
-        report.broker,
-        redact(url),
-        report.revision,
-        report.secs,
-        report.warmup
+fn markdown(report: &Report) -> String {
+    let conditions = format!(
+        "Paced runs of {} s, the first {} s not timed",
+        report.secs, report.warmup
     );
-    let head = [
-        "pattern",
-        "channels",
-        "rate msg/s",
-        "timed",
-        "unconfirmed",
-        "p50 ms",
-        "p99 ms",
-        "p99.9 ms",
-        "max ms",
-    ];
-    let mut table = Table::new(&head, 1);
+    let title = "The broker's confirm latency: the floor under the handoff tail";
+    let head = "pattern|channels|rate msg/s|timed|unconfirmed|p50 ms|p99 ms|p99.9 ms|max ms";
+    let mut table = Table::new(&head.split('|').collect::<Vec<_>>(), 1);
     for r in &report.rows {
-        let mut cells = vec![
-            r.pattern.to_owned(),
-            r.channels.to_string(),
+        let mut cells = vec![r.pattern.to_owned(), r.channels.to_string()];
+        cells.extend([
             format!("{:.0}", r.rate),
-        ];
-        cells.extend([r.timed.to_string(), r.unconfirmed.to_string()]);
+            r.timed.to_string(),
+            r.unconfirmed.to_string(),
+        ]);
         cells.extend([r.p50_ms, r.p99_ms, r.p999_ms, r.max_ms].map(|v| format!("{v:.2}")));
         table.row(&cells);
     }
-    md + table.end().trim_end()
-        + "\n\n\
-        - A raw lapin publisher alone (no consumer, nothing else publishing) sends persistent, \
-          mandatory 512-byte messages into the latency benchmark's retry bucket (classic, parked \
-          10 minutes), paced every 1 ms, and times each from when the schedule owed it to its \
-          confirm.\n\
-        - pipelined: published at once, round robin over the channels, without waiting for \
-          earlier confirms (Lily's confirm pool). batched: a channel publishes its next batch \
-          only once every confirm of the previous one is in (raw-batch); the wait to be \
-          published counts.\n\
-        - Patterns and channel counts run one after the other, in the order shown: compare the \
-          rows of one run, and repeat it to see the spread.\n"
+    let mut md = crate::report::opening(title, &report.meta, &conditions) + &table.end();
+    for note in &report.meta.notes {
+        md += &format!("- {note}\n");
+    }
+    md
 }
 
 /// Runs the benchmark.
@@ -250,7 +223,7 @@ pub async fn run(args: Args) {
         "--warmup must be shorter than --secs"
     );
     let url = broker_url();
-    let load_start = load_average();
+    let started = Instant::now();
     let topology = fresh_topology(
         &url,
         "lily-bench-confirm-floor",
@@ -280,11 +253,10 @@ pub async fn run(args: Args) {
             }
         }
     }
+    let mut meta = crate::Meta::new("confirm-floor", &url, vec![crate::METHOD.into()]);
+    meta.finish(started);
     let report = Report {
-        broker: broker_version(),
-        revision: revision(),
-        load_start,
-        load_end: load_average(),
+        meta,
         secs: args.secs,
         warmup: args.warmup,
         rows,
@@ -293,6 +265,7 @@ pub async fn run(args: Args) {
         &args.out,
         "confirm-floor",
         &report,
-        &markdown(&report, &url),
+        &markdown(&report),
+        None,
     );
 }

@@ -4,6 +4,7 @@
 //! Run them through `scripts/bench.sh`, which starts a private RabbitMQ node on loopback.
 #![allow(missing_docs, unreachable_pub)]
 
+pub mod chart;
 pub mod cli;
 pub mod cluster;
 pub mod confirm_floor;
@@ -128,29 +129,52 @@ async fn try_fresh_topology(
 
 /// Publishes `n` persistent copies of `body` (type `order.placed`, a message id each) through
 /// [`Publisher`], in windows of 2 000 publishes in flight.
-pub async fn publish(url: &str, queue: &str, n: usize, body: &[u8]) {
-    publish_typed(url, queue, n, body, "order.placed").await;
-}
-
-/// [`publish`] with the message type `kind`.
 ///
 /// # Panics
 /// When a publish is not confirmed.
-pub async fn publish_typed(url: &str, queue: &str, n: usize, body: &[u8], kind: &str) {
+pub async fn publish(url: &str, queue: &str, n: usize, body: &[u8]) {
     let publisher = Publisher::connect(url)
         .await
         .expect("connect the publisher");
     let to = Destination::queue(queue);
     for window in (0..n).collect::<Vec<_>>().chunks(2000) {
-        let messages = window
-            .iter()
-            .map(|i| Outgoing::bytes(kind, &format!("m-{i}"), "application/json", body.to_vec()));
+        let messages = window.iter().map(|i| {
+            Outgoing::bytes(
+                "order.placed",
+                &format!("m-{i}"),
+                "application/json",
+                body.to_vec(),
+            )
+        });
         let published = publisher.publish_all(&to, messages).await;
         if let Some(failed) = published.iter().find(|p| !p.is_confirmed()) {
             panic!("a benchmark publish was not confirmed: {failed:?}");
         }
     }
     publisher.close().await;
+}
+
+/// Ready messages in `queue` (a passive declare on `channel`), or `None` if it cannot be read.
+pub async fn ready(channel: &lapin::Channel, queue: &str) -> Option<u32> {
+    let passive = lapin::options::QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let declared = channel.queue_declare(queue.into(), passive, Default::default());
+    declared.await.ok().map(|q| q.message_count())
+}
+
+/// [`ready`] on a connection of its own.
+pub async fn depth(url: &str, queue: &str) -> Option<u32> {
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .ok()?;
+    let depth = match connection.create_channel().await {
+        Ok(channel) => ready(&channel, queue).await,
+        Err(_) => None,
+    };
+    let _ = connection.close(200, "depth".into()).await;
+    depth
 }
 
 /// `scheme://host:port/vhost` without credentials.
@@ -175,6 +199,10 @@ pub fn median(values: &mut [f64]) -> f64 {
 }
 
 pub mod throughput;
+
+/// The note every report ends with: where its method is written down.
+pub const METHOD: &str = "How this program measures: bench/README.md. The machine is shared: \
+                          read the ratios, measured side by side, not the absolute figures.";
 
 /// What every program's results open with: the conditions of the run.
 #[derive(Debug, Serialize)]

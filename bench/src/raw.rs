@@ -32,8 +32,6 @@ pub enum Settle {
     Batch,
     /// `ceiling`: consumed with `no_ack`, nothing settled (the broker ignores the prefetch).
     NoAck,
-    /// `raw-tasks`: a task per delivery deserializes and `ack().await`s it.
-    Tasks,
 }
 
 /// Connects, sets `basic.qos(prefetch)` and starts consuming `queue` (with `no_ack` if asked).
@@ -123,8 +121,7 @@ pub async fn success(url: &str, queue: &str, prefetch: u16, n: u64, settle: Sett
     } else {
         1
     };
-    let mut tasks = JoinSet::new();
-    let (mut received, mut settled, mut failed) = (0, 0, 0);
+    let (mut received, mut settled) = (0, 0);
     let limit = run_limit(n);
     while received < n {
         let Some(delivery) = next_within(&mut consumer, limit).await else {
@@ -132,16 +129,6 @@ pub async fn success(url: &str, queue: &str, prefetch: u16, n: u64, settle: Sett
         };
         first.get_or_init(Instant::now);
         received += 1;
-        if settle == Settle::Tasks {
-            tasks.spawn(async move {
-                deserialize(&delivery);
-                delivery.acker.ack(BasicAckOptions::default()).await.is_ok()
-            });
-            while let Some(result) = tasks.try_join_next() {
-                tally(result, &mut settled, &mut failed);
-            }
-            continue;
-        }
         deserialize(&delivery);
         match settle {
             Settle::Each => {
@@ -161,11 +148,8 @@ pub async fn success(url: &str, queue: &str, prefetch: u16, n: u64, settle: Sett
                 settled = received;
             }
             Settle::NoAck => settled += 1,
-            Settle::Batch | Settle::Tasks => {}
+            Settle::Batch => {}
         }
-    }
-    while let Some(result) = tasks.join_next().await {
-        tally(result, &mut settled, &mut failed);
     }
     let elapsed = started.elapsed();
     close(connection, channel, &consumer).await;

@@ -1,5 +1,6 @@
-//! What every program writes: `<name>.json` (its results serialized) and `<name>.md` (printed
-//! too), the tables of each program, and the number formats they share.
+//! What every program writes: `<name>.json` (its results serialized), `<name>.md` (printed too)
+//! and, for four of them, `<name>.svg`; the tables and charts of each program, and the number
+//! formats they share.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -7,18 +8,26 @@ use std::path::Path;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::latency::{self, HISTOGRAM_MS, Latencies, MaxRate};
-use crate::{mongo, storm, throughput};
+use crate::chart::Chart;
+use crate::latency::{self, HISTOGRAM_MS, Latencies};
+use crate::{Meta, mongo, storm, throughput};
 
-/// Prints `markdown` and writes `<name>.json` and `<name>.md` into `out`, saying where.
+/// Prints `markdown` and writes `<name>.json`, `<name>.md` and, when given, `<name>.svg` into
+/// `out`, saying where.
 ///
 /// # Panics
 /// When the directory or a file cannot be written.
-pub fn write(out: &Path, name: &str, results: &impl Serialize, markdown: &str) {
+pub fn write(out: &Path, name: &str, results: &impl Serialize, markdown: &str, svg: Option<&str>) {
     println!("\n{markdown}");
     std::fs::create_dir_all(out).expect("create the output directory");
     let json = serde_json::to_string_pretty(results).expect("json") + "\n";
-    for (ext, text) in [("json", json.as_str()), ("md", markdown)] {
+    let files = [
+        ("json", Some(json.as_str())),
+        ("md", Some(markdown)),
+        ("svg", svg),
+    ];
+    for (ext, text) in files {
+        let Some(text) = text else { continue };
         let file = out.join(format!("{name}.{ext}"));
         std::fs::write(&file, text).expect("write results");
         println!("wrote {}", file.display());
@@ -61,7 +70,7 @@ pub fn rate(value: f64) -> String {
 /// `12345.6` → `12 345.6`.
 pub fn group(text: &str) -> String {
     let (sign, rest) = text.strip_prefix('-').map_or(("", text), |r| ("-", r));
-    let (int, frac) = rest.split_once('.').map_or((rest, ""), |(i, f)| (i, f));
+    let (int, frac) = rest.split_once('.').unwrap_or((rest, ""));
     let mut out = String::from(sign);
     for (i, c) in int.chars().enumerate() {
         if i > 0 && (int.len() - i).is_multiple_of(3) {
@@ -69,10 +78,11 @@ pub fn group(text: &str) -> String {
         }
         out.push(c);
     }
-    if !frac.is_empty() {
-        out = format!("{out}.{frac}");
+    if frac.is_empty() {
+        out
+    } else {
+        format!("{out}.{frac}")
     }
-    out
 }
 
 /// `value` with `digits` decimals, or `-`.
@@ -80,7 +90,6 @@ pub fn fixed(value: Option<f64>, digits: usize) -> String {
     value.map_or_else(|| "-".into(), |v| format!("{v:.digits$}"))
 }
 
-/// `rate` of a value that may be missing.
 fn opt_rate(value: Option<f64>) -> String {
     value.map_or_else(|| "-".into(), rate)
 }
@@ -95,20 +104,6 @@ pub fn spread(runs: &[f64]) -> String {
     format!(" [{lo:.3}–{hi:.3}]")
 }
 
-/// The line every report opens with after its title: revision, load and duration.
-fn run_line(meta: &crate::Meta) -> String {
-    let (revision, load, wall_secs) = (&meta.lily_revision, meta.load_average, meta.wall_secs);
-    let (start, end) = (fixed(load[0], 2), fixed(load[1], 2));
-    format!("Lily {revision}; load average {start} at start, {end} at end; {wall_secs:.0} s  \n")
-}
-
-/// The notes, one bullet each.
-fn notes(out: &mut String, notes: &[String]) {
-    for note in notes {
-        let _ = writeln!(out, "- {note}");
-    }
-}
-
 /// `(≥ 1.00 ok)` or `(≥ 1.00 MISS)` for `value` against `target`.
 fn verdict(value: f64, target: Option<f64>) -> String {
     match target {
@@ -118,22 +113,48 @@ fn verdict(value: f64, target: Option<f64>) -> String {
     }
 }
 
+/// The lines every report opens with: its title, the broker, `conditions`, and the revision,
+/// load and duration.
+pub fn opening(title: &str, meta: &Meta, conditions: &str) -> String {
+    let (start, end) = (
+        fixed(meta.load_average[0], 2),
+        fixed(meta.load_average[1], 2),
+    );
+    format!(
+        "# {title}\n\nBroker: {} on {}  \n{conditions}; {} CPU(s)  \nLily {}; load average {start} \
+         at start, {end} at end; {:.0} s\n\n",
+        meta.broker, meta.broker_url, meta.cpus, meta.lily_revision, meta.wall_secs
+    )
+}
+
+/// The notes, one bullet each.
+fn notes(out: &mut String, notes: &[String]) {
+    for note in notes {
+        let _ = writeln!(out, "- {note}");
+    }
+}
+
+/// The chart's subtitle: broker, message and revision.
+fn subtitle(meta: &Meta, what: &str) -> String {
+    format!(
+        "{}, {}-byte JSON, {what}, Lily {}",
+        meta.broker, meta.message_bytes, meta.lily_revision
+    )
+}
+
 /// The throughput report: per path, the rates and Lily's ratios, the steady rates and CPU per
 /// message; then each contender's start.
 pub fn throughput(r: &throughput::Results) -> String {
     use throughput::{CaseResult, Contender, Path};
-    let mut out = format!("Broker: {} on {}  \n", r.meta.broker, r.meta.broker_url);
-    let _ = writeln!(
-        out,
-        "Messages: {} a run, {}-byte JSON, persistent; {} repetition(s), contenders taking turns \
-         run by run, in reverse order every other repetition; medians, [lowest–highest] of the \
-         repetitions' ratios; {} CPU(s)  ",
-        r.messages_per_run, r.meta.message_bytes, r.repetitions, r.meta.cpus
+    let conditions = format!(
+        "{} messages a run, persistent; {} repetition(s), contenders taking turns run by run, in \
+         reverse order every other repetition; medians, [lowest–highest] of the repetitions' \
+         ratios",
+        r.messages_per_run, r.repetitions
     );
-    out += &run_line(&r.meta);
-    out.push('\n');
+    let mut out = opening("Throughput", &r.meta, &conditions);
     let key = |c: &CaseResult| {
-        [
+        vec![
             c.path.name().into(),
             c.queue_type.into(),
             c.prefetch.to_string(),
@@ -161,48 +182,42 @@ pub fn throughput(r: &throughput::Results) -> String {
             }
             head
         };
-        let mut table = Table::new(&head("msg/s", true), 2);
-        for c in &cases {
-            let mut cells = key(c).to_vec();
-            cells.extend(who.iter().map(|&w| opt_rate(c.median(w))));
-            cells.extend(others.iter().map(|&w| {
-                c.ratio(w).map_or_else(
-                    || "-".into(),
-                    |x| {
-                        format!(
-                            "{:.3}{}{}",
-                            x.value,
-                            verdict(x.value, x.target),
-                            spread(&x.runs)
-                        )
-                    },
-                )
-            }));
-            if !c.all_runs_complete {
-                cells.push("incomplete runs!".into());
+        // The rates and ratios, then the steady ones (from each contender's first delivery on).
+        for steady in [false, true] {
+            if steady {
+                let _ = writeln!(
+                    out,
+                    "Steady rate, {} path (median msg/s from each contender's first delivery until \
+                     N are settled: the start, timed on its own below, left out):\n",
+                    path.name()
+                );
             }
-            table.row(&cells);
-        }
-        out += &table.end();
-        let steady = |c: &CaseResult, w| c.runs(w).and_then(|x| x.median_steady_msgs_per_sec);
-        if cases.iter().any(|c| steady(c, Contender::Lily).is_some()) {
-            let _ = writeln!(
-                out,
-                "Steady rate, {} path (median msg/s from each contender's first delivery until N \
-                 are settled: the start, timed on its own below, left out):\n",
-                path.name()
-            );
             let mut table = Table::new(&head("msg/s", true), 2);
             for c in &cases {
-                let mut cells = key(c).to_vec();
-                cells.extend(who.iter().map(|&w| opt_rate(steady(c, w))));
-                cells.extend(others.iter().map(|&w| match c.ratio(w) {
-                    Some(x) if x.steady.is_some() => {
-                        let v = x.steady.unwrap_or_default();
-                        format!("{v:.3}{}{}", verdict(v, x.target), spread(&x.steady_runs))
+                let mut cells = key(c);
+                cells.extend(who.iter().map(|&w| {
+                    let runs = c.runs(w);
+                    match steady {
+                        false => opt_rate(runs.map(|x| x.median_msgs_per_sec)),
+                        true => opt_rate(runs.and_then(|x| x.median_steady_msgs_per_sec)),
                     }
-                    _ => "-".into(),
                 }));
+                cells.extend(others.iter().map(|&w| {
+                    let Some(x) = c.ratio(w) else {
+                        return "-".into();
+                    };
+                    let (value, runs) = match steady {
+                        false => (Some(x.value), &x.runs),
+                        true => (x.steady, &x.steady_runs),
+                    };
+                    value.map_or_else(
+                        || "-".into(),
+                        |v| format!("{v:.3}{}{}", verdict(v, x.target), spread(runs)),
+                    )
+                }));
+                if !c.all_runs_complete {
+                    cells.push("incomplete runs!".into());
+                }
                 table.row(&cells);
             }
             out += &table.end();
@@ -217,16 +232,20 @@ pub fn throughput(r: &throughput::Results) -> String {
         head.extend(who.iter().map(|w| format!("{} broker", w.name())));
         let mut table = Table::new(&head, 2);
         for c in &cases {
-            let mut cells = key(c).to_vec();
-            let runs = |w| c.runs(w);
-            cells.extend(
-                who.iter()
-                    .map(|&w| fixed(runs(w).and_then(|x| x.client_cpu_us_per_msg), 1)),
-            );
-            cells.extend(
-                who.iter()
-                    .map(|&w| fixed(runs(w).and_then(|x| x.broker_cpu_us_per_msg), 1)),
-            );
+            let mut cells = key(c);
+            let cpu = |w, broker: bool| {
+                let runs = c.runs(w);
+                let v = runs.and_then(|x| {
+                    if broker {
+                        x.broker_cpu_us_per_msg
+                    } else {
+                        x.client_cpu_us_per_msg
+                    }
+                });
+                fixed(v, 1)
+            };
+            cells.extend(who.iter().map(|&w| cpu(w, false)));
+            cells.extend(who.iter().map(|&w| cpu(w, true)));
             table.row(&cells);
         }
         out += &table.end();
@@ -239,8 +258,7 @@ pub fn throughput(r: &throughput::Results) -> String {
         let _ = writeln!(
             out,
             "Start, success path (ms from consumer start until one waiting message is settled: \
-             connect, topology, consume; median of {}, contenders taking turns, in reverse order \
-             every other time):\n",
+             connect, topology, consume; median of {}, contenders taking turns):\n",
             first.ms.len()
         );
         let mut head = vec!["queue".to_owned()];
@@ -251,10 +269,11 @@ pub fn throughput(r: &throughput::Results) -> String {
         kinds.dedup();
         for kind in kinds {
             let median = |w: Contender| {
-                r.starts
+                let start = r
+                    .starts
                     .iter()
-                    .find(|s| s.queue_type == kind && s.contender == w)
-                    .map(|s| s.median_ms)
+                    .find(|s| s.queue_type == kind && s.contender == w);
+                start.map(|s| s.median_ms)
             };
             let mut cells = vec![kind.to_owned()];
             cells.extend(who.iter().map(|&w| fixed(median(w), 1)));
@@ -266,6 +285,35 @@ pub fn throughput(r: &throughput::Results) -> String {
     }
     notes(&mut out, &r.meta.notes);
     out
+}
+
+/// The throughput chart: a panel per path, a group per queue type × prefetch, a bar per
+/// contender.
+pub fn throughput_chart(r: &throughput::Results) -> String {
+    use throughput::{Contender, Path};
+    let what = format!("{} messages a run", r.messages_per_run);
+    let mut chart = Chart::new("Throughput (median msg/s)", &subtitle(&r.meta, &what));
+    for path in [Path::Success, Path::Handoff] {
+        let cases: Vec<_> = r.cases.iter().filter(|c| c.path == path).collect();
+        let who: Vec<Contender> = Contender::ALL
+            .into_iter()
+            .filter(|&w| cases.iter().any(|c| c.runs(w).is_some()))
+            .collect();
+        if cases.is_empty() {
+            continue;
+        }
+        let names: Vec<&str> = who.iter().map(|w| w.name()).collect();
+        let groups: Vec<(String, Vec<Option<f64>>)> = cases
+            .iter()
+            .map(|c| {
+                let label = format!("{} {}", c.queue_type, c.prefetch);
+                (label, who.iter().map(|&w| c.median(w)).collect())
+            })
+            .collect();
+        let title = format!("{} path", path.name());
+        chart.bars(&title, "msg/s", &names, &groups, false);
+    }
+    chart.finish()
 }
 
 /// `1.23`: microseconds as milliseconds.
@@ -304,28 +352,18 @@ fn keeps_up(run: &latency::Run) -> String {
     }
 }
 
-/// How the rate used was found: the rates checked, and whether the last was sustained.
-fn sustained(max: &MaxRate) -> String {
-    match (max.tries, max.sustained) {
-        (Some(tries), Some(true)) => format!(" (sustained; rates checked: {tries})"),
-        (Some(tries), _) => format!(" (NOT sustained; rates checked: {tries}, the last used)"),
-        _ => String::new(),
-    }
-}
-
-/// The latency report: every case's percentiles, the histogram, the copies' confirms and the
-/// maximum rates.
+/// The latency report: every case's percentiles, the copies' confirms and the maximum rates.
 pub fn latency(r: &latency::Results) -> String {
-    let mut out = "# Settlement latency: Lily and raw-batch\n\n".to_owned();
-    let _ = writeln!(out, "Broker: {} on {}  ", r.meta.broker, r.meta.broker_url);
-    let _ = writeln!(
-        out,
+    let conditions = format!(
         "{}-byte JSON, persistent, classic queue; paced runs of {:.0} s, the first {:.0} s not \
-         timed; {} CPU(s)  ",
-        r.meta.message_bytes, r.run_secs, r.warmup_secs, r.meta.cpus
+         timed",
+        r.meta.message_bytes, r.run_secs, r.warmup_secs
     );
-    out += &run_line(&r.meta);
-    out.push('\n');
+    let mut out = opening(
+        "Settlement latency: Lily and raw-batch",
+        &r.meta,
+        &conditions,
+    );
     let head = [
         "path",
         "prefetch",
@@ -343,6 +381,7 @@ pub fn latency(r: &latency::Results) -> String {
         "p99 Lily − raw-batch (target)",
     ];
     let mut table = Table::new(&head, 2);
+    let load = |c: &latency::Case| format!("{:.0} %", c.load * 100.0);
     for c in &r.cases {
         let rounds = match c.rounds_p99_diff_ms.as_slice() {
             [_] | [] => String::new(),
@@ -357,18 +396,19 @@ pub fn latency(r: &latency::Results) -> String {
             c.p99_diff_ms, c.p99_margin_ms
         );
         for (run, diff) in [(&c.raw_batch, String::new()), (&c.lily, diff)] {
+            let l = &run.latency;
             table.row(&[
                 c.path.name().into(),
                 c.prefetch.to_string(),
-                format!("{:.0} %", c.load * 100.0),
+                load(c),
                 rate(c.target_rate),
                 rate(run.publish_rate),
                 run.contender.name().into(),
                 rate(run.settled_per_sec),
-                ms(run.latency.p50_us),
-                ms(run.latency.p99_us),
-                ms(run.latency.p999_us),
-                format!("{:.2} %", over(&run.latency, 100)),
+                ms(l.p50_us),
+                ms(l.p99_us),
+                ms(l.p999_us),
+                format!("{:.2} %", over(l, 100)),
                 run.max_ready_depth.to_string(),
                 keeps_up(run),
                 diff,
@@ -376,36 +416,7 @@ pub fn latency(r: &latency::Results) -> String {
         }
     }
     out += &table.end();
-    out += "Latency histogram (share of the timed deliveries at or under each bound, ms):\n\n";
-    let mut head: Vec<String> = ["path", "prefetch", "load", "contender"]
-        .map(String::from)
-        .to_vec();
-    head.extend(HISTOGRAM_MS.iter().map(|b| format!("≤ {b}")));
-    head.push(format!("> {}", HISTOGRAM_MS[HISTOGRAM_MS.len() - 1]));
-    let mut table = Table::new(&head, 1);
-    for c in &r.cases {
-        for run in [&c.raw_batch, &c.lily] {
-            let l = &run.latency;
-            let mut cells = vec![
-                c.path.name().into(),
-                c.prefetch.to_string(),
-                format!("{:.0} %", c.load * 100.0),
-                run.contender.name().into(),
-            ];
-            #[allow(clippy::cast_precision_loss)]
-            let share = |n: usize| format!("{:.2} %", 100.0 * n as f64 / l.samples.max(1) as f64);
-            cells.extend(l.histogram.iter().map(|&n| share(n)));
-            table.row(&cells);
-        }
-    }
-    out += &table.end();
-    let copies: Vec<_> = r
-        .cases
-        .iter()
-        .flat_map(|c| [(c, &c.raw_batch), (c, &c.lily)])
-        .filter_map(|(c, run)| Some((c, run, run.copy_confirms.as_ref()?)))
-        .collect();
-    if !copies.is_empty() {
+    if r.cases.iter().any(|c| c.lily.copy_confirms.is_some()) {
         out += "Handoff path, each copy from its publish to its confirm (Lily: its `handoff` span, \
                 from the copy built to its verdict; raw-batch: from its publish written to its \
                 confirm seen at the flush that awaits it), beside the settlement's p99:\n\n";
@@ -421,22 +432,29 @@ pub fn latency(r: &latency::Results) -> String {
             "settled p99 ms",
         ];
         let mut table = Table::new(&head, 1);
-        for (c, run, l) in copies {
-            table.row(&[
-                c.path.name().into(),
-                c.prefetch.to_string(),
-                format!("{:.0} %", c.load * 100.0),
-                run.contender.name().into(),
-                ms(l.p50_us),
-                ms(l.p99_us),
-                ms(l.p999_us),
-                format!("{:.2} %", over(l, 50)),
-                ms(run.latency.p99_us),
-            ]);
+        for c in &r.cases {
+            for run in [&c.raw_batch, &c.lily] {
+                let Some(l) = &run.copy_confirms else {
+                    continue;
+                };
+                table.row(&[
+                    c.path.name().into(),
+                    c.prefetch.to_string(),
+                    load(c),
+                    run.contender.name().into(),
+                    ms(l.p50_us),
+                    ms(l.p99_us),
+                    ms(l.p999_us),
+                    format!("{:.2} %", over(l, 50)),
+                    ms(run.latency.p99_us),
+                ]);
+            }
         }
         out += &table.end();
     }
-    out += "Maximum rates (msgs/s):\n\n";
+    out += "Maximum rates (msg/s; drained with nothing publishing, settled while the higher drain \
+            rate was offered, and the rate used: the first from 90 % of the lower down that both \
+            sustained):\n\n";
     let head = [
         "path",
         "prefetch",
@@ -445,7 +463,7 @@ pub fn latency(r: &latency::Results) -> String {
         "offered",
         "Lily settled under load",
         "raw-batch settled under load",
-        "used (sustained by both)",
+        "used",
     ];
     let mut table = Table::new(&head, 1);
     let mut seen = Vec::new();
@@ -455,6 +473,11 @@ pub fn latency(r: &latency::Results) -> String {
         }
         seen.push((c.path, c.prefetch));
         let m = &c.max_rate;
+        let how = match (m.tries, m.sustained) {
+            (Some(tries), Some(true)) => format!(" (sustained; rates checked: {tries})"),
+            (Some(tries), _) => format!(" (NOT sustained; rates checked: {tries}, the last used)"),
+            _ => String::new(),
+        };
         table.row(&[
             c.path.name().into(),
             c.prefetch.to_string(),
@@ -463,7 +486,7 @@ pub fn latency(r: &latency::Results) -> String {
             opt_rate(m.offered),
             opt_rate(m.lily_loaded),
             opt_rate(m.raw_batch_loaded),
-            format!("{}{}", rate(m.used), sustained(m)),
+            format!("{}{how}", rate(m.used)),
         ]);
     }
     out += &table.end();
@@ -471,24 +494,52 @@ pub fn latency(r: &latency::Results) -> String {
     out
 }
 
+/// The latency chart: a panel per path, a group per prefetch × load, p50 and p99 of each
+/// contender on a logarithmic axis.
+pub fn latency_chart(r: &latency::Results) -> String {
+    let what = format!("{:.0} s paced runs", r.run_secs);
+    let mut chart = Chart::new("Settlement latency (ms)", &subtitle(&r.meta, &what));
+    let series = ["raw-batch p50", "raw-batch p99", "Lily p50", "Lily p99"];
+    for path in [latency::Path::Success, latency::Path::Handoff] {
+        let groups: Vec<(String, Vec<Option<f64>>)> = r
+            .cases
+            .iter()
+            .filter(|c| c.path == path)
+            .map(|c| {
+                let label = format!("prefetch {}, {:.0} %", c.prefetch, c.load * 100.0);
+                let (b, l) = (&c.raw_batch.latency, &c.lily.latency);
+                let values = [b.p50_us, b.p99_us, l.p50_us, l.p99_us];
+                (
+                    label,
+                    values.map(|us| Some(f64::from(us) / 1000.0)).to_vec(),
+                )
+            })
+            .collect();
+        if !groups.is_empty() {
+            chart.bars(
+                &format!("{} path", path.name()),
+                "ms, log scale",
+                &series,
+                &groups,
+                true,
+            );
+        }
+    }
+    chart.finish()
+}
+
 /// The storm report: each contender's rates, RSS and check by id.
 pub fn storm(r: &storm::Results) -> String {
-    let mut out = "# Failure storm: 100 % retryable failures\n\n".to_owned();
-    let _ = writeln!(out, "Broker: {} on {}  ", r.meta.broker, r.meta.broker_url);
-    let _ = writeln!(
-        out,
+    let conditions = format!(
         "Population {} × {}-byte JSON, classic queue, retry bucket {:.0} s, prefetch {}; {} s a \
-         contender, warm-up {} s; {} CPU(s)  ",
-        r.population,
-        r.meta.message_bytes,
-        r.retry_delay_secs,
-        r.prefetch,
-        r.secs,
-        r.warmup_secs,
-        r.meta.cpus
+         contender, warm-up {} s",
+        r.population, r.meta.message_bytes, r.retry_delay_secs, r.prefetch, r.secs, r.warmup_secs
     );
-    out += &run_line(&r.meta);
-    out.push('\n');
+    let mut out = opening(
+        "Failure storm: 100 % retryable failures",
+        &r.meta,
+        &conditions,
+    );
     let head = [
         "contender",
         "mean handoffs/s",
@@ -499,11 +550,15 @@ pub fn storm(r: &storm::Results) -> String {
         "max MiB",
         "end MiB",
         "slope MiB/min",
+        "failed",
+        "ids: missing, duplicates, strangers",
+        "DLQ, parking",
         "ids ok",
     ];
     let mut table = Table::new(&head, 1);
+    let opt = |v: Option<u32>| v.map_or_else(|| "?".into(), |v| v.to_string());
     for run in &r.runs {
-        let s = &run.summary;
+        let (s, c) = (&run.summary, &run.check);
         table.row(&[
             run.contender.name().into(),
             rate(s.mean_rate),
@@ -514,86 +569,66 @@ pub fn storm(r: &storm::Results) -> String {
             format!("{:.1}", s.rss_max_mib),
             format!("{:.1}", s.rss_end_mib),
             format!("{:+.2}", s.rss_slope_mib_per_min),
-            (if run.check.ok { "yes" } else { "**no**" }).into(),
+            run.failed.to_string(),
+            format!("{}, {}, {}", c.missing, c.duplicates, c.strangers),
+            format!("{}, {}", opt(c.in_dead_letter_queue), opt(c.in_parking)),
+            (if c.ok { "yes" } else { "**no**" }).into(),
         ]);
     }
     out += &table.end();
-    let opt = |v: Option<u32>| v.map_or_else(|| "?".into(), |v| v.to_string());
-    for run in &r.runs {
-        let (s, c, who) = (&run.summary, &run.check, run.contender.name());
-        let _ = writeln!(
-            out,
-            "- {who}: mean {} handoffs/s after warm-up ({} in {} s, {} failed); first {} s {} /s, \
-             last {} s {} /s, flatness last/first {:.3}; min ready depth {}",
-            rate(s.mean_rate),
-            run.handoffs,
-            run.secs,
-            run.failed,
-            s.window_secs,
-            rate(s.first_rate),
-            s.window_secs,
-            rate(s.last_rate),
-            s.flatness,
-            opt(s.min_ready),
-        );
-        let _ = writeln!(
-            out,
-            "- {who} VmRSS: {:.1} MiB after warm-up, max {:.1}, end {:.1}; slope {:+.2} MiB/min",
-            s.rss_start_mib, s.rss_max_mib, s.rss_end_mib, s.rss_slope_mib_per_min,
-        );
-        let _ = writeln!(
-            out,
-            "- {who} by id: {} in work queue + {} in bucket of {}; missing {}, duplicates {}, \
-             strangers {}; DLQ {}, parking {} → {}",
-            c.in_work_queue,
-            c.in_bucket,
-            c.population,
-            c.missing,
-            c.duplicates,
-            c.strangers,
-            opt(c.in_dead_letter_queue),
-            opt(c.in_parking),
-            if c.ok { "ok" } else { "FAILED" }
-        );
-        if let Some(t) = &run.lily_totals {
-            let clean = t.dead_lettered == 0 && t.parked == 0;
-            let _ = writeln!(
-                out,
-                "- Lily totals: retried {}, dead-lettered {}, parked {}, requeued {}, unresolved {} \
-                 → {}",
-                t.retried,
-                t.dead_lettered,
-                t.parked,
-                t.requeued,
-                t.unresolved,
-                if clean {
-                    "nothing dead-lettered or parked"
-                } else {
-                    "DEAD-LETTERED OR PARKED"
-                }
-            );
-        }
-    }
     if let Some(x) = r.lily_over_raw {
         let _ = writeln!(out, "- Lily / raw lapin mean rate: {x:.3}");
     }
-    out.push('\n');
+    for run in &r.runs {
+        if let Some(t) = &run.lily_totals {
+            let _ = writeln!(out, "- Lily's totals: {t:?}");
+        }
+    }
     notes(&mut out, &r.meta.notes);
     out
 }
 
+/// The storm chart: handoffs a second and RSS over time, a line per contender.
+pub fn storm_chart(r: &storm::Results) -> String {
+    let what = format!(
+        "{} messages, bucket {:.0} s",
+        r.population, r.retry_delay_secs
+    );
+    let mut chart = Chart::new("Failure storm over time", &subtitle(&r.meta, &what));
+    let series = |y: fn(&storm::Second) -> f64| -> Vec<(&str, Vec<(f64, f64)>)> {
+        let points =
+            |run: &storm::StormRun| run.series.iter().map(|s| (f64::from(s.t), y(s))).collect();
+        r.runs
+            .iter()
+            .map(|run| (run.contender.name(), points(run)))
+            .collect()
+    };
+    #[allow(clippy::cast_precision_loss)]
+    let (handoffs, rss) = (
+        series(|s| s.handoffs as f64),
+        series(|s| s.rss_bytes as f64 / 1_048_576.0),
+    );
+    chart.lines(
+        "Handoffs a second",
+        "handoffs/s over the run's seconds",
+        &handoffs,
+    );
+    chart.lines("This process's RSS", "MiB over the run's seconds", &rss);
+    chart.finish()
+}
+
 /// The Mongo scope report: rates and ratios, mongod's operations, the verdicts.
 pub fn mongo(r: &mongo::Results) -> String {
-    let mut out = format!("Broker: {} on {}  \n", r.meta.broker, r.meta.broker_url);
-    let _ = writeln!(out, "Database: {} on {}  ", r.mongodb, r.mongodb_url);
-    let _ = writeln!(
-        out,
-        "Queue: {}; {}-byte JSON orders, persistent, pre-published; {} repetition(s) alternating \
-         the contenders; medians; {} CPU(s)  ",
-        r.queue_type, r.meta.message_bytes, r.repetitions, r.meta.cpus
+    let conditions = format!(
+        "Database: {} on {}  \nQueue: {}; {}-byte JSON orders, persistent, pre-published; {} \
+         repetition(s) alternating the contenders; medians",
+        r.mongodb, r.mongodb_url, r.queue_type, r.meta.message_bytes, r.repetitions
     );
-    out += &run_line(&r.meta);
-    out.push('\n');
+    let mut out = opening(
+        "The Mongo scope against a driver transaction",
+        &r.meta,
+        &conditions,
+    );
     let head = [
         "case",
         "N",
@@ -610,13 +645,15 @@ pub fn mongo(r: &mongo::Results) -> String {
         "client µs/msg",
         "mongod µs/msg",
         "broker µs/msg",
+        "mongod ops/msg",
     ];
     let mut table = Table::new(&head, 1);
     for case in &r.cases {
         for c in &case.contenders {
             let target = match (c.over_raw_target, c.over_raw_met) {
-                (Some(t), Some(met)) => format!("≥ {t:.2} ({})", if met { "yes" } else { "NO" }),
-                (Some(t), None) => format!("≥ {t:.2} (-)"),
+                (Some(t), Some(met)) => {
+                    format!("≥ {t:.2} ({})", if met { "met" } else { "MISSED" })
+                }
                 _ => "-".into(),
             };
             table.row(&[
@@ -635,6 +672,7 @@ pub fn mongo(r: &mongo::Results) -> String {
                 fixed(c.client_cpu_us_per_msg, 1),
                 fixed(c.mongod_cpu_us_per_msg, 1),
                 fixed(c.broker_cpu_us_per_msg, 1),
+                fixed(c.mongod_ops_per_msg.map(|o| o.total()), 2),
             ]);
         }
     }
@@ -648,50 +686,48 @@ pub fn mongo(r: &mongo::Results) -> String {
         "query",
         "delete",
         "command",
-        "total",
     ];
     let mut table = Table::new(&head, 2);
     for case in &r.cases {
         for c in &case.contenders {
             if let Some(o) = &c.mongod_ops_per_msg {
                 let mut cells = vec![case.case.name().to_owned(), c.contender.name().into()];
-                let values = [o.insert, o.update, o.query, o.delete, o.command, o.total()];
+                let values = [o.insert, o.update, o.query, o.delete, o.command];
                 cells.extend(values.iter().map(|v| format!("{v:.2}")));
                 table.row(&cells);
             }
         }
     }
     out += &table.end();
-    for case in &r.cases {
-        for c in &case.contenders {
-            if let (Some(x), Some(t), Some(met)) = (c.over_raw, c.over_raw_target, c.over_raw_met) {
-                let _ = writeln!(
-                    out,
-                    "- {}: {} / raw driver = {x:.3} (target >= {t:.2}): {}",
-                    case.case.name(),
-                    c.contender.name(),
-                    if met { "met" } else { "MISSED" }
-                );
-            }
-        }
-        let dead: u64 = case
-            .contenders
-            .iter()
-            .map(|c| c.dead_lettered_or_parked)
-            .sum();
-        let verified = case.contenders.iter().all(|c| c.all_verified);
-        let _ = writeln!(
-            out,
-            "- {}: valid messages dead-lettered or parked: {dead} (required 0): {}; every run \
-             verified by message id: {}",
-            case.case.name(),
-            if dead == 0 { "met" } else { "MISSED" },
-            if verified { "yes" } else { "NO" },
-        );
-    }
-    out.push('\n');
     notes(&mut out, &r.meta.notes);
     out
+}
+
+/// The Mongo chart: a group per case, a bar per contender.
+pub fn mongo_chart(r: &mongo::Results) -> String {
+    let what = format!("{}, {} repetition(s)", r.mongodb, r.repetitions);
+    let mut chart = Chart::new("The Mongo scope (median msg/s)", &subtitle(&r.meta, &what));
+    let mut who: Vec<mongo::Contender> = Vec::new();
+    for c in r.cases.iter().flat_map(|case| &case.contenders) {
+        if !who.contains(&c.contender) {
+            who.push(c.contender);
+        }
+    }
+    let names: Vec<&str> = who.iter().map(|w| w.name()).collect();
+    let groups: Vec<(String, Vec<Option<f64>>)> = r
+        .cases
+        .iter()
+        .map(|case| {
+            let rate = |w| case.contenders.iter().find(|c| c.contender == w);
+            let rates = who.iter().map(|&w| rate(w).map(|c| c.median_msgs_per_sec));
+            (
+                format!("{}, concurrency {}", case.case.name(), case.concurrency),
+                rates.collect(),
+            )
+        })
+        .collect();
+    chart.bars("Messages a second", "msg/s", &names, &groups, false);
+    chart.finish()
 }
 
 /// A JSON number with `digits` decimals, thousands apart; `-` when missing.
@@ -712,294 +748,16 @@ fn met(v: &Value) -> String {
     text.into()
 }
 
-/// `a - b` of two JSON numbers.
-fn minus(a: &Value, b: &Value) -> Value {
-    Value::from(a.as_f64().unwrap_or(f64::NAN) - b.as_f64().unwrap_or(f64::NAN))
+/// A JSON number of bytes in MiB, with one decimal.
+fn mib(v: &Value) -> String {
+    num(
+        &Value::from(v.as_f64().unwrap_or(f64::NAN) / 1_048_576.0),
+        1,
+    )
 }
 
-/// Bytes as MiB.
-fn mib(v: &Value) -> Value {
-    Value::from(v.as_f64().unwrap_or(f64::NAN) / 1_048_576.0)
-}
-
-/// One row of the cost table: measure, raw lapin, Lily, Lily's layer, target, met.
-type Row = [String; 6];
-
-/// A row of a measure with nothing but a label and three figures.
-fn plain(label: impl Into<String>, raw: String, lily: String, layer: String) -> Row {
-    [label.into(), raw, lily, layer, "-".into(), "-".into()]
-}
-
-/// The row of a step that failed, or `None`.
-fn failed(step: &Value, label: &str) -> Option<Row> {
-    let err = step["error"].as_str()?;
-    Some(plain(label, "error".into(), err.into(), "-".into()))
-}
-
-/// The cost table's rows, from `cost.json`.
-fn cost_rows(r: &Value) -> Vec<Row> {
-    let dash = || "-".to_owned();
-    let mut rows = Vec::new();
-    let i = &r["instructions"];
-    if let Some(row) = failed(i, "instructions / message") {
-        rows.push(row);
-    } else if !i.is_null() {
-        let label = format!("instructions / message (callgrind, N={})", num(&i["n"], 0));
-        let (raw, lily, layer) = (
-            num(&i["raw"], 0),
-            num(&i["lily"], 0),
-            num(&i["lily_layer"], 0),
-        );
-        rows.push([label, raw, lily, layer, "<= 8 000".into(), met(&i["met"])]);
-        rows.push(plain(
-            "  raw lapin acking with Acker::ack().await (informative)",
-            num(&i["raw_acker"], 0),
-            num(&i["lily"], 0),
-            num(&minus(&i["lily"], &i["raw_acker"]), 0),
-        ));
-        let mt = &i["multi_thread"];
-        if !mt.is_null() {
-            let (raw, lily, layer) = (
-                num(&mt["raw"], 0),
-                num(&mt["lily"], 0),
-                num(&mt["lily_layer"], 0),
-            );
-            rows.push(plain(
-                "  same, multi-thread runtime (informative)",
-                raw,
-                lily,
-                layer,
-            ));
-        }
-    }
-    let reader = &r["reader"];
-    if let Some(per) = reader["per_message"].as_f64() {
-        // The frame reader is part of Lily's layer: its share of Lily's whole cost per message
-        // (the target), and of the layer, against the figures of this run.
-        let share = i["lily"].as_f64().map(|l| per / l);
-        let of_layer = i["lily_layer"]
-            .as_f64()
-            .map_or_else(dash, |l| format!("{:.0} % of the layer", per / l * 100.0));
-        rows.push([
-            "  of it, the frame reader (wire.rs), instructions / message".into(),
-            dash(),
-            num(&Value::from(per), 0),
-            of_layer,
-            share.map_or_else(
-                || "< 5 % of Lily".into(),
-                |x| format!("< 5 % of Lily: {:.1} %", x * 100.0),
-            ),
-            share.map_or_else(dash, |x| met(&Value::from(x < 0.05))),
-        ]);
-    } else if let Some(row) = failed(reader, "the frame reader") {
-        rows.push(row);
-    }
-    let a = &r["allocations"];
-    if let Some(row) = failed(a, "heap allocations / message") {
-        rows.push(row);
-    } else if !a.is_null() {
-        let part = |key: &str| {
-            let (raw, lily, layer) = (&a["raw"][key], &a["lily"][key], &a["lily_layer"][key]);
-            (num(raw, 2), num(lily, 2), num(layer, 2))
-        };
-        let (raw, lily, layer) = part("allocation_calls");
-        let label = format!(
-            "heap allocations / message (alloc+realloc, N={})",
-            num(&a["n"], 0)
-        );
-        rows.push([label, raw, lily, layer, "<= 10".into(), met(&a["met"])]);
-        let (lily_calls, acker) = (
-            &a["lily"]["allocation_calls"],
-            &a["raw_acker"]["allocation_calls"],
-        );
-        rows.push(plain(
-            "  raw lapin acking with Acker::ack().await (informative)",
-            num(acker, 2),
-            num(lily_calls, 2),
-            num(&minus(lily_calls, acker), 2),
-        ));
-        let (raw, lily, layer) = part("reallocations");
-        rows.push(plain("  of which realloc", raw, lily, layer));
-        let (raw, lily, layer) = part("bytes_allocated");
-        rows.push(plain("heap bytes allocated / message", raw, lily, layer));
-    }
-    let m = &r["memory"];
-    if let Some(row) = failed(m, "memory per in-flight delivery") {
-        rows.push(row);
-    } else if !m.is_null() {
-        let k = num(&m["in_flight"], 0);
-        for (what, key) in [
-            ("RSS", "rss_per_delivery"),
-            ("live heap", "heap_per_delivery"),
-        ] {
-            rows.push(plain(
-                format!("{what} bytes per in-flight delivery ({k} held)"),
-                num(&m["raw"][key], 0),
-                num(&m["lily"][key], 0),
-                num(&m["lily_extra_over_raw"][key], 0),
-            ));
-        }
-        let peak = |who: &str| num(&mib(&m[who]["hwm_bytes"]), 1);
-        rows.push(plain(
-            format!("peak RSS, {k} in flight (MiB)"),
-            peak("raw"),
-            peak("lily"),
-            dash(),
-        ));
-    }
-    let d = &r["shutdown"];
-    if let Some(row) = failed(d, "shutdown latency") {
-        rows.push(row);
-    } else if !d.is_null() {
-        let runs = num(&d["idle"]["runs"], 0);
-        let label = format!("shutdown, idle: SIGTERM to exit, ms (median of {runs})");
-        let idle = num(&d["idle"]["median_ms"], 1);
-        rows.push([label, dash(), idle, dash(), "< 200".into(), met(&d["met"])]);
-        let busy = &d["in_flight_1000"];
-        let label = format!(
-            "shutdown, {} in flight (handlers {} ms): SIGTERM to exit, ms",
-            num(&busy["median_in_flight_at_sigterm"], 0),
-            num(&busy["work_ms"], 0)
-        );
-        rows.push(plain(label, dash(), num(&busy["median_ms"], 1), dash()));
-    }
-    hostile_rows(&r["hostile"], &mut rows);
-    rows
-}
-
-/// The hostile load's rows.
-fn hostile_rows(h: &Value, rows: &mut Vec<Row>) {
-    if let Some(row) = failed(h, "hostile load") {
-        rows.push(row);
-        return;
-    }
-    if h.is_null() {
-        return;
-    }
-    let (raw, lily) = (&h["raw"], &h["lily"]);
-    let mib_row = |label: String, key: &str| {
-        let layer = num(&mib(&minus(&lily[key], &raw[key])), 1);
-        plain(
-            label,
-            num(&mib(&raw[key]), 1),
-            num(&mib(&lily[key]), 1),
-            layer,
-        )
-    };
-    let (n, prefetch) = (num(&h["n"], 0), num(&h["prefetch"], 0));
-    let mut peak = mib_row(
-        format!("hostile load, {n} msgs at prefetch {prefetch}: peak RSS (VmHWM), MiB"),
-        "hwm_bytes",
-    );
-    peak[4] = format!("<= {}", num(&mib(&lily["bound_bytes"]), 1));
-    peak[5] = met(&lily["met"]);
-    rows.push(peak);
-    rows.push(mib_row("  idle RSS, MiB".into(), "rss_idle_bytes"));
-    let held = num(&lily["in_flight_at_full_window"], 0);
-    let label = format!("  RSS with the window full ({held} held), MiB");
-    rows.push(mib_row(label, "rss_full_window_bytes"));
-    rows.push(mib_row(
-        "  peak live heap (sampled), MiB".into(),
-        "heap_peak_sampled_bytes",
-    ));
-    let label = format!(
-        "  bound: idle + conns x 64 x frame_max + prefetch x {} x (body + headers), MiB",
-        num(&h["copies"], 0)
-    );
-    rows.push(mib_row(label, "bound_bytes"));
-    let (raw_over, lily_over) = (
-        num(&raw["peak_over_bound"], 2),
-        num(&lily["peak_over_bound"], 2),
-    );
-    rows.push([
-        "  peak / bound".into(),
-        raw_over,
-        lily_over,
-        "-".into(),
-        "<= 1".into(),
-        met(&lily["met"]),
-    ]);
-    let key = "peak_above_idle_per_window_delivery";
-    rows.push(plain(
-        format!(
-            "  peak above idle per window delivery, bytes (message budget {})",
-            num(&h["message_budget_bytes"], 0)
-        ),
-        num(&raw[key], 0),
-        num(&lily[key], 0),
-        num(&minus(&lily[key], &raw[key]), 0),
-    ));
-    let drain = |who: &Value| num(&who["msgs_per_s"], 0);
-    rows.push(plain(
-        "  drain of the full queue, msg/s",
-        drain(raw),
-        drain(lily),
-        "-".into(),
-    ));
-    let e = |who: &Value| {
-        (
-            num(&who["evidence"]["settled"], 0),
-            num(&who["evidence"]["sent"], 0),
-        )
-    };
-    let all = |who: &Value| who["evidence"]["settled"] == who["evidence"]["sent"];
-    let ((rs, rn), (ls, ln)) = (e(raw), e(lily));
-    rows.push([
-        "  messages settled, checked by id from outside".into(),
-        format!("{rs}/{rn}"),
-        format!("{ls}/{ln}"),
-        "-".into(),
-        "all".into(),
-        met(&Value::from(all(raw) && all(lily))),
-    ]);
-    let unexpected = num(&lily["evidence"]["unexpected"], 0);
-    rows.push(plain(
-        "  of which not where their class says (Lily)",
-        "-".into(),
-        unexpected,
-        "-".into(),
-    ));
-}
-
-/// The conditions the cost figures were measured under.
-fn cost_conditions(r: &Value) -> String {
-    let mut text = format!(
-        "{}, classic queues, {}-byte persistent JSON messages, {} cores. Per-message cost: prefetch \
-         {}, {} runtime; Lily's layer = Lily - a hand-written lapin consumer that deserializes and \
-         acks each message as Lily does (`Channel::basic_ack`, the frame queued and its write not \
-         awaited; a final `basic.qos` round trip proves the ACKs). The informative rows compare \
-         with the same consumer acking through lapin's `Acker`, as its documentation shows.",
-        r["broker"].as_str().unwrap_or("RabbitMQ"),
-        r["message_bytes"],
-        r["cores"],
-        r["prefetch"],
-        r["runtime"].as_str().unwrap_or("tokio"),
-    );
-    if r["memory"]["in_flight"].is_number() {
-        let k = num(&r["memory"]["in_flight"], 0);
-        text += &format!(" Memory: prefetch = concurrency = {k}, multi-thread runtime.");
-    }
-    if r["shutdown"].is_object() {
-        text += " Shutdown: examples/k8s-shutdown, SIGTERM to process exit.";
-    }
-    let h = &r["hostile"];
-    if h["n"].is_number() {
-        text += &format!(
-            " Hostile load: {} persistent messages with bodies and headers just under the \
-             limits in force (max_body_bytes {}, the other limits Lily's defaults), 5 % just \
-             over one, 10 % failing; prefetch = concurrency = {}, the queue full when the \
-             drain starts; bound = {}.",
-            num(&h["n"], 0),
-            num(&h["limits"]["max_body_bytes"], 0),
-            num(&h["prefetch"], 0),
-            h["bound_formula"].as_str().unwrap_or("-"),
-        );
-    }
-    text + " For reference, the peer ruststream-lapin reports about 17 300 instructions and 16 \
-            allocations per message."
-}
-
-/// The cost report, from `cost.json`.
+/// The cost report, from `cost.json`: a row a measure (raw lapin, Lily, Lily's layer, target,
+/// met), a step that failed saying so.
 pub fn cost(r: &Value) -> String {
     let head = [
         "measure",
@@ -1010,8 +768,178 @@ pub fn cost(r: &Value) -> String {
         "met",
     ];
     let mut table = Table::new(&head, 1);
-    for row in cost_rows(r) {
-        table.row(&row);
+    let mut row = |cells: [String; 6]| table.row(&cells);
+    let dash = || "-".to_owned();
+    for (step, label) in [
+        ("instructions", "instructions"),
+        ("reader", "the frame reader"),
+        ("allocations", "heap allocations"),
+        ("memory", "memory"),
+        ("shutdown", "shutdown"),
+        ("hostile", "hostile load"),
+    ] {
+        if let Some(err) = r[step]["error"].as_str() {
+            row([
+                label.into(),
+                "error".into(),
+                err.into(),
+                dash(),
+                dash(),
+                dash(),
+            ]);
+        }
     }
-    format!("{}\n\n{}", cost_conditions(r), table.end())
+    let i = &r["instructions"];
+    if i["lily"].is_number() {
+        row([
+            format!("instructions / message (callgrind, N={})", num(&i["n"], 0)),
+            num(&i["raw"], 0),
+            num(&i["lily"], 0),
+            num(&i["lily_layer"], 0),
+            "<= 8 000".into(),
+            met(&i["met"]),
+        ]);
+    }
+    if let Some(per) = r["reader"]["per_message"].as_f64() {
+        // Its share of Lily's whole cost per message, when the instructions ran too.
+        let share = i["lily"].as_f64().map(|l| per / l);
+        row([
+            "  of it, the frame reader (wire.rs), instructions / message".into(),
+            dash(),
+            num(&Value::from(per), 0),
+            dash(),
+            share.map_or_else(
+                || "< 5 % of Lily".into(),
+                |x| format!("< 5 % of Lily: {:.1} %", x * 100.0),
+            ),
+            share.map_or_else(dash, |x| met(&Value::from(x < 0.05))),
+        ]);
+    }
+    let a = &r["allocations"];
+    if a["lily"].is_object() {
+        let calls = |who: &str| num(&a[who]["allocation_calls"], 2);
+        row([
+            format!(
+                "heap allocations / message (alloc+realloc, N={})",
+                num(&a["n"], 0)
+            ),
+            calls("raw"),
+            calls("lily"),
+            calls("lily_layer"),
+            "<= 10".into(),
+            met(&a["met"]),
+        ]);
+    }
+    let m = &r["memory"];
+    if m["lily"].is_object() {
+        let key = "rss_per_delivery";
+        row([
+            format!(
+                "RSS bytes per in-flight delivery ({} held)",
+                num(&m["in_flight"], 0)
+            ),
+            num(&m["raw"][key], 0),
+            num(&m["lily"][key], 0),
+            num(&m["lily_extra_over_raw"][key], 0),
+            dash(),
+            dash(),
+        ]);
+    }
+    let d = &r["shutdown"];
+    if d["idle"].is_object() {
+        row([
+            format!(
+                "shutdown, idle: SIGTERM to exit, ms (median of {})",
+                num(&d["idle"]["runs"], 0)
+            ),
+            dash(),
+            num(&d["idle"]["median_ms"], 1),
+            dash(),
+            "< 200".into(),
+            met(&d["met"]),
+        ]);
+    }
+    let h = &r["hostile"];
+    if h["lily"].is_object() {
+        let (raw, lily) = (&h["raw"], &h["lily"]);
+        let mib_row = |label: String, key: &str, target: String, judged: String| {
+            [
+                label,
+                mib(&raw[key]),
+                mib(&lily[key]),
+                dash(),
+                target,
+                judged,
+            ]
+        };
+        let (n, prefetch) = (num(&h["n"], 0), num(&h["prefetch"], 0));
+        row(mib_row(
+            format!("hostile load, {n} msgs at prefetch {prefetch}: peak RSS (VmHWM), MiB"),
+            "hwm_bytes",
+            format!("<= {}", mib(&lily["bound_bytes"])),
+            met(&lily["met"]),
+        ));
+        row(mib_row(
+            "  idle RSS, MiB".into(),
+            "rss_idle_bytes",
+            dash(),
+            dash(),
+        ));
+        let bound = format!(
+            "  bound: {}, MiB",
+            h["bound_formula"].as_str().unwrap_or("-")
+        );
+        row(mib_row(bound, "bound_bytes", dash(), dash()));
+        let over = |who: &Value| num(&who["peak_over_bound"], 2);
+        row([
+            "  peak / bound".into(),
+            over(raw),
+            over(lily),
+            dash(),
+            "<= 1".into(),
+            met(&lily["met"]),
+        ]);
+        let drain = |who: &Value| num(&who["msgs_per_s"], 0);
+        row([
+            "  drain of the full queue, msg/s".into(),
+            drain(raw),
+            drain(lily),
+            dash(),
+            dash(),
+            dash(),
+        ]);
+        let settled = |who: &Value| {
+            let e = &who["evidence"];
+            format!("{}/{}", num(&e["settled"], 0), num(&e["sent"], 0))
+        };
+        let all = [raw, lily]
+            .iter()
+            .all(|w| w["evidence"]["settled"] == w["evidence"]["sent"]);
+        row([
+            "  messages settled, checked by id from outside".into(),
+            settled(raw),
+            settled(lily),
+            dash(),
+            "all".into(),
+            met(&Value::from(all)),
+        ]);
+        row([
+            "  of which not where their class says (Lily)".into(),
+            dash(),
+            num(&lily["evidence"]["unexpected"], 0),
+            dash(),
+            dash(),
+            dash(),
+        ]);
+    }
+    format!(
+        "# Cost\n\n{}, classic queues, {}-byte persistent JSON messages, {} cores; prefetch {}, \
+         tokio current-thread runtime for the per-message cost; Lily's layer = Lily − a \
+         hand-written lapin consumer that deserializes and acks each message as Lily does.\n\n{}",
+        r["broker"].as_str().unwrap_or("RabbitMQ"),
+        r["message_bytes"],
+        r["cores"],
+        r["prefetch"],
+        table.end()
+    ) + &format!("- {}\n", crate::METHOD)
 }

@@ -6,8 +6,6 @@
 //!   deserialize the `Order` and `basic.ack` it the way Lily does (`Channel::basic_ack`, the
 //!   frame queued, its socket write not awaited); at the end a `basic.qos` round trip proves
 //!   the ACKs were processed (as Lily does), then channel and connection close.
-//! - raw-acker: the same, acking with `delivery.acker.ack().await` as lapin's documentation
-//!   shows.
 //! - Lily: `Consumer::run` with a `Router` whose handler takes `Json<Order>` and returns `Ok`;
 //!   when `N` deliveries are acked, `Shutdown::trigger(Trigger::Api)`.
 //!
@@ -85,7 +83,7 @@ async fn lily(url: &str, queue: &str, n: usize) -> Result<(), String> {
     Ok(())
 }
 
-async fn raw(url: &str, queue: &str, n: usize, acker: bool) -> Result<(), String> {
+async fn raw(url: &str, queue: &str, n: usize) -> Result<(), String> {
     let e = |what: &'static str| move |err: lapin::Error| format!("{what}: {err}");
     let (connection, channel, mut consumer) = crate::raw::open(url, queue, PREFETCH, false).await?;
     for _ in 0..n {
@@ -97,15 +95,7 @@ async fn raw(url: &str, queue: &str, n: usize, acker: bool) -> Result<(), String
             serde_json::from_slice(&delivery.data).map_err(|err| format!("json: {err}"))?;
         black_box(&order);
         handled();
-        if acker {
-            delivery
-                .acker
-                .ack(BasicAckOptions::default())
-                .await
-                .map_err(e("ack"))?;
-        } else {
-            queue_ack(&channel, delivery.delivery_tag).map_err(e("ack"))?;
-        }
+        queue_ack(&channel, delivery.delivery_tag).map_err(e("ack"))?;
     }
     // A round trip proves the broker processed the ACKs (Lily does the same before closing).
     channel
@@ -127,21 +117,19 @@ pub(crate) fn queue_ack(channel: &Channel, tag: u64) -> lapin::Result<()> {
     }
 }
 
-/// Entry point of `run-raw` / `run-raw-acker` / `run-lily`: `N QUEUE [--multi-thread]`.
+/// Entry point of `run-raw` / `run-lily`: `N QUEUE`.
 pub fn child(who: Contender, args: &[String]) -> Result<serde_json::Value, String> {
     let n: usize = args
         .first()
         .and_then(|a| a.parse().ok())
-        .ok_or("usage: cost run-raw|run-raw-acker|run-lily N QUEUE [--multi-thread]")?;
+        .ok_or("usage: cost run-raw|run-lily N QUEUE")?;
     let queue = args.get(1).ok_or("missing QUEUE")?;
-    let multi = args.iter().any(|a| a == "--multi-thread");
     let url = broker_url();
-    let rt = runtime(multi);
+    let rt = runtime(false);
     let started = Instant::now();
     rt.block_on(async {
         match who {
-            Contender::Raw => raw(&url, queue, n, false).await,
-            Contender::RawAcker => raw(&url, queue, n, true).await,
+            Contender::Raw => raw(&url, queue, n).await,
             Contender::Lily => lily(&url, queue, n).await,
         }
     })?;

@@ -156,7 +156,7 @@ pub fn child(who: Contender, args: &[String]) -> Result<Value, String> {
     let rt = super::runtime(true);
     rt.block_on(async {
         match who {
-            Contender::Raw | Contender::RawAcker => raw(&url, queue, k).await,
+            Contender::Raw => raw(&url, queue, k).await,
             Contender::Lily => lily(&url, queue, k).await,
         }
     })

@@ -36,9 +36,6 @@ pub enum Contender {
     /// `Channel::basic_ack`, the frame queued and its socket write not awaited. The baseline of
     /// "Lily's layer".
     Raw,
-    /// The same consumer acking through `delivery.acker.ack().await`, as lapin's documentation
-    /// shows: that path hops through lapin's internal task and waits for the write.
-    RawAcker,
     /// Lily's `Consumer` with a `Json<Order>` handler.
     Lily,
 }
@@ -47,7 +44,6 @@ impl Contender {
     pub fn name(self) -> &'static str {
         match self {
             Self::Raw => "raw",
-            Self::RawAcker => "raw-acker",
             Self::Lily => "lily",
         }
     }
@@ -90,8 +86,7 @@ fn prepare(args: &[String]) -> Result<Value, String> {
     Ok(json!({ "queue": queue, "published": n }))
 }
 
-/// What the orchestrator measures, and how much. A subcommand (`run-raw`, `run-raw-acker`,
-/// `run-lily`, `mem-raw`, `mem-lily`, `hostile-raw`, `hostile-lily`, `reader`, `prepare`) is
+/// What the orchestrator measures, and how much. A subcommand (`run-raw`, `run-lily`, `mem-raw`, `mem-lily`, `hostile-raw`, `hostile-lily`, `reader`, `prepare`) is
 /// one of its child processes. To profile by hand:
 /// `lily-bench cost prepare 20000 q && valgrind --tool=callgrind lily-bench-counting cost run-lily 20000 q`.
 #[derive(clap::Args, Clone, Debug)]
@@ -133,9 +128,6 @@ pub struct Options {
     #[arg(long, default_value = "5", value_parser = crate::parse::nonzero,
           default_value_if("quick", "true", Some("3")))]
     pub shutdown_runs: usize,
-    /// The per-message runs on tokio's multi-thread runtime.
-    #[arg(long)]
-    pub multi_thread: bool,
     /// Messages of the hostile load.
     #[arg(long, default_value_t = hostile::N, value_parser = crate::parse::nonzero)]
     pub hostile_n: usize,
@@ -182,7 +174,6 @@ pub fn main(options: Options) -> ExitCode {
     let rest = &args[1..];
     match args[0].as_str() {
         "run-raw" => child(consume::child(Contender::Raw, rest)),
-        "run-raw-acker" => child(consume::child(Contender::RawAcker, rest)),
         "run-lily" => child(consume::child(Contender::Lily, rest)),
         "mem-raw" => child(memory::child(Contender::Raw, rest)),
         "mem-lily" => child(memory::child(Contender::Lily, rest)),
@@ -278,14 +269,7 @@ impl Bench {
         });
     }
 
-    fn consume_command(
-        &self,
-        program: &Path,
-        who: Contender,
-        n: usize,
-        queue: &str,
-        multi_thread: bool,
-    ) -> Command {
+    fn consume_command(&self, program: &Path, who: Contender, n: usize, queue: &str) -> Command {
         let mut command = Command::new(program);
         command.env("LILY_AMQP_URL", &self.url);
         if program != self.exe {
@@ -298,9 +282,6 @@ impl Bench {
             .arg(format!("run-{}", who.name()))
             .arg(n.to_string())
             .arg(queue);
-        if multi_thread {
-            command.arg("--multi-thread");
-        }
         command
     }
 
@@ -309,7 +290,7 @@ impl Bench {
         let queue = format!("lily-bench-cost-{}", who.name());
         self.queue_with(&queue, n);
         let (result, _) = run_child(
-            self.consume_command(&self.exe, who, n, &queue, self.options.multi_thread),
+            self.consume_command(&self.exe, who, n, &queue),
             Duration::from_secs(300),
         )?;
         if result["handled"].as_u64() != Some(n as u64) {
@@ -323,17 +304,12 @@ impl Bench {
     }
 
     /// One run under callgrind: instructions collected over the whole process (all threads).
-    fn callgrind(
-        &self,
-        who: Contender,
-        n: usize,
-        multi_thread: bool,
-    ) -> Result<(u64, Value), String> {
+    fn callgrind(&self, who: Contender, n: usize) -> Result<(u64, Value), String> {
         let queue = format!("lily-bench-cost-vg-{}", who.name());
         self.queue_with(&queue, n);
         let started = Instant::now();
         let (result, stderr) = run_child(
-            self.consume_command(Path::new("valgrind"), who, n, &queue, multi_thread),
+            self.consume_command(Path::new("valgrind"), who, n, &queue),
             Duration::from_secs(1800),
         )?;
         let collected = stderr
@@ -347,9 +323,8 @@ impl Bench {
                 )
             })?;
         eprintln!(
-            "cost: callgrind {} N={n} ({}): {collected} instructions ({:.0} s)",
+            "cost: callgrind {} N={n}: {collected} instructions ({:.0} s)",
             who.name(),
-            runtime_name(multi_thread),
             started.elapsed().as_secs_f64()
         );
         Ok((collected, result))
@@ -371,7 +346,7 @@ fn allocations(b: &Bench) -> Result<Value, String> {
     let mut rounds = Vec::new();
     for rep in 0..b.options.reps {
         let mut per = serde_json::Map::new();
-        for who in [Contender::Raw, Contender::RawAcker, Contender::Lily] {
+        for who in [Contender::Raw, Contender::Lily] {
             let big = b.native(who, n)?;
             let small = b.native(who, n0)?;
             let mut m = serde_json::Map::new();
@@ -420,46 +395,19 @@ fn allocations(b: &Bench) -> Result<Value, String> {
         "method": format!(
             "counting global allocator (stats_alloc) over the whole child process; per message = \
              (A(N) - A(N0)) / (N - N0) with N = {n}, N0 = {n0}; Lily's layer = Lily - raw (both \
-             queue ACKs on the channel; raw_acker acks through lapin's Acker instead); \
-             median of {} rounds; allocation_calls = alloc + alloc_zeroed + realloc",
+             queue ACKs on the channel); median of {} rounds; allocation_calls = alloc + \
+             alloc_zeroed + realloc",
             b.options.reps
         ),
         "n": n,
         "n0": n0,
         "reps": b.options.reps,
         "raw": summary("raw"),
-        "raw_acker": summary("raw-acker"),
         "lily": summary("lily"),
         "lily_layer": layer,
         "target": TARGET_ALLOCATIONS,
         "met": calls <= TARGET_ALLOCATIONS,
         "rounds": rounds,
-    }))
-}
-
-/// Instructions per message under callgrind, on one runtime flavour.
-fn instructions_on(b: &Bench, multi_thread: bool) -> Result<Value, String> {
-    let (n, n0) = (b.options.valgrind_n, b.options.valgrind_n0);
-    let (raw_n, raw_run) = b.callgrind(Contender::Raw, n, multi_thread)?;
-    let (raw_n0, _) = b.callgrind(Contender::Raw, n0, multi_thread)?;
-    let (acker_n, _) = b.callgrind(Contender::RawAcker, n, multi_thread)?;
-    let (acker_n0, _) = b.callgrind(Contender::RawAcker, n0, multi_thread)?;
-    let (lily_n, lily_run) = b.callgrind(Contender::Lily, n, multi_thread)?;
-    let (lily_n0, _) = b.callgrind(Contender::Lily, n0, multi_thread)?;
-    let raw = per_message(raw_n as f64, raw_n0 as f64, n, n0);
-    let raw_acker = per_message(acker_n as f64, acker_n0 as f64, n, n0);
-    let lily = per_message(lily_n as f64, lily_n0 as f64, n, n0);
-    Ok(json!({
-        "runtime": runtime_name(multi_thread),
-        "collected": {
-            "raw_n": raw_n, "raw_n0": raw_n0, "raw_acker_n": acker_n, "raw_acker_n0": acker_n0,
-            "lily_n": lily_n, "lily_n0": lily_n0,
-        },
-        "elapsed_under_valgrind_ms": { "raw_n": raw_run["elapsed_ms"], "lily_n": lily_run["elapsed_ms"] },
-        "raw": raw,
-        "raw_acker": raw_acker,
-        "lily": lily,
-        "lily_layer": lily - raw,
     }))
 }
 
@@ -511,47 +459,35 @@ fn reader_instructions(b: &Bench) -> Result<Value, String> {
     }))
 }
 
-/// Instructions per message under callgrind: the target is judged on the current-thread runtime
-/// (the stricter and steadier baseline); the multi-thread figures are reported beside it.
+/// Instructions per message under callgrind, on tokio's current-thread runtime (the steadier,
+/// stricter baseline).
 fn instructions(b: &Bench) -> Result<Value, String> {
     let (n, n0) = (b.options.valgrind_n, b.options.valgrind_n0);
     let valgrind = Command::new("valgrind").arg("--version").output();
     if !valgrind.is_ok_and(|o| o.status.success()) {
         return Err("valgrind is not installed (apt-get install valgrind)".into());
     }
-    let main = instructions_on(b, b.options.multi_thread)?;
-    let other = if b.options.multi_thread {
-        Value::Null
-    } else {
-        instructions_on(b, true)?
+    let per = |who| -> Result<f64, String> {
+        let (big, _) = b.callgrind(who, n)?;
+        let (small, _) = b.callgrind(who, n0)?;
+        Ok(per_message(big as f64, small as f64, n, n0))
     };
-    let layer = field(&main, "lily_layer");
-    let mut out = json!({
+    let (raw, lily) = (per(Contender::Raw)?, per(Contender::Lily)?);
+    Ok(json!({
         "method": format!(
             "valgrind --tool=callgrind, `Collected` instructions of the whole child process (all \
-             threads, lapin's I/O thread included); per message = (I(N) - I(N0)) / (N - N0) with \
-             N = {n}, N0 = {n0}; Lily's layer = Lily - raw (both queue ACKs on the channel; \
-             raw_acker acks through lapin's Acker instead); target judged on the {} runtime",
-            runtime_name(b.options.multi_thread)
+             threads, lapin's I/O thread included), tokio current-thread runtime; per message = \
+             (I(N) - I(N0)) / (N - N0) with N = {n}, N0 = {n0}; Lily's layer = Lily - raw (both \
+             queue ACKs on the channel)"
         ),
         "n": n,
         "n0": n0,
+        "raw": raw,
+        "lily": lily,
+        "lily_layer": lily - raw,
         "target": TARGET_INSTRUCTIONS,
-        "met": layer <= TARGET_INSTRUCTIONS,
-        "multi_thread": other,
-    });
-    for (k, v) in main.as_object().into_iter().flatten() {
-        out[k] = v.clone();
-    }
-    Ok(out)
-}
-
-fn runtime_name(multi_thread: bool) -> &'static str {
-    if multi_thread {
-        "tokio multi-thread"
-    } else {
-        "tokio current-thread"
-    }
+        "met": lily - raw <= TARGET_INSTRUCTIONS,
+    }))
 }
 
 /// One memory child: waits for `IDLE`, publishes `k` messages, reads `RESULT`.
@@ -634,22 +570,20 @@ fn memory(b: &Bench) -> Result<Value, String> {
     }))
 }
 
-/// Shutdown latency of `k8s-shutdown`, idle and with 1 000 in flight.
+/// Shutdown latency of an idle `k8s-shutdown`.
 fn shutdown_latency(b: &Bench) -> Result<Value, String> {
     let subject = shutdown::subject()?;
     let runs = b.options.shutdown_runs;
-    let idle = shutdown::measure(&b.rt, &b.url, &subject, shutdown::IDLE, runs)?;
-    let busy = shutdown::measure(&b.rt, &b.url, &subject, shutdown::BUSY, runs)?;
+    let idle = shutdown::measure(&b.rt, &b.url, &subject, runs)?;
     let idle_ms = field(&idle, "median_ms");
     Ok(json!({
         "method": format!(
             "examples/k8s-shutdown as a child (SIGTERM handled by Shutdown::listen_for_signals); \
              SIGTERM sent {} ms after its log says `consuming`; time from kill(2) until the \
-             process has exited (waitpid); median of {runs} runs per case",
-            shutdown::IDLE.settle.as_millis()
+             process has exited (waitpid); median of {runs} runs",
+            shutdown::SETTLE.as_millis()
         ),
         "idle": idle,
-        "in_flight_1000": busy,
         "target_idle_ms": TARGET_IDLE_SHUTDOWN_MS,
         "met": idle_ms < TARGET_IDLE_SHUTDOWN_MS,
     }))
@@ -688,7 +622,7 @@ fn orchestrate(options: &Options) -> ExitCode {
         "prefetch": PREFETCH,
         "message_bytes": body_512().len(),
         "message": "JSON order, type order.placed, persistent, with message_id",
-        "runtime": runtime_name(options.multi_thread),
+        "runtime": "tokio current-thread",
         "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
     });
     if let Some(Value::Object(earlier)) = earlier {
@@ -740,7 +674,7 @@ fn orchestrate(options: &Options) -> ExitCode {
         .and_then(Path::parent)
         .map_or_else(|| PathBuf::from("target"), Path::to_path_buf)
         .join("bench");
-    crate::report::write(&dir, "cost", &results, &crate::report::cost(&results));
+    crate::report::write(&dir, "cost", &results, &crate::report::cost(&results), None);
     if failed.is_empty() {
         ExitCode::SUCCESS
     } else {

@@ -6,10 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::latency::run::{self, Setup};
 use crate::latency::timer::{self, Sinks};
-use crate::latency::{
-    BACKLOG_SECS, Case, Contender, KEPT_UP, LOADS, MaxRate, P99_MARGIN_MS, Path, Results,
-    SUSTAIN_STEP, SUSTAIN_TRIES, SUSTAINED,
-};
+use crate::latency::{Case, Contender, LOADS, MaxRate, Path, Results, SUSTAIN_STEP, SUSTAIN_TRIES};
 use crate::{body_512, broker_url, report};
 
 /// Settlement latency of Lily against raw-batch.
@@ -121,11 +118,7 @@ pub async fn run(args: Args) {
                             f64::from(result.latency.p50_us) / 1000.0,
                             f64::from(result.latency.p99_us) / 1000.0,
                             f64::from(result.latency.p999_us) / 1000.0,
-                            result.before_span.map_or_else(String::new, |b| format!(
-                                " (before its span: p50 {:.2} p99 {:.2} ms)",
-                                f64::from(b.p50_us) / 1000.0,
-                                f64::from(b.p99_us) / 1000.0
-                            )) + &result.copy_confirms.map_or_else(String::new, |c| format!(
+                            result.copy_confirms.map_or_else(String::new, |c| format!(
                                 " (copy to confirm: p50 {:.2} p99 {:.2} ms)",
                                 f64::from(c.p50_us) / 1000.0,
                                 f64::from(c.p99_us) / 1000.0
@@ -147,7 +140,9 @@ pub async fn run(args: Args) {
         }
     }
     results.meta.finish(total);
-    report::write(&args.out, "latency", &results, &report::latency(&results));
+    let chart = report::latency_chart(&results);
+    let markdown = report::latency(&results);
+    report::write(&args.out, "latency", &results, &markdown, Some(&chart));
     println!("total {:.0} s", total.elapsed().as_secs_f64());
 }
 
@@ -248,70 +243,11 @@ async fn sustained_rate(
 }
 
 fn notes(args: &Args) -> Vec<String> {
-    let max_rate = match args.max_rate {
-        Some(r) => {
-            format!("The maximum rate was given on the command line: {r:.0} msgs/s for every case.")
-        }
-        None => format!(
-            "The maximum rate of each path × prefetch is measured with the publisher running: first \
-             each contender's drain rate ({} messages published to a fresh queue, then drained and \
-             timed from consumer start, connect included, with nothing publishing), then what each \
-             contender settles per second while the paced publisher offers the higher of the two \
-             drain rates (one run of half the paced length, its warm-up excluded). From \
-             {first:.0} % of the LOWER of the two settled rates down, in steps of {step:.0} %, the \
-             first rate both contenders sustain in a paced run as long as a case's is the maximum \
-             rate (at most {tries} rates; Lily is checked first, and a rate it did not sustain is \
-             not tried on raw-batch): sustained means the publisher reached ≥ {held:.0} % of the \
-             rate and the contender settled ≥ {held:.0} % of the publish rate and then every \
-             message. \
-             A rate settled under overload is more than a contender sustains (a backlog fills \
-             its prefetch window and its ACK frames), so the search starts below it. Both \
-             contenders run at the same target rate: 50 % and 90 % of the maximum.",
-            args.messages,
-            first = SUSTAIN_STEP * 100.0,
-            step = (1.0 - SUSTAIN_STEP) * 100.0,
-            tries = SUSTAIN_TRIES,
-            held = SUSTAINED * 100.0,
-        ),
-    };
-    vec![
-        max_rate,
-        "Clock: every latency starts when the paced publisher published the message (it stamps \
-         the time by the id's index), for both contenders, so the time a delivery waits in the \
-         broker, in lapin's buffer or for the contender to look at it counts alike. Lily's ends \
-         when its INFO `delivery` span (target lily_mq_rabbit) closes, after the delivery is \
-         settled, seen by a tracing_subscriber Layer whose filter enables that span and the \
-         `handoff` span inside it only (no event, no other span). A copy's time to its confirm \
-         is Lily's `handoff` span (the copy built to its verdict) and, for raw-batch, its \
-         publish written to its confirm seen at the flush."
-            .into(),
-        "raw-batch: basic.qos(prefetch); each delivery deserialized (serde_json Order) and added \
-         to a batch, flushed once max(1, prefetch/2) are unACKed or when no further delivery is \
-         ready right now (the consumer stream polled once with a no-op waker); success: one \
-         basic.ack(multiple). Handoff: each copy published at once (mandatory, persistent, Lily's \
-         8 failure headers) on one confirm channel, confirms awaited together at the flush, then \
-         one multiple ACK (failed copies NACKed with requeue, singly). Its latency ends at the \
-         completion of the ACK future that covered the delivery."
-            .into(),
-        format!(
-            "Load: a paced publisher in the same process on its own connection (raw lapin on a \
-             confirm channel: every 1 ms what the schedule rate × elapsed owes, published back to \
-             back, persistent and mandatory; confirms awaited by a background task). Latencies count messages published after the warm-up \
-             ({:.0} s) and before publishing stopped ({:.0} s); settled/s is over the same \
-             window. 'kept up' means the publisher reached ≥ {kept:.0} % of the target, settled/s ≥ \
-             {kept:.0} % of the publish rate, the ready depth when publishing stopped ≤ \
-             {BACKLOG_SECS} s of the target rate, and every published message settled \
-             afterwards.",
-            args.warmup,
-            args.secs,
-            kept = KEPT_UP * 100.0
-        ),
-        format!(
-            "Target: Lily p99 ≤ raw-batch p99 + {P99_MARGIN_MS:.0} ms. Classic queue, persistent \
-             512-byte JSON; the handoff path's bucket delays 10 minutes, so copies stay parked."
-        ),
-        "The machine is shared and the publisher, both contenders and the broker share its CPUs: \
-         these are development figures; compare the contenders, not the absolute values."
-            .into(),
-    ]
+    let mut notes = vec![crate::METHOD.to_owned()];
+    if let Some(rate) = args.max_rate {
+        notes.push(format!(
+            "The maximum rate was given: {rate:.0} msg/s for every case."
+        ));
+    }
+    notes
 }

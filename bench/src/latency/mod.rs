@@ -56,14 +56,6 @@ impl Contender {
             Self::Lily => "Lily",
         }
     }
-
-    /// The name in file names.
-    pub fn flag(self) -> &'static str {
-        match self {
-            Self::RawBatch => "raw-batch",
-            Self::Lily => "lily",
-        }
-    }
 }
 
 /// Percentiles of a run's settlement latencies.
@@ -153,10 +145,6 @@ pub struct Run {
     /// dead-lettered, parked or unresolved).
     pub failed: u64,
     pub latency: Latencies,
-    /// Lily: from the publish to the opening of its `delivery` span, when a worker takes the
-    /// delivery up (the broker, lapin, Lily's consume loop and the hand-off to a worker).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub before_span: Option<Latencies>,
     /// Handoff path: each copy from its publish to its confirm. Lily: its `handoff` span, from
     /// the copy built to its verdict. raw-batch: from the copy's publish written to its confirm
     /// seen, at the flush that awaits it.

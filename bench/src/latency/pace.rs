@@ -14,8 +14,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
 use tokio::sync::mpsc;
 use tokio::time::MissedTickBehavior;
@@ -163,23 +162,15 @@ impl Depth {
         let Ok(channel) = connection.create_channel().await else {
             return;
         };
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        };
         let mut ticks = tokio::time::interval(Self::EVERY);
         loop {
             tokio::select! {
                 () = stop.cancelled() => break,
                 _ = ticks.tick() => {}
             }
-            let Ok(declared) = channel
-                .queue_declare(queue.as_str().into(), passive, FieldTable::default())
-                .await
-            else {
+            let Some(depth) = crate::ready(&channel, &queue).await else {
                 break;
             };
-            let depth = declared.message_count();
             self.last.store(depth, Ordering::Relaxed);
             self.max.fetch_max(depth, Ordering::Relaxed);
         }

@@ -16,7 +16,7 @@ use crate::latency::pace::{Depth, publish_paced};
 use crate::latency::raw_batch::{Counters, RawBatch};
 use crate::latency::timer::{Sent, Sink, Sinks};
 use crate::latency::{BACKLOG_SECS, Contender, KEPT_UP, Latencies, Path, Run};
-use crate::throughput::{FAILURE_REASON, HANDOFF_DELAY, Profile, Sample, lily_run, run_limit};
+use crate::throughput::{FAILURE_REASON, HANDOFF_DELAY, Sample, lily_run, run_limit};
 use crate::{fresh_topology, publish};
 
 /// The work queue every run uses (re-created each time).
@@ -270,13 +270,7 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
     running
         .sink(&setup.lily.settled)
         .starts_from(Arc::clone(&sent));
-    let _ = setup.lily.before.take();
     let _ = running.take_copies(&setup.lily.copies);
-    let profile = Profile::start(&format!(
-        "latency-{}-{prefetch}-{}-{rate:.0}",
-        path.name(),
-        who.flag()
-    ));
     let started = Instant::now();
     let (url, body, duration) = (setup.url.clone(), Arc::clone(&setup.body), setup.run);
     let publisher =
@@ -295,8 +289,6 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
     while running.settled() < paced.published && Instant::now() < deadline && !running.finished() {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    // Stopped once the run drained: perf writing its file must not delay the last settlements.
-    profile.stop();
     let drain_secs = until.elapsed().as_secs_f64();
     let complete = running.settled() >= paced.published;
     stop_depth.cancel();
@@ -307,18 +299,6 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
         .filter(|(published, _)| (from..until).contains(published))
         .map(|(_, us)| us)
         .collect();
-    let before_span = matches!(running, Running::Lily { .. }).then(|| {
-        Latencies::of(
-            setup
-                .lily
-                .before
-                .take()
-                .into_iter()
-                .filter(|(published, _)| (from..until).contains(published))
-                .map(|(_, us)| us)
-                .collect(),
-        )
-    });
     let copy_confirms = (path == Path::Handoff).then(|| {
         Latencies::of(
             running
@@ -351,7 +331,6 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
         complete,
         failed,
         latency: Latencies::of(latencies),
-        before_span,
         copy_confirms,
     }
 }

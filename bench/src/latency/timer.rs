@@ -117,9 +117,6 @@ impl Sent {
 pub struct Sinks {
     /// Publish → settlement (the `delivery` span's close).
     pub settled: Arc<Sink>,
-    /// Publish → the `delivery` span's opening (where the time before Lily takes a delivery up
-    /// goes).
-    pub before: Arc<Sink>,
     /// A `handoff` span's opening → its close, keyed by its opening.
     pub copies: Arc<Sink>,
 }
@@ -205,7 +202,6 @@ where
             };
             attrs.record(&mut published);
             let at = published.at.unwrap_or_else(Instant::now);
-            self.sinks.before.push(at);
             Opened { at, copy: false }
         };
         if let Some(span) = ctx.span(id) {

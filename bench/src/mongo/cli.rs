@@ -45,7 +45,7 @@ pub struct Args {
     /// Cases: scope, hot.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "scope,hot")]
     cases: Vec<Case>,
-    /// Who runs: raw, lily, lily-lease, raw-lily-record.
+    /// Who runs: raw, lily, lily-lease.
     #[arg(
         long,
         value_enum,
@@ -104,7 +104,7 @@ async fn run_once(
     let counters = Counters::shared();
     // Lily's scope (its index creation) is set up before the clock, like the raw client.
     let scope = match who {
-        Contender::Raw | Contender::RawLilyRecord => None,
+        Contender::Raw => None,
         Contender::LilyLease | Contender::Lily => {
             Some(lily_run::scope(client.clone(), who, &counters).await)
         }
@@ -122,11 +122,10 @@ async fn run_once(
     let mongod_before = mongod.and_then(|p| cpu_secs(Some(p)));
     let cpu = CpuMeter::start();
     let (mut sample, lily_totals) = match scope {
-        None => {
-            let lily_record = who == Contender::RawLilyRecord;
-            let sample = raw::consume(&load, client.clone(), lily_record, counters.clone()).await;
-            (sample, None)
-        }
+        None => (
+            raw::consume(&load, client.clone(), counters.clone()).await,
+            None,
+        ),
         Some(scope) => {
             let (sample, totals) = lily_run::consume(&load, scope, counters.clone()).await;
             (sample, Some(totals))
@@ -155,88 +154,33 @@ async fn run_once(
     }
 }
 
+/// One line about a run: its rate, tries and CPU, and what the check found when it failed.
 fn describe(run: &Run) -> String {
-    let s = &run.sample;
-    let o = &run.observed;
+    let (s, o) = (&run.sample, &run.observed);
     #[allow(clippy::cast_precision_loss)]
     let per = |v: u64| v as f64 / s.expected.max(1) as f64;
+    let opt = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.0}"));
     let mut line = format!(
-        "{:>7} msgs/s ({:.2} s{}) tries/msg {:.2} conflicts/msg {:.2} cpu µs/msg client {} mongod {} broker {}",
+        "{:>7} msgs/s ({:.2} s, {}/{} settled) tries/msg {:.2} conflicts/msg {:.2} cpu µs/msg \
+         client {} mongod {} broker {}",
         rate(s.msgs_per_sec),
         s.secs,
-        if s.complete {
-            String::new()
-        } else {
-            format!(", INCOMPLETE {}/{}", s.settled, s.expected)
-        },
+        s.settled,
+        s.expected,
         per(o.attempts),
         per(o.conflicts),
         opt(s.client_cpu_us_per_msg),
         opt(run.mongod_cpu_us_per_msg),
         opt(s.broker_cpu_us_per_msg),
     );
-    if let Some(o) = &run.mongod_ops_per_msg {
-        line.push_str(&format!(
-            " mongod ops/msg {:.2} (insert {:.2} update {:.2} query {:.2} command {:.2})",
-            o.total(),
-            o.insert,
-            o.update,
-            o.query,
-            o.command
-        ));
+    if let Some(t) = run.lily_totals.as_ref().filter(|t| t.acked != s.expected) {
+        line += &format!(" Lily totals {t:?}");
     }
-    if let Some(t) = &run.lily_totals
-        && (t.acked != s.expected
-            || t.deferred
-                + t.requeued
-                + t.dead_lettered
-                + t.parked
-                + t.retried
-                + t.unresolved
-                + t.duplicates_suppressed
-                > 0)
-    {
-        line.push_str(&format!(
-            " Lily totals: acked {} deferred {} requeued {} retried {} dead-lettered {} parked {} duplicates {} unresolved {}",
-            t.acked,
-            t.deferred,
-            t.requeued,
-            t.retried,
-            t.dead_lettered,
-            t.parked,
-            t.duplicates_suppressed,
-            t.unresolved
-        ));
-    }
-    let c = &run.check;
-    if let (Some(l), Some(f)) = (c.lease_documents, c.fence_documents) {
-        line.push_str(&format!(" lease/fence documents left {l}/{f}"));
-    }
-    if c.passed {
-        line.push_str(" verified");
+    if run.check.passed {
+        line + " verified"
     } else {
-        line.push_str(&format!(
-            " CHECK FAILED: effects {} (missing {}, unexpected {}), inbox {} (missing {}, unexpected {}), counters {:?} exact {:?}, ready {:?}, DLQ {}, parked {}, retry buckets {}; ids {:?}",
-            c.effects,
-            c.effects_missing,
-            c.effects_unexpected,
-            c.inbox,
-            c.inbox_missing,
-            c.inbox_unexpected,
-            c.counters_sum,
-            c.counters_exact,
-            c.work_queue_ready,
-            c.dead_lettered,
-            c.parked,
-            c.in_retry_buckets,
-            c.sample_ids
-        ));
+        line + &format!(" CHECK FAILED: {:?}", run.check)
     }
-    line
-}
-
-fn opt(value: Option<f64>) -> String {
-    value.map_or_else(|| "-".into(), |v| format!("{v:.0}"))
 }
 
 /// Runs the benchmark.
@@ -259,7 +203,7 @@ pub async fn run(args: Args) {
         body: &body,
     };
     let mut results = Results {
-        meta: crate::Meta::new("mongo", &url, notes()),
+        meta: crate::Meta::new("mongo", &url, vec![crate::METHOD.into()]),
         mongodb,
         mongodb_url: db::redact(&mongo_url),
         queue_type: "classic",
@@ -306,51 +250,8 @@ pub async fn run(args: Args) {
             .push(CaseResult::new(case, n, concurrency, prefetch, contenders));
     }
     results.meta.finish(total);
-    report::write(&args.out, "mongo", &results, &report::mongo(&results));
+    let chart = report::mongo_chart(&results);
+    let markdown = report::mongo(&results);
+    report::write(&args.out, "mongo", &results, &markdown, Some(&chart));
     println!("total {:.0} s", total.elapsed().as_secs_f64());
-}
-
-fn notes() -> Vec<String> {
-    vec![
-        "Time runs from consumer start (AMQP connect included) until N messages are ACKed \
-         (raw: Acker::ack returned Ok(true); Lily: its ledger's acked total, polled every 1 ms). \
-         Publishing, the fresh topology, the dropped and re-created database and each contender's \
-         MongoDB client (and Lily's scope indexes) are set up before the clock."
-            .into(),
-        "Both contenders run the transaction with snapshot read concern and majority write \
-         concern (Lily's settings), through the driver's default pool (maxPoolSize 10 unless \
-         LILY_MONGO_URL sets it), with the same concurrency and prefetch."
-            .into(),
-        "raw driver: a task per delivery (semaphore of C), session → start_transaction → insert \
-         {_id: message_id} into inbox (duplicate key → ACK) → insert the effect (hot keys: $inc \
-         the counter) → commit (again on UnknownTransactionCommitResult); the whole transaction \
-         again, at once, on TransientTransactionError; ACK after the commit; anything else, or 10 s \
-         without a commit, NACK with requeue."
-            .into(),
-        "Lily: MongoConfig::new — inside the transaction the inbox record (with a SHA-256 \
-         fingerprint of the body) and the handler's writes, the commit. Lily (lease): \
-         MongoConfig::with_lease — before the transaction a lease upsert and a fence upsert, \
-         inside it the inbox record and the handler's writes, then the fence check (which \
-         deletes the fence document), the commit and the lease's deletion. Both \
-         with Lily's default policy; a TransientTransactionError in the handler is returned as \
-         QueueHandlerError::transient, which reruns the scope in-process with backoff (10 ms \
-         doubling, at most 500 ms)."
-            .into(),
-        "tries/msg: transaction attempts (raw) or handler runs (Lily) per message; conflicts/msg: \
-         TransientTransactionErrors the contender saw (Lily: in the handler's writes only; a \
-         conflict on its own inbox insert is not observable from outside)."
-            .into(),
-        "Every run is checked from outside by message id: effects hold exactly the N ids once \
-         each, the inbox holds every id once, the hot-key counters sum to N (each exactly its \
-         messages), the work queue is empty, the DLQ and parking lane are drained and must be \
-         empty, the retry buckets must be empty."
-            .into(),
-        "mongod ops/msg: serverStatus.opcounters over the run (setup excluded, Lily's shutdown \
-         included) divided by N; operations inside transactions count, commits and aborts are \
-         commands, findAndModify is a command. raw (Lily record), when run, writes Lily's inbox \
-         record shape ({_id: {c, m}}, a 64-character fingerprint, type, schema version, at) into \
-         a collection with Lily's TTL index on `at`."
-            .into(),
-        "The machine is shared and small: read the ratios, not the absolute figures.".into(),
-    ]
 }

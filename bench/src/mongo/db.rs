@@ -6,8 +6,7 @@ use mongodb::bson::{Document, doc};
 use mongodb::{Client, Database};
 
 use crate::mongo::{
-    COUNTERS, Case, DATABASE, EFFECTS, HOT_KEYS, LILY_COLLECTIONS, RAW_INBOX, RAW_LILY_INBOX,
-    hot_key,
+    COUNTERS, Case, DATABASE, EFFECTS, HOT_KEYS, LILY_COLLECTIONS, RAW_INBOX, hot_key,
 };
 
 /// The replica set named by `LILY_MONGO_URL`.
@@ -104,7 +103,7 @@ pub async fn server_version(client: &Client) -> String {
 pub async fn fresh(client: &Client, case: Case) -> Database {
     let database = client.database(DATABASE);
     database.drop().await.expect("drop the benchmark database");
-    for name in [EFFECTS, RAW_INBOX, RAW_LILY_INBOX, COUNTERS]
+    for name in [EFFECTS, RAW_INBOX, COUNTERS]
         .into_iter()
         .chain(LILY_COLLECTIONS)
     {
@@ -113,20 +112,6 @@ pub async fn fresh(client: &Client, case: Case) -> Database {
             .await
             .unwrap_or_else(|e| panic!("create collection {name}: {}", kind(&e)));
     }
-    // The TTL index Lily's scope puts on its inbox (7 days, its default retention).
-    let ttl = mongodb::IndexModel::builder()
-        .keys(doc! { "at": 1 })
-        .options(
-            mongodb::options::IndexOptions::builder()
-                .expire_after(std::time::Duration::from_secs(7 * 24 * 3600))
-                .build(),
-        )
-        .build();
-    database
-        .collection::<Document>(RAW_LILY_INBOX)
-        .create_index(ttl)
-        .await
-        .expect("TTL index of the Lily-shaped raw inbox");
     if case == Case::HotKeys {
         let counters: Vec<Document> = (0..HOT_KEYS)
             .map(|k| doc! { "_id": hot_key(k), "n": 0_i64 })

@@ -25,8 +25,6 @@ pub const RAW_INBOX: &str = "inbox";
 pub const COUNTERS: &str = "counters";
 /// Lily's inbox (the scope's default collection prefix `lily_`).
 pub const LILY_INBOX: &str = "lily_inbox";
-/// The [`Contender::RawLilyRecord`] inbox: Lily's record shape, with Lily's TTL index.
-pub const RAW_LILY_INBOX: &str = "inbox_lily_shaped";
 /// Collections Lily's scope writes, created before the clock starts for every contender.
 pub const LILY_COLLECTIONS: [&str; 4] =
     ["lily_inbox", "lily_leases", "lily_fences", "lily_deferrals"];
@@ -67,11 +65,6 @@ pub enum Contender {
     Lily,
     /// Lily with `MongoConfig::new(..).with_lease()` (inbox and per-message fenced lease).
     LilyLease,
-    /// The raw contender writing Lily's inbox record instead of `{_id: message_id}`: key
-    /// `{c, m}`, a 64-character fingerprint, type, schema version and time, in a collection
-    /// with a TTL index on the time (a diagnostic, not run by default: what Lily's record costs
-    /// mongod, apart from Lily's own machinery).
-    RawLilyRecord,
 }
 
 impl Contender {
@@ -80,7 +73,6 @@ impl Contender {
             Self::Raw => "raw driver",
             Self::Lily => "Lily",
             Self::LilyLease => "Lily (lease)",
-            Self::RawLilyRecord => "raw (Lily record)",
         }
     }
 }

@@ -16,9 +16,6 @@
 //! 6. ACK after the commit. Any other failure, or a transaction still not committed after the
 //!    same 10 s budget Lily's default policy gives a delivery, NACKs with requeue.
 //!
-//! With `lily_record` the inbox record has Lily's shape instead (see
-//! [`Contender::RawLilyRecord`](crate::mongo::Contender::RawLilyRecord)).
-//!
 //! The clock runs from the AMQP connect until `n` ACKs were written (`Acker::ack` returned
 //! `Ok(true)`).
 
@@ -26,11 +23,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
-};
-use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
+use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicNackOptions};
 use mongodb::bson::{Document, doc};
 use mongodb::error::{
     Error, ErrorKind, TRANSIENT_TRANSACTION_ERROR, UNKNOWN_TRANSACTION_COMMIT_RESULT, WriteFailure,
@@ -43,8 +36,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::Order;
 use crate::mongo::{
-    CONSUMER, COUNTERS, Case, Counters, DATABASE, EFFECTS, Load, RAW_INBOX, RAW_LILY_INBOX,
-    hot_key, index_of,
+    COUNTERS, Case, Counters, DATABASE, EFFECTS, Load, RAW_INBOX, hot_key, index_of,
 };
 use crate::throughput::{Sample, run_limit};
 
@@ -52,35 +44,20 @@ use crate::throughput::{Sample, run_limit};
 /// settlement budget).
 const BUDGET: Duration = Duration::from_secs(10);
 
-/// The size of a SHA-256 in hex, for the Lily-shaped record.
-const FINGERPRINT: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
-
 /// The collections a task writes.
 struct Store {
     client: Client,
     inbox: Collection<Document>,
-    /// Write Lily's inbox record shape (into `inbox_lily_shaped`) instead of `{_id}`.
-    lily_record: bool,
     effects: Collection<Document>,
     counters: Collection<Document>,
     case: Case,
-}
-
-async fn next(consumer: &mut lapin::Consumer) -> Option<lapin::Result<lapin::message::Delivery>> {
-    use futures_core::Stream;
-    std::future::poll_fn(|cx| std::pin::Pin::new(&mut *consumer).poll_next(cx)).await
 }
 
 /// Consumes until `n` messages are committed and ACKed (or the run limit passes).
 ///
 /// # Panics
 /// When the broker refuses the connection, the channel, the QoS or the consumer.
-pub async fn consume(
-    load: &Load<'_>,
-    client: Client,
-    lily_record: bool,
-    counters: Arc<Counters>,
-) -> Sample {
+pub async fn consume(load: &Load<'_>, client: Client, counters: Arc<Counters>) -> Sample {
     let Load {
         url,
         queue,
@@ -91,12 +68,7 @@ pub async fn consume(
     } = *load;
     let database = client.database(DATABASE);
     let store = Arc::new(Store {
-        inbox: database.collection(if lily_record {
-            RAW_LILY_INBOX
-        } else {
-            RAW_INBOX
-        }),
-        lily_record,
+        inbox: database.collection(RAW_INBOX),
         effects: database.collection(EFFECTS),
         counters: database.collection(COUNTERS),
         client,
@@ -104,23 +76,9 @@ pub async fn consume(
     });
     let started = Instant::now();
     let deadline = tokio::time::Instant::now() + run_limit(n);
-    let connection = Connection::connect(url, ConnectionProperties::default())
+    let (connection, channel, mut consumer) = crate::raw::open(url, queue, prefetch, false)
         .await
-        .expect("connect");
-    let channel = connection.create_channel().await.expect("channel");
-    channel
-        .basic_qos(prefetch, BasicQosOptions::default())
-        .await
-        .expect("basic.qos");
-    let mut consumer = channel
-        .basic_consume(
-            queue.into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("basic.consume");
+        .expect("consume");
     let permits = Arc::new(Semaphore::new(concurrency));
     let acked = Arc::new(AtomicU64::new(0));
     let done = CancellationToken::new();
@@ -132,7 +90,7 @@ pub async fn consume(
             () = tokio::time::sleep_until(deadline) => break,
         };
         let delivery = tokio::select! {
-            delivery = next(&mut consumer) => match delivery {
+            delivery = crate::raw::next(&mut consumer) => match delivery {
                 Some(Ok(delivery)) => delivery,
                 _ => break,
             },
@@ -271,20 +229,12 @@ async fn writes(
     id: &str,
     order: &Order,
 ) -> Result<Written, Error> {
-    let record = if store.lily_record {
-        // Lily's record: key {c, m}, SHA-256 hex (a stand-in of the same size), type, schema
-        // version, time (the TTL index's field).
-        doc! {
-            "_id": { "c": CONSUMER, "m": id },
-            "fingerprint": FINGERPRINT,
-            "type": "order.placed",
-            "schema_version": 1_i64,
-            "at": mongodb::bson::DateTime::now(),
-        }
-    } else {
-        doc! { "_id": id }
-    };
-    match store.inbox.insert_one(record).session(&mut *session).await {
+    match store
+        .inbox
+        .insert_one(doc! { "_id": id })
+        .session(&mut *session)
+        .await
+    {
         Ok(_) => {}
         Err(err) if is_duplicate_key(&err) => return Ok(Written::Duplicate),
         Err(err) => return Err(err),

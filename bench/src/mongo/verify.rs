@@ -18,11 +18,11 @@ use mongodb::Database;
 use mongodb::bson::{Bson, Document, doc};
 use serde::Serialize;
 
+use crate::depth;
 use crate::mongo::{
-    CONSUMER, COUNTERS, Case, Contender, EFFECTS, HOT_KEYS, LILY_INBOX, RAW_INBOX, RAW_LILY_INBOX,
-    db, hot_key, index_of,
+    CONSUMER, COUNTERS, Case, Contender, EFFECTS, HOT_KEYS, LILY_INBOX, RAW_INBOX, db, hot_key,
+    index_of,
 };
-use crate::throughput::depth;
 
 /// How many ids a failed check lists.
 const SHOWN: usize = 10;
@@ -103,7 +103,6 @@ pub async fn check(
             Bson::String(s) => Some(s.clone()),
             _ => None,
         }),
-        Contender::RawLilyRecord => (RAW_LILY_INBOX, lily_key),
         Contender::LilyLease | Contender::Lily => (LILY_INBOX, lily_key),
     };
     let inbox = ids(database, inbox, key_of).await;

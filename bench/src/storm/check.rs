@@ -7,9 +7,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use futures_core::Stream;
-use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions,
-};
+use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties};
 use serde::Serialize;
@@ -61,8 +59,8 @@ pub async fn check(
     let mut ids: HashMap<String, u64> = HashMap::new();
     let in_bucket = drain(&channel, bucket, &mut ids).await;
     let in_work_queue = drain(&channel, work, &mut ids).await;
-    let in_dead_letter_queue = depth(&channel, dlq).await;
-    let in_parking = depth(&channel, parking).await;
+    let in_dead_letter_queue = crate::ready(&channel, dlq).await;
+    let in_parking = crate::ready(&channel, parking).await;
     let _ = connection.close(200, "checked".into()).await;
     let mut missing = 0;
     let mut duplicates = 0;
@@ -90,24 +88,9 @@ pub async fn check(
     }
 }
 
-async fn depth(channel: &Channel, queue: &str) -> Option<u32> {
-    channel
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .ok()
-        .map(|q| q.message_count())
-}
-
 /// Consumes every ready message of `queue` (ACKing in batches), counting ids into `ids`.
 async fn drain(channel: &Channel, queue: &str, ids: &mut HashMap<String, u64>) -> u64 {
-    let Some(expected) = depth(channel, queue).await.filter(|&d| d > 0) else {
+    let Some(expected) = crate::ready(channel, queue).await.filter(|&d| d > 0) else {
         return 0;
     };
     let Ok(mut consumer) = channel

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use crate::raw;
 use crate::report;
 use crate::storm::{
-    Contender, MAX_ATTEMPTS, QUEUE, RETRY_DELAY, Results, StormRun, Summary, check, lily, sample,
+    Contender, QUEUE, RETRY_DELAY, Results, StormRun, Summary, check, lily, sample,
 };
 use crate::{body_512, broker_url, fresh_topology, publish};
 use ::lily::prelude::{QueueKind, Trigger};
@@ -120,7 +120,7 @@ pub async fn run(args: Args) {
     let url = broker_url();
     let body = body_512();
     let mut results = Results {
-        meta: crate::Meta::new("storm", &url, notes(&args)),
+        meta: crate::Meta::new("storm", &url, vec![crate::METHOD.into()]),
         population: args.population,
         prefetch: args.prefetch,
         retry_delay_secs: RETRY_DELAY.as_secs_f64(),
@@ -160,40 +160,8 @@ pub async fn run(args: Args) {
         .zip(mean(Contender::Raw))
         .map(|(l, r)| l / r);
     results.meta.finish(total);
-    report::write(&args.out, "storm", &results, &report::storm(&results));
+    let chart = report::storm_chart(&results);
+    let markdown = report::storm(&results);
+    report::write(&args.out, "storm", &results, &markdown, Some(&chart));
     println!("total {:.0} s", total.elapsed().as_secs_f64());
-}
-
-fn notes(args: &Args) -> Vec<String> {
-    vec![
-        format!(
-            "Every delivery fails retryably; each contender runs {} s on a fresh classic topology \
-             with one retry bucket of {:.0} s and {} messages published up front, so messages \
-             cycle work queue → handoff → bucket → work queue for the whole run. Prefetch {} \
-             (Lily: concurrency {}; policy max_attempts {MAX_ATTEMPTS}, retry_delays [1 s]).",
-            args.secs,
-            RETRY_DELAY.as_secs_f64(),
-            args.population,
-            args.prefetch,
-            args.prefetch
-        ),
-        "raw lapin: raw::handoff's algorithm for the duration: a task per delivery \
-         publishes the copy (mandatory, persistent, Lily's 8 failure headers, attempt bumped) on \
-         one confirm channel, awaits its own confirm, then ACKs (NACK with requeue if the copy \
-         failed)."
-            .into(),
-        format!(
-            "Sampled every second: handoffs completed (Lily: stats().totals().retried; raw: its \
-             counter), VmRSS of this process (/proc/self/status) and the work queue's ready \
-             depth. Rates and the RSS start and slope leave out the first {WARMUP} s (warm-up); \
-             first/last windows are 60 s, or half the post-warm-up time in a shorter run. Both \
-             contenders run in one process, raw first: Lily's RSS starts from what raw's run \
-             left in the allocator, so read its slope, not its level."
-        ),
-        "After a contender stopped and the bucket's TTL passed, the work queue and the bucket \
-         are drained and counted by message id (outside the contender): every population id \
-         must be present exactly once, no other id, DLQ and parking lane empty."
-            .into(),
-        "The machine is shared: development figures; compare the contenders.".into(),
-    ]
 }

@@ -150,8 +150,6 @@ pub fn rss_bytes() -> u64 {
 /// Samples every second for `secs` seconds: the growth of `count`, `VmRSS` and the ready depth
 /// of `queue` (read on a connection of its own).
 pub async fn sample(url: &str, queue: &str, secs: u32, count: impl Fn() -> u64) -> Vec<Second> {
-    use lapin::options::QueueDeclareOptions;
-    use lapin::types::FieldTable;
     use lapin::{Connection, ConnectionProperties};
     let connection = Connection::connect(url, ConnectionProperties::default())
         .await
@@ -159,10 +157,6 @@ pub async fn sample(url: &str, queue: &str, secs: u32, count: impl Fn() -> u64) 
     let channel = match &connection {
         Some(c) => c.create_channel().await.ok(),
         None => None,
-    };
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..QueueDeclareOptions::default()
     };
     let started = Instant::now();
     let mut before = count();
@@ -172,11 +166,7 @@ pub async fn sample(url: &str, queue: &str, secs: u32, count: impl Fn() -> u64) 
         let now = count();
         let rss_bytes = rss_bytes();
         let ready = match &channel {
-            Some(channel) => channel
-                .queue_declare(queue.into(), passive, FieldTable::default())
-                .await
-                .ok()
-                .map(|q| q.message_count()),
+            Some(channel) => crate::ready(channel, queue).await,
             None => None,
         };
         series.push(Second {

@@ -7,10 +7,8 @@ use std::time::Instant;
 use crate::raw;
 use crate::report;
 use crate::throughput::{CaseResult, Results, Start};
-use crate::throughput::{
-    Contender, CpuMeter, HANDOFF_DELAY, Path, Profile, Sample, depth, lily_run, peer,
-};
-use crate::{body_512, broker_url, fresh_topology, kind_name, publish};
+use crate::throughput::{Contender, CpuMeter, HANDOFF_DELAY, Path, Sample, lily_run, peer};
+use crate::{body_512, broker_url, depth, fresh_topology, kind_name, publish};
 use lily::prelude::QueueKind;
 use lily::topology::Topology;
 
@@ -88,15 +86,6 @@ async fn run_once(
     // Let the broker finish writing the batch before the clock starts.
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     let bucket = topology.bucket(0).expect("a retry bucket").to_owned();
-    if std::env::var_os("LILY_BENCH_DEBUG").is_some() {
-        eprintln!("  starting {} (pid {})", who.name(), std::process::id());
-    }
-    let profile = Profile::start(&format!(
-        "{}-{}-{prefetch}-{}",
-        path.name(),
-        kind_name(kind),
-        who.flag()
-    ));
     let cpu = CpuMeter::start();
     let mut sample = match (path, who) {
         (Path::Success, Contender::Lily) => lily_run::success(url, &queue, kind, prefetch, n).await,
@@ -110,7 +99,6 @@ async fn run_once(
         (Path::Handoff, _) => unreachable!("Path::runs admits only these on the handoff path"),
     };
     cpu.stop(&mut sample);
-    profile.stop();
     // What each run must leave behind: an empty work queue, and N copies in the bucket.
     let left = depth(url, &queue).await;
     sample.left_in_queue = left;
@@ -148,42 +136,7 @@ pub async fn run(args: Args) {
     let url = broker_url();
     let body = body_512();
     let mut results = Results {
-        meta: crate::Meta::new(
-            "throughput",
-            &url,
-            vec![
-            "Time runs from consumer start (connect included) until N messages are settled; \
-             publishing the N messages before each run is not timed. The steady rate leaves the \
-             start out: N over the time from the first delivery that reached the contender's \
-             own code (its loop, or Lily's handler) until N were settled."
-                .into(),
-            "raw-batch (success): serde_json::from_slice, then one basic.ack with multiple = true \
-             every prefetch/2 deliveries (awaited). ceiling: the same loop consuming with \
-             no_ack = true, nothing settled. raw lapin: one delivery at a time, ack().await each. \
-             Lily: concurrency = prefetch. ruststream-lapin: Workers::pool(prefetch), broker and \
-             queue prefetch set, no topology declared."
-                .into(),
-            "ruststream-lapin is counted by an AtomicU64 bumped in its handler, which precedes \
-             that message's ACK: its figures are slightly favourable to it (up to prefetch \
-             messages unACKed when the clock stops). raw lapin counts written ACKs, Lily its \
-             ledger totals (acked / retried), polled every 50 µs on a thread of its own once its \
-             handler has been called for every message (tokio's timer would round each wait up \
-             to a millisecond; polled all along, they would cost its run wake-ups)."
-                .into(),
-            "Handoff path: retry bucket of 10 min (copies stay parked); Lily policy \
-             max_attempts 2; raw lapin spawns a task per delivery that publishes the copy \
-             (mandatory, persistent, Lily's 8 failure headers) on one confirm channel, awaits \
-             its own confirm (a returned message fails) and then ACKs. raw-batch publishes the \
-             same copies from its consume loop without waiting and hands every prefetch/2 to a \
-             settler task, which awaits that batch's confirms (in order, while the loop publishes \
-             the next batch) and ACKs the batch with one multiple ACK when all were acked and \
-             none returned."
-                .into(),
-            "Every contender consumes the same queue, declared with Lily's topology arguments; \
-             the machine is shared, so read the ratios, not the absolute figures."
-                .into(),
-        ],
-        ),
+        meta: crate::Meta::new("throughput", &url, vec![crate::METHOD.into()]),
         messages_per_run: args.messages,
         repetitions: args.reps,
         cases: Vec::new(),
@@ -234,7 +187,7 @@ pub async fn run(args: Args) {
                 let ratios: Vec<String> = case
                     .lily_over
                     .iter()
-                    .map(|r| format!("Lily/{} {:.3}", r.over.flag(), r.value))
+                    .map(|r| format!("Lily / {} {:.3}", r.over.name(), r.value))
                     .collect();
                 eprintln!(
                     "  => {} {} prefetch {prefetch}: {}",
@@ -291,12 +244,9 @@ pub async fn run(args: Args) {
         }
     }
     results.meta.finish(total);
-    report::write(
-        &args.out,
-        "throughput",
-        &results,
-        &report::throughput(&results),
-    );
+    let chart = report::throughput_chart(&results);
+    let markdown = report::throughput(&results);
+    report::write(&args.out, "throughput", &results, &markdown, Some(&chart));
     println!("total {:.0} s", total.elapsed().as_secs_f64());
 }
 

@@ -85,19 +85,15 @@ pub enum Contender {
     Lily,
     /// ruststream-lapin.
     Peer,
-    /// Hand-written lapin with a task per delivery (not run by default).
-    #[value(name = "raw-tasks")]
-    RawConcurrent,
 }
 
 impl Contender {
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 5] = [
         Self::Raw,
         Self::RawBatch,
         Self::Ceiling,
         Self::Lily,
         Self::Peer,
-        Self::RawConcurrent,
     ];
 
     pub fn name(self) -> &'static str {
@@ -107,7 +103,6 @@ impl Contender {
             Self::Ceiling => "ceiling (no-ack)",
             Self::Lily => "Lily",
             Self::Peer => "ruststream-lapin",
-            Self::RawConcurrent => "raw lapin (tasks)",
         }
     }
 
@@ -121,50 +116,13 @@ impl Contender {
             Self::Raw => Settle::Each,
             Self::RawBatch => Settle::Batch,
             Self::Ceiling => Settle::NoAck,
-            Self::RawConcurrent => Settle::Tasks,
             Self::Lily | Self::Peer => unreachable!("{} is not raw lapin", self.name()),
-        }
-    }
-
-    /// The name `--contenders` takes.
-    pub fn flag(self) -> &'static str {
-        match self {
-            Self::Raw => "raw",
-            Self::RawBatch => "raw-batch",
-            Self::Ceiling => "ceiling",
-            Self::Lily => "lily",
-            Self::Peer => "peer",
-            Self::RawConcurrent => "raw-tasks",
         }
     }
 }
 
 /// Retry delay of the handoff path: long, so the copies stay parked in the bucket.
 pub const HANDOFF_DELAY: Duration = Duration::from_secs(600);
-
-/// Ready messages in `queue` (a passive declare), or `None` if it cannot be read.
-pub async fn depth(url: &str, queue: &str) -> Option<u32> {
-    use lapin::options::QueueDeclareOptions;
-    use lapin::{Connection, ConnectionProperties};
-    let connection = Connection::connect(url, ConnectionProperties::default())
-        .await
-        .ok()?;
-    let channel = connection.create_channel().await.ok()?;
-    let declared = channel
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            lapin::types::FieldTable::default(),
-        )
-        .await
-        .ok()
-        .map(|q| q.message_count());
-    let _ = connection.close(200, "depth".into()).await;
-    declared
-}
 
 /// The broker's version as Debian packaged it, or what the benchmark was written against.
 pub fn broker_version() -> String {
@@ -243,89 +201,6 @@ impl CpuMeter {
         sample.broker_cpu_us_per_msg =
             per(self.broker, self.broker_pid.and_then(|p| cpu_secs(Some(p))));
     }
-}
-
-/// `perf record` (call graphs, 999 Hz) of the broker, of this process, or of both, while one
-/// contender runs: where the time goes, contender by contender, without the publishing before
-/// each run. `LILY_BENCH_PERF_BROKER=DIR` records the broker to `DIR/broker-NAME-K.data`,
-/// `LILY_BENCH_PERF_CLIENT=DIR` this process to `DIR/client-NAME-K.data` (K counts the runs).
-/// `LILY_BENCH_PERF_EVENTS=E1,E2` records those events (each one, with its call graph) in place
-/// of the CPU samples. Each recording is kept with the files its process held open when it
-/// stopped (`NAME-K.data.fds`, a line `fd path` each): a system call's `fd` names its file.
-/// Start the node with `RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="+JPperf true"` for Erlang's
-/// function names and frames; `bench/tools/broker_time.py` reads the broker's recordings.
-pub struct Profile(Vec<(std::process::Child, u32, std::path::PathBuf)>);
-
-impl Profile {
-    /// Starts the recordings asked for.
-    pub fn start(name: &str) -> Self {
-        static RUNS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-        let targets = [
-            ("broker", "LILY_BENCH_PERF_BROKER", broker_pid()),
-            ("client", "LILY_BENCH_PERF_CLIENT", Some(std::process::id())),
-        ];
-        let mut recording = Vec::new();
-        for (who, var, pid) in targets {
-            let (Some(dir), Some(pid)) = (std::env::var_os(var), pid) else {
-                continue;
-            };
-            let out = std::path::Path::new(&dir).join(format!("{who}-{name}-{run}.data"));
-            let mut perf = std::process::Command::new("perf");
-            perf.args(["record", "-q", "-g", "-p", &pid.to_string(), "-o"])
-                .arg(&out);
-            match std::env::var("LILY_BENCH_PERF_EVENTS") {
-                Ok(events) => perf.args(["-e", &events]),
-                Err(_) => perf.args(["-F", "999"]),
-            };
-            let child = perf.stdout(std::process::Stdio::null()).spawn();
-            match child {
-                Ok(child) => recording.push((child, pid, out)),
-                Err(err) => eprintln!("  perf record did not start: {err}"),
-            }
-        }
-        if !recording.is_empty() {
-            // perf needs a moment to attach before the contender starts.
-            std::thread::sleep(std::time::Duration::from_millis(300));
-        }
-        Self(recording)
-    }
-
-    /// Stops the recordings and waits for perf to write its files.
-    pub fn stop(self) {
-        for (mut child, pid, out) in self.0 {
-            let mut fds = out.into_os_string();
-            fds.push(".fds");
-            let _ = std::fs::write(fds, open_files(pid));
-            let interrupted = std::process::Command::new("kill")
-                .args(["-INT", &child.id().to_string()])
-                .status();
-            if !interrupted.is_ok_and(|s| s.success()) {
-                let _ = child.kill();
-            }
-            let _ = child.wait();
-        }
-    }
-}
-
-/// The files `pid` holds open, a line `fd path` each.
-fn open_files(pid: u32) -> String {
-    let Ok(entries) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
-        return String::new();
-    };
-    let mut lines: Vec<String> = entries
-        .flatten()
-        .filter_map(|entry| {
-            let target = std::fs::read_link(entry.path()).ok()?;
-            Some(format!(
-                "{} {}",
-                entry.file_name().to_string_lossy(),
-                target.display()
-            ))
-        })
-        .collect();
-    lines.sort();
-    lines.join("\n") + "\n"
 }
 
 /// The 1-minute load average.
@@ -521,23 +396,7 @@ impl CaseResult {
 
 #[cfg(test)]
 mod tests {
-    use super::{cpu_secs, open_files};
-
-    /// A file this process holds open is listed with its descriptor and path.
-    #[test]
-    fn the_open_files_name_each_descriptor() {
-        let path = std::env::temp_dir().join(format!("lily-open-files-{}", std::process::id()));
-        let file = std::fs::File::create(&path).expect("a file to hold open");
-        let listed = open_files(std::process::id());
-        let _ = std::fs::remove_file(&path);
-        drop(file);
-        let line = listed
-            .lines()
-            .find(|line| line.ends_with(&*path.to_string_lossy()))
-            .unwrap_or_else(|| panic!("{} is not among\n{listed}", path.display()));
-        let fd = line.split(' ').next().expect("a descriptor");
-        assert!(fd.parse::<u32>().is_ok(), "{line}");
-    }
+    use super::cpu_secs;
 
     /// The process's own CPU is read finer than the kernel's 10 ms ticks: the first change a
     /// busy loop sees is far below a tick, where `/proc`'s count would first move by a whole one.

@@ -344,7 +344,7 @@ pub fn child(who: Contender, args: &[String]) -> Result<Value, String> {
     let rt = crate::cost::runtime(true);
     rt.block_on(async {
         match who {
-            Contender::Raw | Contender::RawAcker => raw(&url, queue, prefetch, n).await,
+            Contender::Raw => raw(&url, queue, prefetch, n).await,
             Contender::Lily => lily(&url, queue, prefetch, n).await,
         }
     })

@@ -248,7 +248,7 @@ fn run(b: &Bench, who: Contender, prefetch: u16, n: usize) -> Result<Value, Stri
     let expected = move |class: Class| match who {
         Contender::Lily => class.expected(),
         // No gate and no failures: raw acks every message it decodes.
-        Contender::Raw | Contender::RawAcker => Expected::Handled { attempt: 1 },
+        Contender::Raw => Expected::Handled { attempt: 1 },
     };
     let evidence = b.rt.block_on(check::evidence(
         &client,
