@@ -10,7 +10,8 @@
 #
 # Each is a subcommand of one program, `lily-bench` (`target/release/lily-bench --help`; `cost`
 # runs in `lily-bench-counting`, the same program counting its heap allocations).
-# Results go to target/bench/ (JSON and a markdown report, also printed); bench/README.md says
+# Results go to target/bench/ (JSON and a markdown report, also printed, and an SVG chart for
+# throughput, latency, storm and mongo); bench/README.md says
 # how each program measures. Absolute figures on a shared machine are noise: read the ratios,
 # measured side by side in one run.
 set -euo pipefail
