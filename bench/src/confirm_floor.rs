@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::report::Table;
-use crate::throughput::HANDOFF_DELAY;
+use crate::run::HANDOFF_DELAY;
 use crate::{body_512, broker_url, fresh_topology};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
@@ -198,7 +198,7 @@ fn markdown(report: &Report) -> String {
     );
     let title = "The broker's confirm latency: the floor under the handoff tail";
     let head = "pattern|channels|rate msg/s|timed|unconfirmed|p50 ms|p99 ms|p99.9 ms|max ms";
-    let mut table = Table::new(&head.split('|').collect::<Vec<_>>(), 1);
+    let mut table = Table::new(head, 1);
     for r in &report.rows {
         let mut cells = vec![r.pattern.to_owned(), r.channels.to_string()];
         cells.extend([

@@ -11,11 +11,11 @@ pub mod confirm_floor;
 pub mod cost;
 pub mod latency;
 pub mod mongo;
-pub mod parse;
 pub mod raw;
 pub mod report;
 pub mod run;
 pub mod storm;
+pub mod throughput;
 
 use std::time::Duration;
 
@@ -198,8 +198,6 @@ pub fn median(values: &mut [f64]) -> f64 {
     }
 }
 
-pub mod throughput;
-
 /// The note every report ends with: where its method is written down.
 pub const METHOD: &str = "How this program measures: bench/README.md. The machine is shared: \
                           read the ratios, measured side by side, not the absolute figures.";
@@ -227,13 +225,13 @@ impl Meta {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
         Self {
             benchmark,
-            broker: throughput::broker_version(),
+            broker: broker_version(),
             broker_url: redact(url),
             message_bytes: body_512().len(),
             cpus: std::thread::available_parallelism().map_or(1, usize::from),
             started_at_unix: now.map_or(0, |d| d.as_secs()),
-            lily_revision: throughput::revision(),
-            load_average: [throughput::load_average(), None],
+            lily_revision: revision(),
+            load_average: [load_average(), None],
             wall_secs: 0.0,
             notes,
         }
@@ -241,7 +239,99 @@ impl Meta {
 
     /// Records the load average at the end, and the time since `started`.
     pub fn finish(&mut self, started: std::time::Instant) {
-        self.load_average[1] = throughput::load_average();
+        self.load_average[1] = load_average();
         self.wall_secs = started.elapsed().as_secs_f64();
+    }
+}
+
+/// The broker's version as Debian packaged it, or what the benchmark was written against.
+pub fn broker_version() -> String {
+    let version = |package: &str| {
+        let out = std::process::Command::new("dpkg-query")
+            .args(["-W", "-f=${Version}", package])
+            .output()
+            .ok()?;
+        let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        (out.status.success() && !text.is_empty()).then_some(text)
+    };
+    match (version("rabbitmq-server"), version("erlang-base")) {
+        (Some(rabbit), erlang) => {
+            let upstream = rabbit.split('-').next().unwrap_or(&rabbit).to_owned();
+            let erlang = erlang.map_or_else(String::new, |e| {
+                let e = e.split_once(':').map_or(e.as_str(), |(_, v)| v);
+                format!(", Erlang {}", e.split(['+', '-']).next().unwrap_or(e))
+            });
+            format!("RabbitMQ {upstream} (Debian {rabbit}){erlang}")
+        }
+        (None, _) => "RabbitMQ 3.10 (Debian)".into(),
+    }
+}
+
+/// User + system CPU seconds of a process, all threads included (those that ended too). This
+/// one's (`None`) from its CPU clock, to the nanosecond; another's from `/proc`, in the kernel's
+/// ticks of 10 ms, so a figure over a short run is coarse.
+pub fn cpu_secs(pid: Option<u32>) -> Option<f64> {
+    let Some(pid) = pid else {
+        let now = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+        #[allow(clippy::cast_precision_loss)]
+        return Some(now.tv_sec as f64 + now.tv_nsec as f64 / 1e9);
+    };
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces): state is field 3, utime 14, stime 15.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    #[allow(clippy::cast_precision_loss)]
+    Some(ticks as f64 / 100.0) // USER_HZ is 100 on Linux
+}
+
+/// The broker's Erlang VM, from the pid file `scripts/rabbitmq.sh` keeps in `LILY_RABBIT_DIR`.
+pub fn broker_pid() -> Option<u32> {
+    let dir = std::env::var_os("LILY_RABBIT_DIR")?;
+    let pid = std::fs::read_to_string(std::path::Path::new(&dir).join("rabbit.pid")).ok()?;
+    pid.trim().parse().ok()
+}
+
+/// The 1-minute load average.
+pub fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// `git describe --always --dirty` of the working tree, or `unknown`.
+pub fn revision() -> String {
+    std::process::Command::new("git")
+        .args(["describe", "--always", "--dirty"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .filter(|r| !r.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cpu_secs;
+
+    /// The process's own CPU is read finer than the kernel's 10 ms ticks: the first change a
+    /// busy loop sees is far below a tick, where `/proc`'s count would first move by a whole one.
+    #[test]
+    fn this_process_cpu_is_read_below_a_tick() {
+        let start = cpu_secs(None).expect("the CPU clock");
+        let step = loop {
+            let now = cpu_secs(None).expect("the CPU clock");
+            if now > start {
+                break now - start;
+            }
+        };
+        assert!(
+            step < 0.005,
+            "the CPU clock moved by {step} s at once, a tick's step"
+        );
     }
 }

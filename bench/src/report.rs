@@ -6,11 +6,10 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use serde::Serialize;
-use serde_json::Value;
 
 use crate::chart::Chart;
 use crate::latency::{self, HISTOGRAM_MS, Latencies};
-use crate::{Meta, mongo, storm, throughput};
+use crate::{Meta, cost, mongo, storm, throughput};
 
 /// Prints `markdown` and writes `<name>.json`, `<name>.md` and, when given, `<name>.svg` into
 /// `out`, saying where.
@@ -38,17 +37,19 @@ pub fn write(out: &Path, name: &str, results: &impl Serialize, markdown: &str, s
 pub struct Table(String);
 
 impl Table {
-    pub fn new<S: AsRef<str>>(head: &[S], text: usize) -> Self {
+    /// A table whose head is `head`'s cells, `|` apart.
+    pub fn new(head: &str, text: usize) -> Self {
         let mut table = Self(String::new());
-        table.row(head);
-        let rule: String = (0..head.len())
+        table.row(head.split('|'));
+        let rule: String = (0..head.split('|').count())
             .map(|i| if i < text { "---|" } else { "---:|" })
             .collect();
         table.0 += &format!("|{rule}\n");
         table
     }
 
-    pub fn row<S: AsRef<str>>(&mut self, cells: &[S]) {
+    pub fn row<S: AsRef<str>>(&mut self, cells: impl IntoIterator<Item = S>) {
+        let cells: Vec<S> = cells.into_iter().collect();
         let cells: Vec<&str> = cells.iter().map(AsRef::as_ref).collect();
         let _ = writeln!(self.0, "| {} |", cells.join(" | "));
     }
@@ -142,111 +143,100 @@ fn subtitle(meta: &Meta, what: &str) -> String {
     )
 }
 
-/// The throughput report: per path, the rates and Lily's ratios, the steady rates and CPU per
+/// The throughput report: per path the rates and Lily's ratios, the steady rates and the CPU a
 /// message; then each contender's start.
 pub fn throughput(r: &throughput::Results) -> String {
-    use throughput::{CaseResult, Contender, Path};
+    use throughput::{Contender, Path};
     let conditions = format!(
-        "{} messages a run, persistent; {} repetition(s), contenders taking turns run by run, in \
-         reverse order every other repetition; medians, [lowest–highest] of the repetitions' \
-         ratios",
+        "{} messages a run, persistent; {} repetition(s), contenders taking turns run by run, in reverse order every other repetition; medians, [lowest–highest] of the repetitions' ratios",
         r.messages_per_run, r.repetitions
     );
     let mut out = opening("Throughput", &r.meta, &conditions);
-    let key = |c: &CaseResult| {
-        vec![
-            c.path.name().into(),
-            c.queue_type.into(),
-            c.prefetch.to_string(),
-        ]
-    };
     for path in [Path::Success, Path::Handoff] {
-        let cases: Vec<&CaseResult> = r.cases.iter().filter(|c| c.path == path).collect();
+        let cases: Vec<_> = r.cases.iter().filter(|c| c.path == path).collect();
         let who: Vec<Contender> = Contender::ALL
             .into_iter()
             .filter(|&w| cases.iter().any(|c| c.runs(w).is_some()))
             .collect();
-        if cases.is_empty() {
-            continue;
-        }
         let others: Vec<Contender> = who
             .iter()
             .copied()
             .filter(|&w| w != Contender::Lily)
             .collect();
-        let head = |unit: &str, ratios: bool| {
-            let mut head: Vec<String> = vec!["path".into(), "queue".into(), "prefetch".into()];
-            head.extend(who.iter().map(|w| format!("{} {unit}", w.name())));
+        if cases.is_empty() {
+            continue;
+        }
+        let head = |units: &[&str], ratios: bool| {
+            let mut head = String::from("path|queue|prefetch");
+            for unit in units {
+                who.iter()
+                    .for_each(|w| head += &format!("|{} {unit}", w.name()));
+            }
             if ratios {
-                head.extend(others.iter().map(|w| format!("Lily / {}", w.name())));
+                others
+                    .iter()
+                    .for_each(|w| head += &format!("|Lily / {}", w.name()));
             }
             head
         };
-        // The rates and ratios, then the steady ones (from each contender's first delivery on).
+        let key = |c: &throughput::CaseResult| {
+            [
+                c.path.name().to_owned(),
+                c.queue_type.to_owned(),
+                c.prefetch.to_string(),
+            ]
+        };
         for steady in [false, true] {
             if steady {
                 let _ = writeln!(
                     out,
-                    "Steady rate, {} path (median msg/s from each contender's first delivery until \
-                     N are settled: the start, timed on its own below, left out):\n",
+                    "Steady rate, {} path (median msg/s from each contender's first delivery until N are settled: the start, timed on its own below, left out):\n",
                     path.name()
                 );
             }
-            let mut table = Table::new(&head("msg/s", true), 2);
+            let mut table = Table::new(&head(&["msg/s"], true), 2);
             for c in &cases {
-                let mut cells = key(c);
-                cells.extend(who.iter().map(|&w| {
+                let rates = who.iter().map(|&w| {
                     let runs = c.runs(w);
-                    match steady {
-                        false => opt_rate(runs.map(|x| x.median_msgs_per_sec)),
-                        true => opt_rate(runs.and_then(|x| x.median_steady_msgs_per_sec)),
-                    }
-                }));
-                cells.extend(others.iter().map(|&w| {
+                    opt_rate(if steady {
+                        runs.and_then(|x| x.median_steady_msgs_per_sec)
+                    } else {
+                        runs.map(|x| x.median_msgs_per_sec)
+                    })
+                });
+                let ratios = others.iter().map(|&w| {
                     let Some(x) = c.ratio(w) else {
                         return "-".into();
                     };
-                    let (value, runs) = match steady {
-                        false => (Some(x.value), &x.runs),
-                        true => (x.steady, &x.steady_runs),
+                    let (value, runs) = if steady {
+                        (x.steady, &x.steady_runs)
+                    } else {
+                        (Some(x.value), &x.runs)
                     };
                     value.map_or_else(
                         || "-".into(),
                         |v| format!("{v:.3}{}{}", verdict(v, x.target), spread(runs)),
                     )
-                }));
-                if !c.all_runs_complete {
-                    cells.push("incomplete runs!".into());
-                }
-                table.row(&cells);
+                });
+                let flag = (!c.all_runs_complete).then(|| "incomplete runs!".to_owned());
+                table.row(key(c).into_iter().chain(rates).chain(ratios).chain(flag));
             }
             out += &table.end();
         }
         let _ = writeln!(
             out,
-            "CPU per message, {} path (median µs, connect to close; client = this process, broker \
-             = the Erlang VM):\n",
+            "CPU per message, {} path (median µs, connect to close; client = this process, broker = the Erlang VM):\n",
             path.name()
         );
-        let mut head = head("client", false);
-        head.extend(who.iter().map(|w| format!("{} broker", w.name())));
-        let mut table = Table::new(&head, 2);
+        let mut table = Table::new(&head(&["client", "broker"], false), 2);
         for c in &cases {
-            let mut cells = key(c);
-            let cpu = |w, broker: bool| {
-                let runs = c.runs(w);
-                let v = runs.and_then(|x| {
-                    if broker {
-                        x.broker_cpu_us_per_msg
-                    } else {
-                        x.client_cpu_us_per_msg
-                    }
-                });
-                fixed(v, 1)
-            };
-            cells.extend(who.iter().map(|&w| cpu(w, false)));
-            cells.extend(who.iter().map(|&w| cpu(w, true)));
-            table.row(&cells);
+            let client = who
+                .iter()
+                .map(|&w| fixed(c.runs(w).and_then(|x| x.client_cpu_us_per_msg), 1));
+            let broker = who
+                .iter()
+                .map(|&w| fixed(c.runs(w).and_then(|x| x.broker_cpu_us_per_msg), 1));
+            table.row(key(c).into_iter().chain(client).chain(broker));
         }
         out += &table.end();
     }
@@ -257,29 +247,29 @@ pub fn throughput(r: &throughput::Results) -> String {
             .collect();
         let _ = writeln!(
             out,
-            "Start, success path (ms from consumer start until one waiting message is settled: \
-             connect, topology, consume; median of {}, contenders taking turns):\n",
+            "Start, success path (ms from consumer start until one waiting message is settled: connect, topology, consume; median of {}, contenders taking turns):\n",
             first.ms.len()
         );
-        let mut head = vec!["queue".to_owned()];
-        head.extend(who.iter().map(|w| format!("{} ms", w.name())));
-        head.push("Lily − raw-batch ms".into());
-        let mut table = Table::new(&head, 1);
+        let head: String = who.iter().map(|w| format!("|{} ms", w.name())).collect();
+        let mut table = Table::new(&format!("queue{head}|Lily − raw-batch ms"), 1);
         let mut kinds: Vec<&str> = r.starts.iter().map(|s| s.queue_type).collect();
         kinds.dedup();
         for kind in kinds {
-            let median = |w: Contender| {
-                let start = r
-                    .starts
+            let median = |w| {
+                r.starts
                     .iter()
-                    .find(|s| s.queue_type == kind && s.contender == w);
-                start.map(|s| s.median_ms)
+                    .find(|s| s.queue_type == kind && s.contender == w)
+                    .map(|s| s.median_ms)
             };
-            let mut cells = vec![kind.to_owned()];
-            cells.extend(who.iter().map(|&w| fixed(median(w), 1)));
-            let over = median(Contender::Lily).zip(median(Contender::RawBatch));
-            cells.push(fixed(over.map(|(l, b)| l - b), 1));
-            table.row(&cells);
+            let over = median(Contender::Lily)
+                .zip(median(Contender::RawBatch))
+                .map(|(l, b)| l - b);
+            table.row(
+                [kind.to_owned()]
+                    .into_iter()
+                    .chain(who.iter().map(|&w| fixed(median(w), 1)))
+                    .chain([fixed(over, 1)]),
+            );
         }
         out += &table.end();
     }
@@ -299,19 +289,25 @@ pub fn throughput_chart(r: &throughput::Results) -> String {
             .into_iter()
             .filter(|&w| cases.iter().any(|c| c.runs(w).is_some()))
             .collect();
-        if cases.is_empty() {
-            continue;
-        }
         let names: Vec<&str> = who.iter().map(|w| w.name()).collect();
-        let groups: Vec<(String, Vec<Option<f64>>)> = cases
+        let groups: Vec<_> = cases
             .iter()
             .map(|c| {
-                let label = format!("{} {}", c.queue_type, c.prefetch);
-                (label, who.iter().map(|&w| c.median(w)).collect())
+                (
+                    format!("{} {}", c.queue_type, c.prefetch),
+                    who.iter().map(|&w| c.median(w)).collect(),
+                )
             })
             .collect();
-        let title = format!("{} path", path.name());
-        chart.bars(&title, "msg/s", &names, &groups, false);
+        if !cases.is_empty() {
+            chart.bars(
+                &format!("{} path", path.name()),
+                "msg/s",
+                &names,
+                &groups,
+                false,
+            );
+        }
     }
     chart.finish()
 }
@@ -322,15 +318,17 @@ fn ms(us: u32) -> String {
 }
 
 /// Share of `latencies` over `bound` ms (one of [`HISTOGRAM_MS`]), in %.
-fn over(latencies: &Latencies, bound: u32) -> f64 {
+#[allow(clippy::cast_precision_loss)]
+fn over(latencies: &Latencies, bound: u32) -> String {
     let slot = HISTOGRAM_MS
         .iter()
         .position(|&ms| ms == bound)
         .map_or(HISTOGRAM_MS.len(), |i| i + 1);
     let over: usize = latencies.histogram[slot..].iter().sum();
-    #[allow(clippy::cast_precision_loss)]
-    let share = 100.0 * over as f64 / latencies.samples.max(1) as f64;
-    share
+    format!(
+        "{:.2} %",
+        100.0 * over as f64 / latencies.samples.max(1) as f64
+    )
 }
 
 /// `yes`, or what went wrong in a paced run.
@@ -355,8 +353,7 @@ fn keeps_up(run: &latency::Run) -> String {
 /// The latency report: every case's percentiles, the copies' confirms and the maximum rates.
 pub fn latency(r: &latency::Results) -> String {
     let conditions = format!(
-        "{}-byte JSON, persistent, classic queue; paced runs of {:.0} s, the first {:.0} s not \
-         timed",
+        "{}-byte JSON, persistent, classic queue; paced runs of {:.0} s, the first {:.0} s not timed",
         r.meta.message_bytes, r.run_secs, r.warmup_secs
     );
     let mut out = opening(
@@ -364,31 +361,20 @@ pub fn latency(r: &latency::Results) -> String {
         &r.meta,
         &conditions,
     );
-    let head = [
-        "path",
-        "prefetch",
-        "load",
-        "target msg/s",
-        "published msg/s",
-        "contender",
-        "settled msg/s",
-        "p50 ms",
-        "p99 ms",
-        "p99.9 ms",
-        "> 100 ms",
-        "max ready depth",
-        "kept up",
-        "p99 Lily − raw-batch (target)",
-    ];
-    let mut table = Table::new(&head, 2);
+    let head = "path|prefetch|load|target msg/s|published msg/s|contender|settled msg/s|p50 ms|p99 ms|p99.9 ms|> 100 ms|max ready depth|kept up|p99 Lily − raw-batch (target)";
+    let mut table = Table::new(head, 2);
     let load = |c: &latency::Case| format!("{:.0} %", c.load * 100.0);
     for c in &r.cases {
         let rounds = match c.rounds_p99_diff_ms.as_slice() {
             [_] | [] => String::new(),
-            all => {
-                let all: Vec<String> = all.iter().map(|d| format!("{d:+.2}")).collect();
-                format!(", median of {}: {}", all.len(), all.join(", "))
-            }
+            all => format!(
+                ", median of {}: {}",
+                all.len(),
+                all.iter()
+                    .map(|d| format!("{d:+.2}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
         };
         let met = if c.met { "met" } else { "MISSED" };
         let diff = format!(
@@ -397,7 +383,7 @@ pub fn latency(r: &latency::Results) -> String {
         );
         for (run, diff) in [(&c.raw_batch, String::new()), (&c.lily, diff)] {
             let l = &run.latency;
-            table.row(&[
+            table.row([
                 c.path.name().into(),
                 c.prefetch.to_string(),
                 load(c),
@@ -408,7 +394,7 @@ pub fn latency(r: &latency::Results) -> String {
                 ms(l.p50_us),
                 ms(l.p99_us),
                 ms(l.p999_us),
-                format!("{:.2} %", over(l, 100)),
+                over(l, 100),
                 run.max_ready_depth.to_string(),
                 keeps_up(run),
                 diff,
@@ -417,77 +403,61 @@ pub fn latency(r: &latency::Results) -> String {
     }
     out += &table.end();
     if r.cases.iter().any(|c| c.lily.copy_confirms.is_some()) {
-        out += "Handoff path, each copy from its publish to its confirm (Lily: its `handoff` span, \
-                from the copy built to its verdict; raw-batch: from its publish written to its \
-                confirm seen at the flush that awaits it), beside the settlement's p99:\n\n";
-        let head = [
-            "path",
-            "prefetch",
-            "load",
-            "contender",
-            "copy p50 ms",
-            "copy p99 ms",
-            "copy p99.9 ms",
-            "copies > 50 ms",
-            "settled p99 ms",
-        ];
-        let mut table = Table::new(&head, 1);
+        out += "Handoff path, each copy from its publish to its confirm (Lily: its `handoff` span, from the copy built to its verdict; raw-batch: from its publish written to its confirm seen at the flush that awaits it), beside the settlement's p99:\n\n";
+        let mut table = Table::new(
+            "path|prefetch|load|contender|copy p50 ms|copy p99 ms|copy p99.9 ms|copies > 50 ms|settled p99 ms",
+            1,
+        );
         for c in &r.cases {
             for run in [&c.raw_batch, &c.lily] {
-                let Some(l) = &run.copy_confirms else {
-                    continue;
-                };
-                table.row(&[
-                    c.path.name().into(),
-                    c.prefetch.to_string(),
-                    load(c),
-                    run.contender.name().into(),
-                    ms(l.p50_us),
-                    ms(l.p99_us),
-                    ms(l.p999_us),
-                    format!("{:.2} %", over(l, 50)),
-                    ms(run.latency.p99_us),
-                ]);
+                if let Some(l) = &run.copy_confirms {
+                    table.row([
+                        c.path.name().into(),
+                        c.prefetch.to_string(),
+                        load(c),
+                        run.contender.name().into(),
+                        ms(l.p50_us),
+                        ms(l.p99_us),
+                        ms(l.p999_us),
+                        over(l, 50),
+                        ms(run.latency.p99_us),
+                    ]);
+                }
             }
         }
         out += &table.end();
     }
-    out += "Maximum rates (msg/s; drained with nothing publishing, settled while the higher drain \
-            rate was offered, and the rate used: the first from 90 % of the lower down that both \
-            sustained):\n\n";
-    let head = [
-        "path",
-        "prefetch",
-        "Lily drained",
-        "raw-batch drained",
-        "offered",
-        "Lily settled under load",
-        "raw-batch settled under load",
-        "used",
-    ];
-    let mut table = Table::new(&head, 1);
+    out += "Maximum rates (msg/s; drained with nothing publishing, settled while the higher drain rate was offered, and the rate used: the first from 90 % of the lower down that both sustained):\n\n";
+    let mut table = Table::new(
+        "path|prefetch|Lily drained|raw-batch drained|offered|Lily settled under load|raw-batch settled under load|used",
+        1,
+    );
     let mut seen = Vec::new();
-    for c in &r.cases {
-        if seen.contains(&(c.path, c.prefetch)) {
-            continue;
-        }
+    for c in r.cases.iter().filter(|c| {
+        let new = !seen.contains(&(c.path, c.prefetch));
         seen.push((c.path, c.prefetch));
+        new
+    }) {
         let m = &c.max_rate;
         let how = match (m.tries, m.sustained) {
             (Some(tries), Some(true)) => format!(" (sustained; rates checked: {tries})"),
             (Some(tries), _) => format!(" (NOT sustained; rates checked: {tries}, the last used)"),
             _ => String::new(),
         };
-        table.row(&[
-            c.path.name().into(),
-            c.prefetch.to_string(),
-            opt_rate(m.lily),
-            opt_rate(m.raw_batch),
-            opt_rate(m.offered),
-            opt_rate(m.lily_loaded),
-            opt_rate(m.raw_batch_loaded),
-            format!("{}{how}", rate(m.used)),
-        ]);
+        let rates = [
+            m.lily,
+            m.raw_batch,
+            m.offered,
+            m.lily_loaded,
+            m.raw_batch_loaded,
+        ]
+        .map(opt_rate);
+        table.row(
+            [c.path.name().into(), c.prefetch.to_string()]
+                .into_iter()
+                .chain(rates)
+                .chain([format!("{}{how}", rate(m.used))]),
+        );
     }
     out += &table.end();
     notes(&mut out, &r.meta.notes);
@@ -501,17 +471,17 @@ pub fn latency_chart(r: &latency::Results) -> String {
     let mut chart = Chart::new("Settlement latency (ms)", &subtitle(&r.meta, &what));
     let series = ["raw-batch p50", "raw-batch p99", "Lily p50", "Lily p99"];
     for path in [latency::Path::Success, latency::Path::Handoff] {
-        let groups: Vec<(String, Vec<Option<f64>>)> = r
+        let groups: Vec<_> = r
             .cases
             .iter()
             .filter(|c| c.path == path)
             .map(|c| {
-                let label = format!("prefetch {}, {:.0} %", c.prefetch, c.load * 100.0);
                 let (b, l) = (&c.raw_batch.latency, &c.lily.latency);
-                let values = [b.p50_us, b.p99_us, l.p50_us, l.p99_us];
+                let values =
+                    [b.p50_us, b.p99_us, l.p50_us, l.p99_us].map(|us| Some(f64::from(us) / 1000.0));
                 (
-                    label,
-                    values.map(|us| Some(f64::from(us) / 1000.0)).to_vec(),
+                    format!("prefetch {}, {:.0} %", c.prefetch, c.load * 100.0),
+                    values.to_vec(),
                 )
             })
             .collect();
@@ -531,8 +501,7 @@ pub fn latency_chart(r: &latency::Results) -> String {
 /// The storm report: each contender's rates, RSS and check by id.
 pub fn storm(r: &storm::Results) -> String {
     let conditions = format!(
-        "Population {} × {}-byte JSON, classic queue, retry bucket {:.0} s, prefetch {}; {} s a \
-         contender, warm-up {} s",
+        "Population {} × {}-byte JSON, classic queue, retry bucket {:.0} s, prefetch {}; {} s a contender, warm-up {} s",
         r.population, r.meta.message_bytes, r.retry_delay_secs, r.prefetch, r.secs, r.warmup_secs
     );
     let mut out = opening(
@@ -540,26 +509,12 @@ pub fn storm(r: &storm::Results) -> String {
         &r.meta,
         &conditions,
     );
-    let head = [
-        "contender",
-        "mean handoffs/s",
-        "first window /s",
-        "last window /s",
-        "last/first",
-        "RSS after warm-up MiB",
-        "max MiB",
-        "end MiB",
-        "slope MiB/min",
-        "failed",
-        "ids: missing, duplicates, strangers",
-        "DLQ, parking",
-        "ids ok",
-    ];
-    let mut table = Table::new(&head, 1);
+    let head = "contender|mean handoffs/s|first window /s|last window /s|last/first|RSS after warm-up MiB|max MiB|end MiB|slope MiB/min|failed|ids: missing, duplicates, strangers|DLQ, parking|ids ok";
+    let mut table = Table::new(head, 1);
     let opt = |v: Option<u32>| v.map_or_else(|| "?".into(), |v| v.to_string());
     for run in &r.runs {
         let (s, c) = (&run.summary, &run.check);
-        table.row(&[
+        table.row([
             run.contender.name().into(),
             rate(s.mean_rate),
             rate(s.first_rate),
@@ -579,16 +534,15 @@ pub fn storm(r: &storm::Results) -> String {
     if let Some(x) = r.lily_over_raw {
         let _ = writeln!(out, "- Lily / raw lapin mean rate: {x:.3}");
     }
-    for run in &r.runs {
-        if let Some(t) = &run.lily_totals {
-            let _ = writeln!(out, "- Lily's totals: {t:?}");
-        }
+    for t in r.runs.iter().filter_map(|run| run.lily_totals.as_ref()) {
+        let _ = writeln!(out, "- Lily's totals: {t:?}");
     }
     notes(&mut out, &r.meta.notes);
     out
 }
 
 /// The storm chart: handoffs a second and RSS over time, a line per contender.
+#[allow(clippy::cast_precision_loss)]
 pub fn storm_chart(r: &storm::Results) -> String {
     let what = format!(
         "{} messages, bucket {:.0} s",
@@ -596,32 +550,33 @@ pub fn storm_chart(r: &storm::Results) -> String {
     );
     let mut chart = Chart::new("Failure storm over time", &subtitle(&r.meta, &what));
     let series = |y: fn(&storm::Second) -> f64| -> Vec<(&str, Vec<(f64, f64)>)> {
-        let points =
-            |run: &storm::StormRun| run.series.iter().map(|s| (f64::from(s.t), y(s))).collect();
         r.runs
             .iter()
-            .map(|run| (run.contender.name(), points(run)))
+            .map(|run| {
+                (
+                    run.contender.name(),
+                    run.series.iter().map(|s| (f64::from(s.t), y(s))).collect(),
+                )
+            })
             .collect()
     };
-    #[allow(clippy::cast_precision_loss)]
-    let (handoffs, rss) = (
-        series(|s| s.handoffs as f64),
-        series(|s| s.rss_bytes as f64 / 1_048_576.0),
-    );
     chart.lines(
         "Handoffs a second",
         "handoffs/s over the run's seconds",
-        &handoffs,
+        &series(|s| s.handoffs as f64),
     );
-    chart.lines("This process's RSS", "MiB over the run's seconds", &rss);
+    chart.lines(
+        "This process's RSS",
+        "MiB over the run's seconds",
+        &series(|s| s.rss_bytes as f64 / 1_048_576.0),
+    );
     chart.finish()
 }
 
 /// The Mongo scope report: rates and ratios, mongod's operations, the verdicts.
 pub fn mongo(r: &mongo::Results) -> String {
     let conditions = format!(
-        "Database: {} on {}  \nQueue: {}; {}-byte JSON orders, persistent, pre-published; {} \
-         repetition(s) alternating the contenders; medians",
+        "Database: {} on {}  \nQueue: {}; {}-byte JSON orders, persistent, pre-published; {} repetition(s) alternating the contenders; medians",
         r.mongodb, r.mongodb_url, r.queue_type, r.meta.message_bytes, r.repetitions
     );
     let mut out = opening(
@@ -629,25 +584,9 @@ pub fn mongo(r: &mongo::Results) -> String {
         &r.meta,
         &conditions,
     );
-    let head = [
-        "case",
-        "N",
-        "concurrency",
-        "prefetch",
-        "contender",
-        "msgs/s",
-        "/ raw",
-        "target",
-        "tries/msg",
-        "conflicts/msg",
-        "DLQ + parked",
-        "verified",
-        "client µs/msg",
-        "mongod µs/msg",
-        "broker µs/msg",
-        "mongod ops/msg",
-    ];
-    let mut table = Table::new(&head, 1);
+    let head = "case|N|concurrency|prefetch|contender|msgs/s|/ raw|target|tries/msg|conflicts/msg|DLQ + parked|verified|client µs/msg|mongod µs/msg|broker µs/msg|mongod ops/msg";
+    let mut table = Table::new(head, 1);
+    let mut ops = Table::new("case|contender|insert|update|query|delete|command", 2);
     for case in &r.cases {
         for c in &case.contenders {
             let target = match (c.over_raw_target, c.over_raw_met) {
@@ -656,7 +595,7 @@ pub fn mongo(r: &mongo::Results) -> String {
                 }
                 _ => "-".into(),
             };
-            table.row(&[
+            table.row([
                 case.case.name().into(),
                 case.messages_per_run.to_string(),
                 case.concurrency.to_string(),
@@ -674,31 +613,20 @@ pub fn mongo(r: &mongo::Results) -> String {
                 fixed(c.broker_cpu_us_per_msg, 1),
                 fixed(c.mongod_ops_per_msg.map(|o| o.total()), 2),
             ]);
-        }
-    }
-    out += &table.end();
-    out += "mongod operations per message (median; `serverStatus.opcounters` over the run):\n\n";
-    let head = [
-        "case",
-        "contender",
-        "insert",
-        "update",
-        "query",
-        "delete",
-        "command",
-    ];
-    let mut table = Table::new(&head, 2);
-    for case in &r.cases {
-        for c in &case.contenders {
             if let Some(o) = &c.mongod_ops_per_msg {
-                let mut cells = vec![case.case.name().to_owned(), c.contender.name().into()];
-                let values = [o.insert, o.update, o.query, o.delete, o.command];
-                cells.extend(values.iter().map(|v| format!("{v:.2}")));
-                table.row(&cells);
+                let values =
+                    [o.insert, o.update, o.query, o.delete, o.command].map(|v| format!("{v:.2}"));
+                ops.row(
+                    [case.case.name().into(), c.contender.name().into()]
+                        .into_iter()
+                        .chain(values),
+                );
             }
         }
     }
     out += &table.end();
+    out += "mongod operations per message (median; `serverStatus.opcounters` over the run):\n\n";
+    out += &ops.end();
     notes(&mut out, &r.meta.notes);
     out
 }
@@ -714,15 +642,19 @@ pub fn mongo_chart(r: &mongo::Results) -> String {
         }
     }
     let names: Vec<&str> = who.iter().map(|w| w.name()).collect();
-    let groups: Vec<(String, Vec<Option<f64>>)> = r
+    let groups: Vec<_> = r
         .cases
         .iter()
         .map(|case| {
-            let rate = |w| case.contenders.iter().find(|c| c.contender == w);
-            let rates = who.iter().map(|&w| rate(w).map(|c| c.median_msgs_per_sec));
+            let rate = |w| {
+                case.contenders
+                    .iter()
+                    .find(|c| c.contender == w)
+                    .map(|c| c.median_msgs_per_sec)
+            };
             (
                 format!("{}, concurrency {}", case.case.name(), case.concurrency),
-                rates.collect(),
+                who.iter().map(|&w| rate(w)).collect(),
             )
         })
         .collect();
@@ -730,216 +662,143 @@ pub fn mongo_chart(r: &mongo::Results) -> String {
     chart.finish()
 }
 
-/// A JSON number with `digits` decimals, thousands apart; `-` when missing.
-fn num(v: &Value, digits: usize) -> String {
-    match v.as_f64() {
-        Some(x) if x.is_finite() => group(&format!("{x:.digits$}")),
-        _ => "-".into(),
-    }
+/// MiB with one decimal.
+#[allow(clippy::cast_precision_loss)]
+fn mib(bytes: u64) -> String {
+    format!("{:.1}", bytes as f64 / 1_048_576.0)
 }
 
-/// `yes`, `NO` or `-` for a JSON boolean.
-fn met(v: &Value) -> String {
-    let text = match v.as_bool() {
-        Some(true) => "yes",
-        Some(false) => "NO",
-        None => "-",
-    };
-    text.into()
+/// `yes` or `NO`.
+fn met(ok: bool) -> String {
+    (if ok { "yes" } else { "NO" }).into()
 }
 
-/// A JSON number of bytes in MiB, with one decimal.
-fn mib(v: &Value) -> String {
-    num(
-        &Value::from(v.as_f64().unwrap_or(f64::NAN) / 1_048_576.0),
-        1,
-    )
-}
-
-/// The cost report, from `cost.json`: a row a measure (raw lapin, Lily, Lily's layer, target,
-/// met), a step that failed saying so.
-pub fn cost(r: &Value) -> String {
-    let head = [
-        "measure",
-        "raw lapin",
-        "Lily",
-        "Lily's layer",
-        "target",
-        "met",
-    ];
-    let mut table = Table::new(&head, 1);
-    let mut row = |cells: [String; 6]| table.row(&cells);
+/// The cost report: a row a measure (raw lapin, Lily, Lily's layer, target, met).
+pub fn cost(r: &cost::Results) -> String {
+    let mut table = Table::new("measure|raw lapin|Lily|Lily's layer|target|met", 1);
     let dash = || "-".to_owned();
-    for (step, label) in [
-        ("instructions", "instructions"),
-        ("reader", "the frame reader"),
-        ("allocations", "heap allocations"),
-        ("memory", "memory"),
-        ("shutdown", "shutdown"),
-        ("hostile", "hostile load"),
-    ] {
-        if let Some(err) = r[step]["error"].as_str() {
-            row([
-                label.into(),
-                "error".into(),
-                err.into(),
-                dash(),
-                dash(),
-                dash(),
-            ]);
-        }
-    }
-    let i = &r["instructions"];
-    if i["lily"].is_number() {
-        row([
-            format!("instructions / message (callgrind, N={})", num(&i["n"], 0)),
-            num(&i["raw"], 0),
-            num(&i["lily"], 0),
-            num(&i["lily_layer"], 0),
+    let num = |v: f64, digits: usize| group(&format!("{v:.digits$}"));
+    if let Some(i) = &r.instructions {
+        table.row([
+            format!("instructions / message (callgrind, N={})", i.n),
+            num(i.raw, 0),
+            num(i.lily, 0),
+            num(i.lily_layer, 0),
             "<= 8 000".into(),
-            met(&i["met"]),
+            met(i.met),
         ]);
     }
-    if let Some(per) = r["reader"]["per_message"].as_f64() {
-        // Its share of Lily's whole cost per message, when the instructions ran too.
-        let share = i["lily"].as_f64().map(|l| per / l);
-        row([
+    if let Some(per) = r.reader {
+        // Its share of Lily's whole cost a message, when the instructions ran too.
+        let share = r.instructions.as_ref().map(|i| per / i.lily);
+        let target = share.map_or_else(
+            || "< 5 % of Lily".into(),
+            |x| format!("< 5 % of Lily: {:.1} %", x * 100.0),
+        );
+        table.row([
             "  of it, the frame reader (wire.rs), instructions / message".into(),
             dash(),
-            num(&Value::from(per), 0),
+            num(per, 0),
             dash(),
-            share.map_or_else(
-                || "< 5 % of Lily".into(),
-                |x| format!("< 5 % of Lily: {:.1} %", x * 100.0),
-            ),
-            share.map_or_else(dash, |x| met(&Value::from(x < 0.05))),
+            target,
+            share.map_or_else(dash, |x| met(x < 0.05)),
         ]);
     }
-    let a = &r["allocations"];
-    if a["lily"].is_object() {
-        let calls = |who: &str| num(&a[who]["allocation_calls"], 2);
-        row([
-            format!(
-                "heap allocations / message (alloc+realloc, N={})",
-                num(&a["n"], 0)
-            ),
-            calls("raw"),
-            calls("lily"),
-            calls("lily_layer"),
+    if let Some(a) = &r.allocations {
+        table.row([
+            format!("heap allocations / message (alloc+realloc, N={})", a.n),
+            num(a.raw, 2),
+            num(a.lily, 2),
+            num(a.lily_layer, 2),
             "<= 10".into(),
-            met(&a["met"]),
+            met(a.met),
         ]);
     }
-    let m = &r["memory"];
-    if m["lily"].is_object() {
-        let key = "rss_per_delivery";
-        row([
-            format!(
-                "RSS bytes per in-flight delivery ({} held)",
-                num(&m["in_flight"], 0)
-            ),
-            num(&m["raw"][key], 0),
-            num(&m["lily"][key], 0),
-            num(&m["lily_extra_over_raw"][key], 0),
+    if let Some(m) = &r.memory {
+        let layer = m.lily.rss_per_delivery - m.raw.rss_per_delivery;
+        table.row([
+            format!("RSS bytes per in-flight delivery ({} held)", m.in_flight),
+            num(m.raw.rss_per_delivery, 0),
+            num(m.lily.rss_per_delivery, 0),
+            num(layer, 0),
             dash(),
             dash(),
         ]);
     }
-    let d = &r["shutdown"];
-    if d["idle"].is_object() {
-        row([
-            format!(
-                "shutdown, idle: SIGTERM to exit, ms (median of {})",
-                num(&d["idle"]["runs"], 0)
-            ),
+    if let Some(d) = &r.shutdown {
+        table.row([
+            format!("shutdown, idle: SIGTERM to exit, ms (median of {})", d.runs),
             dash(),
-            num(&d["idle"]["median_ms"], 1),
+            num(d.median_ms, 1),
             dash(),
             "< 200".into(),
-            met(&d["met"]),
+            met(d.met),
         ]);
     }
-    let h = &r["hostile"];
-    if h["lily"].is_object() {
-        let (raw, lily) = (&h["raw"], &h["lily"]);
-        let mib_row = |label: String, key: &str, target: String, judged: String| {
-            [
-                label,
-                mib(&raw[key]),
-                mib(&lily[key]),
-                dash(),
-                target,
-                judged,
-            ]
+    if let Some(h) = &r.hostile {
+        let (raw, lily) = (&h.raw, &h.lily);
+        let pair = |f: fn(&cost::hostile::Run) -> String| [f(raw), f(lily), dash()];
+        let row = |label: String, values: [String; 3], target: String, ok: Option<bool>| {
+            [label]
+                .into_iter()
+                .chain(values)
+                .chain([target, ok.map_or_else(dash, met)])
         };
-        let (n, prefetch) = (num(&h["n"], 0), num(&h["prefetch"], 0));
-        row(mib_row(
-            format!("hostile load, {n} msgs at prefetch {prefetch}: peak RSS (VmHWM), MiB"),
-            "hwm_bytes",
-            format!("<= {}", mib(&lily["bound_bytes"])),
-            met(&lily["met"]),
+        table.row(row(
+            format!(
+                "hostile load, {} msgs at prefetch {}: peak RSS (VmHWM), MiB",
+                h.n, h.prefetch
+            ),
+            pair(|r| mib(r.hwm_bytes)),
+            format!("<= {}", mib(lily.bound_bytes)),
+            Some(lily.hwm_bytes <= lily.bound_bytes),
         ));
-        row(mib_row(
+        table.row(row(
             "  idle RSS, MiB".into(),
-            "rss_idle_bytes",
+            pair(|r| mib(r.rss_idle_bytes)),
             dash(),
-            dash(),
+            None,
         ));
-        let bound = format!(
-            "  bound: {}, MiB",
-            h["bound_formula"].as_str().unwrap_or("-")
-        );
-        row(mib_row(bound, "bound_bytes", dash(), dash()));
-        let over = |who: &Value| num(&who["peak_over_bound"], 2);
-        row([
+        table.row(row(
+            format!("  bound: {}, MiB", h.bound_formula),
+            pair(|r| mib(r.bound_bytes)),
+            dash(),
+            None,
+        ));
+        table.row(row(
             "  peak / bound".into(),
-            over(raw),
-            over(lily),
-            dash(),
+            pair(|r| format!("{:.2}", r.peak_over_bound)),
             "<= 1".into(),
-            met(&lily["met"]),
-        ]);
-        let drain = |who: &Value| num(&who["msgs_per_s"], 0);
-        row([
+            Some(lily.peak_over_bound <= 1.0),
+        ));
+        table.row(row(
             "  drain of the full queue, msg/s".into(),
-            drain(raw),
-            drain(lily),
+            pair(|r| rate(r.msgs_per_s)),
             dash(),
-            dash(),
-            dash(),
-        ]);
-        let settled = |who: &Value| {
-            let e = &who["evidence"];
-            format!("{}/{}", num(&e["settled"], 0), num(&e["sent"], 0))
-        };
-        let all = [raw, lily]
-            .iter()
-            .all(|w| w["evidence"]["settled"] == w["evidence"]["sent"]);
-        row([
+            None,
+        ));
+        let all = raw.settled == raw.sent && lily.settled == lily.sent;
+        table.row(row(
             "  messages settled, checked by id from outside".into(),
-            settled(raw),
-            settled(lily),
-            dash(),
+            pair(|r| format!("{}/{}", r.settled, r.sent)),
             "all".into(),
-            met(&Value::from(all)),
-        ]);
-        row([
+            Some(all),
+        ));
+        table.row(row(
             "  of which not where their class says (Lily)".into(),
+            [dash(), lily.unexpected.to_string(), dash()],
             dash(),
-            num(&lily["evidence"]["unexpected"], 0),
-            dash(),
-            dash(),
-            dash(),
-        ]);
+            None,
+        ));
     }
-    format!(
-        "# Cost\n\n{}, classic queues, {}-byte persistent JSON messages, {} cores; prefetch {}, \
-         tokio current-thread runtime for the per-message cost; Lily's layer = Lily − a \
-         hand-written lapin consumer that deserializes and acks each message as Lily does.\n\n{}",
-        r["broker"].as_str().unwrap_or("RabbitMQ"),
-        r["message_bytes"],
-        r["cores"],
-        r["prefetch"],
-        table.end()
-    ) + &format!("- {}\n", crate::METHOD)
+    for error in &r.errors {
+        table.row([error.as_str(), "error", "-", "-", "-", "-"]);
+    }
+    let conditions = format!(
+        "classic queues, {}-byte persistent JSON messages; prefetch {}, tokio current-thread runtime for the per-message cost; Lily's layer = Lily − a hand-written lapin consumer that deserializes and ACKs each message as Lily does",
+        r.meta.message_bytes, r.prefetch
+    );
+    let mut out = opening("Cost", &r.meta, &conditions) + &table.end();
+    notes(&mut out, &r.meta.notes);
+    out
 }

@@ -1,31 +1,24 @@
-//! The children `run-raw N QUEUE` and `run-lily N QUEUE`: consume exactly `N` pre-published
-//! 512-byte JSON orders (prefetch 50), close and print what the counting allocator saw over the
-//! whole process.
-//!
-//! - raw: a hand-written lapin consumer: `basic.qos`, `basic.consume`, then for each delivery
-//!   deserialize the `Order` and `basic.ack` it the way Lily does (`Channel::basic_ack`, the
-//!   frame queued, its socket write not awaited); at the end a `basic.qos` round trip proves
-//!   the ACKs were processed (as Lily does), then channel and connection close.
-//! - Lily: `Consumer::run` with a `Router` whose handler takes `Json<Order>` and returns `Ok`;
-//!   when `N` deliveries are acked, `Shutdown::trigger(Trigger::Api)`.
-//!
-//! Both count handled messages in a static atomic, and the Lily child waits on a static `Notify`
-//! rather than polling, so that time (dilated under valgrind) adds no per-message work.
+//! The `run` child: consumes exactly `N` pre-published orders (prefetch 50) with raw lapin or
+//! Lily, closes, and reports what the counting allocator saw over the whole process. Handled
+//! messages are counted in a static atomic and Lily's child waits on a static `Notify` rather
+//! than polling, so time (dilated under valgrind) adds no work a message.
 
 use std::future::{Future as _, poll_fn};
 use std::hint::black_box;
 use std::pin::{Pin, pin};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_core::Stream;
 use lapin::Channel;
 use lapin::options::{BasicAckOptions, BasicQosOptions};
-use lily::prelude::{Consumer, ConsumerConfig, Json, QueueHandlerError, Router, Shutdown, Trigger};
+use lily::prelude::{Consumer, ConsumerConfig, Json, QueueHandlerError, Router};
+use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
 use super::{Contender, PREFETCH, alloc_snapshot, runtime};
+use crate::run::Lily;
 use crate::{Order, broker_url};
 
 static HANDLED: AtomicUsize = AtomicUsize::new(0);
@@ -51,29 +44,15 @@ async fn lily(url: &str, queue: &str, n: usize) -> Result<(), String> {
     let config = ConsumerConfig::new(queue)
         .prefetch(PREFETCH)
         .concurrency(usize::from(PREFETCH));
-    let consumer = Consumer::new(url, config, router);
-    let stats = consumer.stats();
-    let shutdown = Shutdown::default();
-    let run = tokio::spawn(consumer.run(shutdown.clone()));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !stats.ready() {
-        if run.is_finished() || Instant::now() > deadline {
-            return Err("Lily's consumer did not start consuming".into());
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    let lily = Lily::ready(Consumer::new(url, config, router)).await?;
     if n > 0 {
         DONE.notified().await;
     }
     // The last handler returned; its ACK follows within microseconds.
-    while stats.totals().acked < n as u64 {
+    while lily.stats.totals().acked < n as u64 {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    shutdown.trigger(Trigger::Api);
-    let report = run
-        .await
-        .map_err(|e| format!("consumer task: {e}"))?
-        .map_err(|e| format!("consumer: {e}"))?;
+    let report = lily.stop().await?;
     if report.totals.acked != n as u64 || !report.clean {
         return Err(format!(
             "expected {n} clean ACKs, the report says {:?} (clean: {})",
@@ -117,32 +96,32 @@ pub(crate) fn queue_ack(channel: &Channel, tag: u64) -> lapin::Result<()> {
     }
 }
 
-/// Entry point of `run-raw` / `run-lily`: `N QUEUE`.
-pub fn child(who: Contender, args: &[String]) -> Result<serde_json::Value, String> {
-    let n: usize = args
-        .first()
-        .and_then(|a| a.parse().ok())
-        .ok_or("usage: cost run-raw|run-lily N QUEUE")?;
-    let queue = args.get(1).ok_or("missing QUEUE")?;
+/// What a `run` child counted over its whole process.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Counted {
+    pub handled: usize,
+    pub allocations: usize,
+    pub reallocations: usize,
+    pub bytes_allocated: usize,
+}
+
+/// The `run` child: consumes `n` orders from `queue` on a current-thread runtime.
+pub fn child(who: Contender, n: usize, queue: &str) -> Result<Counted, String> {
     let url = broker_url();
     let rt = runtime(false);
-    let started = Instant::now();
     rt.block_on(async {
         match who {
             Contender::Raw => raw(&url, queue, n).await,
             Contender::Lily => lily(&url, queue, n).await,
         }
     })?;
-    let elapsed = started.elapsed();
     let stats = alloc_snapshot();
     drop(rt);
-    Ok(serde_json::json!({
-        "contender": who.name(),
-        "n": n,
-        "handled": HANDLED.load(Ordering::Relaxed),
-        "allocations": stats.allocations,
-        "reallocations": stats.reallocations,
-        "bytes_allocated": stats.bytes_allocated,
-        "elapsed_ms": elapsed.as_secs_f64() * 1e3,
-    }))
+    let handled = HANDLED.load(Ordering::Relaxed);
+    Ok(Counted {
+        handled,
+        allocations: stats.allocations,
+        reallocations: stats.reallocations,
+        bytes_allocated: stats.bytes_allocated,
+    })
 }

@@ -1,55 +1,53 @@
-//! Memory per in-flight delivery. The children `mem-raw K QUEUE` and `mem-lily K QUEUE` consume
-//! with prefetch (and, for Lily, concurrency) `K` on a multi-thread runtime and hold every
-//! delivery:
-//!
-//! - raw: lapin deliveries kept unacked in a `Vec` (capacity reserved up front);
-//! - Lily: a handler with no arguments that waits on a shared `CancellationToken`.
-//!
-//! Each child samples `VmRSS`/`VmHWM` from `/proc/self/status` and the live heap from the
-//! counting allocator once idle (consuming, nothing in flight; prints `IDLE {...}`), then the
-//! parent publishes `K` messages, and once `K` deliveries are held (`stats().in_flight() == K`
-//! for Lily) it samples again and prints `RESULT {...}`, releases them and exits.
+//! Memory a delivery in flight: the `mem` child consumes with prefetch (and Lily's concurrency)
+//! `K` and holds every delivery (raw: lapin deliveries unACKed in a `Vec`; Lily: a handler with no
+//! argument waiting on a shared `CancellationToken`), sampling itself idle and with `K` held.
 
-use std::future::poll_fn;
-use std::io::Write as _;
-use std::pin::Pin;
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use futures_core::Stream;
 use lapin::options::{BasicAckOptions, BasicQosOptions};
-use lily::prelude::{Consumer, ConsumerConfig, Router, Shutdown, Trigger};
-use serde_json::{Value, json};
+use lily::prelude::{Consumer, ConsumerConfig, Router};
+use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
-use super::{Contender, alloc_snapshot};
-use crate::broker_url;
+use super::{Bench, Contender, alloc_snapshot};
+use crate::run::Lily;
+use crate::{body_512, broker_url, publish};
 
 /// How long to let the process settle before a sample.
 pub(crate) const SETTLE: Duration = Duration::from_millis(500);
 
-/// A memory sample of this process.
-pub(crate) fn sample() -> Value {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let kb = |key: &str| -> u64 {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(key))
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    let heap = alloc_snapshot();
-    json!({
-        "rss_bytes": kb("VmRSS:") * 1024,
-        "hwm_bytes": kb("VmHWM:") * 1024,
-        "heap_live_bytes": heap.bytes_allocated.saturating_sub(heap.bytes_deallocated),
-        "heap_live_blocks": heap.allocations.saturating_sub(heap.deallocations),
-    })
+/// A memory sample of this process: `VmRSS`, `VmHWM` and the live heap.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+pub struct Mem {
+    pub rss_bytes: u64,
+    pub hwm_bytes: u64,
+    pub heap_live_bytes: usize,
 }
 
-pub(crate) fn announce(tag: &str, value: &Value) {
+impl Mem {
+    pub fn now() -> Self {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let kb = |key: &str| -> u64 {
+            let value = status
+                .lines()
+                .find_map(|l| l.strip_prefix(key)?.split_whitespace().next()?.parse().ok());
+            value.unwrap_or(0) * 1024
+        };
+        let heap = alloc_snapshot();
+        Self {
+            rss_bytes: kb("VmRSS:"),
+            hwm_bytes: kb("VmHWM:"),
+            heap_live_bytes: heap.bytes_allocated.saturating_sub(heap.bytes_deallocated),
+        }
+    }
+}
+
+/// Prints `TAG {json}` for the parent.
+pub(crate) fn announce(tag: &str, value: &impl Serialize) {
     let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{tag} {value}");
+    let _ = writeln!(out, "{tag} {}", serde_json::to_string(value).expect("json"));
     let _ = out.flush();
 }
 
@@ -69,7 +67,59 @@ pub(crate) async fn wait_for(
     Ok(())
 }
 
-async fn lily(url: &str, queue: &str, k: usize) -> Result<Value, String> {
+/// What a `mem` child saw: idle, and with `in_flight` deliveries held.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Sampled {
+    idle: Mem,
+    full: Mem,
+    in_flight: usize,
+}
+
+/// One contender's memory, per delivery held.
+#[derive(Debug, Serialize)]
+pub struct Held {
+    pub rss_idle_bytes: u64,
+    pub rss_per_delivery: f64,
+    pub heap_per_delivery: f64,
+}
+
+/// Runs the `mem` child of `who` over a queue the parent fills once the child is idle.
+#[allow(clippy::cast_precision_loss)]
+pub fn measure(b: &Bench, who: Contender, k: usize) -> Result<Held, String> {
+    let queue = format!("lily-bench-cost-mem-{}", who.name());
+    b.queue_with(&queue, 0);
+    let mut child = b.child(false, &["mem", who.name(), &k.to_string(), &queue]);
+    let mut child = child
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| format!("spawn mem: {e}"))?;
+    let mut sampled = None;
+    for line in BufReader::new(child.stdout.take().ok_or("no stdout")?)
+        .lines()
+        .map_while(Result::ok)
+    {
+        if line.starts_with("IDLE") {
+            b.rt.block_on(publish(&b.url, &queue, k, &body_512()));
+        }
+        sampled = sampled.or_else(|| super::result::<Sampled>(&line));
+    }
+    let status = child.wait().map_err(|e| format!("wait: {e}"))?;
+    let s = sampled
+        .filter(|_| status.success())
+        .ok_or_else(|| format!("mem {} failed ({status})", who.name()))?;
+    let per = |full: f64, idle: f64| (full - idle) / s.in_flight as f64;
+    let held = Held {
+        rss_idle_bytes: s.idle.rss_bytes,
+        rss_per_delivery: per(s.full.rss_bytes as f64, s.idle.rss_bytes as f64),
+        heap_per_delivery: per(s.full.heap_live_bytes as f64, s.idle.heap_live_bytes as f64),
+    };
+    eprintln!("cost: memory {}: {held:?}", who.name());
+    Ok(held)
+}
+
+async fn lily(url: &str, queue: &str, k: usize) -> Result<Sampled, String> {
     let prefetch = u16::try_from(k).map_err(|_| "K must fit in a u16 prefetch")?;
     let gate = CancellationToken::new();
     let held = gate.clone();
@@ -80,55 +130,53 @@ async fn lily(url: &str, queue: &str, k: usize) -> Result<Value, String> {
             Ok(())
         }
     });
-    let config = ConsumerConfig::new(queue).prefetch(prefetch).concurrency(k);
-    let consumer = Consumer::new(url, config, router);
-    let stats = consumer.stats();
-    let shutdown = Shutdown::default();
-    let run = tokio::spawn(consumer.run(shutdown.clone()));
-    wait_for("Lily to consume", Duration::from_secs(60), || stats.ready()).await?;
+    let lily = Lily::ready(Consumer::new(
+        url,
+        ConsumerConfig::new(queue).prefetch(prefetch).concurrency(k),
+        router,
+    ))
+    .await?;
     tokio::time::sleep(SETTLE).await;
-    let idle = sample();
+    let idle = Mem::now();
     announce("IDLE", &idle);
     wait_for("deliveries in flight", Duration::from_secs(300), || {
-        stats.in_flight() >= k
+        lily.stats.in_flight() >= k
     })
     .await?;
     tokio::time::sleep(SETTLE).await;
-    let full = sample();
-    let in_flight = stats.in_flight();
+    let (full, in_flight) = (Mem::now(), lily.stats.in_flight());
     gate.cancel();
     wait_for("ACKs", Duration::from_secs(120), || {
-        stats.totals().acked >= k as u64
+        lily.stats.totals().acked >= k as u64
     })
     .await?;
-    shutdown.trigger(Trigger::Api);
-    let report = run
-        .await
-        .map_err(|e| format!("consumer task: {e}"))?
-        .map_err(|e| format!("consumer: {e}"))?;
-    Ok(json!({ "idle": idle, "full": full, "in_flight": in_flight, "acked": report.totals.acked }))
+    lily.stop().await?;
+    Ok(Sampled {
+        idle,
+        full,
+        in_flight,
+    })
 }
 
-async fn raw(url: &str, queue: &str, k: usize) -> Result<Value, String> {
+async fn raw(url: &str, queue: &str, k: usize) -> Result<Sampled, String> {
     let prefetch = u16::try_from(k).map_err(|_| "K must fit in a u16 prefetch")?;
     let e = |what: &'static str| move |err: lapin::Error| format!("{what}: {err}");
     let (connection, channel, mut consumer) = crate::raw::open(url, queue, prefetch, false).await?;
     let mut held = Vec::with_capacity(k);
     tokio::time::sleep(SETTLE).await;
-    let idle = sample();
+    let idle = Mem::now();
     announce("IDLE", &idle);
     while held.len() < k {
-        let next = tokio::time::timeout(
-            Duration::from_secs(300),
-            poll_fn(|cx| Pin::new(&mut consumer).poll_next(cx)),
-        )
-        .await
-        .map_err(|_| "timed out waiting for deliveries")?;
-        held.push(next.ok_or("the consumer ended")?.map_err(e("delivery"))?);
+        let next =
+            tokio::time::timeout(Duration::from_secs(300), crate::raw::next(&mut consumer)).await;
+        held.push(
+            next.map_err(|_| "timed out waiting for deliveries")?
+                .ok_or("the consumer ended")?
+                .map_err(e("delivery"))?,
+        );
     }
     tokio::time::sleep(SETTLE).await;
-    let full = sample();
-    let in_flight = held.len();
+    let (full, in_flight) = (Mem::now(), held.len());
     for delivery in held {
         delivery
             .acker
@@ -142,19 +190,17 @@ async fn raw(url: &str, queue: &str, k: usize) -> Result<Value, String> {
         .map_err(e("basic.qos"))?;
     let _ = channel.close(200, "done".into()).await;
     let _ = connection.close(200, "done".into()).await;
-    Ok(json!({ "idle": idle, "full": full, "in_flight": in_flight, "acked": in_flight }))
+    Ok(Sampled {
+        idle,
+        full,
+        in_flight,
+    })
 }
 
-/// Entry point of `mem-raw` / `mem-lily`: `K QUEUE`.
-pub fn child(who: Contender, args: &[String]) -> Result<Value, String> {
-    let k: usize = args
-        .first()
-        .and_then(|a| a.parse().ok())
-        .ok_or("usage: cost mem-raw|mem-lily K QUEUE")?;
-    let queue = args.get(1).ok_or("missing QUEUE")?;
+/// The `mem` child: holds `k` deliveries of `queue`, on a multi-thread runtime.
+pub fn child(who: Contender, k: usize, queue: &str) -> Result<Sampled, String> {
     let url = broker_url();
-    let rt = super::runtime(true);
-    rt.block_on(async {
+    super::runtime(true).block_on(async {
         match who {
             Contender::Raw => raw(&url, queue, k).await,
             Contender::Lily => lily(&url, queue, k).await,

@@ -55,16 +55,9 @@ fn delivery(out: &mut Vec<u8>, tag: u64) {
     frame(out, 3, &body);
 }
 
-/// `reader TOTAL N [plain]`: builds the frames of TOTAL deliveries, reads those of the first N
+/// The `reader` child: builds the frames of `total` deliveries, reads those of the first `n`
 /// (through the rewriter unless `plain`).
-pub fn child(args: &[String]) -> Result<Value, String> {
-    let number = |i: usize| -> Result<usize, String> {
-        args.get(i)
-            .and_then(|a| a.parse().ok())
-            .ok_or_else(|| "usage: reader TOTAL N".to_owned())
-    };
-    let (total, n) = (number(0)?, number(1)?);
-    let plain = args.get(2).is_some_and(|a| a == "plain");
+pub fn child(total: usize, n: usize, plain: bool) -> Result<Value, String> {
     let mut wire = Vec::new();
     let mut ends = Vec::with_capacity(total);
     for tag in 1..=total as u64 {

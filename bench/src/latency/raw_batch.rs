@@ -36,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 use crate::Order;
 use crate::latency::timer::Sink;
 use crate::raw::{next, retry_properties};
-use crate::throughput::FAILURE_REASON;
+use crate::run::FAILURE_REASON;
 
 /// Counters a run reads while `raw-batch` consumes.
 #[derive(Debug, Default)]

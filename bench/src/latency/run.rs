@@ -4,20 +4,17 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use lily::consumer::Stats;
-use lily::prelude::{
-    Consumer, ConsumerConfig, Json, Policy, QueueHandlerError, QueueKind, Router, Shutdown, Trigger,
-};
+use lily::prelude::QueueKind;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::Order;
+use crate::fresh_topology;
 use crate::latency::pace::{Depth, publish_paced};
 use crate::latency::raw_batch::{Counters, RawBatch};
 use crate::latency::timer::{Sent, Sink, Sinks};
 use crate::latency::{BACKLOG_SECS, Contender, KEPT_UP, Latencies, Path, Run};
-use crate::throughput::{FAILURE_REASON, HANDOFF_DELAY, Sample, lily_run, run_limit};
-use crate::{fresh_topology, publish};
+use crate::run::{Lily, Sample, backlog, run_limit, unexpected};
+use crate::throughput::lily_run;
 
 /// The work queue every run uses (re-created each time).
 pub const QUEUE: &str = "lily-bench-latency";
@@ -37,27 +34,9 @@ pub struct Setup {
     pub lily: Sinks,
 }
 
-impl Setup {
-    /// The same set-up with paced runs of `run`, the first `warmup` of it not timed.
-    pub fn shorter(&self, run: Duration, warmup: Duration) -> Self {
-        Self {
-            url: self.url.clone(),
-            body: Arc::clone(&self.body),
-            run,
-            warmup,
-            lily: self.lily.clone(),
-        }
-    }
-}
-
-/// A contender consuming.
+/// A contender consuming: Lily (timed by the layer of [`Setup::lily`]) or raw-batch.
 enum Running {
-    Lily {
-        stats: Stats,
-        shutdown: Shutdown,
-        task: JoinHandle<()>,
-        handoff: bool,
-    },
+    Lily(Lily, Path),
     Raw {
         stop: CancellationToken,
         task: JoinHandle<()>,
@@ -67,137 +46,60 @@ enum Running {
 }
 
 impl Running {
-    /// Starts `who` on [`QUEUE`]; returns once it consumes (Lily: once it reports ready).
+    /// Starts `who` on [`QUEUE`]; returns once it consumes.
     async fn start(setup: &Setup, who: Contender, path: Path, prefetch: u16, bucket: &str) -> Self {
-        match who {
-            Contender::Lily => {
-                let (router, policy) = match path {
-                    Path::Success => (
-                        Router::new().route("order.placed", |Json(o): Json<Order>| async move {
-                            std::hint::black_box(o);
-                            Ok(())
-                        }),
-                        Policy::default(),
-                    ),
-                    Path::Handoff => (
-                        Router::new().route("order.placed", |Json(o): Json<Order>| async move {
-                            std::hint::black_box(o);
-                            Err::<(), _>(QueueHandlerError::retryable(FAILURE_REASON))
-                        }),
-                        lily_run::handoff_policy(),
-                    ),
-                };
-                let config = ConsumerConfig::new(QUEUE)
-                    .queue_kind(QueueKind::Classic)
-                    .prefetch(prefetch)
-                    .concurrency(usize::from(prefetch))
-                    .policy(policy);
-                let consumer = Consumer::new(setup.url.as_str(), config, router);
-                let stats = consumer.stats();
-                let shutdown = Shutdown::default();
-                let run = consumer.run(shutdown.clone());
-                let task = tokio::spawn(async move {
-                    match run.await {
-                        Ok(report) if report.exit_code() == 0 => {}
-                        Ok(report) => {
-                            eprintln!("  Lily shutdown report exit code {}", report.exit_code());
-                        }
-                        Err(err) => eprintln!("  Lily consumer failed: {err}"),
-                    }
-                });
-                let deadline = Instant::now() + Duration::from_secs(20);
-                while !stats.ready() && Instant::now() < deadline && !task.is_finished() {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                Self::Lily {
-                    stats,
-                    shutdown,
-                    task,
-                    handoff: path == Path::Handoff,
-                }
-            }
-            Contender::RawBatch => {
-                let bucket = (path == Path::Handoff).then_some(bucket);
-                let raw = RawBatch::open(&setup.url, QUEUE, bucket, prefetch).await;
-                let stop = CancellationToken::new();
-                let counters = Arc::new(Counters::default());
-                let sink = Arc::new(Sink::default());
-                let task =
-                    tokio::spawn(raw.run(stop.clone(), Arc::clone(&sink), Arc::clone(&counters)));
-                Self::Raw {
-                    stop,
-                    task,
-                    counters,
-                    sink,
-                }
-            }
+        if who == Contender::Lily {
+            let consumer =
+                lily_run::consumer(&setup.url, QUEUE, QueueKind::Classic, prefetch, path, None);
+            return match Lily::ready(consumer).await {
+                Ok(lily) => Self::Lily(lily, path),
+                Err(err) => panic!("{err}"),
+            };
+        }
+        let bucket = (path == Path::Handoff).then_some(bucket);
+        let raw = RawBatch::open(&setup.url, QUEUE, bucket, prefetch).await;
+        let (stop, counters, sink) = (
+            CancellationToken::new(),
+            Arc::new(Counters::default()),
+            Arc::new(Sink::default()),
+        );
+        let task = tokio::spawn(raw.run(stop.clone(), Arc::clone(&sink), Arc::clone(&counters)));
+        Self::Raw {
+            stop,
+            task,
+            counters,
+            sink,
         }
     }
 
     /// Deliveries settled so far.
     fn settled(&self) -> u64 {
         match self {
-            Self::Lily { stats, handoff, .. } => {
-                let totals = stats.totals();
-                if *handoff {
-                    totals.retried
-                } else {
-                    totals.acked
-                }
-            }
+            Self::Lily(lily, Path::Success) => lily.stats.totals().acked,
+            Self::Lily(lily, Path::Handoff) => lily.stats.totals().retried,
             Self::Raw { counters, .. } => counters.settled.load(Ordering::Relaxed),
         }
     }
 
     fn finished(&self) -> bool {
         match self {
-            Self::Lily { task, .. } | Self::Raw { task, .. } => task.is_finished(),
+            Self::Lily(lily, _) => lily.finished(),
+            Self::Raw { task, .. } => task.is_finished(),
         }
     }
 
-    /// Where this contender's latencies go.
-    fn sink<'a>(&'a self, lily_sink: &'a Sink) -> &'a Sink {
+    /// Where this contender's settlement latencies and copy confirms go.
+    fn sinks<'a>(&'a self, lily: &'a Sinks) -> (&'a Sink, &'a Sink) {
         match self {
-            Self::Lily { .. } => lily_sink,
-            Self::Raw { sink, .. } => sink,
-        }
-    }
-
-    /// The latencies recorded so far, emptying the record.
-    fn take_latencies(&self, lily_sink: &Sink) -> Vec<(Instant, u32)> {
-        match self {
-            Self::Lily { .. } => lily_sink.take(),
-            Self::Raw { sink, .. } => sink.take(),
-        }
-    }
-
-    /// How long each copy took from its publish to its confirm so far (see
-    /// [`Run::copy_confirms`]), emptying the record.
-    fn take_copies(&self, lily_copies: &Sink) -> Vec<(Instant, u32)> {
-        match self {
-            Self::Lily { .. } => lily_copies.take(),
-            Self::Raw { counters, .. } => counters.copies.take(),
+            Self::Lily(..) => (&lily.settled, &lily.copies),
+            Self::Raw { sink, counters, .. } => (sink, &counters.copies),
         }
     }
 
     /// Stops the contender; returns the deliveries that ended otherwise than settled.
     async fn stop(self) -> u64 {
         match self {
-            Self::Lily {
-                stats,
-                shutdown,
-                task,
-                ..
-            } => {
-                shutdown.trigger(Trigger::Api);
-                let _ = task.await;
-                let t = stats.totals();
-                let other = t.requeued + t.dead_lettered + t.parked + t.unresolved;
-                if other > 0 {
-                    eprintln!("  Lily: unexpected outcomes {t:?}");
-                }
-                other
-            }
+            Self::Lily(lily, _) => unexpected(&lily.stopped().await),
             Self::Raw {
                 stop,
                 task,
@@ -212,13 +114,6 @@ impl Running {
     }
 }
 
-fn delays(path: Path) -> Vec<Duration> {
-    match path {
-        Path::Success => lily_run::success_delays(),
-        Path::Handoff => vec![HANDOFF_DELAY],
-    }
-}
-
 /// The drain rate of `who`: `n` messages published first, then timed from consumer start
 /// (connect included) until all are settled.
 pub async fn drain_rate(
@@ -228,35 +123,39 @@ pub async fn drain_rate(
     prefetch: u16,
     n: u64,
 ) -> Sample {
-    let topology = fresh_topology(&setup.url, QUEUE, QueueKind::Classic, &delays(path)).await;
-    let bucket = topology.bucket(0).expect("a retry bucket").to_owned();
-    publish(
-        &setup.url,
-        QUEUE,
-        usize::try_from(n).expect("fits"),
-        &setup.body,
+    let topology = backlog(&setup.url, QUEUE, QueueKind::Classic, &path.delays(), n).await;
+    let started = Instant::now();
+    let running = Running::start(
+        setup,
+        who,
+        path,
+        prefetch,
+        topology.bucket(0).expect("a bucket"),
     )
     .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let started = Instant::now();
-    let running = Running::start(setup, who, path, prefetch, &bucket).await;
     let limit = run_limit(n);
     while running.settled() < n && started.elapsed() < limit && !running.finished() {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    let elapsed = started.elapsed();
-    let settled = running.settled();
-    let _ = running.take_latencies(&setup.lily.settled);
+    let (elapsed, settled) = (started.elapsed(), running.settled());
+    let _ = running.sinks(&setup.lily).0.take();
     running.stop().await;
     Sample::new(settled, n, elapsed)
 }
 
 /// `who` consuming while the paced publisher publishes at `rate` for the run's duration.
 pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rate: f64) -> Run {
-    let topology = fresh_topology(&setup.url, QUEUE, QueueKind::Classic, &delays(path)).await;
-    let bucket = topology.bucket(0).expect("a retry bucket").to_owned();
-    let running = Running::start(setup, who, path, prefetch, &bucket).await;
-    let _ = running.take_latencies(&setup.lily.settled);
+    let topology = fresh_topology(&setup.url, QUEUE, QueueKind::Classic, &path.delays()).await;
+    let running = Running::start(
+        setup,
+        who,
+        path,
+        prefetch,
+        topology.bucket(0).expect("a bucket"),
+    )
+    .await;
+    let (settled_sink, copies) = running.sinks(&setup.lily);
+    let _ = settled_sink.take();
     let depth = Arc::new(Depth::default());
     let stop_depth = CancellationToken::new();
     let watch = tokio::spawn(Arc::clone(&depth).watch(
@@ -267,10 +166,8 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
     let capacity = (rate * setup.run.as_secs_f64()) as usize + 1;
     let sent = Arc::new(Sent::new(capacity));
-    running
-        .sink(&setup.lily.settled)
-        .starts_from(Arc::clone(&sent));
-    let _ = running.take_copies(&setup.lily.copies);
+    settled_sink.starts_from(Arc::clone(&sent));
+    let _ = copies.take();
     let started = Instant::now();
     let (url, body, duration) = (setup.url.clone(), Arc::clone(&setup.body), setup.run);
     let publisher =
@@ -293,22 +190,15 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
     let complete = running.settled() >= paced.published;
     stop_depth.cancel();
     let _ = watch.await;
-    let latencies: Vec<u32> = running
-        .take_latencies(&setup.lily.settled)
-        .into_iter()
-        .filter(|(published, _)| (from..until).contains(published))
-        .map(|(_, us)| us)
-        .collect();
-    let copy_confirms = (path == Path::Handoff).then(|| {
-        Latencies::of(
-            running
-                .take_copies(&setup.lily.copies)
-                .into_iter()
-                .filter(|(written, _)| (from..until).contains(written))
-                .map(|(_, us)| us)
-                .collect(),
-        )
-    });
+    let timed = |sink: &Sink| {
+        let kept = sink
+            .take()
+            .into_iter()
+            .filter(|(at, _)| (from..until).contains(at));
+        Latencies::of(kept.map(|(_, us)| us).collect())
+    };
+    let latency = timed(settled_sink);
+    let copy_confirms = (path == Path::Handoff).then(|| timed(copies));
     let failed = running.stop().await;
     let window = (setup.run - setup.warmup).as_secs_f64();
     #[allow(clippy::cast_precision_loss)]
@@ -330,7 +220,7 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
         drain_secs,
         complete,
         failed,
-        latency: Latencies::of(latencies),
+        latency,
         copy_confirms,
     }
 }

@@ -1,14 +1,16 @@
 //! `lily-bench mongo`: Lily's MongoDB scope against a hand-written lapin + mongodb consumer.
 //! Method: `bench/README.md`.
 
-use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::sync::atomic::Ordering;
+use std::time::Instant;
 
+use crate::cli::Common;
 use crate::mongo::{Case, Contender, Counters, Load, Run, db, lily_run, raw, verify};
 use crate::mongo::{CaseResult, ContenderResult, Results};
 use crate::report::{self, rate};
-use crate::throughput::{CpuMeter, cpu_secs};
-use crate::{body_512, broker_url, fresh_topology, publish};
+use crate::run::backlog;
+use crate::throughput::CpuMeter;
+use crate::{broker_url, cpu_secs};
 use lily::prelude::{Policy, QueueKind};
 
 const QUEUE: &str = "lily-bench-mongo";
@@ -18,29 +20,28 @@ const QUEUE: &str = "lily-bench-mongo";
 /// `LILY_MONGO_DIR` for the nodes' CPU.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// 5 000 and 2 000 messages, 2 repetitions.
-    #[arg(long)]
-    quick: bool,
-    /// Messages of the scope case.
-    #[arg(short = 'n', long, default_value = "20000", value_parser = crate::parse::count,
+    #[command(flatten)]
+    common: Common,
+    /// Messages of the scope case (quick: 5 000).
+    #[arg(short = 'n', long, default_value = "20000", value_parser = crate::cli::count,
           default_value_if("quick", "true", Some("5000")))]
     messages: u64,
-    /// Messages of the hot-keys case.
-    #[arg(long, default_value = "5000", value_parser = crate::parse::count,
+    /// Messages of the hot-keys case (quick: 2 000).
+    #[arg(long, default_value = "5000", value_parser = crate::cli::count,
           default_value_if("quick", "true", Some("2000")))]
     hot_messages: u64,
-    /// Repetitions.
+    /// Repetitions (quick: 2).
     #[arg(short, long, default_value = "3", value_parser = clap::value_parser!(u32).range(1..),
           default_value_if("quick", "true", Some("2")))]
     reps: u32,
     /// Concurrency of the scope case.
-    #[arg(long, default_value_t = 32, value_parser = crate::parse::nonzero)]
+    #[arg(long, default_value_t = 32, value_parser = crate::cli::nonzero)]
     concurrency: usize,
     /// Prefetch of every case (default: twice its concurrency).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     prefetch: Option<u16>,
     /// Concurrency of the hot-keys case.
-    #[arg(long, default_value_t = 8, value_parser = crate::parse::nonzero)]
+    #[arg(long, default_value_t = 8, value_parser = crate::cli::nonzero)]
     hot_concurrency: usize,
     /// Cases: scope, hot.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "scope,hot")]
@@ -53,9 +54,6 @@ pub struct Args {
         default_value = "raw,lily,lily-lease"
     )]
     contenders: Vec<Contender>,
-    /// Where the results go.
-    #[arg(long, default_value = "target/bench")]
-    out: PathBuf,
 }
 
 /// Prefetch of a case: `--prefetch`, or twice the concurrency.
@@ -67,7 +65,6 @@ fn prefetch(args: &Args, concurrency: usize) -> u16 {
 struct Setup<'a> {
     url: &'a str,
     mongo_url: &'a str,
-    body: &'a [u8],
 }
 
 /// One run: fresh topology and database, N messages published, the contender timed, the
@@ -81,27 +78,19 @@ async fn run_once(
     prefetch: u16,
 ) -> Run {
     let url = setup.url;
-    let topology = fresh_topology(
-        url,
-        QUEUE,
-        QueueKind::Classic,
-        &Policy::default().retry_delays,
-    )
-    .await;
     let client = db::client(setup.mongo_url)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let database = db::fresh(&client, case).await;
-    publish(
+    let topology = backlog(
         url,
         QUEUE,
-        usize::try_from(n).expect("n fits usize"),
-        setup.body,
+        QueueKind::Classic,
+        &Policy::default().retry_delays,
+        n,
     )
     .await;
-    // Let the broker finish writing the batch before the clock starts.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let counters = Counters::shared();
+    let counters = std::sync::Arc::new(Counters::default());
     // Lily's scope (its index creation) is set up before the clock, like the raw client.
     let scope = match who {
         Contender::Raw => None,
@@ -158,7 +147,9 @@ async fn run_once(
 fn describe(run: &Run) -> String {
     let (s, o) = (&run.sample, &run.observed);
     #[allow(clippy::cast_precision_loss)]
-    let per = |v: u64| v as f64 / s.expected.max(1) as f64;
+    let per = |v: &std::sync::atomic::AtomicU64| {
+        v.load(Ordering::Relaxed) as f64 / s.expected.max(1) as f64
+    };
     let opt = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.0}"));
     let mut line = format!(
         "{:>7} msgs/s ({:.2} s, {}/{} settled) tries/msg {:.2} conflicts/msg {:.2} cpu µs/msg \
@@ -167,8 +158,8 @@ fn describe(run: &Run) -> String {
         s.secs,
         s.settled,
         s.expected,
-        per(o.attempts),
-        per(o.conflicts),
+        per(&o.attempts),
+        per(&o.conflicts),
         opt(s.client_cpu_us_per_msg),
         opt(run.mongod_cpu_us_per_msg),
         opt(s.broker_cpu_us_per_msg),
@@ -196,11 +187,9 @@ pub async fn run(args: Args) {
     });
     let mongodb = db::server_version(&probe).await;
     drop(probe);
-    let body = body_512();
     let setup = Setup {
         url: &url,
         mongo_url: &mongo_url,
-        body: &body,
     };
     let mut results = Results {
         meta: crate::Meta::new("mongo", &url, vec![crate::METHOD.into()]),
@@ -252,6 +241,6 @@ pub async fn run(args: Args) {
     results.meta.finish(total);
     let chart = report::mongo_chart(&results);
     let markdown = report::mongo(&results);
-    report::write(&args.out, "mongo", &results, &markdown, Some(&chart));
+    report::write(&args.common.out, "mongo", &results, &markdown, Some(&chart));
     println!("total {:.0} s", total.elapsed().as_secs_f64());
 }

@@ -8,9 +8,6 @@
 //! `QueueHandlerError::transient`, which makes Lily abort and run the whole scope again
 //! in-process with backoff; anything else is retryable. Everything else is Lily's default: the
 //! policy, the scope's configuration (with or without the per-message lease), the settlement.
-//!
-//! The clock runs from `Consumer::run` (connect included) until Lily's ledger counts `n`
-//! ACKed deliveries, polled every millisecond as the throughput benchmark does.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -21,14 +18,15 @@ use lily::mongo::mongodb::bson::{Document, doc};
 use lily::mongo::mongodb::error::TRANSIENT_TRANSACTION_ERROR;
 use lily::prelude::{
     Consumer, ConsumerConfig, Json, Meta, MongoConfig, MongoScope, MongoTx, Policy,
-    QueueHandlerError, QueueKind, Router, Shutdown, Trigger,
+    QueueHandlerError, QueueKind, Router,
 };
 
 use crate::Order;
 use crate::mongo::{
     CONSUMER, COUNTERS, Case, Contender, Counters, DATABASE, EFFECTS, Load, hot_key, index_of,
 };
-use crate::throughput::{POLL, Sample, run_limit};
+use crate::run::{Lily, Sample, run_limit};
+use crate::throughput::POLL;
 
 /// The scope a contender runs with, on `client`, its indexes created (before the clock).
 ///
@@ -84,25 +82,14 @@ pub async fn consume(
         .prefetch(prefetch)
         .concurrency(concurrency)
         .policy(Policy::default());
-    let consumer = Consumer::new(url, config, router).scope(scope);
-    let stats = consumer.stats();
-    let shutdown = Shutdown::default();
     let started = Instant::now();
-    let run = tokio::spawn(consumer.run(shutdown.clone()));
+    let lily = Lily::start(Consumer::new(url, config, router).scope(scope));
     let limit = run_limit(n);
-    while stats.totals().acked < n && started.elapsed() < limit && !run.is_finished() {
+    while lily.stats.totals().acked < n && started.elapsed() < limit && !lily.finished() {
         tokio::time::sleep(POLL).await;
     }
-    let elapsed = started.elapsed();
-    let count = stats.totals().acked;
-    shutdown.trigger(Trigger::Api);
-    match run.await {
-        Ok(Ok(report)) if report.exit_code() == 0 => {}
-        Ok(Ok(report)) => eprintln!("  Lily shutdown report exit code {}", report.exit_code()),
-        Ok(Err(err)) => eprintln!("  Lily consumer failed: {err}"),
-        Err(err) => eprintln!("  Lily consumer task: {err}"),
-    }
-    (Sample::new(count, n, elapsed), stats.totals())
+    let (elapsed, count) = (started.elapsed(), lily.stats.totals().acked);
+    (Sample::new(count, n, elapsed), lily.stopped().await)
 }
 
 /// The handler's writes, in the scope's transaction.

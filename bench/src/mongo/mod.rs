@@ -1,13 +1,12 @@
 //! The Mongo scope benchmark: cases, contenders and results. Method: `bench/README.md`.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::Serialize;
 
 use crate::median;
 use crate::mongo::db::Ops;
-use crate::throughput::Sample;
+use crate::run::Sample;
 
 pub mod cli;
 pub mod db;
@@ -103,10 +102,10 @@ pub fn hot_key(index: u64) -> i64 {
 
 /// What a contender observed of its own transactions while it ran (the claim, not the
 /// evidence: [`verify`] reads the evidence back from the database and the broker).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Serialize)]
 pub struct Counters {
-    /// Transaction attempts (raw) or handler runs (Lily: a rerun after a conflict in the
-    /// handler's writes runs the handler again; a conflict on Lily's inbox insert does not).
+    /// Transaction attempts (raw) or handler runs (Lily: a conflict in the handler's writes
+    /// runs it again; one on Lily's inbox insert does not).
     pub attempts: AtomicU64,
     /// `TransientTransactionError`s seen (raw: anywhere; Lily: in the handler's writes).
     pub conflicts: AtomicU64,
@@ -119,38 +118,30 @@ pub struct Counters {
 }
 
 impl Counters {
-    pub fn shared() -> Arc<Self> {
-        Arc::new(Self::default())
-    }
-
     pub fn bump(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn snapshot(&self) -> Observed {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        Observed {
-            attempts: get(&self.attempts),
-            conflicts: get(&self.conflicts),
-            unknown_commits: get(&self.unknown_commits),
+    /// The counts now, as counters of their own.
+    pub fn snapshot(&self) -> Self {
+        let get = |c: &AtomicU64| AtomicU64::new(c.load(Ordering::Relaxed));
+        let (attempts, conflicts, unknown_commits) = (
+            get(&self.attempts),
+            get(&self.conflicts),
+            get(&self.unknown_commits),
+        );
+        Self {
+            attempts,
+            conflicts,
+            unknown_commits,
             commits: get(&self.commits),
             requeued: get(&self.requeued),
         }
     }
 }
 
-/// [`Counters`] at the end of a run.
-#[derive(Clone, Copy, Debug, Default, Serialize)]
-pub struct Observed {
-    pub attempts: u64,
-    pub conflicts: u64,
-    pub unknown_commits: u64,
-    pub commits: u64,
-    pub requeued: u64,
-}
-
 /// One measured run and what was checked after it.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Debug, Serialize)]
 pub struct Run {
     #[serde(flatten)]
     pub sample: Sample,
@@ -159,7 +150,7 @@ pub struct Run {
     pub mongod_cpu_us_per_msg: Option<f64>,
     /// mongod's operations per message over the same window (`serverStatus.opcounters`).
     pub mongod_ops_per_msg: Option<db::Ops>,
-    pub observed: Observed,
+    pub observed: Counters,
     /// Lily's totals after its shutdown.
     pub lily_totals: Option<lily::consumer::Totals>,
     pub check: verify::Check,
@@ -224,15 +215,18 @@ impl ContenderResult {
             (!v.is_empty()).then(|| median(&mut v))
         };
         #[allow(clippy::cast_precision_loss)]
-        let per_msg = |count: u64, run: &Run| count as f64 / run.sample.expected.max(1) as f64;
+        let per_msg = |count: &AtomicU64, run: &Run| {
+            count.load(Ordering::Relaxed) as f64 / run.sample.expected.max(1) as f64
+        };
         Self {
             contender,
             median_msgs_per_sec: med(&|r| Some(r.sample.msgs_per_sec)).unwrap_or(f64::NAN),
             over_raw: None,
             over_raw_target: None,
             over_raw_met: None,
-            attempts_per_msg: med(&|r| Some(per_msg(r.observed.attempts, r))).unwrap_or(f64::NAN),
-            conflicts_per_msg: med(&|r| Some(per_msg(r.observed.conflicts, r))).unwrap_or(f64::NAN),
+            attempts_per_msg: med(&|r| Some(per_msg(&r.observed.attempts, r))).unwrap_or(f64::NAN),
+            conflicts_per_msg: med(&|r| Some(per_msg(&r.observed.conflicts, r)))
+                .unwrap_or(f64::NAN),
             dead_lettered_or_parked: runs
                 .iter()
                 .map(|r| r.check.dead_lettered + r.check.parked)

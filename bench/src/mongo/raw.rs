@@ -38,7 +38,7 @@ use crate::Order;
 use crate::mongo::{
     COUNTERS, Case, Counters, DATABASE, EFFECTS, Load, RAW_INBOX, hot_key, index_of,
 };
-use crate::throughput::{Sample, run_limit};
+use crate::run::{Sample, run_limit};
 
 /// How long one delivery may spend on its transaction before it is NACKed (Lily's default
 /// settlement budget).

@@ -1,19 +1,19 @@
 //! `lily-bench storm`: 100 % retryable failures for minutes, raw lapin against Lily.
 //! Method: `bench/README.md`.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::raw;
-use crate::report;
-use crate::storm::{
-    Contender, QUEUE, RETRY_DELAY, Results, StormRun, Summary, check, lily, sample,
-};
-use crate::{body_512, broker_url, fresh_topology, publish};
-use ::lily::prelude::{QueueKind, Trigger};
+use lily::prelude::{Consumer, ConsumerConfig, Json, Policy, QueueHandlerError, QueueKind, Router};
 use tokio_util::sync::CancellationToken;
+
+use crate::cli::Common;
+use crate::run::{Lily, backlog, unexpected};
+use crate::storm::{
+    Contender, MAX_ATTEMPTS, QUEUE, REASON, RETRY_DELAY, Results, StormRun, Summary, check, sample,
+};
+use crate::{Order, broker_url, raw, report};
 
 /// Seconds at the start of a run left out of the rates and the RSS start and slope.
 const WARMUP: u32 = 10;
@@ -21,15 +21,14 @@ const WARMUP: u32 = 10;
 /// Failure storm: raw lapin against Lily.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// 45 s a contender.
-    #[arg(long)]
-    quick: bool,
-    /// Seconds each contender consumes (above the warm-up).
+    #[command(flatten)]
+    common: Common,
+    /// Seconds each contender consumes, above the warm-up (quick: 45).
     #[arg(long, default_value = "300", value_parser = clap::value_parser!(u32).range(i64::from(WARMUP) + 2..),
           default_value_if("quick", "true", Some("45")))]
     secs: u32,
     /// Messages published up front.
-    #[arg(short = 'n', long, default_value = "40000", value_parser = crate::parse::count)]
+    #[arg(short = 'n', long, default_value = "40000", value_parser = crate::cli::count)]
     population: u64,
     /// Prefetch (and Lily's concurrency).
     #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u16).range(1..))]
@@ -37,18 +36,36 @@ pub struct Args {
     /// Who runs, in order.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "raw,lily")]
     contenders: Vec<Contender>,
-    /// Where the results go.
-    #[arg(long, default_value = "target/bench")]
-    out: PathBuf,
+}
+
+/// A consumer of `queue` (prefetch = concurrency) whose handler deserializes the order and
+/// fails retryably, with attempts enough never to dead-letter during the run.
+fn lily_consumer(url: &str, prefetch: u16) -> Consumer {
+    let router = Router::new().route("order.placed", |Json(o): Json<Order>| async move {
+        std::hint::black_box(o);
+        Err::<(), _>(QueueHandlerError::retryable(REASON))
+    });
+    let policy = Policy::default()
+        .max_attempts(MAX_ATTEMPTS)
+        .retry_delays([RETRY_DELAY]);
+    let config = ConsumerConfig::new(QUEUE)
+        .prefetch(prefetch)
+        .concurrency(usize::from(prefetch))
+        .policy(policy);
+    Consumer::new(url, config, router)
 }
 
 /// One contender's storm on a fresh topology.
-async fn storm(url: &str, body: &[u8], args: &Args, who: Contender) -> StormRun {
-    let topology = fresh_topology(url, QUEUE, QueueKind::Classic, &[RETRY_DELAY]).await;
+async fn storm(url: &str, args: &Args, who: Contender) -> StormRun {
+    let topology = backlog(
+        url,
+        QUEUE,
+        QueueKind::Classic,
+        &[RETRY_DELAY],
+        args.population,
+    )
+    .await;
     let bucket = topology.bucket(0).expect("a retry bucket").to_owned();
-    let count = usize::try_from(args.population).expect("population fits usize");
-    publish(url, QUEUE, count, body).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
     let (series, failed, lily_totals) = match who {
         Contender::Raw => {
             let counters = Arc::new(raw::Counters::default());
@@ -70,26 +87,12 @@ async fn storm(url: &str, body: &[u8], args: &Args, who: Contender) -> StormRun 
             (series, counters.failed.load(Ordering::Relaxed), None)
         }
         Contender::Lily => {
-            let (consumer, shutdown) = lily::consumer(url, QUEUE, args.prefetch);
-            let stats = consumer.stats();
-            let task = tokio::spawn(consumer.run(shutdown.clone()));
-            let deadline = Instant::now() + lily::READY_LIMIT;
-            while !stats.ready() && Instant::now() < deadline && !task.is_finished() {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            let series = sample(url, QUEUE, args.secs, || stats.totals().retried).await;
-            shutdown.trigger(Trigger::Api);
-            match task.await {
-                Ok(Ok(report)) if report.exit_code() == 0 => {}
-                Ok(Ok(report)) => {
-                    eprintln!("  Lily shutdown report exit code {}", report.exit_code())
-                }
-                Ok(Err(err)) => eprintln!("  Lily consumer failed: {err}"),
-                Err(err) => eprintln!("  Lily consumer task: {err}"),
-            }
-            let t = stats.totals();
-            let other = t.requeued + t.dead_lettered + t.parked + t.unresolved;
-            (series, other, Some(t))
+            let lily = Lily::ready(lily_consumer(url, args.prefetch))
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let series = sample(url, QUEUE, args.secs, || lily.stats.totals().retried).await;
+            let totals = lily.stopped().await;
+            (series, unexpected(&totals), Some(totals))
         }
     };
     // Let every copy in the bucket come back before counting.
@@ -118,7 +121,6 @@ async fn storm(url: &str, body: &[u8], args: &Args, who: Contender) -> StormRun 
 /// Runs the benchmark.
 pub async fn run(args: Args) {
     let url = broker_url();
-    let body = body_512();
     let mut results = Results {
         meta: crate::Meta::new("storm", &url, vec![crate::METHOD.into()]),
         population: args.population,
@@ -135,7 +137,7 @@ pub async fn run(args: Args) {
     );
     let total = Instant::now();
     for &who in &args.contenders {
-        let run = storm(&url, &body, &args, who).await;
+        let run = storm(&url, &args, who).await;
         eprintln!(
             "  {}: mean {:.0} handoffs/s, flatness {:.3}, RSS {:.1} → {:.1} MiB ({:+.2} MiB/min), ids {} [{:.0} s elapsed]",
             who.name(),
@@ -162,6 +164,6 @@ pub async fn run(args: Args) {
     results.meta.finish(total);
     let chart = report::storm_chart(&results);
     let markdown = report::storm(&results);
-    report::write(&args.out, "storm", &results, &markdown, Some(&chart));
+    report::write(&args.common.out, "storm", &results, &markdown, Some(&chart));
     println!("total {:.0} s", total.elapsed().as_secs_f64());
 }

@@ -2,12 +2,11 @@
 
 use std::time::{Duration, Instant};
 
-use ::lily::consumer::Totals;
+use lily::consumer::Totals;
 use serde::Serialize;
 
 pub mod check;
 pub mod cli;
-pub mod lily;
 
 /// The bucket's delay: short, so copies come back.
 pub const RETRY_DELAY: Duration = Duration::from_secs(1);

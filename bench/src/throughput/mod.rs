@@ -6,11 +6,10 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::median;
-pub use crate::run::{FAILURE_REASON, FirstDelivery, Sample, copy_headers, run_limit};
+use crate::run::Sample;
+use crate::{cpu_secs, median};
 
 pub mod cli;
-
 pub mod lily_run;
 pub mod peer;
 
@@ -56,6 +55,14 @@ impl Path {
         match self {
             Self::Success => true,
             Self::Handoff => matches!(who, Contender::Raw | Contender::RawBatch | Contender::Lily),
+        }
+    }
+
+    /// Retry delays of the path's topology: Lily's default policy's, or the parked bucket.
+    pub fn delays(self) -> Vec<Duration> {
+        match self {
+            Self::Success => lily::consumer::Policy::default().retry_delays,
+            Self::Handoff => vec![crate::run::HANDOFF_DELAY],
         }
     }
 
@@ -121,57 +128,6 @@ impl Contender {
     }
 }
 
-/// Retry delay of the handoff path: long, so the copies stay parked in the bucket.
-pub const HANDOFF_DELAY: Duration = Duration::from_secs(600);
-
-/// The broker's version as Debian packaged it, or what the benchmark was written against.
-pub fn broker_version() -> String {
-    let version = |package: &str| {
-        let out = std::process::Command::new("dpkg-query")
-            .args(["-W", "-f=${Version}", package])
-            .output()
-            .ok()?;
-        let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-        (out.status.success() && !text.is_empty()).then_some(text)
-    };
-    match (version("rabbitmq-server"), version("erlang-base")) {
-        (Some(rabbit), erlang) => {
-            let upstream = rabbit.split('-').next().unwrap_or(&rabbit).to_owned();
-            let erlang = erlang.map_or_else(String::new, |e| {
-                let e = e.split_once(':').map_or(e.as_str(), |(_, v)| v);
-                format!(", Erlang {}", e.split(['+', '-']).next().unwrap_or(e))
-            });
-            format!("RabbitMQ {upstream} (Debian {rabbit}){erlang}")
-        }
-        (None, _) => "RabbitMQ 3.10 (Debian)".into(),
-    }
-}
-
-/// User + system CPU seconds of a process, all threads included (those that ended too). This
-/// one's (`None`) from its CPU clock, to the nanosecond; another's from `/proc`, in the kernel's
-/// ticks of 10 ms, so a figure over a short run is coarse.
-pub fn cpu_secs(pid: Option<u32>) -> Option<f64> {
-    let Some(pid) = pid else {
-        let now = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
-        #[allow(clippy::cast_precision_loss)]
-        return Some(now.tv_sec as f64 + now.tv_nsec as f64 / 1e9);
-    };
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name (which may hold spaces): state is field 3, utime 14, stime 15.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    #[allow(clippy::cast_precision_loss)]
-    Some(ticks as f64 / 100.0) // USER_HZ is 100 on Linux
-}
-
-/// The broker's Erlang VM, from the pid file `scripts/rabbitmq.sh` keeps in `LILY_RABBIT_DIR`.
-pub fn broker_pid() -> Option<u32> {
-    let dir = std::env::var_os("LILY_RABBIT_DIR")?;
-    let pid = std::fs::read_to_string(std::path::Path::new(&dir).join("rabbit.pid")).ok()?;
-    pid.trim().parse().ok()
-}
-
 /// CPU spent by this process and the broker while a contender ran.
 #[derive(Clone, Copy, Debug)]
 pub struct CpuMeter {
@@ -182,7 +138,7 @@ pub struct CpuMeter {
 
 impl CpuMeter {
     pub fn start() -> Self {
-        let broker_pid = broker_pid();
+        let broker_pid = crate::broker_pid();
         Self {
             client: cpu_secs(None),
             broker: broker_pid.and_then(|p| cpu_secs(Some(p))),
@@ -201,28 +157,6 @@ impl CpuMeter {
         sample.broker_cpu_us_per_msg =
             per(self.broker, self.broker_pid.and_then(|p| cpu_secs(Some(p))));
     }
-}
-
-/// The 1-minute load average.
-pub fn load_average() -> Option<f64> {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
-}
-
-/// `git describe --always --dirty` of the working tree, or `unknown`.
-pub fn revision() -> String {
-    std::process::Command::new("git")
-        .args(["describe", "--always", "--dirty"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-        .filter(|r| !r.is_empty())
-        .unwrap_or_else(|| "unknown".into())
 }
 
 /// Everything one benchmark run measured.
@@ -391,27 +325,5 @@ impl CaseResult {
     /// Lily / `over`, if both ran.
     pub fn ratio(&self, over: Contender) -> Option<&Ratio> {
         self.lily_over.iter().find(|r| r.over == over)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::cpu_secs;
-
-    /// The process's own CPU is read finer than the kernel's 10 ms ticks: the first change a
-    /// busy loop sees is far below a tick, where `/proc`'s count would first move by a whole one.
-    #[test]
-    fn this_process_cpu_is_read_below_a_tick() {
-        let start = cpu_secs(None).expect("the CPU clock");
-        let step = loop {
-            let now = cpu_secs(None).expect("the CPU clock");
-            if now > start {
-                break now - start;
-            }
-        };
-        assert!(
-            step < 0.005,
-            "the CPU clock moved by {step} s at once, a tick's step"
-        );
     }
 }

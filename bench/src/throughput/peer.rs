@@ -11,7 +11,8 @@ use lily::prelude::QueueKind;
 use ruststream_lapin::prelude::*;
 
 use crate::Order;
-use crate::throughput::{POLL, Sample};
+use crate::run::Sample;
+use crate::throughput::POLL;
 
 /// Handled by the peer in the current run.
 static HANDLED: AtomicU64 = AtomicU64::new(0);
@@ -52,7 +53,7 @@ pub async fn success(url: &str, queue: &str, kind: QueueKind, prefetch: u16, n: 
         );
     let started = Instant::now();
     let running = app.start().await.expect("peer starts");
-    let limit = crate::throughput::run_limit(n);
+    let limit = crate::run::run_limit(n);
     loop {
         if HANDLED.load(Ordering::Relaxed) >= n || started.elapsed() > limit {
             break;

@@ -5,6 +5,7 @@
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lily::consumer::Limits;
+use lily::headers::{self, as_text};
 use serde::Deserialize;
 
 /// The message type of the run.
@@ -226,6 +227,22 @@ pub fn headers(class: Class, limits: &Limits) -> FieldTable {
         table.insert(key.as_str().into(), long(len));
     }
     table
+}
+
+/// The failure kind a DLQ copy says it has: Lily's `x-lily-failure-kind`, or `broker-rejected`
+/// for the broker's own dead-lettering of a reject (which carries `x-death` instead).
+pub fn failure_kind(properties: &BasicProperties) -> &'static str {
+    let table = properties.headers().as_ref().map(FieldTable::inner);
+    match table
+        .and_then(|t| t.get(headers::FAILURE_KIND))
+        .and_then(as_text)
+    {
+        Some("permanent") => "permanent",
+        Some("rejected") => "rejected",
+        Some(_) => "other",
+        None if table.is_some_and(|t| t.contains_key("x-death")) => "broker-rejected",
+        None => "unmarked",
+    }
 }
 
 /// Message `i` of `n`: its class, body and properties.
