@@ -1,18 +1,16 @@
 #!/usr/bin/env bash
 # Lily's benchmarks against a private RabbitMQ node on loopback (not part of the test suite):
 #
-#   scripts/bench.sh [throughput|latency|confirm-floor|storm|mongo|cost|cluster|all] [ARGS...]
+#   scripts/bench.sh [throughput|latency|storm|mongo|cost|cluster|all] [ARGS...]
 #
 # `mongo` also starts a private MongoDB replica set; `cluster` a private three-node cluster,
-# compared with the single node. `all` runs throughput, latency, confirm-floor, storm, mongo and
-# cost, passing ARGS (such as --quick) to each; `scripts/bench.sh all --quick` takes about 15
-# minutes.
+# compared with the single node. `all` runs throughput, latency, storm, mongo and cost,
+# passing ARGS (such as --quick) to each; `scripts/bench.sh all --quick` takes about 15 minutes.
 #
 # Each is a subcommand of one program, `lily-bench` (`target/release/lily-bench --help`; `cost`
 # runs in `lily-bench-counting`, the same program counting its heap allocations).
 # Results go to target/bench/ (JSON and a markdown report, also printed, and an SVG chart for
-# throughput, latency, storm and mongo); bench/README.md says
-# how each program measures. Absolute figures on a shared machine are noise: read the ratios,
+# throughput, latency, storm and mongo); bench/README.md says how each program measures. Absolute figures on a shared machine are noise: read the ratios,
 # measured side by side in one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +43,7 @@ mongo() {
 
 cargo build --release -p lily-mq-bench --bins -p lily-mq-example-k8s-shutdown
 case "$what" in
-  throughput | latency | confirm-floor | storm | cost) target/release/lily-bench "$what" "$@" ;;
+  throughput | latency | storm | cost) target/release/lily-bench "$what" "$@" ;;
   mongo) mongo "$@" ;;
   cluster)
     scripts/rabbitmq.sh cluster-stop "$CLUSTER_DIR" || true
@@ -54,7 +52,7 @@ case "$what" in
     LILY_CLUSTER_URL="amqp://guest:guest@127.0.0.1:$CLUSTER_PORT/%2f" target/release/lily-bench cluster "$@" ;;
   all)
     started=$SECONDS
-    for program in throughput latency confirm-floor storm; do
+    for program in throughput latency storm; do
       target/release/lily-bench "$program" "$@"
     done
     mongo "$@"

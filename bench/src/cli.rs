@@ -30,8 +30,6 @@ enum Command {
     Throughput(crate::throughput::cli::Args),
     /// Settlement latency against raw-batch at 50 % and 90 % of the maximum rate.
     Latency(crate::latency::cli::Args),
-    /// The broker's own publish-to-confirm latency: the floor under every handoff's tail.
-    ConfirmFloor(crate::confirm_floor::Args),
     /// Failure storm: every delivery fails retryably for minutes; throughput and RSS over time.
     Storm(crate::storm::cli::Args),
     /// Lily's MongoDB scope against a hand-written driver transaction.
@@ -56,7 +54,6 @@ pub fn main(counting: bool) -> ExitCode {
             match command {
                 Command::Throughput(args) => crate::throughput::cli::run(args).await,
                 Command::Latency(args) => crate::latency::cli::run(args).await,
-                Command::ConfirmFloor(args) => crate::confirm_floor::run(args).await,
                 Command::Storm(args) => crate::storm::cli::run(args).await,
                 Command::Mongo(args) => crate::mongo::cli::run(args).await,
                 Command::Cluster(args) => crate::cluster::run(args).await,

@@ -7,7 +7,7 @@ use lily::prelude::QueueKind;
 use serde::Serialize;
 
 use crate::cli::Common;
-use crate::report::{Table, opening, write};
+use crate::report::{Table, opening, row, write};
 use crate::throughput::cli::run_once;
 use crate::throughput::{Contender, Path};
 use crate::{broker_url, median};
@@ -121,15 +121,8 @@ pub async fn run(args: Args) {
     let head = "path|one node: raw|one node: Lily|cluster: raw|cluster: Lily|Lily cluster / one node|Lily / raw, cluster|Lily / raw, one node";
     let mut table = Table::new(head, 1);
     for c in &r.cases {
-        let rates =
-            [c.single_raw, c.single_lily, c.cluster_raw, c.cluster_lily].map(|v| format!("{v:.0}"));
-        let ratios = [
-            c.lily_cluster_over_single,
-            c.lily_over_raw_on_cluster,
-            c.lily_over_raw_on_single,
-        ]
-        .map(|v| format!("{v:.2}"));
-        table.row([c.path.to_owned()].into_iter().chain(rates).chain(ratios));
+        let (rate, ratio) = (|v: f64| format!("{v:.0}"), |v: f64| format!("{v:.2}"));
+        row!(table; c.path, rate(c.single_raw), rate(c.single_lily), rate(c.cluster_raw), rate(c.cluster_lily), ratio(c.lily_cluster_over_single), ratio(c.lily_over_raw_on_cluster), ratio(c.lily_over_raw_on_single));
     }
     let conditions = format!(
         "Quorum queues, prefetch {}, {} persistent messages a run, medians of {} repetitions (msg/s); the three nodes share this machine's cores with the client",

@@ -7,7 +7,6 @@
 pub mod chart;
 pub mod cli;
 pub mod cluster;
-pub mod confirm_floor;
 pub mod cost;
 pub mod latency;
 pub mod mongo;

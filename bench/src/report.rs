@@ -33,6 +33,14 @@ pub fn write(out: &Path, name: &str, results: &impl Serialize, markdown: &str, s
     }
 }
 
+/// Adds a row of cells that implement `Display` to a [`Table`].
+macro_rules! row {
+    ($table:expr; $($cell:expr),* $(,)?) => {
+        $table.row([$($cell.to_string()),*])
+    };
+}
+pub(crate) use row;
+
 /// A markdown table: the first `text` columns left-aligned, the others right-aligned.
 pub struct Table(String);
 
@@ -383,22 +391,7 @@ pub fn latency(r: &latency::Results) -> String {
         );
         for (run, diff) in [(&c.raw_batch, String::new()), (&c.lily, diff)] {
             let l = &run.latency;
-            table.row([
-                c.path.name().into(),
-                c.prefetch.to_string(),
-                load(c),
-                rate(c.target_rate),
-                rate(run.publish_rate),
-                run.contender.name().into(),
-                rate(run.settled_per_sec),
-                ms(l.p50_us),
-                ms(l.p99_us),
-                ms(l.p999_us),
-                over(l, 100),
-                run.max_ready_depth.to_string(),
-                keeps_up(run),
-                diff,
-            ]);
+            row!(table; c.path.name(), c.prefetch, load(c), rate(c.target_rate), rate(run.publish_rate), run.contender.name(), rate(run.settled_per_sec), ms(l.p50_us), ms(l.p99_us), ms(l.p999_us), over(l, 100), run.max_ready_depth, keeps_up(run), diff);
         }
     }
     out += &table.end();
@@ -411,17 +404,7 @@ pub fn latency(r: &latency::Results) -> String {
         for c in &r.cases {
             for run in [&c.raw_batch, &c.lily] {
                 if let Some(l) = &run.copy_confirms {
-                    table.row([
-                        c.path.name().into(),
-                        c.prefetch.to_string(),
-                        load(c),
-                        run.contender.name().into(),
-                        ms(l.p50_us),
-                        ms(l.p99_us),
-                        ms(l.p999_us),
-                        over(l, 50),
-                        ms(run.latency.p99_us),
-                    ]);
+                    row!(table; c.path.name(), c.prefetch, load(c), run.contender.name(), ms(l.p50_us), ms(l.p99_us), ms(l.p999_us), over(l, 50), ms(run.latency.p99_us));
                 }
             }
         }
@@ -514,21 +497,7 @@ pub fn storm(r: &storm::Results) -> String {
     let opt = |v: Option<u32>| v.map_or_else(|| "?".into(), |v| v.to_string());
     for run in &r.runs {
         let (s, c) = (&run.summary, &run.check);
-        table.row([
-            run.contender.name().into(),
-            rate(s.mean_rate),
-            rate(s.first_rate),
-            rate(s.last_rate),
-            format!("{:.3}", s.flatness),
-            format!("{:.1}", s.rss_start_mib),
-            format!("{:.1}", s.rss_max_mib),
-            format!("{:.1}", s.rss_end_mib),
-            format!("{:+.2}", s.rss_slope_mib_per_min),
-            run.failed.to_string(),
-            format!("{}, {}, {}", c.missing, c.duplicates, c.strangers),
-            format!("{}, {}", opt(c.in_dead_letter_queue), opt(c.in_parking)),
-            (if c.ok { "yes" } else { "**no**" }).into(),
-        ]);
+        row!(table; run.contender.name(), rate(s.mean_rate), rate(s.first_rate), rate(s.last_rate), format!("{:.3}", s.flatness), format!("{:.1}", s.rss_start_mib), format!("{:.1}", s.rss_max_mib), format!("{:.1}", s.rss_end_mib), format!("{:+.2}", s.rss_slope_mib_per_min), run.failed, format!("{}, {}, {}", c.missing, c.duplicates, c.strangers), format!("{}, {}", opt(c.in_dead_letter_queue), opt(c.in_parking)), (if c.ok { "yes" } else { "**no**" }));
     }
     out += &table.end();
     if let Some(x) = r.lily_over_raw {
@@ -595,24 +564,7 @@ pub fn mongo(r: &mongo::Results) -> String {
                 }
                 _ => "-".into(),
             };
-            table.row([
-                case.case.name().into(),
-                case.messages_per_run.to_string(),
-                case.concurrency.to_string(),
-                case.prefetch.to_string(),
-                c.contender.name().into(),
-                rate(c.median_msgs_per_sec),
-                fixed(c.over_raw, 3),
-                target,
-                format!("{:.3}", c.attempts_per_msg),
-                format!("{:.3}", c.conflicts_per_msg),
-                c.dead_lettered_or_parked.to_string(),
-                (if c.all_verified { "yes" } else { "**no**" }).into(),
-                fixed(c.client_cpu_us_per_msg, 1),
-                fixed(c.mongod_cpu_us_per_msg, 1),
-                fixed(c.broker_cpu_us_per_msg, 1),
-                fixed(c.mongod_ops_per_msg.map(|o| o.total()), 2),
-            ]);
+            row!(table; case.case.name(), case.messages_per_run, case.concurrency, case.prefetch, c.contender.name(), rate(c.median_msgs_per_sec), fixed(c.over_raw, 3), target, format!("{:.3}", c.attempts_per_msg), format!("{:.3}", c.conflicts_per_msg), c.dead_lettered_or_parked, (if c.all_verified { "yes" } else { "**no**" }), fixed(c.client_cpu_us_per_msg, 1), fixed(c.mongod_cpu_us_per_msg, 1), fixed(c.broker_cpu_us_per_msg, 1), fixed(c.mongod_ops_per_msg.map(|o| o.total()), 2));
             if let Some(o) = &c.mongod_ops_per_msg {
                 let values =
                     [o.insert, o.update, o.query, o.delete, o.command].map(|v| format!("{v:.2}"));
@@ -679,14 +631,7 @@ pub fn cost(r: &cost::Results) -> String {
     let dash = || "-".to_owned();
     let num = |v: f64, digits: usize| group(&format!("{v:.digits$}"));
     if let Some(i) = &r.instructions {
-        table.row([
-            format!("instructions / message (callgrind, N={})", i.n),
-            num(i.raw, 0),
-            num(i.lily, 0),
-            num(i.lily_layer, 0),
-            "<= 8 000".into(),
-            met(i.met),
-        ]);
+        row!(table; format!("instructions / message (callgrind, N={})", i.n), num(i.raw, 0), num(i.lily, 0), num(i.lily_layer, 0), "<= 8 000", met(i.met));
     }
     if let Some(per) = r.reader {
         // Its share of Lily's whole cost a message, when the instructions ran too.
@@ -695,45 +640,17 @@ pub fn cost(r: &cost::Results) -> String {
             || "< 5 % of Lily".into(),
             |x| format!("< 5 % of Lily: {:.1} %", x * 100.0),
         );
-        table.row([
-            "  of it, the frame reader (wire.rs), instructions / message".into(),
-            dash(),
-            num(per, 0),
-            dash(),
-            target,
-            share.map_or_else(dash, |x| met(x < 0.05)),
-        ]);
+        row!(table; "  of it, the frame reader (wire.rs), instructions / message", dash(), num(per, 0), dash(), target, share.map_or_else(dash, |x| met(x < 0.05)));
     }
     if let Some(a) = &r.allocations {
-        table.row([
-            format!("heap allocations / message (alloc+realloc, N={})", a.n),
-            num(a.raw, 2),
-            num(a.lily, 2),
-            num(a.lily_layer, 2),
-            "<= 10".into(),
-            met(a.met),
-        ]);
+        row!(table; format!("heap allocations / message (alloc+realloc, N={})", a.n), num(a.raw, 2), num(a.lily, 2), num(a.lily_layer, 2), "<= 10", met(a.met));
     }
     if let Some(m) = &r.memory {
         let layer = m.lily.rss_per_delivery - m.raw.rss_per_delivery;
-        table.row([
-            format!("RSS bytes per in-flight delivery ({} held)", m.in_flight),
-            num(m.raw.rss_per_delivery, 0),
-            num(m.lily.rss_per_delivery, 0),
-            num(layer, 0),
-            dash(),
-            dash(),
-        ]);
+        row!(table; format!("RSS bytes per in-flight delivery ({} held)", m.in_flight), num(m.raw.rss_per_delivery, 0), num(m.lily.rss_per_delivery, 0), num(layer, 0), dash(), dash());
     }
     if let Some(d) = &r.shutdown {
-        table.row([
-            format!("shutdown, idle: SIGTERM to exit, ms (median of {})", d.runs),
-            dash(),
-            num(d.median_ms, 1),
-            dash(),
-            "< 200".into(),
-            met(d.met),
-        ]);
+        row!(table; format!("shutdown, idle: SIGTERM to exit, ms (median of {})", d.runs), dash(), num(d.median_ms, 1), dash(), "< 200", met(d.met));
     }
     if let Some(h) = &r.hostile {
         let (raw, lily) = (&h.raw, &h.lily);

@@ -1,67 +1,33 @@
-//! The MongoDB side of every run: the URL from `LILY_MONGO_URL` (never printed with its
-//! credentials), a client checked to be on a replica set, and a dropped and re-created
-//! database, so no run inherits another's documents, indexes or write conflicts.
+//! The MongoDB side of every run: the replica set named by `LILY_MONGO_URL` (never printed with
+//! its credentials), a database dropped and re-created for each run, mongod's counters, and the
+//! check of a run by message id, read back from the database and the broker.
 
-use mongodb::bson::{Document, doc};
+use std::collections::BTreeMap;
+
+use lily::topology::Topology;
+use lily_mq_testkit::Client as Inspector;
+use mongodb::bson::{Bson, Document, doc};
 use mongodb::{Client, Database};
+use serde::Serialize;
 
+use crate::depth;
 use crate::mongo::{
-    COUNTERS, Case, DATABASE, EFFECTS, HOT_KEYS, LILY_COLLECTIONS, RAW_INBOX, hot_key,
+    CONSUMER, COUNTERS, Case, Contender, DATABASE, EFFECTS, HOT_KEYS, LILY_COLLECTIONS, RAW_INBOX,
+    hot_key, index_of,
 };
 
-/// The replica set named by `LILY_MONGO_URL`.
-///
-/// # Errors
-/// When it is unset, with a message that says how to start one.
+/// `LILY_MONGO_URL`, or how to start a replica set.
 pub fn mongo_url() -> Result<String, String> {
-    std::env::var("LILY_MONGO_URL").map_err(|_| {
-        "LILY_MONGO_URL is unset: start a single-node replica set \
-         (scripts/mongod.sh install && scripts/mongod.sh start DIR PORT) and set \
-         LILY_MONGO_URL=mongodb://127.0.0.1:PORT/?replicaSet=lily&directConnection=true"
-            .to_owned()
-    })
+    std::env::var("LILY_MONGO_URL").map_err(|_| "LILY_MONGO_URL is unset: start a single-node replica set (scripts/mongod.sh install && scripts/mongod.sh start DIR PORT) and set LILY_MONGO_URL=mongodb://127.0.0.1:PORT/?replicaSet=lily&directConnection=true".to_owned())
 }
 
-/// `scheme://hosts/path` without the user info, and the query with only the options that are
-/// never secret (a password can hide in several options: `tlsCertificateKeyFilePassword`,
-/// `authMechanismProperties`, …).
+/// `scheme://hosts/path`: no user info and no query, where a password can hide in options.
 pub fn redact(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap_or(("mongodb", url));
-    // Everything up to the last `@` goes, so no user info survives whatever it holds.
-    let rest = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
-    let (address, query) = rest.split_once('?').unwrap_or((rest, ""));
-    let kept: Vec<&str> = query
-        .split('&')
-        .filter(|kv| {
-            let key = kv.split('=').next().unwrap_or("").to_ascii_lowercase();
-            [
-                "replicaset",
-                "directconnection",
-                "tls",
-                "ssl",
-                "maxpoolsize",
-            ]
-            .contains(&key.as_str())
-        })
-        .collect();
-    let dropped = query.split('&').filter(|kv| !kv.is_empty()).count() > kept.len();
-    let mut out = format!("{scheme}://{address}");
-    if !kept.is_empty() || dropped {
-        out.push('?');
-        out.push_str(&kept.join("&"));
-        if dropped {
-            out.push_str(if kept.is_empty() { "…" } else { "&…" });
-        }
-    }
-    out
+    crate::redact(url.split('?').next().unwrap_or(url))
 }
 
-/// A client for `url`, its pool warmed by a `ping`, after checking that the node is a
-/// replica-set member (transactions need one).
-///
-/// # Errors
-/// The node cannot be reached or is not part of a replica set. The messages name neither the
-/// URL nor the driver's error text (which may quote the URL).
+/// A client for `url`, checked to be on a replica set (transactions need one). The errors name
+/// neither the URL nor the driver's text (which may quote it).
 pub async fn client(url: &str) -> Result<Client, String> {
     let client = Client::with_uri_str(url)
         .await
@@ -69,37 +35,27 @@ pub async fn client(url: &str) -> Result<Client, String> {
     let hello = client
         .database("admin")
         .run_command(doc! { "hello": 1 })
-        .await
-        .map_err(|e| format!("MongoDB did not answer `hello` ({})", kind(&e)))?;
+        .await;
+    let hello = hello.map_err(|e| format!("MongoDB did not answer `hello` ({})", kind(&e)))?;
     if hello.get_str("setName").is_err() {
-        return Err(
-            "MongoDB is not a replica set member: transactions need one \
-             (scripts/mongod.sh starts a single-node replica set)"
-                .into(),
-        );
+        return Err("MongoDB is not a replica set member: transactions need one (scripts/mongod.sh starts one)".into());
     }
     Ok(client)
 }
 
 /// The server's version, from `buildInfo`.
 pub async fn server_version(client: &Client) -> String {
-    client
+    let info = client
         .database("admin")
         .run_command(doc! { "buildInfo": 1 })
         .await
-        .ok()
-        .and_then(|info| info.get_str("version").ok().map(str::to_owned))
-        .map_or_else(
-            || "MongoDB (version unknown)".into(),
-            |v| format!("MongoDB {v}"),
-        )
+        .ok();
+    info.and_then(|i| Some(format!("MongoDB {}", i.get_str("version").ok()?)))
+        .unwrap_or_else(|| "MongoDB (version unknown)".into())
 }
 
-/// Drops [`DATABASE`] and creates every collection any contender writes (so no contender pays
-/// for implicit creation inside its transactions); the hot-keys case seeds its counters at 0.
-///
-/// # Panics
-/// When the database refuses.
+/// Drops [`DATABASE`] and creates every collection any contender writes (so none pays for an
+/// implicit creation inside its transactions); the hot-keys case seeds its counters at 0.
 pub async fn fresh(client: &Client, case: Case) -> Database {
     let database = client.database(DATABASE);
     database.drop().await.expect("drop the benchmark database");
@@ -113,9 +69,7 @@ pub async fn fresh(client: &Client, case: Case) -> Database {
             .unwrap_or_else(|e| panic!("create collection {name}: {}", kind(&e)));
     }
     if case == Case::HotKeys {
-        let counters: Vec<Document> = (0..HOT_KEYS)
-            .map(|k| doc! { "_id": hot_key(k), "n": 0_i64 })
-            .collect();
+        let counters = (0..HOT_KEYS).map(|k| doc! { "_id": hot_key(k), "n": 0_i64 });
         database
             .collection::<Document>(COUNTERS)
             .insert_many(counters)
@@ -133,27 +87,26 @@ pub fn kind(err: &mongodb::error::Error) -> String {
         ErrorKind::Write(_) => "write error".to_owned(),
         ErrorKind::ServerSelection { .. } => "no server available".to_owned(),
         ErrorKind::Io(_) => "network error".to_owned(),
-        ErrorKind::InvalidArgument { .. } => "invalid argument".to_owned(),
         ErrorKind::Authentication { .. } => "authentication failed".to_owned(),
         _ => "database error".to_owned(),
     }
 }
 
-/// mongod's operation counters (`serverStatus.opcounters`); operations inside transactions
-/// count like any other.
-#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+/// mongod's operation counters (`serverStatus.opcounters`, transactions' included).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Ops {
     pub insert: f64,
     pub query: f64,
     pub update: f64,
     pub delete: f64,
     pub getmore: f64,
-    /// Commands: commits, aborts, `findAndModify`, `hello`s, …
+    /// Commits, aborts, `findAndModify`, `hello`s, …
     pub command: f64,
 }
 
 impl Ops {
     /// The counters now, or `None` when `serverStatus` is refused.
+    #[allow(clippy::cast_precision_loss)]
     pub async fn read(client: &Client) -> Option<Self> {
         let status = client
             .database("admin")
@@ -161,11 +114,9 @@ impl Ops {
             .await
             .ok()?;
         let counters = status.get_document("opcounters").ok()?;
-        #[allow(clippy::cast_precision_loss)]
-        let get = |name: &str| match counters.get(name) {
-            Some(mongodb::bson::Bson::Int64(v)) => *v as f64,
-            Some(mongodb::bson::Bson::Int32(v)) => f64::from(*v),
-            Some(mongodb::bson::Bson::Double(v)) => *v,
+        let get = |name| match counters.get(name) {
+            Some(Bson::Int64(v)) => *v as f64,
+            Some(Bson::Int32(v)) => f64::from(*v),
             _ => 0.0,
         };
         Some(Self {
@@ -178,18 +129,18 @@ impl Ops {
         })
     }
 
-    /// `(after - self) / n`: operations per message over a run.
+    /// `(after - self) / n`: operations a message over a run.
+    #[allow(clippy::cast_precision_loss)]
     pub fn per_message(&self, after: &Self, n: u64) -> Self {
-        #[allow(clippy::cast_precision_loss)]
-        let n = n.max(1) as f64;
-        let per = |b: f64, a: f64| ((a - b) / n * 100.0).round() / 100.0;
+        let per = |b: f64, a: f64| ((a - b) / n.max(1) as f64 * 100.0).round() / 100.0;
+        let (s, a) = (self, after);
         Self {
-            insert: per(self.insert, after.insert),
-            query: per(self.query, after.query),
-            update: per(self.update, after.update),
-            delete: per(self.delete, after.delete),
-            getmore: per(self.getmore, after.getmore),
-            command: per(self.command, after.command),
+            insert: per(s.insert, a.insert),
+            query: per(s.query, a.query),
+            update: per(s.update, a.update),
+            delete: per(s.delete, a.delete),
+            getmore: per(s.getmore, a.getmore),
+            command: per(s.command, a.command),
         }
     }
 
@@ -198,26 +149,189 @@ impl Ops {
     }
 }
 
-/// mongod's pid, from `LILY_MONGO_DIR/mongod.pid` (the file `scripts/mongod.sh` keeps).
+/// mongod's pid, from `LILY_MONGO_DIR/mongod.pid` (kept by `scripts/mongod.sh`).
 pub fn mongod_pid() -> Option<u32> {
     let dir = std::env::var_os("LILY_MONGO_DIR")?;
-    let pid = std::fs::read_to_string(std::path::Path::new(&dir).join("mongod.pid")).ok()?;
-    pid.trim().parse().ok()
+    std::fs::read_to_string(std::path::Path::new(&dir).join("mongod.pid"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// What was found after one run, by message id.
+#[derive(Debug, Default, Serialize)]
+pub struct Check {
+    /// Every check below held.
+    pub passed: bool,
+    /// Expected ids found exactly once in `effects`, and in the inbox (each must be N).
+    pub effects: u64,
+    pub inbox: u64,
+    /// Documents in either that are no expected id, or repeat one.
+    pub strays: u64,
+    /// Hot keys: every counter holds exactly the messages of its key.
+    pub counters_exact: Option<bool>,
+    /// Ready messages left in the work queue.
+    pub work_queue_ready: Option<u32>,
+    /// Messages drained from the DLQ and the parking lane, and left in the retry buckets: all
+    /// are valid, so each is a failure.
+    pub dead_lettered: u64,
+    pub parked: u64,
+    pub in_retry_buckets: u64,
+    /// Lily (lease): lease and fence documents left (each message's go when it settles).
+    pub lease_documents: Option<u64>,
+    /// A few ids that failed a check.
+    pub sample_ids: Vec<String>,
+}
+
+/// Checks the run of `who` over `n` messages.
+///
+/// # Panics
+/// When the database or the broker cannot be read.
+pub async fn check(
+    url: &str,
+    database: &Database,
+    topology: &Topology,
+    case: Case,
+    who: Contender,
+    n: u64,
+) -> Check {
+    let mut bad = Vec::new();
+    let (inbox, lily) = if who == Contender::Raw {
+        (RAW_INBOX, false)
+    } else {
+        ("lily_inbox", true)
+    };
+    let (effects, strays_e) = tally(&ids(database, EFFECTS, false).await, n, &mut bad);
+    let (inbox, strays_i) = tally(&ids(database, inbox, lily).await, n, &mut bad);
+    let count = |name: &'static str| async move {
+        database
+            .collection::<Document>(name)
+            .count_documents(doc! {})
+            .await
+            .ok()
+    };
+    let lease_documents = match who {
+        Contender::LilyLease => Some(
+            count("lily_leases")
+                .await
+                .unwrap_or(u64::MAX)
+                .saturating_add(count("lily_fences").await.unwrap_or(u64::MAX)),
+        ),
+        _ => None,
+    };
+    let counters_exact = match case {
+        Case::HotKeys => Some(counters(database, n).await),
+        Case::Scope => None,
+    };
+    let inspector = Inspector::connect(url).await;
+    let mut drained = |ids: BTreeMap<String, usize>| {
+        bad.extend(ids.keys().cloned());
+        ids.values().map(|&c| c as u64).sum::<u64>()
+    };
+    let dead_lettered = drained(inspector.drain_ids(&topology.dead_letter_queue()).await);
+    let parked = drained(inspector.drain_ids(&topology.parking_queue()).await);
+    let mut in_retry_buckets = 0;
+    for (bucket, _) in topology.buckets() {
+        in_retry_buckets += u64::from(depth(url, bucket).await.unwrap_or(0));
+    }
+    let work_queue_ready = depth(url, topology.queue()).await;
+    bad.truncate(10);
+    let passed = effects == n
+        && inbox == n
+        && strays_e + strays_i == 0
+        && counters_exact != Some(false)
+        && work_queue_ready == Some(0)
+        && dead_lettered + parked + in_retry_buckets == 0
+        && lease_documents.is_none_or(|d| d == 0);
+    Check {
+        passed,
+        effects,
+        inbox,
+        strays: strays_e + strays_i,
+        counters_exact,
+        work_queue_ready,
+        dead_lettered,
+        parked,
+        in_retry_buckets,
+        lease_documents,
+        sample_ids: bad,
+    }
+}
+
+/// How often each message id occurs in `collection`'s `_id`s (Lily's inbox keys them
+/// `{c: consumer, m: message id}`).
+async fn ids(database: &Database, collection: &str, lily: bool) -> BTreeMap<String, u64> {
+    let read = |e: mongodb::error::Error| -> ! { panic!("read {collection}: {}", kind(&e)) };
+    let mut cursor = database
+        .collection::<Document>(collection)
+        .find(doc! {})
+        .projection(doc! { "_id": 1 })
+        .await
+        .unwrap_or_else(|e| read(e));
+    let mut found = BTreeMap::new();
+    while cursor.advance().await.unwrap_or_else(|e| read(e)) {
+        let document: Document = cursor.deserialize_current().expect("a document parses");
+        let key = match document.get("_id") {
+            Some(Bson::String(id)) if !lily => Some(id.clone()),
+            Some(Bson::Document(key)) if lily && key.get_str("c") == Ok(CONSUMER) => {
+                key.get_str("m").ok().map(str::to_owned)
+            }
+            _ => None,
+        };
+        *found.entry(key.unwrap_or_default()).or_insert(0) += 1;
+    }
+    found
+}
+
+/// (expected ids found once, other documents); ids missing or unexpected go to `bad`.
+fn tally(found: &BTreeMap<String, u64>, n: u64, bad: &mut Vec<String>) -> (u64, u64) {
+    let (mut seen, mut strays) = (0, 0);
+    for (id, &count) in found {
+        match index_of(id) {
+            Some(i) if i < n && count == 1 && *id == format!("m-{i}") => seen += 1,
+            _ => {
+                strays += count;
+                bad.push(id.clone());
+            }
+        }
+    }
+    bad.extend(
+        (0..n)
+            .map(|i| format!("m-{i}"))
+            .filter(|id| !found.contains_key(id))
+            .take(10),
+    );
+    (seen, strays)
+}
+
+/// Whether counter `k` holds exactly the messages `i` with `hot_key(i) == k`, for every `k`.
+async fn counters(database: &Database, n: u64) -> bool {
+    let mut cursor = database
+        .collection::<Document>(COUNTERS)
+        .find(doc! {})
+        .await
+        .expect("read counters");
+    let mut keys = 0;
+    while cursor.advance().await.expect("read counters") {
+        let document: Document = cursor.deserialize_current().expect("a counter parses");
+        let (Ok(key), Ok(count)) = (document.get_i64("_id"), document.get_i64("n")) else {
+            return false;
+        };
+        keys += 1;
+        if usize::try_from(count) != Ok((0..n).filter(|&i| hot_key(i) == key).count()) {
+            return false;
+        }
+    }
+    keys == HOT_KEYS
 }
 
 #[cfg(test)]
 mod tests {
-    use super::redact;
-
     #[test]
-    fn redact_drops_credentials_and_secret_options() {
-        assert_eq!(
-            redact("mongodb://u:secret@127.0.0.1:27700/?replicaSet=lily&directConnection=true"),
-            "mongodb://127.0.0.1:27700/?replicaSet=lily&directConnection=true"
-        );
-        let r = redact("mongodb://h:1/?tlsCertificateKeyFilePassword=pw&replicaSet=rs");
-        assert!(!r.contains("pw"), "{r}");
-        assert_eq!(r, "mongodb://h:1/?replicaSet=rs&…");
-        assert_eq!(redact("mongodb://h:1"), "mongodb://h:1");
+    fn redact_drops_credentials_and_every_option() {
+        let url =
+            "mongodb://u:secret@127.0.0.1:27700/?replicaSet=lily&tlsCertificateKeyFilePassword=pw";
+        assert_eq!(super::redact(url), "mongodb://127.0.0.1:27700/");
     }
 }

@@ -12,7 +12,6 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use lily::consumer::Totals;
 use lily::mongo::mongodb::Client;
 use lily::mongo::mongodb::bson::{Document, doc};
 use lily::mongo::mongodb::error::TRANSIENT_TRANSACTION_ERROR;
@@ -44,13 +43,8 @@ pub async fn scope(client: Client, who: Contender, counters: &Arc<Counters>) -> 
         .unwrap_or_else(|e| panic!("Lily's scope refused: {}", crate::mongo::db::kind(&e)))
 }
 
-/// Consumes until Lily's ledger counts `n` ACKs (or the run limit passes); returns the sample
-/// and Lily's totals after its shutdown.
-pub async fn consume(
-    load: &Load<'_>,
-    scope: MongoScope,
-    counters: Arc<Counters>,
-) -> (Sample, Totals) {
+/// Consumes until Lily's ledger counts `n` ACKs (or the run limit passes).
+pub async fn consume(load: &Load<'_>, scope: MongoScope, counters: Arc<Counters>) -> Sample {
     let Load {
         url,
         queue,
@@ -89,7 +83,8 @@ pub async fn consume(
         tokio::time::sleep(POLL).await;
     }
     let (elapsed, count) = (started.elapsed(), lily.stats.totals().acked);
-    (Sample::new(count, n, elapsed), lily.stopped().await)
+    lily.stopped().await;
+    Sample::new(count, n, elapsed)
 }
 
 /// The handler's writes, in the scope's transaction.
