@@ -20,8 +20,8 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::Order;
-use crate::run::copy_headers as h;
 use crate::run::{FAILURE_REASON, FirstDelivery, Sample, run_limit};
+use lily::headers as h;
 
 /// How the success-path loop settles each delivery.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -424,7 +424,7 @@ pub fn retry_properties(delivery: &Delivery, source_queue: &str, reason: &str) -
         .as_ref()
         .map(|t| t.inner().clone())
         .unwrap_or_default();
-    let attempt = headers.get(h::ATTEMPT).and_then(as_u32).unwrap_or(1);
+    let attempt = headers.get(h::ATTEMPT).and_then(h::as_u32).unwrap_or(1);
     let first = headers
         .get(h::FIRST_FAILURE_AT)
         .and_then(|v| match v {
@@ -448,17 +448,6 @@ pub fn retry_properties(delivery: &Delivery, source_queue: &str, reason: &str) -
         .clone()
         .with_headers(FieldTable::from(headers))
         .with_delivery_mode(2)
-}
-
-fn as_u32(value: &AMQPValue) -> Option<u32> {
-    match value {
-        AMQPValue::LongUInt(v) => Some(*v),
-        AMQPValue::LongInt(v) => u32::try_from(*v).ok(),
-        AMQPValue::LongLongInt(v) => u32::try_from(*v).ok(),
-        AMQPValue::ShortUInt(v) => Some(u32::from(*v)),
-        AMQPValue::ShortShortUInt(v) => Some(u32::from(*v)),
-        _ => None,
-    }
 }
 
 fn long(text: &str) -> AMQPValue {

@@ -344,7 +344,6 @@ fn keeps_up(run: &latency::Run) -> String {
     let flags: Vec<&str> = [
         (!run.publisher_reached_target, "publisher short of target"),
         (!run.kept_up, "fell behind"),
-        (!run.backlog_bounded, "backlog grew"),
         (!run.complete, "incomplete"),
         (run.failed > 0 || run.unconfirmed > 0, "failures"),
     ]
@@ -369,7 +368,7 @@ pub fn latency(r: &latency::Results) -> String {
         &r.meta,
         &conditions,
     );
-    let head = "path|prefetch|load|target msg/s|published msg/s|contender|settled msg/s|p50 ms|p99 ms|p99.9 ms|> 100 ms|max ready depth|kept up|p99 Lily − raw-batch (target)";
+    let head = "path|prefetch|load|target msg/s|published msg/s|contender|settled msg/s|p50 ms|p99 ms|p99.9 ms|> 100 ms|kept up|p99 Lily − raw-batch (target)";
     let mut table = Table::new(head, 2);
     let load = |c: &latency::Case| format!("{:.0} %", c.load * 100.0);
     for c in &r.cases {
@@ -391,7 +390,7 @@ pub fn latency(r: &latency::Results) -> String {
         );
         for (run, diff) in [(&c.raw_batch, String::new()), (&c.lily, diff)] {
             let l = &run.latency;
-            row!(table; c.path.name(), c.prefetch, load(c), rate(c.target_rate), rate(run.publish_rate), run.contender.name(), rate(run.settled_per_sec), ms(l.p50_us), ms(l.p99_us), ms(l.p999_us), over(l, 100), run.max_ready_depth, keeps_up(run), diff);
+            row!(table; c.path.name(), c.prefetch, load(c), rate(c.target_rate), rate(run.publish_rate), run.contender.name(), rate(run.settled_per_sec), ms(l.p50_us), ms(l.p99_us), ms(l.p999_us), over(l, 100), keeps_up(run), diff);
         }
     }
     out += &table.end();

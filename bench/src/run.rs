@@ -192,18 +192,6 @@ impl Sample {
 /// When a run's first delivery reached the contender's own code (`get_or_init(Instant::now)`).
 pub type FirstDelivery = std::sync::OnceLock<Instant>;
 
-/// Headers of a retry copy (Lily's names; the raw contenders write the same set).
-pub mod copy_headers {
-    pub const ATTEMPT: &str = "x-lily-attempt";
-    pub const FIRST_FAILURE_AT: &str = "x-lily-first-failure-at";
-    pub const LAST_FAILURE_AT: &str = "x-lily-last-failure-at";
-    pub const FAILURE_KIND: &str = "x-lily-failure-kind";
-    pub const REASON: &str = "x-lily-reason";
-    pub const SOURCE_QUEUE: &str = "x-lily-source-queue";
-    pub const ORIGINAL_EXCHANGE: &str = "x-lily-original-exchange";
-    pub const ORIGINAL_ROUTING_KEY: &str = "x-lily-original-routing-key";
-}
-
 #[cfg(test)]
 mod tests {
     use super::in_turn;

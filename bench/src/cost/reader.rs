@@ -1,11 +1,7 @@
-//! The cost of Lily's frame reader (`crates/rabbit/src/wire.rs`, the stream that rewrites what
-//! lapin could not parse), alone: the frames of `n` deliveries as the broker sends them (a
-//! `basic.deliver`, a content header with a message id, type, content type, delivery mode and
-//! two headers, and a 512-byte body), read through [`Sanitizing`] in 128 KiB reads, as lapin's
-//! I/O loop reads. The child builds the frames of `total` deliveries whatever it reads, so the
-//! difference of two runs is the reading alone; with `plain`, it reads them without the
-//! rewriter, which is what a socket read costs lapin anyway (here a copy from memory), and is
-//! subtracted.
+//! The cost of Lily's frame reader alone (`crates/rabbit/src/wire.rs`): the frames of `n`
+//! deliveries as the broker sends them, read through [`Sanitizing`] in 128 KiB reads as lapin's
+//! I/O loop reads, or plainly (the baseline, subtracted). Every run builds the frames of `total`
+//! deliveries, so the difference of two runs is the reading alone.
 
 use futures_util::io::{AsyncReadExt, Cursor};
 use lily::testing::{Rewrites, Sanitizing};

@@ -123,7 +123,7 @@ pub async fn run(args: Args) {
                         let (l, incomplete) =
                             (r.latency, if r.complete { "" } else { " (INCOMPLETE)" });
                         eprintln!(
-                            "  {} prefetch {prefetch} {:.0}% ({target:.0}/s) round {round}/{} {:<9} settled {:>7.0}/s p50 {:.2} p99 {:.2} p99.9 {:.2} ms{copies}, max depth {}{incomplete} [{:.0} s]",
+                            "  {} prefetch {prefetch} {:.0}% ({target:.0}/s) round {round}/{} {:<9} settled {:>7.0}/s p50 {:.2} p99 {:.2} p99.9 {:.2} ms{copies}{incomplete} [{:.0} s]",
                             path.name(),
                             load * 100.0,
                             args.reps,
@@ -132,7 +132,6 @@ pub async fn run(args: Args) {
                             ms(l.p50_us),
                             ms(l.p99_us),
                             ms(l.p999_us),
-                            r.max_ready_depth,
                             total.elapsed().as_secs_f64()
                         );
                         runs.push(r);

@@ -1,19 +1,9 @@
-//! `raw-batch`: a raw lapin consumer as an expert tunes it for throughput.
-//!
-//! One loop on one channel with `basic.qos(prefetch)`. Each delivery is deserialized (an
-//! [`Order`], serde_json) and joins the open batch; the batch is flushed once
-//! `max(1, prefetch / 2)` deliveries are unACKed, or as soon as no further delivery is ready
-//! right now (the lapin consumer stream is polled once with a no-op waker; `Pending` flushes).
-//!
-//! - Success path: a flush is one `basic.ack(multiple = true)` of the batch's last delivery.
-//! - Handoff path: each delivery's retry copy is published at once (mandatory, persistent,
-//!   Lily's eight failure headers) on one confirm channel, without awaiting its confirm; a flush
-//!   awaits the batch's confirms together and, if every one is an `Ack` without a return, ACKs
-//!   the batch with one `multiple` ACK. Otherwise each confirmed delivery is ACKed singly and
-//!   each failed one NACKed with requeue, singly.
-//!
-//! A delivery's latency runs from the moment the paced publisher published it to the completion
-//! of the ACK future that covered it.
+//! `raw-batch`: a raw lapin consumer as an expert tunes it for throughput. One loop on one
+//! channel; each delivery is deserialized and joins the open batch, which is flushed at
+//! `max(1, prefetch / 2)` deliveries or as soon as no further delivery is ready. A flush is one
+//! `multiple` ACK; on the handoff path each copy is published at once (mandatory, persistent,
+//! Lily's failure headers) and a flush first awaits the batch's confirms (a failed copy's
+//! original is NACKed with requeue, the others ACKed singly). Method: `bench/README.md`.
 
 use std::pin::Pin;
 use std::sync::Arc;

@@ -9,10 +9,10 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::fresh_topology;
-use crate::latency::pace::{Depth, publish_paced};
+use crate::latency::pace::publish_paced;
 use crate::latency::raw_batch::{Counters, RawBatch};
 use crate::latency::timer::{Sent, Sink, Sinks};
-use crate::latency::{BACKLOG_SECS, Contender, KEPT_UP, Latencies, Path, Run};
+use crate::latency::{Contender, KEPT_UP, Latencies, Path, Run};
 use crate::run::{Lily, Sample, backlog, run_limit, unexpected};
 use crate::throughput::lily_run;
 
@@ -156,13 +156,6 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
     .await;
     let (settled_sink, copies) = running.sinks(&setup.lily);
     let _ = settled_sink.take();
-    let depth = Arc::new(Depth::default());
-    let stop_depth = CancellationToken::new();
-    let watch = tokio::spawn(Arc::clone(&depth).watch(
-        setup.url.clone(),
-        QUEUE.to_owned(),
-        stop_depth.clone(),
-    ));
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
     let capacity = (rate * setup.run.as_secs_f64()) as usize + 1;
     let sent = Arc::new(Sent::new(capacity));
@@ -180,7 +173,6 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
     let settled_from = running.settled();
     tokio::time::sleep_until(until.into()).await;
     let settled_until = running.settled();
-    let ready_depth_at_end = depth.last.load(Ordering::Relaxed);
     let paced = publisher.await.expect("the paced publisher");
     let deadline = Instant::now() + DRAIN_LIMIT;
     while running.settled() < paced.published && Instant::now() < deadline && !running.finished() {
@@ -188,8 +180,6 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
     }
     let drain_secs = until.elapsed().as_secs_f64();
     let complete = running.settled() >= paced.published;
-    stop_depth.cancel();
-    let _ = watch.await;
     let timed = |sink: &Sink| {
         let kept = sink
             .take()
@@ -214,9 +204,6 @@ pub async fn paced(setup: &Setup, who: Contender, path: Path, prefetch: u16, rat
         publisher_reached_target: publish_rate >= KEPT_UP * rate,
         settled_per_sec,
         kept_up: settled_per_sec >= KEPT_UP * publish_rate,
-        max_ready_depth: depth.max.load(Ordering::Relaxed),
-        ready_depth_at_end,
-        backlog_bounded: f64::from(ready_depth_at_end) <= BACKLOG_SECS * rate,
         drain_secs,
         complete,
         failed,

@@ -1,21 +1,7 @@
-//! Where latencies are kept, and how Lily is timed: a `tracing_subscriber::Layer` that sees only
-//! Lily's `delivery` and `handoff` spans.
-//!
-//! Every latency starts when the paced publisher published the message ([`Sent`]), for both
-//! contenders, so time a delivery waits before a contender looks at it (in the broker, in
-//! lapin's buffer, for a free worker) counts the same for each.
-//!
-//! Lily opens an INFO span named `delivery` (target `lily_mq_rabbit::…`, with the message id)
-//! when a delivery reaches its delivery task and closes it once the delivery is settled (ACK
-//! written, or copy confirmed and ACK written). The layer looks the message's publish time up
-//! in `on_new_span` and pushes the time to the span's close into a [`Sink`] in `on_close`. Its
-//! filter enables those two callsites and no other span or event (`Interest::never` for every
-//! other callsite, INFO as the level hint), so the observer costs one span a delivery (two with
-//! a handoff) and nothing else.
-//!
-//! On the handoff path the layer also times Lily's `handoff` spans (inside `delivery`, from the
-//! copy built to its verdict) into a sink of their own: how long the broker took to confirm
-//! each copy, the part of a delivery's time that is the broker's.
+//! Where latencies are kept, and how Lily is timed: a `tracing_subscriber::Layer` enabled for
+//! Lily's `delivery` and `handoff` spans only (one span a delivery, two with a handoff). A
+//! delivery is timed from its publish ([`Sent`], for both contenders) to its span's close; a
+//! `handoff` span from its opening to its close (the copy's wait for its confirm).
 
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};

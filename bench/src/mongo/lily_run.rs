@@ -1,13 +1,7 @@
-//! The Lily contenders: a handler doing the raw contender's effect writes through `MongoTx`,
-//! inside the transaction Lily's `MongoScope` opens (with the inbox record) and commits before
-//! it ACKs.
-//!
-//! The handler deserializes the order (`Json<Order>`), inserts `{_id: message_id, sku,
-//! quantity}` into `effects` and, in the hot-keys case, `$inc`s counter `index % 5`. A driver
-//! error labelled `TransientTransactionError` (a write conflict) becomes
-//! `QueueHandlerError::transient`, which makes Lily abort and run the whole scope again
-//! in-process with backoff; anything else is retryable. Everything else is Lily's default: the
-//! policy, the scope's configuration (with or without the per-message lease), the settlement.
+//! The Lily contenders: a handler doing the raw contender's effect writes through `MongoTx`, in
+//! the transaction Lily's `MongoScope` opens (with the inbox record) and commits before the ACK.
+//! A write conflict (`TransientTransactionError`) becomes `QueueHandlerError::transient`, so
+//! Lily runs the whole scope again in-process with backoff; anything else is retryable.
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -1,23 +1,8 @@
-//! The raw contender: lapin + the mongodb driver, written the way a careful user writes a
-//! transactional-inbox consumer without a framework.
-//!
-//! One channel with `basic.qos(prefetch)`; a task per delivery, at most `concurrency` at once (a
-//! semaphore). Each task deserializes the order, starts a session and runs the transaction the
-//! driver documentation describes:
-//!
-//! 1. `start_transaction` (snapshot read concern, majority write concern: what Lily uses);
-//! 2. insert the inbox record `{_id: message_id}` into `inbox` — a duplicate key means the
-//!    message was processed before: abort and ACK;
-//! 3. insert the effect `{_id: message_id, sku, quantity}` into `effects` (hot keys: and
-//!    `$inc: {n: 1}` on `counters` document `index % 5`);
-//! 4. commit, retrying the commit alone while it fails with `UnknownTransactionCommitResult`;
-//! 5. on `TransientTransactionError` anywhere (a write conflict) the whole transaction runs
-//!    again at once, as in the driver's example (no backoff);
-//! 6. ACK after the commit. Any other failure, or a transaction still not committed after the
-//!    same 10 s budget Lily's default policy gives a delivery, NACKs with requeue.
-//!
-//! The clock runs from the AMQP connect until `n` ACKs were written (`Acker::ack` returned
-//! `Ok(true)`).
+//! The raw contender: lapin + the mongodb driver, a transactional-inbox consumer written by hand
+//! as the driver's documentation describes it: a task a delivery (at most `concurrency`), one
+//! transaction each (inbox record, effect, hot keys' `$inc`), the whole transaction again on a
+//! `TransientTransactionError`, the commit again on `UnknownTransactionCommitResult`, then the
+//! ACK; otherwise, or past Lily's 10 s budget, a NACK with requeue. Method: `bench/README.md`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

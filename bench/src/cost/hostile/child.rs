@@ -1,13 +1,9 @@
-//! The `hostile` child, Lily or raw lapin at the same prefetch, on the multi-thread runtime. It
-//! consumes the empty queue and prints `IDLE`; until the parent has published the load and
-//! written `GO` it holds what it receives (Lily's handlers wait on a gate; raw keeps the
-//! deliveries unACKed), and once `PREFETCH` are held it prints `FULL` and drains at full speed.
-//! On `STOP` it shuts down and prints `RESULT` with its memory samples and what its handler saw,
-//! by message index: the application's record, which the parent checks against the queues.
-//!
-//! Both decode every body (the [`Load`] with its ~64 KiB string) and
-//! check its id; Lily's handler then fails or succeeds by the message's class, while raw, with
-//! no gate, ACKs every message it decodes.
+//! The `hostile` child, Lily or raw lapin at the same prefetch: it prints `IDLE` once consuming,
+//! holds what it receives until the parent writes `GO` and the window is full (`FULL`), then
+//! drains at full speed; on `STOP` it shuts down and prints `RESULT`: its memory and what its
+//! handler saw, by message index (the application's record, checked against the queues). Both
+//! decode every body and check its id; Lily then fails or succeeds by the message's class, raw,
+//! with no gate, ACKs every message. Method: `bench/README.md`.
 
 use std::io::BufRead as _;
 use std::sync::Arc;
