@@ -23,6 +23,17 @@ use crate::Order;
 use crate::run::{FAILURE_REASON, FirstDelivery, Sample, run_limit};
 use lily::headers as h;
 
+/// A retry copy's publish: returned, not dropped, when unroutable.
+pub const MANDATORY: BasicPublishOptions = BasicPublishOptions {
+    mandatory: true,
+    immediate: false,
+};
+/// A failed copy's original goes back to its queue.
+pub const REQUEUE: BasicNackOptions = BasicNackOptions {
+    multiple: false,
+    requeue: true,
+};
+
 /// How the success-path loop settles each delivery.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Settle {
@@ -175,13 +186,9 @@ pub async fn hand_off_one(
 ) -> bool {
     deserialize(&delivery);
     let properties = retry_properties(&delivery, source, reason);
-    let mandatory = BasicPublishOptions {
-        mandatory: true,
-        immediate: false,
-    };
     let confirmed = async {
         confirms
-            .basic_publish("".into(), bucket, mandatory, &delivery.data, properties)
+            .basic_publish("".into(), bucket, MANDATORY, &delivery.data, properties)
             .await?
             .await
     }
@@ -193,11 +200,7 @@ pub async fn hand_off_one(
             .await
             .is_ok_and(|written| written);
     }
-    let requeue = BasicNackOptions {
-        multiple: false,
-        requeue: true,
-    };
-    let _ = delivery.acker.nack(requeue).await;
+    let _ = delivery.acker.nack(REQUEUE).await;
     false
 }
 
@@ -292,11 +295,7 @@ pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, 
                         settled += 1;
                     } else {
                         failed += 1;
-                        let requeue = BasicNackOptions {
-                            multiple: false,
-                            requeue: true,
-                        };
-                        let _ = channel.basic_nack(tag, requeue).await;
+                        let _ = channel.basic_nack(tag, REQUEUE).await;
                     }
                 }
             }
@@ -315,15 +314,11 @@ pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, 
         received += 1;
         deserialize(&delivery);
         let properties = retry_properties(&delivery, queue, FAILURE_REASON);
-        let mandatory = BasicPublishOptions {
-            mandatory: true,
-            immediate: false,
-        };
         let published = confirms
             .basic_publish(
                 "".into(),
                 bucket.clone(),
-                mandatory,
+                MANDATORY,
                 &delivery.data,
                 properties,
             )
@@ -331,11 +326,7 @@ pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, 
         match published {
             Ok(confirm) => pending.push((delivery.delivery_tag, confirm)),
             Err(_) => {
-                let requeue = BasicNackOptions {
-                    multiple: false,
-                    requeue: true,
-                };
-                let _ = delivery.acker.nack(requeue).await;
+                let _ = delivery.acker.nack(REQUEUE).await;
             }
         }
         if (pending.len() == batch || received == n)

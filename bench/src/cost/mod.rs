@@ -70,18 +70,20 @@ pub struct Options {
     child: Option<Child>,
     #[command(flatten)]
     common: Common,
-    /// Messages of the long native runs, and of the short ones (subtracted).
+    /// Messages of the long native runs.
     #[arg(long, default_value_t = 20_000)]
     n: usize,
+    /// Messages of the short native runs (subtracted).
     #[arg(long, default_value_t = 2_000)]
     n0: usize,
-    /// Messages of the long and short runs under valgrind (quick: 5 000 and 500).
+    /// Messages of the long runs under valgrind (quick: 5 000).
     #[arg(
         long,
         default_value = "20000",
         default_value_if("quick", "true", Some("5000"))
     )]
     valgrind_n: usize,
+    /// Messages of the short runs under valgrind (quick: 500).
     #[arg(
         long,
         default_value = "2000",
@@ -99,9 +101,10 @@ pub struct Options {
     #[arg(long, default_value = "5", value_parser = crate::cli::nonzero,
           default_value_if("quick", "true", Some("3")))]
     shutdown_runs: usize,
-    /// Messages and prefetch of the hostile load.
+    /// Messages of the hostile load.
     #[arg(long, default_value_t = hostile::N, value_parser = crate::cli::nonzero)]
     hostile_n: usize,
+    /// Prefetch (and concurrency) of the hostile load.
     #[arg(long, default_value_t = hostile::PREFETCH, value_parser = clap::value_parser!(u16).range(1..))]
     hostile_prefetch: u16,
     /// Steps to run: allocs, instructions, reader, memory, shutdown, hostile (default: all).

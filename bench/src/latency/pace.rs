@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::ConfirmSelectOptions;
 use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
 use tokio::sync::mpsc;
 use tokio::time::MissedTickBehavior;
@@ -58,10 +58,6 @@ pub async fn publish_paced(
         }
         unconfirmed
     });
-    let options = BasicPublishOptions {
-        mandatory: true,
-        immediate: false,
-    };
     let mut failed = 0;
     let mut ticks = tokio::time::interval(TICK);
     ticks.set_missed_tick_behavior(MissedTickBehavior::Skip);
@@ -80,7 +76,13 @@ pub async fn publish_paced(
                     .with_type("order.placed".into())
                     .with_content_type("application/json".into())
                     .with_delivery_mode(2);
-                channel.basic_publish("".into(), queue.into(), options, &body, properties)
+                channel.basic_publish(
+                    "".into(),
+                    queue.into(),
+                    crate::raw::MANDATORY,
+                    &body,
+                    properties,
+                )
             })
             .collect();
         sent = due.max(sent);

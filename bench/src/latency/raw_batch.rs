@@ -15,8 +15,7 @@ use futures_core::Stream;
 use lapin::Acker;
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
-    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
 
 use lapin::types::{FieldTable, ShortString};
@@ -156,10 +155,7 @@ impl RawBatch {
                     .basic_publish(
                         "".into(),
                         bucket.clone(),
-                        BasicPublishOptions {
-                            mandatory: true,
-                            immediate: false,
-                        },
+                        crate::raw::MANDATORY,
                         &delivery.data,
                         properties,
                     )
@@ -224,13 +220,7 @@ impl RawBatch {
                         continue;
                     }
                 } else {
-                    let _ = pending
-                        .acker
-                        .nack(BasicNackOptions {
-                            multiple: false,
-                            requeue: true,
-                        })
-                        .await;
+                    let _ = pending.acker.nack(crate::raw::REQUEUE).await;
                 }
                 counters.failed.fetch_add(1, Ordering::Relaxed);
             }

@@ -35,9 +35,10 @@ pub struct Args {
     #[arg(short, long, default_value = "3", value_parser = clap::value_parser!(u32).range(1..),
           default_value_if("quick", "true", Some("2")))]
     reps: u32,
-    /// Concurrency of the scope case, and of the hot-keys case.
+    /// Concurrency of the scope case.
     #[arg(long, default_value_t = 32, value_parser = crate::cli::nonzero)]
     concurrency: usize,
+    /// Concurrency of the hot-keys case.
     #[arg(long, default_value_t = 8, value_parser = crate::cli::nonzero)]
     hot_concurrency: usize,
     /// Prefetch of every case (default: twice its concurrency).

@@ -137,13 +137,7 @@ async fn handle(store: &Store, counters: &Counters, delivery: lapin::message::De
         ),
         Ok(Err(_)) | Err(_) => {
             Counters::bump(&counters.requeued);
-            let _ = delivery
-                .acker
-                .nack(BasicNackOptions {
-                    multiple: false,
-                    requeue: true,
-                })
-                .await;
+            let _ = delivery.acker.nack(crate::raw::REQUEUE).await;
             false
         }
     }

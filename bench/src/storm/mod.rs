@@ -132,20 +132,6 @@ fn slope(points: &[(f64, f64)]) -> f64 {
     sxy / sxx
 }
 
-/// `VmRSS` of this process, from `/proc/self/status`.
-pub fn rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|rest| rest.split_whitespace().next())
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}
-
 /// Samples every second for `secs` seconds: the growth of `count`, `VmRSS` and the ready depth
 /// of `queue` (read on a connection of its own).
 pub async fn sample(url: &str, queue: &str, secs: u32, count: impl Fn() -> u64) -> Vec<Second> {
@@ -163,7 +149,7 @@ pub async fn sample(url: &str, queue: &str, secs: u32, count: impl Fn() -> u64) 
     for t in 1..=secs {
         tokio::time::sleep_until((started + Duration::from_secs(u64::from(t))).into()).await;
         let now = count();
-        let rss_bytes = rss_bytes();
+        let rss_bytes = crate::cost::memory::Mem::now().rss_bytes;
         let ready = match &channel {
             Some(channel) => crate::ready(channel, queue).await,
             None => None,

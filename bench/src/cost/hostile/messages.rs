@@ -1,6 +1,5 @@
-//! The messages of the hostile run: bodies and headers just under the limits in force, and a
-//! share just over one limit each, chosen by the message's index so the checker knows what each
-//! id should become.
+//! The messages of the hostile run, chosen by index (the mix: `bench/README.md`): bodies and
+//! headers just under the limits in force, a share just over one limit each.
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString};
@@ -16,11 +15,11 @@ pub const BODY_MARGIN: usize = 64;
 pub const HEADER_MARGIN: usize = 64;
 /// Header values near `max_header_value_len` on every message under the limits.
 const BIG_VALUES: usize = 3;
-/// Prefix of the hostile header keys (a sanitized copy carries none).
+/// Prefix of the hostile header keys.
 pub const KEY_PREFIX: &str = "x-load-";
 
 /// What a message is built to exercise.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Class {
     /// Under every limit; the handler decodes it and succeeds.
     Succeeds,
@@ -40,18 +39,6 @@ pub enum Class {
     /// Tables nested `max_header_depth + 1` deep: a sanitized copy to the DLQ.
     TooDeep,
 }
-
-/// Every class, in report order.
-pub const CLASSES: [Class; 8] = [
-    Class::Succeeds,
-    Class::Retried,
-    Class::Permanent,
-    Class::Oversized,
-    Class::TooManyHeaders,
-    Class::ValueTooLong,
-    Class::HeadersTooLarge,
-    Class::TooDeep,
-];
 
 /// Where a message of a class ends, seen from outside Lily.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,19 +64,6 @@ impl Class {
             5..=9 => Self::Permanent,
             10..=14 if i < n / 5 => Self::Retried,
             _ => Self::Succeeds,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Succeeds => "succeeds",
-            Self::Retried => "retried",
-            Self::Permanent => "permanent",
-            Self::Oversized => "oversized_body",
-            Self::TooManyHeaders => "too_many_headers",
-            Self::ValueTooLong => "header_value_too_long",
-            Self::HeadersTooLarge => "headers_too_large",
-            Self::TooDeep => "headers_too_deep",
         }
     }
 

@@ -9,7 +9,7 @@ use std::io::{BufRead as _, BufReader, Write as _};
 use std::process::{ChildStdin, Stdio};
 use std::time::{Duration, Instant};
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::ConfirmSelectOptions;
 use lapin::{Confirmation, Connection, ConnectionProperties};
 use lily::consumer::{Limits, Policy};
 use lily::prelude::QueueKind;
@@ -274,16 +274,18 @@ async fn publish(url: &str, queue: &str, n: usize) -> Result<u64, String> {
         Ok(Confirmation::Ack(None)) => Ok(()),
         other => Err(format!("publish of message {i} not confirmed: {other:?}")),
     };
-    let mandatory = BasicPublishOptions {
-        mandatory: true,
-        immediate: false,
-    };
     for i in 0..n {
         let (_, body, properties) = message(i, n, &limits);
         pending.push_back((
             i,
             channel
-                .basic_publish("".into(), queue.into(), mandatory, &body, properties)
+                .basic_publish(
+                    "".into(),
+                    queue.into(),
+                    crate::raw::MANDATORY,
+                    &body,
+                    properties,
+                )
                 .await
                 .map_err(e("publish"))?,
         ));
