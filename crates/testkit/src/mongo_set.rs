@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use mongodb::bson::doc;
+use mongodb::bson::{Document, doc};
 use mongodb::options::{ClientOptions, ServerAddress};
 
 /// The three-member replica set `lily` that `scripts/test.sh` starts with
@@ -95,16 +95,27 @@ impl MongoSet {
         mongodb::Client::with_options(options).expect("a direct client")
     }
 
+    /// Runs `command` on `member` alone, through a client shut down afterwards (a client
+    /// merely dropped ends its sessions in a task of its own, which the driver lets panic when
+    /// its pool went first).
+    async fn run(&self, member: Member, command: Document) -> Option<Document> {
+        let client = self.direct(member).await;
+        let answer = client.database("admin").run_command(command).await.ok();
+        client.shutdown().immediate(true).await;
+        answer
+    }
+
+    /// What `member` says of itself: writable primary, secondary, or no answer.
+    async fn state(&self, member: Member) -> Option<(bool, bool)> {
+        let hello = self.run(member, doc! { "hello": 1 }).await?;
+        let flag = |key| hello.get_bool(key).unwrap_or(false);
+        Some((flag("isWritablePrimary"), flag("secondary")))
+    }
+
     /// The member that is a writable primary now, asking each member itself.
     pub async fn primary(&self) -> Option<Member> {
         for member in 0..self.len() {
-            let hello = self
-                .direct(member)
-                .await
-                .database("admin")
-                .run_command(doc! { "hello": 1 })
-                .await;
-            if hello.is_ok_and(|h| h.get_bool("isWritablePrimary").unwrap_or(false)) {
+            if matches!(self.state(member).await, Some((true, _))) {
                 return Some(member);
             }
         }
@@ -139,14 +150,7 @@ impl MongoSet {
         loop {
             let mut up = 0;
             for member in 0..self.len() {
-                let hello = self
-                    .direct(member)
-                    .await
-                    .database("admin")
-                    .run_command(doc! { "hello": 1 })
-                    .await;
-                let state = |h: &mongodb::bson::Document, key| h.get_bool(key).unwrap_or(false);
-                if hello.is_ok_and(|h| state(&h, "isWritablePrimary") || state(&h, "secondary")) {
+                if matches!(self.state(member).await, Some((true, _) | (_, true))) {
                     up += 1;
                 }
             }
@@ -200,12 +204,8 @@ impl MongoSet {
         let primary = self.await_primary(Duration::from_secs(30)).await;
         // The command closes the connection it arrives on once the member is a secondary: an
         // error here is the step-down having happened; whether it did is checked below.
-        let _ = self
-            .direct(primary)
-            .await
-            .database("admin")
-            .run_command(doc! { "replSetStepDown": i64::from(seconds), "force": true })
-            .await;
+        let step_down = doc! { "replSetStepDown": i64::from(seconds), "force": true };
+        let _ = self.run(primary, step_down).await;
         let deadline = Instant::now() + Duration::from_secs(10);
         while self.primary().await == Some(primary) {
             assert!(Instant::now() < deadline, "m{primary} did not step down");
@@ -214,15 +214,33 @@ impl MongoSet {
         primary
     }
 
-    /// The rollback files any member wrote: a write a member had acknowledged and then undid
-    /// when it rejoined. A majority-acknowledged write is never rolled back.
-    pub fn rollbacks(&self) -> Vec<PathBuf> {
-        (0..self.len())
-            .filter_map(|member| {
-                let dir = self.dir(member).join("db").join("rollback");
-                std::fs::read_dir(&dir).ok()?.next().map(|_| dir)
-            })
-            .collect()
+    /// The documents members rolled back (from the rollback files they wrote): writes a
+    /// primary applied and lost with its term before a majority had them, so never
+    /// acknowledged to a client that asked for a majority.
+    ///
+    /// # Panics
+    /// When a rollback file cannot be read or parsed.
+    pub fn rolled_back(&self) -> Vec<Document> {
+        let mut documents = Vec::new();
+        for member in 0..self.len() {
+            let root = self.dir(member).join("db").join("rollback");
+            let Ok(collections) = std::fs::read_dir(&root) else {
+                continue;
+            };
+            for file in collections
+                .flatten()
+                .filter_map(|dir| std::fs::read_dir(dir.path()).ok())
+                .flatten()
+                .flatten()
+            {
+                let bytes = std::fs::read(file.path()).expect("read a rollback file");
+                let mut reader = bytes.as_slice();
+                while !reader.is_empty() {
+                    documents.push(Document::from_reader(&mut reader).expect("a BSON document"));
+                }
+            }
+        }
+        documents
     }
 
     fn pid(&self, member: Member) -> u32 {
