@@ -38,6 +38,7 @@ const CONCURRENCY: usize = 20;
 /// handlers are both in flight when the fault comes.
 const HANDLER_WORK: Duration = Duration::from_millis(20);
 const SETTLED_WITHIN: Duration = Duration::from_secs(180);
+const WAIT: Duration = Duration::from_secs(60);
 
 #[derive(Clone, Copy, Debug)]
 enum Fault {
@@ -67,20 +68,22 @@ async fn ledger(tx: MongoTx, meta: Meta, runs: &AtomicUsize) -> Result<(), Queue
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_primary_killed_mid_transaction_and_mid_commit_leaves_every_effect_once() {
-    survive("kill", QueueKind::Classic, Fault::KillPrimary).await;
+    survive("kill", QueueKind::Classic, Fault::KillPrimary, false).await;
 }
 
+/// With leases: acquisitions, renewals and fence checks go through the election too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_primary_stepped_down_during_commits_leaves_every_effect_once() {
-    survive("stepdown", QueueKind::Quorum, Fault::StepDown).await;
+    survive("stepdown", QueueKind::Quorum, Fault::StepDown, true).await;
 }
 
+/// With leases.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn seconds_without_any_primary_leave_every_effect_once() {
-    survive("noprimary", QueueKind::Quorum, Fault::NoPrimary).await;
+    survive("noprimary", QueueKind::Quorum, Fault::NoPrimary, true).await;
 }
 
-async fn survive(name: &str, kind: QueueKind, fault: Fault) {
+async fn survive(name: &str, kind: QueueKind, fault: Fault, lease: bool) {
     let _one_at_a_time = SET.lock().await;
     let set = MongoSet::from_env();
     set.await_healthy(Duration::from_secs(60)).await;
@@ -89,8 +92,11 @@ async fn survive(name: &str, kind: QueueKind, fault: Fault) {
     let database = MongoNode::database_name(&format!("failover-{name}"));
     let commits = Arc::new(Mutex::new(Vec::<Instant>::new()));
     let committed = Arc::clone(&commits);
-    let config = MongoConfig::new("failover")
+    let mut config = MongoConfig::new("failover")
         .on_committed(move |_| committed.lock().unwrap().push(Instant::now()));
+    if lease {
+        config = config.with_lease();
+    }
     // The URL asks for acknowledgement by the primary alone: Lily's writes must not take it.
     let scope = MongoScope::connect(&format!("{}&w=1", set.url()), &database, config)
         .await
@@ -184,13 +190,14 @@ async fn survive(name: &str, kind: QueueKind, fault: Fault) {
     println!(
         "failover {name} ({fault:?}, {kind:?}): first commit {:?} after the primary was lost, \
          longest time without a commit {longest_gap:?}; handler runs {} for {N} messages; \
-         deferred {}, retried {}, duplicates suppressed {}; commits/s in the 5 s before {:.0}, \
+         deferred {}, retried {}, waited {}, duplicates suppressed {}; commits/s in the 5 s before {:.0}, \
          in the 10 s from the first commit after {:.0}; every effect {settled:?} after the \
          last publish",
         first_after.map(|first| first - at),
         runs.load(Ordering::Relaxed),
         t.deferred,
         t.retried,
+        t.waited,
         t.duplicates_suppressed,
         rate(at - Duration::from_secs(5), at),
         first_after.map_or(0.0, |first| rate(first, first + Duration::from_secs(10))),
@@ -314,4 +321,99 @@ async fn most_deferrals(mongo: &Database) -> i64 {
         most = most.max(n - 1);
     }
     most
+}
+
+/// Lily's own writes and reads outside the transaction ask for a majority though the URL asks
+/// for acknowledgement by the primary alone (`w=1`): the primary's profiler shows each command
+/// as it arrived. Lease acquisitions (`findAndModify` on `lily_leases`) carry `w: majority`;
+/// the read of a duplicate's inbox record (`find` on `lily_inbox`) carries read concern
+/// `majority`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lilys_own_writes_and_reads_ask_for_a_majority_whatever_the_url_says() {
+    let _one_at_a_time = SET.lock().await;
+    let set = MongoSet::from_env();
+    set.await_healthy(Duration::from_secs(60)).await;
+    let broker = Broker::from_env();
+    let queue = Broker::unique("majority");
+    let database = MongoNode::database_name("majority");
+    let mongo = direct(set.url(), &database).await;
+    mongo
+        .run_command(doc! { "profile": 2 })
+        .await
+        .expect("profile every operation");
+    let config = MongoConfig::new("majority").with_lease();
+    let scope = MongoScope::connect(&format!("{}&w=1", set.url()), &database, config)
+        .await
+        .expect("the scope connects to the set");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let router = Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| {
+        let runs = Arc::clone(&runs);
+        async move { ledger(tx, meta, &runs).await }
+    });
+    let cfg = ConsumerConfig::new(&queue);
+    let running = common::start_with(broker.url(), cfg, router, |c| c.scope(scope));
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    // Each id twice: the second delivery finds the first's inbox record and reads it.
+    for round in 0..2 {
+        for i in 0..5 {
+            client
+                .send(&queue, "order.placed", &format!("{queue}-{i}"), b"{}")
+                .await;
+        }
+        running
+            .wait_for("both rounds settled", WAIT, |t| t.acked >= 5 * (round + 1))
+            .await;
+    }
+    let report = running.stop().await;
+    assert_eq!(
+        report.totals.duplicates_suppressed, 5,
+        "{:?}",
+        report.totals
+    );
+    mongo
+        .run_command(doc! { "profile": 0 })
+        .await
+        .expect("profiling off");
+
+    let profiled = |filter: Document| {
+        let profile = mongo.collection::<Document>("system.profile");
+        async move {
+            let mut cursor = profile.find(filter).await.expect("read the profile");
+            let mut entries = Vec::new();
+            while cursor.advance().await.expect("profile cursor") {
+                entries.push(cursor.deserialize_current().expect("a profile entry"));
+            }
+            entries
+        }
+    };
+    let acquisitions = profiled(doc! {
+        "ns": format!("{database}.lily_leases"),
+        "command.findAndModify": { "$exists": true },
+    })
+    .await;
+    assert!(
+        acquisitions.len() >= 10,
+        "lease acquisitions profiled: {acquisitions:?}"
+    );
+    for entry in &acquisitions {
+        let asked = entry
+            .get_document("command")
+            .and_then(|c| c.get_document("writeConcern"))
+            .and_then(|w| w.get_str("w"));
+        assert_eq!(asked, Ok("majority"), "a lease acquisition: {entry:?}");
+    }
+    let reads = profiled(doc! {
+        "ns": format!("{database}.lily_inbox"),
+        "command.find": { "$exists": true },
+    })
+    .await;
+    assert!(reads.len() >= 5, "inbox reads profiled: {reads:?}");
+    for entry in &reads {
+        let level = entry
+            .get_document("command")
+            .and_then(|c| c.get_document("readConcern"))
+            .and_then(|r| r.get_str("level"));
+        assert_eq!(level, Ok("majority"), "an inbox read: {entry:?}");
+    }
 }
