@@ -5,6 +5,14 @@
 #   scripts/mongod.sh start DIR PORT   start a single-node replica set "lily" with its data in DIR,
 #                                      on 127.0.0.1:PORT, and wait until it is a writable primary
 #   scripts/mongod.sh stop DIR         stop the node started with DIR (by its PID)
+#   scripts/mongod.sh start-set DIR PORT
+#                                      start a replica set "lily" of three members, m0, m1 and m2
+#                                      in DIR, on PORT, PORT+1 and PORT+2, in parallel; wait until
+#                                      it has a primary and two secondaries
+#   scripts/mongod.sh stop-set DIR     stop the three members
+#   scripts/mongod.sh member-start DIR/mN
+#                                      start one member again (after a kill or a stop) with the
+#                                      arguments it was first started with
 #
 # With LILY_MONGOD_AUTH=USER:PASSWORD the node enforces authentication (--auth, with a key file
 # of its own in DIR for the replica set's members) and USER is created on the first start as
@@ -80,43 +88,63 @@ running_pid() {
   echo "$pid"
 }
 
-start() {
-  local dir port pid
-  dir=$(mkdir -p "$1" && cd "$1" && pwd) port=$2
-  install
+# Starts mongod for the member or node in $1 on port $2 (replica set "lily"), in the
+# background; the arguments are kept in DIR/args so that `member-start` can start it again.
+# A member stopped with SIGTERM quiesces for 1 s (LILY_MONGOD_QUIESCE_MS), not mongod's 15 s,
+# answering ShutdownInProgress meanwhile, so the tests' stops stay short.
+launch() {
+  local dir=$1 port=$2 keyfile=$3
+  mkdir -p "$dir/db"
+  echo "$port" >"$dir/port"
+  local args=(--replSet lily --bind_ip 127.0.0.1 --port "$port" --nounixsocket
+    --dbpath "$dir/db" --logpath "$dir/mongod.log" --logappend --pidfilepath "$dir/mongod.pid"
+    --oplogSize 128 --wiredTigerCacheSizeGB "${LILY_MONGOD_CACHE_GB:-0.5}"
+    --setParameter diagnosticDataCollectionEnabled=false
+    --setParameter "shutdownTimeoutMillisForSignaledShutdown=${LILY_MONGOD_QUIESCE_MS:-1000}"
+    --setParameter "transactionLifetimeLimitSeconds=${LILY_MONGOD_TXN_LIFETIME_S:-60}")
+  if [ -n "${LILY_MONGOD_TLS_DIR:-}" ]; then
+    args+=(--tlsMode allowTLS --tlsCertificateKeyFile "$LILY_MONGOD_TLS_DIR/server-combined.pem"
+      --tlsCAFile "$LILY_MONGOD_TLS_DIR/ca.pem")
+  fi
+  if [ -n "$keyfile" ]; then
+    args+=(--auth --keyFile "$keyfile")
+  fi
+  printf '%s\n' "${args[@]}" >"$dir/args"
+  relaunch "$dir"
+}
+
+# Starts the mongod of $1 again with the arguments it was first started with.
+relaunch() {
+  local dir=$1 pid args
   if pid=$(running_pid "$dir"); then
     echo "lily: a mongod (pid $pid) already runs with data in $dir; stop it first" >&2
     return 1
   fi
-  mkdir -p "$dir/db"
-  echo "$port" >"$dir/port"
-  local auth=${LILY_MONGOD_AUTH:-}
-  if [ -n "$auth" ] && [ ! -f "$dir/keyfile" ]; then
-    (umask 077 && head -c 96 /dev/urandom | base64 -w0 >"$dir/keyfile")
-  fi
-  "$MONGOD" --replSet lily --bind_ip 127.0.0.1 --port "$port" --nounixsocket \
-    --dbpath "$dir/db" --logpath "$dir/mongod.log" --logappend --pidfilepath "$dir/mongod.pid" \
-    --oplogSize 128 --wiredTigerCacheSizeGB 0.5 \
-    --setParameter diagnosticDataCollectionEnabled=false \
-    --setParameter "transactionLifetimeLimitSeconds=${LILY_MONGOD_TXN_LIFETIME_S:-60}" \
-    ${LILY_MONGOD_TLS_DIR:+--tlsMode allowTLS --tlsCertificateKeyFile "$LILY_MONGOD_TLS_DIR/server-combined.pem" --tlsCAFile "$LILY_MONGOD_TLS_DIR/ca.pem"} \
-    ${auth:+--auth --keyFile "$dir/keyfile"} \
-    </dev/null >"$dir/stdout.log" 2>&1 &
-  pid=$!
-  echo "$pid" >"$dir/mongod.pid"
-  # wait until it answers, initiate the replica set, wait until it is a writable primary
-  if ! LILY_MONGOD_AUTH="$auth" PYTHONPATH="$CACHE" python3 - "$port" "$pid" 60 <<'PY'; then
+  mapfile -t args <"$dir/args"
+  "$MONGOD" "${args[@]}" </dev/null >>"$dir/stdout.log" 2>&1 &
+  echo "$!" >"$dir/mongod.pid"
+}
+
+# Waits until the replica set of the members on PORTS (comma-separated) is initiated, has a
+# writable primary and every member is a primary or a secondary; creates the administrator of
+# LILY_MONGOD_AUTH on the first start. $2: the members' PIDs (comma-separated), $3: seconds.
+await_set() {
+  LILY_MONGOD_AUTH="${LILY_MONGOD_AUTH:-}" PYTHONPATH="$CACHE" python3 - "$1" "$2" "$3" \
+    "${LILY_MONGOD_ELECTION_TIMEOUT_MS:-}" <<'PY'
 import os, sys, time
 from pymongo import MongoClient
 from pymongo.errors import OperationFailure, PyMongoError
 
-port, pid, limit = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+ports = [int(p) for p in sys.argv[1].split(",")]
+pids = [int(p) for p in sys.argv[2].split(",")]
+limit = float(sys.argv[3])
+election_timeout = sys.argv[4]
 deadline = time.monotonic() + limit
-client = MongoClient(f"mongodb://127.0.0.1:{port}/?directConnection=true",
-                     serverSelectionTimeoutMS=1000, connectTimeoutMS=1000)
+clients = [MongoClient(f"mongodb://127.0.0.1:{port}/?directConnection=true",
+                       serverSelectionTimeoutMS=1000, connectTimeoutMS=1000) for port in ports]
 
 
-def alive():
+def alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -124,51 +152,114 @@ def alive():
         return False
 
 
+def admin(port):
+    auth = os.environ.get("LILY_MONGOD_AUTH", "")
+    if not auth:
+        return
+    user, password = auth.split(":", 1)
+    client = MongoClient(f"mongodb://127.0.0.1:{port}/?directConnection=true",
+                         username=user, password=password, authSource="admin",
+                         serverSelectionTimeoutMS=1000)
+    try:
+        client.admin.command("ping")
+    except OperationFailure:
+        # No user yet: the localhost exception lets this one create the first.
+        clients[ports.index(port)].admin.command(
+            "createUser", user, pwd=password, roles=[{"role": "root", "db": "admin"}])
+
+
 initiated = False
 last = "no answer"
 while time.monotonic() < deadline:
-    if not alive():
-        sys.exit(f"lily: mongod (pid {pid}) exited")
+    for pid in pids:
+        if not alive(pid):
+            sys.exit(f"lily: mongod (pid {pid}) exited")
     try:
-        hello = client.admin.command("hello")
-        if hello.get("setName") == "lily" and hello.get("isWritablePrimary"):
-            auth = os.environ.get("LILY_MONGOD_AUTH", "")
-            if auth:
-                user, password = auth.split(":", 1)
-                admin = MongoClient(f"mongodb://127.0.0.1:{port}/?directConnection=true",
-                                    username=user, password=password, authSource="admin",
-                                    serverSelectionTimeoutMS=1000)
-                try:
-                    admin.admin.command("ping")
-                except OperationFailure:
-                    # No user yet: the localhost exception lets this one create the first.
-                    client.admin.command("createUser", user, pwd=password,
-                                         roles=[{"role": "root", "db": "admin"}])
+        hellos = [client.admin.command("hello") for client in clients]
+        primary = [p for p, h in zip(ports, hellos) if h.get("setName") == "lily" and h.get("isWritablePrimary")]
+        members = [h for h in hellos if h.get("isWritablePrimary") or h.get("secondary")]
+        if primary and len(members) == len(ports):
+            admin(primary[0])
             sys.exit(0)
-        if not initiated and "setName" not in hello:
+        if not initiated and all("setName" not in h for h in hellos):
+            config = {
+                "_id": "lily",
+                "members": [{"_id": i, "host": f"127.0.0.1:{port}"} for i, port in enumerate(ports)],
+            }
+            if election_timeout:
+                config["settings"] = {"electionTimeoutMillis": int(election_timeout)}
             try:
-                client.admin.command("replSetInitiate", {
-                    "_id": "lily",
-                    "members": [{"_id": 0, "host": f"127.0.0.1:{port}"}],
-                })
+                clients[0].admin.command("replSetInitiate", config)
             except OperationFailure as e:
                 if e.code != 23:  # AlreadyInitialized: data from an earlier run
                     raise
             initiated = True
-        last = f"not primary yet: {hello}"
+        last = f"not ready yet: {[h.get('me', '?') + ' ' + str(h.get('isWritablePrimary')) for h in hellos]}"
     except PyMongoError as e:
         last = str(e)
     time.sleep(0.2)
-sys.exit(f"lily: mongod on 127.0.0.1:{port} not a writable primary within {limit:.0f}s: {last}")
+sys.exit(f"lily: replica set on 127.0.0.1:{ports} without a writable primary and two secondaries within {limit:.0f}s: {last}")
 PY
-    echo "lily: mongod did not start; errors and the last lines of $dir/mongod.log:" >&2
+}
+
+# The key file members authenticate each other with, made on the first start.
+keyfile_in() {
+  local dir=$1
+  [ -n "${LILY_MONGOD_AUTH:-}" ] || return 0
+  if [ ! -f "$dir/keyfile" ]; then
+    (umask 077 && head -c 96 /dev/urandom | base64 -w0 >"$dir/keyfile")
+  fi
+  echo "$dir/keyfile"
+}
+
+failed() {
+  local dir
+  for dir in "$@"; do
+    echo "lily: mongod in $dir did not start; errors and the last lines of its log:" >&2
     grep -E '"s":"(E|F)"' "$dir/mongod.log" 2>/dev/null | tail -n 10 >&2 || true
     tail -n 20 "$dir/mongod.log" >&2 2>/dev/null || true
     tail -n 10 "$dir/stdout.log" >&2 2>/dev/null || true
     stop "$dir"
+  done
+  return 1
+}
+
+start() {
+  local dir port
+  dir=$(mkdir -p "$1" && cd "$1" && pwd) port=$2
+  install
+  launch "$dir" "$port" "$(keyfile_in "$dir")" || return 1
+  await_set "$port" "$(cat "$dir/mongod.pid")" 60 || failed "$dir" || return 1
+  echo "lily: mongod replica set lily primary on 127.0.0.1:$port (data $dir)" >&2
+}
+
+# Three members m0, m1, m2 in DIR, on PORT, PORT+1 and PORT+2, started in parallel.
+start_set() {
+  local dir port i ports=() pids=() dirs=() keyfile
+  dir=$(mkdir -p "$1" && cd "$1" && pwd) port=$2
+  install
+  keyfile=$(keyfile_in "$dir")
+  for i in 0 1 2; do
+    dirs+=("$dir/m$i") ports+=($((port + i)))
+    launch "$dir/m$i" $((port + i)) "$keyfile" || { stop_set "$dir"; return 1; }
+    pids+=("$(cat "$dir/m$i/mongod.pid")")
+  done
+  local IFS=,
+  if ! await_set "${ports[*]}" "${pids[*]}" 60; then
+    unset IFS
+    failed "${dirs[@]}"
     return 1
   fi
-  echo "lily: mongod replica set lily primary on 127.0.0.1:$port (data $dir)" >&2
+  unset IFS
+  echo "lily: mongod replica set lily of three members on 127.0.0.1:$port-$((port + 2)) (data $dir)" >&2
+}
+
+stop_set() {
+  local i
+  for i in 0 1 2; do
+    stop "$1/m$i" &
+  done
+  wait
 }
 
 stop() {
@@ -193,5 +284,8 @@ case "$cmd" in
   install) install ;;
   start) start "$@" ;;
   stop) stop "$@" ;;
-  *) sed -n '2,7p' "$0" >&2; exit 2 ;;
+  start-set) start_set "$@" ;;
+  stop-set) stop_set "$@" ;;
+  member-start) relaunch "$@" ;;
+  *) sed -n '2,14p' "$0" >&2; exit 2 ;;
 esac

@@ -2,8 +2,9 @@
 # The whole test suite on a fresh machine: installs what is missing (rustfmt, clippy,
 # rabbitmq-server 3.10 and 4.0, mongod), runs fmt, clippy and the docs, then every test against
 # RabbitMQ 3.10 and every test that talks to a broker against RabbitMQ 4.0, the two side by side.
-# Each version gets its own private servers on loopback: a node, a three-node cluster and a
-# MongoDB replica set (the soak restarts mongod), all stopped at the end. It also packages the
+# Each version gets its own private servers on loopback: a node, a three-node cluster, a
+# single-member MongoDB replica set and a three-member one (the failover tests and the soak
+# kill and step down its primary), all stopped at the end. It also packages the
 # crates meant for the registry and builds and runs an application outside the workspace
 # against those packages (outside/, tests/outside.rs).
 #
@@ -31,11 +32,12 @@ dir_of() { echo "$PWD/target/lily-test-$1"; }
 
 # Exports what the tests read to find the servers of version $1.
 use_servers() {
-  local d port cluster mongo
+  local d port cluster mongo set
   d=$(dir_of "$1")
   port=$((BASE + $(offset "$1")))
   cluster=$((CLUSTER_BASE + $(offset "$1")))
   mongo=$((MONGO_BASE + $(offset "$1")))
+  set=$((mongo + 10))
   export LILY_AMQP_URL="amqp://guest:guest@127.0.0.1:$port/%2f"
   export LILY_AMQPS_URL="amqps://guest:guest@127.0.0.1:$((port + 3))/%2f"
   export LILY_RABBIT_DIR="$d/rabbit"
@@ -44,6 +46,10 @@ use_servers() {
   export LILY_CLUSTER_PORT="$cluster"
   export LILY_MONGOD_DIR="$d/mongod"
   export LILY_MONGO_URL="mongodb://$MONGO_ADMIN@127.0.0.1:$mongo/?replicaSet=lily&directConnection=true&authSource=admin"
+  # The three-member set, reached as a replica set (no directConnection): clients follow
+  # its elections.
+  export LILY_MONGOD_SET_DIR="$d/mongod-set"
+  export LILY_MONGO_SET_URL="mongodb://$MONGO_ADMIN@127.0.0.1:$set,127.0.0.1:$((set + 1)),127.0.0.1:$((set + 2))/?replicaSet=lily&authSource=admin"
   # Mutual TLS: the client presents the certificate scripts/tls.sh signed.
   export LILY_MONGO_TLS_URL="$LILY_MONGO_URL&tls=true&tlsCAFile=$TLS_DIR/ca.pem&tlsCertificateKeyFile=$TLS_DIR/client-combined.pem"
 }
@@ -52,6 +58,7 @@ stop_servers() {
   local d
   d=$(dir_of "$1")
   scripts/mongod.sh stop "$d/mongod" || true
+  scripts/mongod.sh stop-set "$d/mongod-set" || true
   scripts/rabbitmq.sh cluster-stop "$d/cluster" || true
   scripts/rabbitmq.sh stop "$d/rabbit" || true
 }
@@ -86,12 +93,26 @@ for v in $VERSIONS; do
 done
 
 scripts/mongod.sh install
+# Abandoned transactions (a worker killed mid-transaction) are aborted after 10 s instead of
+# 60 s, so the crash tests' redeliveries stop deferring sooner. The three-member sets elect a
+# new primary after 1 s without one instead of 10 s (electionTimeoutMillis), so a failover
+# takes about 2 s; the guide gives the figures at the default too.
+export LILY_MONGOD_AUTH="$MONGO_ADMIN" LILY_MONGOD_TLS_DIR="$TLS_DIR" LILY_MONGOD_TXN_LIFETIME_S=10
+declare -A SETS
 for v in $VERSIONS; do
-  # Abandoned transactions (a worker killed mid-transaction) are aborted after 10 s instead of
-  # 60 s, so the crash tests' redeliveries stop deferring sooner.
-  LILY_MONGOD_AUTH="$MONGO_ADMIN" LILY_MONGOD_TXN_LIFETIME_S=10 LILY_MONGOD_TLS_DIR="$TLS_DIR" \
-    scripts/mongod.sh start "$(dir_of "$v")/mongod" $((MONGO_BASE + $(offset "$v")))
+  LILY_MONGOD_ELECTION_TIMEOUT_MS=1000 scripts/mongod.sh start-set "$(dir_of "$v")/mongod-set" \
+    $((MONGO_BASE + 10 + $(offset "$v"))) >"target/lily-test-mongod-set-$v.log" 2>&1 &
+  SETS[$v]=$!
+  scripts/mongod.sh start "$(dir_of "$v")/mongod" $((MONGO_BASE + $(offset "$v")))
 done
+for v in $VERSIONS; do
+  if ! wait "${SETS[$v]}"; then
+    echo "lily: the three-member MongoDB replica set for RabbitMQ $v did not start:" >&2
+    cat "target/lily-test-mongod-set-$v.log" >&2
+    exit 1
+  fi
+done
+unset LILY_MONGOD_AUTH LILY_MONGOD_TLS_DIR LILY_MONGOD_TXN_LIFETIME_S
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings

@@ -139,7 +139,9 @@ pub mod health {
 pub mod mongo {
     /// The MongoDB driver Lily is built on, for the client and the documents a handler writes.
     pub use lily_mq_mongo::mongodb;
-    pub use lily_mq_mongo::{CommitObserver, ConnectError, MongoConfig, MongoScope, MongoTx};
+    pub use lily_mq_mongo::{
+        CommitObserver, ConnectError, MongoConfig, MongoScope, MongoTx, handler_error,
+    };
 }
 
 /// Settle a synthetic delivery through the consumer's own gate, handler and decision machine,

@@ -63,7 +63,7 @@ mod tx;
 pub use connect::ConnectError;
 pub use observer::CommitObserver;
 pub use scope::{MongoConfig, MongoScope};
-pub use tx::MongoTx;
+pub use tx::{MongoTx, handler_error};
 
 pub use mongodb;
 

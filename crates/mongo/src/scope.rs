@@ -7,7 +7,9 @@ use std::time::Duration;
 use lily_mq_core::{Begin, BoxFuture, Meta, Reason, Resources, TransactionalScope};
 use mongodb::bson::{Document, doc};
 use mongodb::error::TRANSIENT_TRANSACTION_ERROR;
-use mongodb::options::{Acknowledgment, IndexOptions, ReadConcern, WriteConcern};
+use mongodb::options::{
+    Acknowledgment, CollectionOptions, IndexOptions, ReadConcern, WriteConcern,
+};
 use mongodb::{Client, Collection, Database, IndexModel};
 use tokio::sync::Mutex;
 use tracing::debug;
@@ -169,11 +171,21 @@ impl MongoScope {
         config: MongoConfig,
     ) -> mongodb::error::Result<Self> {
         let database = client.database(database);
-        let name = |suffix: &str| format!("{}{suffix}", config.collection_prefix);
-        let inbox = database.collection::<Document>(&name("inbox"));
-        let leases = database.collection::<Document>(&name("leases"));
-        let fences = database.collection::<Document>(&name("fences"));
-        let deferrals = database.collection::<Document>(&name("deferrals"));
+        // Lily's own writes are acknowledged by a majority and its reads see only what a
+        // majority holds, whatever the URL or the server's defaults say: a write acknowledged
+        // by a primary alone can be rolled back when that primary loses its term.
+        let majority = CollectionOptions::builder()
+            .write_concern(WriteConcern::builder().w(Acknowledgment::Majority).build())
+            .read_concern(ReadConcern::majority())
+            .build();
+        let collection = |suffix: &str| {
+            let name = format!("{}{suffix}", config.collection_prefix);
+            database.collection_with_options::<Document>(&name, majority.clone())
+        };
+        let inbox = collection("inbox");
+        let leases = collection("leases");
+        let fences = collection("fences");
+        let deferrals = collection("deferrals");
         let mut expiring = vec![
             (&inbox, "at", config.inbox_retention),
             (&deferrals, "at", config.inbox_retention),

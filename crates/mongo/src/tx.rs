@@ -47,6 +47,38 @@ impl FromDelivery for MongoTx {
     }
 }
 
+/// The handler's error for a MongoDB operation that failed inside the scope: `what` failed.
+///
+/// An error the driver labels `TransientTransactionError` (a write conflict, an election, a
+/// network error or no primary to select inside the transaction) becomes
+/// [`QueueHandlerError::transient`]: Lily aborts and runs the whole transaction again after a
+/// short backoff, within the settlement budget, then defers. Any other is
+/// [`QueueHandlerError::retryable`]. The reason names the server's error code, never a
+/// document or a connection string; the driver's error is kept as the source.
+///
+/// ```no_run
+/// # use lily_mq_core::QueueHandlerError;
+/// # use lily_mq_mongo::{MongoTx, handler_error};
+/// # use mongodb::bson::{Document, doc};
+/// async fn reserve(tx: MongoTx) -> Result<(), QueueHandlerError> {
+///     let stock = tx.database().collection::<Document>("stock");
+///     stock
+///         .update_one(doc! { "_id": "sku-1" }, doc! { "$inc": { "reserved": 1 } })
+///         .session(&mut *tx.session().await)
+///         .await
+///         .map_err(|e| handler_error("stock update", e))?;
+///     Ok(())
+/// }
+/// ```
+pub fn handler_error(what: &'static str, err: mongodb::error::Error) -> QueueHandlerError {
+    if err.contains_label(TRANSIENT_TRANSACTION_ERROR) {
+        QueueHandlerError::transient(format!("{what}: transient transaction error"))
+    } else {
+        QueueHandlerError::retryable(format!("{what}: {}", code_of(&err)))
+    }
+    .with_source(err)
+}
+
 /// The open transaction of one delivery.
 pub(crate) struct MongoTransaction {
     pub(crate) state: Arc<TxState>,

@@ -7,12 +7,14 @@
 
 mod cluster;
 mod mongo;
+mod mongo_set;
 mod process;
 mod proxy;
 mod tcp_proxy;
 
 pub use cluster::Cluster;
 pub use mongo::MongoNode;
+pub use mongo_set::{Member, MongoSet};
 pub use process::ChildProcess;
 pub use proxy::FaultProxy;
 pub use tcp_proxy::TcpProxy;

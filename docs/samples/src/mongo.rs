@@ -1,7 +1,7 @@
 //! A handler inside the MongoDB scope: transaction, inbox, lease (MongoDB).
 
+use lily::mongo::handler_error;
 use lily::mongo::mongodb::bson::{Document, doc};
-use lily::mongo::mongodb::error::{Error as MongoError, TRANSIENT_TRANSACTION_ERROR};
 use lily::prelude::*;
 
 /// The payload of `stock.reserved`.
@@ -28,20 +28,10 @@ async fn reserve(Json(order): Json<StockReserved>, meta: Meta, tx: MongoTx) -> H
         })
         .session(&mut *session) // inside the transaction Lily opened, after the inbox record
         .await
-        .map_err(database_failure("ledger insert failed"))?;
+        // A write conflict or an election runs the whole transaction again, in process,
+        // without using an attempt; anything else is an ordinary retryable failure.
+        .map_err(|e| handler_error("ledger insert", e))?;
     Ok(()) // Lily commits, then ACKs; it never commits or aborts in the handler's place
-}
-
-/// A write conflict runs the whole transaction again, in process, without using an attempt;
-/// anything else is an ordinary retryable failure.
-fn database_failure(what: &'static str) -> impl FnOnce(MongoError) -> QueueHandlerError {
-    move |err| {
-        if err.contains_label(TRANSIENT_TRANSACTION_ERROR) {
-            QueueHandlerError::transient(what).with_source(err)
-        } else {
-            QueueHandlerError::retryable(what).with_source(err)
-        }
-    }
 }
 // ANCHOR_END: handler
 

@@ -68,9 +68,9 @@ use lily::prelude::*;
 use lily::topology::{QueueKind, Topology};
 use lily_mq_example_support::{DeadLetter, drain_dead_letters, error_chain};
 use lily_mq_mongo::mongodb::bson::{Bson, Document, doc};
-use lily_mq_mongo::mongodb::error::{ErrorKind, TRANSIENT_TRANSACTION_ERROR};
+use lily_mq_mongo::mongodb::error::ErrorKind;
 use lily_mq_mongo::mongodb::{self, Database};
-use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};
+use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx, handler_error};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -149,13 +149,13 @@ async fn reserve(
         )
         .session(&mut *session)
         .await
-        .map_err(database_failure("stock update failed"))?;
+        .map_err(|e| handler_error("stock update", e))?;
     if taken.matched_count == 0 {
         let known = stock
             .find_one(doc! { "_id": &order.sku })
             .session(&mut *session)
             .await
-            .map_err(database_failure("stock lookup failed"))?;
+            .map_err(|e| handler_error("stock lookup", e))?;
         // The transaction is aborted: no inbox record, no ledger entry, stock untouched.
         return Err(QueueHandlerError::permanent(if known.is_some() {
             "insufficient stock for the reservation"
@@ -172,7 +172,7 @@ async fn reserve(
         })
         .session(&mut *session)
         .await
-        .map_err(database_failure("ledger insert failed"))?;
+        .map_err(|e| handler_error("ledger insert", e))?;
     drop(session);
 
     if fault == Some(Fault::AbortInHandler) {
@@ -190,20 +190,6 @@ fn fnv1a(text: &str) -> u64 {
     text.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
         (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
     })
-}
-
-/// A database error inside the transaction. A transient transaction error (a write conflict
-/// with a concurrent reservation of the same sku) runs the whole transaction again, in-process,
-/// without using an attempt; anything else is a retryable failure.
-fn database_failure(what: &'static str) -> impl FnOnce(mongodb::error::Error) -> QueueHandlerError {
-    move |err| {
-        if err.contains_label(TRANSIENT_TRANSACTION_ERROR) {
-            let reason = format!("{what}: transient transaction error (write conflict)");
-            QueueHandlerError::transient(reason).with_source(err)
-        } else {
-            QueueHandlerError::retryable(what).with_source(err)
-        }
-    }
 }
 
 /// Settings read from the environment.

@@ -1,9 +1,11 @@
 //! The seeded chaos soak, small: 2 000 orders (duplicates, conflicts, unknown skus and orders
 //! whose first attempt fails among them) through three `inbox` workers while a fault comes every
 //! second, each kind at least twice (SIGKILL, SIGTERM, every connection closed, a memory alarm,
-//! the DLQ deleted, the broker's app restarted, mongod restarted, the network stalled, publisher
-//! confirms nacked, the consumers cancelled by the broker), reconciled by message id by `chaos`;
-//! on classic and on quorum queues; then a run heavy with handoffs; then two kill storms.
+//! the DLQ deleted, the broker's app restarted, every mongod restarted, the network stalled,
+//! publisher confirms nacked, the consumers cancelled by the broker, and on the three-member
+//! MongoDB replica set its primary SIGKILLed and stepped down), reconciled by message id by
+//! `chaos`; on classic and on quorum queues; then a run heavy with handoffs; then two kill
+//! storms.
 
 use std::time::Duration;
 
@@ -31,7 +33,7 @@ async fn soak(args: &str) {
 // One test, so the runs come one after the other: each restarts the broker's app and mongod.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_seeded_soak_under_faults_accounts_for_every_id() {
-    let every_fault = "--messages 2000 --rate 200 --fault-every-ms 1000 --min-each 2";
+    let every_fault = "--messages 2000 --rate 200 --fault-every-ms 1000 --min-each 2 --mongo set";
     soak(&format!("{every_fault} --seed 7")).await;
     soak(&format!("{every_fault} --seed 8 --queue-type quorum")).await;
     // Handoffs by the thousand, in bursts, while the DLQ is deleted or nacks: returned, nacked

@@ -9,7 +9,9 @@
 //! mongod restarted, the workers' network to the broker stalled (nothing closed), publisher
 //! confirms nacked by the retry buckets and the DLQ (a policy with `max-length` 0 and
 //! `overflow: reject-publish`), and the consumers cancelled by the broker (the work queue
-//! deleted and declared again). One order in 25 fails its first attempt, so retry buckets are
+//! deleted and declared again). With `--mongo set` it runs against the three-member replica
+//! set instead of the single node: the set's primary is also SIGKILLed and stepped down, and
+//! mongod's restart restarts every member. One order in 25 fails its first attempt, so retry buckets are
 //! always in use. Then it lets the workers drain, stops them, and checks by id:
 //!
 //! - every order for a known sku has exactly one ledger entry and no DLQ copy;
@@ -29,7 +31,8 @@
 //! ```
 //!
 //! The broker and mongod are the ones `scripts/test.sh` starts (`LILY_AMQP_URL`,
-//! `LILY_RABBIT_DIR`, `LILY_MONGO_URL`): faults use `rabbitmqctl` on that node. To see what
+//! `LILY_RABBIT_DIR`, `LILY_MONGO_URL` or, with `--mongo set`, `LILY_MONGO_SET_URL` and
+//! `LILY_MONGOD_SET_DIR`): faults use `rabbitmqctl` on that node. To see what
 //! the workers did, set `LILY_CHAOS_LOG_DIR` (each worker's log is written there when it exits)
 //! and `LILY_CHAOS_RUST_LOG` (their filter, `warn` by default).
 
@@ -44,7 +47,7 @@ use lily::publish::{Destination, Outgoing, Publisher};
 use lily::topology::{QueueKind, Topology, TopologyMode};
 use lily_mq_mongo::mongodb::bson::{Bson, Document, doc};
 use lily_mq_mongo::mongodb::{self, Database};
-use lily_mq_testkit::{Broker, ChildProcess, Client, MongoNode, TcpProxy};
+use lily_mq_testkit::{Broker, ChildProcess, Client, MongoNode, MongoSet, TcpProxy};
 use tokio::process::Command;
 use tokio::sync::RwLock;
 
@@ -78,6 +81,9 @@ struct Args {
     fault_jitter: Duration,
     /// The skus orders are for (their stock documents: the keys their transactions contend on).
     skus: &'static [&'static str],
+    /// The database: the single node, or the three-member set (`--mongo set`), whose primary
+    /// the faults kill and step down.
+    mongo: Mongo,
     /// A kill storm: every order valid and sent once (no duplicates, conflicts, unknown skus or
     /// first attempts that fail), the workers at the library's own requeue limit and a 10 s
     /// lease, only SIGKILLs; no order may reach the DLQ or parking lane, and every effect must
@@ -113,6 +119,7 @@ impl Args {
             faults: FAULTS.to_vec(),
             fault_jitter: Duration::ZERO,
             skus: &SKUS,
+            mongo: Mongo::Node,
             storm: false,
         };
         let mut it = std::env::args().skip(1);
@@ -149,12 +156,23 @@ impl Args {
                         args.min_each = 0;
                     }
                 }
+                "--mongo" => {
+                    args.mongo = match value.as_str() {
+                        "node" => Mongo::Node,
+                        "set" => Mongo::Set,
+                        _ => return Err("--mongo: node or set".into()),
+                    };
+                    if args.mongo == Mongo::Set && args.faults == FAULTS {
+                        args.faults.extend(SET_FAULTS);
+                    }
+                }
                 "--faults" => {
                     args.faults = value
                         .split(',')
                         .map(|name| {
                             FAULTS
                                 .into_iter()
+                                .chain(SET_FAULTS)
                                 .find(|f| format!("{f:?}").eq_ignore_ascii_case(name))
                                 .ok_or_else(|| format!("--faults: no fault named {name}"))
                         })
@@ -265,6 +283,7 @@ struct Supervisor {
     /// The workers' `LILY_DEFERRAL_MAX_MS`.
     deferral_max_ms: u32,
     database: String,
+    mongo: Mongo,
     slots: Vec<Slot>,
     reports: Vec<serde_json::Value>,
     exits: BTreeMap<String, u32>,
@@ -273,12 +292,11 @@ struct Supervisor {
 impl Supervisor {
     fn start(&mut self, slot: usize) {
         let broker = Broker::from_env();
-        let node = MongoNode::from_env();
         let mut command = Command::new(&self.service);
         command
             .arg("serve")
             .env("LILY_AMQP_URL", self.network.url(broker.url()))
-            .env("LILY_MONGO_URL", node.url())
+            .env("LILY_MONGO_URL", self.mongo.url())
             .env("LILY_MONGO_DB", &self.database)
             .env("LILY_QUEUE", &self.queue)
             .env("LILY_PREFETCH", "10")
@@ -374,6 +392,31 @@ enum Fault {
     StalledNetwork,
     NackedConfirms,
     ConsumerCancel,
+    /// SIGKILL of the set's primary (`--mongo set`), started again once another is primary.
+    PrimaryKill,
+    /// `replSetStepDown` of the set's primary (`--mongo set`).
+    StepDown,
+}
+
+/// The faults of the three-member set, added to [`FAULTS`] by `--mongo set`.
+const SET_FAULTS: [Fault; 2] = [Fault::PrimaryKill, Fault::StepDown];
+
+/// Which MongoDB the soak and its workers use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mongo {
+    /// The single-member replica set (`LILY_MONGO_URL`, `LILY_MONGOD_DIR`).
+    Node,
+    /// The three-member replica set (`LILY_MONGO_SET_URL`, `LILY_MONGOD_SET_DIR`).
+    Set,
+}
+
+impl Mongo {
+    fn url(self) -> String {
+        match self {
+            Self::Node => MongoNode::from_env().url().to_owned(),
+            Self::Set => MongoSet::from_env().url().to_owned(),
+        }
+    }
 }
 
 const FAULTS: [Fault; 10] = [
@@ -441,7 +484,20 @@ async fn inject(
             // The firehose is runtime state: on again.
             broker.ctl(&["trace_on", "-p", "/"]);
         }
-        Fault::MongodRestart => restart_mongod(),
+        Fault::MongodRestart => match supervisor.mongo {
+            Mongo::Node => restart_mongod(),
+            Mongo::Set => restart_set().await,
+        },
+        Fault::PrimaryKill => {
+            let set = MongoSet::from_env();
+            let primary = set.await_primary(Duration::from_secs(60)).await;
+            set.kill(primary);
+            set.await_primary(Duration::from_secs(60)).await;
+            set.start(primary);
+        }
+        Fault::StepDown => {
+            MongoSet::from_env().step_down(5).await;
+        }
         Fault::StalledNetwork => {
             // Nothing is closed: only timeouts and heartbeats can notice.
             supervisor.network.stall(true);
@@ -653,6 +709,22 @@ fn restart_mongod() {
     run(&["start", &dir, &port]);
 }
 
+/// Stops every member of the set (SIGTERM: the primary steps down, each quiesces) and starts
+/// them again; returns once the set is whole.
+async fn restart_set() {
+    let set = MongoSet::from_env();
+    std::thread::scope(|threads| {
+        for member in 0..set.len() {
+            let set = &set;
+            threads.spawn(move || set.stop(member));
+        }
+    });
+    for member in 0..set.len() {
+        set.start(member);
+    }
+    set.await_healthy(Duration::from_secs(60)).await;
+}
+
 /// Takes every message of `dlq`, recording its id and reason.
 async fn drain_dead(client: &Client, dlq: &str, dead: &mut Dead) {
     for message in client.drain(dlq).await {
@@ -721,10 +793,9 @@ async fn main() -> ExitCode {
     };
     let started = Instant::now();
     let broker = Broker::from_env();
-    let node = MongoNode::from_env();
     let queue = Broker::unique("chaos");
     let database_name = MongoNode::database_name("chaos");
-    let mongo = mongodb::Client::with_uri_str(node.url())
+    let mongo = mongodb::Client::with_uri_str(args.mongo.url())
         .await
         .expect("mongo client");
     let database = mongo.database(&database_name);
@@ -747,6 +818,7 @@ async fn main() -> ExitCode {
         // every 250 ms.
         deferral_max_ms: if args.storm { 250 } else { 2_000 },
         database: database_name.clone(),
+        mongo: args.mongo,
         slots: (0..args.workers)
             .map(|_| Slot {
                 process: None,
