@@ -282,23 +282,51 @@ async fn direct(url: &str, database: &str) -> Database {
     client.database(database)
 }
 
-/// Waits until every id has its effect and the queue is empty; how long that took.
+/// Waits until every id has its effect and the queue is empty; how long that took. When they do
+/// not within [`SETTLED_WITHIN`], fails naming each id without its effect, with what the
+/// database holds for it (its inbox record, its deferral count) and the queues' depths.
 async fn wait_settled(mongo: &Database, client: &Client, queue: &str, ids: &[String]) -> Duration {
     let started = Instant::now();
     loop {
-        let done = mongo
+        let done: Vec<String> = mongo
             .collection::<Document>("ledger")
             .distinct("message_id", doc! {})
             .await
-            .map_or(0, |ids| ids.len());
-        if done >= ids.len() && client.depth(queue).await == 0 {
+            .map(|ids| {
+                ids.into_iter()
+                    .filter_map(|id| id.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if done.len() >= ids.len() && client.depth(queue).await == 0 {
             return started.elapsed();
         }
-        assert!(
-            started.elapsed() < SETTLED_WITHIN,
-            "{done} of {} effects after {SETTLED_WITHIN:?}",
-            ids.len()
-        );
+        if started.elapsed() >= SETTLED_WITHIN {
+            let mut missing = Vec::new();
+            for id in ids.iter().filter(|id| !done.contains(id)) {
+                let key = doc! { "_id": { "c": "failover", "m": id } };
+                let inbox = mongo
+                    .collection::<Document>("lily_inbox")
+                    .find_one(key.clone())
+                    .await;
+                let deferrals = mongo
+                    .collection::<Document>("lily_deferrals")
+                    .find_one(key)
+                    .await;
+                missing.push(format!("{id}: inbox {inbox:?}, deferrals {deferrals:?}"));
+            }
+            let depths: Vec<(String, u64)> = Broker::from_env()
+                .depths()
+                .into_iter()
+                .filter(|(name, _)| name.starts_with(queue))
+                .collect();
+            panic!(
+                "{} of {} effects after {SETTLED_WITHIN:?}; without an effect: {missing:#?}; \
+                 queues: {depths:?}",
+                done.len(),
+                ids.len()
+            );
+        }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }

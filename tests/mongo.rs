@@ -241,8 +241,10 @@ async fn a_dead_workers_window_is_not_counted_as_killing_it() {
         async move {
             seen.bump();
             record_effect(tx, meta).await?;
-            // Slow, one at a time: the rest of the window waits in the prefetch.
-            tokio::time::sleep(Duration::from_millis(150)).await;
+            // Slow, one at a time: the rest of the window waits in the prefetch. Slow enough
+            // that the closes (each a `rabbitmqctl` run, seconds on a loaded machine) come
+            // while the window is still there.
+            tokio::time::sleep(Duration::from_millis(500)).await;
             Ok(())
         }
     });
