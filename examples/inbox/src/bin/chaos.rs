@@ -11,8 +11,8 @@
 //! `overflow: reject-publish`), and the consumers cancelled by the broker (the work queue
 //! deleted and declared again). With `--mongo set` it runs against the three-member replica
 //! set instead of the single node: the set's primary is also SIGKILLed and stepped down, and
-//! mongod's restart restarts every member. One order in 25 fails its first attempt, so retry buckets are
-//! always in use. Then it lets the workers drain, stops them, and checks by id:
+//! mongod's restart restarts every member. One order in 25 fails its first attempt, so retry
+//! buckets are always in use. Then it lets the workers drain, stops them, and checks by id:
 //!
 //! - every order for a known sku has exactly one ledger entry and no DLQ copy;
 //! - an order for the unknown sku has no ledger entry and its DLQ copy (`unknown sku`);
