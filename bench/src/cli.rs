@@ -1,31 +1,20 @@
-//! The `lily-bench` command line: one subcommand per benchmark program.
+//! The `lily-bench` command line: one subcommand per benchmark program (their shared
+//! arguments are in [`crate::args`]).
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use lily::prelude::QueueKind;
-
-/// What every program takes: `--quick` and where the results go.
-#[derive(clap::Args, Debug)]
-pub struct Common {
-    /// A shorter run (each program's flags say what it changes).
-    #[arg(long)]
-    pub quick: bool,
-    /// Where the results go.
-    #[arg(long, default_value = "target/bench")]
-    pub out: std::path::PathBuf,
-}
 
 /// Lily's benchmarks against a private RabbitMQ node; run them through `scripts/bench.sh`.
 #[derive(Parser)]
 #[command(name = "lily-bench")]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Program,
 }
 
 #[derive(Subcommand)]
-enum Command {
+enum Program {
     /// Throughput: Lily against raw lapin contenders, the no-ack ceiling and ruststream-lapin.
     Throughput(crate::throughput::cli::Args),
     /// Settlement latency against raw-batch at 50 % and 90 % of the maximum rate.
@@ -45,19 +34,19 @@ enum Command {
 /// there, re-executing itself when it is not.
 pub fn main(counting: bool) -> ExitCode {
     let command = Cli::parse().command;
-    let Command::Cost(args) = command else {
+    let Program::Cost(args) = command else {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()
             .expect("tokio runtime");
         runtime.block_on(async {
             match command {
-                Command::Throughput(args) => crate::throughput::cli::run(args).await,
-                Command::Latency(args) => crate::latency::cli::run(args).await,
-                Command::Storm(args) => crate::storm::cli::run(args).await,
-                Command::Mongo(args) => crate::mongo::cli::run(args).await,
-                Command::Cluster(args) => crate::cluster::run(args).await,
-                Command::Cost(_) => unreachable!("cost runs below"),
+                Program::Throughput(args) => crate::throughput::cli::run(args).await,
+                Program::Latency(args) => crate::latency::cli::run(args).await,
+                Program::Storm(args) => crate::storm::cli::run(args).await,
+                Program::Mongo(args) => crate::mongo::cli::run(args).await,
+                Program::Cluster(args) => crate::cluster::run(args).await,
+                Program::Cost(_) => unreachable!("cost runs below"),
             }
         });
         return ExitCode::SUCCESS;
@@ -77,38 +66,5 @@ pub fn main(counting: bool) -> ExitCode {
             eprintln!("cost runs in {}: {err}", counted.display());
             ExitCode::FAILURE
         }
-    }
-}
-
-/// A count above zero; `_` separators allowed.
-pub fn count(text: &str) -> Result<u64, String> {
-    match text.replace('_', "").parse() {
-        Ok(n) if n > 0 => Ok(n),
-        _ => Err(format!("not a count above zero: {text}")),
-    }
-}
-
-/// A positive, finite number; `_` separators allowed.
-pub fn positive(text: &str) -> Result<f64, String> {
-    match text.replace('_', "").parse::<f64>() {
-        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
-        _ => Err(format!("not a positive number: {text}")),
-    }
-}
-
-/// `classic` or `quorum`.
-pub fn queue_kind(text: &str) -> Result<QueueKind, String> {
-    match text {
-        "classic" => Ok(QueueKind::Classic),
-        "quorum" => Ok(QueueKind::Quorum),
-        other => Err(format!("unknown queue type {other}")),
-    }
-}
-
-/// A `usize` above zero; `_` separators allowed.
-pub fn nonzero(text: &str) -> Result<usize, String> {
-    match text.replace('_', "").parse() {
-        Ok(n) if n > 0 => Ok(n),
-        _ => Err(format!("not a count above zero: {text}")),
     }
 }

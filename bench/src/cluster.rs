@@ -6,7 +6,7 @@ use std::time::Instant;
 use lily::prelude::QueueKind;
 use serde::Serialize;
 
-use crate::cli::Common;
+use crate::args::Common;
 use crate::report::{Table, opening, row, write};
 use crate::throughput::cli::run_once;
 use crate::throughput::{Contender, Path};
@@ -18,7 +18,7 @@ pub struct Args {
     #[command(flatten)]
     common: Common,
     /// Messages per run (quick: 20 000).
-    #[arg(short = 'n', long, default_value = "50000", value_parser = crate::cli::count,
+    #[arg(short = 'n', long, default_value = "50000", value_parser = crate::args::count,
           default_value_if("quick", "true", Some("20000")))]
     messages: u64,
     /// Repetitions of each case (quick: 2).

@@ -4,12 +4,14 @@
 //! Run them through `scripts/bench.sh`, which starts a private RabbitMQ node on loopback.
 #![allow(missing_docs, unreachable_pub)]
 
+pub mod args;
 pub mod chart;
 pub mod cli;
 pub mod cluster;
 pub mod cost;
 pub mod latency;
 pub mod mongo;
+pub mod number;
 pub mod raw;
 pub mod report;
 pub mod run;

@@ -384,8 +384,14 @@ pub async fn storm(
         let (confirms, bucket, source) = (confirms.clone(), bucket.clone(), Arc::clone(&source));
         let counters = Arc::clone(&counters);
         tasks.spawn(async move {
-            let done =
-                hand_off_one(&confirms, bucket, delivery, &source, crate::storm::REASON).await;
+            let done = hand_off_one(
+                &confirms,
+                bucket,
+                delivery,
+                &source,
+                crate::run::STORM_REASON,
+            )
+            .await;
             let counter = if done {
                 &counters.handoffs
             } else {

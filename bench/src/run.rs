@@ -23,6 +23,9 @@ pub const HANDOFF_DELAY: Duration = Duration::from_secs(600);
 /// The reason every handoff-path handler fails with.
 pub const FAILURE_REASON: &str = "bench: every message fails once";
 
+/// The reason every storm handler fails with, every attempt.
+pub const STORM_REASON: &str = "bench: every attempt fails (storm)";
+
 /// The policy of the handoff path: one retry, parked for [`HANDOFF_DELAY`].
 pub fn handoff_policy() -> Policy {
     Policy::default()

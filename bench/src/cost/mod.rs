@@ -19,7 +19,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::runtime::Runtime;
 
-use crate::cli::Common;
+use crate::args::Common;
 use crate::{broker_url, fresh_topology, median, publish};
 
 /// Prefetch of the per-message cost runs (and concurrency of Lily's consumer).
@@ -91,18 +91,18 @@ pub struct Options {
     )]
     valgrind_n0: usize,
     /// Rounds of the allocation counts (quick: 2).
-    #[arg(long, default_value = "3", value_parser = crate::cli::nonzero,
+    #[arg(long, default_value = "3", value_parser = crate::args::nonzero,
           default_value_if("quick", "true", Some("2")))]
     reps: usize,
     /// Deliveries held by the memory step.
     #[arg(long, default_value_t = 10_000)]
     in_flight: usize,
     /// Runs of the idle shutdown (quick: 3).
-    #[arg(long, default_value = "5", value_parser = crate::cli::nonzero,
+    #[arg(long, default_value = "5", value_parser = crate::args::nonzero,
           default_value_if("quick", "true", Some("3")))]
     shutdown_runs: usize,
     /// Messages of the hostile load.
-    #[arg(long, default_value_t = hostile::N, value_parser = crate::cli::nonzero)]
+    #[arg(long, default_value_t = hostile::N, value_parser = crate::args::nonzero)]
     hostile_n: usize,
     /// Prefetch (and concurrency) of the hostile load.
     #[arg(long, default_value_t = hostile::PREFETCH, value_parser = clap::value_parser!(u16).range(1..))]

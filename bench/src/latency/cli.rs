@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::cli::Common;
+use crate::args::Common;
 use crate::latency::run::{self, Setup};
 use crate::latency::timer::{self, Sinks};
 use crate::latency::{Case, Contender, LOADS, MaxRate, Path, Results, SUSTAIN_STEP, SUSTAIN_TRIES};
@@ -28,19 +28,19 @@ pub struct Args {
           default_value_if("quick", "true", Some("500")))]
     prefetches: Vec<u16>,
     /// Seconds a paced run publishes (quick: 8).
-    #[arg(long, default_value = "20", value_parser = crate::cli::positive,
+    #[arg(long, default_value = "20", value_parser = crate::args::positive,
           default_value_if("quick", "true", Some("8")))]
     secs: f64,
     /// Seconds of warm-up, not timed (quick: 2).
-    #[arg(long, default_value = "3", value_parser = crate::cli::positive,
+    #[arg(long, default_value = "3", value_parser = crate::args::positive,
           default_value_if("quick", "true", Some("2")))]
     warmup: f64,
     /// Messages of each drain-rate run (quick: 20 000).
-    #[arg(short = 'n', long, default_value = "60000", value_parser = crate::cli::count,
+    #[arg(short = 'n', long, default_value = "60000", value_parser = crate::args::count,
           default_value_if("quick", "true", Some("20000")))]
     messages: u64,
     /// The maximum rate of every case, instead of measuring it.
-    #[arg(long, value_parser = crate::cli::positive)]
+    #[arg(long, value_parser = crate::args::positive)]
     max_rate: Option<f64>,
     /// Rounds of each case; the case reports the median round (quick: 1).
     #[arg(long, default_value = "3", value_parser = clap::value_parser!(u32).range(1..),

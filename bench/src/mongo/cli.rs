@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use lily::prelude::{Policy, QueueKind};
 
-use crate::cli::Common;
+use crate::args::Common;
 use crate::mongo::{
     Case, CaseResult, Contender, ContenderResult, Counters, Load, Results, Run, db, lily_run, raw,
 };
@@ -24,11 +24,11 @@ pub struct Args {
     #[command(flatten)]
     common: Common,
     /// Messages of the scope case (quick: 5 000).
-    #[arg(short = 'n', long, default_value = "20000", value_parser = crate::cli::count,
+    #[arg(short = 'n', long, default_value = "20000", value_parser = crate::args::count,
           default_value_if("quick", "true", Some("5000")))]
     messages: u64,
     /// Messages of the hot-keys case (quick: 2 000).
-    #[arg(long, default_value = "5000", value_parser = crate::cli::count,
+    #[arg(long, default_value = "5000", value_parser = crate::args::count,
           default_value_if("quick", "true", Some("2000")))]
     hot_messages: u64,
     /// Repetitions (quick: 2).
@@ -36,10 +36,10 @@ pub struct Args {
           default_value_if("quick", "true", Some("2")))]
     reps: u32,
     /// Concurrency of the scope case.
-    #[arg(long, default_value_t = 32, value_parser = crate::cli::nonzero)]
+    #[arg(long, default_value_t = 32, value_parser = crate::args::nonzero)]
     concurrency: usize,
     /// Concurrency of the hot-keys case.
-    #[arg(long, default_value_t = 8, value_parser = crate::cli::nonzero)]
+    #[arg(long, default_value_t = 8, value_parser = crate::args::nonzero)]
     hot_concurrency: usize,
     /// Prefetch of every case (default: twice its concurrency).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]

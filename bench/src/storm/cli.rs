@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use lily::prelude::{Consumer, ConsumerConfig, Json, Policy, QueueHandlerError, QueueKind, Router};
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::Common;
+use crate::args::Common;
 use crate::run::{Lily, backlog, unexpected};
 use crate::storm::{
     Contender, MAX_ATTEMPTS, QUEUE, REASON, RETRY_DELAY, Results, StormRun, Summary, check, sample,
@@ -28,7 +28,7 @@ pub struct Args {
           default_value_if("quick", "true", Some("45")))]
     secs: u32,
     /// Messages published up front.
-    #[arg(short = 'n', long, default_value = "40000", value_parser = crate::cli::count)]
+    #[arg(short = 'n', long, default_value = "40000", value_parser = crate::args::count)]
     population: u64,
     /// Prefetch (and Lily's concurrency).
     #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u16).range(1..))]

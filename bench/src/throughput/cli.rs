@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use lily::prelude::QueueKind;
 
-use crate::cli::Common;
+use crate::args::Common;
 use crate::run::{Sample, backlog, in_turn};
 use crate::throughput::{CaseResult, Contender, CpuMeter, Path, Results, Start, lily_run, peer};
 use crate::{broker_url, depth, kind_name, raw, report};
@@ -16,7 +16,7 @@ pub struct Args {
     #[command(flatten)]
     common: Common,
     /// Messages a run (quick: 20 000).
-    #[arg(short = 'n', long, default_value = "200000", value_parser = crate::cli::count,
+    #[arg(short = 'n', long, default_value = "200000", value_parser = crate::args::count,
           default_value_if("quick", "true", Some("20000")))]
     messages: u64,
     /// Repetitions of each case (quick: 2).
@@ -33,7 +33,7 @@ pub struct Args {
     paths: Vec<Path>,
     /// Queue types.
     #[arg(long = "queues", value_delimiter = ',', default_value = "classic,quorum",
-          value_parser = crate::cli::queue_kind)]
+          value_parser = crate::args::queue_kind)]
     kinds: Vec<QueueKind>,
     /// Prefetch values.
     #[arg(long = "prefetch", value_delimiter = ',', default_value = "50,500",
