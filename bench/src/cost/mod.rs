@@ -6,6 +6,7 @@ pub mod consume;
 pub mod hostile;
 pub mod memory;
 pub mod reader;
+pub mod report;
 pub mod shutdown;
 
 use std::io::Read as _;
@@ -507,7 +508,7 @@ fn orchestrate(options: Options) -> ExitCode {
         &b.options.common.out,
         "cost",
         &r,
-        &crate::report::cost(&r),
+        &report::markdown(&r),
         None,
     );
     if r.errors.is_empty() {

@@ -1,0 +1,100 @@
+//! The cost program's report.
+
+use crate::report::{Table, group, met, mib, notes, opening, rate, row};
+
+use super::{Results, hostile};
+
+/// The cost report in markdown: a row a measure (raw lapin, Lily, Lily's layer, target, met).
+pub fn markdown(r: &Results) -> String {
+    let mut table = Table::new("measure|raw lapin|Lily|Lily's layer|target|met", 1);
+    let dash = || "-".to_owned();
+    let num = |v: f64, digits: usize| group(&format!("{v:.digits$}"));
+    if let Some(i) = &r.instructions {
+        row!(table; format!("instructions / message (callgrind, N={})", i.n), num(i.raw, 0), num(i.lily, 0), num(i.lily_layer, 0), "<= 8 000", met(i.met));
+    }
+    if let Some(per) = r.reader {
+        // Its share of Lily's whole cost a message, when the instructions ran too.
+        let share = r.instructions.as_ref().map(|i| per / i.lily);
+        let target = share.map_or_else(
+            || "< 5 % of Lily".into(),
+            |x| format!("< 5 % of Lily: {:.1} %", x * 100.0),
+        );
+        row!(table; "  of it, the frame reader (wire.rs), instructions / message", dash(), num(per, 0), dash(), target, share.map_or_else(dash, |x| met(x < 0.05)));
+    }
+    if let Some(a) = &r.allocations {
+        row!(table; format!("heap allocations / message (alloc+realloc, N={})", a.n), num(a.raw, 2), num(a.lily, 2), num(a.lily_layer, 2), "<= 10", met(a.met));
+    }
+    if let Some(m) = &r.memory {
+        let layer = m.lily.rss_per_delivery - m.raw.rss_per_delivery;
+        row!(table; format!("RSS bytes per in-flight delivery ({} held)", m.in_flight), num(m.raw.rss_per_delivery, 0), num(m.lily.rss_per_delivery, 0), num(layer, 0), dash(), dash());
+    }
+    if let Some(d) = &r.shutdown {
+        row!(table; format!("shutdown, idle: SIGTERM to exit, ms (median of {})", d.runs), dash(), num(d.median_ms, 1), dash(), "< 200", met(d.met));
+    }
+    if let Some(h) = &r.hostile {
+        let (raw, lily) = (&h.raw, &h.lily);
+        let pair = |f: fn(&hostile::Run) -> String| [f(raw), f(lily), dash()];
+        let row = |label: String, values: [String; 3], target: String, ok: Option<bool>| {
+            [label]
+                .into_iter()
+                .chain(values)
+                .chain([target, ok.map_or_else(dash, met)])
+        };
+        table.row(row(
+            format!(
+                "hostile load, {} msgs at prefetch {}: peak RSS (VmHWM), MiB",
+                h.n, h.prefetch
+            ),
+            pair(|r| mib(r.hwm_bytes)),
+            format!("<= {}", mib(lily.bound_bytes)),
+            Some(lily.hwm_bytes <= lily.bound_bytes),
+        ));
+        table.row(row(
+            "  idle RSS, MiB".into(),
+            pair(|r| mib(r.rss_idle_bytes)),
+            dash(),
+            None,
+        ));
+        table.row(row(
+            format!("  bound: {}, MiB", h.bound_formula),
+            pair(|r| mib(r.bound_bytes)),
+            dash(),
+            None,
+        ));
+        table.row(row(
+            "  peak / bound".into(),
+            pair(|r| format!("{:.2}", r.peak_over_bound)),
+            "<= 1".into(),
+            Some(lily.peak_over_bound <= 1.0),
+        ));
+        table.row(row(
+            "  drain of the full queue, msg/s".into(),
+            pair(|r| rate(r.msgs_per_s)),
+            dash(),
+            None,
+        ));
+        let all = raw.settled == raw.sent && lily.settled == lily.sent;
+        table.row(row(
+            "  messages settled, checked by id from outside".into(),
+            pair(|r| format!("{}/{}", r.settled, r.sent)),
+            "all".into(),
+            Some(all),
+        ));
+        table.row(row(
+            "  of which not where their class says (Lily)".into(),
+            [dash(), lily.unexpected.to_string(), dash()],
+            dash(),
+            None,
+        ));
+    }
+    for error in &r.errors {
+        table.row([error.as_str(), "error", "-", "-", "-", "-"]);
+    }
+    let conditions = format!(
+        "classic queues, {}-byte persistent JSON messages; prefetch {}, tokio current-thread runtime for the per-message cost; Lily's layer = Lily − a hand-written lapin consumer that deserializes and ACKs each message as Lily does",
+        r.meta.message_bytes, r.prefetch
+    );
+    let mut out = opening("Cost", &r.meta, &conditions) + &table.end();
+    notes(&mut out, &r.meta.notes);
+    out
+}
