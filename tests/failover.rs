@@ -1,12 +1,14 @@
 //! MongoDB failover under Lily, on the private three-member replica set: the primary SIGKILLed
 //! while handlers run and commits are in flight, stepped down during commits, and gone with a
-//! secondary so that no primary exists for several seconds. Deliveries flow at a steady rate
-//! through a consumer at realistic prefetch and concurrency with the library's default policy;
-//! afterwards every message is checked by id in the database: exactly one effect, no valid
-//! message in the DLQ or parking lane, its deferrals within the requeue limit, and an effect
-//! for every message whose write an old primary rolled back (it was never acknowledged). Each test prints its figures: time from the fault to the first commit
-//! after it, the longest time without a commit, deliveries deferred, and the commit rate before
-//! and after the fault.
+//! secondary so that no primary exists for several seconds (the last two with a lease per
+//! message). Deliveries flow at a steady rate through a consumer at realistic prefetch and
+//! concurrency with the library's default policy; afterwards every message is checked by id in
+//! the database: exactly one effect, no valid message in the DLQ or parking lane, no attempt
+//! spent, its deferrals within the requeue limit, and an effect for every message whose write
+//! an old primary rolled back (it was never acknowledged). Each test prints its figures: time
+//! from the fault to the first commit after it, the longest time without a commit, deliveries
+//! deferred, and the commit rate before and after the fault. A fourth test reads the primary's
+//! profiler: Lily's own writes and reads ask for a majority whatever the URL says.
 //!
 //! The set's members elect within about two seconds here (`electionTimeoutMillis` lowered to
 //! 1 000 by the test command; at the default of 10 000 see the guide's MongoDB chapter).
