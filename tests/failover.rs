@@ -210,18 +210,8 @@ async fn survive(name: &str, kind: QueueKind, fault: Fault, lease: bool) {
 
     // Every message by id: exactly one effect.
     let mut effects = BTreeMap::<String, u32>::new();
-    let mut cursor = mongo
-        .collection::<Document>("ledger")
-        .find(doc! {})
-        .await
-        .expect("read the ledger");
-    while cursor.advance().await.expect("ledger cursor") {
-        let id = cursor
-            .deserialize_current()
-            .expect("ledger entry")
-            .get_str("message_id")
-            .expect("message_id")
-            .to_owned();
+    for entry in documents(&mongo, "ledger", doc! {}).await {
+        let id = entry.get_str("message_id").expect("message_id").to_owned();
         *effects.entry(id).or_default() += 1;
     }
     let wrong: Vec<String> = ids
@@ -338,22 +328,27 @@ async fn wait_settled(mongo: &Database, client: &Client, queue: &str, ids: &[Str
 
 /// The most deferrals any message of the run had (the scope's durable count).
 async fn most_deferrals(mongo: &Database) -> i64 {
-    let mut most = 0;
+    let counts = documents(mongo, "lily_deferrals", doc! {}).await;
+    let count = |counted: &Document| match counted.get("n") {
+        Some(Bson::Int64(n)) => *n,
+        Some(Bson::Int32(n)) => i64::from(*n),
+        _ => 0,
+    };
+    counts.iter().map(|c| count(c) - 1).fold(0, i64::max)
+}
+
+/// Every document of `collection` that matches `filter`.
+async fn documents(mongo: &Database, collection: &str, filter: Document) -> Vec<Document> {
     let mut cursor = mongo
-        .collection::<Document>("lily_deferrals")
-        .find(doc! {})
+        .collection::<Document>(collection)
+        .find(filter)
         .await
-        .expect("read the deferral counts");
-    while cursor.advance().await.expect("deferrals cursor") {
-        let counted = cursor.deserialize_current().expect("a count");
-        let n = match counted.get("n") {
-            Some(Bson::Int64(n)) => *n,
-            Some(Bson::Int32(n)) => i64::from(*n),
-            _ => 0,
-        };
-        most = most.max(n - 1);
+        .unwrap_or_else(|e| panic!("read {collection}: {e}"));
+    let mut found = Vec::new();
+    while cursor.advance().await.expect("a cursor") {
+        found.push(cursor.deserialize_current().expect("a document"));
     }
-    most
+    found
 }
 
 /// Lily's own writes and reads outside the transaction ask for a majority though the URL asks
@@ -409,17 +404,7 @@ async fn lilys_own_writes_and_reads_ask_for_a_majority_whatever_the_url_says() {
         .await
         .expect("profiling off");
 
-    let profiled = |filter: Document| {
-        let profile = mongo.collection::<Document>("system.profile");
-        async move {
-            let mut cursor = profile.find(filter).await.expect("read the profile");
-            let mut entries = Vec::new();
-            while cursor.advance().await.expect("profile cursor") {
-                entries.push(cursor.deserialize_current().expect("a profile entry"));
-            }
-            entries
-        }
-    };
+    let profiled = |filter| documents(&mongo, "system.profile", filter);
     let acquisitions = profiled(doc! {
         "ns": format!("{database}.lily_leases"),
         "command.findAndModify": { "$exists": true },
