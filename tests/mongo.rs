@@ -161,8 +161,11 @@ async fn a_classic_message_that_keeps_killing_its_worker_is_counted_durably_and_
     // (0.5 s at least) until the handling whose connection was closed has ended. Reconnecting
     // at once, the redelivery could begin while that handling still ran in this process, which
     // is no death (a duplicate delivery handled meanwhile), and the count came out short.
+    // The killer's handler waits for the test, whose `rabbitmqctl` runs take seconds on a
+    // loaded machine: it must not time out first (a timeout is a failure, not a death).
     let cfg = config(&queue, QueueKind::Classic)
         .policy(policy)
+        .handler_timeout(Duration::from_secs(120))
         .reconnect(Duration::from_secs(1), Duration::from_secs(1));
     let running = common::start_with(broker.url(), cfg, router, |c| c.scope(scope.clone()));
     running.wait_ready().await;
@@ -190,6 +193,15 @@ async fn a_classic_message_that_keeps_killing_its_worker_is_counted_durably_and_
         }
         assert!(running_again, "the killer was not delivered again");
         broker.close_connection_named(&consuming);
+        // The worker is dead once Lily has seen its connection go. Failing before that, the
+        // handler would race the close: its retry copy could be confirmed (on the handoff
+        // connection, which lives) before the consuming channel's end is read, and the
+        // killer would then run once more from that copy, besides its redelivery.
+        let stats = running.stats.clone();
+        assert!(
+            eventually(WAIT, || !stats.ready()).await,
+            "the closed connection was never noticed"
+        );
         release.notify_one();
         // Past the reconnect, so a redelivery that went to the DLQ is seen at the loop's check.
         tokio::time::sleep(Duration::from_millis(1500)).await;
