@@ -1303,6 +1303,101 @@ async fn a_commit_the_database_never_answers_defers_within_the_budget() {
     assert!(docs.len() <= 1, "the effect exists at most once: {docs:?}");
 }
 
+/// The database goes away while twenty handlers, each holding its message's lease, wait to
+/// commit: the commits, their deferral counts and the lease releases all fail, so every lease
+/// stays in the database, unexpired (30 s), its release unanswered. When the database is back,
+/// each message's next handling in this process takes its own abandoned lease over at once
+/// instead of waiting it out in a bucket as it would another owner's: nothing waits, and every
+/// message has its effect exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leases_left_behind_by_an_outage_are_taken_over_by_the_next_handling_at_once() {
+    const N: usize = 20;
+    let broker = Broker::from_env();
+    let queue = Broker::unique("abandoned");
+    let database = MongoNode::database_name("abandoned");
+    let db = direct(&database).await;
+    let proxy = Arc::new(TcpProxy::start(mongo_addr()).await);
+    let scope = MongoScope::connect(
+        &mongo_via(&proxy),
+        &database,
+        MongoConfig::new("e2e-abandoned").with_lease(),
+    )
+    .await
+    .expect("scope through the proxy");
+    // Each message's first handling writes its effect, then waits for the outage.
+    let first_runs = Counter::default();
+    let gone = Arc::new(tokio::sync::Notify::new());
+    let seen = Arc::new(Mutex::new(std::collections::HashSet::<String>::new()));
+    let router = {
+        let (first_runs, gone, seen) = (first_runs.clone(), Arc::clone(&gone), Arc::clone(&seen));
+        Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| {
+            let (first_runs, gone, seen) =
+                (first_runs.clone(), Arc::clone(&gone), Arc::clone(&seen));
+            async move {
+                write_effect(&tx, &meta, "abandoned").await?;
+                if seen.lock().unwrap().insert(meta.message_id().to_owned()) {
+                    let outage = gone.notified();
+                    first_runs.bump();
+                    outage.await;
+                }
+                Ok(())
+            }
+        })
+    };
+    let cfg = scoped_config(&queue, deferring_policy(100))
+        .concurrency(N)
+        .handler_timeout(Duration::from_secs(120));
+    let running = start_scoped_with(broker.url(), cfg, router, scope);
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    let ids: Vec<String> = (0..N).map(|i| format!("abandoned-{i}")).collect();
+    for id in &ids {
+        client.send(&queue, "order.placed", id, b"{}").await;
+    }
+    assert!(
+        eventually(WAIT, || first_runs.get() as usize == N).await,
+        "every handler took its lease and ran: {}",
+        first_runs.get()
+    );
+    let leases = db.collection::<Document>("lily_leases");
+    let held = leases.count_documents(doc! {}).await.expect("count leases");
+    assert_eq!(held, N as u64, "one lease per message");
+
+    proxy.refuse(true);
+    proxy.cut();
+    gone.notify_waiters();
+    // Every delivery deferred at least once while the database was away.
+    running
+        .wait_for("the commits deferred", WAIT, |t| t.deferred >= N as u64)
+        .await;
+    let left = leases.count_documents(doc! {}).await.expect("count leases");
+    assert_eq!(left, N as u64, "the releases never reached the database");
+    proxy.refuse(false);
+
+    let stats = running.stats.clone();
+    let handled = eventually(WAIT, || stats.totals().acked >= N as u64).await;
+    let report = running.stop().await;
+    let t = &report.totals;
+    assert!(handled, "every message handled: {t:?}");
+    assert_eq!(t.waited, 0, "a delivery waited out its own lease: {t:?}");
+    assert_eq!(
+        t.retried + t.dead_lettered,
+        0,
+        "an outage spent attempts: {t:?}"
+    );
+    for id in &ids {
+        let docs = effect_docs(&db, id).await;
+        assert_eq!(docs.len(), 1, "{id}: exactly one effect: {docs:?}");
+    }
+    assert_dlq_empty(&client, &queue).await;
+    assert_eq!(client.depth(&queue).await, 0);
+    assert_eq!(
+        leases.count_documents(doc! {}).await.expect("count leases"),
+        0,
+        "every lease released in the end"
+    );
+}
+
 /// Takes one unit of the shared stock and records the effect, inside the transaction. Every
 /// delivery updates the same document, so concurrent transactions conflict.
 async fn take_stock(tx: MongoTx, meta: Meta) -> Result<(), QueueHandlerError> {

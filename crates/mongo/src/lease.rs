@@ -14,8 +14,17 @@
 //! one, below that document's fence, and never pass its check). A count started again is
 //! safe: every check names the owner token too, unique to one acquisition, so a stale owner's
 //! check never matches another's document, whatever its fence number.
+//!
+//! A lease this process let go of without its release confirmed (the database did not answer,
+//! as through an election, or the delivery was dropped) is [`Abandoned`]: the process's own
+//! next handling of that message takes it over at once rather than waiting out its TTL. The
+//! takeover raises the fence like any other, so whatever the abandoned acquisition still had
+//! in flight fails its check; only another process, which cannot know the owner is gone,
+//! waits.
 
+use std::collections::HashMap;
 use std::future::IntoFuture;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -36,6 +45,44 @@ pub(crate) struct Lease {
     renewal: CancellationToken,
     leases: Collection<Document>,
     fences: Collection<Document>,
+    /// Where this acquisition is remembered if it ends without its release confirmed.
+    abandoned: Arc<Abandoned>,
+    /// Set once the release's delete was answered.
+    released: bool,
+}
+
+/// The owner tokens of the leases this process abandoned, by message key: the acquisitions
+/// that ended without a confirmed release, and those whose write was sent and not answered (it
+/// may have taken the lease all the same). See the module's documentation.
+#[derive(Debug, Default)]
+pub(crate) struct Abandoned(std::sync::Mutex<HashMap<String, Vec<String>>>);
+
+/// The most messages with abandoned leases remembered, and the most tokens per message; past
+/// either, the oldest are forgotten, and a forgotten lease is waited out as any other owner's.
+const MAX_ABANDONED: usize = 65_536;
+const MAX_TOKENS: usize = 8;
+
+impl Abandoned {
+    fn owners(&self, key: &Document) -> Option<Vec<String>> {
+        crate::lock(&self.0).get(&key.to_string()).cloned()
+    }
+
+    fn remember(&self, key: &Document, owner: &str) {
+        let mut owners = crate::lock(&self.0);
+        if owners.len() >= MAX_ABANDONED {
+            owners.clear();
+        }
+        let tokens = owners.entry(key.to_string()).or_default();
+        if tokens.len() >= MAX_TOKENS {
+            tokens.remove(0);
+        }
+        tokens.push(owner.to_owned());
+    }
+
+    /// The lease is this process's again: none of the tokens before can own it any more.
+    fn forget(&self, key: &Document) {
+        crate::lock(&self.0).remove(&key.to_string());
+    }
 }
 
 /// Why a lease was not acquired.
@@ -68,18 +115,23 @@ fn expires(ttl: Duration) -> DateTime {
     DateTime::from_millis(DateTime::now().timestamp_millis().saturating_add(ms))
 }
 
-/// Acquires the lease on `key` atomically: it is free, expired, or ours. The fence grows by one
-/// with every acquisition.
+/// Acquires the lease on `key` atomically: it is free, expired, or one this process abandoned.
+/// The fence grows by one with every acquisition.
 pub(crate) async fn acquire(
     leases: &Collection<Document>,
     fences: &Collection<Document>,
+    abandoned: &Arc<Abandoned>,
     key: Document,
     ttl: Duration,
     max_extension: Duration,
 ) -> Result<Lease, Refused> {
     let owner = owner_token();
     let now = DateTime::now();
-    let filter = doc! { "_id": key.clone(), "expires_at": { "$lt": now } };
+    let expired = doc! { "expires_at": { "$lt": now } };
+    let filter = match abandoned.owners(&key) {
+        Some(ours) => doc! { "_id": key.clone(), "$or": [expired, { "owner": { "$in": ours } }] },
+        None => doc! { "_id": key.clone(), "expires_at": { "$lt": now } },
+    };
     let update = doc! {
         "$set": { "owner": &owner, "expires_at": expires(ttl), "acquired_at": now },
         "$inc": { "fence": 1_i64 },
@@ -94,7 +146,14 @@ pub(crate) async fn acquire(
         // The upsert collided with a live owner's document.
         Ok(None) => return Err(held(leases, key).await),
         Err(err) if is_duplicate_key(&err) => return Err(held(leases, key).await),
-        Err(err) => return Err(Refused::Failed(err)),
+        Err(err) => {
+            // Sent and unanswered, it may have taken the lease: if so, this process's next try
+            // may too. One that found no server to send to took nothing.
+            if !matches!(err.kind.as_ref(), ErrorKind::ServerSelection { .. }) {
+                abandoned.remember(&key, &owner);
+            }
+            return Err(Refused::Failed(err));
+        }
     };
     let fence = match doc.get("fence") {
         Some(Bson::Int64(f)) => *f,
@@ -114,7 +173,11 @@ pub(crate) async fn acquire(
         .update_one(doc! { "_id": key.clone() }, raise)
         .upsert(true)
         .await;
+    // Taken: the leases this process abandoned are done with (the raise fences them off).
+    abandoned.forget(&key);
     if let Err(err) = raised {
+        // Taken but not fenced: given up, it is abandoned too.
+        abandoned.remember(&key, &owner);
         return Err(Refused::Failed(err));
     }
     let renewal = spawn_renewal(
@@ -133,6 +196,8 @@ pub(crate) async fn acquire(
         renewal,
         leases: leases.clone(),
         fences: fences.clone(),
+        abandoned: Arc::clone(abandoned),
+        released: false,
     })
 }
 
@@ -200,16 +265,18 @@ impl Lease {
     }
 
     /// Stops renewing and deletes the lease, and the fence document unless a commit took it
-    /// (`committed`), where they are still this acquisition's.
-    pub(crate) async fn release(self, committed: bool) {
+    /// (`committed`), where they are still this acquisition's. A lease whose delete is not
+    /// answered (or whose release is dropped) is remembered as [`Abandoned`].
+    pub(crate) async fn release(mut self, committed: bool) {
         self.renewal.cancel();
         let lease = self.leases.delete_one(self.ours()).into_future();
-        if committed {
-            let _ = lease.await;
+        let deleted = if committed {
+            lease.await
         } else {
             let fence = self.fences.delete_one(self.ours()).into_future();
-            let _ = tokio::join!(lease, fence);
-        }
+            tokio::join!(lease, fence).0
+        };
+        self.released = deleted.is_ok();
     }
 
     /// The filter matching this acquisition's documents only.
@@ -219,11 +286,16 @@ impl Lease {
 }
 
 impl Drop for Lease {
-    /// A lease dropped without [`Lease::release`] (its delivery was dropped: a timeout, a
-    /// shutdown's abort) stops renewing, so it expires after its TTL instead of being extended
-    /// by a task nobody owns.
+    /// A lease dropped without a confirmed [`Lease::release`] (the database did not answer,
+    /// or its delivery was dropped: a timeout, a shutdown's abort) stops renewing, so it
+    /// expires after its TTL instead of being extended by a task nobody owns, and is
+    /// remembered as [`Abandoned`], so this process's next handling of the message need not
+    /// wait for that.
     fn drop(&mut self) {
         self.renewal.cancel();
+        if !self.released {
+            self.abandoned.remember(&self.key, &self.owner);
+        }
     }
 }
 
@@ -238,5 +310,32 @@ pub(crate) fn is_duplicate_key(err: &Error) -> bool {
         ErrorKind::Write(WriteFailure::WriteError(e)) => e.code == 11000,
         ErrorKind::Command(e) => e.code == 11000,
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn abandoned_leases_are_remembered_per_message_newest_kept() {
+        let abandoned = Abandoned::default();
+        let (a, b) = (doc! { "c": "x", "m": "a" }, doc! { "c": "x", "m": "b" });
+        assert_eq!(abandoned.owners(&a), None);
+        for n in 0..=MAX_TOKENS {
+            abandoned.remember(&a, &format!("t{n}"));
+        }
+        abandoned.remember(&b, "u");
+        let kept = abandoned.owners(&a).expect("remembered");
+        assert_eq!(kept.len(), MAX_TOKENS);
+        assert_eq!(
+            kept.first().map(String::as_str),
+            Some("t1"),
+            "the oldest goes"
+        );
+        assert_eq!(kept.last().map(String::as_str), Some("t8"));
+        abandoned.forget(&a);
+        assert_eq!(abandoned.owners(&a), None);
+        assert_eq!(abandoned.owners(&b), Some(vec!["u".to_owned()]));
     }
 }

@@ -133,6 +133,8 @@ struct Inner {
     deferrals: Collection<Document>,
     /// The marks of the handlings this process began and has not settled yet, by message id.
     handling: std::sync::Mutex<HashMap<Box<str>, String>>,
+    /// The leases this process let go of without a confirmed release.
+    abandoned: Arc<lease::Abandoned>,
 }
 
 /// The most handling marks remembered at once (one per delivery being handled, removed when it
@@ -216,6 +218,7 @@ impl MongoScope {
             fences,
             deferrals,
             handling: std::sync::Mutex::default(),
+            abandoned: Arc::default(),
         })))
     }
 
@@ -238,6 +241,7 @@ impl MongoScope {
             match lease::acquire(
                 &inner.leases,
                 &inner.fences,
+                &inner.abandoned,
                 key.clone(),
                 inner.config.lease_ttl,
                 inner.config.lease_max_extension,
