@@ -7,27 +7,58 @@
 //! `chaos`; on classic and on quorum queues; then a run heavy with handoffs; then two kill
 //! storms.
 
+use std::process::Stdio;
 use std::time::Duration;
 
-/// Runs `chaos` with `args` (split at spaces) and fails on any violation it names.
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::task::JoinHandle;
+
+/// Runs `chaos` with `args` (split at spaces) and fails on any violation it names. A run past
+/// 10 minutes is sent SIGTERM (it kills its workers then) and fails with what it printed, its
+/// progress on stderr showing where it was.
 async fn soak(args: &str) {
-    let run = tokio::process::Command::new(env!("CARGO_BIN_EXE_chaos"))
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_chaos"))
         .args(["--service", env!("CARGO_BIN_EXE_inbox"), "--workers", "3"])
         .args(args.split_whitespace())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .kill_on_drop(true)
-        .output();
-    let out = tokio::time::timeout(Duration::from_secs(600), run)
-        .await
-        .expect("the soak ends within 10 minutes")
+        .spawn()
         .expect("run chaos");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = read_to_end(child.stdout.take().expect("piped"));
+    let stderr = read_to_end(child.stderr.take().expect("piped"));
+    let status = match tokio::time::timeout(Duration::from_secs(600), child.wait()).await {
+        Ok(status) => Some(status.expect("wait for chaos")),
+        Err(_) => {
+            let pid = child.id().expect("chaos runs").to_string();
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &pid])
+                .status();
+            let _ = tokio::time::timeout(Duration::from_secs(30), child.wait()).await;
+            None
+        }
+    };
+    let _ = child.kill().await;
+    let stdout = stdout.await.expect("stdout");
+    let stderr = stderr.await.expect("stderr");
     println!("{stdout}");
+    let Some(status) = status else {
+        panic!("the soak did not end within 10 minutes ({args}):\n{stdout}\nstderr:\n{stderr}");
+    };
     assert!(
-        out.status.success(),
-        "the soak found violations ({args}):\n{stdout}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stderr)
+        status.success(),
+        "the soak found violations ({args}):\n{stdout}\nstderr:\n{stderr}"
     );
     assert!(stdout.contains("every id accounted for"), "{stdout}");
+}
+
+/// Reads `pipe` to its end on a task of its own.
+fn read_to_end(mut pipe: impl AsyncRead + Send + Unpin + 'static) -> JoinHandle<String> {
+    tokio::spawn(async move {
+        let mut text = String::new();
+        let _ = pipe.read_to_string(&mut text).await;
+        text
+    })
 }
 
 // One test, so the runs come one after the other: each restarts the broker's app and mongod.

@@ -791,7 +791,25 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // Stopped from outside (a test's timeout), it takes its workers with it: dropping the run
+    // kills them, where they would otherwise outlive it, still consuming.
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("a SIGTERM handler");
+    tokio::select! {
+        code = run(args) => code,
+        _ = terminate.recv() => {
+            eprintln!("chaos: terminated; its workers killed");
+            ExitCode::from(3)
+        }
+    }
+}
+
+/// The soak: workers, publisher and faults, the drain, then the check by id.
+async fn run(args: Args) -> ExitCode {
     let started = Instant::now();
+    // Each step on stderr, so a run that never ends shows where it is.
+    let progress =
+        |step: &str| eprintln!("chaos: {:7.1} s {step}", started.elapsed().as_secs_f64());
     let broker = Broker::from_env();
     let queue = Broker::unique("chaos");
     let database_name = MongoNode::database_name("chaos");
@@ -882,6 +900,10 @@ async fn main() -> ExitCode {
                 &publishing,
             )
             .await;
+            progress(&format!(
+                "{fault:?}{}",
+                if done { "" } else { " could not be injected" }
+            ));
             *if done { &mut injected } else { &mut refused }
                 .entry(fault)
                 .or_default() += 1;
@@ -891,6 +913,7 @@ async fn main() -> ExitCode {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let sent = publisher.await.expect("publisher");
+    progress("published; draining");
     // The faults closed every connection, this one's too: a fresh one to inspect the queues.
     let client = Client::connect(broker.url()).await;
 
@@ -925,6 +948,7 @@ async fn main() -> ExitCode {
     }
 
     let settled_after_last_fault = last_fault.elapsed();
+    progress("drained; checking by id");
     drain_dead(&client, &format!("{queue}.dlq"), &mut books.dead).await;
     let mut violations = count_deliveries(&broker, &client, &trace, &mut books.deliveries).await;
     violations.extend(
@@ -1006,6 +1030,8 @@ async fn publish(
     let to = Destination::queue(queue);
     for (n, order) in (1..).zip(orders) {
         let _publishing = gate.read().await;
+        // An order that stays unconfirmed says so every 30 s, with the last outcome.
+        let mut since = Instant::now();
         loop {
             let Some(open) = &publisher else {
                 // The broker may be down or behind a fault: connect again until it answers.
@@ -1023,8 +1049,16 @@ async fn publish(
                 order.body(),
             );
             // Anything short of a confirm is published again: the inbox deduplicates.
-            if open.publish(&to, message).await.is_confirmed() {
+            let outcome = open.publish(&to, message).await;
+            if outcome.is_confirmed() {
                 break;
+            }
+            if since.elapsed() > Duration::from_secs(30) {
+                eprintln!(
+                    "chaos: order {} unconfirmed for 30 s: {outcome:?}",
+                    order.id
+                );
+                since = Instant::now();
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
