@@ -1398,6 +1398,73 @@ async fn leases_left_behind_by_an_outage_are_taken_over_by_the_next_handling_at_
     );
 }
 
+/// Twenty messages at once; the first lease acquisition's write reaches the database and takes
+/// the lease, but its answer is withheld (the connection stays open and silent for 5 s) until
+/// the handling's budget (2 s) gives up on it and defers the delivery. The scope remembers the
+/// acquisition it gave up on, so the message's next handling takes that lease over at once
+/// instead of waiting out a lease nobody holds (30 s) in a bucket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lease_taken_by_an_acquisition_given_up_on_is_taken_over_at_once() {
+    const N: usize = 20;
+    let broker = Broker::from_env();
+    let queue = Broker::unique("given-up");
+    let database = MongoNode::database_name("given_up");
+    let db = direct(&database).await;
+    // Created first: twenty transactions creating it at once would conflict, spending attempts.
+    db.create_collection("effects").await.expect("create effects");
+    let proxy = Arc::new(TcpProxy::start(mongo_addr()).await);
+    let scope = MongoScope::connect(
+        &mongo_via(&proxy),
+        &database,
+        MongoConfig::new("e2e-given-up").with_lease(),
+    )
+    .await
+    .expect("scope through the proxy");
+    // The command that acquires a lease: `findAndModify` on `lily_leases`, as BSON spells it.
+    proxy.silence_reply_after(
+        b"findAndModify\x00\x0c\x00\x00\x00lily_leases",
+        Duration::from_secs(5),
+    );
+    let router = Router::new().route("order.placed", |tx: MongoTx, meta: Meta| async move {
+        write_effect(&tx, &meta, "given-up").await
+    });
+    let cfg = scoped_config(&queue, deferring_policy(100)).concurrency(N);
+    let running = start_scoped_with(broker.url(), cfg, router, scope);
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    let ids: Vec<String> = (0..N).map(|i| format!("given-up-{i}")).collect();
+    for id in &ids {
+        client.send(&queue, "order.placed", id, b"{}").await;
+    }
+    let stats = running.stats.clone();
+    let handled = eventually(WAIT, || stats.totals().acked >= N as u64).await;
+    let report = running.stop().await;
+    let t = &report.totals;
+    assert!(handled, "every message handled: {t:?}");
+    assert!(proxy.tripped(), "an acquisition's answer was withheld");
+    assert!(
+        t.deferred >= 1,
+        "the handling gave up on its acquisition: {t:?}"
+    );
+    assert_eq!(
+        t.waited, 0,
+        "a delivery waited out a lease it had taken: {t:?}"
+    );
+    assert_eq!(t.retried + t.dead_lettered, 0, "attempts spent: {t:?}");
+    for id in &ids {
+        let docs = effect_docs(&db, id).await;
+        assert_eq!(docs.len(), 1, "{id}: exactly one effect: {docs:?}");
+    }
+    assert_dlq_empty(&client, &queue).await;
+    assert_eq!(client.depth(&queue).await, 0);
+    let leases = db.collection::<Document>("lily_leases");
+    assert_eq!(
+        leases.count_documents(doc! {}).await.expect("count leases"),
+        0,
+        "every lease released in the end"
+    );
+}
+
 /// Takes one unit of the shared stock and records the effect, inside the transaction. Every
 /// delivery updates the same document, so concurrent transactions conflict.
 async fn take_stock(tx: MongoTx, meta: Meta) -> Result<(), QueueHandlerError> {

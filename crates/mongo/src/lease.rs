@@ -18,14 +18,16 @@
 //! A lease this process let go of without its release confirmed (the database did not answer,
 //! as through an election, or the delivery was dropped) is [`Abandoned`]: the process's own
 //! next handling of that message takes it over at once rather than waiting out its TTL. The
-//! takeover raises the fence like any other, so whatever the abandoned acquisition still had
-//! in flight fails its check; only another process, which cannot know the owner is gone,
-//! waits.
+//! takeover raises the fence like any other: a commit of the abandoned acquisition not yet at
+//! its check fails it, and one past it holds the fence document, so the raise waits for that
+//! transaction to end and the new handling then finds its inbox record. Only another process,
+//! which cannot know the owner is gone, waits the TTL out.
 
 use std::collections::HashMap;
 use std::future::IntoFuture;
-use std::sync::Arc;
+use std::hash::{BuildHasher, Hasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use mongodb::bson::{Bson, DateTime, Document, doc};
@@ -98,13 +100,17 @@ pub(crate) enum Refused {
 
 static TOKENS: AtomicU64 = AtomicU64::new(0);
 
-/// A token unique to this attempt of this process.
+/// A token unique to this attempt of this process. A remembered token lets its process take
+/// the lease over, so two processes must never make the same one: processes in containers
+/// often share a pid, so a random part drawn once per process comes first.
 pub(crate) fn owner_token() -> String {
+    static PROCESS: OnceLock<u64> = OnceLock::new();
+    let process = PROCESS.get_or_init(|| RandomState::new().build_hasher().finish());
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     format!(
-        "{}-{nanos:x}-{}",
+        "{process:016x}-{}-{nanos:x}-{}",
         std::process::id(),
         TOKENS.fetch_add(1, Ordering::Relaxed)
     )
@@ -126,6 +132,14 @@ pub(crate) async fn acquire(
     max_extension: Duration,
 ) -> Result<Lease, Refused> {
     let owner = owner_token();
+    // From the write on, this acquisition is remembered if it ends without a lease: its write
+    // may have taken the lease even when no answer came, or the caller gave up waiting.
+    let mut pending = Pending {
+        abandoned: Arc::clone(abandoned),
+        key: key.clone(),
+        owner: owner.clone(),
+        armed: true,
+    };
     let now = DateTime::now();
     let expired = doc! { "expires_at": { "$lt": now } };
     let filter = match abandoned.owners(&key) {
@@ -144,13 +158,20 @@ pub(crate) async fn acquire(
     let doc = match taken {
         Ok(Some(doc)) => doc,
         // The upsert collided with a live owner's document.
-        Ok(None) => return Err(held(leases, key).await),
-        Err(err) if is_duplicate_key(&err) => return Err(held(leases, key).await),
+        Ok(None) => {
+            pending.armed = false;
+            return Err(held(leases, key).await);
+        }
+        Err(err) if is_duplicate_key(&err) => {
+            pending.armed = false;
+            return Err(held(leases, key).await);
+        }
         Err(err) => {
             // Sent and unanswered, it may have taken the lease: if so, this process's next try
-            // may too. One that found no server to send to took nothing.
-            if !matches!(err.kind.as_ref(), ErrorKind::ServerSelection { .. }) {
-                abandoned.remember(&key, &owner);
+            // may too (`pending` remembers it). One that found no server to send to took
+            // nothing.
+            if matches!(err.kind.as_ref(), ErrorKind::ServerSelection { .. }) {
+                pending.armed = false;
             }
             return Err(Refused::Failed(err));
         }
@@ -176,10 +197,11 @@ pub(crate) async fn acquire(
     // Taken: the leases this process abandoned are done with (the raise fences them off).
     abandoned.forget(&key);
     if let Err(err) = raised {
-        // Taken but not fenced: given up, it is abandoned too.
-        abandoned.remember(&key, &owner);
+        // Taken but not fenced: given up, it is abandoned too (`pending` remembers it).
         return Err(Refused::Failed(err));
     }
+    // Held from here by the `Lease`, which remembers it if it is not released.
+    pending.armed = false;
     let renewal = spawn_renewal(
         leases.clone(),
         key.clone(),
@@ -199,6 +221,24 @@ pub(crate) async fn acquire(
         abandoned: Arc::clone(abandoned),
         released: false,
     })
+}
+
+/// An acquisition under way: remembered as [`Abandoned`] when dropped armed, which is also how
+/// an acquisition cancelled by its caller (a budget run out while the database did not answer)
+/// is remembered.
+struct Pending {
+    abandoned: Arc<Abandoned>,
+    key: Document,
+    owner: String,
+    armed: bool,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if self.armed {
+            self.abandoned.remember(&self.key, &self.owner);
+        }
+    }
 }
 
 /// The refusal of a lease another owner holds, with how long until its recorded expiry.

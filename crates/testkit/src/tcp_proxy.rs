@@ -10,6 +10,9 @@
 //!   client→server bytes contain a pattern (e.g. `b"commitTransaction"`) has those bytes
 //!   forwarded, then the server's reply is swallowed, the connection is cut and new
 //!   connections are refused for a while. The server did the work; the client never learns it.
+//! - [`TcpProxy::silence_reply_after`] is the same trap, but the connection stays open and
+//!   silent for a while before it is cut, so the client gives up waiting (a timeout, a budget)
+//!   before any error reaches it.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -49,7 +52,11 @@ struct Shared {
 #[derive(Clone, Copy, Debug)]
 struct Trap {
     pattern: &'static [u8],
+    /// New connections are refused for this long after the hit.
     hold: Duration,
+    /// Set: the trapped connection swallows what the server sends for this long, then is cut.
+    /// Unset: it is cut as soon as the reply arrives, or after [`REPLY_WAIT`].
+    silence: Option<Duration>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -125,12 +132,35 @@ impl TcpProxy {
     /// cut as soon as the reply arrives (or after 2 s), and new connections are refused for
     /// `hold` from the moment the pattern was seen.
     pub fn drop_reply_after(&self, pattern: &'static [u8], hold: Duration) {
-        assert!(!pattern.is_empty(), "an empty pattern would match anything");
-        *lock(&self.shared.trap) = Some(Trap { pattern, hold });
+        self.arm(Trap {
+            pattern,
+            hold,
+            silence: None,
+        });
+    }
+
+    /// Arms a one-shot trap: the first connection whose client→server bytes contain `pattern`
+    /// forwards those bytes, then stays open and forwards nothing back for `silence` (the
+    /// server's reply is swallowed), then is cut. Other connections are untouched.
+    pub fn silence_reply_after(&self, pattern: &'static [u8], silence: Duration) {
+        self.arm(Trap {
+            pattern,
+            hold: Duration::ZERO,
+            silence: Some(silence),
+        });
+    }
+
+    fn arm(&self, trap: Trap) {
+        assert!(
+            !trap.pattern.is_empty(),
+            "an empty pattern would match anything"
+        );
+        *lock(&self.shared.trap) = Some(trap);
         self.shared.tripped.store(false, Ordering::Release);
     }
 
-    /// Whether the trap of [`drop_reply_after`](Self::drop_reply_after) fired.
+    /// Whether the trap of [`drop_reply_after`](Self::drop_reply_after) or
+    /// [`silence_reply_after`](Self::silence_reply_after) fired.
     pub fn tripped(&self) -> bool {
         self.shared.tripped.load(Ordering::Acquire)
     }
@@ -170,12 +200,13 @@ impl Shared {
     }
 
     /// Looks for the armed pattern in `chunk`, with the previous chunk's tail in `window` so a
-    /// pattern split across reads is found. On a hit the trap is disarmed and the hold starts.
-    fn trap_hit(&self, window: &mut Vec<u8>, chunk: &[u8]) -> bool {
+    /// pattern split across reads is found. On a hit the trap is disarmed, the hold starts and
+    /// the trap is returned.
+    fn trap_hit(&self, window: &mut Vec<u8>, chunk: &[u8]) -> Option<Trap> {
         let mut trap = lock(&self.trap);
-        let Some(Trap { pattern, hold }) = *trap else {
+        let Some(armed @ Trap { pattern, hold, .. }) = *trap else {
             window.clear();
-            return false;
+            return None;
         };
         window.extend_from_slice(chunk);
         let hit = window.windows(pattern.len()).any(|w| w == pattern);
@@ -183,12 +214,13 @@ impl Shared {
         if window.len() > keep {
             window.drain(..window.len() - keep);
         }
-        if hit {
-            *trap = None;
-            *lock(&self.refuse_until) = Some(Instant::now() + hold);
-            self.tripped.store(true, Ordering::Release);
+        if !hit {
+            return None;
         }
-        hit
+        *trap = None;
+        *lock(&self.refuse_until) = Some(Instant::now() + hold);
+        self.tripped.store(true, Ordering::Release);
+        Some(armed)
     }
 }
 
@@ -214,8 +246,10 @@ async fn relay(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>, id:
     let mut up = vec![0u8; 64 * 1024];
     let mut down = vec![0u8; 64 * 1024];
     let mut window = Vec::new();
-    // Set once the trap fired on this connection: the server's next bytes are its reply.
+    // Set once the trap fired on this connection: the server's next bytes are its reply,
+    // swallowed until then; `silent` keeps swallowing instead of cutting at the reply.
     let mut swallow_until: Option<tokio::time::Instant> = None;
+    let mut silent = false;
     loop {
         if shared.stalled.load(Ordering::Acquire) {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -233,10 +267,15 @@ async fn relay(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>, id:
                     Ok(0) | Err(_) => break,
                     Ok(n) => n,
                 };
-                let hit = swallow_until.is_none() && shared.trap_hit(&mut window, &up[..n]);
-                if hit {
+                let hit = swallow_until
+                    .is_none()
+                    .then(|| shared.trap_hit(&mut window, &up[..n]))
+                    .flatten();
+                if let Some(trap) = hit {
                     // Before forwarding, so a fast reply cannot slip through.
-                    swallow_until = Some(tokio::time::Instant::now() + REPLY_WAIT);
+                    let wait = trap.silence.unwrap_or(REPLY_WAIT);
+                    swallow_until = Some(tokio::time::Instant::now() + wait);
+                    silent = trap.silence.is_some();
                 }
                 if server_tx.write_all(&up[..n]).await.is_err() {
                     break;
@@ -247,6 +286,9 @@ async fn relay(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>, id:
                     Ok(0) | Err(_) => break,
                     Ok(n) => n,
                 };
+                if silent {
+                    continue; // swallowed; the cut comes when the silence ends
+                }
                 if swallow_until.is_some() {
                     break; // the reply is lost with the connection
                 }
@@ -289,14 +331,15 @@ mod tests {
         *lock(&shared.trap) = Some(Trap {
             pattern: b"commitTransaction",
             hold: Duration::from_secs(1),
+            silence: None,
         });
         let mut window = Vec::new();
-        assert!(!shared.trap_hit(&mut window, b"....commitTra"));
-        assert!(shared.trap_hit(&mut window, b"nsaction...."));
+        assert!(shared.trap_hit(&mut window, b"....commitTra").is_none());
+        assert!(shared.trap_hit(&mut window, b"nsaction....").is_some());
         assert!(shared.tripped.load(Ordering::Acquire));
         assert!(shared.refusing_now());
         assert!(
-            !shared.trap_hit(&mut window, b"commitTransaction"),
+            shared.trap_hit(&mut window, b"commitTransaction").is_none(),
             "one-shot"
         );
     }
