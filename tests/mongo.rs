@@ -1411,7 +1411,9 @@ async fn a_lease_taken_by_an_acquisition_given_up_on_is_taken_over_at_once() {
     let database = MongoNode::database_name("given_up");
     let db = direct(&database).await;
     // Created first: twenty transactions creating it at once would conflict, spending attempts.
-    db.create_collection("effects").await.expect("create effects");
+    db.create_collection("effects")
+        .await
+        .expect("create effects");
     let proxy = Arc::new(TcpProxy::start(mongo_addr()).await);
     let scope = MongoScope::connect(
         &mongo_via(&proxy),
