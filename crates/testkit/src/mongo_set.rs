@@ -183,6 +183,15 @@ impl MongoSet {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+        // Its port closes before it has finished exiting; on a loaded machine it can take
+        // seconds more, and `start` refuses a member whose process still runs.
+        while alive(pid) {
+            assert!(
+                Instant::now() < deadline,
+                "m{member} (pid {pid}) still runs 10 s after SIGKILL"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Stops `member` with SIGTERM (a clean shutdown; a primary steps down first).
@@ -259,4 +268,12 @@ impl MongoSet {
             .expect("run scripts/mongod.sh");
         assert!(status.success(), "scripts/mongod.sh {args:?} failed");
     }
+}
+
+/// Whether process `pid` exists and has not exited (a zombie waiting to be reaped has).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        let state = stat.rsplit_once(") ").map_or("", |(_, rest)| rest);
+        !state.starts_with(['Z', 'X'])
+    })
 }
