@@ -880,16 +880,28 @@ async fn run(args: Args) -> ExitCode {
     // Faults go on while orders are published, and until each kind came `min_each` times.
     // A kind that could not be injected this many times in all is given up, as a violation.
     let mut refused: BTreeMap<Fault, u32> = BTreeMap::new();
+    let wanting = |f: &Fault, injected: &BTreeMap<Fault, u32>, refused: &BTreeMap<Fault, u32>| {
+        injected.get(f).copied().unwrap_or(0) < args.min_each
+            && refused.get(f).copied().unwrap_or(0) < REFUSALS
+    };
     let short = |injected: &BTreeMap<Fault, u32>, refused: &BTreeMap<Fault, u32>| {
-        faults.iter().any(|f| {
-            injected.get(f).copied().unwrap_or(0) < args.min_each
-                && refused.get(f).copied().unwrap_or(0) < REFUSALS
-        })
+        faults.iter().any(|f| wanting(f, injected, refused))
     };
     while !publisher.is_finished() || short(&injected, &refused) {
         supervisor.restart_exited().await;
         if Instant::now() >= next_fault {
-            let fault = faults[turn % faults.len()];
+            // Once every order is published, only the kinds still short come: the others would
+            // keep the queues from coming to rest, which a DLQ deletion and a consumer cancel
+            // wait for (on a loaded machine, for ever).
+            let published = publisher.is_finished();
+            let mut fault = faults[turn % faults.len()];
+            for _ in 1..faults.len() {
+                if !published || wanting(&fault, &injected, &refused) {
+                    break;
+                }
+                turn += 1;
+                fault = faults[turn % faults.len()];
+            }
             turn += 1;
             let done = inject(
                 fault,
