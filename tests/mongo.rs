@@ -1467,6 +1467,164 @@ async fn a_lease_taken_by_an_acquisition_given_up_on_is_taken_over_at_once() {
     );
 }
 
+/// Twenty messages, each failing its first attempt, so each handling releases its lease
+/// without a commit; every delete of a fence document is cut before it reaches the database
+/// (and so is the driver's retry of it). The lease, which carries the fence count, must not
+/// go without its fence document: had it gone, each message's retry would take a lease
+/// counting from one again, below the fence document left behind, and fail its fence check at
+/// every commit, waiting in a bucket each time until its waits ran out. Kept, and abandoned,
+/// it is taken over by the retry at once, its fence raised past the document's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lease_whose_fence_could_not_be_deleted_keeps_its_count() {
+    const N: usize = 20;
+    let broker = Broker::from_env();
+    let queue = Broker::unique("fence-kept");
+    let database = MongoNode::database_name("fence_kept");
+    let db = direct(&database).await;
+    db.create_collection("effects")
+        .await
+        .expect("create effects");
+    let proxy = Arc::new(TcpProxy::start(mongo_addr()).await);
+    let scope = MongoScope::connect(
+        &mongo_via(&proxy),
+        &database,
+        MongoConfig::new("e2e-fence-kept").with_lease(),
+    )
+    .await
+    .expect("scope through the proxy");
+    // `delete` on `lily_fences`, as BSON spells the command's first element.
+    proxy.cut_when_sent(Some(b"delete\x00\x0c\x00\x00\x00lily_fences"));
+    let router = Router::new().route("order.placed", |tx: MongoTx, meta: Meta| async move {
+        write_effect(&tx, &meta, "fence-kept").await?;
+        if meta.attempt() == 1 {
+            return Err(QueueHandlerError::retryable("downstream hiccup"));
+        }
+        Ok(())
+    });
+    let cfg = scoped_config(&queue, deferring_policy(100)).concurrency(N);
+    let running = start_scoped_with(broker.url(), cfg, router, scope);
+    running.wait_ready().await;
+    let client = Client::connect(broker.url()).await;
+    let ids: Vec<String> = (0..N).map(|i| format!("fence-kept-{i}")).collect();
+    for id in &ids {
+        client.send(&queue, "order.placed", id, b"{}").await;
+    }
+    // Every first attempt released its lease (the fence's delete cut) before its retry copy
+    // went out; the copies come back after a second, with the deletes allowed again.
+    running
+        .wait_for("every first attempt handed to a retry bucket", WAIT, |t| {
+            t.retried >= N as u64
+        })
+        .await;
+    proxy.cut_when_sent(None);
+    assert!(proxy.cut_sends() >= 1, "a fence's delete was cut");
+    let stats = running.stats.clone();
+    let handled = eventually(WAIT, || stats.totals().acked >= N as u64).await;
+    let report = running.stop().await;
+    let t = &report.totals;
+    assert!(handled, "every message handled: {t:?}");
+    assert_eq!(t.waited, 0, "a retry failed its fence check: {t:?}");
+    assert_eq!(t.dead_lettered, 0, "{t:?}");
+    for id in &ids {
+        let docs = effect_docs(&db, id).await;
+        assert_eq!(docs.len(), 1, "{id}: exactly one effect: {docs:?}");
+    }
+    assert_dlq_empty(&client, &queue).await;
+    assert_eq!(client.depth(&queue).await, 0);
+    for name in ["lily_leases", "lily_fences"] {
+        let left = db
+            .collection::<Document>(name)
+            .count_documents(doc! {})
+            .await;
+        assert_eq!(
+            left.expect("count"),
+            0,
+            "{name}: every document gone in the end"
+        );
+    }
+}
+
+/// Ten redelivered messages at once; the write that marks a handling as begun reaches the
+/// database, but its answer is withheld (3 s) past the scope's budget (2 s), again and again, so
+/// those handlings are given up on and deferred. Their workers live and settled them: the marks
+/// they may have left are theirs to remove, and no later handling may count them as deaths (a
+/// message "killing its worker" would reach the DLQ after as many as the requeue limit, spread
+/// over workers that each count only their own requeues).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handling_given_up_on_while_marking_it_is_no_death() {
+    const N: usize = 10;
+    let broker = Broker::from_env();
+    let queue = Broker::unique("given-up-mark");
+    let database = MongoNode::database_name("given_up_mark");
+    let db = direct(&database).await;
+    db.create_collection("effects")
+        .await
+        .expect("create effects");
+    let router = || {
+        Router::new().route("order.placed", |tx: MongoTx, meta: Meta| async move {
+            write_effect(&tx, &meta, "given-up-mark").await
+        })
+    };
+    let cfg = || scoped_config(&queue, deferring_policy(100)).concurrency(N);
+    // Declared by a first start; then the messages are sent and come back redelivered, as
+    // after a worker's death.
+    let first = start_scoped_with(broker.url(), cfg(), router(), scope(&database).await);
+    first.wait_ready().await;
+    first.stop().await;
+    let client = Client::connect(broker.url()).await;
+    let ids: Vec<String> = (0..N).map(|i| format!("given-up-mark-{i}")).collect();
+    for id in &ids {
+        client.send(&queue, "order.placed", id, b"{}").await;
+    }
+    let holder = Client::connect(broker.url()).await;
+    let (_held, n) = holder.hold(&queue, N as u16).await;
+    assert_eq!(n as usize, N, "every message held once");
+    holder.close().await;
+
+    let proxy = Arc::new(TcpProxy::start(mongo_addr()).await);
+    let scope = MongoScope::connect(&mongo_via(&proxy), &database, MongoConfig::new("e2e-mark"))
+        .await
+        .expect("scope through the proxy");
+    // The command that marks a handling: `findAndModify` on `lily_deferrals`.
+    const MARK: &[u8] = b"findAndModify\x00\x0f\x00\x00\x00lily_deferrals";
+    let trips = {
+        let proxy = Arc::clone(&proxy);
+        tokio::spawn(async move {
+            let mut trips = 0;
+            while trips < N {
+                proxy.silence_reply_after(MARK, Duration::from_secs(3));
+                while !proxy.tripped() {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                trips += 1;
+            }
+        })
+    };
+    let running = start_scoped_with(broker.url(), cfg(), router(), scope);
+    let stats = running.stats.clone();
+    let handled = eventually(WAIT, || stats.totals().acked >= N as u64).await;
+    trips.abort();
+    let report = running.stop().await;
+    let t = &report.totals;
+    assert!(handled, "every message handled: {t:?}");
+    assert!(proxy.tripped(), "a mark's answer was withheld");
+    assert!(t.deferred >= 1, "a handling was given up on: {t:?}");
+    assert_eq!(t.dead_lettered, 0, "{t:?}");
+    for id in &ids {
+        let docs = effect_docs(&db, id).await;
+        assert_eq!(docs.len(), 1, "{id}: exactly one effect: {docs:?}");
+    }
+    assert_dlq_empty(&client, &queue).await;
+    assert_eq!(client.depth(&queue).await, 0);
+    // The evidence of deaths, read from the database: none, as no worker died.
+    let dead = db
+        .collection::<Document>("lily_deferrals")
+        .count_documents(doc! { "d": { "$gt": 0 } })
+        .await
+        .expect("count deaths");
+    assert_eq!(dead, 0, "deaths counted though every worker lived: {t:?}");
+}
+
 /// Takes one unit of the shared stock and records the effect, inside the transaction. Every
 /// delivery updates the same document, so concurrent transactions conflict.
 async fn take_stock(tx: MongoTx, meta: Meta) -> Result<(), QueueHandlerError> {

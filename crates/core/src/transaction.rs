@@ -81,10 +81,11 @@ pub trait TransactionalScope: Send + Sync + 'static {
     /// Opens the scope for a dispatched delivery, within `deadline`.
     fn begin<'a>(&'a self, meta: &'a Meta, deadline: Duration) -> BoxFuture<'a, Begin>;
 
-    /// The delivery of `meta`, whose handling [`begin`](Self::begin) recorded (it returned
-    /// `deaths: Some(_)`), ended: `settled` when this worker wrote its ACK, NACK or reject (the
-    /// handling ended alive), not when authority was lost first (its connection died with it,
-    /// which counts as a death). Called once, within `deadline`.
+    /// The delivery of `meta`, for which [`begin`](Self::begin) was called, ended: `settled`
+    /// when this worker wrote its ACK, NACK or reject (the handling ended alive), not when
+    /// authority was lost first (its connection died with it, which counts as a death). Called
+    /// once, within `deadline`, also when `begin` did not return (its deadline ran out): it may
+    /// have recorded the handling all the same.
     fn ended<'a>(&'a self, meta: &'a Meta, settled: bool, deadline: Duration) -> BoxFuture<'a, ()> {
         let _ = (meta, settled, deadline);
         Box::pin(std::future::ready(()))

@@ -8,12 +8,13 @@
 //!
 //! Nothing outlives its message. The commit deletes the fence document inside the transaction
 //! (the delete is the check), and the release after it deletes the lease; a delivery that ends
-//! without a commit deletes both. What a crash leaves expires: a fence document with the inbox
-//! retention, a lease after twice that, so a lease, whose document carries the fence count,
-//! never goes before a fence document it counted for (a lease created again would count from
-//! one, below that document's fence, and never pass its check). A count started again is
-//! safe: every check names the owner token too, unique to one acquisition, so a stale owner's
-//! check never matches another's document, whatever its fence number.
+//! without a commit deletes both, the fence document first. What a crash leaves expires: a
+//! fence document with the inbox retention, a lease after twice that. So a lease, whose
+//! document carries the fence count, never goes before a fence document it counted for (a lease
+//! created again would count from one, below that document's fence, and never pass its check).
+//! A count started again is safe: every check names the owner token too, unique to one
+//! acquisition, so a stale owner's check never matches another's document, whatever its fence
+//! number.
 //!
 //! A lease this process let go of without its release confirmed (the database did not answer,
 //! as through an election, or the delivery was dropped) is [`Abandoned`]: the process's own
@@ -24,7 +25,6 @@
 //! which cannot know the owner is gone, waits the TTL out.
 
 use std::collections::HashMap;
-use std::future::IntoFuture;
 use std::hash::{BuildHasher, Hasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -304,19 +304,19 @@ impl Lease {
         }
     }
 
-    /// Stops renewing and deletes the lease, and the fence document unless a commit took it
-    /// (`committed`), where they are still this acquisition's. A lease whose delete is not
-    /// answered (or whose release is dropped) is remembered as [`Abandoned`].
+    /// Stops renewing and deletes the lease, where it is still this acquisition's. Without a
+    /// commit, which took the fence document, that document goes first, and the lease only once
+    /// its delete was answered: the lease carries the fence count, so were it to go alone (the
+    /// process killed between two concurrent deletes, or the fence's delete failing), the next
+    /// acquisition would count from one again, below the fence document left behind, and fail
+    /// every check until that document expired. A lease whose release is not answered (or is
+    /// dropped) is remembered as [`Abandoned`] and keeps its count.
     pub(crate) async fn release(mut self, committed: bool) {
         self.renewal.cancel();
-        let lease = self.leases.delete_one(self.ours()).into_future();
-        let deleted = if committed {
-            lease.await
-        } else {
-            let fence = self.fences.delete_one(self.ours()).into_future();
-            tokio::join!(lease, fence).0
-        };
-        self.released = deleted.is_ok();
+        if !committed && self.fences.delete_one(self.ours()).await.is_err() {
+            return;
+        }
+        self.released = self.leases.delete_one(self.ours()).await.is_ok();
     }
 
     /// The filter matching this acquisition's documents only.

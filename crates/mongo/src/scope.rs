@@ -360,17 +360,23 @@ impl MongoScope {
     /// handling this process marked and that has not ended (its transaction run again after a
     /// conflict, or a duplicate delivery of it handled here meanwhile) keeps its mark, which is
     /// no death.
+    ///
+    /// The token is kept before the mark is written: a handling given up on while the write
+    /// was under way (its deadline ran out) may have left the mark all the same, and its end
+    /// must remove it, or the next handling would count a death no worker died.
     async fn began(&self, meta: &Meta, deferrals: &Deferrals) -> Option<u32> {
-        let known = crate::lock(&self.0.handling)
-            .get(meta.message_id())
-            .cloned();
-        let token = known.unwrap_or_else(lease::owner_token);
+        let token = {
+            let mut marks = crate::lock(&self.0.handling);
+            if marks.len() >= MAX_MARKS {
+                marks.clear();
+            }
+            marks
+                .entry(meta.message_id().into())
+                .or_insert_with(lease::owner_token)
+                .clone()
+        };
         let deaths = deferrals.began(&token).await?;
-        let mut marks = crate::lock(&self.0.handling);
-        if marks.len() >= MAX_MARKS {
-            marks.clear();
-        }
-        marks.insert(meta.message_id().into(), token);
+        debug!(message_id = meta.message_id(), deaths, "handling marked");
         Some(deaths)
     }
 

@@ -13,6 +13,8 @@
 //! - [`TcpProxy::silence_reply_after`] is the same trap, but the connection stays open and
 //!   silent for a while before it is cut, so the client gives up waiting (a timeout, a budget)
 //!   before any error reaches it.
+//! - [`TcpProxy::cut_when_sent`]: while set, a connection about to carry a pattern to the
+//!   server is cut before those bytes are forwarded. The server never sees the command.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -43,6 +45,8 @@ struct Shared {
     refuse_until: Mutex<Option<Instant>>,
     trap: Mutex<Option<Trap>>,
     tripped: AtomicBool,
+    cut_on: Mutex<Option<&'static [u8]>>,
+    cut_sends: AtomicU64,
     accepted: AtomicU64,
     refused: AtomicU64,
     next_id: AtomicU64,
@@ -165,6 +169,22 @@ impl TcpProxy {
         self.shared.tripped.load(Ordering::Acquire)
     }
 
+    /// While `pattern` is set, every connection whose client→server bytes contain it is cut
+    /// before those bytes are forwarded (a retry on a new connection is cut too); `None` stops
+    /// it.
+    pub fn cut_when_sent(&self, pattern: Option<&'static [u8]>) {
+        assert!(
+            pattern.is_none_or(|p| !p.is_empty()),
+            "an empty pattern would match anything"
+        );
+        *lock(&self.shared.cut_on) = pattern;
+    }
+
+    /// Connections cut by [`cut_when_sent`](Self::cut_when_sent) so far.
+    pub fn cut_sends(&self) -> u64 {
+        self.shared.cut_sends.load(Ordering::Relaxed)
+    }
+
     /// Connections accepted and forwarded so far.
     pub fn accepted(&self) -> u64 {
         self.shared.accepted.load(Ordering::Relaxed)
@@ -197,6 +217,25 @@ impl Shared {
             }
             None => false,
         }
+    }
+
+    /// Whether the bytes about to be forwarded, `chunk` after what `seen` kept of the previous
+    /// ones, carry the pattern of [`TcpProxy::cut_when_sent`].
+    fn cuts(&self, seen: &mut Vec<u8>, chunk: &[u8]) -> bool {
+        let Some(pattern) = *lock(&self.cut_on) else {
+            seen.clear();
+            return false;
+        };
+        seen.extend_from_slice(chunk);
+        let hit = seen.windows(pattern.len()).any(|w| w == pattern);
+        let keep = pattern.len() - 1;
+        if seen.len() > keep {
+            seen.drain(..seen.len() - keep);
+        }
+        if hit {
+            self.cut_sends.fetch_add(1, Ordering::Relaxed);
+        }
+        hit
     }
 
     /// Looks for the armed pattern in `chunk`, with the previous chunk's tail in `window` so a
@@ -246,6 +285,7 @@ async fn relay(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>, id:
     let mut up = vec![0u8; 64 * 1024];
     let mut down = vec![0u8; 64 * 1024];
     let mut window = Vec::new();
+    let mut seen = Vec::new();
     // Set once the trap fired on this connection: the server's next bytes are its reply,
     // swallowed until then; `silent` keeps swallowing instead of cutting at the reply.
     let mut swallow_until: Option<tokio::time::Instant> = None;
@@ -267,6 +307,9 @@ async fn relay(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>, id:
                     Ok(0) | Err(_) => break,
                     Ok(n) => n,
                 };
+                if shared.cuts(&mut seen, &up[..n]) {
+                    break;
+                }
                 let hit = swallow_until
                     .is_none()
                     .then(|| shared.trap_hit(&mut window, &up[..n]))

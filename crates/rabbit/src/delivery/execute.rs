@@ -114,8 +114,9 @@ pub(crate) async fn execute(
     let mut machine = Machine::new(arrival, setup.policy, || effects.authority(), start);
     let mut resources = Resources::new();
     let mut transaction = None;
-    // Whether the scope recorded that this worker began handling the message.
-    let mut recorded = false;
+    // Whether the scope was opened: it may have recorded that this worker began handling the
+    // message, even when its deadline ran out first.
+    let mut opened = false;
     // The time of the latest input to the machine; settlement is timed from there.
     let mut last = start;
     let mut settling_since = None;
@@ -129,7 +130,8 @@ pub(crate) async fn execute(
                     unreachable!("the machine opens a scope only for a dispatched delivery")
                 };
                 let meta = Meta::new(Arc::clone(incoming));
-                let opened = match scope.begin(&meta, budget).await {
+                opened = true;
+                let begun = match scope.begin(&meta, budget).await {
                     Begin::Proceed {
                         resources: r,
                         transaction: t,
@@ -137,7 +139,6 @@ pub(crate) async fn execute(
                     } => {
                         resources = r;
                         transaction = Some(t);
-                        recorded |= deaths.is_some();
                         ScopeOpened::Proceed {
                             transaction: true,
                             deaths,
@@ -153,7 +154,7 @@ pub(crate) async fn execute(
                     Begin::Transient(reason) => ScopeOpened::Transient(reason),
                 };
                 last = effects.now();
-                machine.handle(Input::Scope(opened), effects.authority(), last);
+                machine.handle(Input::Scope(begun), effects.authority(), last);
             }
             Action::RunHandler => {
                 let (Some(handler), Source::Passed(incoming)) = (handler, source) else {
@@ -238,7 +239,7 @@ pub(crate) async fn execute(
         }
     }
     let outcome = machine.outcome().unwrap_or(Outcome::AuthorityLost);
-    if let (true, Some(scope), Source::Passed(incoming)) = (recorded, setup.scope, source) {
+    if let (true, Some(scope), Source::Passed(incoming)) = (opened, setup.scope, source) {
         // Ended in a settlement, the handling this worker began is no death.
         let settled = !matches!(outcome, Outcome::AuthorityLost | Outcome::Unresolved(_));
         let meta = Meta::new(Arc::clone(incoming));
