@@ -1316,6 +1316,11 @@ async fn leases_left_behind_by_an_outage_are_taken_over_by_the_next_handling_at_
     let queue = Broker::unique("abandoned");
     let database = MongoNode::database_name("abandoned");
     let db = direct(&database).await;
+    // Created first: the first handlings' transactions never commit, so twenty redeliveries
+    // would create it at once, conflict, and spend attempts.
+    db.create_collection("effects")
+        .await
+        .expect("create effects");
     let proxy = Arc::new(TcpProxy::start(mongo_addr()).await);
     let scope = MongoScope::connect(
         &mongo_via(&proxy),

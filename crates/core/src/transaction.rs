@@ -85,7 +85,8 @@ pub trait TransactionalScope: Send + Sync + 'static {
     /// when this worker wrote its ACK, NACK or reject (the handling ended alive), not when
     /// authority was lost first (its connection died with it, which counts as a death). Called
     /// once, within `deadline`, also when `begin` did not return (its deadline ran out): it may
-    /// have recorded the handling all the same.
+    /// have recorded the handling all the same. Before a requeue, it is called just before the
+    /// NACK is written, as `settled`: the redelivery may begin anywhere at once.
     fn ended<'a>(&'a self, meta: &'a Meta, settled: bool, deadline: Duration) -> BoxFuture<'a, ()> {
         let _ = (meta, settled, deadline);
         Box::pin(std::future::ready(()))

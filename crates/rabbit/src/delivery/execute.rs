@@ -114,8 +114,8 @@ pub(crate) async fn execute(
     let mut machine = Machine::new(arrival, setup.policy, || effects.authority(), start);
     let mut resources = Resources::new();
     let mut transaction = None;
-    // Whether the scope was opened: it may have recorded that this worker began handling the
-    // message, even when its deadline ran out first.
+    // Whether the scope was opened and not yet told the handling ended: it may have recorded
+    // that this worker began handling the message, even when its deadline ran out first.
     let mut opened = false;
     // The time of the latest input to the machine; settlement is timed from there.
     let mut last = start;
@@ -233,6 +233,15 @@ pub(crate) async fn execute(
             }
             Action::Ack | Action::Requeue { .. } | Action::Reject => {
                 settling_since.get_or_insert(last);
+                // A requeued delivery can come back at once, to any worker, and its next
+                // handling would count this one's mark as a death: the mark goes first.
+                if let (Action::Requeue { .. }, true, Some(scope), Source::Passed(incoming)) =
+                    (&action, opened, setup.scope, source)
+                {
+                    opened = false;
+                    let meta = Meta::new(Arc::clone(incoming));
+                    scope.ended(&meta, true, budget).await;
+                }
                 let result = effects.settle(action).await;
                 machine.handle(Input::Settled(result), effects.authority(), last);
             }
