@@ -1499,14 +1499,28 @@ async fn a_lease_whose_fence_could_not_be_deleted_keeps_its_count() {
     .expect("scope through the proxy");
     // `delete` on `lily_fences`, as BSON spells the command's first element.
     proxy.cut_when_sent(Some(b"delete\x00\x0c\x00\x00\x00lily_fences"));
-    let router = Router::new().route("order.placed", |tx: MongoTx, meta: Meta| async move {
-        write_effect(&tx, &meta, "fence-kept").await?;
-        if meta.attempt() == 1 {
-            return Err(QueueHandlerError::retryable("downstream hiccup"));
-        }
-        Ok(())
-    });
-    let cfg = scoped_config(&queue, deferring_policy(100)).concurrency(N);
+    // Every first attempt fails once all twenty run, so their releases come together, long
+    // before the first retry copy is back (10 s) and can meet the cut itself.
+    let first_runs = Counter::default();
+    let router = {
+        let first_runs = first_runs.clone();
+        Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| {
+            let first_runs = first_runs.clone();
+            async move {
+                write_effect(&tx, &meta, "fence-kept").await?;
+                if meta.attempt() > 1 {
+                    return Ok(());
+                }
+                first_runs.bump();
+                eventually(WAIT, || first_runs.get() as usize >= N).await;
+                Err(QueueHandlerError::retryable("downstream hiccup"))
+            }
+        })
+    };
+    let policy = deferring_policy(100).retry_delays([Duration::from_secs(10)]);
+    let cfg = scoped_config(&queue, policy)
+        .concurrency(N)
+        .handler_timeout(Duration::from_secs(120));
     let running = start_scoped_with(broker.url(), cfg, router, scope);
     running.wait_ready().await;
     let client = Client::connect(broker.url()).await;
@@ -1515,7 +1529,7 @@ async fn a_lease_whose_fence_could_not_be_deleted_keeps_its_count() {
         client.send(&queue, "order.placed", id, b"{}").await;
     }
     // Every first attempt released its lease (the fence's delete cut) before its retry copy
-    // went out; the copies come back after a second, with the deletes allowed again.
+    // went out; the copies come back later, with the deletes allowed again.
     running
         .wait_for("every first attempt handed to a retry bucket", WAIT, |t| {
             t.retried >= N as u64
