@@ -226,12 +226,7 @@ impl Shared {
             seen.clear();
             return false;
         };
-        seen.extend_from_slice(chunk);
-        let hit = seen.windows(pattern.len()).any(|w| w == pattern);
-        let keep = pattern.len() - 1;
-        if seen.len() > keep {
-            seen.drain(..seen.len() - keep);
-        }
+        let hit = found(seen, chunk, pattern);
         if hit {
             self.cut_sends.fetch_add(1, Ordering::Relaxed);
         }
@@ -247,13 +242,7 @@ impl Shared {
             window.clear();
             return None;
         };
-        window.extend_from_slice(chunk);
-        let hit = window.windows(pattern.len()).any(|w| w == pattern);
-        let keep = pattern.len() - 1;
-        if window.len() > keep {
-            window.drain(..window.len() - keep);
-        }
-        if !hit {
+        if !found(window, chunk, pattern) {
             return None;
         }
         *trap = None;
@@ -261,6 +250,18 @@ impl Shared {
         self.tripped.store(true, Ordering::Release);
         Some(armed)
     }
+}
+
+/// Whether `pattern` is in `chunk` read after what `window` kept of the earlier bytes, so a
+/// pattern split across reads is found; `window` then keeps the tail a split could start in.
+fn found(window: &mut Vec<u8>, chunk: &[u8], pattern: &[u8]) -> bool {
+    window.extend_from_slice(chunk);
+    let hit = window.windows(pattern.len()).any(|w| w == pattern);
+    let keep = pattern.len() - 1;
+    if window.len() > keep {
+        window.drain(..window.len() - keep);
+    }
+    hit
 }
 
 /// `url` with its `host:port` replaced by `addr`.
