@@ -442,7 +442,7 @@ struct Books {
     dead: Dead,
     /// Deliveries by id from the firehose (its messages are transient: a broker restart drops
     /// them).
-    deliveries: BTreeMap<String, usize>,
+    deliveries: BTreeMap<String, Delivered>,
 }
 
 /// Injects `fault`; returns false when it could not be (the queues never came to rest for a
@@ -638,45 +638,87 @@ async fn trace_deliveries(broker: &Broker, queue: &str) -> String {
     trace
 }
 
+/// One id's deliveries, from the firehose.
+#[derive(Default)]
+struct Delivered {
+    count: usize,
+    /// How many deliveries of each kind: redelivered or not, the attempt, and the handoff id of
+    /// a copy. A hot id's kinds tell a redelivery loop of one message from copies multiplying.
+    kinds: BTreeMap<String, usize>,
+}
+
 /// Takes every message of the firehose's queue, counting deliveries by id.
-async fn drain_trace(client: &Client, trace: &str, deliveries: &mut BTreeMap<String, usize>) {
+async fn drain_trace(client: &Client, trace: &str, deliveries: &mut BTreeMap<String, Delivered>) {
+    use lapin::types::AMQPValue;
     for message in client.drain(trace).await {
-        let id = message
+        let headers = message
             .delivery
             .properties
             .headers()
-            .as_ref()
-            .and_then(|h| match h.inner().get("properties")? {
-                lapin::types::AMQPValue::FieldTable(p) => as_text(p.inner().get("message_id")?),
-                _ => None,
-            })
-            .unwrap_or_default()
-            .to_owned();
-        *deliveries.entry(id).or_default() += 1;
+            .clone()
+            .unwrap_or_default();
+        let headers = headers.inner();
+        let empty = lapin::types::FieldTable::default();
+        let properties = match headers.get("properties") {
+            Some(AMQPValue::FieldTable(p)) => p,
+            _ => &empty,
+        };
+        let own = match properties.inner().get("headers") {
+            Some(AMQPValue::FieldTable(h)) => h,
+            _ => &empty,
+        };
+        let text = |table: &lapin::types::FieldTable, name: &str| {
+            table.inner().get(name).map_or_else(
+                || "-".to_owned(),
+                |value| as_text(value).map_or_else(|| format!("{value:?}"), str::to_owned),
+            )
+        };
+        let id = text(properties, "message_id");
+        let kind = format!(
+            "redelivered {} attempt {} copy {}",
+            matches!(headers.get("redelivered"), Some(AMQPValue::Boolean(true))),
+            own.inner()
+                .get(lily::headers::ATTEMPT)
+                .map_or_else(|| "-".to_owned(), |v| format!("{v:?}")),
+            text(own, lily::headers::HANDOFF_ID),
+        );
+        let seen = deliveries.entry(id).or_default();
+        seen.count += 1;
+        *seen.kinds.entry(kind).or_default() += 1;
     }
 }
 
 /// The broker's deliveries of each id, from the firehose; an id delivered more than
-/// [`MAX_DELIVERIES`] times is a violation.
+/// [`MAX_DELIVERIES`] times is a violation, shown with its kinds of delivery.
 async fn count_deliveries(
     broker: &Broker,
     client: &Client,
     trace: &str,
-    deliveries: &mut BTreeMap<String, usize>,
+    deliveries: &mut BTreeMap<String, Delivered>,
 ) -> Vec<String> {
     broker.ctl(&["trace_off", "-p", "/"]);
     drain_trace(client, trace, deliveries).await;
     client.delete(trace).await;
-    let total: usize = deliveries.values().sum();
-    let most = deliveries.iter().max_by_key(|(_, n)| **n);
+    let total: usize = deliveries.values().map(|d| d.count).sum();
+    let most = deliveries.iter().max_by_key(|(_, d)| d.count);
     println!(
-        "deliveries (firehose): {total} for {} ids; most: {most:?}",
-        deliveries.len()
+        "deliveries (firehose): {total} for {} ids; most: {:?}",
+        deliveries.len(),
+        most.map(|(id, d)| (id, d.count))
     );
     deliveries
         .iter()
-        .filter(|(_, n)| **n > MAX_DELIVERIES)
-        .map(|(id, n)| format!("{id}: delivered {n} times"))
+        .filter(|(_, d)| d.count > MAX_DELIVERIES)
+        .map(|(id, d)| {
+            let mut kinds: Vec<_> = d.kinds.iter().collect();
+            kinds.sort_by_key(|(_, n)| std::cmp::Reverse(**n));
+            let kinds: Vec<_> = kinds
+                .iter()
+                .take(8)
+                .map(|(k, n)| format!("{n}× {k}"))
+                .collect();
+            format!("{id}: delivered {} times ({})", d.count, kinds.join("; "))
+        })
         .collect()
 }
 
@@ -1156,7 +1198,7 @@ async fn check(
             doubled_copies += reasons.len().saturating_sub(sent);
             let right = reasons.iter().all(|r| r.contains("unknown sku"));
             if !entries.is_empty() || reasons.is_empty() || !right {
-                let delivered = deliveries.get(*id).copied().unwrap_or(0);
+                let delivered = deliveries.get(*id).map_or(0, |d| d.count);
                 violations.push(format!(
                     "{id}: unknown sku, ledger {entries:?}, DLQ {reasons:?}, delivered {delivered} \
                      times"
@@ -1171,7 +1213,7 @@ async fn check(
             }
             [] if explained => None,
             [] => {
-                let delivered = deliveries.get(*id).copied().unwrap_or(0);
+                let delivered = deliveries.get(*id).map_or(0, |d| d.count);
                 violations.push(format!(
                     "{id}: lost (no effect, DLQ {reasons:?}, delivered {delivered} times)"
                 ));
