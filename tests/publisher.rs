@@ -1,6 +1,7 @@
 //! `lily::Publisher` against the real node, checked by message id from outside Lily: many
-//! concurrent publishes, some unroutable, each answered with its own evidence; a full quorum
-//! queue's nacks; messages the consumer's gate would refuse never published.
+//! concurrent publishes, some unroutable or to a missing exchange, each answered with its own
+//! evidence; a full quorum queue's nacks; messages the consumer's gate would refuse never
+//! published.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -183,6 +184,83 @@ async fn publishes_go_out_while_earlier_confirms_are_held_quorum() {
 
 /// What a publish sets: id, type, content type, schema version, persistence, and the
 /// application's own headers; `publish_all` answers in order.
+/// 300 publishes in flight at once, every third to an exchange that does not exist (the broker
+/// closes the channel with `NOT_FOUND`): each of those says no exchange, never failed, so a
+/// caller knows to stop rather than publish again; the rest are confirmed or, sharing a closed
+/// channel, failed, and the queue holds each confirmed one exactly once and nothing else. The
+/// publisher goes on publishing on fresh channels afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_exchange_is_told_apart_from_a_failure() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("pubx");
+    let client = Client::connect(broker.url()).await;
+    client.declare(&queue, false).await;
+    let publisher = Arc::new(Publisher::connect(broker.url()).await.expect("connect"));
+    let (to, missing) = (
+        Destination::queue(&queue),
+        Destination::exchange(&format!("{queue}.no-such-exchange"), "k"),
+    );
+    let publish_all = |round: &'static str, with_missing: bool| {
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..300 {
+            let to = if with_missing && i % 3 == 0 {
+                missing.clone()
+            } else {
+                to.clone()
+            };
+            let publisher = Arc::clone(&publisher);
+            tasks.spawn(async move {
+                let id = format!("{round}-{i}");
+                let message = Outgoing::json("order.placed", &id, &serde_json::json!({ "n": i }))
+                    .expect("serializes");
+                (i, id, publisher.publish(&to, message).await)
+            });
+        }
+        tasks
+    };
+    let mut tasks = publish_all("a", true);
+    let (mut confirmed, mut failed, mut tally) = (Vec::new(), Vec::new(), BTreeMap::new());
+    while let Some(joined) = tasks.join_next().await {
+        let (i, id, published) = joined.expect("publish task");
+        *tally.entry(format!("{published:?}")).or_insert(0) += 1;
+        if i % 3 == 0 {
+            assert_eq!(published, Published::NoExchange, "{id}");
+            assert!(published.is_absent());
+        } else {
+            match published {
+                Published::Confirmed => confirmed.push(id),
+                Published::Failed => failed.push(id),
+                other => panic!("{id}: {other:?}"),
+            }
+        }
+    }
+    let mut tasks = publish_all("b", false);
+    while let Some(joined) = tasks.join_next().await {
+        let (_, id, published) = joined.expect("publish task");
+        assert_eq!(
+            published,
+            Published::Confirmed,
+            "{id}, after the channels closed"
+        );
+        confirmed.push(id);
+    }
+    let found = client.drain_ids(&queue).await;
+    for id in &confirmed {
+        assert_eq!(found.get(id), Some(&1), "{id} confirmed: in the queue once");
+    }
+    for (id, n) in &found {
+        assert!(
+            *n == 1 && (confirmed.contains(id) || failed.contains(id)),
+            "{id} found {n} times, published {tally:?}"
+        );
+    }
+    Arc::into_inner(publisher)
+        .expect("tasks done")
+        .close()
+        .await;
+    client.delete(&queue).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publish_carries_what_the_consumer_reads() {
     let broker = Broker::from_env();

@@ -386,6 +386,11 @@ pub enum HandoffResult {
     Nacked,
     /// The publish or its confirm failed on the channel, or the adapter failed or panicked.
     Failed,
+    /// The exchange published to does not exist: the broker closed the channel with
+    /// `NOT_FOUND` naming it, so the publish reached no queue. Handoff copies go through the
+    /// default exchange, which always exists; only the exchanges an application publishes to
+    /// meet this.
+    NoExchange,
     /// No confirm arrived within the budget.
     TimedOut,
     /// The broker blocked the publishing connection (a resource alarm) for the whole budget,

@@ -26,6 +26,10 @@ pub enum Published {
     Returned,
     /// The broker nacked it: it could not take it (a full quorum queue with `reject-publish`).
     Nacked,
+    /// The exchange does not exist: the broker closed the channel (`NOT_FOUND`) and the
+    /// message is in no queue. Other publishes in flight on that channel end
+    /// [`Published::Failed`].
+    NoExchange,
     /// No confirm came within the publisher's timeout: it may or may not be in a queue.
     TimedOut,
     /// The broker blocked the connection (a resource alarm) for the whole timeout: it was not
@@ -50,7 +54,7 @@ impl Published {
     pub fn is_absent(&self) -> bool {
         matches!(
             self,
-            Self::Returned | Self::Nacked | Self::Blocked | Self::Refused(_)
+            Self::Returned | Self::Nacked | Self::NoExchange | Self::Blocked | Self::Refused(_)
         )
     }
 }
@@ -61,6 +65,7 @@ impl From<HandoffResult> for Published {
             HandoffResult::Confirmed => Self::Confirmed,
             HandoffResult::Returned => Self::Returned,
             HandoffResult::Nacked => Self::Nacked,
+            HandoffResult::NoExchange => Self::NoExchange,
             HandoffResult::TimedOut => Self::TimedOut,
             HandoffResult::Blocked => Self::Blocked,
             // On a channel the broker closed for a refused permission, a publish written
@@ -169,8 +174,9 @@ impl std::fmt::Debug for PublisherConfig {
 /// publishes are pipelined on four confirm channels, so many small publishes in flight share
 /// the broker's confirms. The connection is opened again when it is lost.
 ///
-/// A publish to an exchange that does not exist makes the broker close its channel: every
-/// message in flight on it still without evidence ends [`Published::Failed`] (maybe
+/// A publish to an exchange that does not exist makes the broker close its channel: the
+/// messages published to that exchange end [`Published::NoExchange`], and every other message
+/// in flight on the channel still without evidence ends [`Published::Failed`] (maybe
 /// published), other callers' included. Publish to exchanges your topology declares.
 ///
 /// ```no_run
@@ -347,6 +353,7 @@ mod tests {
         let absent = [
             Published::Returned,
             Published::Nacked,
+            Published::NoExchange,
             Published::Blocked,
             Published::Refused(Reason::new("x")),
         ];

@@ -128,6 +128,9 @@ struct Pipe {
     /// The broker refused a publish on the channel (a permission), closing it: what fails on
     /// it was refused, not lost.
     refused: bool,
+    /// The exchange the broker closed the channel for not finding (`NOT_FOUND`): what fails on
+    /// it, published there, reached no queue.
+    missing: Option<ShortString>,
 }
 
 /// One publish in flight.
@@ -254,6 +257,9 @@ impl Worker {
             }
             let result = match result {
                 HandoffResult::TimedOut if blocked => HandoffResult::Blocked,
+                HandoffResult::Failed if pipe.missing.as_ref() == Some(&flight.exchange) => {
+                    HandoffResult::NoExchange
+                }
                 HandoffResult::Failed if pipe.refused => HandoffResult::Refused,
                 HandoffResult::Confirmed => {
                     self.link.accepted();
@@ -292,6 +298,7 @@ impl Worker {
                     deadlines: BTreeSet::new(),
                     wakes: Arc::default(),
                     refused: false,
+                    missing: None,
                 });
             }
             Ok(Err(_)) => {
@@ -455,10 +462,26 @@ impl Pipe {
     }
 
     /// Notes a publish's error: a refusal marks the channel refused, counted once on `link`
-    /// however many publishes it fails.
+    /// however many publishes it fails; a missing exchange is noted by name.
     fn note_error(&mut self, err: &lapin::Error, exchange: &str, link: &Link) {
         if link.refuses(err, exchange) && !std::mem::replace(&mut self.refused, true) {
             link.channel_refused();
         }
+        if let Some(missing) = missing_exchange(err) {
+            self.missing = Some(missing.into());
+        }
     }
+}
+
+/// The exchange named by a channel closed with `NOT_FOUND - no exchange 'name' in vhost ...`.
+fn missing_exchange(err: &lapin::Error) -> Option<&str> {
+    use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+    let lapin::ErrorKind::ProtocolError(amqp) = err.kind() else {
+        return None;
+    };
+    if amqp.kind() != &AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND) {
+        return None;
+    }
+    let (_, rest) = amqp.get_message().as_str().split_once("no exchange '")?;
+    rest.rsplit_once("' in vhost").map(|(name, _)| name)
 }
