@@ -94,18 +94,46 @@ impl Broker {
         format!("{prefix}-{}-{n}-{nanos}", std::process::id())
     }
 
+    /// Starts the node's application again after `stop_app`.
+    ///
+    /// A 4.0 node under load can fail the boot's deprecated-feature check
+    /// (`failed_to_deny_deprecated_features`: it reads the metadata store before its tables are
+    /// there); that is tried again, at most three times in all.
+    ///
+    /// # Panics
+    /// When it does not start.
+    pub fn start_app(&self) {
+        for attempt in 1.. {
+            let out = self.ctl_output(&["start_app"]);
+            if out.status.success() {
+                return;
+            }
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                attempt < 3 && err.contains("failed_to_deny_deprecated_features"),
+                "rabbitmqctl start_app failed: {err}"
+            );
+            eprintln!("start_app: the deprecated-feature check failed; again in 2 s");
+            std::thread::sleep(Duration::from_secs(2));
+        }
+    }
+
+    fn ctl_output(&self, args: &[&str]) -> std::process::Output {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/rabbitmq.sh");
+        Command::new(script)
+            .arg("ctl")
+            .arg(&self.dir)
+            .args(args)
+            .output()
+            .expect("run scripts/rabbitmq.sh ctl")
+    }
+
     /// Runs `rabbitmqctl` against the node.
     ///
     /// # Panics
     /// When the command fails.
     pub fn ctl(&self, args: &[&str]) -> String {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/rabbitmq.sh");
-        let out = Command::new(script)
-            .arg("ctl")
-            .arg(&self.dir)
-            .args(args)
-            .output()
-            .expect("run scripts/rabbitmq.sh ctl");
+        let out = self.ctl_output(args);
         assert!(
             out.status.success(),
             "rabbitmqctl {args:?} failed: {}",

@@ -480,7 +480,7 @@ async fn inject(
             drop(client);
             broker.ctl(&["stop_app"]);
             tokio::time::sleep(Duration::from_secs(2)).await;
-            broker.ctl(&["start_app"]);
+            broker.start_app();
             // The firehose is runtime state: on again.
             broker.ctl(&["trace_on", "-p", "/"]);
         }
