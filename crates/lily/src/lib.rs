@@ -66,7 +66,7 @@ pub mod prelude {
 
     /// The Mongo scope and its extractor (feature `mongo`).
     #[cfg(feature = "mongo")]
-    pub use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};
+    pub use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx, Outbox};
 }
 
 /// Handlers: the router, the extractors a handler takes, its result, and hooks around it.
@@ -140,7 +140,8 @@ pub mod mongo {
     /// The MongoDB driver Lily is built on, for the client and the documents a handler writes.
     pub use lily_mq_mongo::mongodb;
     pub use lily_mq_mongo::{
-        CommitObserver, ConnectError, MongoConfig, MongoScope, MongoTx, handler_error,
+        CommitObserver, ConnectError, MongoConfig, MongoScope, MongoTx, Outbox, OutboxStore,
+        StageError, handler_error,
     };
 }
 

@@ -57,11 +57,13 @@ mod deferrals;
 mod inbox;
 mod lease;
 mod observer;
+mod outbox;
 mod scope;
 mod tx;
 
 pub use connect::ConnectError;
 pub use observer::CommitObserver;
+pub use outbox::{Outbox, OutboxStore, StageError};
 pub use scope::{MongoConfig, MongoScope};
 pub use tx::{MongoTx, handler_error};
 

@@ -131,6 +131,7 @@ struct Inner {
     leases: Collection<Document>,
     fences: Collection<Document>,
     deferrals: Collection<Document>,
+    outbox: Collection<Document>,
     /// The marks of the handlings this process began and has not settled yet, by message id.
     handling: std::sync::Mutex<HashMap<Box<str>, String>>,
     /// The leases this process let go of without a confirmed release.
@@ -188,6 +189,8 @@ impl MongoScope {
         let leases = collection("leases");
         let fences = collection("fences");
         let deferrals = collection("deferrals");
+        let outbox = collection("outbox");
+        crate::outbox::create_indexes(&outbox).await?;
         let mut expiring = vec![
             (&inbox, "at", config.inbox_retention),
             (&deferrals, "at", config.inbox_retention),
@@ -217,6 +220,7 @@ impl MongoScope {
             leases,
             fences,
             deferrals,
+            outbox,
             handling: std::sync::Mutex::default(),
             abandoned: Arc::default(),
         })))
@@ -225,6 +229,13 @@ impl MongoScope {
     /// The database the scope works in.
     pub fn database(&self) -> &Database {
         &self.0.database
+    }
+
+    /// The scope's outbox, to stage messages in a transaction of the application's own (an
+    /// HTTP handler writing an order, say); a handler stages through the
+    /// [`Outbox`](crate::Outbox) extractor instead.
+    pub fn outbox(&self) -> crate::OutboxStore {
+        crate::OutboxStore::new(self.0.outbox.clone())
     }
 
     async fn open(&self, meta: &Meta) -> Begin {
@@ -337,6 +348,7 @@ impl MongoScope {
         let state = Arc::new(TxState {
             session: Mutex::new(session),
             database: inner.database.clone(),
+            outbox: inner.outbox.clone(),
         });
         let mut resources = Resources::new();
         resources.insert(Arc::clone(&state));

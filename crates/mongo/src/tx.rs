@@ -25,6 +25,8 @@ pub struct MongoTx(Arc<TxState>);
 pub(crate) struct TxState {
     pub(crate) session: Mutex<ClientSession>,
     pub(crate) database: Database,
+    /// The outbox collection, where [`Outbox`](crate::Outbox) stages messages.
+    pub(crate) outbox: mongodb::Collection<mongodb::bson::Document>,
 }
 
 impl MongoTx {

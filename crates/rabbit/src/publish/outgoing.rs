@@ -40,6 +40,16 @@ impl Destination {
             routing_key: routing_key.to_owned(),
         }
     }
+
+    /// The exchange's name (empty for the default exchange).
+    pub fn exchange_name(&self) -> &str {
+        &self.exchange
+    }
+
+    /// The routing key (the queue's name through the default exchange).
+    pub fn routing_key(&self) -> &str {
+        &self.routing_key
+    }
 }
 
 /// A message to publish: body, `message_id`, `type`, `schema-version` header and content type,
