@@ -1,15 +1,21 @@
-//! The outbox's staging against the real broker and mongod: a handler's staged messages exist
-//! exactly when its transaction committed, checked by message id in the database.
+//! The outbox against the real broker and mongod, checked by message id in the database and
+//! the queues: a handler's staged messages exist exactly when its transaction committed, and
+//! the relay publishes each once, or ends it failed with its reason.
 
 mod common;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
 
 use common::config;
 use lily::prelude::*;
 use lily_mq_mongo::mongodb::bson::{Document, doc};
-use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx, Outbox, StageError};
+use lily_mq_mongo::{
+    MongoConfig, MongoScope, MongoTx, Outbox, Relay, RelayConfig, RelayReport, StageError,
+};
 use lily_mq_testkit::{Broker, Client, MongoNode};
+use tokio_util::sync::CancellationToken;
 
 const MESSAGES: usize = 300;
 
@@ -186,4 +192,184 @@ async fn the_application_stages_in_its_own_transaction() {
         found.keys().cloned().collect::<Vec<_>>(),
         vec!["c-1.reserved".to_owned(), "c-2.reserved".to_owned()]
     );
+}
+
+/// What a staged event is meant to meet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fate {
+    Routed,
+    Unroutable,
+    NoExchange,
+    TooLarge,
+}
+
+/// Stages `fates.len()` events in one transaction, `event-<n>` meeting `fates[n]`.
+async fn stage_events(scope: &MongoScope, queue: &str, fates: &[Fate]) {
+    let outbox = scope.outbox();
+    let mongo = scope.database().client().clone();
+    let mut session = mongo.start_session().await.expect("session");
+    session.start_transaction().await.expect("start");
+    for (n, fate) in fates.iter().enumerate() {
+        let (to, size) = match fate {
+            Fate::Routed => (Destination::queue(queue), 10),
+            Fate::Unroutable => (Destination::queue(&format!("{queue}.nowhere")), 10),
+            Fate::NoExchange => (Destination::exchange(&format!("{queue}.no-such"), "k"), 10),
+            Fate::TooLarge => (Destination::queue(queue), 4096),
+        };
+        let message = Outgoing::bytes(
+            "stock.reserved",
+            &format!("event-{n}"),
+            "text/plain",
+            vec![b'x'; size],
+        );
+        outbox
+            .stage(&mut session, &to, &message)
+            .await
+            .expect("stage");
+    }
+    session.commit_transaction().await.expect("commit");
+}
+
+/// Runs `relays` relays until nothing is staged and they are idle; their reports summed.
+async fn relay_all(scope: &MongoScope, publisher: &Arc<Publisher>, relays: usize) -> RelayReport {
+    let stop = CancellationToken::new();
+    let tasks: Vec<_> = (0..relays)
+        .map(|_| {
+            let config = RelayConfig::default()
+                .max_body(1024)
+                .poll(Duration::from_millis(50));
+            let relay = Relay::new(scope, Arc::clone(publisher), config);
+            tokio::spawn(relay.run(stop.clone()))
+        })
+        .collect();
+    let records = scope.database().collection::<Document>("lily_outbox");
+    let started = std::time::Instant::now();
+    while records
+        .count_documents(doc! { "state": "staged" })
+        .await
+        .expect("count")
+        > 0
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "still staged after 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Idle now: nothing more may be published or marked.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.cancel();
+    let mut total = RelayReport::default();
+    for task in tasks {
+        let report = task.await.expect("relay task");
+        total.sent += report.sent;
+        total.failed += report.failed;
+        assert_eq!(report.staged, Some(0));
+    }
+    total
+}
+
+/// Checks each event's record and copies in `found` against its fate.
+async fn check_fates(scope: &MongoScope, fates: &[Fate], found: &BTreeMap<String, usize>) {
+    let records = scope.database().collection::<Document>("lily_outbox");
+    for (n, fate) in fates.iter().enumerate() {
+        let id = format!("event-{n}");
+        let record = records
+            .find_one(doc! { "message_id": &id })
+            .await
+            .expect("find")
+            .expect("record kept");
+        let state = record.get_str("state").expect("state");
+        let reason = record.get_str("reason").unwrap_or("");
+        let copies = found.get(&id).copied().unwrap_or(0);
+        let expected = match fate {
+            Fate::Routed => {
+                assert_eq!(copies, 1, "{id}: in the queue once");
+                assert_eq!(state, "sent", "{id}");
+                assert!(record.get_datetime("expires_at").is_ok(), "{id} expires");
+                continue;
+            }
+            Fate::Unroutable => "returned",
+            Fate::NoExchange => "does not exist",
+            Fate::TooLarge => "maximum message size",
+        };
+        assert_eq!(copies, 0, "{id} ({fate:?}) in no queue");
+        assert_eq!(state, "failed", "{id} ({fate:?})");
+        assert!(reason.contains(expected), "{id} ({fate:?}): {reason}");
+    }
+    let routed = fates.iter().filter(|f| **f == Fate::Routed).count();
+    assert_eq!(
+        found.keys().filter(|id| id.starts_with("event-")).count(),
+        routed,
+        "nothing else"
+    );
+}
+
+/// 400 events staged, interleaved: routed to a queue, unroutable (no queue bound) and over the
+/// relay's body limit. Two relays run at once. Each routed event is in the queue exactly once
+/// (the lease keeps the second relay from publishing alongside the first) and marked sent with
+/// its expiry; each other one ends failed with its reason, in no queue; and nothing loops: both
+/// relays are idle once the last one is marked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_publish_each_staged_message_once_and_end_what_cannot_be_sent() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("relayed");
+    let client = Client::connect(broker.url()).await;
+    client.declare(&queue, true).await;
+    let scope = scope(&MongoNode::database_name("relay")).await;
+    let fates: Vec<_> = (0..400)
+        .map(|n| match n % 6 {
+            1 => Fate::Unroutable,
+            4 => Fate::TooLarge,
+            _ => Fate::Routed,
+        })
+        .collect();
+    stage_events(&scope, &queue, &fates).await;
+    let publisher = Arc::new(Publisher::connect(broker.url()).await.expect("publisher"));
+    let total = relay_all(&scope, &publisher, 2).await;
+    let routed = fates.iter().filter(|f| **f == Fate::Routed).count() as u64;
+    assert_eq!(
+        (total.sent, total.failed),
+        (routed, 400 - routed),
+        "{total:?}"
+    );
+    check_fates(&scope, &fates, &client.drain_ids(&queue).await).await;
+    Arc::into_inner(publisher)
+        .expect("relays done")
+        .close()
+        .await;
+    client.delete(&queue).await;
+}
+
+/// Events to an exchange that does not exist interleaved with routed ones: each of those ends
+/// failed (`NOT_FOUND`), never retried, and the routed ones are each in the queue exactly once.
+/// The broker closes the channel a publish to a missing exchange goes on, failing whatever else
+/// is in flight on it, so the relay sends the first message to an exchange it has not seen
+/// confirm alone, and the rest of the batch without what is addressed to a missing one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_to_a_missing_exchange_end_failed_and_the_rest_are_published() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("relayed-x");
+    let client = Client::connect(broker.url()).await;
+    client.declare(&queue, false).await;
+    let scope = scope(&MongoNode::database_name("relay-x")).await;
+    let fates: Vec<_> = (0..200)
+        .map(|n| {
+            if n % 10 == 3 {
+                Fate::NoExchange
+            } else {
+                Fate::Routed
+            }
+        })
+        .collect();
+    stage_events(&scope, &queue, &fates).await;
+    let publisher = Arc::new(Publisher::connect(broker.url()).await.expect("publisher"));
+    let total = relay_all(&scope, &publisher, 1).await;
+    assert_eq!((total.sent, total.failed), (180, 20), "{total:?}");
+    check_fates(&scope, &fates, &client.drain_ids(&queue).await).await;
+    Arc::into_inner(publisher)
+        .expect("relays done")
+        .close()
+        .await;
+    client.delete(&queue).await;
 }

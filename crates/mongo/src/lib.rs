@@ -58,12 +58,14 @@ mod inbox;
 mod lease;
 mod observer;
 mod outbox;
+mod relay;
 mod scope;
 mod tx;
 
 pub use connect::ConnectError;
 pub use observer::CommitObserver;
 pub use outbox::{Outbox, OutboxStore, StageError};
+pub use relay::{Relay, RelayConfig, RelayReport};
 pub use scope::{MongoConfig, MongoScope};
 pub use tx::{MongoTx, handler_error};
 

@@ -19,6 +19,10 @@ use crate::tx::{TxState, code_of};
 
 /// A staged message waits for the relay.
 pub(crate) const STAGED: &str = "staged";
+/// The broker confirmed it; its TTL index deletes it after the retention.
+pub(crate) const SENT: &str = "sent";
+/// It can never be sent as it is; its reason says why.
+pub(crate) const FAILED: &str = "failed";
 
 /// Why a message was not staged.
 #[derive(Debug, thiserror::Error)]
@@ -147,10 +151,19 @@ async fn stage(
         .map_err(StageError::Database)
 }
 
-/// The index the relay reads staged messages in staging order by.
+/// The index the relay reads staged messages in staging order by, and the TTL index that
+/// deletes sent records at their `expires_at`.
 pub(crate) async fn create_indexes(outbox: &Collection<Document>) -> mongodb::error::Result<()> {
     let pending = IndexModel::builder()
         .keys(doc! { "state": 1, "_id": 1 })
         .build();
-    outbox.create_index(pending).await.map(|_| ())
+    let expiring = IndexModel::builder()
+        .keys(doc! { "expires_at": 1 })
+        .options(
+            mongodb::options::IndexOptions::builder()
+                .expire_after(std::time::Duration::ZERO)
+                .build(),
+        )
+        .build();
+    outbox.create_indexes([pending, expiring]).await.map(|_| ())
 }

@@ -132,6 +132,7 @@ struct Inner {
     fences: Collection<Document>,
     deferrals: Collection<Document>,
     outbox: Collection<Document>,
+    relays: Collection<Document>,
     /// The marks of the handlings this process began and has not settled yet, by message id.
     handling: std::sync::Mutex<HashMap<Box<str>, String>>,
     /// The leases this process let go of without a confirmed release.
@@ -190,6 +191,7 @@ impl MongoScope {
         let fences = collection("fences");
         let deferrals = collection("deferrals");
         let outbox = collection("outbox");
+        let relays = collection("outbox_relays");
         crate::outbox::create_indexes(&outbox).await?;
         let mut expiring = vec![
             (&inbox, "at", config.inbox_retention),
@@ -221,6 +223,7 @@ impl MongoScope {
             fences,
             deferrals,
             outbox,
+            relays,
             handling: std::sync::Mutex::default(),
             abandoned: Arc::default(),
         })))
@@ -236,6 +239,11 @@ impl MongoScope {
     /// [`Outbox`](crate::Outbox) extractor instead.
     pub fn outbox(&self) -> crate::OutboxStore {
         crate::OutboxStore::new(self.0.outbox.clone())
+    }
+
+    /// The outbox and the relays' leases.
+    pub(crate) fn outbox_collections(&self) -> (Collection<Document>, Collection<Document>) {
+        (self.0.outbox.clone(), self.0.relays.clone())
     }
 
     async fn open(&self, meta: &Meta) -> Begin {

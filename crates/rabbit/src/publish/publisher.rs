@@ -306,6 +306,12 @@ impl Publisher {
         join_all(publishes).await
     }
 
+    /// The permission the broker refuses the publisher's publishes for (`ACCESS_REFUSED`), while
+    /// it does: publishes end [`Published::Failed`] until one is confirmed again.
+    pub fn refused(&self) -> Option<crate::MissingPermission> {
+        self.confirms.refused()
+    }
+
     /// Whether the broker blocks the publisher's connection (a resource alarm): publishes wait,
     /// and end [`Published::Blocked`] if it lasts their whole timeout.
     pub fn blocked(&self) -> bool {

@@ -1,0 +1,459 @@
+//! The outbox relay: publishes staged messages with the [`Publisher`]'s evidence, in staging
+//! order, and only then marks them sent; ends what can never be sent as failed, with its
+//! reason; backs off while the broker fails. One relay publishes an outbox at a time.
+//!
+//! **At least once.** A relay that stops between a confirm and its mark (a crash, a lost
+//! database) leaves the message staged, and the next relay publishes it again with the same
+//! message id: a Lily consumer's inbox suppresses the second copy.
+//!
+//! **One at a time.** Relays share the outbox through a lease (`<prefix>outbox_relays`, one
+//! document per outbox name), renewed before each batch. A relay publishes a batch only while
+//! its lease has longer to live than the publisher's confirms can take (the lease TTL must
+//! exceed the publisher's confirm timeout), so a relay that lost its lease has finished
+//! publishing before another may start. Clocks: the lease's expiry is the database's time
+//! written by the relay's host; hosts whose clocks differ by more than the TTL's margin can
+//! overlap, which costs duplicates, never a loss.
+//!
+//! **Never a loop.** A message the broker can never take ends `failed` with its reason: no
+//! queue bound for it (returned), an exchange that does not exist, a body over the broker's
+//! maximum message size, a permission the broker refuses, or a message that keeps failing
+//! while others in its batch are confirmed ([`RelayConfig::max_failures`] times). A batch
+//! none of whose messages is confirmed is the broker failing: it is tried again after a backoff
+//! that doubles up to [`RelayConfig::max_backoff`], and nothing is counted against its messages.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lily_mq_core::Reason;
+use lily_mq_rabbit::{Destination, Outgoing, Published, Publisher};
+use mongodb::bson::{Bson, DateTime, Document, doc};
+use mongodb::{Collection, error::ErrorKind};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::outbox::{FAILED, SENT, STAGED};
+
+/// How the relay works.
+#[derive(Clone, Debug)]
+pub struct RelayConfig {
+    name: String,
+    batch: usize,
+    poll: Duration,
+    lease_ttl: Duration,
+    sent_retention: Duration,
+    max_body: usize,
+    max_failures: u32,
+    max_backoff: Duration,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        Self {
+            name: "outbox".to_owned(),
+            batch: 100,
+            poll: Duration::from_millis(250),
+            lease_ttl: Duration::from_secs(30),
+            sent_retention: Duration::from_secs(7 * 24 * 3600),
+            max_body: 16 * 1024 * 1024,
+            max_failures: 10,
+            max_backoff: Duration::from_secs(5),
+        }
+    }
+}
+
+impl RelayConfig {
+    /// The outbox's name in the lease and the metrics (`outbox` unless set).
+    #[must_use]
+    pub fn name(mut self, name: &str) -> Self {
+        name.clone_into(&mut self.name);
+        self
+    }
+
+    /// How long the relay waits when nothing is staged (250 ms unless set).
+    #[must_use]
+    pub fn poll(mut self, every: Duration) -> Self {
+        self.poll = every;
+        self
+    }
+
+    /// The relay's lease time to live (30 s unless set); keep it longer than the publisher's
+    /// confirm timeout.
+    #[must_use]
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.lease_ttl = ttl;
+        self
+    }
+
+    /// How long sent records are kept before their TTL index deletes them (7 days unless set).
+    #[must_use]
+    pub fn sent_retention(mut self, retention: Duration) -> Self {
+        self.sent_retention = retention;
+        self
+    }
+
+    /// The broker's largest message body (`max_message_size`: 16 MiB on RabbitMQ 4.0, 128 MiB
+    /// on 3.x); a larger one ends failed, unpublished.
+    #[must_use]
+    pub fn max_body(mut self, bytes: usize) -> Self {
+        self.max_body = bytes;
+        self
+    }
+
+    /// How many times a message may fail while others are confirmed before it ends failed
+    /// (10 unless set).
+    #[must_use]
+    pub fn max_failures(mut self, failures: u32) -> Self {
+        self.max_failures = failures.max(1);
+        self
+    }
+
+    /// The longest pause while the broker fails (5 s unless set).
+    #[must_use]
+    pub fn max_backoff(mut self, backoff: Duration) -> Self {
+        self.max_backoff = backoff;
+        self
+    }
+}
+
+/// What one relay did, from [`Relay::run`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RelayReport {
+    /// Messages confirmed and marked sent.
+    pub sent: u64,
+    /// Messages marked failed.
+    pub failed: u64,
+    /// Messages still staged when the relay stopped (durable: the next relay publishes them),
+    /// or `None` if the database did not say.
+    pub staged: Option<u64>,
+}
+
+/// Publishes an outbox's staged messages; see the module's documentation.
+pub struct Relay {
+    outbox: Collection<Document>,
+    relays: Collection<Document>,
+    publisher: Arc<Publisher>,
+    config: RelayConfig,
+    owner: String,
+    /// The exchanges publishes were confirmed to (the default exchange always exists).
+    known: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+/// The outcome of one staged message's publish.
+enum Verdict {
+    Sent,
+    Failed(Reason),
+    /// The exchange named does not exist.
+    Missing(String),
+    Again(Reason),
+}
+
+impl Relay {
+    /// A relay of `scope`'s outbox, publishing through `publisher`.
+    pub fn new(scope: &crate::MongoScope, publisher: Arc<Publisher>, config: RelayConfig) -> Self {
+        let (outbox, relays) = scope.outbox_collections();
+        Self {
+            outbox,
+            relays,
+            publisher,
+            config,
+            owner: crate::lease::owner_token(),
+            known: std::sync::Mutex::default(),
+        }
+    }
+
+    /// Publishes until `stop` is cancelled; a batch under way is finished first (within the
+    /// publisher's confirm timeout).
+    pub async fn run(self, stop: CancellationToken) -> RelayReport {
+        let mut report = RelayReport::default();
+        let mut backoff = Duration::ZERO;
+        let gauges = Gauges::new(&self.config.name);
+        let mut measured = Instant::now() - Duration::from_secs(60);
+        while !stop.is_cancelled() {
+            if measured.elapsed() >= Duration::from_secs(5) {
+                gauges.measure(&self.outbox).await;
+                measured = Instant::now();
+            }
+            let pause = if self.hold().await {
+                match self.batch().await {
+                    Ok(batch) if batch.is_empty() => self.config.poll,
+                    Ok(batch) => {
+                        let failing = self.publish(batch, &mut report).await;
+                        backoff = if failing {
+                            (backoff * 2)
+                                .max(Duration::from_millis(100))
+                                .min(self.config.max_backoff)
+                        } else {
+                            Duration::ZERO
+                        };
+                        backoff
+                    }
+                    Err(err) => {
+                        warn!(outbox = %self.config.name, error = %crate::tx::code_of(&err), "outbox read failed");
+                        self.config.max_backoff
+                    }
+                }
+            } else {
+                self.config.poll.max(self.config.lease_ttl / 10)
+            };
+            if !pause.is_zero() {
+                tokio::select! {
+                    () = stop.cancelled() => {}
+                    () = tokio::time::sleep(pause) => {}
+                }
+            }
+        }
+        let _ = self
+            .relays
+            .delete_one(doc! { "_id": &self.config.name, "owner": &self.owner })
+            .await;
+        report.staged = self
+            .outbox
+            .count_documents(doc! { "state": STAGED })
+            .await
+            .ok();
+        gauges.measure(&self.outbox).await;
+        report
+    }
+
+    /// Takes or renews the lease; whether this relay holds it now.
+    async fn hold(&self) -> bool {
+        let now = DateTime::now();
+        let ttl = i64::try_from(self.config.lease_ttl.as_millis()).unwrap_or(i64::MAX);
+        let expires = DateTime::from_millis(now.timestamp_millis().saturating_add(ttl));
+        let filter = doc! {
+            "_id": &self.config.name,
+            "$or": [{ "owner": &self.owner }, { "expires_at": { "$lt": now } }],
+        };
+        let update = doc! { "$set": { "owner": &self.owner, "expires_at": expires } };
+        match self.relays.update_one(filter, update).upsert(true).await {
+            Ok(_) => true,
+            Err(err) if crate::lease::is_duplicate_key(&err) => false,
+            Err(err) => {
+                if !matches!(err.kind.as_ref(), ErrorKind::ServerSelection { .. }) {
+                    warn!(outbox = %self.config.name, error = %crate::tx::code_of(&err), "outbox lease not renewed");
+                }
+                false
+            }
+        }
+    }
+
+    /// The oldest staged records, at most a batch.
+    async fn batch(&self) -> mongodb::error::Result<Vec<Document>> {
+        let mut cursor = self
+            .outbox
+            .find(doc! { "state": STAGED })
+            .sort(doc! { "_id": 1 })
+            .limit(i64::try_from(self.config.batch).unwrap_or(100))
+            .await?;
+        let mut batch = Vec::new();
+        while cursor.advance().await? {
+            batch.push(cursor.deserialize_current()?);
+        }
+        Ok(batch)
+    }
+
+    /// Publishes `batch` at once, in staging order, and marks what became of each; whether the
+    /// broker failed the whole batch.
+    ///
+    /// A publish to an exchange that does not exist closes its channel, and every publish in
+    /// flight on it ends without evidence (to be published again). So the first message to an
+    /// exchange this relay has not seen confirm goes first, alone with the others of its kind;
+    /// the rest of the batch follows, and what is addressed to an exchange found missing ends
+    /// failed without being published.
+    async fn publish(&self, batch: Vec<Document>, report: &mut RelayReport) -> bool {
+        let exchange = |record: &Document| record.get_str("exchange").unwrap_or("").to_owned();
+        let mut firsts = Vec::new();
+        {
+            let known = crate::lock(&self.known);
+            let mut seen = std::collections::HashSet::new();
+            for (i, record) in batch.iter().enumerate() {
+                let name = exchange(record);
+                if !name.is_empty() && !known.contains(&name) && seen.insert(name) {
+                    firsts.push(i);
+                }
+            }
+        }
+        let mut verdicts: Vec<Option<Verdict>> = batch.iter().map(|_| None).collect();
+        let probes = firsts
+            .iter()
+            .map(|i| Box::pin(self.publish_one(&batch[*i])));
+        for (i, verdict) in firsts
+            .iter()
+            .zip(futures_util::future::join_all(probes).await)
+        {
+            verdicts[*i] = Some(verdict);
+        }
+        let missing: std::collections::HashSet<String> = firsts
+            .iter()
+            .filter(|i| matches!(verdicts[**i], Some(Verdict::Missing(_))))
+            .map(|i| exchange(&batch[*i]))
+            .collect();
+        let rest: Vec<usize> = (0..batch.len())
+            .filter(|i| verdicts[*i].is_none())
+            .collect();
+        let publishes = rest.iter().map(|i| {
+            let record = &batch[*i];
+            let missing = missing.contains(&exchange(record));
+            Box::pin(async move {
+                if missing {
+                    Verdict::Missing(exchange(record))
+                } else {
+                    self.publish_one(record).await
+                }
+            })
+        });
+        for (i, verdict) in rest
+            .iter()
+            .zip(futures_util::future::join_all(publishes).await)
+        {
+            verdicts[*i] = Some(verdict);
+        }
+        let verdicts: Vec<Verdict> = verdicts.into_iter().flatten().collect();
+        {
+            let mut known = crate::lock(&self.known);
+            for (record, verdict) in batch.iter().zip(&verdicts) {
+                match verdict {
+                    Verdict::Sent => known.insert(exchange(record)),
+                    Verdict::Missing(name) => known.remove(name),
+                    _ => false,
+                };
+            }
+        }
+        let any_sent = verdicts.iter().any(|v| matches!(v, Verdict::Sent));
+        let now = DateTime::now();
+        let retention = i64::try_from(self.config.sent_retention.as_millis()).unwrap_or(i64::MAX);
+        let expires = DateTime::from_millis(now.timestamp_millis().saturating_add(retention));
+        let mut sent = Vec::new();
+        for (record, verdict) in batch.iter().zip(verdicts) {
+            let Some(id) = record.get("_id").cloned() else {
+                continue;
+            };
+            let message_id = record.get_str("message_id").unwrap_or("-");
+            let failures = match record.get("failures") {
+                Some(Bson::Int32(n)) => u32::try_from(*n).unwrap_or(0),
+                Some(Bson::Int64(n)) => u32::try_from(*n).unwrap_or(0),
+                _ => 0,
+            };
+            let failed = match verdict {
+                Verdict::Sent => {
+                    sent.push(id);
+                    continue;
+                }
+                Verdict::Failed(reason) => reason,
+                Verdict::Missing(name) => Reason::new(format!("exchange '{name}' does not exist")),
+                // The broker takes the others: this one is the trouble.
+                Verdict::Again(reason) if any_sent && failures + 1 >= self.config.max_failures => {
+                    Reason::new(format!("not confirmed in {} tries: {reason}", failures + 1))
+                }
+                Verdict::Again(_) if any_sent => {
+                    let _ = self
+                        .outbox
+                        .update_one(
+                            doc! { "_id": id, "state": STAGED },
+                            doc! { "$inc": { "failures": 1 } },
+                        )
+                        .await;
+                    continue;
+                }
+                Verdict::Again(_) => continue,
+            };
+            let marked = self
+                .outbox
+                .update_one(
+                    doc! { "_id": id, "state": STAGED },
+                    doc! { "$set": { "state": FAILED, "reason": failed.as_str(), "failed_at": now } },
+                )
+                .await;
+            if matches!(marked, Ok(r) if r.modified_count == 1) {
+                report.failed += 1;
+                warn!(outbox = %self.config.name, message_id, reason = %failed, "outbox message failed");
+            }
+        }
+        if !sent.is_empty() {
+            let marked = self
+                .outbox
+                .update_many(
+                    doc! { "_id": { "$in": sent }, "state": STAGED },
+                    doc! { "$set": { "state": SENT, "sent_at": now, "expires_at": expires } },
+                )
+                .await;
+            match marked {
+                Ok(r) => report.sent += r.modified_count,
+                // Published and not marked: the next batch publishes them again (at least once).
+                Err(err) => {
+                    info!(outbox = %self.config.name, error = %crate::tx::code_of(&err), "outbox sent marks not written; they are published again")
+                }
+            }
+        }
+        !any_sent
+    }
+
+    async fn publish_one(&self, record: &Document) -> Verdict {
+        let (Ok(exchange), Ok(routing_key), Ok(bytes)) = (
+            record.get_str("exchange"),
+            record.get_str("routing_key"),
+            record.get_binary_generic("message"),
+        ) else {
+            return Verdict::Failed(Reason::new("not an outbox record"));
+        };
+        let message = match Outgoing::decode(bytes) {
+            Ok(message) => message,
+            Err(reason) => return Verdict::Failed(reason),
+        };
+        if message.body().len() > self.config.max_body {
+            return Verdict::Failed(Reason::new(format!(
+                "body of {} bytes is over the broker's maximum message size ({} bytes)",
+                message.body().len(),
+                self.config.max_body
+            )));
+        }
+        let to = Destination::exchange(exchange, routing_key);
+        match self.publisher.publish(&to, message).await {
+            Published::Confirmed => Verdict::Sent,
+            Published::Returned => Verdict::Failed(Reason::new(format!(
+                "returned: no queue bound to exchange '{exchange}' for routing key '{routing_key}'"
+            ))),
+            Published::NoExchange => Verdict::Missing(exchange.to_owned()),
+            Published::Refused(reason) => Verdict::Failed(reason),
+            Published::Failed => match self.publisher.refused() {
+                Some(missing) => Verdict::Failed(Reason::new(format!("access refused: {missing}"))),
+                None => Verdict::Again(Reason::new("publish failed")),
+            },
+            other => Verdict::Again(Reason::new(format!("{other:?}"))),
+        }
+    }
+}
+
+/// `lily_outbox_pending{outbox}` and `lily_outbox_oldest_seconds{outbox}`.
+struct Gauges {
+    pending: metrics::Gauge,
+    oldest: metrics::Gauge,
+}
+
+impl Gauges {
+    fn new(name: &str) -> Self {
+        Self {
+            pending: metrics::gauge!("lily_outbox_pending", "outbox" => name.to_owned()),
+            oldest: metrics::gauge!("lily_outbox_oldest_seconds", "outbox" => name.to_owned()),
+        }
+    }
+
+    async fn measure(&self, outbox: &Collection<Document>) {
+        if let Ok(n) = outbox.count_documents(doc! { "state": STAGED }).await {
+            self.pending.set(n as f64);
+        }
+        let oldest = outbox
+            .find_one(doc! { "state": STAGED })
+            .sort(doc! { "_id": 1 })
+            .await;
+        if let Ok(oldest) = oldest {
+            let age = oldest
+                .and_then(|r| r.get_datetime("staged_at").ok().copied())
+                .map_or(0, |at| {
+                    DateTime::now().timestamp_millis() - at.timestamp_millis()
+                });
+            self.oldest.set(age.max(0) as f64 / 1000.0);
+        }
+    }
+}
