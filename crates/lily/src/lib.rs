@@ -140,8 +140,8 @@ pub mod mongo {
     /// The MongoDB driver Lily is built on, for the client and the documents a handler writes.
     pub use lily_mq_mongo::mongodb;
     pub use lily_mq_mongo::{
-        CommitObserver, ConnectError, MongoConfig, MongoScope, MongoTx, Outbox, OutboxStore,
-        StageError, handler_error,
+        CommitObserver, ConnectError, MongoConfig, MongoScope, MongoTx, Outbox, OutboxStore, Relay,
+        RelayConfig, RelayReport, StageError, handler_error,
     };
 }
 

@@ -8,6 +8,7 @@
 pub mod cluster;
 pub mod extractors;
 pub mod mongo;
+pub mod outbox;
 pub mod publishing;
 pub mod security;
 pub mod shutdown;
