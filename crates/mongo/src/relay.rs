@@ -7,10 +7,10 @@
 //! message id: a Lily consumer's inbox suppresses the second copy.
 //!
 //! **One at a time.** Relays share the outbox through a lease (`<prefix>outbox_relays`, one
-//! document per outbox name), renewed before each batch. A relay publishes a batch only while
-//! its lease has longer to live than the publisher's confirms can take (the lease TTL must
-//! exceed the publisher's confirm timeout), so a relay that lost its lease has finished
-//! publishing before another may start. Clocks: the lease's expiry is the database's time
+//! document per outbox name), renewed before each batch. A batch's publishes end within twice
+//! the publisher's confirm timeout (the first message to a new exchange goes ahead of the rest),
+//! so with a lease TTL longer than that a relay that lost its lease has finished publishing
+//! before another may start. Clocks: the lease's expiry is the database's time
 //! written by the relay's host; hosts whose clocks differ by more than the TTL's margin can
 //! overlap, which costs duplicates, never a loss.
 //!
@@ -77,8 +77,8 @@ impl RelayConfig {
         self
     }
 
-    /// The relay's lease time to live (30 s unless set); keep it longer than the publisher's
-    /// confirm timeout.
+    /// The relay's lease time to live (30 s unless set); keep it longer than twice the
+    /// publisher's confirm timeout.
     #[must_use]
     pub fn lease_ttl(mut self, ttl: Duration) -> Self {
         self.lease_ttl = ttl;
@@ -168,11 +168,11 @@ impl Relay {
         let mut report = RelayReport::default();
         let mut backoff = Duration::ZERO;
         let gauges = Gauges::new(&self.config.name);
-        let mut measured = Instant::now() - Duration::from_secs(60);
+        let mut measured: Option<Instant> = None;
         while !stop.is_cancelled() {
-            if measured.elapsed() >= Duration::from_secs(5) {
+            if measured.is_none_or(|at| at.elapsed() >= Duration::from_secs(5)) {
                 gauges.measure(&self.outbox).await;
-                measured = Instant::now();
+                measured = Some(Instant::now());
             }
             let pause = if self.hold().await {
                 match self.batch().await {
@@ -254,7 +254,7 @@ impl Relay {
     }
 
     /// Publishes `batch` at once, in staging order, and marks what became of each; whether the
-    /// broker failed the whole batch.
+    /// broker failed the batch (nothing confirmed, something to try again).
     ///
     /// A publish to an exchange that does not exist closes its channel, and every publish in
     /// flight on it ends without evidence (to be published again). So the first message to an
@@ -321,6 +321,7 @@ impl Relay {
             }
         }
         let any_sent = verdicts.iter().any(|v| matches!(v, Verdict::Sent));
+        let any_again = verdicts.iter().any(|v| matches!(v, Verdict::Again(_)));
         let now = DateTime::now();
         let retention = i64::try_from(self.config.sent_retention.as_millis()).unwrap_or(i64::MAX);
         let expires = DateTime::from_millis(now.timestamp_millis().saturating_add(retention));
@@ -386,7 +387,7 @@ impl Relay {
                 }
             }
         }
-        !any_sent
+        !any_sent && any_again
     }
 
     async fn publish_one(&self, record: &Document) -> Verdict {
