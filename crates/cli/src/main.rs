@@ -10,6 +10,9 @@
 //! lily dlq replay -q QUEUE SELECTION   back to the work queue: confirm, then ACK
 //! lily dlq purge -q QUEUE [SELECTION]  delete, after a count and a prompt (or --yes)
 //! lily parking ...                     the same for the parking queue
+//! lily outbox list -d DB                what an outbox holds, failed ones by reason
+//! lily outbox show -d DB ID             one message's records (never the body)
+//! lily outbox retry -d DB (ID...|--all-failed)  failed messages staged again
 //! lily completions SHELL               shell completions
 //! ```
 //!
@@ -20,6 +23,7 @@
 mod broker;
 mod lanes;
 mod loaded;
+mod outbox;
 mod outcome;
 mod render;
 mod report;
@@ -61,6 +65,9 @@ enum Command {
     /// have happened, which Lily never replays on its own.
     #[command(subcommand)]
     Parking(LaneCommand),
+    /// Inspect a service's transactional outbox, and stage failed messages again.
+    #[command(subcommand)]
+    Outbox(OutboxCommand),
     /// Print shell completions for `lily` to stdout.
     Completions {
         /// The shell.
@@ -88,6 +95,37 @@ enum ReportCommand {
         a: OsString,
         /// The later report.
         b: OsString,
+    },
+}
+
+#[derive(Subcommand)]
+enum OutboxCommand {
+    /// Records by state, the oldest staged one's age, failed ones by reason.
+    List {
+        #[command(flatten)]
+        store: outbox::Store,
+    },
+    /// Every record of one message id: state, destination, type, body size, times, reason.
+    Show {
+        #[command(flatten)]
+        store: outbox::Store,
+        /// The message id.
+        id: String,
+    },
+    /// Stage failed records again, for the relay to publish (after fixing their cause: a
+    /// binding, an exchange, a permission).
+    Retry {
+        #[command(flatten)]
+        store: outbox::Store,
+        /// The message ids whose failed records to stage again.
+        #[arg(required_unless_present = "all_failed")]
+        ids: Vec<String>,
+        /// Every failed record.
+        #[arg(long, conflicts_with = "ids")]
+        all_failed: bool,
+        /// Say how many would be staged again; change nothing.
+        #[arg(long)]
+        dry_run: bool,
     },
 }
 
@@ -162,6 +200,35 @@ fn main() -> ExitCode {
         }
         Command::Dlq(command) => lane(Terminal::DeadLetter, command),
         Command::Parking(command) => lane(Terminal::Parking, command),
+        Command::Outbox(command) => {
+            let (store, command) = match command {
+                OutboxCommand::List { store } => (store, outbox::Command::List),
+                OutboxCommand::Show { store, id } => (store, outbox::Command::Show(id)),
+                OutboxCommand::Retry {
+                    store,
+                    ids,
+                    all_failed,
+                    dry_run,
+                } => (
+                    store,
+                    outbox::Command::Retry {
+                        ids,
+                        all_failed,
+                        dry_run,
+                    },
+                ),
+            };
+            match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(runtime) => runtime.block_on(outbox::run(&store, command)),
+                Err(e) => {
+                    eprintln!("lily: cannot start: {e}");
+                    Outcome::code(EXIT_INPUT)
+                }
+            }
+        }
         Command::Completions { shell } => {
             let mut out = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "lily", &mut out);

@@ -1,5 +1,6 @@
 //! The MongoDB scope of Lily: a transaction around each handler, a transactional inbox and, when
-//! asked for, a fenced lease, wired into the decision table.
+//! asked for, a fenced lease, wired into the decision table; and a transactional outbox: a
+//! handler's messages staged in its transaction ([`Outbox`]) and published by a [`Relay`].
 //!
 //! ```no_run
 //! use lily_mq_core::{QueueHandlerError, Router};
@@ -64,7 +65,7 @@ mod tx;
 
 pub use connect::ConnectError;
 pub use observer::CommitObserver;
-pub use outbox::{Outbox, OutboxStore, StageError};
+pub use outbox::{Outbox, OutboxRecord, OutboxStore, OutboxSummary, StageError};
 pub use relay::{Relay, RelayConfig, RelayReport};
 pub use scope::{MongoConfig, MongoScope};
 pub use tx::{MongoTx, handler_error};

@@ -13,7 +13,7 @@ use lily_mq_core::{Context, FromDelivery, QueueHandlerError, Reason};
 use lily_mq_rabbit::{Destination, Outgoing};
 use mongodb::bson::spec::BinarySubtype;
 use mongodb::bson::{Binary, DateTime, Document, doc, oid::ObjectId};
-use mongodb::{ClientSession, Collection, IndexModel};
+use mongodb::{ClientSession, Collection, Database, IndexModel};
 
 use crate::tx::{TxState, code_of};
 
@@ -105,6 +105,109 @@ impl OutboxStore {
         Self { collection }
     }
 
+    /// The outbox of `database` whose collections are named with `prefix` (`lily_` unless the
+    /// scope's [`MongoConfig::collection_prefix`](crate::MongoConfig::collection_prefix) says
+    /// otherwise): for tools that inspect it, like `lily outbox`. Reads and writes at majority.
+    pub fn of(database: &Database, prefix: &str) -> Self {
+        let majority = mongodb::options::CollectionOptions::builder()
+            .write_concern(
+                mongodb::options::WriteConcern::builder()
+                    .w(mongodb::options::Acknowledgment::Majority)
+                    .build(),
+            )
+            .read_concern(mongodb::options::ReadConcern::majority())
+            .build();
+        Self::new(database.collection_with_options(&format!("{prefix}outbox"), majority))
+    }
+
+    /// How many records are in each state, the oldest staged one's age, and the failed ones
+    /// by reason (most first).
+    ///
+    /// # Errors
+    /// The database did not answer or refused.
+    pub async fn summary(&self) -> mongodb::error::Result<OutboxSummary> {
+        let count = |state: &str| self.collection.count_documents(doc! { "state": state });
+        let (staged, sent, failed) = (
+            count(STAGED).await?,
+            count(SENT).await?,
+            count(FAILED).await?,
+        );
+        let oldest = self
+            .collection
+            .find_one(doc! { "state": STAGED })
+            .sort(doc! { "_id": 1 })
+            .await?
+            .and_then(|r| r.get_datetime("staged_at").ok().copied())
+            .map(|at| {
+                let ms = DateTime::now().timestamp_millis() - at.timestamp_millis();
+                std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+            });
+        let mut by_reason = Vec::new();
+        let mut cursor = self
+            .collection
+            .aggregate([
+                doc! { "$match": { "state": FAILED } },
+                doc! { "$group": { "_id": "$reason", "n": { "$sum": 1 } } },
+                doc! { "$sort": { "n": -1, "_id": 1 } },
+            ])
+            .await?;
+        while cursor.advance().await? {
+            let group = cursor.deserialize_current()?;
+            let reason = group.get_str("_id").unwrap_or("-").to_owned();
+            let n = match group.get("n") {
+                Some(mongodb::bson::Bson::Int32(n)) => u64::try_from(*n).unwrap_or(0),
+                Some(mongodb::bson::Bson::Int64(n)) => u64::try_from(*n).unwrap_or(0),
+                _ => 0,
+            };
+            by_reason.push((reason, n));
+        }
+        Ok(OutboxSummary {
+            staged,
+            sent,
+            failed,
+            oldest_staged: oldest,
+            failed_by_reason: by_reason,
+        })
+    }
+
+    /// Every record of `message_id`, oldest first; never the body, only its size.
+    ///
+    /// # Errors
+    /// The database did not answer or refused.
+    pub async fn records(&self, message_id: &str) -> mongodb::error::Result<Vec<OutboxRecord>> {
+        let mut cursor = self
+            .collection
+            .find(doc! { "message_id": message_id })
+            .sort(doc! { "_id": 1 })
+            .await?;
+        let mut records = Vec::new();
+        while cursor.advance().await? {
+            records.push(OutboxRecord::from(&cursor.deserialize_current()?));
+        }
+        Ok(records)
+    }
+
+    /// Stages again the failed records of `message_ids`, or every failed record with `None`,
+    /// for the relay to publish anew; how many.
+    ///
+    /// # Errors
+    /// The database did not answer or refused.
+    pub async fn retry(&self, message_ids: Option<&[String]>) -> mongodb::error::Result<u64> {
+        let filter = match message_ids {
+            Some(ids) => doc! { "state": FAILED, "message_id": { "$in": ids } },
+            None => doc! { "state": FAILED },
+        };
+        let update = doc! {
+            "$set": { "state": STAGED },
+            "$unset": { "reason": "", "failed_at": "", "failures": "" },
+        };
+        Ok(self
+            .collection
+            .update_many(filter, update)
+            .await?
+            .modified_count)
+    }
+
     /// Stages `message` for `to` in `session`'s transaction: it commits with it, or is gone
     /// with it. Outside a transaction the message is staged at once, whatever else happens:
     /// start one first.
@@ -119,6 +222,69 @@ impl OutboxStore {
         message: &Outgoing,
     ) -> Result<(), StageError> {
         stage(&self.collection, session, to, message).await
+    }
+}
+
+/// What an outbox holds ([`OutboxStore::summary`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutboxSummary {
+    /// Records waiting for the relay.
+    pub staged: u64,
+    /// Records confirmed, kept until their retention ends.
+    pub sent: u64,
+    /// Records that can never be sent as they are.
+    pub failed: u64,
+    /// How long the oldest staged record has waited.
+    pub oldest_staged: Option<std::time::Duration>,
+    /// The failed records by reason, most first.
+    pub failed_by_reason: Vec<(String, u64)>,
+}
+
+/// One outbox record, without its body ([`OutboxStore::records`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutboxRecord {
+    /// `staged`, `sent` or `failed`.
+    pub state: String,
+    /// The exchange (empty: the default exchange).
+    pub exchange: String,
+    /// The routing key.
+    pub routing_key: String,
+    /// The message's type, when the record decodes.
+    pub kind: Option<String>,
+    /// The body's size in bytes, when the record decodes.
+    pub body_bytes: Option<usize>,
+    /// When it was staged.
+    pub staged_at: Option<DateTime>,
+    /// When the broker confirmed it.
+    pub sent_at: Option<DateTime>,
+    /// Why it failed.
+    pub reason: Option<String>,
+    /// Tries that failed while others were confirmed.
+    pub failures: u32,
+}
+
+impl From<&Document> for OutboxRecord {
+    fn from(record: &Document) -> Self {
+        let text = |key: &str| record.get_str(key).ok().map(str::to_owned);
+        let decoded = record
+            .get_binary_generic("message")
+            .ok()
+            .and_then(|bytes| Outgoing::decode(bytes).ok());
+        Self {
+            state: text("state").unwrap_or_default(),
+            exchange: text("exchange").unwrap_or_default(),
+            routing_key: text("routing_key").unwrap_or_default(),
+            kind: decoded.as_ref().map(|m| m.kind().to_owned()),
+            body_bytes: decoded.as_ref().map(|m| m.body().len()),
+            staged_at: record.get_datetime("staged_at").ok().copied(),
+            sent_at: record.get_datetime("sent_at").ok().copied(),
+            reason: text("reason"),
+            failures: match record.get("failures") {
+                Some(mongodb::bson::Bson::Int32(n)) => u32::try_from(*n).unwrap_or(0),
+                Some(mongodb::bson::Bson::Int64(n)) => u32::try_from(*n).unwrap_or(0),
+                _ => 0,
+            },
+        }
     }
 }
 

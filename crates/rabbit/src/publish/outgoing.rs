@@ -126,6 +126,11 @@ impl Outgoing {
         &self.message_id
     }
 
+    /// The `type`.
+    pub fn kind(&self) -> &str {
+        &self.kind
+    }
+
     /// The body.
     pub fn body(&self) -> &[u8] {
         &self.body
