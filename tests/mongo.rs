@@ -3,12 +3,11 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{config, header_str};
+use common::{config, header_str, mongo_addr, mongo_via};
 use lily::handler::BoxFuture;
 use lily::prelude::*;
 use lily::scope::{Begin, TransactionalScope};
@@ -356,28 +355,6 @@ fn int(doc: &Document, key: &str) -> i64 {
         Some(Bson::Int32(n)) => i64::from(*n),
         other => panic!("{key} is not an integer: {other:?}"),
     }
-}
-
-/// The mongod address of `LILY_MONGO_URL`.
-fn mongo_addr() -> SocketAddr {
-    let node = MongoNode::from_env();
-    let rest = node.url().split_once("://").map_or(node.url(), |(_, r)| r);
-    let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
-    let host = rest.split(['/', '?', ',']).next().unwrap_or(rest);
-    host.parse().expect("LILY_MONGO_URL names 127.0.0.1:PORT")
-}
-
-/// The test node's URL through `proxy`, failing fast: a refused connection is seen within
-/// half a second instead of the driver's 30 s default.
-fn mongo_via(proxy: &TcpProxy) -> String {
-    let url = proxy.url(MongoNode::from_env().url());
-    let join = if url.contains('?') { '&' } else { '?' };
-    let direct = if url.contains("directConnection=") {
-        ""
-    } else {
-        "&directConnection=true"
-    };
-    format!("{url}{join}serverSelectionTimeoutMS=500&connectTimeoutMS=500{direct}")
 }
 
 /// Short deferrals, a short settlement budget, `max_requeues` requeues.

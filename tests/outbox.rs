@@ -8,13 +8,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::config;
+use common::{config, mongo_addr, mongo_via};
 use lily::prelude::*;
 use lily_mq_mongo::mongodb::bson::{Document, doc};
 use lily_mq_mongo::{
     MongoConfig, MongoScope, MongoTx, Outbox, Relay, RelayConfig, RelayReport, StageError,
 };
-use lily_mq_testkit::{Broker, Client, MongoNode};
+use lily_mq_testkit::{Broker, Client, MongoNode, TcpProxy};
 use tokio_util::sync::CancellationToken;
 
 const MESSAGES: usize = 300;
@@ -216,12 +216,9 @@ async fn stage_events(scope: &MongoScope, queue: &str, fates: &[Fate]) {
             Fate::NoExchange => (Destination::exchange(&format!("{queue}.no-such"), "k"), 10),
             Fate::TooLarge => (Destination::queue(queue), 4096),
         };
-        let message = Outgoing::bytes(
-            "stock.reserved",
-            &format!("event-{n}"),
-            "text/plain",
-            vec![b'x'; size],
-        );
+        let body = serde_json::json!({ "n": n, "pad": "x".repeat(size) });
+        let message =
+            Outgoing::json("stock.reserved", &format!("event-{n}"), &body).expect("serializes");
         outbox
             .stage(&mut session, &to, &message)
             .await
@@ -372,4 +369,101 @@ async fn events_to_a_missing_exchange_end_failed_and_the_rest_are_published() {
         .close()
         .await;
     client.delete(&queue).await;
+}
+
+/// A relay whose marks never reach the database (its connection is cut as each one is sent),
+/// killed once it has published everything: a second relay takes over when the first's lease
+/// expires and publishes each message again, with the same id. Downstream, a Lily consumer with
+/// the MongoDB scope has each event's effect once: its inbox suppresses the second copies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_relay_killed_between_confirm_and_mark_publishes_again_and_the_inbox_absorbs_it() {
+    const EVENTS: usize = 200;
+    let broker = Broker::from_env();
+    let downstream = Broker::unique("outbox-down");
+    let effects_db = MongoNode::database_name("outbox-down");
+    let down_scope = scope(&effects_db).await;
+    let router = Router::new().route("stock.reserved", |tx: MongoTx, meta: Meta| async move {
+        tx.database()
+            .collection::<Document>("effects")
+            .insert_one(doc! { "message_id": meta.message_id() })
+            .session(&mut *tx.session().await)
+            .await
+            .map_err(|e| lily_mq_mongo::handler_error("effect", e))?;
+        Ok(())
+    });
+    let consumer = common::start_with(
+        broker.url(),
+        config(&downstream, QueueKind::Quorum),
+        router,
+        |c| c.scope(down_scope.clone()),
+    );
+    common::wait_declared(broker.url(), &downstream).await;
+    let upstream_db = MongoNode::database_name("outbox-up");
+    let upstream = scope(&upstream_db).await;
+    let fates = vec![Fate::Routed; EVENTS];
+    stage_events(&upstream, &downstream, &fates).await;
+
+    let publisher = Arc::new(
+        Publisher::connect_with(
+            broker.url(),
+            PublisherConfig::default().confirm_timeout(Duration::from_secs(1)),
+        )
+        .await
+        .expect("publisher"),
+    );
+    let config = || {
+        RelayConfig::default()
+            .lease_ttl(Duration::from_secs(3))
+            .poll(Duration::from_millis(50))
+    };
+    // The first relay reaches mongod through a proxy that cuts every mark as it is sent.
+    let proxy = TcpProxy::start(mongo_addr()).await;
+    proxy.cut_when_sent(Some(b"sent_at"));
+    let proxied = MongoScope::connect(&mongo_via(&proxy), &upstream_db, MongoConfig::new("e2e"))
+        .await
+        .expect("scope through the proxy");
+    let first = Relay::new(&proxied, Arc::clone(&publisher), config());
+    let first = tokio::spawn(first.run(CancellationToken::new()));
+    consumer
+        .wait_for(
+            "every event once downstream",
+            Duration::from_secs(60),
+            |t| t.acked + t.duplicates_suppressed >= EVENTS as u64,
+        )
+        .await;
+    first.abort();
+    let _ = first.await;
+    assert!(proxy.cut_sends() > 0, "the marks were cut");
+    let records = upstream.database().collection::<Document>("lily_outbox");
+    assert_eq!(
+        records
+            .count_documents(doc! { "state": "staged" })
+            .await
+            .expect("count"),
+        EVENTS as u64,
+        "published, not marked"
+    );
+
+    let second = relay_all(&upstream, &publisher, 1).await;
+    assert_eq!(second.sent, EVENTS as u64, "{second:?}");
+    common::wait_settled("downstream", &downstream, 0).await;
+    let report = consumer.stop().await;
+    assert!(
+        report.totals.duplicates_suppressed >= EVENTS as u64,
+        "each event came at least twice: {:?}",
+        report.totals
+    );
+    let effects = down_scope.database().collection::<Document>("effects");
+    for n in 0..EVENTS {
+        let id = format!("event-{n}");
+        let count = effects
+            .count_documents(doc! { "message_id": &id })
+            .await
+            .expect("count effects");
+        assert_eq!(count, 1, "{id}: one effect downstream");
+    }
+    Arc::into_inner(publisher)
+        .expect("relays done")
+        .close()
+        .await;
 }
