@@ -126,15 +126,20 @@ scripts/book.sh
 for feature in "" health mongo testing otel logging "health mongo testing otel logging"; do
   cargo check -p lily-mq --quiet --no-default-features --features "$feature"
 done
-cargo test --workspace --no-run --quiet
 # The crates meant for the registry, packaged and verified: each builds from its .crate, the
 # others it needs coming from cargo's temporary registry. Then an application outside the
 # workspace is built against those packages (tests/outside.rs runs it against the broker).
 # Cargo unpacks the packages of its temporary registry under CARGO_HOME and reuses what it
 # unpacked for the same version: a copy left by an earlier run would be verified in place of
-# today's sources.
+# today's sources. It also takes what it built from a registry as fresh for as long as the
+# version is the same, so an earlier run's build of these packages (in target/debug, where the
+# verification builds) would be linked instead of today's: their fingerprints go too (the
+# workspace's own builds of the five crates among them, rebuilt by the next step).
 rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/lily-mq-*-0.1.0
+find target/debug/.fingerprint -maxdepth 1 -regextype posix-extended \
+  -regex '.*/lily-mq-(core-|rabbit-|mongo-|cli-)?[0-9a-f]{16}' -exec rm -rf {} + 2>/dev/null || true
 cargo package --quiet -p lily-mq-core -p lily-mq-rabbit -p lily-mq-mongo -p lily-mq -p lily-mq-cli
+cargo test --workspace --no-run --quiet
 CARGO_TARGET_DIR="$PWD/target" cargo build --quiet --locked --manifest-path outside/Cargo.toml
 for v in $VERSIONS; do
   if ! wait "${STARTING[$v]}"; then
