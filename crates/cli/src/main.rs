@@ -23,6 +23,7 @@
 mod broker;
 mod lanes;
 mod loaded;
+#[cfg(feature = "outbox")]
 mod outbox;
 mod outcome;
 mod render;
@@ -66,6 +67,7 @@ enum Command {
     #[command(subcommand)]
     Parking(LaneCommand),
     /// Inspect a service's transactional outbox, and stage failed messages again.
+    #[cfg(feature = "outbox")]
     #[command(subcommand)]
     Outbox(OutboxCommand),
     /// Print shell completions for `lily` to stdout.
@@ -98,6 +100,7 @@ enum ReportCommand {
     },
 }
 
+#[cfg(feature = "outbox")]
 #[derive(Subcommand)]
 enum OutboxCommand {
     /// Records by state, the oldest staged one's age, failed ones by reason.
@@ -200,6 +203,7 @@ fn main() -> ExitCode {
         }
         Command::Dlq(command) => lane(Terminal::DeadLetter, command),
         Command::Parking(command) => lane(Terminal::Parking, command),
+        #[cfg(feature = "outbox")]
         Command::Outbox(command) => {
             let (store, command) = match command {
                 OutboxCommand::List { store } => (store, outbox::Command::List),

@@ -1,3 +1,4 @@
+#![cfg(feature = "outbox")]
 //! `lily outbox` against the real mongod: what the outbox holds, one message's records without
 //! its body, and a failed record staged again.
 
