@@ -253,8 +253,9 @@ impl Relay {
         Ok(batch)
     }
 
-    /// Publishes `batch` at once, in staging order, and marks what became of each; whether the
-    /// broker failed the batch (nothing confirmed, something to try again).
+    /// Publishes `batch` at once, in staging order, and marks what became of each; whether to
+    /// back off: the broker failed the batch (nothing confirmed, something to try again), or
+    /// the sent marks were not written.
     ///
     /// A publish to an exchange that does not exist closes its channel, and every publish in
     /// flight on it ends without evidence (to be published again). So the first message to an
@@ -381,9 +382,11 @@ impl Relay {
                 .await;
             match marked {
                 Ok(r) => report.sent += r.modified_count,
-                // Published and not marked: the next batch publishes them again (at least once).
+                // Published and not marked: the next batch publishes them again (at least once),
+                // after the backoff, so a database that takes no writes is no duplicate storm.
                 Err(err) => {
-                    info!(outbox = %self.config.name, error = %crate::tx::code_of(&err), "outbox sent marks not written; they are published again")
+                    info!(outbox = %self.config.name, error = %crate::tx::code_of(&err), "outbox sent marks not written; they are published again");
+                    return true;
                 }
             }
         }
