@@ -109,15 +109,9 @@ impl OutboxStore {
     /// scope's [`MongoConfig::collection_prefix`](crate::MongoConfig::collection_prefix) says
     /// otherwise): for tools that inspect it, like `lily outbox`. Reads and writes at majority.
     pub fn of(database: &Database, prefix: &str) -> Self {
-        let majority = mongodb::options::CollectionOptions::builder()
-            .write_concern(
-                mongodb::options::WriteConcern::builder()
-                    .w(mongodb::options::Acknowledgment::Majority)
-                    .build(),
-            )
-            .read_concern(mongodb::options::ReadConcern::majority())
-            .build();
-        Self::new(database.collection_with_options(&format!("{prefix}outbox"), majority))
+        Self::new(
+            database.collection_with_options(&format!("{prefix}outbox"), crate::scope::majority()),
+        )
     }
 
     /// How many records are in each state, the oldest staged one's age, and the failed ones
@@ -126,11 +120,11 @@ impl OutboxStore {
     /// # Errors
     /// The database did not answer or refused.
     pub async fn summary(&self) -> mongodb::error::Result<OutboxSummary> {
-        let count = |state: &str| self.collection.count_documents(doc! { "state": state });
+        let in_state = |state: &str| self.collection.count_documents(doc! { "state": state });
         let (staged, sent, failed) = (
-            count(STAGED).await?,
-            count(SENT).await?,
-            count(FAILED).await?,
+            in_state(STAGED).await?,
+            in_state(SENT).await?,
+            in_state(FAILED).await?,
         );
         let oldest = self
             .collection
@@ -154,12 +148,7 @@ impl OutboxStore {
         while cursor.advance().await? {
             let group = cursor.deserialize_current()?;
             let reason = group.get_str("_id").unwrap_or("-").to_owned();
-            let n = match group.get("n") {
-                Some(mongodb::bson::Bson::Int32(n)) => u64::try_from(*n).unwrap_or(0),
-                Some(mongodb::bson::Bson::Int64(n)) => u64::try_from(*n).unwrap_or(0),
-                _ => 0,
-            };
-            by_reason.push((reason, n));
+            by_reason.push((reason, count(group.get("n"))));
         }
         Ok(OutboxSummary {
             staged,
@@ -279,11 +268,7 @@ impl From<&Document> for OutboxRecord {
             staged_at: record.get_datetime("staged_at").ok().copied(),
             sent_at: record.get_datetime("sent_at").ok().copied(),
             reason: text("reason"),
-            failures: match record.get("failures") {
-                Some(mongodb::bson::Bson::Int32(n)) => u32::try_from(*n).unwrap_or(0),
-                Some(mongodb::bson::Bson::Int64(n)) => u32::try_from(*n).unwrap_or(0),
-                _ => 0,
-            },
+            failures: u32::try_from(count(record.get("failures"))).unwrap_or(u32::MAX),
         }
     }
 }
@@ -315,6 +300,15 @@ async fn stage(
         .await
         .map(|_| ())
         .map_err(StageError::Database)
+}
+
+/// A count stored as a 32- or 64-bit integer; 0 when absent or negative.
+pub(crate) fn count(value: Option<&mongodb::bson::Bson>) -> u64 {
+    match value {
+        Some(mongodb::bson::Bson::Int32(n)) => u64::try_from(*n).unwrap_or(0),
+        Some(mongodb::bson::Bson::Int64(n)) => u64::try_from(*n).unwrap_or(0),
+        _ => 0,
+    }
 }
 
 /// The index the relay reads staged messages in staging order by, and the TTL index that

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use lily_mq_core::Reason;
 use lily_mq_rabbit::{Destination, Outgoing, Published, Publisher};
-use mongodb::bson::{Bson, DateTime, Document, doc};
+use mongodb::bson::{DateTime, Document, doc};
 use mongodb::{Collection, error::ErrorKind};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -332,11 +332,9 @@ impl Relay {
                 continue;
             };
             let message_id = record.get_str("message_id").unwrap_or("-");
-            let failures = match record.get("failures") {
-                Some(Bson::Int32(n)) => u32::try_from(*n).unwrap_or(0),
-                Some(Bson::Int64(n)) => u32::try_from(*n).unwrap_or(0),
-                _ => 0,
-            };
+            let tries = u32::try_from(crate::outbox::count(record.get("failures")))
+                .unwrap_or(u32::MAX)
+                .saturating_add(1);
             let failed = match verdict {
                 Verdict::Sent => {
                     sent.push(id);
@@ -345,8 +343,8 @@ impl Relay {
                 Verdict::Failed(reason) => reason,
                 Verdict::Missing(name) => Reason::new(format!("exchange '{name}' does not exist")),
                 // The broker takes the others: this one is the trouble.
-                Verdict::Again(reason) if any_sent && failures + 1 >= self.config.max_failures => {
-                    Reason::new(format!("not confirmed in {} tries: {reason}", failures + 1))
+                Verdict::Again(reason) if any_sent && tries >= self.config.max_failures => {
+                    Reason::new(format!("not confirmed in {tries} tries: {reason}"))
                 }
                 Verdict::Again(_) if any_sent => {
                     let _ = self

@@ -139,6 +139,14 @@ struct Inner {
     abandoned: Arc<lease::Abandoned>,
 }
 
+/// Majority writes and majority reads, for every collection of Lily's own.
+pub(crate) fn majority() -> CollectionOptions {
+    CollectionOptions::builder()
+        .write_concern(WriteConcern::builder().w(Acknowledgment::Majority).build())
+        .read_concern(ReadConcern::majority())
+        .build()
+}
+
 /// The most handling marks remembered at once (one per delivery being handled, removed when it
 /// ends); past it, they are forgotten (their marks then count as deaths, which only errs on
 /// the side of stopping a message sooner).
@@ -178,13 +186,9 @@ impl MongoScope {
         // Lily's own writes are acknowledged by a majority and its reads see only what a
         // majority holds, whatever the URL or the server's defaults say: a write acknowledged
         // by a primary alone can be rolled back when that primary loses its term.
-        let majority = CollectionOptions::builder()
-            .write_concern(WriteConcern::builder().w(Acknowledgment::Majority).build())
-            .read_concern(ReadConcern::majority())
-            .build();
         let collection = |suffix: &str| {
             let name = format!("{}{suffix}", config.collection_prefix);
-            database.collection_with_options::<Document>(&name, majority.clone())
+            database.collection_with_options::<Document>(&name, majority())
         };
         let inbox = collection("inbox");
         let leases = collection("leases");

@@ -158,22 +158,10 @@ impl Cluster {
     pub fn restart(&self, node: usize) {
         let dir = self.node_dir(node);
         let port = self.ports[node].to_string();
-        // On a loaded machine a 4.0 node can fail its boot's deprecated-feature check
-        // (`failed_to_deny_deprecated_features`): it reads the metadata store before its
-        // tables are there. The cluster's own start retries a joined node for the same reason.
-        for attempt in 1.. {
-            let out = self.script(&["start", dir.to_str().expect("utf-8 path"), &port]);
-            if out.status.success() {
-                break;
-            }
-            let err = String::from_utf8_lossy(&out.stderr);
-            assert!(
-                attempt < 3 && err.contains("failed_to_deny_deprecated_features"),
-                "restart: {err}"
-            );
-            eprintln!("restart: node {node} failed its deprecated-feature check; again in 2 s");
-            std::thread::sleep(Duration::from_secs(2));
-        }
+        let dir = dir.to_str().expect("utf-8 path");
+        crate::retry_failed_boot(&format!("restart of node {node}"), || {
+            self.script(&["start", dir, &port])
+        });
         self.await_online();
     }
 

@@ -94,28 +94,13 @@ impl Broker {
         format!("{prefix}-{}-{n}-{nanos}", std::process::id())
     }
 
-    /// Starts the node's application again after `stop_app`.
-    ///
-    /// A 4.0 node under load can fail the boot's deprecated-feature check
-    /// (`failed_to_deny_deprecated_features`: it reads the metadata store before its tables are
-    /// there); that is tried again, at most three times in all.
+    /// Starts the node's application again after `stop_app`; a boot that fails 4.0's
+    /// deprecated-feature check under load is tried again, at most three times in all.
     ///
     /// # Panics
     /// When it does not start.
     pub fn start_app(&self) {
-        for attempt in 1.. {
-            let out = self.ctl_output(&["start_app"]);
-            if out.status.success() {
-                return;
-            }
-            let err = String::from_utf8_lossy(&out.stderr);
-            assert!(
-                attempt < 3 && err.contains("failed_to_deny_deprecated_features"),
-                "rabbitmqctl start_app failed: {err}"
-            );
-            eprintln!("start_app: the deprecated-feature check failed; again in 2 s");
-            std::thread::sleep(Duration::from_secs(2));
-        }
+        retry_failed_boot("start_app", || self.ctl_output(&["start_app"]));
     }
 
     fn ctl_output(&self, args: &[&str]) -> std::process::Output {
@@ -541,5 +526,27 @@ pub async fn eventually_every<F: FnMut() -> bool>(
             return false;
         }
         tokio::time::sleep(every).await;
+    }
+}
+
+/// Runs `start` until it succeeds, at most three times: a 4.0 node under load can fail its
+/// boot's deprecated-feature check (`failed_to_deny_deprecated_features`: it reads the metadata
+/// store before its tables are there), and only that failure is tried again.
+///
+/// # Panics
+/// When `start` fails otherwise, or a third time.
+pub(crate) fn retry_failed_boot(what: &str, mut start: impl FnMut() -> std::process::Output) {
+    for attempt in 1.. {
+        let out = start();
+        if out.status.success() {
+            return;
+        }
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            attempt < 3 && err.contains("failed_to_deny_deprecated_features"),
+            "{what} failed: {err}"
+        );
+        eprintln!("{what}: the deprecated-feature check failed; again in 2 s");
+        std::thread::sleep(Duration::from_secs(2));
     }
 }
