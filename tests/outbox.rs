@@ -12,7 +12,7 @@ use common::{config, mongo_addr, mongo_via};
 use lily::prelude::*;
 use lily_mq_mongo::mongodb::bson::{Document, doc};
 use lily_mq_mongo::{
-    MongoConfig, MongoScope, MongoTx, Outbox, Relay, RelayConfig, RelayReport, StageError,
+    MongoConfig, MongoScope, MongoTx, Outbox, OutboxReport, Relay, RelayConfig, StageError,
 };
 use lily_mq_testkit::{Broker, Client, MongoNode, TcpProxy};
 use tokio_util::sync::CancellationToken;
@@ -57,41 +57,47 @@ fn event(order: &str) -> Outgoing {
     .header("tenant", "acme")
 }
 
-/// 300 orders at once, each handler writing its effect and staging one event. A third fail
-/// their first attempt after staging (retried later through a bucket), a third meet a
-/// transient error after staging (the transaction runs again in process): the aborted tries
-/// leave nothing. Each order ends with one effect and one staged event, which reads back as
-/// what was staged.
+/// 300 orders at once, each handler writing its effect and staging one event to a queue. A
+/// third fail their first attempt after staging (retried later through a bucket), a third meet
+/// a transient error after staging (the transaction runs again in process): the aborted tries
+/// leave nothing. The consumer's own relay publishes what committed. Each order ends with one
+/// effect, one record marked sent that reads back as what was staged, and its event in the
+/// queue exactly once; the shutdown report says what the relay sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handlers_messages_are_staged_exactly_when_its_transaction_commits() {
     let broker = Broker::from_env();
     let queue = Broker::unique("outbox");
+    let events = format!("{queue}.events");
+    let client = Client::connect(broker.url()).await;
+    client.declare(&events, true).await;
     let scope = scope(&MongoNode::database_name("outbox")).await;
+    let to = Destination::queue(&events);
     let router = Router::new().route(
         "order.placed",
-        |tx: MongoTx, outbox: Outbox, meta: Meta| async move {
-            let order = meta.message_id().to_owned();
-            tx.database()
-                .collection::<Document>("effects")
-                .insert_one(doc! { "message_id": &order })
-                .session(&mut *tx.session().await)
-                .await
-                .map_err(|e| lily_mq_mongo::handler_error("effect", e))?;
-            outbox
-                .stage(&Destination::exchange("stock", "reserved"), &event(&order))
-                .await?;
-            let n: usize = order
-                .trim_start_matches("order-")
-                .parse()
-                .expect("numbered");
-            match (n % 3, meta.attempt()) {
-                (0, 1) => Err(QueueHandlerError::retryable(
-                    "first attempt fails after staging",
-                )),
-                (1, _) if first_try(&order) => Err(QueueHandlerError::transient(
-                    "a write conflict after staging",
-                )),
-                _ => Ok(()),
+        move |tx: MongoTx, outbox: Outbox, meta: Meta| {
+            let to = to.clone();
+            async move {
+                let order = meta.message_id().to_owned();
+                tx.database()
+                    .collection::<Document>("effects")
+                    .insert_one(doc! { "message_id": &order })
+                    .session(&mut *tx.session().await)
+                    .await
+                    .map_err(|e| lily_mq_mongo::handler_error("effect", e))?;
+                outbox.stage(&to, &event(&order)).await?;
+                let n: usize = order
+                    .trim_start_matches("order-")
+                    .parse()
+                    .expect("numbered");
+                match (n % 3, meta.attempt()) {
+                    (0, 1) => Err(QueueHandlerError::retryable(
+                        "first attempt fails after staging",
+                    )),
+                    (1, _) if first_try(&order) => Err(QueueHandlerError::transient(
+                        "a write conflict after staging",
+                    )),
+                    _ => Ok(()),
+                }
             }
         },
     );
@@ -101,7 +107,6 @@ async fn a_handlers_messages_are_staged_exactly_when_its_transaction_commits() {
         router,
         |c| c.scope(scope.clone()),
     );
-    let client = Client::connect(broker.url()).await;
     common::wait_declared(broker.url(), &queue).await;
     for n in 0..MESSAGES {
         client
@@ -109,23 +114,31 @@ async fn a_handlers_messages_are_staged_exactly_when_its_transaction_commits() {
             .await;
     }
     common::wait_settled("every order", &queue, 0).await;
+    wait_unstaged(&scope).await;
     let report = running.stop().await;
     assert!(
         report.totals.retried >= (MESSAGES / 3) as u64,
         "{:?}",
         report.totals
     );
+    let relayed = report.outbox.expect("the consumer ran the relay");
+    assert_eq!(
+        (relayed.sent, relayed.failed, relayed.staged),
+        (MESSAGES as u64, 0, Some(0)),
+        "{relayed:?}"
+    );
 
     let found = staged(&scope).await;
+    let published = client.drain_ids(&events).await;
     for n in 0..MESSAGES {
         let order = format!("order-{n}");
         let id = format!("{order}.reserved");
         let records = found.get(&id).map_or(&[][..], Vec::as_slice);
         assert_eq!(records.len(), 1, "{id}: staged once");
         let record = &records[0];
-        assert_eq!(record.get_str("state"), Ok("staged"));
-        assert_eq!(record.get_str("exchange"), Ok("stock"));
-        assert_eq!(record.get_str("routing_key"), Ok("reserved"));
+        assert_eq!(record.get_str("state"), Ok("sent"));
+        assert_eq!(record.get_str("exchange"), Ok(""));
+        assert_eq!(record.get_str("routing_key"), Ok(events.as_str()));
         let bytes = &record
             .get_binary_generic("message")
             .expect("message")
@@ -133,6 +146,7 @@ async fn a_handlers_messages_are_staged_exactly_when_its_transaction_commits() {
         let message = Outgoing::decode(bytes).expect("decodes");
         assert_eq!(message.message_id(), id);
         assert_eq!(message.body(), event(&order).body());
+        assert_eq!(published.get(&id), Some(&1), "{id}: in the queue once");
         let effects = scope
             .database()
             .collection::<Document>("effects")
@@ -142,6 +156,110 @@ async fn a_handlers_messages_are_staged_exactly_when_its_transaction_commits() {
         assert_eq!(effects, 1, "{order}: one effect");
     }
     assert_eq!(found.len(), MESSAGES, "nothing else staged");
+    assert_eq!(published.len(), MESSAGES, "nothing else published");
+    client.delete(&events).await;
+}
+
+/// Waits until nothing in `scope`'s outbox is staged, at most 60 s.
+async fn wait_unstaged(scope: &MongoScope) {
+    let records = scope.database().collection::<Document>("lily_outbox");
+    let started = std::time::Instant::now();
+    while records
+        .count_documents(doc! { "state": "staged" })
+        .await
+        .expect("count")
+        > 0
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "still staged after 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// While another owner holds the outbox's lease, the consumer's relay publishes nothing: its
+/// shutdown report counts the 50 messages that stay staged and is clean (they are durable, not
+/// lost). Once the lease is free, a relay publishes each of them, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shutdown_report_counts_what_stays_staged() {
+    const ORDERS: usize = 50;
+    let broker = Broker::from_env();
+    let queue = Broker::unique("outbox-held");
+    let events = format!("{queue}.events");
+    let client = Client::connect(broker.url()).await;
+    client.declare(&events, true).await;
+    let scope = scope(&MongoNode::database_name("outbox-held")).await;
+    let lease = doc! { "_id": "outbox", "owner": "elsewhere", "expires_at": mongodb_in(3600) };
+    let relays = scope
+        .database()
+        .collection::<Document>("lily_outbox_relays");
+    relays
+        .insert_one(lease)
+        .await
+        .expect("lease held elsewhere");
+    let to = Destination::queue(&events);
+    let router = Router::new().route("order.placed", move |outbox: Outbox, meta: Meta| {
+        let to = to.clone();
+        async move { outbox.stage(&to, &event(meta.message_id())).await }
+    });
+    let running = common::start_with(
+        broker.url(),
+        config(&queue, QueueKind::Classic),
+        router,
+        |c| c.scope(scope.clone()),
+    );
+    common::wait_declared(broker.url(), &queue).await;
+    for n in 0..ORDERS {
+        client
+            .send(&queue, "order.placed", &format!("order-{n}"), b"{}")
+            .await;
+    }
+    common::wait_settled("every order", &queue, 0).await;
+    let report = running.stop().await;
+    let relayed = report.outbox.clone().expect("the consumer ran the relay");
+    assert_eq!(
+        (relayed.sent, relayed.failed, relayed.staged),
+        (0, 0, Some(ORDERS as u64)),
+        "{relayed:?}"
+    );
+    assert!(report.clean, "staged messages are not unresolved");
+    assert!(
+        report
+            .termination_summary()
+            .contains(&format!("staged={ORDERS}")),
+        "{}",
+        report.termination_summary()
+    );
+    assert!(
+        client.drain_ids(&events).await.is_empty(),
+        "nothing published"
+    );
+
+    relays
+        .delete_one(doc! { "_id": "outbox" })
+        .await
+        .expect("lease given up");
+    let publisher = Arc::new(Publisher::connect(broker.url()).await.expect("publisher"));
+    let total = relay_all(&scope, &publisher, 1).await;
+    assert_eq!(total.sent, ORDERS as u64, "{total:?}");
+    let published = client.drain_ids(&events).await;
+    for n in 0..ORDERS {
+        let id = format!("order-{n}.reserved");
+        assert_eq!(published.get(&id), Some(&1), "{id}: in the queue once");
+    }
+    assert_eq!(published.len(), ORDERS);
+    Arc::into_inner(publisher)
+        .expect("relay done")
+        .close()
+        .await;
+    client.delete(&events).await;
+}
+
+/// The database's time `seconds` from now.
+fn mongodb_in(seconds: i64) -> lily_mq_mongo::mongodb::bson::DateTime {
+    let now = lily_mq_mongo::mongodb::bson::DateTime::now().timestamp_millis();
+    lily_mq_mongo::mongodb::bson::DateTime::from_millis(now + seconds * 1000)
 }
 
 /// True the first time `order` asks.
@@ -228,7 +346,7 @@ async fn stage_events(scope: &MongoScope, queue: &str, fates: &[Fate]) {
 }
 
 /// Runs `relays` relays until nothing is staged and they are idle; their reports summed.
-async fn relay_all(scope: &MongoScope, publisher: &Arc<Publisher>, relays: usize) -> RelayReport {
+async fn relay_all(scope: &MongoScope, publisher: &Arc<Publisher>, relays: usize) -> OutboxReport {
     let stop = CancellationToken::new();
     let tasks: Vec<_> = (0..relays)
         .map(|_| {
@@ -256,7 +374,7 @@ async fn relay_all(scope: &MongoScope, publisher: &Arc<Publisher>, relays: usize
     // Idle now: nothing more may be published or marked.
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.cancel();
-    let mut total = RelayReport::default();
+    let mut total = OutboxReport::default();
     for task in tasks {
         let report = task.await.expect("relay task");
         total.sent += report.sent;

@@ -70,6 +70,18 @@ fn report(loaded: &Loaded) -> String {
         );
     }
 
+    if let Some(outbox) = &r.outbox {
+        let staged = outbox
+            .staged
+            .map_or_else(|| "unknown".to_owned(), |n| n.to_string());
+        let _ = writeln!(
+            out,
+            "outbox {}: {} sent, {} failed, {staged} still staged (durable, published by the next relay)",
+            crate::select::clean(&outbox.outbox),
+            outbox.sent,
+            outbox.failed
+        );
+    }
     let _ = write!(out, "unresolved: {} listed", r.unresolved.len());
     if r.unresolved_overflow > 0 {
         let _ = write!(out, ", {} more not listed", r.unresolved_overflow);

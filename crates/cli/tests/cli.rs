@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use lily_mq_core::transport::Evidence;
 use lily_mq_core::{
-    EXIT_UNRESOLVED, Incidents, Phase, PhaseTiming, SCHEMA, ShutdownReport, Totals, Trigger,
-    UnresolvedDelivery,
+    EXIT_UNRESOLVED, Incidents, OutboxReport, Phase, PhaseTiming, SCHEMA, ShutdownReport, Totals,
+    Trigger, UnresolvedDelivery,
 };
 
 /// A temporary directory removed on drop.
@@ -60,6 +60,7 @@ fn report(acked: u64, unresolved: &[&str]) -> ShutdownReport {
         .collect();
     ShutdownReport {
         handoffs_refused_for: None,
+        outbox: None,
         schema: SCHEMA.into(),
         queue: "orders".into(),
         trigger: Some(Trigger::Sigterm),
@@ -131,6 +132,26 @@ fn show_of_a_clean_report_exits_zero_and_shows_totals() {
     assert!(text.contains("  acked                  120\n"), "{text}");
     assert!(text.contains("  acks_uncertain           0\n"), "{text}");
     assert!(text.contains("unresolved: 0 listed"), "{text}");
+}
+
+#[test]
+fn show_counts_what_the_outbox_left_staged_and_stays_clean() {
+    let dir = TempDir::new("show-outbox");
+    let mut r = report(12, &[]);
+    r.outbox = Some(OutboxReport {
+        outbox: "outbox".into(),
+        sent: 40,
+        failed: 2,
+        staged: Some(7),
+    });
+    let file = dir.report("outbox.json", &r);
+    let out = lily(&[p("report"), p("show"), &file]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
+    assert!(
+        text.contains("outbox outbox: 40 sent, 2 failed, 7 still staged"),
+        "{text}"
+    );
 }
 
 #[test]

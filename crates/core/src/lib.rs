@@ -62,13 +62,15 @@ pub use ledger::Totals;
 pub use message::Incoming;
 pub use policy::{Policy, PolicyError};
 pub use reason::Reason;
-pub use report::{EXIT_UNRESOLVED, Incidents, SCHEMA, ShutdownReport, UnresolvedDelivery};
+pub use report::{
+    EXIT_UNRESOLVED, Incidents, OutboxReport, SCHEMA, ShutdownReport, UnresolvedDelivery,
+};
 pub use resources::Resources;
 pub use router::Router;
 pub use scope::{CleanupError, DynHook, Hook};
 pub use seal::HeaderKey;
 pub use shutdown::{Phase, PhaseTiming, ShutdownBudget, Trigger};
-pub use transaction::{Begin, Committed, OpenTransaction, TransactionalScope};
+pub use transaction::{Begin, Committed, OpenTransaction, OutboxRelay, TransactionalScope};
 
 /// What a transport needs and an application does not: the gate, the decision table and the
 /// settlement machine, handoff attribution, the evidence ledger, the ACK window and the

@@ -76,8 +76,26 @@ pub struct ShutdownReport {
     /// in vhost '/' (needed to publish handoff copies)`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handoffs_refused_for: Option<String>,
+    /// What the scope's outbox relay, run beside the consumer, did and left staged; absent
+    /// when no relay ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outbox: Option<OutboxReport>,
     /// True when nothing is unresolved and no frame from the broker was unparseable.
     pub clean: bool,
+}
+
+/// What an outbox relay did: messages it published and ended, and what stays staged. Staged
+/// messages are durable in the database, not lost: the next relay publishes them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutboxReport {
+    /// The outbox's name.
+    pub outbox: String,
+    /// Messages confirmed by the broker and marked sent.
+    pub sent: u64,
+    /// Messages marked failed, each with its reason (`lily outbox list`).
+    pub failed: u64,
+    /// Messages still staged when the relay stopped, or `None` when the database did not say.
+    pub staged: Option<u64>,
 }
 
 /// What happened over the process lifetime that no single delivery's outcome shows.
@@ -139,6 +157,7 @@ impl ShutdownReport {
             incidents,
             error: None,
             handoffs_refused_for: None,
+            outbox: None,
         }
     }
 
@@ -188,6 +207,17 @@ impl ShutdownReport {
             self.incidents.connections_lost,
             self.incidents.unparseable_frames,
         );
+        if let Some(o) = &self.outbox {
+            // Outbox names are at most 255 bytes: the line always fits.
+            let staged = o
+                .staged
+                .map_or_else(|| "unknown".to_owned(), |n| n.to_string());
+            let _ = writeln!(
+                out,
+                "outbox {} sent={} failed={} staged={staged} (durable)",
+                o.outbox, o.sent, o.failed
+            );
+        }
         if t.dead_lettered > 0 || t.parked > 0 {
             // Queue names are at most 255 bytes: the line always fits.
             let _ = writeln!(

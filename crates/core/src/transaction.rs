@@ -8,10 +8,13 @@
 
 use std::time::Duration;
 
+use tokio_util::sync::CancellationToken;
+
 use crate::decision::TransactionOutcome;
 use crate::extract::Meta;
 use crate::handler::BoxFuture;
 use crate::reason::Reason;
+use crate::report::OutboxReport;
 use crate::resources::Resources;
 
 /// What opening a scope decided.
@@ -91,4 +94,27 @@ pub trait TransactionalScope: Send + Sync + 'static {
         let _ = (meta, settled, deadline);
         Box::pin(std::future::ready(()))
     }
+
+    /// The relay that publishes what handlers stage in the scope's outbox, run beside the
+    /// consumer for as long as it runs: asked for once, when the consumer starts. `None` (the
+    /// default) runs none.
+    fn relay(&self) -> Option<Box<dyn OutboxRelay>> {
+        None
+    }
+}
+
+/// Publishes a scope's outbox beside a consumer ([`TransactionalScope::relay`]).
+///
+/// The consumer starts it before it consumes and fires `stop` when shutdown begins; the relay
+/// then finishes what it began and returns. Shutdown waits for it within the budget (it is
+/// dropped when the budget runs out) and writes what it returns in the report.
+pub trait OutboxRelay: Send + 'static {
+    /// Publishes until `stop` fires. `offered` holds what the consumer lends: an
+    /// `Arc<lily_mq_rabbit::Publisher>` on the consumer's broker, connecting on its first
+    /// publish, which the consumer closes after the relay returned.
+    fn run(
+        self: Box<Self>,
+        offered: Resources,
+        stop: CancellationToken,
+    ) -> BoxFuture<'static, OutboxReport>;
 }

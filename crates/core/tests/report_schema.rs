@@ -4,8 +4,8 @@ use std::time::{Duration, Instant};
 
 use lily_mq_core::transport::{Evidence, Identity, Ledger, PhaseClock, TERMINATION_MESSAGE_MAX};
 use lily_mq_core::{
-    EXIT_UNRESOLVED, Incidents, Outcome, Reason, ShutdownBudget, ShutdownReport, Trigger,
-    Unresolved,
+    EXIT_UNRESOLVED, Incidents, OutboxReport, Outcome, Reason, ShutdownBudget, ShutdownReport,
+    Trigger, Unresolved,
 };
 use serde_json::Value;
 
@@ -61,13 +61,20 @@ fn busy_report(extra_unresolved: u64) -> ShutdownReport {
     }
     let _aborted = ledger.open(identity(4));
     ledger.abort_open();
-    ShutdownReport::build(
+    let mut report = ShutdownReport::build(
         "orders",
         &clock,
         &ledger,
         Incidents::default(),
         t0 + Duration::from_millis(7200),
-    )
+    );
+    report.outbox = Some(OutboxReport {
+        outbox: "outbox".into(),
+        sent: 12,
+        failed: 1,
+        staged: Some(3),
+    });
+    report
 }
 
 #[test]

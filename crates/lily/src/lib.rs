@@ -103,8 +103,9 @@ pub mod publish {
 /// delivery ended.
 pub mod shutdown {
     pub use lily_mq_core::{
-        EXIT_UNRESOLVED, Incidents, Lane, Outcome, Phase, PhaseTiming, Reason, RequeueCause,
-        SCHEMA, ShutdownBudget, ShutdownReport, Terminal, Trigger, Unresolved, UnresolvedDelivery,
+        EXIT_UNRESOLVED, Incidents, Lane, OutboxReport, Outcome, Phase, PhaseTiming, Reason,
+        RequeueCause, SCHEMA, ShutdownBudget, ShutdownReport, Terminal, Trigger, Unresolved,
+        UnresolvedDelivery,
     };
     pub use lily_mq_rabbit::{ReportSinks, Shutdown, emit};
 }
@@ -112,7 +113,7 @@ pub mod shutdown {
 /// A transactional scope of one's own: what a handler's transaction must answer.
 pub mod scope {
     pub use lily_mq_core::{
-        Begin, Committed, OpenTransaction, TransactionOutcome, TransactionalScope,
+        Begin, Committed, OpenTransaction, OutboxRelay, TransactionOutcome, TransactionalScope,
     };
 }
 
@@ -141,7 +142,7 @@ pub mod mongo {
     pub use lily_mq_mongo::mongodb;
     pub use lily_mq_mongo::{
         CommitObserver, ConnectError, MongoConfig, MongoScope, MongoTx, Outbox, OutboxStore, Relay,
-        RelayConfig, RelayReport, StageError, handler_error,
+        RelayConfig, StageError, handler_error,
     };
 }
 

@@ -64,9 +64,10 @@ mod scope;
 mod tx;
 
 pub use connect::ConnectError;
+pub use lily_mq_core::OutboxReport;
 pub use observer::CommitObserver;
 pub use outbox::{Outbox, OutboxRecord, OutboxStore, OutboxSummary, StageError};
-pub use relay::{Relay, RelayConfig, RelayReport};
+pub use relay::{Relay, RelayConfig};
 pub use scope::{MongoConfig, MongoScope};
 pub use tx::{MongoTx, handler_error};
 

@@ -24,7 +24,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lily_mq_core::Reason;
+use lily_mq_core::{BoxFuture, OutboxRelay, OutboxReport, Reason, Resources};
 use lily_mq_rabbit::{Destination, Outgoing, Published, Publisher};
 use mongodb::bson::{DateTime, Document, doc};
 use mongodb::{Collection, error::ErrorKind};
@@ -63,10 +63,15 @@ impl Default for RelayConfig {
 }
 
 impl RelayConfig {
-    /// The outbox's name in the lease and the metrics (`outbox` unless set).
+    /// The outbox's name in the lease, the metrics and the shutdown report (`outbox` unless
+    /// set), cut to 255 bytes.
     #[must_use]
     pub fn name(mut self, name: &str) -> Self {
-        name.clone_into(&mut self.name);
+        let mut end = name.len().min(255);
+        while !name.is_char_boundary(end) {
+            end -= 1;
+        }
+        name[..end].clone_into(&mut self.name);
         self
     }
 
@@ -116,18 +121,6 @@ impl RelayConfig {
     }
 }
 
-/// What one relay did, from [`Relay::run`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RelayReport {
-    /// Messages confirmed and marked sent.
-    pub sent: u64,
-    /// Messages marked failed.
-    pub failed: u64,
-    /// Messages still staged when the relay stopped (durable: the next relay publishes them),
-    /// or `None` if the database did not say.
-    pub staged: Option<u64>,
-}
-
 /// Publishes an outbox's staged messages; see the module's documentation.
 pub struct Relay {
     outbox: Collection<Document>,
@@ -162,10 +155,14 @@ impl Relay {
         }
     }
 
-    /// Publishes until `stop` is cancelled; a batch under way is finished first (within the
-    /// publisher's confirm timeout).
-    pub async fn run(self, stop: CancellationToken) -> RelayReport {
-        let mut report = RelayReport::default();
+    /// Publishes until `stop` is cancelled; a batch under way is finished first (within twice
+    /// the publisher's confirm timeout), then the lease is given up and what stays staged is
+    /// counted (each within [`FINAL_WAIT`]).
+    pub async fn run(self, stop: CancellationToken) -> OutboxReport {
+        let mut report = OutboxReport {
+            outbox: self.config.name.clone(),
+            ..OutboxReport::default()
+        };
         let mut backoff = Duration::ZERO;
         let gauges = Gauges::new(&self.config.name);
         let mut measured: Option<Instant> = None;
@@ -174,7 +171,11 @@ impl Relay {
                 gauges.measure(&self.outbox).await;
                 measured = Some(Instant::now());
             }
-            let pause = if self.hold().await {
+            // The lease is renewed only when there is something to publish: an idle outbox
+            // costs one indexed read a poll.
+            let pause = if !self.anything_staged().await {
+                self.config.poll
+            } else if self.hold().await {
                 match self.batch().await {
                     Ok(batch) if batch.is_empty() => self.config.poll,
                     Ok(batch) => {
@@ -203,17 +204,27 @@ impl Relay {
                 }
             }
         }
-        let _ = self
+        let released = self
             .relays
-            .delete_one(doc! { "_id": &self.config.name, "owner": &self.owner })
-            .await;
-        report.staged = self
-            .outbox
-            .count_documents(doc! { "state": STAGED })
+            .delete_one(doc! { "_id": &self.config.name, "owner": &self.owner });
+        let _ = tokio::time::timeout(FINAL_WAIT, released).await;
+        let staged = self.outbox.count_documents(doc! { "state": STAGED });
+        report.staged = tokio::time::timeout(FINAL_WAIT, staged)
             .await
-            .ok();
-        gauges.measure(&self.outbox).await;
+            .ok()
+            .and_then(Result::ok);
+        let _ = tokio::time::timeout(FINAL_WAIT, gauges.measure(&self.outbox)).await;
         report
+    }
+
+    /// Whether anything is staged; a read that fails says yes, and the batch's read reports it.
+    async fn anything_staged(&self) -> bool {
+        let found = self
+            .outbox
+            .find_one(doc! { "state": STAGED })
+            .projection(doc! { "_id": 1 })
+            .await;
+        !matches!(found, Ok(None))
     }
 
     /// Takes or renews the lease; whether this relay holds it now.
@@ -262,7 +273,7 @@ impl Relay {
     /// exchange this relay has not seen confirm goes first, alone with the others of its kind;
     /// the rest of the batch follows, and what is addressed to an exchange found missing ends
     /// failed without being published.
-    async fn publish(&self, batch: Vec<Document>, report: &mut RelayReport) -> bool {
+    async fn publish(&self, batch: Vec<Document>, report: &mut OutboxReport) -> bool {
         let exchange = |record: &Document| record.get_str("exchange").unwrap_or("").to_owned();
         let mut firsts = Vec::new();
         {
@@ -424,6 +435,36 @@ impl Relay {
             },
             other => Verdict::Again(Reason::new(format!("{other:?}"))),
         }
+    }
+}
+
+/// The longest wait for each of the database's last answers once the relay stops.
+const FINAL_WAIT: Duration = Duration::from_secs(2);
+
+/// A scope's relay before it has a publisher: the consumer lends one when it starts it.
+pub(crate) struct ScopeRelay {
+    pub(crate) scope: crate::MongoScope,
+    pub(crate) config: RelayConfig,
+}
+
+impl OutboxRelay for ScopeRelay {
+    fn run(
+        self: Box<Self>,
+        offered: Resources,
+        stop: CancellationToken,
+    ) -> BoxFuture<'static, OutboxReport> {
+        Box::pin(async move {
+            let Some(publisher) = offered.get::<Publisher>() else {
+                warn!(outbox = %self.config.name, "the consumer lent the outbox relay no publisher; it does not run");
+                return OutboxReport {
+                    outbox: self.config.name,
+                    ..OutboxReport::default()
+                };
+            };
+            Relay::new(&self.scope, publisher, self.config)
+                .run(stop)
+                .await
+        })
     }
 }
 

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lily_mq_core::{Begin, BoxFuture, Meta, Reason, Resources, TransactionalScope};
+use lily_mq_core::{Begin, BoxFuture, Meta, OutboxRelay, Reason, Resources, TransactionalScope};
 use mongodb::bson::{Document, doc};
 use mongodb::error::TRANSIENT_TRANSACTION_ERROR;
 use mongodb::options::{
@@ -19,6 +19,7 @@ use crate::deferrals::Deferrals;
 use crate::inbox;
 use crate::lease::{self, Refused, is_duplicate_key};
 use crate::observer::CommitObserver;
+use crate::relay::RelayConfig;
 use crate::tx::{MongoTransaction, TxState, code_of};
 
 /// Settings of the MongoDB scope.
@@ -43,6 +44,9 @@ pub struct MongoConfig {
     /// Called after each successful commit, before settlement: for metrics, audit, or a fault
     /// point in crash tests (the gap between commit and ACK is where redelivery meets the inbox).
     pub on_committed: Option<CommitObserver>,
+    /// The outbox relay a consumer with this scope runs beside itself; `None` runs none (run
+    /// a [`Relay`](crate::Relay) elsewhere then, or nothing staged is published).
+    pub relay: Option<RelayConfig>,
 }
 
 impl std::fmt::Debug for MongoConfig {
@@ -55,6 +59,7 @@ impl std::fmt::Debug for MongoConfig {
             .field("lease_max_extension", &self.lease_max_extension)
             .field("collection_prefix", &self.collection_prefix)
             .field("on_committed", &self.on_committed.is_some())
+            .field("relay", &self.relay)
             .finish()
     }
 }
@@ -71,7 +76,23 @@ impl MongoConfig {
             lease_max_extension: Duration::from_secs(600),
             collection_prefix: "lily_".into(),
             on_committed: None,
+            relay: Some(RelayConfig::default()),
         }
+    }
+
+    /// Sets how the relay a consumer runs beside itself works ([`MongoConfig::relay`]).
+    #[must_use]
+    pub fn relay(mut self, relay: RelayConfig) -> Self {
+        self.relay = Some(relay);
+        self
+    }
+
+    /// Runs no outbox relay in the consumer: for services that stage nothing, or that run a
+    /// [`Relay`](crate::Relay) of their own.
+    #[must_use]
+    pub fn without_relay(mut self) -> Self {
+        self.relay = None;
+        self
     }
 
     /// Calls `observer` after each successful commit, before settlement.
@@ -437,6 +458,15 @@ impl TransactionalScope for MongoScope {
                 },
             }
         })
+    }
+
+    /// The outbox relay, unless [`MongoConfig::without_relay`].
+    fn relay(&self) -> Option<Box<dyn OutboxRelay>> {
+        let config = self.0.config.relay.clone()?;
+        Some(Box::new(crate::relay::ScopeRelay {
+            scope: self.clone(),
+            config,
+        }))
     }
 
     /// Removes the mark the handling left when it ended in a settlement; one that did not

@@ -21,6 +21,7 @@ use crate::consume::crew::Crew;
 use crate::consume::{SessionEnd, SessionError, consume};
 use crate::copy::handoff::HandoffPublisher;
 use crate::error::{ConfigError, Error, MissingPermission};
+use crate::outbox::RelayTask;
 use crate::report::ReportSinks;
 use crate::service::{Books, Metrics, Shared, Signals};
 use crate::shutdown::Shutdown;
@@ -269,6 +270,16 @@ impl Consumer {
             sessions: AtomicU64::new(0),
             config: self.config,
         });
+        // The scope's outbox relay publishes beside the consumer until shutdown begins.
+        let relay = match shared.scope.as_ref().and_then(|scope| scope.relay()) {
+            Some(relay) => Some(RelayTask::start(
+                relay,
+                &self.url,
+                &shared.config,
+                shutdown.budget(),
+            )?),
+            None => None,
+        };
         let tracker = TaskTracker::new();
         // The broker never has more than `prefetch` deliveries out on a channel.
         let crew = Crew::new(
@@ -280,17 +291,20 @@ impl Consumer {
         let session = run_sessions(&shared, &tracker, &crew, &shutdown).await;
         crew.close();
         match session {
-            Ok(session) => Ok(shut_down(&shared, &tracker, &shutdown, session, None).await),
+            Ok(session) => Ok(shut_down(&shared, &tracker, &shutdown, session, relay, None).await),
             // After consuming started, deliveries may be in flight: they settle or are listed,
             // and the report says why the consumer stopped.
             Err(err) if shared.sessions.load(Ordering::Relaxed) > 0 => {
                 error!(queue = %shared.queue, error = %ErrorChain(&err), "the consumer cannot go on");
-                Ok(shut_down(&shared, &tracker, &shutdown, None, Some(err)).await)
+                Ok(shut_down(&shared, &tracker, &shutdown, None, relay, Some(err)).await)
             }
             Err(err) => {
                 // The handoff workers hold the publisher's connection: close it on this way
                 // out too.
                 shared.publisher.close(PUBLISHER_CLOSE).await;
+                if let Some(relay) = relay {
+                    relay.finish(shutdown.budget().total).await;
+                }
                 Err(err)
             }
         }
@@ -346,9 +360,13 @@ async fn shut_down(
     tracker: &TaskTracker,
     shutdown: &Shutdown,
     session: Option<Arc<Session>>,
+    relay: Option<RelayTask>,
     error: Option<Error>,
 ) -> ShutdownReport {
     tracker.close();
+    if let Some(relay) = &relay {
+        relay.stop();
+    }
     let mut clock = PhaseClock::new(shutdown.budget());
     // The budget runs from the trigger, not from here: leaving the consume loop took some of it.
     let at = shutdown.triggered_at().unwrap_or_else(Instant::now);
@@ -399,6 +417,11 @@ async fn shut_down(
         end.saturating_duration_since(Instant::now())
             .max(CLOSE_FLOOR)
     };
+    // The relay was told to stop at the trigger and has had the phases to finish its batch.
+    let outbox = match relay {
+        Some(relay) => relay.finish(left()).await,
+        None => None,
+    };
     if let Some(session) = session
         && tokio::time::timeout(left(), session.close(shared))
             .await
@@ -420,6 +443,7 @@ async fn shut_down(
         ShutdownReport::build(&shared.queue, &clock, &ledger, incidents, Instant::now());
     report.error = error.map(|err| error_text(&err));
     report.handoffs_refused_for = shared.publisher.last_refused().map(|m| m.to_string());
+    report.outbox = outbox;
     report
 }
 

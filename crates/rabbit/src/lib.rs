@@ -20,6 +20,7 @@ mod error;
 #[cfg(feature = "health")]
 pub mod health;
 pub mod logging;
+mod outbox;
 mod publish;
 mod report;
 mod service;

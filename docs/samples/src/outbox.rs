@@ -40,7 +40,8 @@ async fn reserve(Json(order): Json<Order>, tx: MongoTx, outbox: Outbox) -> Handl
 }
 // ANCHOR_END: handler
 
-/// Runs `reserve` on `orders` and the outbox's relay in one process, stopped by one signal.
+/// Runs `reserve` on `orders`; the consumer runs the outbox's relay beside itself, and its
+/// shutdown report counts what the relay left staged.
 ///
 /// # Errors
 /// mongod or the broker is unreachable, or refused the consumer at start.
@@ -48,23 +49,36 @@ pub async fn run(
     amqp_url: String,
     mongo_url: &str,
 ) -> Result<ShutdownReport, Box<dyn std::error::Error>> {
-    // ANCHOR: relay
     let scope = MongoScope::connect(mongo_url, "stock", MongoConfig::new("stock-service")).await?;
-    let publisher = Arc::new(Publisher::connect(&amqp_url).await?);
-    let relay = Relay::new(&scope, publisher, RelayConfig::default());
-    let shutdown = Shutdown::new(ShutdownBudget::default());
-    shutdown.listen_for_signals()?;
-    // The relay stops with the consumer's first signal, after the batch under way.
-    let relaying = tokio::spawn(relay.run(shutdown.graceful_token().clone()));
     let router = Router::new().route("order.placed", reserve);
     let consumer = Consumer::new(amqp_url, ConsumerConfig::new("orders"), router).scope(scope);
-    let report = consumer.run(shutdown).await?;
+    Ok(consumer.run_until_signal(ReportSinks::default()).await?)
+}
+
+/// A relay of its own, beside an application that stages in its own transactions.
+///
+/// # Errors
+/// mongod or the broker is unreachable.
+pub async fn relay_alone(
+    amqp_url: &str,
+    mongo_url: &str,
+) -> Result<(), Box<dyn std::error::Error>> {
+    // ANCHOR: relay
+    let config = MongoConfig::new("stock-api").without_relay();
+    let scope = MongoScope::connect(mongo_url, "stock", config).await?;
+    let publisher = Arc::new(Publisher::connect(amqp_url).await?);
+    let shutdown = Shutdown::new(ShutdownBudget::default());
+    let signals = shutdown.listen_for_signals()?;
+    // The relay stops at the first signal, after the batch under way.
+    let relay = Relay::new(&scope, publisher, RelayConfig::default());
+    let relaying = tokio::spawn(relay.run(shutdown.graceful_token().clone()));
     let relayed = relaying.await?;
     // Still staged is durable, not lost: the next relay publishes it.
     eprintln!(
         "outbox: {} sent, {} failed, {:?} still staged",
         relayed.sent, relayed.failed, relayed.staged
     );
-    Ok(report)
     // ANCHOR_END: relay
+    signals.abort();
+    Ok(())
 }

@@ -135,11 +135,20 @@ impl Confirms {
             .dialer
             .get_or_init(|| Dialer::new(endpoint.clone(), self.link.role.name));
         self.link.connection().await?;
+        self.start(endpoint);
+        Ok(())
+    }
+
+    /// Takes `endpoint` the first time and starts the workers without connecting: the first
+    /// publish dials.
+    pub(crate) fn start(&self, endpoint: &Endpoint) {
+        self.link
+            .dialer
+            .get_or_init(|| Dialer::new(endpoint.clone(), self.link.role.name));
         for requests in std::mem::take(&mut *lock(&self.pending)) {
             self.workers
                 .spawn(work(Arc::clone(&self.link), requests, self.closed.clone()));
         }
-        Ok(())
     }
 
     /// Publishes one probe on a channel of its own and awaits its confirm: the broker refuses

@@ -217,6 +217,25 @@ impl Publisher {
     /// [`Error::Refused`] when the broker refused the credentials or the virtual host,
     /// [`Error::Connect`] when no node answered.
     pub async fn connect_with(url: &str, config: PublisherConfig) -> Result<Self, Error> {
+        let (publisher, endpoint) = Self::new(url, config)?;
+        if let Err(source) = publisher.confirms.warm(&endpoint).await {
+            return Err(Error::from_connect(
+                source,
+                &publisher.config.name,
+                endpoint.display(),
+            ));
+        }
+        Ok(publisher)
+    }
+
+    /// A publisher of `url` that connects on its first publish, for a consumer's outbox relay.
+    pub(crate) fn unconnected(url: &str, config: PublisherConfig) -> Result<Self, Error> {
+        let (publisher, endpoint) = Self::new(url, config)?;
+        publisher.confirms.start(&endpoint);
+        Ok(publisher)
+    }
+
+    fn new(url: &str, config: PublisherConfig) -> Result<(Self, Endpoint), Error> {
         let refuse = |field, problem: &'static str| {
             Error::Config(ConfigError {
                 field,
@@ -263,14 +282,7 @@ impl Publisher {
         };
         crate::logging::warn_if_bodies_logged();
         let confirms = Confirms::new(&config.name, role);
-        if let Err(source) = confirms.warm(&endpoint).await {
-            return Err(Error::from_connect(
-                source,
-                &config.name,
-                endpoint.display(),
-            ));
-        }
-        Ok(Self { confirms, config })
+        Ok((Self { confirms, config }, endpoint))
     }
 
     /// Publishes `message` to `to` and waits for its evidence, at most the confirm timeout.
