@@ -288,22 +288,11 @@ pub fn declare_permissions(queue: &str) -> [String; 3] {
 
 /// The mongod address of `LILY_MONGO_URL`.
 pub fn mongo_addr() -> SocketAddr {
-    let node = MongoNode::from_env();
-    let rest = node.url().split_once("://").map_or(node.url(), |(_, r)| r);
-    let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
-    let host = rest.split(['/', '?', ',']).next().unwrap_or(rest);
-    host.parse().expect("LILY_MONGO_URL names 127.0.0.1:PORT")
+    MongoNode::from_env().addr()
 }
 
 /// The test node's URL through `proxy`, failing fast: a refused connection is seen within
 /// half a second instead of the driver's 30 s default.
 pub fn mongo_via(proxy: &TcpProxy) -> String {
-    let url = proxy.url(MongoNode::from_env().url());
-    let join = if url.contains('?') { '&' } else { '?' };
-    let direct = if url.contains("directConnection=") {
-        ""
-    } else {
-        "&directConnection=true"
-    };
-    format!("{url}{join}serverSelectionTimeoutMS=500&connectTimeoutMS=500{direct}")
+    MongoNode::from_env().url_via(proxy)
 }

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use lily_mq_core::{BoxFuture, OutboxRelay, OutboxReport, Reason, Resources};
 use lily_mq_rabbit::{Destination, Outgoing, Published, Publisher};
-use mongodb::bson::{DateTime, Document, doc};
+use mongodb::bson::{Bson, DateTime, Document, doc};
 use mongodb::{Collection, error::ErrorKind};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -166,6 +166,7 @@ impl Relay {
         let mut backoff = Duration::ZERO;
         let gauges = Gauges::new(&self.config.name);
         let mut measured: Option<Instant> = None;
+        let mut unmarked = Vec::new();
         while !stop.is_cancelled() {
             if measured.is_none_or(|at| at.elapsed() >= Duration::from_secs(5)) {
                 gauges.measure(&self.outbox).await;
@@ -173,20 +174,20 @@ impl Relay {
             }
             // The lease is renewed only when there is something to publish: an idle outbox
             // costs one indexed read a poll.
-            let pause = if !self.anything_staged().await {
+            let pause = if !unmarked.is_empty() {
+                // Confirmed, not yet marked: their marks are written before anything else is
+                // published, so a database that reads but does not write gets no duplicates.
+                let failing = !self.mark_sent(&mut unmarked, &mut report).await;
+                backoff = next_backoff(backoff, failing, self.config.max_backoff);
+                backoff
+            } else if !self.anything_staged().await {
                 self.config.poll
             } else if self.hold().await {
                 match self.batch().await {
                     Ok(batch) if batch.is_empty() => self.config.poll,
                     Ok(batch) => {
-                        let failing = self.publish(batch, &mut report).await;
-                        backoff = if failing {
-                            (backoff * 2)
-                                .max(Duration::from_millis(100))
-                                .min(self.config.max_backoff)
-                        } else {
-                            Duration::ZERO
-                        };
+                        let failing = self.publish(batch, &mut report, &mut unmarked).await;
+                        backoff = next_backoff(backoff, failing, self.config.max_backoff);
                         backoff
                     }
                     Err(err) => {
@@ -203,6 +204,10 @@ impl Relay {
                     () = tokio::time::sleep(pause) => {}
                 }
             }
+        }
+        if !unmarked.is_empty() {
+            let marked = self.mark_sent(&mut unmarked, &mut report);
+            let _ = tokio::time::timeout(FINAL_WAIT, marked).await;
         }
         let released = self
             .relays
@@ -273,7 +278,12 @@ impl Relay {
     /// exchange this relay has not seen confirm goes first, alone with the others of its kind;
     /// the rest of the batch follows, and what is addressed to an exchange found missing ends
     /// failed without being published.
-    async fn publish(&self, batch: Vec<Document>, report: &mut OutboxReport) -> bool {
+    async fn publish(
+        &self,
+        batch: Vec<Document>,
+        report: &mut OutboxReport,
+        unmarked: &mut Vec<Bson>,
+    ) -> bool {
         let exchange = |record: &Document| record.get_str("exchange").unwrap_or("").to_owned();
         let mut firsts = Vec::new();
         {
@@ -335,8 +345,6 @@ impl Relay {
         let any_sent = verdicts.iter().any(|v| matches!(v, Verdict::Sent));
         let any_again = verdicts.iter().any(|v| matches!(v, Verdict::Again(_)));
         let now = DateTime::now();
-        let retention = i64::try_from(self.config.sent_retention.as_millis()).unwrap_or(i64::MAX);
-        let expires = DateTime::from_millis(now.timestamp_millis().saturating_add(retention));
         let mut sent = Vec::new();
         for (record, verdict) in batch.iter().zip(verdicts) {
             let Some(id) = record.get("_id").cloned() else {
@@ -381,25 +389,41 @@ impl Relay {
                 warn!(outbox = %self.config.name, message_id, reason = %failed, "outbox message failed");
             }
         }
-        if !sent.is_empty() {
-            let marked = self
-                .outbox
-                .update_many(
-                    doc! { "_id": { "$in": sent }, "state": STAGED },
-                    doc! { "$set": { "state": SENT, "sent_at": now, "expires_at": expires } },
-                )
-                .await;
-            match marked {
-                Ok(r) => report.sent += r.modified_count,
-                // Published and not marked: the next batch publishes them again (at least once),
-                // after the backoff, so a database that takes no writes is no duplicate storm.
-                Err(err) => {
-                    info!(outbox = %self.config.name, error = %crate::tx::code_of(&err), "outbox sent marks not written; they are published again");
-                    return true;
-                }
-            }
+        *unmarked = sent;
+        if !self.mark_sent(unmarked, report).await {
+            return true;
         }
         !any_sent && any_again
+    }
+
+    /// Marks the confirmed records of `ids` sent and empties `ids`; false, keeping them, when
+    /// the marks were not written (they are tried again after the backoff; a relay that stops
+    /// first leaves them staged, to be published again).
+    async fn mark_sent(&self, ids: &mut Vec<Bson>, report: &mut OutboxReport) -> bool {
+        if ids.is_empty() {
+            return true;
+        }
+        let now = DateTime::now();
+        let retention = i64::try_from(self.config.sent_retention.as_millis()).unwrap_or(i64::MAX);
+        let expires = DateTime::from_millis(now.timestamp_millis().saturating_add(retention));
+        let marked = self
+            .outbox
+            .update_many(
+                doc! { "_id": { "$in": ids.as_slice() }, "state": STAGED },
+                doc! { "$set": { "state": SENT, "sent_at": now, "expires_at": expires } },
+            )
+            .await;
+        match marked {
+            Ok(r) => {
+                report.sent += r.modified_count;
+                ids.clear();
+                true
+            }
+            Err(err) => {
+                info!(outbox = %self.config.name, error = %crate::tx::code_of(&err), "outbox sent marks not written; tried again before anything else is published");
+                false
+            }
+        }
     }
 
     async fn publish_one(&self, record: &Document) -> Verdict {
@@ -435,6 +459,15 @@ impl Relay {
             },
             other => Verdict::Again(Reason::new(format!("{other:?}"))),
         }
+    }
+}
+
+/// The pause after `backoff`: doubled (from 100 ms) up to `max` while `failing`, none otherwise.
+fn next_backoff(backoff: Duration, failing: bool, max: Duration) -> Duration {
+    if failing {
+        (backoff * 2).max(Duration::from_millis(100)).min(max)
+    } else {
+        Duration::ZERO
     }
 }
 
