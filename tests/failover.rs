@@ -8,7 +8,10 @@
 //! an old primary rolled back (it was never acknowledged). Each test prints its figures: time
 //! from the fault to the first commit after it, the longest time without a commit, deliveries
 //! deferred, and the commit rate before and after the fault. A fourth test reads the primary's
-//! profiler: Lily's own writes and reads ask for a majority whatever the URL says.
+//! profiler: Lily's own writes and reads ask for a majority whatever the URL says. In the
+//! three fault runs each handler also stages an event in its transaction, and the consumer's
+//! outbox relay publishes it through the failover: each is staged once, marked sent and
+//! published at least once.
 //!
 //! The set's members elect within about two seconds here (`electionTimeoutMillis` lowered to
 //! 1 000 by the test command; at the default of 10 000 see the guide's MongoDB chapter).
@@ -23,7 +26,7 @@ use std::time::{Duration, Instant};
 use lily::prelude::*;
 use lily_mq_mongo::mongodb::bson::{Bson, Document, doc};
 use lily_mq_mongo::mongodb::{Client as MongoClient, Database};
-use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx, handler_error};
+use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx, Outbox, handler_error};
 use lily_mq_testkit::{Broker, Client, MongoNode, MongoSet};
 
 /// One failover at a time: every test of this file puts the same set through a fault.
@@ -56,8 +59,15 @@ enum Fault {
 
 const NO_PRIMARY_FOR: Duration = Duration::from_secs(6);
 
-/// The effect: one ledger entry per message, written in the delivery's transaction.
-async fn ledger(tx: MongoTx, meta: Meta, runs: &AtomicUsize) -> Result<(), QueueHandlerError> {
+/// The effect: one ledger entry per message, written in the delivery's transaction, and with
+/// `outbox` an event `<message id>.event` staged in it for `events`, which the consumer's relay
+/// publishes.
+async fn ledger(
+    tx: MongoTx,
+    meta: Meta,
+    runs: &AtomicUsize,
+    outbox: Option<(Outbox, &Destination)>,
+) -> Result<(), QueueHandlerError> {
     runs.fetch_add(1, Ordering::Relaxed);
     let ledger = tx.database().collection::<Document>("ledger");
     ledger
@@ -65,6 +75,11 @@ async fn ledger(tx: MongoTx, meta: Meta, runs: &AtomicUsize) -> Result<(), Queue
         .session(&mut *tx.session().await)
         .await
         .map_err(|e| handler_error("ledger insert", e))?;
+    if let Some((outbox, events)) = outbox {
+        let id = format!("{}.event", meta.message_id());
+        let event = Outgoing::bytes("ledger.written", &id, "application/json", b"{}".to_vec());
+        outbox.stage(events, &event).await?;
+    }
     tokio::time::sleep(HANDLER_WORK).await;
     Ok(())
 }
@@ -112,13 +127,20 @@ async fn survive(name: &str, kind: QueueKind, fault: Fault, lease: bool) {
         .reconnect(Duration::from_millis(100), Duration::from_millis(500));
     let runs = Arc::new(AtomicUsize::new(0));
     let counted = Arc::clone(&runs);
-    let router = Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| {
-        let runs = Arc::clone(&counted);
-        async move { ledger(tx, meta, &runs).await }
-    });
+    // Each message's event goes through the outbox, published by the consumer's relay.
+    let client = Client::connect(broker.url()).await;
+    let events = format!("{queue}.events");
+    client.declare(&events, true).await;
+    let to = Destination::queue(&events);
+    let router = Router::new().route(
+        "order.placed",
+        move |tx: MongoTx, outbox: Outbox, meta: Meta| {
+            let (runs, to) = (Arc::clone(&counted), to.clone());
+            async move { ledger(tx, meta, &runs, Some((outbox, &to))).await }
+        },
+    );
     let running = common::start_with(broker.url(), cfg, router, |c| c.scope(scope));
     running.wait_ready().await;
-    let client = Client::connect(broker.url()).await;
     let ids: Vec<String> = (0..N).map(|i| format!("{queue}-{i}")).collect();
     // PUBLISHERS publishers, each at its share of the rate, each send awaiting its confirm.
     let publishing: Vec<_> = (0..PUBLISHERS)
@@ -175,6 +197,20 @@ async fn survive(name: &str, kind: QueueKind, fault: Fault, lease: bool) {
     let mongo = direct(set.url(), &database).await;
     let settled = wait_settled(&mongo, &client, &queue, &ids).await;
     set.await_healthy(Duration::from_secs(60)).await;
+    let outbox = mongo.collection::<Document>("lily_outbox");
+    let started = Instant::now();
+    while outbox
+        .count_documents(doc! { "state": { "$ne": "sent" } })
+        .await
+        .expect("count outbox")
+        > 0
+    {
+        assert!(
+            started.elapsed() < WAIT,
+            "outbox records not sent after {WAIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let report = running.stop().await;
 
     // Figures.
@@ -231,6 +267,31 @@ async fn survive(name: &str, kind: QueueKind, fault: Fault, lease: bool) {
         );
     }
     assert_eq!(client.depth(&queue).await, 0, "the work queue drained");
+    // Every message's event: staged once, marked sent, published at least once.
+    let mut staged = BTreeMap::<String, u32>::new();
+    for record in documents(&mongo, "lily_outbox", doc! {}).await {
+        let id = record.get_str("message_id").expect("message_id").to_owned();
+        assert_eq!(record.get_str("state"), Ok("sent"), "{id}");
+        *staged.entry(id).or_default() += 1;
+    }
+    let published = client.drain_ids(&events).await;
+    let mut twice = 0;
+    for id in &ids {
+        let event = format!("{id}.event");
+        assert_eq!(staged.get(&event), Some(&1), "{event}: staged once");
+        let copies = published.get(&event).copied().unwrap_or(0);
+        assert!(copies >= 1, "{event}: never published");
+        twice += usize::from(copies > 1);
+    }
+    assert_eq!(staged.len(), N, "no other event staged");
+    assert_eq!(published.len(), N, "no other event published");
+    let relayed = report.outbox.clone().expect("the consumer ran the relay");
+    assert_eq!(relayed.staged, Some(0), "{relayed:?}");
+    println!(
+        "failover {name}: outbox {} events each published, {twice} of them more than once; \
+         the relay counted {} sent",
+        N, relayed.sent
+    );
     // An election is no failure of the handler: it spends no attempt (no retry copy); the
     // transaction runs again in process instead.
     assert_eq!(t.retried, 0, "an election spent attempts: {t:?}");
@@ -378,7 +439,7 @@ async fn lilys_own_writes_and_reads_ask_for_a_majority_whatever_the_url_says() {
     let runs = Arc::new(AtomicUsize::new(0));
     let router = Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| {
         let runs = Arc::clone(&runs);
-        async move { ledger(tx, meta, &runs).await }
+        async move { ledger(tx, meta, &runs, None).await }
     });
     let cfg = ConsumerConfig::new(&queue);
     let running = common::start_with(broker.url(), cfg, router, |c| c.scope(scope));
