@@ -44,6 +44,7 @@
 //! | `LILY_QUEUE_TYPE` | `classic` (default) or `quorum`; a quorum work queue gets `x-delivery-limit` `LILY_MAX_REQUEUES` + 20 |
 //! | `LILY_TERMINATION_LOG` | `serve`: termination message file, default `/dev/termination-log` (written only when it exists) |
 //! | `INBOX_FAULT` | `serve` only, for crash tests: `abort_after_commit` or `abort_in_handler` |
+//! | `LILY_EVENTS` | `serve` only: a queue each reservation's event (`ledger.entry`, message id `<message id>.entry`) is staged for in the transaction, through the outbox; the consumer's relay publishes it. Unset (default): no event |
 //! | `INBOX_FLAKY_ONE_IN` | `serve` only, for soaks: the first attempt of one order in N (chosen by its message id) fails with a retryable error before any write, so it goes through a retry bucket; 0 (default) never |
 //!
 //! Keep `LILY_MAX_REQUEUES × LILY_DEFERRAL_MS` longer than `LILY_LEASE_TTL_MS` plus mongod's
@@ -70,7 +71,7 @@ use lily_mq_example_support::{DeadLetter, drain_dead_letters, error_chain};
 use lily_mq_mongo::mongodb::bson::{Bson, Document, doc};
 use lily_mq_mongo::mongodb::error::ErrorKind;
 use lily_mq_mongo::mongodb::{self, Database};
-use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx, handler_error};
+use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx, Outbox, handler_error};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -122,9 +123,11 @@ impl Fault {
 async fn reserve(
     fault: Option<Fault>,
     flaky_one_in: u32,
+    events: Option<Destination>,
     Json(order): Json<StockReserved>,
     meta: Meta,
     tx: MongoTx,
+    outbox: Outbox,
 ) -> Result<(), QueueHandlerError> {
     if meta.attempt() == 1
         && flaky_one_in > 0
@@ -174,6 +177,13 @@ async fn reserve(
         .await
         .map_err(|e| handler_error("ledger insert", e))?;
     drop(session);
+    if let Some(events) = events {
+        let entry = json!({ "order_id": &order.order_id, "sku": &order.sku, "quantity": quantity });
+        let id = format!("{}.entry", meta.message_id());
+        let event = Outgoing::json("ledger.entry", &id, &entry)
+            .map_err(|e| QueueHandlerError::permanent("event does not serialize").with_source(e))?;
+        outbox.stage(&events, &event).await?;
+    }
 
     if fault == Some(Fault::AbortInHandler) {
         eprintln!(
@@ -206,6 +216,7 @@ struct Settings {
     max_requeues: u32,
     queue_kind: QueueKind,
     flaky_one_in: u32,
+    events: Option<String>,
 }
 
 fn env_number<T: std::str::FromStr>(name: &str, default: T) -> Result<T, String> {
@@ -256,6 +267,7 @@ impl Settings {
                 Ok(_) => return Err("LILY_QUEUE_TYPE must be classic or quorum".into()),
             },
             flaky_one_in: env_number("INBOX_FLAKY_ONE_IN", 0)?,
+            events: std::env::var("LILY_EVENTS").ok().filter(|q| !q.is_empty()),
         })
     }
 
@@ -309,11 +321,12 @@ impl Settings {
     }
 }
 
-fn router(fault: Option<Fault>, flaky_one_in: u32) -> Router {
+fn router(fault: Option<Fault>, flaky_one_in: u32, events: Option<&str>) -> Router {
+    let events = events.map(Destination::queue);
     Router::new().route(
         STOCK_RESERVED,
-        move |order: Json<StockReserved>, meta: Meta, tx: MongoTx| {
-            reserve(fault, flaky_one_in, order, meta, tx)
+        move |order: Json<StockReserved>, meta: Meta, tx: MongoTx, outbox: Outbox| {
+            reserve(fault, flaky_one_in, events.clone(), order, meta, tx, outbox)
         },
     )
 }
@@ -384,7 +397,7 @@ async fn serve(settings: &Settings, fault: Option<Fault>) -> Result<ExitCode, Bo
     let consumer = Consumer::new(
         settings.amqp_url.clone(),
         settings.consumer_config(settings.prefetch),
-        router(fault, settings.flaky_one_in),
+        router(fault, settings.flaky_one_in, settings.events.as_deref()),
     )
     .scope(scope);
     let report = consumer.run(shutdown).await?;
@@ -558,7 +571,8 @@ async fn demo(settings: &Settings) -> Result<ExitCode, BoxError> {
 
     // The consumer runs in its own task until `shutdown` fires.
     let scope = settings.scope(None).await?;
-    let consumer = Consumer::new(settings.amqp_url.clone(), config, router(None, 0)).scope(scope);
+    let consumer =
+        Consumer::new(settings.amqp_url.clone(), config, router(None, 0, None)).scope(scope);
     let stats = consumer.stats();
     let shutdown = Shutdown::default();
     let mut task = tokio::spawn(consumer.run(shutdown.clone()));

@@ -21,7 +21,12 @@
 //! - a DLQ copy may exist twice (an ACK lost after its confirm): counted, not a violation;
 //! - stock levels equal what was seeded minus the ledger;
 //! - nothing else is in the DLQ, the parking lane, the work queue or a retry bucket;
-//! - no shutdown report lists a delivery as unresolved that the database does not explain.
+//! - no shutdown report lists a delivery as unresolved that the database does not explain;
+//! - the outbox: each reservation staged one event (`<id>.entry`) in its transaction, which the
+//!   workers' relays published: every ledger entry has exactly one outbox record, marked sent,
+//!   no record exists without a ledger entry (an aborted transaction staged nothing), and a
+//!   Lily consumer downstream of the events queue, with an inbox of its own, has exactly one
+//!   effect per event; the events queue and its DLQ end empty.
 //!
 //! It prints the figures and exits 1, naming each violated id, when anything does not hold.
 //!
@@ -283,6 +288,8 @@ struct Supervisor {
     /// The workers' `LILY_DEFERRAL_MAX_MS`.
     deferral_max_ms: u32,
     database: String,
+    /// The queue the workers' outbox relays publish events to.
+    events: String,
     mongo: Mongo,
     slots: Vec<Slot>,
     reports: Vec<serde_json::Value>,
@@ -312,6 +319,7 @@ impl Supervisor {
                 },
             )
             .env("INBOX_FLAKY_ONE_IN", self.flaky_one_in.to_string())
+            .env("LILY_EVENTS", &self.events)
             .env(
                 "RUST_LOG",
                 std::env::var("LILY_CHAOS_RUST_LOG").unwrap_or_else(|_| "warn".into()),
@@ -861,6 +869,8 @@ async fn run(args: Args) -> ExitCode {
     let database = mongo.database(&database_name);
     let orders = plan(&args);
     seed_stock(&database, args.skus, 10 * args.messages as i64).await;
+    let events = format!("{queue}.events");
+    let downstream = Downstream::start(broker.url(), &events, &args.mongo.url()).await;
 
     let mut supervisor = Supervisor {
         service: args.service.clone(),
@@ -878,6 +888,7 @@ async fn run(args: Args) -> ExitCode {
         // every 250 ms.
         deferral_max_ms: if args.storm { 250 } else { 2_000 },
         database: database_name.clone(),
+        events: events.clone(),
         mongo: args.mongo,
         slots: (0..args.workers)
             .map(|_| Slot {
@@ -981,7 +992,9 @@ async fn run(args: Args) -> ExitCode {
         loop {
             supervisor.restart_exited().await;
             let left = leftovers(&client, &queue).await;
-            let empty = left.is_empty() && broker.messages(&queue) == 0;
+            // The relays publish what is staged, and downstream takes it.
+            let relayed = staged(&database).await == 0 && broker.messages(&events) == 0;
+            let empty = left.is_empty() && broker.messages(&queue) == 0 && relayed;
             if empty && empty_before {
                 break;
             }
@@ -993,7 +1006,9 @@ async fn run(args: Args) -> ExitCode {
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
         supervisor.stop_all().await;
-        if Instant::now() > drain_by || leftovers(&client, &queue).await.is_empty() {
+        let staged = staged(&database).await;
+        if Instant::now() > drain_by || (leftovers(&client, &queue).await.is_empty() && staged == 0)
+        {
             break;
         }
         for slot in 0..supervisor.slots.len() {
@@ -1002,6 +1017,7 @@ async fn run(args: Args) -> ExitCode {
     }
 
     let settled_after_last_fault = last_fault.elapsed();
+    let downstream = downstream.stop().await;
     progress("drained; checking by id");
     drain_dead(&client, &format!("{queue}.dlq"), &mut books.dead).await;
     let mut violations = count_deliveries(&broker, &client, &trace, &mut books.deliveries).await;
@@ -1017,6 +1033,7 @@ async fn run(args: Args) -> ExitCode {
         )
         .await,
     );
+    violations.extend(check_outbox(&client, &database, &events, &downstream).await);
     if args.storm {
         println!(
             "storm: every queue drained {:.1} s after the last kill",
@@ -1044,6 +1061,7 @@ async fn run(args: Args) -> ExitCode {
         started.elapsed().as_secs_f64()
     );
     let _ = database.drop().await;
+    let _ = downstream.database.drop().await;
     if violations.is_empty() {
         println!("chaos: every id accounted for");
         ExitCode::SUCCESS
@@ -1053,6 +1071,169 @@ async fn run(args: Args) -> ExitCode {
         }
         ExitCode::FAILURE
     }
+}
+
+/// Outbox records still staged.
+async fn staged(database: &Database) -> u64 {
+    database
+        .collection::<Document>("lily_outbox")
+        .count_documents(doc! { "state": "staged" })
+        .await
+        .unwrap_or(u64::MAX)
+}
+
+/// A Lily consumer of the workers' events with an inbox of its own: one effect per event id.
+/// It connects to the broker directly, so the broker's faults reach it, the workers' network
+/// stalls do not.
+struct Downstream {
+    shutdown: lily::shutdown::Shutdown,
+    join: tokio::task::JoinHandle<Result<lily::shutdown::ShutdownReport, lily::Error>>,
+    database: Database,
+}
+
+/// What downstream left: its database and its shutdown report.
+struct Downstreamed {
+    database: Database,
+    report: Option<lily::shutdown::ShutdownReport>,
+}
+
+impl Downstream {
+    async fn start(amqp_url: &str, events: &str, mongo_url: &str) -> Self {
+        use lily::consumer::{Consumer, ConsumerConfig};
+        use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx};
+        let name = MongoNode::database_name("chaos-down");
+        let scope = MongoScope::connect(mongo_url, &name, MongoConfig::new("downstream"))
+            .await
+            .expect("downstream scope");
+        let database = scope.database().clone();
+        let router = lily::prelude::Router::new().route(
+            "ledger.entry",
+            |tx: MongoTx, meta: lily::prelude::Meta| async move {
+                tx.database()
+                    .collection::<Document>("effects")
+                    .insert_one(doc! { "message_id": meta.message_id() })
+                    .session(&mut *tx.session().await)
+                    .await
+                    .map_err(|e| lily_mq_mongo::handler_error("effect", e))?;
+                Ok(())
+            },
+        );
+        // Like the workers: deferrals (mongod restarted, elections) back off up to 2 s, and
+        // many are allowed.
+        let ladder = std::iter::successors(Some(Duration::from_millis(250)), |d| {
+            (*d < Duration::from_secs(2)).then(|| (*d * 2).min(Duration::from_secs(2)))
+        });
+        let policy = lily::prelude::Policy::default()
+            .max_requeues(MAX_REQUEUES)
+            .deferral_delays(ladder);
+        let config = ConsumerConfig::new(events).policy(policy);
+        let consumer = Consumer::new(amqp_url, config, router).scope(scope);
+        let shutdown = lily::shutdown::Shutdown::new(lily::shutdown::ShutdownBudget::new(
+            Duration::from_secs(20),
+        ));
+        let join = tokio::spawn(consumer.run(shutdown.clone()));
+        wait_declared(&Broker::from_env(), events).await;
+        Self {
+            shutdown,
+            join,
+            database,
+        }
+    }
+
+    async fn stop(self) -> Downstreamed {
+        self.shutdown.trigger(lily::shutdown::Trigger::Api);
+        let report = match self.join.await {
+            Ok(Ok(report)) => Some(report),
+            Ok(Err(err)) => {
+                eprintln!("chaos: downstream consumer failed: {err}");
+                None
+            }
+            Err(err) => {
+                eprintln!("chaos: downstream consumer panicked: {err}");
+                None
+            }
+        };
+        Downstreamed {
+            database: self.database,
+            report,
+        }
+    }
+}
+
+/// The outbox by id: each ledger entry's event staged once and marked sent, no event without a
+/// ledger entry, one effect downstream per event, the events queue and its DLQ empty.
+async fn check_outbox(
+    client: &Client,
+    database: &Database,
+    events: &str,
+    downstream: &Downstreamed,
+) -> Vec<String> {
+    let mut violations = Vec::new();
+    let ids = |collection: mongodb::Collection<Document>, filter: Document| async move {
+        let mut found: BTreeMap<String, Vec<Document>> = BTreeMap::new();
+        let mut cursor = collection.find(filter).await.expect("read by id");
+        while cursor.advance().await.expect("cursor") {
+            let document = cursor.deserialize_current().expect("a document");
+            let id = document
+                .get_str("message_id")
+                .unwrap_or_default()
+                .to_owned();
+            found.entry(id).or_default().push(document);
+        }
+        found
+    };
+    let ledger = ids(database.collection("ledger"), doc! {}).await;
+    let outbox = ids(database.collection("lily_outbox"), doc! {}).await;
+    let effects = ids(downstream.database.collection("effects"), doc! {}).await;
+    for id in ledger.keys() {
+        let event = format!("{id}.entry");
+        let records = outbox.get(&event).map_or(&[][..], Vec::as_slice);
+        let states: Vec<&str> = records
+            .iter()
+            .map(|r| r.get_str("state").unwrap_or("-"))
+            .collect();
+        if states != ["sent"] {
+            violations.push(format!(
+                "{event}: outbox records {states:?}, expected one sent"
+            ));
+        }
+        let n = effects.get(&event).map_or(0, Vec::len);
+        if n != 1 {
+            violations.push(format!("{event}: {n} effects downstream"));
+        }
+    }
+    for event in outbox.keys() {
+        let id = event.strip_suffix(".entry").unwrap_or(event);
+        if !ledger.contains_key(id) {
+            violations.push(format!("{event}: staged without a ledger entry"));
+        }
+    }
+    for event in effects.keys() {
+        if !outbox.contains_key(event) {
+            violations.push(format!("{event}: an effect downstream, never staged"));
+        }
+    }
+    let dlq = Topology::new(events, QueueKind::Classic, &RETRY_DELAYS).dead_letter_queue();
+    for queue in [events, dlq.as_str()] {
+        let left = client.drain_ids(queue).await;
+        if !left.is_empty() {
+            violations.push(format!("{queue}: {} messages left", left.len()));
+        }
+    }
+    // Deliveries the broker's faults left unresolved downstream are explained when their
+    // event has its one effect, checked above for every event.
+    match &downstream.report {
+        Some(report) => println!(
+            "outbox: {} events staged, each published; downstream effects {}, duplicates \
+             suppressed {}, unresolved listed {}",
+            outbox.len(),
+            effects.len(),
+            report.totals.duplicates_suppressed,
+            report.unresolved.len(),
+        ),
+        None => violations.push("downstream: no report".to_owned()),
+    }
+    violations
 }
 
 /// Waits until the workers declared the work queue.
