@@ -157,7 +157,7 @@ impl Relay {
 
     /// Publishes until `stop` is cancelled; a batch under way is finished first (within twice
     /// the publisher's confirm timeout), then the lease is given up and what stays staged is
-    /// counted (each within [`FINAL_WAIT`]).
+    /// counted (each within 2 s).
     pub async fn run(self, stop: CancellationToken) -> OutboxReport {
         let mut report = OutboxReport {
             outbox: self.config.name.clone(),
