@@ -256,6 +256,66 @@ async fn the_shutdown_report_counts_what_stays_staged() {
     client.delete(&events).await;
 }
 
+/// An idle relay polls every 30 s here, yet events staged by the consumer's deliveries are
+/// published at once: a commit that staged a message wakes this process's relay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_staged_wakes_the_relay_at_once() {
+    const ORDERS: usize = 20;
+    let broker = Broker::from_env();
+    let queue = Broker::unique("outbox-wake");
+    let events = format!("{queue}.events");
+    let client = Client::connect(broker.url()).await;
+    client.declare(&events, false).await;
+    let relay = RelayConfig::default().poll(Duration::from_secs(30));
+    let scope = MongoScope::connect(
+        MongoNode::from_env().url(),
+        &MongoNode::database_name("outbox-wake"),
+        MongoConfig::new("e2e").relay(relay),
+    )
+    .await
+    .expect("mongo scope");
+    let to = Destination::queue(&events);
+    let router = Router::new().route("order.placed", move |outbox: Outbox, meta: Meta| {
+        let to = to.clone();
+        async move { outbox.stage(&to, &event(meta.message_id())).await }
+    });
+    let running = common::start_with(
+        broker.url(),
+        config(&queue, QueueKind::Classic),
+        router,
+        |c| c.scope(scope.clone()),
+    );
+    running.wait_ready().await;
+    // The relay found nothing and sleeps its poll.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let sent = std::time::Instant::now();
+    for n in 0..ORDERS {
+        client
+            .send(&queue, "order.placed", &format!("order-{n}"), b"{}")
+            .await;
+    }
+    while client.depth(&events).await < ORDERS as u32 {
+        assert!(
+            sent.elapsed() < Duration::from_secs(10),
+            "not published within 10 s of the commits"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!(
+        "{ORDERS} events published {:?} after the orders were sent",
+        sent.elapsed()
+    );
+    let report = running.stop().await;
+    assert_eq!(
+        report.outbox.map(|o| (o.sent, o.staged)),
+        Some((ORDERS as u64, Some(0)))
+    );
+    let ids = client.drain_ids(&events).await;
+    assert_eq!(ids.len(), ORDERS);
+    assert!(ids.values().all(|n| *n == 1), "{ids:?}");
+    client.delete(&events).await;
+}
+
 /// The database's time `seconds` from now.
 fn mongodb_in(seconds: i64) -> lily_mq_mongo::mongodb::bson::DateTime {
     let now = lily_mq_mongo::mongodb::bson::DateTime::now().timestamp_millis();

@@ -84,7 +84,12 @@ impl Outbox {
     ) -> Result<(), QueueHandlerError> {
         let mut session = self.0.session.lock().await;
         match stage(&self.0.outbox, &mut session, to, message).await {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                self.0
+                    .staged
+                    .store(true, std::sync::atomic::Ordering::Release);
+                Ok(())
+            }
             Err(StageError::Invalid(reason)) => Err(QueueHandlerError::permanent(format!(
                 "outbox: the message cannot be published: {reason}"
             ))),

@@ -128,6 +128,8 @@ pub struct Relay {
     publisher: Arc<Publisher>,
     config: RelayConfig,
     owner: String,
+    /// Told when a delivery's transaction in this process staged and committed.
+    staged: Arc<tokio::sync::Notify>,
     /// The exchanges publishes were confirmed to (the default exchange always exists).
     known: std::sync::Mutex<std::collections::HashSet<String>>,
 }
@@ -151,6 +153,7 @@ impl Relay {
             publisher,
             config,
             owner: crate::lease::owner_token(),
+            staged: scope.staged(),
             known: std::sync::Mutex::default(),
         }
     }
@@ -198,10 +201,14 @@ impl Relay {
             } else {
                 self.config.poll.max(self.config.lease_ttl / 10)
             };
+            // Idle, a commit in this process that staged a message wakes the relay at once;
+            // what other processes stage waits for the poll.
+            let idle = pause == self.config.poll;
             if !pause.is_zero() {
                 tokio::select! {
                     () = stop.cancelled() => {}
                     () = tokio::time::sleep(pause) => {}
+                    () = self.staged.notified(), if idle => {}
                 }
             }
         }

@@ -154,6 +154,9 @@ struct Inner {
     deferrals: Collection<Document>,
     outbox: Collection<Document>,
     relays: Collection<Document>,
+    /// Told when a delivery's transaction that staged a message committed: this process's
+    /// relays wake at once instead of at their next poll.
+    staged: Arc<tokio::sync::Notify>,
     /// The marks of the handlings this process began and has not settled yet, by message id.
     handling: std::sync::Mutex<HashMap<Box<str>, String>>,
     /// The leases this process let go of without a confirmed release.
@@ -249,6 +252,7 @@ impl MongoScope {
             deferrals,
             outbox,
             relays,
+            staged: Arc::default(),
             handling: std::sync::Mutex::default(),
             abandoned: Arc::default(),
         })))
@@ -269,6 +273,11 @@ impl MongoScope {
     /// The outbox and the relays' leases.
     pub(crate) fn outbox_collections(&self) -> (Collection<Document>, Collection<Document>) {
         (self.0.outbox.clone(), self.0.relays.clone())
+    }
+
+    /// Told when a delivery's transaction that staged a message committed.
+    pub(crate) fn staged(&self) -> Arc<tokio::sync::Notify> {
+        Arc::clone(&self.0.staged)
     }
 
     async fn open(&self, meta: &Meta) -> Begin {
@@ -382,6 +391,7 @@ impl MongoScope {
             session: Mutex::new(session),
             database: inner.database.clone(),
             outbox: inner.outbox.clone(),
+            staged: std::sync::atomic::AtomicBool::new(false),
         });
         let mut resources = Resources::new();
         resources.insert(Arc::clone(&state));
@@ -390,6 +400,7 @@ impl MongoScope {
             deaths,
             transaction: Box::new(MongoTransaction {
                 state,
+                relay: Arc::clone(&inner.staged),
                 lease,
                 deferrals,
                 on_committed: inner

@@ -27,6 +27,8 @@ pub(crate) struct TxState {
     pub(crate) database: Database,
     /// The outbox collection, where [`Outbox`](crate::Outbox) stages messages.
     pub(crate) outbox: mongodb::Collection<mongodb::bson::Document>,
+    /// Whether a message was staged in this transaction.
+    pub(crate) staged: std::sync::atomic::AtomicBool,
 }
 
 impl MongoTx {
@@ -84,6 +86,8 @@ pub fn handler_error(what: &'static str, err: mongodb::error::Error) -> QueueHan
 /// The open transaction of one delivery.
 pub(crate) struct MongoTransaction {
     pub(crate) state: Arc<TxState>,
+    /// Woken when a transaction that staged a message committed.
+    pub(crate) relay: Arc<tokio::sync::Notify>,
     pub(crate) lease: Option<Lease>,
     pub(crate) deferrals: crate::deferrals::Deferrals,
     pub(crate) on_committed: Option<(crate::observer::CommitObserver, lily_mq_core::Meta)>,
@@ -123,6 +127,11 @@ impl OpenTransaction for MongoTransaction {
             if let Some(lease) = this.lease {
                 let committed = committed.outcome == TransactionOutcome::Committed;
                 let _ = tokio::time::timeout(left(), lease.release(committed)).await;
+            }
+            if committed.outcome == TransactionOutcome::Committed
+                && this.state.staged.load(std::sync::atomic::Ordering::Acquire)
+            {
+                this.relay.notify_one();
             }
             if let (TransactionOutcome::Committed, Some((observer, meta))) =
                 (committed.outcome, &this.on_committed)
