@@ -551,6 +551,16 @@ pub fn mongo(r: &mongo::Results) -> String {
         }
     }
     out += &table.end();
+    let mut published = Table::new("case|contender|published p50 ms|published p99 ms", 2);
+    for case in r.cases.iter().filter(|c| c.case == mongo::Case::Outbox) {
+        for c in &case.contenders {
+            row!(published; case.case.name(), c.contender.name(), fixed(c.published_p50_ms, 1), fixed(c.published_p99_ms, 1));
+        }
+    }
+    if r.cases.iter().any(|c| c.case == mongo::Case::Outbox) {
+        out += "The outbox case's events, from the commit's start to the confirm (raw: published after the commit) or from staging to the sent mark (Lily: the relay; the database's clock, millisecond resolution); medians of each run's percentiles:\n\n";
+        out += &published.end();
+    }
     out += "mongod operations per message (median; `serverStatus.opcounters` over the run):\n\n";
     out += &ops.end();
     notes(&mut out, &r.meta.notes);

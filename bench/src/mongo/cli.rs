@@ -8,7 +8,8 @@ use lily::prelude::{Policy, QueueKind};
 
 use crate::args::Common;
 use crate::mongo::{
-    Case, CaseResult, Contender, ContenderResult, Counters, Load, Results, Run, db, lily_run, raw,
+    self, Case, CaseResult, Contender, ContenderResult, Counters, Load, Results, Run, db, lily_run,
+    raw,
 };
 use crate::report::{self, fixed, rate};
 use crate::run::backlog;
@@ -44,8 +45,14 @@ pub struct Args {
     /// Prefetch of every case (default: twice its concurrency).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     prefetch: Option<u16>,
-    /// Cases: scope, hot.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "scope,hot")]
+    /// Cases: scope, hot, outbox (the outbox case runs as many messages as the scope case, at
+    /// its concurrency).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "scope,hot,outbox"
+    )]
     cases: Vec<Case>,
     /// Who runs.
     #[arg(
@@ -72,6 +79,12 @@ async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
         load.n,
     )
     .await;
+    if load.case == Case::Outbox {
+        let inspector = lily_mq_testkit::Client::connect(load.url).await;
+        inspector.delete(mongo::EVENTS).await;
+        inspector.declare(mongo::EVENTS, false).await;
+        inspector.close().await;
+    }
     let counters = Arc::new(Counters::default());
     // Lily's scope (its index creation) is set up before the clock, like the raw client.
     let scope = match who {
@@ -97,10 +110,18 @@ async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
         .map(|(b, a)| b.per_message(&a, load.n));
     let check = db::check(load.url, &database, &topology, load.case, who, load.n).await;
     sample.left_in_queue = check.work_queue_ready;
+    let published_ms = match (load.case, who) {
+        (Case::Outbox, Contender::Raw) => {
+            mongo::percentiles_ms(&mut counters.published_us.lock().expect("latencies"))
+        }
+        (Case::Outbox, _) => mongo::percentiles_ms(&mut db::staged_to_sent_us(&database).await),
+        _ => None,
+    };
     Run {
         sample,
         mongod_cpu_us_per_msg,
         mongod_ops_per_msg,
+        published_ms,
         observed: counters,
         check,
     }
@@ -127,7 +148,7 @@ pub async fn run(args: Args) {
     let total = Instant::now();
     for &case in &args.cases {
         let (n, concurrency) = match case {
-            Case::Scope => (args.messages, args.concurrency),
+            Case::Scope | Case::Outbox => (args.messages, args.concurrency),
             Case::HotKeys => (args.hot_messages, args.hot_concurrency),
         };
         let prefetch = args

@@ -12,8 +12,8 @@ use serde::Serialize;
 
 use crate::depth;
 use crate::mongo::{
-    CONSUMER, COUNTERS, Case, Contender, DATABASE, EFFECTS, HOT_KEYS, LILY_COLLECTIONS, RAW_INBOX,
-    hot_key, index_of,
+    CONSUMER, COUNTERS, Case, Contender, DATABASE, EFFECTS, EVENTS, HOT_KEYS, LILY_COLLECTIONS,
+    RAW_INBOX, hot_key, index_of,
 };
 
 /// `LILY_MONGO_URL`, or how to start a replica set.
@@ -180,6 +180,9 @@ pub struct Check {
     pub in_retry_buckets: u64,
     /// Lily (lease): lease and fence documents left (each message's go when it settles).
     pub lease_documents: Option<u64>,
+    /// The outbox case: events found exactly once in their queue (`None` when any was found
+    /// twice or was none of the run's).
+    pub events: Option<u64>,
     /// A few ids that failed a check.
     pub sample_ids: Vec<String>,
 }
@@ -222,9 +225,28 @@ pub async fn check(
     };
     let counters_exact = match case {
         Case::HotKeys => Some(counters(database, n).await),
-        Case::Scope => None,
+        Case::Scope | Case::Outbox => None,
     };
     let inspector = Inspector::connect(url).await;
+    // The outbox case: each message's event in its queue exactly once.
+    let events = match case {
+        Case::Outbox => {
+            let found: BTreeMap<String, u64> = inspector
+                .drain_ids(EVENTS)
+                .await
+                .into_iter()
+                .map(|(id, copies)| {
+                    (
+                        id.strip_suffix(".event").unwrap_or("-").to_owned(),
+                        copies as u64,
+                    )
+                })
+                .collect();
+            let (once, strays) = tally(&found, n, &mut bad);
+            Some(once).filter(|_| strays == 0)
+        }
+        _ => None,
+    };
     let mut drained = |ids: BTreeMap<String, usize>| {
         bad.extend(ids.keys().cloned());
         ids.values().map(|&c| c as u64).sum::<u64>()
@@ -243,7 +265,8 @@ pub async fn check(
         && counters_exact != Some(false)
         && work_queue_ready == Some(0)
         && dead_lettered + parked + in_retry_buckets == 0
-        && lease_documents.is_none_or(|d| d == 0);
+        && lease_documents.is_none_or(|d| d == 0)
+        && (case != Case::Outbox || events == Some(n));
     Check {
         passed,
         effects,
@@ -255,8 +278,32 @@ pub async fn check(
         parked,
         in_retry_buckets,
         lease_documents,
+        events,
         sample_ids: bad,
     }
+}
+
+/// Each outbox record's time from its staging to its sent mark, in µs (the database's clock,
+/// at millisecond resolution).
+pub async fn staged_to_sent_us(database: &Database) -> Vec<u64> {
+    let mut cursor = database
+        .collection::<Document>("lily_outbox")
+        .find(doc! { "state": "sent" })
+        .projection(doc! { "staged_at": 1, "sent_at": 1 })
+        .await
+        .expect("read the outbox");
+    let mut us = Vec::new();
+    while cursor.advance().await.expect("read the outbox") {
+        let record: Document = cursor.deserialize_current().expect("a record parses");
+        if let (Ok(staged), Ok(sent)) = (
+            record.get_datetime("staged_at"),
+            record.get_datetime("sent_at"),
+        ) {
+            let ms = sent.timestamp_millis() - staged.timestamp_millis();
+            us.push(u64::try_from(ms).unwrap_or(0) * 1000);
+        }
+    }
+    us
 }
 
 /// How often each message id occurs in `collection`'s `_id`s (Lily's inbox keys them

@@ -1,22 +1,26 @@
 //! The Lily contenders: a handler doing the raw contender's effect writes through `MongoTx`, in
 //! the transaction Lily's `MongoScope` opens (with the inbox record) and commits before the ACK.
 //! A write conflict (`TransientTransactionError`) becomes `QueueHandlerError::transient`, so
-//! Lily runs the whole scope again in-process with backoff; anything else is retryable.
+//! Lily runs the whole scope again in-process with backoff; anything else is retryable. In the
+//! outbox case the handler also stages the event, and the consumer's own relay publishes it: the
+//! run ends when every message is ACKed and every event is in its queue.
 
 use std::sync::Arc;
 use std::time::Instant;
 
+use lily::mongo::Outbox;
 use lily::mongo::mongodb::Client;
 use lily::mongo::mongodb::bson::{Document, doc};
 use lily::mongo::mongodb::error::TRANSIENT_TRANSACTION_ERROR;
 use lily::prelude::{
-    Consumer, ConsumerConfig, Json, Meta, MongoConfig, MongoScope, MongoTx, Policy,
-    QueueHandlerError, QueueKind, Router,
+    Consumer, ConsumerConfig, Destination, Json, Meta, MongoConfig, MongoScope, MongoTx, Outgoing,
+    Policy, QueueHandlerError, QueueKind, Router,
 };
 
 use crate::Order;
 use crate::mongo::{
-    CONSUMER, COUNTERS, Case, Contender, Counters, DATABASE, EFFECTS, Load, hot_key, index_of,
+    CONSUMER, COUNTERS, Case, Contender, Counters, DATABASE, EFFECTS, EVENTS, Load, hot_key,
+    index_of,
 };
 use crate::run::{Lily, Sample, run_limit};
 use crate::throughput::POLL;
@@ -49,7 +53,7 @@ pub async fn consume(load: &Load<'_>, scope: MongoScope, counters: Arc<Counters>
     } = *load;
     let router = Router::new().route(
         "order.placed",
-        move |Json(order): Json<Order>, meta: Meta, tx: MongoTx| {
+        move |Json(order): Json<Order>, meta: Meta, tx: MongoTx, outbox: Outbox| {
             let counters = Arc::clone(&counters);
             async move {
                 Counters::bump(&counters.attempts);
@@ -61,7 +65,17 @@ pub async fn consume(load: &Load<'_>, scope: MongoScope, counters: Arc<Counters>
                     } else {
                         QueueHandlerError::retryable("effect write failed").with_source(err)
                     }
-                })
+                })?;
+                if case == Case::Outbox {
+                    let event = Outgoing::bytes(
+                        "order.accepted",
+                        &format!("{}.event", meta.message_id()),
+                        "application/json",
+                        br#"{"accepted":true}"#.to_vec(),
+                    );
+                    outbox.stage(&Destination::queue(EVENTS), &event).await?;
+                }
+                Ok(())
             }
         },
     );
@@ -74,6 +88,14 @@ pub async fn consume(load: &Load<'_>, scope: MongoScope, counters: Arc<Counters>
     let lily = Lily::start(Consumer::new(url, config, router).scope(scope));
     let limit = run_limit(n);
     while lily.stats.totals().acked < n && started.elapsed() < limit && !lily.finished() {
+        tokio::time::sleep(POLL).await;
+    }
+    // The relay publishes after the commits: the run ends with the last event in its queue.
+    while case == Case::Outbox
+        && crate::depth(url, EVENTS).await.unwrap_or(0) < u32::try_from(n).unwrap_or(u32::MAX)
+        && started.elapsed() < limit
+        && !lily.finished()
+    {
         tokio::time::sleep(POLL).await;
     }
     let (elapsed, count) = (started.elapsed(), lily.stats.totals().acked);

@@ -2,13 +2,21 @@
 //! as the driver's documentation describes it: a task a delivery (at most `concurrency`), one
 //! transaction each (inbox record, effect, hot keys' `$inc`), the whole transaction again on a
 //! `TransientTransactionError`, the commit again on `UnknownTransactionCommitResult`, then the
-//! ACK; otherwise, or past Lily's 10 s budget, a NACK with requeue. Method: `bench/README.md`.
+//! ACK; otherwise, or past Lily's 10 s budget, a NACK with requeue. In the outbox case the event
+//! is published after the commit, mandatory and persistent, on a confirm channel of the same
+//! connection, and the ACK waits for its confirm (a crash in between loses the event: what the
+//! outbox is for). Method: `bench/README.md`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicNackOptions};
+use lapin::Confirmation;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicNackOptions, BasicPublishOptions,
+    ConfirmSelectOptions,
+};
+use lapin::{BasicProperties, Channel};
 use mongodb::bson::{Document, doc};
 use mongodb::error::{
     Error, ErrorKind, TRANSIENT_TRANSACTION_ERROR, UNKNOWN_TRANSACTION_COMMIT_RESULT, WriteFailure,
@@ -21,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::Order;
 use crate::mongo::{
-    COUNTERS, Case, Counters, DATABASE, EFFECTS, Load, RAW_INBOX, hot_key, index_of,
+    COUNTERS, Case, Counters, DATABASE, EFFECTS, EVENTS, Load, RAW_INBOX, hot_key, index_of,
 };
 use crate::run::{Sample, run_limit};
 
@@ -36,6 +44,8 @@ struct Store {
     effects: Collection<Document>,
     counters: Collection<Document>,
     case: Case,
+    /// The outbox case's confirm channel.
+    events: Option<Channel>,
 }
 
 /// Consumes until `n` messages are committed and ACKed (or the run limit passes).
@@ -52,18 +62,30 @@ pub async fn consume(load: &Load<'_>, client: Client, counters: Arc<Counters>) -
         n,
     } = *load;
     let database = client.database(DATABASE);
+    let started = Instant::now();
+    let deadline = tokio::time::Instant::now() + run_limit(n);
+    let (connection, channel, mut consumer) = crate::raw::open(url, queue, prefetch, false)
+        .await
+        .expect("consume");
+    let events = match case {
+        Case::Outbox => {
+            let events = connection.create_channel().await.expect("events channel");
+            events
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .expect("confirm select");
+            Some(events)
+        }
+        _ => None,
+    };
     let store = Arc::new(Store {
         inbox: database.collection(RAW_INBOX),
         effects: database.collection(EFFECTS),
         counters: database.collection(COUNTERS),
         client,
         case,
+        events,
     });
-    let started = Instant::now();
-    let deadline = tokio::time::Instant::now() + run_limit(n);
-    let (connection, channel, mut consumer) = crate::raw::open(url, queue, prefetch, false)
-        .await
-        .expect("consume");
     let permits = Arc::new(Semaphore::new(concurrency));
     let acked = Arc::new(AtomicU64::new(0));
     let done = CancellationToken::new();
@@ -130,7 +152,16 @@ async fn handle(store: &Store, counters: &Counters, delivery: lapin::message::De
             .await;
         return false;
     };
-    match tokio::time::timeout(BUDGET, transaction(store, counters, &id, &order)).await {
+    let settled = async {
+        let committed = transaction(store, counters, &id, &order).await?;
+        if let (Some(events), Some(at)) = (&store.events, committed) {
+            publish(events, &id).await?;
+            let us = u64::try_from(at.elapsed().as_micros()).unwrap_or(u64::MAX);
+            counters.published_us.lock().expect("latencies").push(us);
+        }
+        Ok::<(), Error>(())
+    };
+    match tokio::time::timeout(BUDGET, settled).await {
         Ok(Ok(())) => matches!(
             delivery.acker.ack(BasicAckOptions::default()).await,
             Ok(true)
@@ -151,14 +182,46 @@ enum Written {
     Ready,
 }
 
+/// The event of message `id`, mandatory and persistent, and its confirm; a return or a nack is
+/// an error (the delivery is requeued, and its redelivery finds the inbox record: the event is
+/// lost, as it would be in this code).
+async fn publish(events: &Channel, id: &str) -> Result<(), Error> {
+    let failed = |what: String| Error::custom(what);
+    let properties = BasicProperties::default()
+        .with_message_id(format!("{id}.event").into())
+        .with_type("order.accepted".into())
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2);
+    let confirm = events
+        .basic_publish(
+            "".into(),
+            EVENTS.into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            },
+            br#"{"accepted":true}"#,
+            properties,
+        )
+        .await
+        .map_err(|e| failed(format!("publish: {e}")))?
+        .await
+        .map_err(|e| failed(format!("confirm: {e}")))?;
+    match confirm {
+        Confirmation::Ack(None) => Ok(()),
+        other => Err(failed(format!("not confirmed: {other:?}"))),
+    }
+}
+
 /// The driver's documented pattern: the whole transaction again on a transient error, the
-/// commit again on an unknown commit result.
+/// commit again on an unknown commit result. When this call committed: the time its commit
+/// began; `None` for a duplicate.
 async fn transaction(
     store: &Store,
     counters: &Counters,
     id: &str,
     order: &Order,
-) -> Result<(), Error> {
+) -> Result<Option<Instant>, Error> {
     let mut session = store.client.start_session().await?;
     'transaction: loop {
         Counters::bump(&counters.attempts);
@@ -171,7 +234,7 @@ async fn transaction(
             Ok(Written::Ready) => {}
             Ok(Written::Duplicate) => {
                 let _ = session.abort_transaction().await;
-                return Ok(());
+                return Ok(None);
             }
             Err(err) if err.contains_label(TRANSIENT_TRANSACTION_ERROR) => {
                 Counters::bump(&counters.conflicts);
@@ -183,11 +246,12 @@ async fn transaction(
                 return Err(err);
             }
         }
+        let commit = Instant::now();
         loop {
             match session.commit_transaction().await {
                 Ok(()) => {
                     Counters::bump(&counters.commits);
-                    return Ok(());
+                    return Ok(Some(commit));
                 }
                 Err(err) if err.contains_label(UNKNOWN_TRANSACTION_COMMIT_RESULT) => {
                     Counters::bump(&counters.unknown_commits);
