@@ -527,7 +527,7 @@ pub fn mongo(r: &mongo::Results) -> String {
         &r.meta,
         &conditions,
     );
-    let head = "case|N|concurrency|prefetch|contender|msgs/s|/ raw|target|tries/msg|conflicts/msg|DLQ + parked|verified|client µs/msg|mongod µs/msg|broker µs/msg|mongod ops/msg";
+    let head = "case|N|concurrency|prefetch|contender|msgs/s|/ raw|runs' range|target|tries/msg|conflicts/msg|DLQ + parked|verified|client µs/msg|mongod µs/msg|broker µs/msg|mongod ops/msg";
     let mut table = Table::new(head, 1);
     let mut ops = Table::new("case|contender|insert|update|query|delete|command", 2);
     for case in &r.cases {
@@ -538,7 +538,7 @@ pub fn mongo(r: &mongo::Results) -> String {
                 }
                 _ => "-".into(),
             };
-            row!(table; case.case.name(), case.messages_per_run, case.concurrency, case.prefetch, c.contender.name(), rate(c.median_msgs_per_sec), fixed(c.over_raw, 3), target, format!("{:.3}", c.attempts_per_msg), format!("{:.3}", c.conflicts_per_msg), c.dead_lettered_or_parked, (if c.all_verified { "yes" } else { "**no**" }), fixed(c.client_cpu_us_per_msg, 1), fixed(c.mongod_cpu_us_per_msg, 1), fixed(c.broker_cpu_us_per_msg, 1), fixed(c.mongod_ops_per_msg.map(|o| o.total()), 2));
+            row!(table; case.case.name(), case.messages_per_run, case.concurrency, case.prefetch, c.contender.name(), rate(c.median_msgs_per_sec), fixed(c.over_raw, 3), c.over_raw_range.map_or_else(|| "-".into(), |(l, h)| format!("{l:.3}–{h:.3}")), target, format!("{:.3}", c.attempts_per_msg), format!("{:.3}", c.conflicts_per_msg), c.dead_lettered_or_parked, (if c.all_verified { "yes" } else { "**no**" }), fixed(c.client_cpu_us_per_msg, 1), fixed(c.mongod_cpu_us_per_msg, 1), fixed(c.broker_cpu_us_per_msg, 1), fixed(c.mongod_ops_per_msg.map(|o| o.total()), 2));
             if let Some(o) = &c.mongod_ops_per_msg {
                 let values =
                     [o.insert, o.update, o.query, o.delete, o.command].map(|v| format!("{v:.2}"));

@@ -87,9 +87,10 @@ async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
     }
     let counters = Arc::new(Counters::default());
     // Lily's scope (its index creation) is set up before the clock, like the raw client.
-    let scope = match who {
-        Contender::Raw => None,
-        _ => Some(lily_run::scope(client.clone(), who, &counters).await),
+    let scope = if who.is_raw() {
+        None
+    } else {
+        Some(lily_run::scope(client.clone(), who, &counters).await)
     };
     let ops_before = db::Ops::read(&client).await;
     let mongod = db::mongod_pid();
@@ -111,7 +112,7 @@ async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
     let check = db::check(load.url, &database, &topology, load.case, who, load.n).await;
     sample.left_in_queue = check.work_queue_ready;
     let published_ms = match (load.case, who) {
-        (Case::Outbox, Contender::Raw) => {
+        (Case::Outbox, who) if who.is_raw() => {
             mongo::percentiles_ms(&mut counters.published_us.lock().expect("latencies"))
         }
         (Case::Outbox, _) => mongo::percentiles_ms(&mut db::staged_to_sent_us(&database).await),

@@ -200,7 +200,7 @@ pub async fn check(
     n: u64,
 ) -> Check {
     let mut bad = Vec::new();
-    let (inbox, lily) = if who == Contender::Raw {
+    let (inbox, lily) = if who.is_raw() {
         (RAW_INBOX, false)
     } else {
         ("lily_inbox", true)

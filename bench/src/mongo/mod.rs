@@ -69,6 +69,10 @@ impl Case {
 pub enum Contender {
     /// lapin + the mongodb driver, written by hand.
     Raw,
+    /// The same raw consumer again: an A/A run, whose ratio to `raw` is the spread of two
+    /// identical contenders in the same session.
+    #[value(name = "raw-again")]
+    RawAgain,
     /// Lily with `MongoConfig::new` (inbox only, the default).
     Lily,
     /// Lily with `MongoConfig::new(..).with_lease()` (inbox and per-message fenced lease).
@@ -79,6 +83,7 @@ impl Contender {
     pub fn name(self) -> &'static str {
         match self {
             Self::Raw => "raw driver",
+            Self::RawAgain => "raw driver (A/A)",
             Self::Lily => "Lily",
             Self::LilyLease => "Lily (lease)",
         }
@@ -94,6 +99,13 @@ pub fn percentiles_ms(us: &mut [u64]) -> Option<(f64, f64)> {
     us.sort_unstable();
     let at = |q: f64| us[((us.len() - 1) as f64 * q).round() as usize] as f64 / 1000.0;
     Some((at(0.5), at(0.99)))
+}
+
+impl Contender {
+    /// The hand-written consumer (`raw` or its A/A twin).
+    pub fn is_raw(self) -> bool {
+        matches!(self, Self::Raw | Self::RawAgain)
+    }
 }
 
 /// What one run consumes, and how.
@@ -192,6 +204,8 @@ pub struct ContenderResult {
     pub contender: Contender,
     pub median_msgs_per_sec: f64,
     pub over_raw: Option<f64>,
+    /// Each repetition's ratio to the raw run of the same repetition, lowest and highest.
+    pub over_raw_range: Option<(f64, f64)>,
     pub over_raw_target: Option<f64>,
     pub over_raw_met: Option<bool>,
     /// Medians a message: transaction attempts (raw) or handler runs (Lily), conflicts.
@@ -229,6 +243,7 @@ impl ContenderResult {
             contender,
             median_msgs_per_sec: med(&|r| Some(r.sample.msgs_per_sec)).unwrap_or(f64::NAN),
             over_raw: None,
+            over_raw_range: None,
             over_raw_target: None,
             over_raw_met: None,
             attempts_per_msg: per(|c| &c.attempts),
@@ -270,15 +285,35 @@ impl CaseResult {
         let raw = contenders
             .iter()
             .find(|c| c.contender == Contender::Raw)
-            .map(|c| c.median_msgs_per_sec);
+            .map(|c| {
+                let rates: Vec<f64> = c.runs.iter().map(|r| r.sample.msgs_per_sec).collect();
+                (c.median_msgs_per_sec, rates)
+            });
         for c in contenders
             .iter_mut()
             .filter(|c| c.contender != Contender::Raw)
         {
-            c.over_raw = raw.map(|r| c.median_msgs_per_sec / r);
+            c.over_raw = raw.as_ref().map(|(r, _)| c.median_msgs_per_sec / r);
+            c.over_raw_range = raw.as_ref().and_then(|(_, rates)| {
+                let ratios: Vec<f64> = c
+                    .runs
+                    .iter()
+                    .zip(rates)
+                    .map(|(run, raw)| run.sample.msgs_per_sec / raw)
+                    .collect();
+                let low = ratios.iter().copied().reduce(f64::min)?;
+                let high = ratios.iter().copied().reduce(f64::max)?;
+                Some((low, high))
+            });
             if case != Case::HotKeys && c.contender == Contender::Lily {
+                // Met as the performance issue counts it: over at least five interleaved
+                // repetitions, the median at least 0.97 of the target and the repetitions'
+                // range reaching it (two identical contenders reach a median of 1.0 only half
+                // the time).
                 c.over_raw_target = c.over_raw.map(|_| TARGET);
-                c.over_raw_met = c.over_raw.map(|r| r >= TARGET);
+                c.over_raw_met = c.over_raw.zip(c.over_raw_range).map(|(median, (_, high))| {
+                    c.runs.len() >= 5 && median >= 0.97 * TARGET && high >= TARGET
+                });
             }
         }
         Self {
