@@ -379,6 +379,8 @@ enum Fate {
     Unroutable,
     NoExchange,
     TooLarge,
+    /// To `amq.fanout`, which the publishing user may not write to.
+    Forbidden,
 }
 
 /// Stages `fates.len()` events in one transaction, `event-<n>` meeting `fates[n]`.
@@ -393,6 +395,7 @@ async fn stage_events(scope: &MongoScope, queue: &str, fates: &[Fate]) {
             Fate::Unroutable => (Destination::queue(&format!("{queue}.nowhere")), 10),
             Fate::NoExchange => (Destination::exchange(&format!("{queue}.no-such"), "k"), 10),
             Fate::TooLarge => (Destination::queue(queue), 4096),
+            Fate::Forbidden => (Destination::exchange("amq.fanout", "k"), 10),
         };
         let body = serde_json::json!({ "n": n, "pad": "x".repeat(size) });
         let message =
@@ -467,6 +470,7 @@ async fn check_fates(scope: &MongoScope, fates: &[Fate], found: &BTreeMap<String
             Fate::Unroutable => "returned",
             Fate::NoExchange => "does not exist",
             Fate::TooLarge => "maximum message size",
+            Fate::Forbidden => "access refused: the write permission on exchange 'amq.fanout'",
         };
         assert_eq!(copies, 0, "{id} ({fate:?}) in no queue");
         assert_eq!(state, "failed", "{id} ({fate:?})");
@@ -546,6 +550,41 @@ async fn events_to_a_missing_exchange_end_failed_and_the_rest_are_published() {
         .expect("relays done")
         .close()
         .await;
+    client.delete(&queue).await;
+}
+
+/// The publishing user may write to the default exchange only: events to `amq.fanout`,
+/// interleaved with routed ones, end failed with the refused permission named, and each routed
+/// one is in the queue exactly once (the publishes the refusal's channel close failed with it
+/// are tried again, not failed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_the_broker_refuses_end_failed_naming_the_permission() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("relayed-403");
+    let client = Client::connect(broker.url()).await;
+    client.declare(&queue, false).await;
+    let user = Broker::unique("relay-user");
+    let url = broker.add_user(&user, "relay-password", ["^$", r"^amq\.default$", "^$"]);
+    let scope = scope(&MongoNode::database_name("relay-403")).await;
+    let fates: Vec<_> = (0..100)
+        .map(|n| {
+            if n % 5 == 2 {
+                Fate::Forbidden
+            } else {
+                Fate::Routed
+            }
+        })
+        .collect();
+    stage_events(&scope, &queue, &fates).await;
+    let publisher = Arc::new(Publisher::connect(&url).await.expect("publisher"));
+    let total = relay_all(&scope, &publisher, 1).await;
+    assert_eq!((total.sent, total.failed), (80, 20), "{total:?}");
+    check_fates(&scope, &fates, &client.drain_ids(&queue).await).await;
+    Arc::into_inner(publisher)
+        .expect("relays done")
+        .close()
+        .await;
+    broker.ctl(&["delete_user", &user]);
     client.delete(&queue).await;
 }
 

@@ -460,13 +460,31 @@ impl Relay {
             ))),
             Published::NoExchange => Verdict::Missing(exchange.to_owned()),
             Published::Refused(reason) => Verdict::Failed(reason),
+            // The refusal names the exchange it was for: the publishes that failed with it on
+            // the same channel, to other exchanges, are tried again.
             Published::Failed => match self.publisher.refused() {
-                Some(missing) => Verdict::Failed(Reason::new(format!("access refused: {missing}"))),
-                None => Verdict::Again(Reason::new("publish failed")),
+                Some(missing) if refuses(&missing.resource, exchange) => {
+                    Verdict::Failed(Reason::new(format!("access refused: {missing}")))
+                }
+                _ => Verdict::Again(Reason::new("publish failed")),
             },
             other => Verdict::Again(Reason::new(format!("{other:?}"))),
         }
     }
+}
+
+/// Whether the resource a refusal names (`exchange 'orders' in vhost '/'`) is `exchange` (`""`
+/// being the default exchange, which the broker calls `amq.default`).
+fn refuses(resource: &str, exchange: &str) -> bool {
+    let name = if exchange.is_empty() {
+        "amq.default"
+    } else {
+        exchange
+    };
+    resource
+        .strip_prefix("exchange '")
+        .and_then(|rest| rest.strip_prefix(name))
+        .is_some_and(|rest| rest.starts_with('\''))
 }
 
 /// The pause after `backoff`: doubled (from 100 ms) up to `max` while `failing`, none otherwise.
