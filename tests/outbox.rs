@@ -316,6 +316,43 @@ async fn a_commit_that_staged_wakes_the_relay_at_once() {
     client.delete(&events).await;
 }
 
+/// mongod stops answering (a proxy forwards nothing, closes nothing) while the consumer's relay
+/// polls: shutdown still ends within its budget, and the report has the relay's count, with
+/// what stays staged unknown. A relay stuck on its read would be dropped at the budget's end,
+/// and the report would have no outbox count at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_database_does_not_hold_the_relay_past_shutdown() {
+    let broker = Broker::from_env();
+    let queue = Broker::unique("outbox-silent");
+    let proxy = TcpProxy::start(mongo_addr()).await;
+    let scope = MongoScope::connect(
+        &mongo_via(&proxy),
+        &MongoNode::database_name("outbox-silent"),
+        MongoConfig::new("e2e").relay(RelayConfig::default().poll(Duration::from_millis(20))),
+    )
+    .await
+    .expect("scope through the proxy");
+    let router = Router::new().route("order.placed", |_: Meta| async { Ok(()) });
+    let running = common::start_within(
+        broker.url(),
+        config(&queue, QueueKind::Classic),
+        router,
+        |c| c.scope(scope),
+        Duration::from_secs(10),
+    );
+    running.wait_ready().await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.stall(true);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stopping = std::time::Instant::now();
+    let report = running.stop().await;
+    let took = stopping.elapsed();
+    proxy.stall(false);
+    assert!(took < Duration::from_secs(10), "shutdown took {took:?}");
+    let relayed = report.outbox.expect("the relay returned its count");
+    assert_eq!((relayed.sent, relayed.staged), (0, None), "{relayed:?}");
+}
+
 /// The database's time `seconds` from now.
 fn mongodb_in(seconds: i64) -> lily_mq_mongo::mongodb::bson::DateTime {
     let now = lily_mq_mongo::mongodb::bson::DateTime::now().timestamp_millis();

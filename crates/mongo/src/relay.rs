@@ -170,36 +170,53 @@ impl Relay {
         let gauges = Gauges::new(&self.config.name);
         let mut measured: Option<Instant> = None;
         let mut unmarked = Vec::new();
+        // Reads, the lease and the marks give way to `stop` (a database that does not answer
+        // must not hold shutdown); a batch being published is finished.
         while !stop.is_cancelled() {
             if measured.is_none_or(|at| at.elapsed() >= Duration::from_secs(5)) {
-                gauges.measure(&self.outbox).await;
+                if or_stop(&stop, gauges.measure(&self.outbox)).await.is_none() {
+                    break;
+                }
                 measured = Some(Instant::now());
             }
-            // The lease is renewed only when there is something to publish: an idle outbox
-            // costs one indexed read a poll.
             let pause = if !unmarked.is_empty() {
                 // Confirmed, not yet marked: their marks are written before anything else is
                 // published, so a database that reads but does not write gets no duplicates.
-                let failing = !self.mark_sent(&mut unmarked, &mut report).await;
-                backoff = next_backoff(backoff, failing, self.config.max_backoff);
+                let Some(marked) = or_stop(&stop, self.mark_sent(&mut unmarked, &mut report)).await
+                else {
+                    break;
+                };
+                backoff = next_backoff(backoff, !marked, self.config.max_backoff);
                 backoff
-            } else if !self.anything_staged().await {
-                self.config.poll
-            } else if self.hold().await {
-                match self.batch().await {
-                    Ok(batch) if batch.is_empty() => self.config.poll,
-                    Ok(batch) => {
-                        let failing = self.publish(batch, &mut report, &mut unmarked).await;
-                        backoff = next_backoff(backoff, failing, self.config.max_backoff);
-                        backoff
-                    }
-                    Err(err) => {
-                        warn!(outbox = %self.config.name, error = %crate::tx::code_of(&err), "outbox read failed");
-                        self.config.max_backoff
-                    }
-                }
             } else {
-                self.config.poll.max(self.config.lease_ttl / 10)
+                // The lease is renewed only when there is something to publish: an idle outbox
+                // costs one indexed read a poll.
+                let Some(staged) = or_stop(&stop, self.anything_staged()).await else {
+                    break;
+                };
+                let held = if staged {
+                    or_stop(&stop, self.hold()).await
+                } else {
+                    Some(false)
+                };
+                match held {
+                    None => break,
+                    Some(false) if !staged => self.config.poll,
+                    Some(false) => self.config.poll.max(self.config.lease_ttl / 10),
+                    Some(true) => match or_stop(&stop, self.batch()).await {
+                        None => break,
+                        Some(Ok(batch)) if batch.is_empty() => self.config.poll,
+                        Some(Ok(batch)) => {
+                            let failing = self.publish(batch, &mut report, &mut unmarked).await;
+                            backoff = next_backoff(backoff, failing, self.config.max_backoff);
+                            backoff
+                        }
+                        Some(Err(err)) => {
+                            warn!(outbox = %self.config.name, error = %crate::tx::code_of(&err), "outbox read failed");
+                            self.config.max_backoff
+                        }
+                    },
+                }
             };
             // Idle, a commit in this process that staged a message wakes the relay at once;
             // what other processes stage waits for the poll.
@@ -485,6 +502,15 @@ fn refuses(resource: &str, exchange: &str) -> bool {
         .strip_prefix("exchange '")
         .and_then(|rest| rest.strip_prefix(name))
         .is_some_and(|rest| rest.starts_with('\''))
+}
+
+/// `work`'s output, or `None` when `stop` fires first.
+async fn or_stop<T>(stop: &CancellationToken, work: impl Future<Output = T>) -> Option<T> {
+    tokio::select! {
+        biased;
+        () = stop.cancelled() => None,
+        out = work => Some(out),
+    }
 }
 
 /// The pause after `backoff`: doubled (from 100 ms) up to `max` while `failing`, none otherwise.
