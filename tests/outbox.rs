@@ -457,20 +457,7 @@ async fn relay_all(scope: &MongoScope, publisher: &Arc<Publisher>, relays: usize
             tokio::spawn(relay.run(stop.clone()))
         })
         .collect();
-    let records = scope.database().collection::<Document>("lily_outbox");
-    let started = std::time::Instant::now();
-    while records
-        .count_documents(doc! { "state": "staged" })
-        .await
-        .expect("count")
-        > 0
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "still staged after 60 s"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_unstaged(scope).await;
     // Idle now: nothing more may be published or marked.
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.cancel();
