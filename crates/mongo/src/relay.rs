@@ -1,6 +1,8 @@
 //! The outbox relay: publishes staged messages with the [`Publisher`]'s evidence, in staging
-//! order, and only then marks them sent; ends what can never be sent as failed, with its
-//! reason; backs off while the broker fails. One relay publishes an outbox at a time.
+//! order batch by batch (a batch's publishes go out together, so their order at the broker
+//! within it is not promised), and only then marks them sent; ends what can never be sent as
+//! failed, with its reason; backs off while the broker fails. One relay publishes an outbox at
+//! a time.
 //!
 //! **At least once.** A relay that stops between a confirm and its mark (a crash, a lost
 //! database) leaves the message staged, and the next relay publishes it again with the same
