@@ -108,11 +108,7 @@ async fn a_handlers_messages_are_staged_exactly_when_its_transaction_commits() {
         |c| c.scope(scope.clone()),
     );
     common::wait_declared(broker.url(), &queue).await;
-    for n in 0..MESSAGES {
-        client
-            .send(&queue, "order.placed", &format!("order-{n}"), b"{}")
-            .await;
-    }
+    place_orders(&client, &queue, MESSAGES).await;
     common::wait_settled("every order", &queue, 0).await;
     wait_unstaged(&scope).await;
     let report = running.stop().await;
@@ -198,11 +194,7 @@ async fn the_shutdown_report_counts_what_stays_staged() {
         .insert_one(lease)
         .await
         .expect("lease held elsewhere");
-    let to = Destination::queue(&events);
-    let router = Router::new().route("order.placed", move |outbox: Outbox, meta: Meta| {
-        let to = to.clone();
-        async move { outbox.stage(&to, &event(meta.message_id())).await }
-    });
+    let router = staging_router(&events);
     let running = common::start_with(
         broker.url(),
         config(&queue, QueueKind::Classic),
@@ -210,11 +202,7 @@ async fn the_shutdown_report_counts_what_stays_staged() {
         |c| c.scope(scope.clone()),
     );
     common::wait_declared(broker.url(), &queue).await;
-    for n in 0..ORDERS {
-        client
-            .send(&queue, "order.placed", &format!("order-{n}"), b"{}")
-            .await;
-    }
+    place_orders(&client, &queue, ORDERS).await;
     common::wait_settled("every order", &queue, 0).await;
     let report = running.stop().await;
     let relayed = report.outbox.clone().expect("the consumer ran the relay");
@@ -274,11 +262,7 @@ async fn a_commit_that_staged_wakes_the_relay_at_once() {
     )
     .await
     .expect("mongo scope");
-    let to = Destination::queue(&events);
-    let router = Router::new().route("order.placed", move |outbox: Outbox, meta: Meta| {
-        let to = to.clone();
-        async move { outbox.stage(&to, &event(meta.message_id())).await }
-    });
+    let router = staging_router(&events);
     let running = common::start_with(
         broker.url(),
         config(&queue, QueueKind::Classic),
@@ -289,11 +273,7 @@ async fn a_commit_that_staged_wakes_the_relay_at_once() {
     // The relay found nothing and sleeps its poll.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let sent = std::time::Instant::now();
-    for n in 0..ORDERS {
-        client
-            .send(&queue, "order.placed", &format!("order-{n}"), b"{}")
-            .await;
-    }
+    place_orders(&client, &queue, ORDERS).await;
     while client.depth(&events).await < ORDERS as u32 {
         assert!(
             sent.elapsed() < Duration::from_secs(10),
@@ -357,6 +337,24 @@ async fn a_silent_database_does_not_hold_the_relay_past_shutdown() {
 fn mongodb_in(seconds: i64) -> lily_mq_mongo::mongodb::bson::DateTime {
     let now = lily_mq_mongo::mongodb::bson::DateTime::now().timestamp_millis();
     lily_mq_mongo::mongodb::bson::DateTime::from_millis(now + seconds * 1000)
+}
+
+/// A router whose `order.placed` handler stages the order's event for the queue `events`.
+fn staging_router(events: &str) -> Router {
+    let to = Destination::queue(events);
+    Router::new().route("order.placed", move |outbox: Outbox, meta: Meta| {
+        let to = to.clone();
+        async move { outbox.stage(&to, &event(meta.message_id())).await }
+    })
+}
+
+/// Publishes `order-0` … `order-{n-1}` to `queue`.
+async fn place_orders(client: &Client, queue: &str, n: usize) {
+    for i in 0..n {
+        client
+            .send(queue, "order.placed", &format!("order-{i}"), b"{}")
+            .await;
+    }
 }
 
 /// True the first time `order` asks.
