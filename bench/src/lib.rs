@@ -226,7 +226,7 @@ impl Meta {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
         Self {
             benchmark,
-            broker: broker_version(),
+            broker: broker_version(url),
             broker_url: redact(url),
             message_bytes: body_512().len(),
             cpus: std::thread::available_parallelism().map_or(1, usize::from),
@@ -245,26 +245,37 @@ impl Meta {
     }
 }
 
-/// The broker's version as Debian packaged it, or what the benchmark was written against.
-pub fn broker_version() -> String {
-    let version = |package: &str| {
-        let out = std::process::Command::new("dpkg-query")
-            .args(["-W", "-f=${Version}", package])
-            .output()
+/// The broker's version as it announces it (`connection.start`) and the Erlang runtime its VM
+/// runs (from the pid file `scripts/rabbitmq.sh` keeps), e.g. `RabbitMQ 4.0.5, erts 15.2.7`.
+/// (Debian's package would name 3.10.8 when the run was against the 4.0 broker.)
+pub fn broker_version(url: &str) -> String {
+    let url = url.to_owned();
+    // Asked on a thread of its own: `Meta::new` is called from synchronous and async code.
+    let announced = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
             .ok()?;
-        let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-        (out.status.success() && !text.is_empty()).then_some(text)
-    };
-    match (version("rabbitmq-server"), version("erlang-base")) {
-        (Some(rabbit), erlang) => {
-            let upstream = rabbit.split('-').next().unwrap_or(&rabbit).to_owned();
-            let erlang = erlang.map_or_else(String::new, |e| {
-                let e = e.split_once(':').map_or(e.as_str(), |(_, v)| v);
-                format!(", Erlang {}", e.split(['+', '-']).next().unwrap_or(e))
-            });
-            format!("RabbitMQ {upstream} (Debian {rabbit}){erlang}")
-        }
-        (None, _) => "RabbitMQ 3.10 (Debian)".into(),
+        runtime
+            .block_on(lily::topology::broker_version(&url, None))
+            .ok()
+            .flatten()
+    })
+    .join()
+    .ok()
+    .flatten();
+    let erts = broker_pid()
+        .and_then(|pid| std::fs::read_link(format!("/proc/{pid}/exe")).ok())
+        .and_then(|exe| {
+            exe.components().find_map(|part| {
+                let part = part.as_os_str().to_string_lossy();
+                part.strip_prefix("erts-").map(str::to_owned)
+            })
+        })
+        .map_or_else(String::new, |v| format!(", erts {v}"));
+    match announced {
+        Some(version) => format!("RabbitMQ {version}{erts}"),
+        None => format!("RabbitMQ (version not announced){erts}"),
     }
 }
 

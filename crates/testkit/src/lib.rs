@@ -221,6 +221,9 @@ impl Broker {
     }
 }
 
+/// The longest wait for the broker's answer to one `basic.get` or its ACK.
+const ANSWER: Duration = Duration::from_secs(30);
+
 /// The `rabbitmqctl` arguments that list every queue's messages, ready and unacknowledged.
 const DEPTHS: [&str; 5] = [
     "list_queues",
@@ -341,18 +344,24 @@ impl Client {
     pub async fn take(&self, queue: &str, timeout: Duration) -> Option<BasicGetMessage> {
         let start = Instant::now();
         loop {
-            let got = self
-                .channel
-                .basic_get(queue.into(), BasicGetOptions::default())
-                .await
-                .expect("basic_get");
+            // A reply that never comes fails the test loudly instead of holding it (seen once
+            // in a benchmark's drain after 10 000 gets).
+            let got = tokio::time::timeout(
+                ANSWER,
+                self.channel
+                    .basic_get(queue.into(), BasicGetOptions::default()),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("basic_get on {queue}: no answer in {ANSWER:?}"))
+            .expect("basic_get");
             if let Some(message) = got {
-                message
-                    .delivery
-                    .acker
-                    .ack(BasicAckOptions::default())
-                    .await
-                    .expect("ack");
+                tokio::time::timeout(
+                    ANSWER,
+                    message.delivery.acker.ack(BasicAckOptions::default()),
+                )
+                .await
+                .unwrap_or_else(|_| panic!("ack on {queue}: no answer in {ANSWER:?}"))
+                .expect("ack");
                 return Some(message);
             }
             if start.elapsed() > timeout {
