@@ -4,7 +4,9 @@
 # RabbitMQ 3.10 and every test that talks to a broker against RabbitMQ 4.0, the two side by side.
 # Each version gets its own private servers on loopback: a node, a three-node cluster, a
 # single-member MongoDB replica set and a three-member one (the failover tests and the soak
-# kill and step down its primary), all stopped at the end. It also packages the
+# kill and step down its primary), all stopped at the end; and, for the partition tests, a
+# three-node 3.10 cluster and the test's process on hosts in network namespaces of their own
+# (scripts/partition.sh, root). It also packages the
 # crates meant for the registry and builds and runs an application outside the workspace
 # against those packages (outside/, tests/outside.rs).
 #
@@ -77,7 +79,10 @@ start_servers() (
   wait "$node"
 )
 
-trap 'for v in $VERSIONS; do stop_servers "$v"; done' EXIT
+# The partition tests' hosts: a three-node RabbitMQ 3.10 cluster and the test's process in
+# network namespaces of their own (scripts/partition.sh; root).
+PARTITION_DIR="$PWD/target/lily-test-partition"
+trap 'for v in $VERSIONS; do stop_servers "$v"; done; scripts/partition.sh down "$PARTITION_DIR" || true' EXIT
 for v in $VERSIONS; do
   stop_servers "$v"
   rm -rf "$(dir_of "$v")"
@@ -91,6 +96,11 @@ for v in $VERSIONS; do
   start_servers "$v" >"target/lily-test-start-$v.log" 2>&1 &
   STARTING[$v]=$!
 done
+
+scripts/partition.sh down "$PARTITION_DIR" 2>/dev/null || true
+rm -rf "$PARTITION_DIR"
+scripts/partition.sh up "$PARTITION_DIR" >target/lily-test-partition.log 2>&1 &
+PARTITION_HOSTS=$!
 
 scripts/mongod.sh install
 # Abandoned transactions (a worker killed mid-transaction) are aborted after 10 s instead of
@@ -172,6 +182,16 @@ for v in "${!RUNNING[@]}"; do
   fi
 done
 [ "$status" -eq 0 ] || exit "$status"
+
+# Partitions (about 3 minutes, on RabbitMQ 3.10 with lowered timers: net_ticktime 10 s, the
+# broker's heartbeat 5 s): the cluster and Lily cut apart on purpose, every confirmed order
+# checked by id. The long runs, with the default timers, are `scripts/partition.sh long DIR`.
+if ! wait "$PARTITION_HOSTS"; then
+  echo "lily: the partition hosts did not start:" >&2
+  cat target/lily-test-partition.log >&2
+  exit 1
+fi
+LILY_PARTITION_DIR="$PARTITION_DIR" cargo test -p lily-mq-e2e --test partition -- --ignored
 
 # A short coverage-guided fuzzing run of each target (cargo-afl, installed when missing): the
 # seed corpora replay as regression tests, then AFL++ explores; any crash fails the suite.

@@ -8,10 +8,11 @@
 mod common;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::orders::{Ending, Handled, expected_dead, progress, publish_until, router};
 use lily::prelude::*;
 use lily_mq_testkit::{Broker, Client, Cluster, eventually};
 
@@ -21,114 +22,15 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 /// Orders published a second, until both faults are over.
 const RATE: usize = 250;
 
+/// How long consuming may take to resume after a fault.
+const WITHIN: Duration = Duration::from_secs(90);
+
 #[derive(Clone, Copy, Debug)]
 enum Fault {
     /// `rabbitmqctl stop_app`, then `start_app`.
     StopApp,
     /// kill -9 of the node's VM, then a start with its data.
     Kill,
-}
-
-/// Each call's success, by message id.
-type Calls = BTreeMap<String, Vec<bool>>;
-
-/// What the handler did, by message id.
-#[derive(Clone, Default)]
-struct Handled(Arc<Mutex<Calls>>);
-
-impl Handled {
-    fn succeeded(&self) -> usize {
-        let all = self.0.lock().unwrap();
-        all.values().filter(|r| r.contains(&true)).count()
-    }
-
-    fn ok_count(&self, id: &str) -> usize {
-        let all = self.0.lock().unwrap();
-        all.get(id)
-            .map_or(0, |r| r.iter().filter(|ok| **ok).count())
-    }
-
-    fn calls(&self, id: &str) -> usize {
-        self.0.lock().unwrap().get(id).map_or(0, Vec::len)
-    }
-}
-
-/// Order `n`: 1 in 5 fails for good (DLQ), 1 in 5 fails its first attempt (a retry bucket),
-/// the rest succeed.
-fn expected_dead(n: usize) -> bool {
-    n.is_multiple_of(5)
-}
-
-fn router(handled: &Handled) -> Router {
-    let handled = handled.clone();
-    Router::new().route("order.placed", move |meta: Meta| {
-        let handled = handled.clone();
-        async move {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-            let id = meta.message_id().to_owned();
-            let n: usize = id.trim_start_matches("order-").parse().unwrap_or(0);
-            let result = if expected_dead(n) {
-                Err(QueueHandlerError::permanent("refused by the test"))
-            } else if n % 5 == 1 && meta.attempt() == 1 {
-                Err(QueueHandlerError::retryable("first attempt fails"))
-            } else {
-                Ok(())
-            };
-            handled
-                .0
-                .lock()
-                .unwrap()
-                .entry(id)
-                .or_default()
-                .push(result.is_ok());
-            result
-        }
-    })
-}
-
-/// Publishes orders at `RATE` a second, 25 to a batch, each batch confirmed, until `stop`;
-/// returns how many were confirmed and how many were tried (a batch that failed last may have
-/// reached the queue in part). A batch whose publish or confirms fail (its node went down) is
-/// published again through the next node, so an id may be published twice but never not at
-/// all.
-async fn publish_until(cluster: Cluster, queue: String, stop: Arc<AtomicBool>) -> (usize, usize) {
-    let mut node = 2;
-    let mut publisher: Option<Publisher> = None;
-    let to = Destination::queue(&queue);
-    let batch = 25;
-    let started = Instant::now();
-    let mut n = 0;
-    let mut tried = 0;
-    while !stop.load(Ordering::Acquire) {
-        let due = started + Duration::from_secs_f64(n as f64 / RATE as f64);
-        tokio::time::sleep_until(due.into()).await;
-        let Some(open) = &publisher else {
-            publisher = Publisher::connect(&cluster.url(node)).await.ok();
-            if publisher.is_none() {
-                node = (node + 1) % 3;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            continue;
-        };
-        tried = tried.max(n + batch);
-        let messages = (n..n + batch).map(|i| {
-            let body = format!(r#"{{"n":{i}}}"#).into_bytes();
-            Outgoing::bytes(
-                "order.placed",
-                &format!("order-{i}"),
-                "application/json",
-                body,
-            )
-        });
-        let published = open.publish_all(&to, messages).await;
-        if published.iter().all(Published::is_confirmed) {
-            n += batch;
-        } else {
-            publisher = None;
-            node = (node + 1) % 3;
-        }
-    }
-    (n, tried)
 }
 
 /// Takes `node` down as `fault` says.
@@ -145,17 +47,6 @@ fn bring_back(cluster: &Cluster, node: usize, fault: Fault) {
         Fault::StopApp => cluster.start_app(node),
         Fault::Kill => cluster.restart(node),
     }
-}
-
-/// Waits until `more` further orders than now were handled to success: consuming goes on.
-async fn progress(handled: &Handled, more: usize, what: &str) {
-    let target = handled.succeeded() + more;
-    let resumed = eventually(Duration::from_secs(90), || handled.succeeded() >= target).await;
-    assert!(
-        resumed,
-        "{what}: consuming did not resume ({} succeeded, waiting for {target})",
-        handled.succeeded()
-    );
 }
 
 /// One scenario: Lily consumes through node 0 (the URL), with nodes 1 and 2 as further
@@ -181,18 +72,19 @@ async fn leader_loss(fault: Fault, locator: LeaderLocator) {
         &common::fast_policy().retry_delays,
     );
     let bucket = topology.bucket(0).expect("a bucket").to_owned();
-    let dlq = topology.dead_letter_queue();
-    let parking = topology.parking_queue();
 
     let stop = Arc::new(AtomicBool::new(false));
+    let urls = cluster.nodes().map(|n| cluster.url(n)).collect();
     let publisher = tokio::spawn(publish_until(
-        cluster.clone(),
+        urls,
+        2,
         queue.clone(),
+        RATE,
         Arc::clone(&stop),
     ));
 
     // Mid-flight: the node leading the work queue goes down, consuming resumes elsewhere.
-    progress(&handled, 300, "before the first fault").await;
+    progress(&handled, 300, WITHIN, "before the first fault").await;
     let first = cluster.leader(&queue).expect("the work queue has a leader");
     if locator == LeaderLocator::ClientLocal {
         // Declared through Lily's connection: the node going down is the one Lily is on.
@@ -200,7 +92,7 @@ async fn leader_loss(fault: Fault, locator: LeaderLocator) {
     }
     eprintln!("{fault:?}: node {first} leads {queue}; taking it down");
     take_down(&cluster, first, fault);
-    progress(&handled, 200, "with the work queue's leader down").await;
+    progress(&handled, 200, WITHIN, "with the work queue's leader down").await;
     let moved = cluster.leader(&queue);
     assert!(
         moved.is_some_and(|n| n != first),
@@ -216,13 +108,13 @@ async fn leader_loss(fault: Fault, locator: LeaderLocator) {
     let second = cluster.leader(&bucket).expect("the bucket has a leader");
     eprintln!("{fault:?}: node {second} leads {bucket}; taking it down");
     take_down(&cluster, second, fault);
-    progress(&handled, 200, "with the bucket's leader down").await;
+    progress(&handled, 200, WITHIN, "with the bucket's leader down").await;
     bring_back(&cluster, second, fault);
     assert!(
         cluster.await_members(&bucket).await,
         "node {second} did not catch up"
     );
-    progress(&handled, 100, "with every node back").await;
+    progress(&handled, 100, WITHIN, "with every node back").await;
 
     // Orders kept coming through both faults. Now every one must settle: nothing left in the
     // work queue or the buckets.
@@ -248,80 +140,18 @@ async fn leader_loss(fault: Fault, locator: LeaderLocator) {
 
     // Read back through the node that went down last: the cluster serves through it again.
     let client = Client::connect(&cluster.url(second)).await;
-    let dead = client.drain_ids(&dlq).await;
-    let parked = client.drain_ids(&parking).await;
-    let left = client.drain_ids(&queue).await;
-    let mut in_buckets = BTreeMap::new();
-    for (b, _) in topology.buckets() {
-        in_buckets.extend(client.drain_ids(b).await);
-    }
-    let unresolved: Vec<String> = report
-        .unresolved
-        .iter()
-        .filter_map(|u| u.message_id.clone())
-        .collect();
-
-    let mut violations = Vec::new();
-    for n in 0..orders {
-        let id = format!("order-{n}");
-        let in_dlq = dead.get(&id).copied().unwrap_or(0);
-        let named = unresolved.contains(&id);
-        let in_bucket = in_buckets.contains_key(&id);
-        if left.contains_key(&id) && !named {
-            violations.push(format!("{id}: left in the work queue"));
-        }
-        if parked.contains_key(&id) {
-            violations.push(format!("{id}: parked"));
-        }
-        if expected_dead(n) {
-            if in_dlq == 0 && !named && !in_bucket {
-                violations.push(format!(
-                    "{id}: lost (not in the DLQ, {} calls)",
-                    handled.calls(&id)
-                ));
-            }
-        } else {
-            if handled.ok_count(&id) == 0 && !named && !in_bucket {
-                violations.push(format!(
-                    "{id}: lost (never handled to success, {} calls)",
-                    handled.calls(&id)
-                ));
-            }
-            if in_dlq > 0 {
-                violations.push(format!("{id}: a valid order in the DLQ"));
-            }
-        }
-    }
-    let strangers: Vec<_> = dead
-        .keys()
-        .chain(parked.keys())
-        .filter(|id| {
-            id.trim_start_matches("order-")
-                .parse::<usize>()
-                .map_or(true, |n| n >= tried)
-        })
-        .collect();
-    assert!(
-        strangers.is_empty(),
-        "ids that were never published: {strangers:?}"
-    );
-    let doubled = dead.values().filter(|n| **n > 1).count();
-    // A second success is allowed (at least once; the inbox absorbs it): an order published
-    // twice, a delivery whose authority was lost, or an ACK the broker lost with its leader.
-    let rerun: Vec<String> = (0..orders)
-        .map(|n| format!("order-{n}"))
-        .filter(|id| handled.ok_count(id) > 1)
-        .collect();
-    let rerun_unnamed = rerun.iter().filter(|id| !unresolved.contains(id)).count();
+    let ending = Ending::read(&client, &topology, &report).await;
+    let violations = ending.violations(&handled, orders, tried);
+    let (rerun, rerun_unnamed) = ending.reruns(&handled, orders);
     eprintln!(
-        "{fault:?} {locator:?}: {orders} orders, {} in the DLQ ({doubled} doubled), {} handled \
+        "{fault:?} {locator:?}: {orders} orders, {} in the DLQ ({} doubled), {rerun} handled \
          to success more than once ({rerun_unnamed} of them not named unresolved), {} \
          unresolved, {} still in a bucket, connections lost {}, every valid order succeeded \
          {:.1} s after publishing stopped, totals {:?}",
-        dead.len(),
-        rerun.len(),
-        unresolved.len(),
-        in_buckets.len(),
+        ending.dead.len(),
+        ending.doubled(),
+        ending.unresolved.len(),
+        ending.in_buckets.len(),
         report.incidents.connections_lost,
         waited.as_secs_f64(),
         report.totals

@@ -1,6 +1,8 @@
 //! Shared fixtures of the end-to-end tests.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod orders;
+
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -8,6 +8,7 @@
 mod cluster;
 mod mongo;
 mod mongo_set;
+mod partition;
 mod process;
 mod proxy;
 mod tcp_proxy;
@@ -15,6 +16,7 @@ mod tcp_proxy;
 pub use cluster::Cluster;
 pub use mongo::MongoNode;
 pub use mongo_set::{Member, MongoSet};
+pub use partition::{Host, Partitions};
 pub use process::ChildProcess;
 pub use proxy::FaultProxy;
 pub use tcp_proxy::TcpProxy;

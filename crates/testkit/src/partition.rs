@@ -1,0 +1,238 @@
+//! The partition hosts of `scripts/partition.sh`: a three-node RabbitMQ cluster and the host
+//! `lily` in network namespaces of their own, joined by a bridge whose rules cut links on
+//! purpose.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use crate::eventually;
+
+const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/partition.sh");
+
+/// A host of the partition set-up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Host {
+    /// RabbitMQ node `rabbit@n1` (0), `n2` (1) or `n3` (2).
+    Node(usize),
+    /// Where the process under test runs.
+    Lily,
+}
+
+impl Host {
+    fn name(self) -> String {
+        match self {
+            Self::Node(n) => format!("n{}", n + 1),
+            Self::Lily => "lily".to_owned(),
+        }
+    }
+}
+
+/// The partition hosts set up in `LILY_PARTITION_DIR` (`scripts/partition.sh up DIR`).
+#[derive(Clone, Debug)]
+pub struct Partitions {
+    dir: PathBuf,
+}
+
+impl Partitions {
+    /// The hosts of `LILY_PARTITION_DIR`.
+    ///
+    /// # Panics
+    /// When it is unset: run the partition tests through `scripts/test.sh`.
+    pub fn from_env() -> Self {
+        let Ok(dir) = std::env::var("LILY_PARTITION_DIR") else {
+            panic!(
+                "no partition hosts for tests: LILY_PARTITION_DIR is unset. Run the suite with \
+                 scripts/test.sh, which sets them up (or run scripts/partition.sh up DIR as root \
+                 and export LILY_PARTITION_DIR=DIR)"
+            );
+        };
+        Self { dir: dir.into() }
+    }
+
+    /// The broker's AMQP heartbeat the hosts were set up with (`LILY_PARTITION_HEARTBEAT`).
+    pub fn heartbeat(&self) -> Duration {
+        self.setting("heartbeat")
+    }
+
+    /// The nodes' `net_ticktime` (`LILY_PARTITION_TICKTIME`).
+    pub fn ticktime(&self) -> Duration {
+        self.setting("ticktime")
+    }
+
+    /// A timer `up` recorded, in seconds (RabbitMQ's default, 60, when it did not).
+    fn setting(&self, name: &str) -> Duration {
+        let secs = std::fs::read_to_string(self.dir.join(name))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(60);
+        Duration::from_secs(secs)
+    }
+
+    /// The URL of node `node`'s default vhost, as the host `lily` reaches it.
+    pub fn url(&self, node: usize) -> String {
+        format!("amqp://guest:guest@{}/%2f", self.address(node))
+    }
+
+    /// `ADDRESS:5672` of node `node`.
+    pub fn address(&self, node: usize) -> String {
+        format!("10.77.0.{}:5672", 11 + node)
+    }
+
+    /// Moves the calling thread into the host `lily`'s network: the sockets it opens from now
+    /// on, and those of the threads it starts (a runtime's workers), are `lily`'s. Call it on
+    /// a thread of its own, before building the runtime.
+    ///
+    /// # Panics
+    /// When the namespace is missing or the move is refused (it needs root).
+    pub fn enter_lily(&self) {
+        let prefix = std::fs::read_to_string(self.dir.join("prefix")).expect("the hosts' prefix");
+        let path = format!("/var/run/netns/{}-lily", prefix.trim());
+        let namespace = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        rustix::thread::move_into_link_name_space(
+            std::os::fd::AsFd::as_fd(&namespace),
+            Some(rustix::thread::LinkNameSpaceType::Network),
+        )
+        .unwrap_or_else(|e| panic!("enter {path}: {e}"));
+    }
+
+    fn script(&self, args: &[&str]) -> Output {
+        let dir = self.dir.to_str().expect("utf-8 path");
+        let (command, rest) = args.split_first().expect("a command");
+        // A node wedged in its boot holds `rabbitmqctl` without end: a minute at most.
+        Command::new("timeout")
+            .arg("60")
+            .arg(SCRIPT)
+            .arg(command)
+            .arg(dir)
+            .args(rest)
+            .output()
+            .expect("run scripts/partition.sh")
+    }
+
+    fn must(&self, args: &[&str]) -> String {
+        let out = self.script(args);
+        assert!(
+            out.status.success(),
+            "partition.sh {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Drops every packet between `a` and `b`, both ways, silently.
+    pub fn cut(&self, a: Host, b: Host) {
+        self.must(&["cut", &a.name(), &b.name()]);
+    }
+
+    /// Drops `percent` % of the packets between `a` and `b`, at random.
+    pub fn loss(&self, a: Host, b: Host, percent: u8) {
+        self.must(&["loss", &a.name(), &b.name(), &percent.to_string()]);
+    }
+
+    /// Cuts `a` from every other host.
+    pub fn isolate(&self, a: Host) {
+        self.must(&["isolate", &a.name()]);
+    }
+
+    /// Removes every cut and loss.
+    pub fn heal(&self) {
+        self.must(&["heal"]);
+    }
+
+    /// `rabbitmqctl ARGS` against `node`, its output; `None` when it failed (a paused node, a
+    /// node cut from the others).
+    pub fn ctl(&self, node: usize, args: &[&str]) -> Option<String> {
+        let name = Host::Node(node).name();
+        let mut all = vec!["ctl", name.as_str()];
+        all.extend_from_slice(args);
+        let out = self.script(&all);
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Whether `node` runs the RabbitMQ application (`pause_minority` stops it on the side
+    /// that lost the majority).
+    pub fn running(&self, node: usize) -> bool {
+        self.ctl(node, &["-q", "eval", "rabbit:is_running()."])
+            .is_some_and(|out| out.trim() == "true")
+    }
+
+    /// Waits until all three nodes run and each is connected to the two others. A node that
+    /// stays paused for a minute after the heal is restarted, as an operator would (RabbitMQ
+    /// 3.10's `pause_minority` left one so, wedged in its boot); returns the nodes restarted.
+    ///
+    /// # Panics
+    /// When the cluster is not whole within two minutes after that.
+    pub async fn await_whole(&self) -> Vec<usize> {
+        let peers = r#"length([N || N <- nodes(), lists:prefix("rabbit@", atom_to_list(N))])."#;
+        let whole = || {
+            (0..3).all(|n| {
+                self.running(n)
+                    && self
+                        .ctl(n, &["-q", "eval", peers])
+                        .is_some_and(|out| out.trim() == "2")
+            })
+        };
+        if eventually(Duration::from_secs(60), whole).await {
+            return Vec::new();
+        }
+        let paused: Vec<usize> = (0..3).filter(|n| !self.running(*n)).collect();
+        for node in &paused {
+            self.must(&["restart", &Host::Node(*node).name()]);
+        }
+        let whole = eventually(Duration::from_secs(120), whole).await;
+        assert!(
+            whole,
+            "the cluster did not come back whole after healing (restarted: {paused:?})"
+        );
+        paused
+    }
+
+    /// The node leading quorum queue `queue`, as a running node tells.
+    pub fn leader(&self, queue: &str) -> Option<usize> {
+        let out = (0..3).find_map(|n| {
+            self.ctl(
+                n,
+                &["list_queues", "-q", "--no-table-headers", "name", "leader"],
+            )
+        })?;
+        let leader = out.lines().find_map(|line| {
+            let mut cols = line.split_whitespace();
+            (cols.next()? == queue).then(|| cols.next().map(str::to_owned))?
+        })?;
+        (0..3).find(|n| leader == format!("rabbit@n{}", n + 1))
+    }
+
+    /// The node the client connection named `name` (its `connection_name`) is open on, by the
+    /// address it was opened to (`rabbitmqctl list_connections` lists the whole cluster's).
+    pub fn serving(&self, name: &str) -> Option<usize> {
+        let quoted = format!("\"{name}\"");
+        let out = (0..3).find_map(|n| {
+            self.ctl(
+                n,
+                &[
+                    "list_connections",
+                    "-q",
+                    "--no-table-headers",
+                    "host",
+                    "client_properties",
+                ],
+            )
+        })?;
+        let host = out
+            .lines()
+            .find(|line| line.contains(&quoted))?
+            .split_whitespace()
+            .next()?
+            .to_owned();
+        (0..3).find(|n| self.address(*n).split(':').next() == Some(host.as_str()))
+    }
+
+    /// Every queue's messages, ready and unacknowledged, as node `node` counts them.
+    pub fn depths(&self, node: usize) -> BTreeMap<String, u64> {
+        crate::depths(&self.ctl(node, &crate::DEPTHS).unwrap_or_default())
+    }
+}

@@ -1,0 +1,304 @@
+//! Lily on a three-node cluster whose links are cut on purpose (`scripts/partition.sh`: each
+//! node and Lily's process on hosts of their own in network namespaces, cuts and losses as
+//! bridge rules that drop packets silently). Orders keep coming while, in a seeded order, Lily's
+//! node is isolated, Lily is cut from its node while that node still sees the others, a bridge
+//! forms (two nodes cut from each other, the third seeing both), Lily's link to its node loses
+//! 30 % of its packets, the work queue's leader is isolated, and Lily's node is cut from the two
+//! others while Lily still reaches it (the minority); the cluster heals in between.
+//! Then every confirmed order is checked by id, from outside: handled to success (valid) or in
+//! the DLQ (refused), or still in a retry bucket, or named unresolved in the report; nothing
+//! parked or left in the work queue.
+//!
+//! The timers are the short runs': the broker's heartbeat is 5 s and `net_ticktime` 10 s
+//! (`scripts/partition.sh`), so a silent link is noticed within 10 s by the AMQP heartbeat and
+//! a node cut from the cluster within 10 s by the Erlang distribution.
+//!
+//! The hosts need root: `scripts/test.sh` sets them up and runs this test by name
+//! (`--ignored`); `LILY_PARTITION_SEED` picks the order of the shapes (1 unless set).
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::orders::{Ending, Handled, progress, publish_until, router};
+use lily::prelude::*;
+use lily_mq_testkit::{Broker, Client, Host, Partitions, eventually, eventually_every};
+
+/// Orders published a second.
+const RATE: usize = 200;
+
+/// How long consuming may take to resume once the cluster is whole again.
+const WITHIN: Duration = Duration::from_secs(60);
+
+/// The shapes of a partition.
+#[derive(Clone, Copy, Debug)]
+enum Shape {
+    /// The node Lily consumes through, cut from everyone: `pause_minority` pauses it.
+    LilysNodeIsolated,
+    /// Lily cut from its node, which still sees the other two.
+    LilyCutFromItsNode,
+    /// Two nodes cut from each other; the third sees both.
+    Bridge,
+    /// 30 % of the packets between Lily and its node dropped.
+    LossyLink,
+    /// The work queue's leader cut from everyone (a minority of one, the majority of two).
+    LeaderIsolated,
+    /// Lily's node cut from the two others, Lily still reaching it: the node is the minority,
+    /// and `pause_minority` pauses it once it notices, closing Lily's connection.
+    LilysNodeInTheMinority,
+}
+
+const SHAPES: [Shape; 6] = [
+    Shape::LilysNodeIsolated,
+    Shape::LilyCutFromItsNode,
+    Shape::Bridge,
+    Shape::LossyLink,
+    Shape::LeaderIsolated,
+    Shape::LilysNodeInTheMinority,
+];
+
+/// How Lily learns that its node is gone.
+#[derive(Clone, Copy, Debug)]
+enum Notice {
+    /// The link went silent: two heartbeats without a frame.
+    Silence,
+    /// The node paused when it found itself in the minority (within `net_ticktime` and a
+    /// quarter), and closed the connection.
+    Close,
+}
+
+/// `SHAPES` in the order `seed` draws (a small xorshift: the order is reproducible).
+fn schedule(seed: u64) -> Vec<Shape> {
+    let mut state = seed.max(1);
+    let mut shapes = SHAPES.to_vec();
+    for i in (1..shapes.len()).rev() {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let j = usize::try_from(state % (i as u64 + 1)).expect("small");
+        shapes.swap(i, j);
+    }
+    shapes
+}
+
+/// Runs `scenario` on a thread moved into the host `lily`'s network, with a runtime of its own,
+/// so that every socket Lily and the test open is `lily`'s.
+fn on_lily_host<F, Fut>(scenario: F)
+where
+    F: FnOnce(Partitions) -> Fut + Send + 'static,
+    Fut: Future<Output = ()>,
+{
+    let hosts = Partitions::from_env();
+    let ran = std::thread::spawn(move || {
+        hosts.enter_lily();
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .enable_all()
+            .build()
+            .expect("a runtime")
+            .block_on(scenario(hosts));
+    })
+    .join();
+    if let Err(panic) = ran {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// The node Lily's consuming connection is open on, waited for while it reconnects.
+async fn lilys_node(hosts: &Partitions, connection: &str) -> usize {
+    let mut found = None;
+    eventually(Duration::from_secs(60), || {
+        found = hosts.serving(connection);
+        found.is_some()
+    })
+    .await;
+    found.unwrap_or_else(|| panic!("no node has Lily's connection {connection}"))
+}
+
+#[test]
+#[ignore = "needs the partition hosts (root, network namespaces): scripts/test.sh runs it"]
+fn partitions_of_every_shape_lose_no_confirmed_order() {
+    on_lily_host(partitions);
+}
+
+async fn partitions(hosts: Partitions) {
+    let seed: u64 = std::env::var("LILY_PARTITION_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
+    // Each partition lasts 20 s (`LILY_PARTITION_HOLD_S`). A silent link must be noticed
+    // within two heartbeats (the connection is closed after two without a frame) and 10 s; a
+    // node in the minority pauses within `net_ticktime` and a quarter, and closes Lily's
+    // connection, within 10 s more.
+    let hold = Duration::from_secs(
+        std::env::var("LILY_PARTITION_HOLD_S")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(20),
+    );
+    let silence_within = hosts.heartbeat() * 2 + Duration::from_secs(10);
+    let close_within = hosts.ticktime() * 5 / 4 + Duration::from_secs(10);
+    hosts.heal();
+    hosts.await_whole().await;
+    let queue = Broker::unique("partition");
+    let connection = format!("lily:{queue}:consuming");
+    let handled = Handled::default();
+    let config = common::config(&queue, QueueKind::Quorum)
+        .policy(common::fast_policy().max_requeues(10))
+        .prefetch(50)
+        .concurrency(50)
+        .addresses([hosts.address(1), hosts.address(2)]);
+    let running = common::start(&hosts.url(0), config, router(&handled));
+    running.wait_ready().await;
+    let topology = lily::topology::Topology::new(
+        &queue,
+        QueueKind::Quorum,
+        &common::fast_policy().retry_delays,
+    );
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let urls = (0..3).map(|n| hosts.url(n)).collect();
+    let publisher = tokio::spawn(publish_until(
+        urls,
+        1,
+        queue.clone(),
+        RATE,
+        Arc::clone(&stop),
+    ));
+    progress(&handled, 300, WITHIN, "before the first partition").await;
+
+    // `LILY_PARTITION_ONLY=LossyLink,Bridge` keeps those shapes of the schedule (a loop on one).
+    let only = std::env::var("LILY_PARTITION_ONLY").unwrap_or_default();
+    let shapes: Vec<Shape> = schedule(seed)
+        .into_iter()
+        .filter(|s| only.is_empty() || only.split(',').any(|o| o == format!("{s:?}")))
+        .collect();
+    eprintln!("partition: seed {seed}, shapes {shapes:?}");
+    let mut noticed_shapes = 0;
+    for shape in shapes {
+        let node = lilys_node(&hosts, &connection).await;
+        let started = Instant::now();
+        let (a, b) = ((node + 1) % 3, (node + 2) % 3);
+        let notice = match shape {
+            Shape::LilysNodeIsolated => {
+                hosts.isolate(Host::Node(node));
+                Some(Notice::Silence)
+            }
+            Shape::LilyCutFromItsNode => {
+                hosts.cut(Host::Lily, Host::Node(node));
+                Some(Notice::Silence)
+            }
+            Shape::Bridge => {
+                hosts.cut(Host::Node(a), Host::Node(b));
+                None
+            }
+            Shape::LossyLink => {
+                hosts.loss(Host::Lily, Host::Node(node), 30);
+                None
+            }
+            Shape::LeaderIsolated => {
+                let leader = hosts.leader(&queue).expect("the work queue has a leader");
+                hosts.isolate(Host::Node(leader));
+                (leader == node).then_some(Notice::Silence)
+            }
+            Shape::LilysNodeInTheMinority => {
+                hosts.cut(Host::Node(node), Host::Node(a));
+                hosts.cut(Host::Node(node), Host::Node(b));
+                Some(Notice::Close)
+            }
+        };
+        let noticed = match notice {
+            None => None,
+            Some(notice) => {
+                let within = match notice {
+                    Notice::Silence => silence_within,
+                    Notice::Close => close_within,
+                };
+                let stats = running.stats.clone();
+                // Polled often: the reconnection that follows takes a few hundred ms.
+                let seen =
+                    eventually_every(Duration::from_millis(10), within, || !stats.ready()).await;
+                assert!(
+                    seen,
+                    "{shape:?}: Lily did not notice that its node is gone ({notice:?}) within \
+                     {within:?}"
+                );
+                noticed_shapes += 1;
+                Some(started.elapsed())
+            }
+        };
+        // While partitioned, Lily consumes on the majority side when it reaches it: when 50
+        // more orders than at the cut were handled, consuming had resumed.
+        let before = handled.succeeded();
+        let mut resumed = None;
+        while started.elapsed() < hold {
+            if resumed.is_none() && handled.succeeded() >= before + 50 {
+                resumed = Some(started.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let during = handled.succeeded() - before;
+        hosts.heal();
+        let restarted = hosts.await_whole().await;
+        let healed = Instant::now();
+        progress(&handled, 200, WITHIN, &format!("after {shape:?}")).await;
+        eprintln!(
+            "partition: {shape:?} (Lily on n{}): noticed {noticed:?}, {during} orders handled \
+             while partitioned (50 of them {resumed:?} after the cut), consuming again {:.1} s \
+             after healing{}",
+            node + 1,
+            healed.elapsed().as_secs_f64(),
+            if restarted.is_empty() {
+                String::new()
+            } else {
+                format!(", nodes restarted after staying paused: {restarted:?}")
+            }
+        );
+    }
+
+    stop.store(true, Ordering::Release);
+    let (orders, tried) = publisher.await.expect("publisher");
+    let succeeded =
+        |n: usize| common::orders::expected_dead(n) || handled.ok_count(&format!("order-{n}")) > 0;
+    eventually(Duration::from_secs(90), || (0..orders).all(succeeded)).await;
+    let empty = || {
+        let depths = hosts.depths(0);
+        std::iter::once(queue.as_str())
+            .chain(topology.buckets().map(|(b, _)| b))
+            .all(|q| depths.get(q) == Some(&0))
+    };
+    for _ in 0..2 {
+        eventually(Duration::from_secs(60), empty).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let report = running.stop().await;
+
+    let client = Client::connect(&hosts.url(0)).await;
+    let ending = Ending::read(&client, &topology, &report).await;
+    let violations = ending.violations(&handled, orders, tried);
+    let (rerun, rerun_unnamed) = ending.reruns(&handled, orders);
+    eprintln!(
+        "partition: {orders} orders confirmed ({tried} tried), {} in the DLQ ({} doubled), \
+         {rerun} handled to success more than once ({rerun_unnamed} not named unresolved), {} \
+         unresolved, {} still in a bucket, connections lost {}, totals {:?}",
+        ending.dead.len(),
+        ending.doubled(),
+        ending.unresolved.len(),
+        ending.in_buckets.len(),
+        report.incidents.connections_lost,
+        report.totals
+    );
+    assert!(
+        violations.is_empty(),
+        "{} violations, the first: {:#?}",
+        violations.len(),
+        &violations[..violations.len().min(20)]
+    );
+    assert!(
+        report.incidents.connections_lost >= noticed_shapes,
+        "Lily's node was gone {noticed_shapes} times, yet its connection was lost {} times",
+        report.incidents.connections_lost
+    );
+}
