@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Test hosts in network namespaces, for partitioning a RabbitMQ cluster and Lily on purpose.
 #
+#   scripts/partition.sh install         install nftables and the 3.10 broker when missing
 #   scripts/partition.sh up DIR          make the hosts and start a three-node cluster on them
 #   scripts/partition.sh down DIR        stop everything `up DIR` started and remove the hosts
 #                                        (safe to run twice, and after a failed `up`)
@@ -44,6 +45,8 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# The nodes' environment sets HOME (their cookie lives there); cargo and rustup need the user's.
+USER_HOME=$HOME
 SUBNET=10.77.0
 HOSTS=(n1 n2 n3 lily)
 NODES=(n1 n2 n3)
@@ -65,6 +68,8 @@ prefix() {
   echo "lp$(printf '%s' "$1" | sha1sum | cut -c1-6)"
 }
 
+# Installs what the hosts need (nftables, the 3.10 broker) when missing: run it before starting
+# anything else that installs packages (apt takes one installer at a time).
 need() {
   [ "$(id -u)" -eq 0 ] || { echo "lily: partition hosts need root (ip netns, nft)" >&2; return 1; }
   command -v ip >/dev/null || { echo "lily: iproute2's ip is missing" >&2; return 1; }
@@ -181,7 +186,8 @@ up() {
   down "$dir" 2>/dev/null || true
   rm -rf "${dir:?}/n1" "${dir:?}/n2" "${dir:?}/n3"
   # A failed set-up leaves nothing behind.
-  trap 'down "$dir"' ERR
+  # shellcheck disable=SC2064
+  trap "down '$dir'" ERR
   make_hosts "$dir"
   cookie="lily-partition-$(od -An -N12 -tx1 /dev/urandom | tr -d ' \n')"
   for node in "${NODES[@]}"; do start_node "$dir" "$node" "$cookie"; done
@@ -270,11 +276,12 @@ show() {
 long() {
   local dir seed
   dir=$(mkdir -p "$1" && cd "$1" && pwd)
-  trap 'down "$dir"' EXIT
+  # shellcheck disable=SC2064
+  trap "down '$dir'" EXIT
   TICKTIME=60 HEARTBEAT=60 up "$dir"
   for seed in ${LILY_PARTITION_SEEDS:-1 2 3}; do
     echo "lily: long partition run, seed $seed" >&2
-    (cd "$ROOT" && LILY_PARTITION_DIR="$dir" LILY_PARTITION_SEED="$seed" LILY_PARTITION_HOLD_S=150 \
+    (cd "$ROOT" && HOME="$USER_HOME" LILY_PARTITION_DIR="$dir" LILY_PARTITION_SEED="$seed" LILY_PARTITION_HOLD_S=150 \
       cargo test -p lily-mq-e2e --test partition -- --ignored --nocapture)
   done
 }
@@ -282,6 +289,7 @@ long() {
 cmd=${1:-}
 shift || true
 case "$cmd" in
+  install) need ;;
   up) up "$@" ;;
   long) long "$@" ;;
   down) down "$(cd "$1" 2>/dev/null && pwd || echo "$1")" ;;

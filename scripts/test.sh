@@ -89,6 +89,9 @@ for v in $VERSIONS; do
   mkdir -p "$(dir_of "$v")"
 done
 rm -rf "$TLS_DIR"
+# nftables and the 3.10 broker for the partition hosts, before the servers below start (apt
+# takes one installer at a time).
+scripts/partition.sh install
 # A throwaway local CA for the brokers' and mongod's TLS listeners.
 scripts/tls.sh "$TLS_DIR"
 declare -A STARTING

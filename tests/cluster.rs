@@ -7,14 +7,13 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::orders::{Ending, Handled, expected_dead, progress, publish_until, router};
+use common::orders::{Ending, Handled, progress, publish_until, router, settle};
 use lily::prelude::*;
-use lily_mq_testkit::{Broker, Client, Cluster, eventually};
+use lily_mq_testkit::{Broker, Client, Cluster};
 
 /// The faults take nodes of the one cluster down: one scenario at a time.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -119,49 +118,19 @@ async fn leader_loss(fault: Fault, locator: LeaderLocator) {
     // Orders kept coming through both faults. Now every one must settle: nothing left in the
     // work queue or the buckets.
     stop.store(true, Ordering::Release);
-    let (orders, tried) = publisher.await.expect("publisher");
-    let empty = |depths: &BTreeMap<String, u64>| {
-        std::iter::once(queue.as_str())
-            .chain(topology.buckets().map(|(b, _)| b))
-            .all(|q| depths.get(q) == Some(&0))
-    };
-    // The broker's counts do not show a copy its dead-lettering holds between a bucket and the
-    // work queue, and quorum counts lag: wait for every valid order to succeed as well, then
-    // for two empty readings a second apart. A copy still in a bucket is read back below.
-    let succeeded = |n: usize| expected_dead(n) || handled.ok_count(&format!("order-{n}")) > 0;
-    let waiting = Instant::now();
-    eventually(Duration::from_secs(90), || (0..orders).all(succeeded)).await;
-    let waited = waiting.elapsed();
-    for _ in 0..2 {
-        eventually(Duration::from_secs(60), || empty(&cluster.depths())).await;
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
+    let sent = publisher.await.expect("publisher");
+    let waited = settle(&handled, sent.0, &topology, || cluster.depths()).await;
+    eprintln!(
+        "{fault:?} {locator:?}: every valid order succeeded {:.1} s after publishing stopped",
+        waited.as_secs_f64()
+    );
     let report = running.stop().await;
 
     // Read back through the node that went down last: the cluster serves through it again.
     let client = Client::connect(&cluster.url(second)).await;
-    let ending = Ending::read(&client, &topology, &report).await;
-    let violations = ending.violations(&handled, orders, tried);
-    let (rerun, rerun_unnamed) = ending.reruns(&handled, orders);
-    eprintln!(
-        "{fault:?} {locator:?}: {orders} orders, {} in the DLQ ({} doubled), {rerun} handled \
-         to success more than once ({rerun_unnamed} of them not named unresolved), {} \
-         unresolved, {} still in a bucket, connections lost {}, every valid order succeeded \
-         {:.1} s after publishing stopped, totals {:?}",
-        ending.dead.len(),
-        ending.doubled(),
-        ending.unresolved.len(),
-        ending.in_buckets.len(),
-        report.incidents.connections_lost,
-        waited.as_secs_f64(),
-        report.totals
-    );
-    assert!(
-        violations.is_empty(),
-        "{} violations, the first: {:#?}",
-        violations.len(),
-        &violations[..violations.len().min(20)]
-    );
+    Ending::read(&client, &topology, &report)
+        .await
+        .assert_accounted(&format!("{fault:?} {locator:?}"), &handled, sent, &report);
     if locator == LeaderLocator::ClientLocal {
         assert!(
             report.incidents.connections_lost >= 1,

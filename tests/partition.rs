@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::orders::{Ending, Handled, progress, publish_until, router};
+use common::orders::{Ending, Handled, progress, publish_until, router, settle};
 use lily::prelude::*;
 use lily_mq_testkit::{Broker, Client, Host, Partitions, eventually, eventually_every};
 
@@ -259,43 +259,13 @@ async fn partitions(hosts: Partitions) {
     }
 
     stop.store(true, Ordering::Release);
-    let (orders, tried) = publisher.await.expect("publisher");
-    let succeeded =
-        |n: usize| common::orders::expected_dead(n) || handled.ok_count(&format!("order-{n}")) > 0;
-    eventually(Duration::from_secs(90), || (0..orders).all(succeeded)).await;
-    let empty = || {
-        let depths = hosts.depths(0);
-        std::iter::once(queue.as_str())
-            .chain(topology.buckets().map(|(b, _)| b))
-            .all(|q| depths.get(q) == Some(&0))
-    };
-    for _ in 0..2 {
-        eventually(Duration::from_secs(60), empty).await;
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
+    let sent = publisher.await.expect("publisher");
+    settle(&handled, sent.0, &topology, || hosts.depths(0)).await;
     let report = running.stop().await;
-
     let client = Client::connect(&hosts.url(0)).await;
-    let ending = Ending::read(&client, &topology, &report).await;
-    let violations = ending.violations(&handled, orders, tried);
-    let (rerun, rerun_unnamed) = ending.reruns(&handled, orders);
-    eprintln!(
-        "partition: {orders} orders confirmed ({tried} tried), {} in the DLQ ({} doubled), \
-         {rerun} handled to success more than once ({rerun_unnamed} not named unresolved), {} \
-         unresolved, {} still in a bucket, connections lost {}, totals {:?}",
-        ending.dead.len(),
-        ending.doubled(),
-        ending.unresolved.len(),
-        ending.in_buckets.len(),
-        report.incidents.connections_lost,
-        report.totals
-    );
-    assert!(
-        violations.is_empty(),
-        "{} violations, the first: {:#?}",
-        violations.len(),
-        &violations[..violations.len().min(20)]
-    );
+    Ending::read(&client, &topology, &report)
+        .await
+        .assert_accounted("partition", &handled, sent, &report);
     assert!(
         report.incidents.connections_lost >= noticed_shapes,
         "Lily's node was gone {noticed_shapes} times, yet its connection was lost {} times",

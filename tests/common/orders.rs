@@ -138,6 +138,34 @@ pub async fn progress(handled: &Handled, more: usize, within: Duration, what: &s
     );
 }
 
+/// Waits for every valid order of `0..orders` to be handled to success, then for two readings
+/// a second apart (by `depths`) with the work queue and the buckets of `topology` empty; how
+/// long the first wait took. The broker's counts do not show a copy its dead-lettering holds
+/// between a bucket and the work queue, and quorum counts lag; a copy still in a bucket is
+/// read back by [`Ending::read`].
+pub async fn settle(
+    handled: &Handled,
+    orders: usize,
+    topology: &Topology,
+    depths: impl Fn() -> BTreeMap<String, u64>,
+) -> Duration {
+    let succeeded = |n: usize| expected_dead(n) || handled.ok_count(&format!("order-{n}")) > 0;
+    let waiting = Instant::now();
+    eventually(Duration::from_secs(90), || (0..orders).all(succeeded)).await;
+    let waited = waiting.elapsed();
+    let empty = || {
+        let depths = depths();
+        std::iter::once(topology.queue())
+            .chain(topology.buckets().map(|(b, _)| b))
+            .all(|q| depths.get(q) == Some(&0))
+    };
+    for _ in 0..2 {
+        eventually(Duration::from_secs(60), empty).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    waited
+}
+
 /// What the queues held at the end and what the report named, read back through one client.
 pub struct Ending {
     pub dead: BTreeMap<String, usize>,
@@ -215,6 +243,35 @@ impl Ending {
                 .map(|id| format!("{id}: never published")),
         );
         violations
+    }
+
+    /// Prints what `what` ended with and fails the test on any of [`Ending::violations`].
+    pub fn assert_accounted(
+        &self,
+        what: &str,
+        handled: &Handled,
+        (orders, tried): (usize, usize),
+        report: &ShutdownReport,
+    ) {
+        let violations = self.violations(handled, orders, tried);
+        let (rerun, rerun_unnamed) = self.reruns(handled, orders);
+        eprintln!(
+            "{what}: {orders} orders confirmed ({tried} tried), {} in the DLQ ({} doubled), \
+             {rerun} handled to success more than once ({rerun_unnamed} of them not named \
+             unresolved), {} unresolved, {} still in a bucket, connections lost {}, totals {:?}",
+            self.dead.len(),
+            self.doubled(),
+            self.unresolved.len(),
+            self.in_buckets.len(),
+            report.incidents.connections_lost,
+            report.totals
+        );
+        assert!(
+            violations.is_empty(),
+            "{what}: {} violations, the first: {:#?}",
+            violations.len(),
+            &violations[..violations.len().min(20)]
+        );
     }
 
     /// Orders in the DLQ more than once (an ACK lost after its confirm).
