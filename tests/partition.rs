@@ -22,8 +22,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::orders::{Ending, Handled, progress, publish_until, router, settle};
+use common::orders::{Ending, Handled, progress, publish_until, router, router_working, settle};
 use lily::prelude::*;
+use lily::publish::{Destination, Outgoing, Publisher};
 use lily_mq_testkit::{Broker, Client, Host, Partitions, eventually, eventually_every};
 
 /// Orders published a second.
@@ -117,10 +118,113 @@ async fn lilys_node(hosts: &Partitions, connection: &str) -> usize {
     found.unwrap_or_else(|| panic!("no node has Lily's connection {connection}"))
 }
 
+/// The partition tests share the one set of hosts: one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 #[ignore = "needs the partition hosts (root, network namespaces): scripts/test.sh runs it"]
 fn partitions_of_every_shape_lose_no_confirmed_order() {
+    let _one = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     on_lily_host(partitions);
+}
+
+#[test]
+#[ignore = "needs the partition hosts (root, network namespaces): scripts/test.sh runs it"]
+fn shutdown_while_cut_from_the_broker_ends_within_its_budget_and_names_what_it_could_not_settle() {
+    let _one = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    on_lily_host(shutdown_while_cut);
+}
+
+/// Lily, 50 deliveries in flight (each handled in 1 s; a fifth refused, to the DLQ, a fifth
+/// failing their first attempt, to a retry bucket), is cut from its node and told to stop
+/// at once: the link is silent, so no ACK it writes can be confirmed. It must still end within
+/// its budget, and its report must name what it could not settle; once healed, a second
+/// consumer takes what the broker gives back, and every order is accounted for by id.
+async fn shutdown_while_cut(hosts: Partitions) {
+    const ORDERS: usize = 400;
+    const BUDGET: Duration = Duration::from_secs(5);
+    hosts.heal();
+    hosts.await_whole().await;
+    let queue = Broker::unique("partition-stop");
+    let handled = Handled::default();
+    let slow = router_working(&handled, Duration::from_secs(1));
+    let config = common::config(&queue, QueueKind::Quorum)
+        .prefetch(50)
+        .concurrency(50)
+        .addresses([hosts.address(1), hosts.address(2)]);
+    let running = common::start_within(&hosts.url(0), config.clone(), slow, |c| c, BUDGET);
+    running.wait_ready().await;
+    let publisher = Publisher::connect(&hosts.url(1)).await.expect("publisher");
+    let messages = (0..ORDERS).map(|i| {
+        Outgoing::bytes(
+            "order.placed",
+            &format!("order-{i}"),
+            "application/json",
+            format!(r#"{{"n":{i}}}"#).into_bytes(),
+        )
+    });
+    let published = publisher
+        .publish_all(&Destination::queue(&queue), messages)
+        .await;
+    assert!(
+        published.iter().all(Published::is_confirmed),
+        "orders confirmed"
+    );
+    publisher.close().await;
+    progress(&handled, 100, WITHIN, "before the cut").await;
+
+    let node = lilys_node(&hosts, &format!("lily:{queue}:consuming")).await;
+    hosts.cut(Host::Lily, Host::Node(node));
+    let stopping = Instant::now();
+    let report = running.stop().await;
+    let took = stopping.elapsed();
+    hosts.heal();
+    hosts.await_whole().await;
+    eprintln!(
+        "partition: shutdown cut from n{}: ended in {:.1} s (budget {BUDGET:?}), {} unresolved, \
+         forced {}",
+        node + 1,
+        took.as_secs_f64(),
+        report.unresolved.len(),
+        report.forced
+    );
+    assert!(
+        took <= BUDGET + Duration::from_secs(2),
+        "shutdown took {took:?} against a budget of {BUDGET:?}"
+    );
+    assert!(
+        !report.unresolved.is_empty(),
+        "ACKs written to a silent link were reported settled: {:?}",
+        report.totals
+    );
+
+    // What the broker gives back goes to a second consumer once the cluster is whole.
+    let again = common::start(&hosts.url(node), config, router(&handled));
+    let topology = lily::topology::Topology::new(
+        &queue,
+        QueueKind::Quorum,
+        &common::fast_policy().retry_delays,
+    );
+    settle(&handled, ORDERS, &topology, || hosts.depths(node)).await;
+    let second = again.stop().await;
+    let client = Client::connect(&hosts.url(node)).await;
+    let mut ending = Ending::read(&client, &topology, &second).await;
+    ending.unresolved.extend(
+        report
+            .unresolved
+            .iter()
+            .filter_map(|u| u.message_id.clone()),
+    );
+    ending.assert_accounted(
+        "shutdown cut from the broker",
+        &handled,
+        (ORDERS, ORDERS),
+        &second,
+    );
 }
 
 async fn partitions(hosts: Partitions) {

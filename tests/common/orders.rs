@@ -29,6 +29,16 @@ impl Handled {
             .map_or(0, |r| r.iter().filter(|ok| **ok).count())
     }
 
+    /// Records a call for `id` and whether it succeeded.
+    pub fn record(&self, id: &str, ok: bool) {
+        self.0
+            .lock()
+            .unwrap()
+            .entry(id.to_owned())
+            .or_default()
+            .push(ok);
+    }
+
     pub fn calls(&self, id: &str) -> usize {
         self.0.lock().unwrap().get(id).map_or(0, Vec::len)
     }
@@ -42,11 +52,16 @@ pub fn expected_dead(n: usize) -> bool {
 
 /// The handler: 5 ms of work, then the outcome [`expected_dead`] and its neighbour say.
 pub fn router(handled: &Handled) -> Router {
+    router_working(handled, Duration::from_millis(5))
+}
+
+/// [`router`] with `work` of work a call.
+pub fn router_working(handled: &Handled, work: Duration) -> Router {
     let handled = handled.clone();
     Router::new().route("order.placed", move |meta: Meta| {
         let handled = handled.clone();
         async move {
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            tokio::time::sleep(work).await;
             let id = meta.message_id().to_owned();
             let n: usize = id.trim_start_matches("order-").parse().unwrap_or(0);
             let result = if expected_dead(n) {
@@ -56,13 +71,7 @@ pub fn router(handled: &Handled) -> Router {
             } else {
                 Ok(())
             };
-            handled
-                .0
-                .lock()
-                .unwrap()
-                .entry(id)
-                .or_default()
-                .push(result.is_ok());
+            handled.record(&id, result.is_ok());
             result
         }
     })
