@@ -80,11 +80,16 @@ install() {
 
 # The PID in DIR/mongod.pid when that process is still a running mongod.
 running_pid() {
-  local pid
+  local pid state
   pid=$(cat "$1/mongod.pid" 2>/dev/null || true)
   [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null || true)" = mongod ] || return 1
-  # an exited mongod whose parent has not reaped it yet is not running
-  [ "$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -c1)" != Z ] || return 1
+  # An exited mongod whose parent has not reaped it yet is not running, nor is one reaped
+  # between the two reads (its state reads empty: it was once taken for running, and a
+  # SIGKILLed member's restart refused).
+  state=$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -c1)
+  case "$state" in
+    '' | Z | X) return 1 ;;
+  esac
   echo "$pid"
 }
 
