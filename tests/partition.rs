@@ -91,6 +91,9 @@ where
     F: FnOnce(Partitions) -> Fut + Send + 'static,
     Fut: Future<Output = ()>,
 {
+    let _one = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let hosts = Partitions::from_env();
     let ran = std::thread::spawn(move || {
         hosts.enter_lily();
@@ -107,6 +110,14 @@ where
     }
 }
 
+/// The number in the environment variable `name`, or `default`.
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
 /// The node Lily's consuming connection is open on, waited for while it reconnects.
 async fn lilys_node(hosts: &Partitions, connection: &str) -> usize {
     let mut found = None;
@@ -118,24 +129,18 @@ async fn lilys_node(hosts: &Partitions, connection: &str) -> usize {
     found.unwrap_or_else(|| panic!("no node has Lily's connection {connection}"))
 }
 
-/// The partition tests share the one set of hosts: one at a time.
+/// The partition tests share the one set of hosts: one at a time ([`on_lily_host`]).
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[test]
 #[ignore = "needs the partition hosts (root, network namespaces): scripts/test.sh runs it"]
 fn partitions_of_every_shape_lose_no_confirmed_order() {
-    let _one = ONE_AT_A_TIME
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
     on_lily_host(partitions);
 }
 
 #[test]
 #[ignore = "needs the partition hosts (root, network namespaces): scripts/test.sh runs it"]
 fn shutdown_while_cut_from_the_broker_ends_within_its_budget_and_names_what_it_could_not_settle() {
-    let _one = ONE_AT_A_TIME
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
     on_lily_host(shutdown_while_cut);
 }
 
@@ -228,20 +233,12 @@ async fn shutdown_while_cut(hosts: Partitions) {
 }
 
 async fn partitions(hosts: Partitions) {
-    let seed: u64 = std::env::var("LILY_PARTITION_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(1);
+    let seed = env_or("LILY_PARTITION_SEED", 1);
     // Each partition lasts 20 s (`LILY_PARTITION_HOLD_S`). A silent link must be noticed
     // within two heartbeats (the connection is closed after two without a frame) and 10 s; a
     // node in the minority pauses within `net_ticktime` and a quarter, and closes Lily's
     // connection, within 10 s more.
-    let hold = Duration::from_secs(
-        std::env::var("LILY_PARTITION_HOLD_S")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(20),
-    );
+    let hold = Duration::from_secs(env_or("LILY_PARTITION_HOLD_S", 20));
     let silence_within = hosts.heartbeat() * 2 + Duration::from_secs(10);
     let close_within = hosts.ticktime() * 5 / 4 + Duration::from_secs(10);
     hosts.heal();
