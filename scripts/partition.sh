@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Test hosts in network namespaces, for partitioning a RabbitMQ cluster and Lily on purpose.
+# Test hosts in network namespaces, for partitioning a RabbitMQ cluster, a MongoDB replica set
+# and Lily on purpose.
 #
-#   scripts/partition.sh install         install nftables and the 3.10 broker when missing
-#   scripts/partition.sh up DIR          make the hosts and start a three-node cluster on them
+#   scripts/partition.sh install         install nftables, the 3.10 broker and mongod when missing
+#   scripts/partition.sh up DIR          make the hosts and start a three-node cluster and a
+#                                        three-member replica set on them
 #   scripts/partition.sh down DIR        stop everything `up DIR` started and remove the hosts
 #                                        (safe to run twice, and after a failed `up`)
 #   scripts/partition.sh exec DIR HOST CMD...
-#                                        run CMD on HOST (n1, n2, n3 or lily): in its network
+#                                        run CMD on HOST (n1, n2, n3, m0, m1, m2 or lily): in its network
 #                                        namespace, under its hostname
 #   scripts/partition.sh ctl DIR NODE ARGS...
 #                                        rabbitmqctl against NODE (n1, n2 or n3)
@@ -23,7 +25,9 @@
 #                                        ("1 2 3" unless set), each partition held 150 s, `down`
 #
 # Hosts: n1, n2, n3 (RabbitMQ nodes rabbit@n1 .. rabbit@n3, AMQP on port 5672 of 10.77.0.11 ..
-# 10.77.0.13) and lily (10.77.0.100), where a test runs the process under test. Each host is a
+# 10.77.0.13), m0, m1, m2 (the members of MongoDB replica set "lily", on port 27017 of
+# 10.77.0.20 .. 10.77.0.22, data in DIR/m0 .. DIR/m2) and lily (10.77.0.100), where a test runs
+# the process under test. Each host is a
 # network namespace with its own hostname (a UTS namespace per command), its own epmd and its
 # own /etc/hosts naming the four. They are joined through veth pairs to a bridge that lives in a
 # fifth namespace, so the host machine sees none of the addresses and nothing is routed off it:
@@ -37,10 +41,14 @@
 # what pause_minority gives them here too). Timers are lowered for the short runs and say so:
 # `net_ticktime` LILY_PARTITION_TICKTIME (10 s unless set; RabbitMQ's default is 60) and the
 # broker's AMQP heartbeat LILY_PARTITION_HEARTBEAT (5 s unless set; default 60). Set both to 60
-# for a long run with the defaults.
+# for a long run with the defaults. The replica set's `electionTimeoutMillis` is
+# LILY_PARTITION_ELECTION_MS (1 000 unless set; mongod's default is 10 000) and its
+# `transactionLifetimeLimitSeconds` LILY_PARTITION_TXN_LIFETIME_S (10 unless set; default 60):
+# a transaction left open on a member cut from Lily holds its documents that long.
 #
 # Needs root (ip netns, veth, nft), iproute2, nftables (installed from Debian's packages when
-# missing) and the 3.10 broker of `scripts/rabbitmq.sh install`. The names of the namespaces
+# missing), the 3.10 broker of `scripts/rabbitmq.sh install` and the mongod of
+# `scripts/mongod.sh install`. The names of the namespaces
 # are derived from DIR (lp<hash>-n1 ...), so runs in different directories never collide.
 set -euo pipefail
 
@@ -48,18 +56,24 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 # The nodes' environment sets HOME (their cookie lives there); cargo and rustup need the user's.
 USER_HOME=$HOME
 SUBNET=10.77.0
-HOSTS=(n1 n2 n3 lily)
+HOSTS=(n1 n2 n3 m0 m1 m2 lily)
 NODES=(n1 n2 n3)
+MEMBERS=(m0 m1 m2)
 TICKTIME=${LILY_PARTITION_TICKTIME:-10}
 HEARTBEAT=${LILY_PARTITION_HEARTBEAT:-5}
+ELECTION=${LILY_PARTITION_ELECTION_MS:-1000}
+TXN_LIFETIME=${LILY_PARTITION_TXN_LIFETIME_S:-10}
 
 address() {
   case "$1" in
     n1) echo "$SUBNET.11" ;;
     n2) echo "$SUBNET.12" ;;
     n3) echo "$SUBNET.13" ;;
+    m0) echo "$SUBNET.20" ;;
+    m1) echo "$SUBNET.21" ;;
+    m2) echo "$SUBNET.22" ;;
     lily) echo "$SUBNET.100" ;;
-    *) echo "lily: no host '$1' (n1, n2, n3, lily)" >&2; return 2 ;;
+    *) echo "lily: no host '$1' (n1, n2, n3, m0, m1, m2, lily)" >&2; return 2 ;;
   esac
 }
 
@@ -68,7 +82,7 @@ prefix() {
   echo "lp$(printf '%s' "$1" | sha1sum | cut -c1-6)"
 }
 
-# Installs what the hosts need (nftables, the 3.10 broker) when missing: run it before starting
+# Installs what the hosts need (nftables, the 3.10 broker, mongod) when missing: run it before starting
 # anything else that installs packages (apt takes one installer at a time).
 need() {
   [ "$(id -u)" -eq 0 ] || { echo "lily: partition hosts need root (ip netns, nft)" >&2; return 1; }
@@ -79,6 +93,7 @@ need() {
     env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nftables >&2
   fi
   [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || "$ROOT/scripts/rabbitmq.sh" install
+  "$ROOT/scripts/mongod.sh" install
 }
 
 # Runs CMD in HOST's namespace under its hostname, with its /etc/hosts (ip netns exec binds
@@ -157,6 +172,22 @@ CONF
   echo $! >"$dir/$node/server.pid"
 }
 
+# The replica set "lily" on m0 .. m2, each member bound to its host's address; initiated and
+# awaited from the host lily, as a client there sees it.
+start_members() {
+  local dir=$1 member members=() pids=()
+  for member in "${MEMBERS[@]}"; do
+    rm -rf "${dir:?}/$member"
+    on "$dir" "$member" env LILY_MONGOD_BIND="$(address "$member")" \
+      LILY_MONGOD_TXN_LIFETIME_S="$TXN_LIFETIME" "$ROOT/scripts/mongod.sh" launch "$dir/$member" 27017
+    members+=("$(address "$member"):27017")
+    pids+=("$(cat "$dir/$member/mongod.pid")")
+  done
+  local IFS=,
+  on "$dir" lily env LILY_MONGOD_ELECTION_TIMEOUT_MS="$ELECTION" \
+    "$ROOT/scripts/mongod.sh" await-set "${members[*]}" "${pids[*]}" 60
+}
+
 ctl() {
   local dir=$1 node=$2
   shift 2
@@ -198,17 +229,19 @@ up() {
     ctl "$dir" "$node" -q start_app
   done
   ctl "$dir" n1 -q await_online_nodes 3
+  start_members "$dir"
   echo "$HEARTBEAT" >"$dir/heartbeat"
   echo "$TICKTIME" >"$dir/ticktime"
+  echo "$ELECTION" >"$dir/election_ms"
   trap - ERR
-  echo "lily: three-node cluster rabbit@n1..n3 on $SUBNET.11-13:5672 in namespaces $(prefix "$dir")-* (net_ticktime ${TICKTIME} s, heartbeat ${HEARTBEAT} s; data $dir)" >&2
+  echo "lily: three-node cluster rabbit@n1..n3 on $SUBNET.11-13:5672 (net_ticktime ${TICKTIME} s, heartbeat ${HEARTBEAT} s) and replica set lily on $SUBNET.20-22:27017 (electionTimeoutMillis $ELECTION) in namespaces $(prefix "$dir")-* (data $dir)" >&2
 }
 
 down() {
   local dir=$1 p node pid ns
   p=$(prefix "$dir")
-  for node in "${NODES[@]}"; do
-    for f in rabbit.pid server.pid; do
+  for node in "${NODES[@]}" "${MEMBERS[@]}"; do
+    for f in rabbit.pid server.pid mongod.pid; do
       pid=$(cat "$dir/$node/$f" 2>/dev/null || true)
       [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null || true
     done
@@ -270,7 +303,8 @@ show() {
   bridge_nft "$1" list chain bridge lily forward
 }
 
-# The long runs: the cluster with RabbitMQ's default timers (net_ticktime and heartbeat 60 s),
+# The long runs: the cluster with RabbitMQ's default timers (net_ticktime and heartbeat 60 s)
+# and the replica set with mongod's (electionTimeoutMillis 10 s, transactions' lifetime 60 s),
 # each partition held 150 s (a silent link takes up to 120 s to notice), one run of the
 # partition test per seed; the hosts are removed at the end, also on failure.
 long() {
@@ -278,7 +312,7 @@ long() {
   dir=$(mkdir -p "$1" && cd "$1" && pwd)
   # shellcheck disable=SC2064
   trap "down '$dir'" EXIT
-  TICKTIME=60 HEARTBEAT=60 up "$dir"
+  TICKTIME=60 HEARTBEAT=60 ELECTION=10000 TXN_LIFETIME=60 up "$dir"
   for seed in ${LILY_PARTITION_SEEDS:-1 2 3}; do
     echo "lily: long partition run, seed $seed" >&2
     (cd "$ROOT" && HOME="$USER_HOME" LILY_PARTITION_DIR="$dir" LILY_PARTITION_SEED="$seed" LILY_PARTITION_HOLD_S=150 \

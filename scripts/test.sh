@@ -5,8 +5,8 @@
 # Each version gets its own private servers on loopback: a node, a three-node cluster, a
 # single-member MongoDB replica set and a three-member one (the failover tests and the soak
 # kill and step down its primary), all stopped at the end; and, for the partition tests, a
-# three-node 3.10 cluster and the test's process on hosts in network namespaces of their own
-# (scripts/partition.sh, root). It also packages the
+# three-node 3.10 cluster, a three-member MongoDB replica set and the test's process on hosts in
+# network namespaces of their own (scripts/partition.sh, root). It also packages the
 # crates meant for the registry and builds and runs an application outside the workspace
 # against those packages (outside/, tests/outside.rs).
 #
@@ -17,6 +17,16 @@ cd "$(dirname "$0")/.."
 command -v cargo >/dev/null || { echo "lily: cargo not found; install Rust with rustup" >&2; exit 1; }
 if command -v rustup >/dev/null; then
   rustup component add rustfmt clippy >/dev/null 2>&1 || true
+fi
+
+# One build from scratch, so no incremental state: it would add about 3 GB to the 6 GB the
+# build takes (measured on a clean clone, 2026-12-06); with the fuzzing build and the servers'
+# data the whole run needs about 12 GB. A run that fills the disk dies in the linker: say so first.
+export CARGO_INCREMENTAL=0
+mkdir -p target
+free_kb=$(df -Pk target | awk 'NR == 2 { print $4 }')
+if [ "${free_kb:-0}" -lt $((12 * 1024 * 1024)) ]; then
+  echo "lily: only $((free_kb / 1024 / 1024)) GB free under target/; the suite needs about 12 GB (a clean build and the servers' data)" >&2
 fi
 
 VERSIONS=${LILY_TEST_VERSIONS:-3.10 4.0}
@@ -79,8 +89,8 @@ start_servers() (
   wait "$node"
 )
 
-# The partition tests' hosts: a three-node RabbitMQ 3.10 cluster and the test's process in
-# network namespaces of their own (scripts/partition.sh; root).
+# The partition tests' hosts: a three-node RabbitMQ 3.10 cluster, a three-member replica set and
+# the test's process in network namespaces of their own (scripts/partition.sh; root).
 PARTITION_DIR="$PWD/target/lily-test-partition"
 trap 'for v in $VERSIONS; do stop_servers "$v"; done; scripts/partition.sh down "$PARTITION_DIR" || true' EXIT
 for v in $VERSIONS; do
@@ -89,8 +99,8 @@ for v in $VERSIONS; do
   mkdir -p "$(dir_of "$v")"
 done
 rm -rf "$TLS_DIR"
-# nftables and the 3.10 broker for the partition hosts, before the servers below start (apt
-# takes one installer at a time).
+# nftables, the 3.10 broker and mongod for the partition hosts, before the servers below start
+# (apt takes one installer at a time).
 scripts/partition.sh install
 # A throwaway local CA for the brokers' and mongod's TLS listeners.
 scripts/tls.sh "$TLS_DIR"
@@ -186,9 +196,10 @@ for v in "${!RUNNING[@]}"; do
 done
 [ "$status" -eq 0 ] || exit "$status"
 
-# Partitions (about 3 minutes, on RabbitMQ 3.10 with lowered timers: net_ticktime 10 s, the
-# broker's heartbeat 5 s): the cluster and Lily cut apart on purpose, every confirmed order
-# checked by id. The long runs, with the default timers, are `scripts/partition.sh long DIR`.
+# Partitions (about 5 minutes, on RabbitMQ 3.10 and mongod 6.0 with lowered timers: net_ticktime
+# 10 s, the broker's heartbeat 5 s, electionTimeoutMillis 1 s): the cluster, the replica set and
+# Lily cut apart on purpose, every confirmed order checked by id. The long runs, with the
+# default timers, are `scripts/partition.sh long DIR`.
 if ! wait "$PARTITION_HOSTS"; then
   echo "lily: the partition hosts did not start:" >&2
   cat target/lily-test-partition.log >&2

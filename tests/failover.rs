@@ -23,9 +23,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::ledger::{direct, documents, effects};
 use lily::prelude::*;
+use lily_mq_mongo::mongodb::Database;
 use lily_mq_mongo::mongodb::bson::{Bson, Document, doc};
-use lily_mq_mongo::mongodb::{Client as MongoClient, Database};
 use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx, Outbox, handler_error};
 use lily_mq_testkit::{Broker, Client, MongoNode, MongoSet};
 
@@ -243,11 +244,7 @@ async fn survive(name: &str, kind: QueueKind, fault: Fault, lease: bool) {
     );
 
     // Every message by id: exactly one effect.
-    let mut effects = BTreeMap::<String, u32>::new();
-    for entry in documents(&mongo, "ledger", doc! {}).await {
-        let id = entry.get_str("message_id").expect("message_id").to_owned();
-        *effects.entry(id).or_default() += 1;
-    }
+    let effects = effects(&mongo).await;
     let wrong: Vec<String> = ids
         .iter()
         .filter_map(|id| match effects.get(id).copied().unwrap_or(0) {
@@ -334,14 +331,6 @@ async fn survive(name: &str, kind: QueueKind, fault: Fault, lease: bool) {
     );
 }
 
-/// A client of the set (not of the scope) that reads at majority.
-async fn direct(url: &str, database: &str) -> Database {
-    let client = MongoClient::with_uri_str(&format!("{url}&readConcernLevel=majority"))
-        .await
-        .expect("a client of the set");
-    client.database(database)
-}
-
 /// Waits until every id has its effect and the queue is empty; how long that took. When they do
 /// not within [`SETTLED_WITHIN`], fails naming each id without its effect, with what the
 /// database holds for it (its inbox record, its deferral count) and the queues' depths.
@@ -400,20 +389,6 @@ async fn most_deferrals(mongo: &Database) -> i64 {
         _ => 0,
     };
     counts.iter().map(|c| count(c) - 1).fold(0, i64::max)
-}
-
-/// Every document of `collection` that matches `filter`.
-async fn documents(mongo: &Database, collection: &str, filter: Document) -> Vec<Document> {
-    let mut cursor = mongo
-        .collection::<Document>(collection)
-        .find(filter)
-        .await
-        .unwrap_or_else(|e| panic!("read {collection}: {e}"));
-    let mut found = Vec::new();
-    while cursor.advance().await.expect("a cursor") {
-        found.push(cursor.deserialize_current().expect("a document"));
-    }
-    found
 }
 
 /// Lily's own writes and reads outside the transaction ask for a majority though the URL asks

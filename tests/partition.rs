@@ -13,19 +13,28 @@
 //! (`scripts/partition.sh`), so a silent link is noticed within 10 s by the AMQP heartbeat and
 //! a node cut from the cluster within 10 s by the Erlang distribution.
 //!
+//! A third test puts MongoDB through its partitions while a consumer commits an effect per
+//! order in its transaction: the primary cut from its majority (Lily still reaching it), then
+//! Lily cut from the primary (which keeps its majority); every confirmed order is checked in the
+//! database: one effect for a valid order, none for a refused one.
+//!
 //! The hosts need root: `scripts/test.sh` sets them up and runs this test by name
 //! (`--ignored`); `LILY_PARTITION_SEED` picks the order of the shapes (1 unless set).
 
 mod common;
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::orders::{Ending, Handled, progress, publish_until, router, router_working, settle};
+use common::orders::{
+    Ending, Handled, expected_dead, progress, publish_until, router, router_working, settle,
+};
 use lily::prelude::*;
 use lily::publish::{Destination, Outgoing, Publisher};
-use lily_mq_testkit::{Broker, Client, Host, Partitions, eventually, eventually_every};
+use lily_mq_mongo::mongodb::bson::{Document, doc};
+use lily_mq_mongo::{MongoConfig, MongoScope, MongoTx, handler_error};
+use lily_mq_testkit::{Broker, Client, Host, MongoNode, Partitions, eventually, eventually_every};
 
 /// Orders published a second.
 const RATE: usize = 200;
@@ -371,5 +380,192 @@ async fn partitions(hosts: Partitions) {
         report.incidents.connections_lost >= noticed_shapes,
         "Lily's node was gone {noticed_shapes} times, yet its connection was lost {} times",
         report.incidents.connections_lost
+    );
+}
+
+#[test]
+#[ignore = "needs the partition hosts (root, network namespaces): scripts/test.sh runs it"]
+fn a_mongo_primary_cut_from_its_majority_or_from_lily_leaves_every_effect_once() {
+    on_lily_host(mongo_partitions);
+}
+
+/// The shapes of a partition of the replica set.
+#[derive(Clone, Copy, Debug)]
+enum MongoShape {
+    /// The primary cut from both secondaries, Lily still reaching all three: the two elect a
+    /// new primary, and the old one steps down once it misses them.
+    PrimaryCutFromItsMajority,
+    /// Lily cut from the primary, which keeps its majority: no election, and no primary Lily
+    /// can reach until the heal.
+    LilyCutFromThePrimary,
+}
+
+/// Orders published a second in the MongoDB run (majority commits on three members take
+/// longer than an ACK).
+const MONGO_RATE: usize = 50;
+
+/// The effect: one `ledger` entry per valid order, written in the delivery's transaction and
+/// marked with `run`; the outcomes of [`router`] otherwise (a fifth refused, a fifth failing
+/// their first attempt).
+fn ledger_router(handled: &Handled, run: &str) -> Router {
+    let (handled, run) = (handled.clone(), run.to_owned());
+    Router::new().route("order.placed", move |tx: MongoTx, meta: Meta| {
+        let (handled, run) = (handled.clone(), run.clone());
+        async move {
+            let id = meta.message_id().to_owned();
+            let n: usize = id.trim_start_matches("order-").parse().unwrap_or(0);
+            let result = if expected_dead(n) {
+                Err(QueueHandlerError::permanent("refused by the test"))
+            } else if n % 5 == 1 && meta.attempt() == 1 {
+                Err(QueueHandlerError::retryable("first attempt fails"))
+            } else {
+                let attempt = i64::from(meta.attempt());
+                let entry = doc! { "message_id": &id, "attempt": attempt, "run": run };
+                tx.database()
+                    .collection::<Document>("ledger")
+                    .insert_one(entry)
+                    .session(&mut *tx.session().await)
+                    .await
+                    .map(drop)
+                    .map_err(|e| handler_error("ledger insert", e))
+            };
+            handled.record(&id, result.is_ok());
+            result
+        }
+    })
+}
+
+async fn mongo_partitions(hosts: Partitions) {
+    let hold = Duration::from_secs(env_or("LILY_PARTITION_HOLD_S", 20));
+    hosts.heal();
+    hosts.await_whole().await;
+    let set = hosts.mongo_set();
+    set.await_healthy(Duration::from_secs(60)).await;
+    let queue = Broker::unique("partition-mongo");
+    let database = MongoNode::database_name("partition");
+    let commits = Arc::new(Mutex::new(Vec::<Instant>::new()));
+    let committed = Arc::clone(&commits);
+    let scope_config = MongoConfig::new("partition")
+        .on_committed(move |_| committed.lock().unwrap().push(Instant::now()));
+    let scope = MongoScope::connect(set.url(), &database, scope_config)
+        .await
+        .expect("the scope connects to the set");
+    let handled = Handled::default();
+    // The handler timeout is the library's (30 s), above the driver's wait for a primary.
+    let config = common::config(&queue, QueueKind::Quorum)
+        .policy(common::fast_policy().max_requeues(10))
+        .prefetch(50)
+        .concurrency(20)
+        .handler_timeout(Duration::from_secs(30))
+        .addresses([hosts.address(1), hosts.address(2)]);
+    let running = common::start_with(
+        &hosts.url(0),
+        config,
+        ledger_router(&handled, &database),
+        |c| c.scope(scope),
+    );
+    running.wait_ready().await;
+    let topology = lily::topology::Topology::new(
+        &queue,
+        QueueKind::Quorum,
+        &common::fast_policy().retry_delays,
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let urls = (0..3).map(|n| hosts.url(n)).collect();
+    let publisher = tokio::spawn(publish_until(
+        urls,
+        1,
+        queue.clone(),
+        MONGO_RATE,
+        Arc::clone(&stop),
+    ));
+    progress(&handled, 100, WITHIN, "before the first partition").await;
+
+    let committed_since = |t: Instant| commits.lock().unwrap().iter().filter(|c| **c > t).count();
+    for shape in [
+        MongoShape::PrimaryCutFromItsMajority,
+        MongoShape::LilyCutFromThePrimary,
+    ] {
+        let primary = set.await_primary(Duration::from_secs(30)).await;
+        let started = Instant::now();
+        match shape {
+            MongoShape::PrimaryCutFromItsMajority => {
+                for other in (0..set.len()).filter(|m| *m != primary) {
+                    hosts.cut(Host::Member(primary), Host::Member(other));
+                }
+            }
+            MongoShape::LilyCutFromThePrimary => hosts.cut(Host::Lily, Host::Member(primary)),
+        }
+        let mut resumed = None;
+        while started.elapsed() < hold {
+            if resumed.is_none() && committed_since(started) >= 20 {
+                resumed = Some(started.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let during = committed_since(started);
+        hosts.heal();
+        let healed = Instant::now();
+        set.await_healthy(Duration::from_secs(60)).await;
+        progress(&handled, 100, WITHIN, &format!("after {shape:?}")).await;
+        eprintln!(
+            "partition: {shape:?} (primary m{primary}, election timeout {:?}): {during} commits \
+             while partitioned (20 of them {resumed:?} after the cut), committing again {:.1} s \
+             after healing; totals {:?}",
+            hosts.election_timeout(),
+            healed.elapsed().as_secs_f64(),
+            running.stats.totals()
+        );
+    }
+
+    stop.store(true, Ordering::Release);
+    let sent = publisher.await.expect("publisher");
+    settle(&handled, sent.0, &topology, || hosts.depths(0)).await;
+    let report = running.stop().await;
+    let client = Client::connect(&hosts.url(0)).await;
+    let ending = Ending::read(&client, &topology, &report).await;
+    ending.assert_accounted("partition mongo", &handled, sent, &report);
+
+    // In the database, read at majority once the set is whole: one effect for each valid
+    // order (none or one for an order named unresolved), none for a refused one, none for an
+    // order never published.
+    let mongo = common::ledger::direct(set.url(), &database).await;
+    let effects = common::ledger::effects(&mongo).await;
+    let mut wrong = Vec::new();
+    for n in 0..sent.0 {
+        let id = format!("order-{n}");
+        let count = effects.get(&id).copied().unwrap_or(0);
+        let named = ending.unresolved.contains(&id);
+        let expected = if expected_dead(n) { 0 } else { 1 };
+        if count != expected && !(named && count < expected) {
+            wrong.push(format!("{id}: {count} effects"));
+        }
+    }
+    wrong.extend(
+        effects
+            .keys()
+            .filter(|id| {
+                id.trim_start_matches("order-")
+                    .parse::<usize>()
+                    .map_or(true, |n| n >= sent.1)
+            })
+            .map(|id| format!("{id}: an effect, never published")),
+    );
+    let rolled_back = set
+        .rolled_back()
+        .iter()
+        .filter(|d| d.get_str("run") == Ok(database.as_str()))
+        .count();
+    eprintln!(
+        "partition mongo: {} effects for {} orders confirmed; {rolled_back} ledger entries \
+         rolled back by the old primary, each done again",
+        effects.values().sum::<u32>(),
+        sent.0
+    );
+    assert!(
+        wrong.is_empty(),
+        "{} orders without exactly their effect, the first: {:#?}",
+        wrong.len(),
+        &wrong[..wrong.len().min(20)]
     );
 }

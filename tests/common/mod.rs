@@ -1,6 +1,7 @@
 //! Shared fixtures of the end-to-end tests.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod ledger;
 pub mod orders;
 
 use std::net::SocketAddr;

@@ -11,11 +11,14 @@ use mongodb::options::{ClientOptions, ServerAddress};
 /// `scripts/mongod.sh start-set`: members `m0`, `m1` and `m2` in one directory, on three
 /// consecutive loopback ports, with authentication (member authentication by key file) and TLS
 /// as the single node has them. Clients reach it as a replica set, so they follow elections.
+///
+/// The partition hosts' set ([`crate::Partitions::mongo_set`]) is one too, its members on
+/// hosts of their own; there `kill` and `start` do not apply (they act on loopback members).
 #[derive(Clone, Debug)]
 pub struct MongoSet {
     url: String,
     dir: PathBuf,
-    ports: Vec<u16>,
+    members: Vec<(String, u16)>,
 }
 
 /// A member of the set, by its index (`m0`, `m1`, `m2`).
@@ -39,24 +42,30 @@ impl MongoSet {
                  PORT+1,127.0.0.1:PORT+2/?replicaSet=lily and LILY_MONGOD_SET_DIR=DIR)"
             );
         };
+        Self::at(url, dir.into())
+    }
+
+    /// The set whose connection string is `url` (its hosts are the members `m0`, `m1`, ... in
+    /// order) and whose members keep their data in `dir/m0`, `dir/m1`, ...
+    ///
+    /// # Panics
+    /// When `url` names no `host:port`.
+    pub fn at(url: String, dir: PathBuf) -> Self {
         let hosts = url
             .split_once("://")
             .map(|(_, rest)| rest.rsplit_once('@').map_or(rest, |(_, hosts)| hosts))
             .and_then(|rest| rest.split(['/', '?']).next())
-            .expect("hosts in LILY_MONGO_SET_URL");
-        let ports = hosts
+            .expect("hosts in the set's URL");
+        let members = hosts
             .split(',')
-            .map(|host| {
-                host.rsplit_once(':')
-                    .and_then(|(_, port)| port.parse().ok())
-                    .expect("host:port in LILY_MONGO_SET_URL")
+            .map(|member| {
+                member
+                    .rsplit_once(':')
+                    .and_then(|(host, port)| Some((host.to_owned(), port.parse().ok()?)))
+                    .expect("host:port in the set's URL")
             })
             .collect();
-        Self {
-            url,
-            dir: dir.into(),
-            ports,
-        }
+        Self { url, dir, members }
     }
 
     /// The set's connection string (no `directConnection`: the driver follows elections).
@@ -71,12 +80,12 @@ impl MongoSet {
 
     /// The number of members.
     pub fn len(&self) -> usize {
-        self.ports.len()
+        self.members.len()
     }
 
     /// Whether the set has no member (never, for a set that started).
     pub fn is_empty(&self) -> bool {
-        self.ports.is_empty()
+        self.members.is_empty()
     }
 
     /// A client of `member` alone, with the set's credentials.
@@ -84,9 +93,10 @@ impl MongoSet {
         let mut options = ClientOptions::parse(&self.url)
             .await
             .expect("LILY_MONGO_SET_URL parses");
+        let (host, port) = &self.members[member];
         options.hosts = vec![ServerAddress::Tcp {
-            host: "127.0.0.1".into(),
-            port: Some(self.ports[member]),
+            host: host.clone(),
+            port: Some(*port),
         }];
         options.repl_set_name = None;
         options.direct_connection = Some(true);
@@ -176,7 +186,8 @@ impl MongoSet {
         assert!(status.success(), "kill -KILL {pid} failed");
         // Reaped by nobody until it is started again: wait until it no longer answers.
         let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", self.ports[member])).is_ok() {
+        let (host, port) = &self.members[member];
+        while std::net::TcpStream::connect((host.as_str(), *port)).is_ok() {
             assert!(
                 Instant::now() < deadline,
                 "m{member} still listens after SIGKILL"

@@ -1,13 +1,13 @@
-//! The partition hosts of `scripts/partition.sh`: a three-node RabbitMQ cluster and the host
-//! `lily` in network namespaces of their own, joined by a bridge whose rules cut links on
-//! purpose.
+//! The partition hosts of `scripts/partition.sh`: a three-node RabbitMQ cluster, a
+//! three-member MongoDB replica set and the host `lily` in network namespaces of their own,
+//! joined by a bridge whose rules cut links on purpose.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use crate::eventually;
+use crate::{MongoSet, eventually};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/partition.sh");
 
@@ -16,6 +16,9 @@ const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/partiti
 pub enum Host {
     /// RabbitMQ node `rabbit@n1` (0), `n2` (1) or `n3` (2).
     Node(usize),
+    /// Member `m0`, `m1` or `m2` of the MongoDB replica set (its index in
+    /// [`Partitions::mongo_set`]).
+    Member(usize),
     /// Where the process under test runs.
     Lily,
 }
@@ -24,6 +27,7 @@ impl Host {
     fn name(self) -> String {
         match self {
             Self::Node(n) => format!("n{}", n + 1),
+            Self::Member(m) => format!("m{m}"),
             Self::Lily => "lily".to_owned(),
         }
     }
@@ -61,13 +65,30 @@ impl Partitions {
         self.setting("ticktime")
     }
 
+    /// The replica set's `electionTimeoutMillis` (`LILY_PARTITION_ELECTION_MS`).
+    pub fn election_timeout(&self) -> Duration {
+        Duration::from_millis(self.number("election_ms").unwrap_or(10_000))
+    }
+
     /// A timer `up` recorded, in seconds (RabbitMQ's default, 60, when it did not).
     fn setting(&self, name: &str) -> Duration {
-        let secs = std::fs::read_to_string(self.dir.join(name))
+        Duration::from_secs(self.number(name).unwrap_or(60))
+    }
+
+    fn number(&self, name: &str) -> Option<u64> {
+        std::fs::read_to_string(self.dir.join(name))
             .ok()
             .and_then(|s| s.trim().parse().ok())
-            .unwrap_or(60);
-        Duration::from_secs(secs)
+    }
+
+    /// The replica set on `m0` .. `m2`, as the host `lily` reaches it (a replica-set URL: the
+    /// driver follows elections).
+    pub fn mongo_set(&self) -> MongoSet {
+        let members: Vec<String> = (0..3)
+            .map(|m| format!("10.77.0.{}:27017", 20 + m))
+            .collect();
+        let url = format!("mongodb://{}/?replicaSet=lily", members.join(","));
+        MongoSet::at(url, self.dir.clone())
     }
 
     /// The URL of node `node`'s default vhost, as the host `lily` reaches it.
