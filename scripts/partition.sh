@@ -2,7 +2,7 @@
 # Test hosts in network namespaces, for partitioning a RabbitMQ cluster, a MongoDB replica set
 # and Lily on purpose.
 #
-#   scripts/partition.sh install         install nftables, the 3.10 broker and mongod when missing
+#   scripts/partition.sh install         install nftables, the broker and mongod when missing
 #   scripts/partition.sh up DIR          make the hosts and start a three-node cluster and a
 #                                        three-member replica set on them
 #   scripts/partition.sh down DIR        stop everything `up DIR` started and remove the hosts
@@ -20,12 +20,14 @@
 #   scripts/partition.sh restart DIR NODE
 #                                        kill -9 NODE's VM and start it again with its data
 #   scripts/partition.sh show DIR        the rules in force
-#   scripts/partition.sh long DIR        the long runs: `up` with RabbitMQ's default timers, the
-#                                        partition test once per seed in LILY_PARTITION_SEEDS
-#                                        ("1 2 3" unless set), each partition held 150 s, `down`
+#   scripts/partition.sh long DIR [TEST] the long runs: `up` with the default timers, the
+#                                        partition tests (those whose name holds TEST, when
+#                                        given) once per seed in LILY_PARTITION_SEEDS ("1 2 3"
+#                                        unless set), each partition held 150 s, `down`
 #
 # Hosts: n1, n2, n3 (RabbitMQ nodes rabbit@n1 .. rabbit@n3, AMQP on port 5672 of 10.77.0.11 ..
-# 10.77.0.13), m0, m1, m2 (the members of MongoDB replica set "lily", on port 27017 of
+# 10.77.0.13 and AMQPS on 5671, each node with a certificate of its own for its name and address,
+# signed by a CA made for the hosts, DIR/ca.pem), m0, m1, m2 (the members of MongoDB replica set "lily", on port 27017 of
 # 10.77.0.20 .. 10.77.0.22, data in DIR/m0 .. DIR/m2) and lily (10.77.0.100), where a test runs
 # the process under test. Each host is a
 # network namespace with its own hostname (a UTS namespace per command), its own epmd and its
@@ -47,8 +49,10 @@
 # a transaction left open on a member cut from Lily holds its documents that long.
 #
 # Needs root (ip netns, veth, nft), iproute2, nftables (installed from Debian's packages when
-# missing), the 3.10 broker of `scripts/rabbitmq.sh install` and the mongod of
-# `scripts/mongod.sh install`. The names of the namespaces
+# missing), the broker of `scripts/rabbitmq.sh install` and the mongod of
+# `scripts/mongod.sh install`. LILY_RABBIT_VERSION picks the broker as it does there: 3.10 unless
+# set, or 4.0 (each node chrooted into the 4.0 root, inside its host's namespace); `up` records
+# it in DIR/version and the other commands follow it. The names of the namespaces
 # are derived from DIR (lp<hash>-n1 ...), so runs in different directories never collide.
 set -euo pipefail
 
@@ -82,7 +86,7 @@ prefix() {
   echo "lp$(printf '%s' "$1" | sha1sum | cut -c1-6)"
 }
 
-# Installs what the hosts need (nftables, the 3.10 broker, mongod) when missing: run it before starting
+# Installs what the hosts need (nftables, the broker, mongod) when missing: run it before starting
 # anything else that installs packages (apt takes one installer at a time).
 need() {
   [ "$(id -u)" -eq 0 ] || { echo "lily: partition hosts need root (ip netns, nft)" >&2; return 1; }
@@ -92,7 +96,7 @@ need() {
     env DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
     env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nftables >&2
   fi
-  [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || "$ROOT/scripts/rabbitmq.sh" install
+  "$ROOT/scripts/rabbitmq.sh" install
   "$ROOT/scripts/mongod.sh" install
 }
 
@@ -102,6 +106,12 @@ on() {
   local dir=$1 host=$2
   shift 2
   ip netns exec "$(prefix "$dir")-$host" unshare --uts -- /bin/sh -c 'hostname "$0"; exec "$@"' "$host" "$@"
+}
+
+# The broker version of the hosts in DIR (`up` records it). Inside a host's namespace /etc/hosts
+# is the host's own (ip netns exec binds it), which a 4.0 node's root is given too.
+version_of() {
+  cat "$1/version" 2>/dev/null || echo 3.10
 }
 
 # The bridge's namespace runs nft.
@@ -148,6 +158,28 @@ node_env() {
   export RABBITMQ_ADVANCED_CONFIG_FILE="$dir/$node/advanced.config"
 }
 
+# A CA of the hosts' own (DIR/ca.pem) and for each node a certificate of its own name and
+# address, in DIR/NODE/tls: a client that moves from node to node checks each one's.
+certificates() {
+  local dir=$1 node tls
+  command -v openssl >/dev/null || { echo "lily: openssl is missing (scripts/tls.sh installs it)" >&2; return 1; }
+  mkdir -p "$dir/ca"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=lily-partition-ca" \
+    -keyout "$dir/ca/ca.key" -out "$dir/ca.pem" 2>/dev/null
+  for node in "${NODES[@]}"; do
+    tls="$dir/$node/tls"
+    mkdir -p "$tls"
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=$node" -keyout "$tls/key.pem" -out "$tls/req.csr" 2>/dev/null
+    printf 'subjectAltName=DNS:%s,IP:%s\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n' \
+      "$node" "$(address "$node")" >"$tls/ext"
+    openssl x509 -req -in "$tls/req.csr" -CA "$dir/ca.pem" -CAkey "$dir/ca/ca.key" -CAcreateserial \
+      -days 2 -extfile "$tls/ext" -out "$tls/cert.pem" 2>/dev/null
+    cp "$dir/ca.pem" "$tls/ca.pem"
+    rm -f "$tls/req.csr" "$tls/ext"
+    chmod 600 "$tls/key.pem"
+  done
+}
+
 start_node() {
   local dir=$1 node=$2 cookie=$3
   mkdir -p "$dir/$node/mnesia" "$dir/$node/log"
@@ -161,13 +193,20 @@ log.file.level = warning
 disk_free_limit.absolute = 50MB
 cluster_partition_handling = pause_minority
 heartbeat = $HEARTBEAT
+listeners.ssl.default = $(address "$node"):5671
+ssl_options.cacertfile = $HOME/tls/ca.pem
+ssl_options.certfile = $HOME/tls/cert.pem
+ssl_options.keyfile = $HOME/tls/key.pem
+ssl_options.verify = verify_none
+ssl_options.fail_if_no_peer_cert = false
 CONF
   echo "[{kernel, [{net_ticktime, $TICKTIME}]}, {rabbit, [{dead_letter_worker_publisher_confirm_timeout, 5000}]}]." \
     >"$RABBITMQ_ADVANCED_CONFIG_FILE"
   rm -f "$HOME/.erlang.cookie"
   printf '%s' "$cookie" >"$HOME/.erlang.cookie"
   chmod 400 "$HOME/.erlang.cookie"
-  on "$dir" "$node" env ERL_EPMD_ADDRESS="$(address "$node")" /usr/lib/rabbitmq/bin/rabbitmq-server \
+  on "$dir" "$node" env ERL_EPMD_ADDRESS="$(address "$node")" LILY_RABBIT_VERSION="$(version_of "$dir")" \
+    LILY_RABBIT_HOSTS=/etc/hosts "$ROOT/scripts/rabbitmq.sh" run rabbitmq-server \
     >"$dir/$node/log/stdout.log" 2>&1 &
   echo $! >"$dir/$node/server.pid"
 }
@@ -192,7 +231,8 @@ ctl() {
   local dir=$1 node=$2
   shift 2
   node_env "$dir" "$node"
-  on "$dir" "$node" /usr/lib/rabbitmq/bin/rabbitmqctl -n "rabbit@$node" "$@"
+  on "$dir" "$node" env LILY_RABBIT_VERSION="$(version_of "$dir")" LILY_RABBIT_HOSTS=/etc/hosts \
+    "$ROOT/scripts/rabbitmq.sh" run rabbitmqctl -n "rabbit@$node" "$@"
 }
 
 await_node() {
@@ -220,6 +260,8 @@ up() {
   # shellcheck disable=SC2064
   trap "down '$dir'" ERR
   make_hosts "$dir"
+  echo "${LILY_RABBIT_VERSION:-3.10}" >"$dir/version"
+  certificates "$dir"
   cookie="lily-partition-$(od -An -N12 -tx1 /dev/urandom | tr -d ' \n')"
   for node in "${NODES[@]}"; do start_node "$dir" "$node" "$cookie"; done
   for node in "${NODES[@]}"; do await_node "$dir" "$node"; done
@@ -234,7 +276,7 @@ up() {
   echo "$TICKTIME" >"$dir/ticktime"
   echo "$ELECTION" >"$dir/election_ms"
   trap - ERR
-  echo "lily: three-node cluster rabbit@n1..n3 on $SUBNET.11-13:5672 (net_ticktime ${TICKTIME} s, heartbeat ${HEARTBEAT} s) and replica set lily on $SUBNET.20-22:27017 (electionTimeoutMillis $ELECTION) in namespaces $(prefix "$dir")-* (data $dir)" >&2
+  echo "lily: three-node RabbitMQ $(version_of "$dir") cluster rabbit@n1..n3 on $SUBNET.11-13:5672 (net_ticktime ${TICKTIME} s, heartbeat ${HEARTBEAT} s) and replica set lily on $SUBNET.20-22:27017 (electionTimeoutMillis $ELECTION) in namespaces $(prefix "$dir")-* (data $dir)" >&2
 }
 
 down() {
@@ -264,7 +306,9 @@ restart() {
     [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null || true
   done
   cookie=$(cat "$dir/$node/.erlang.cookie")
-  start_node "$dir" "$node" "$cookie"
+  # The timers `up` started the cluster with: a node whose net_ticktime differs from its peers'
+  # is refused by them.
+  TICKTIME=$(cat "$dir/ticktime") HEARTBEAT=$(cat "$dir/heartbeat") start_node "$dir" "$node" "$cookie"
   await_node "$dir" "$node"
 }
 
@@ -308,7 +352,7 @@ show() {
 # each partition held 150 s (a silent link takes up to 120 s to notice), one run of the
 # partition test per seed; the hosts are removed at the end, also on failure.
 long() {
-  local dir seed
+  local dir seed filter=${2:-}
   dir=$(mkdir -p "$1" && cd "$1" && pwd)
   # shellcheck disable=SC2064
   trap "down '$dir'" EXIT
@@ -316,7 +360,7 @@ long() {
   for seed in ${LILY_PARTITION_SEEDS:-1 2 3}; do
     echo "lily: long partition run, seed $seed" >&2
     (cd "$ROOT" && HOME="$USER_HOME" LILY_PARTITION_DIR="$dir" LILY_PARTITION_SEED="$seed" LILY_PARTITION_HOLD_S=150 \
-      cargo test -p lily-mq-e2e --test partition -- --ignored --nocapture)
+      cargo test -p lily-mq-e2e --test partition -- --ignored --nocapture "$filter")
   done
 }
 
@@ -335,5 +379,5 @@ case "$cmd" in
   heal) heal "$(cd "$1" && pwd)" ;;
   restart) restart "$(cd "$1" && pwd)" "$2" ;;
   show) show "$(cd "$1" && pwd)" ;;
-  *) sed -n '2,40p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,55p' "$0" >&2; exit 2 ;;
 esac

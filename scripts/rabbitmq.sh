@@ -19,6 +19,13 @@
 #   scripts/rabbitmq.sh kill DIR         kill -9 the node started with DIR (a crash); `start DIR
 #                                        PORT` brings it back with its data
 #   scripts/rabbitmq.sh version DIR      the RabbitMQ version of the node set up in DIR
+#   scripts/rabbitmq.sh run PROGRAM ARGS...
+#                                        run one of the broker's programs (rabbitmq-server,
+#                                        rabbitmqctl ...) of LILY_RABBIT_VERSION with the caller's
+#                                        node environment (HOME, RABBITMQ_*, ERL_EPMD_*): the
+#                                        partition hosts start their nodes with it. For 4.0,
+#                                        LILY_RABBIT_HOSTS names a hosts file whose lines the
+#                                        root's /etc/hosts gets too
 #
 # LILY_RABBIT_VERSION picks the broker for `install`, `start` and `cluster-start`: 3.10 (the
 # default: Debian 12's rabbitmq-server, installed with apt) or 4.0 (Debian 13's, with Erlang 27,
@@ -94,20 +101,21 @@ install_root() {
 # root's /etc/hosts is shown with the machine's own name added: 4.0 looks that name up now and
 # then while it opens connections, and where no file names it the lookup goes to DNS, which on
 # a machine that cannot reach one stalls every connection being opened for the resolver's 5 s
-# timeout (seen here once per 250 or so connections opened).
+# timeout (seen here once per 250 or so connections opened). The lines of LILY_RABBIT_HOSTS, when
+# set, come before that name: the partition hosts name each other there.
 in_root() {
   local vars=(PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 LC_ALL=C.UTF-8) name
   for name in HOME ERL_EPMD_ADDRESS ERL_EPMD_PORT $(compgen -e | grep '^RABBITMQ_'); do
-    vars+=("$name=${!name}")
+    [ -z "${!name+set}" ] || vars+=("$name=${!name}")
   done
   unshare --mount --propagation private -- /bin/sh -c '
-    root=$1 dir=$2; shift 2
+    root=$1 dir=$2 extra=$3; shift 3
     mount -t proc proc "$root/proc"
     mkdir -p "$root$dir" && mount --bind "$dir" "$root$dir"
     hosts=$(mktemp)
-    { cat "$root/etc/hosts"; echo "127.0.0.1 $(hostname)"; } >"$hosts"
+    { cat "$root/etc/hosts"; [ -z "$extra" ] || cat "$extra"; echo "127.0.0.1 $(hostname)"; } >"$hosts"
     mount --bind "$hosts" "$root/etc/hosts" && rm "$hosts"
-    exec chroot "$root" /usr/bin/env -i "$@"' sh "$ROOT4" "$HOME" "${vars[@]}" "$@"
+    exec chroot "$root" /usr/bin/env -i "$@"' sh "$ROOT4" "$HOME" "${LILY_RABBIT_HOSTS:-}" "${vars[@]}" "$@"
 }
 
 # Runs one of the broker's programs (rabbitmq-server, rabbitmqctl, ...) of the node's version.
@@ -332,5 +340,6 @@ case "$cmd" in
   cluster-start) cluster_start "$@" ;;
   cluster-stop) cluster_stop "$@" ;;
   version) version "$@" ;;
-  *) sed -n '2,30p' "$0" >&2; exit 2 ;;
+  run) run "$@" ;;
+  *) sed -n '2,37p' "$0" >&2; exit 2 ;;
 esac

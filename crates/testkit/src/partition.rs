@@ -65,6 +65,12 @@ impl Partitions {
         self.setting("ticktime")
     }
 
+    /// The RabbitMQ version the nodes run (`LILY_RABBIT_VERSION` at `up`): `3.10` or `4.0`.
+    pub fn version(&self) -> String {
+        std::fs::read_to_string(self.dir.join("version"))
+            .map_or_else(|_| "3.10".to_owned(), |v| v.trim().to_owned())
+    }
+
     /// The replica set's `electionTimeoutMillis` (`LILY_PARTITION_ELECTION_MS`).
     pub fn election_timeout(&self) -> Duration {
         Duration::from_millis(self.number("election_ms").unwrap_or(10_000))
@@ -99,6 +105,25 @@ impl Partitions {
     /// `ADDRESS:5672` of node `node`.
     pub fn address(&self, node: usize) -> String {
         format!("10.77.0.{}:5672", 11 + node)
+    }
+
+    /// The `amqps://` URL of node `node`'s default vhost: the node presents a certificate of its
+    /// own name and address, signed by [`Partitions::ca_pem`].
+    pub fn tls_url(&self, node: usize) -> String {
+        format!("amqps://guest:guest@{}/%2f", self.tls_address(node))
+    }
+
+    /// `ADDRESS:5671` of node `node`.
+    pub fn tls_address(&self, node: usize) -> String {
+        format!("10.77.0.{}:5671", 11 + node)
+    }
+
+    /// The PEM of the CA that signed the nodes' certificates.
+    ///
+    /// # Panics
+    /// When `up` made none.
+    pub fn ca_pem(&self) -> String {
+        std::fs::read_to_string(self.dir.join("ca.pem")).expect("the hosts' CA (ca.pem)")
     }
 
     /// Moves the calling thread into the host `lily`'s network: the sockets it opens from now
@@ -181,15 +206,31 @@ impl Partitions {
             .is_some_and(|out| out.trim() == "true")
     }
 
-    /// Waits until all three nodes run and each is connected to the two others. A node that
-    /// stays paused for a minute after the heal is restarted, as an operator would (RabbitMQ
-    /// 3.10's `pause_minority` left one so, wedged in its boot); returns the nodes restarted.
+    /// The peers `node` records a partition with (`rabbit_node_monitor:partitions()`, what
+    /// `rabbitmqctl cluster_status` lists under "Network Partitions"): while any is recorded,
+    /// the two sides' metadata do not replicate, so a queue declared on one side is unroutable
+    /// from the other. `None` when the node does not answer.
+    pub fn partitions(&self, node: usize) -> Option<Vec<usize>> {
+        let out = self.ctl(node, &["-q", "eval", "rabbit_node_monitor:partitions()."])?;
+        Some(
+            (0..3)
+                .filter(|n| out.contains(&format!("rabbit@n{}", n + 1)))
+                .collect(),
+        )
+    }
+
+    /// Waits until all three nodes run, each is connected to the two others and none records a
+    /// partition. What an operator would do after a minute without that is done, and the nodes
+    /// restarted are returned: a node still paused is restarted (RabbitMQ 3.10's
+    /// `pause_minority` left one so, wedged in its boot), then, while partitions stay recorded
+    /// (4.0.5 left them so after successive partitions), the node that records the most, one at
+    /// a time, as RabbitMQ's guide says (restart the side you trust least).
     ///
     /// # Panics
-    /// When the cluster is not whole within two minutes after that.
+    /// When the cluster is not whole after three such restarts, or two minutes after one.
     pub async fn await_whole(&self) -> Vec<usize> {
         let peers = r#"length([N || N <- nodes(), lists:prefix("rabbit@", atom_to_list(N))])."#;
-        let whole = || {
+        let connected = || {
             (0..3).all(|n| {
                 self.running(n)
                     && self
@@ -197,19 +238,42 @@ impl Partitions {
                         .is_some_and(|out| out.trim() == "2")
             })
         };
+        let clear = || (0..3).all(|n| self.partitions(n).is_some_and(|p| p.is_empty()));
+        let whole = || connected() && clear();
         if eventually(Duration::from_secs(60), whole).await {
             return Vec::new();
         }
-        let paused: Vec<usize> = (0..3).filter(|n| !self.running(*n)).collect();
-        for node in &paused {
+        let mut restarted: Vec<usize> = (0..3).filter(|n| !self.running(*n)).collect();
+        for node in &restarted {
             self.must(&["restart", &Host::Node(*node).name()]);
+        }
+        for _ in 0..3 {
+            let up = eventually(Duration::from_secs(120), connected).await;
+            assert!(
+                up,
+                "the cluster did not come back whole after healing (restarted: {restarted:?})"
+            );
+            if eventually(Duration::from_secs(30), clear).await {
+                return restarted;
+            }
+            let recorded: Vec<usize> = (0..3)
+                .map(|n| self.partitions(n).map_or(0, |p| p.len()))
+                .collect();
+            let Some(most) = (0..3)
+                .filter(|n| recorded[*n] > 0)
+                .max_by_key(|n| (recorded[*n], 3 - n))
+            else {
+                continue;
+            };
+            self.must(&["restart", &Host::Node(most).name()]);
+            restarted.push(most);
         }
         let whole = eventually(Duration::from_secs(120), whole).await;
         assert!(
             whole,
-            "the cluster did not come back whole after healing (restarted: {paused:?})"
+            "partitions stay recorded after restarting {restarted:?}"
         );
-        paused
+        restarted
     }
 
     /// The node leading quorum queue `queue`, as a running node tells.
