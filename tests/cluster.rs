@@ -7,11 +7,10 @@
 
 mod common;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::orders::{Ending, Handled, progress, publish_until, router, settle};
+use common::orders::{Ending, Handled, progress, publishing, router, settle};
 use lily::prelude::*;
 use lily_mq_testkit::{Broker, Client, Cluster};
 
@@ -72,15 +71,8 @@ async fn leader_loss(fault: Fault, locator: LeaderLocator) {
     );
     let bucket = topology.bucket(0).expect("a bucket").to_owned();
 
-    let stop = Arc::new(AtomicBool::new(false));
     let urls = cluster.nodes().map(|n| cluster.url(n)).collect();
-    let publisher = tokio::spawn(publish_until(
-        urls,
-        2,
-        queue.clone(),
-        RATE,
-        Arc::clone(&stop),
-    ));
+    let (stop, publisher) = publishing(urls, 2, &queue, RATE);
 
     // Mid-flight: the node leading the work queue goes down, consuming resumes elsewhere.
     progress(&handled, 300, WITHIN, "before the first fault").await;

@@ -24,12 +24,13 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::orders::{
-    Ending, Handled, expected_dead, progress, publish_until, router, router_working, settle,
+    Ending, Handled, expected_dead, planned_failure, progress, publishing, router, router_working,
+    settle,
 };
 use lily::prelude::*;
 use lily::publish::{Destination, Outgoing, Publisher};
@@ -128,6 +129,15 @@ fn env_or(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
+/// The topology of quorum queue `queue` with the tests' retry delays.
+fn quorum_topology(queue: &str) -> lily::topology::Topology {
+    lily::topology::Topology::new(
+        queue,
+        QueueKind::Quorum,
+        &common::fast_policy().retry_delays,
+    )
+}
+
 /// The node Lily's consuming connection is open on, waited for while it reconnects.
 async fn lilys_node(hosts: &Partitions, connection: &str) -> usize {
     let mut found = None;
@@ -222,11 +232,7 @@ async fn shutdown_while_cut(hosts: Partitions) {
 
     // What the broker gives back goes to a second consumer once the cluster is whole.
     let again = common::start(&hosts.url(node), config, router(&handled));
-    let topology = lily::topology::Topology::new(
-        &queue,
-        QueueKind::Quorum,
-        &common::fast_policy().retry_delays,
-    );
+    let topology = quorum_topology(&queue);
     settle(&handled, ORDERS, &topology, || hosts.depths(node)).await;
     let second = again.stop().await;
     let client = Client::connect(&hosts.url(node)).await;
@@ -274,21 +280,8 @@ async fn partitions(hosts: Partitions) {
         .tls_ca_pem(hosts.ca_pem());
     let running = common::start(&hosts.tls_url(0), config, router(&handled));
     running.wait_ready().await;
-    let topology = lily::topology::Topology::new(
-        &queue,
-        QueueKind::Quorum,
-        &common::fast_policy().retry_delays,
-    );
-
-    let stop = Arc::new(AtomicBool::new(false));
-    let urls = (0..3).map(|n| hosts.url(n)).collect();
-    let publisher = tokio::spawn(publish_until(
-        urls,
-        1,
-        queue.clone(),
-        RATE,
-        Arc::clone(&stop),
-    ));
+    let topology = quorum_topology(&queue);
+    let (stop, publisher) = publishing(hosts.urls(), 1, &queue, RATE);
     progress(&handled, 300, WITHIN, "before the first partition").await;
 
     // `LILY_PARTITION_ONLY=LossyLink,Bridge` keeps those shapes of the schedule (a loop on one).
@@ -428,11 +421,8 @@ fn ledger_router(handled: &Handled, run: &str) -> Router {
         let (handled, run) = (handled.clone(), run.clone());
         async move {
             let id = meta.message_id().to_owned();
-            let n: usize = id.trim_start_matches("order-").parse().unwrap_or(0);
-            let result = if expected_dead(n) {
-                Err(QueueHandlerError::permanent("refused by the test"))
-            } else if n % 5 == 1 && meta.attempt() == 1 {
-                Err(QueueHandlerError::retryable("first attempt fails"))
+            let result = if let Some(failure) = planned_failure(&id, meta.attempt()) {
+                Err(failure)
             } else {
                 let attempt = i64::from(meta.attempt());
                 let entry = doc! { "message_id": &id, "attempt": attempt, "run": run };
@@ -480,20 +470,8 @@ async fn mongo_partitions(hosts: Partitions) {
         |c| c.scope(scope),
     );
     running.wait_ready().await;
-    let topology = lily::topology::Topology::new(
-        &queue,
-        QueueKind::Quorum,
-        &common::fast_policy().retry_delays,
-    );
-    let stop = Arc::new(AtomicBool::new(false));
-    let urls = (0..3).map(|n| hosts.url(n)).collect();
-    let publisher = tokio::spawn(publish_until(
-        urls,
-        1,
-        queue.clone(),
-        MONGO_RATE,
-        Arc::clone(&stop),
-    ));
+    let topology = quorum_topology(&queue);
+    let (stop, publisher) = publishing(hosts.urls(), 1, &queue, MONGO_RATE);
     progress(&handled, 100, WITHIN, "before the first partition").await;
 
     let committed_since = |t: Instant| commits.lock().unwrap().iter().filter(|c| **c > t).count();

@@ -50,7 +50,20 @@ pub fn expected_dead(n: usize) -> bool {
     n.is_multiple_of(5)
 }
 
-/// The handler: 5 ms of work, then the outcome [`expected_dead`] and its neighbour say.
+/// The failure planned for order `id` at `attempt`: refused for good ([`expected_dead`]), or
+/// failing its first attempt (the order after such a one); `None`: the order succeeds.
+pub fn planned_failure(id: &str, attempt: u32) -> Option<QueueHandlerError> {
+    let n: usize = id.trim_start_matches("order-").parse().unwrap_or(0);
+    if expected_dead(n) {
+        Some(QueueHandlerError::permanent("refused by the test"))
+    } else if n % 5 == 1 && attempt == 1 {
+        Some(QueueHandlerError::retryable("first attempt fails"))
+    } else {
+        None
+    }
+}
+
+/// The handler: 5 ms of work, then the outcome [`planned_failure`] says.
 pub fn router(handled: &Handled) -> Router {
     router_working(handled, Duration::from_millis(5))
 }
@@ -63,18 +76,30 @@ pub fn router_working(handled: &Handled, work: Duration) -> Router {
         async move {
             tokio::time::sleep(work).await;
             let id = meta.message_id().to_owned();
-            let n: usize = id.trim_start_matches("order-").parse().unwrap_or(0);
-            let result = if expected_dead(n) {
-                Err(QueueHandlerError::permanent("refused by the test"))
-            } else if n % 5 == 1 && meta.attempt() == 1 {
-                Err(QueueHandlerError::retryable("first attempt fails"))
-            } else {
-                Ok(())
-            };
+            let result = planned_failure(&id, meta.attempt()).map_or(Ok(()), Err);
             handled.record(&id, result.is_ok());
             result
         }
     })
+}
+
+/// [`publish_until`] in a task of its own, through `urls` starting with `urls[first]`, until
+/// the flag returned is set.
+pub fn publishing(
+    urls: Vec<String>,
+    first: usize,
+    queue: &str,
+    rate: usize,
+) -> (Arc<AtomicBool>, tokio::task::JoinHandle<(usize, usize)>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let publisher = tokio::spawn(publish_until(
+        urls,
+        first,
+        queue.to_owned(),
+        rate,
+        Arc::clone(&stop),
+    ));
+    (stop, publisher)
 }
 
 /// Publishes orders at `rate` a second, 25 to a batch, each batch confirmed, until `stop`,

@@ -102,6 +102,11 @@ impl Partitions {
         format!("amqp://guest:guest@{}/%2f", self.address(node))
     }
 
+    /// The URLs of the three nodes, in order.
+    pub fn urls(&self) -> Vec<String> {
+        (0..3).map(|n| self.url(n)).collect()
+    }
+
     /// `ADDRESS:5672` of node `node`.
     pub fn address(&self, node: usize) -> String {
         format!("10.77.0.{}:5672", 11 + node)
