@@ -92,7 +92,7 @@ impl MongoSet {
     async fn direct(&self, member: Member) -> mongodb::Client {
         let mut options = ClientOptions::parse(&self.url)
             .await
-            .expect("LILY_MONGO_SET_URL parses");
+            .expect("the set's URL parses");
         let (host, port) = &self.members[member];
         options.hosts = vec![ServerAddress::Tcp {
             host: host.clone(),
