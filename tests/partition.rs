@@ -501,11 +501,18 @@ async fn mongo_partitions(hosts: Partitions) {
         let healed = Instant::now();
         set.await_healthy(Duration::from_secs(60)).await;
         progress(&handled, 100, WITHIN, &format!("after {shape:?}")).await;
+        let first_commit = commits
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|c| **c > healed)
+            .copied();
         eprintln!(
             "partition: {shape:?} (primary m{primary}, election timeout {:?}): {during} commits \
-             while partitioned (20 of them {resumed:?} after the cut), committing again {:.1} s \
-             after healing; totals {:?}",
+             while partitioned (20 of them {resumed:?} after the cut); after healing, the first \
+             commit {:?} and 100 more orders handled {:.1} s after; totals {:?}",
             hosts.election_timeout(),
+            first_commit.map(|c| c - healed),
             healed.elapsed().as_secs_f64(),
             running.stats.totals()
         );
