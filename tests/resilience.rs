@@ -3,11 +3,12 @@
 mod common;
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::{Calls, config, header_str, start};
 use lily::prelude::*;
-use lily_mq_testkit::{Broker, Client, eventually};
+use lily_mq_testkit::{Broker, Client, TcpProxy, eventually, eventually_every};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -416,6 +417,75 @@ async fn a_stalled_broker_cannot_hold_shutdown_past_its_budget() {
     let expected: BTreeSet<String> = (0..20).map(|i| format!("s-{i}")).collect();
     let seen: BTreeSet<String> = back.union(&handled).cloned().collect();
     assert_eq!(seen, expected, "back {back:?}, handled {handled:?}");
+}
+
+/// Links fail, first towards the broker, then both ways — nothing forwarded, nothing closed —
+/// and each consumer notices within two heartbeat intervals of the last byte its broker sent,
+/// as AMQP says.
+///
+/// lapin on its own checks for a missed heartbeat only when it wakes to send one, every half
+/// interval, so it notices late by however far the last byte it read came after such a wake:
+/// up to half an interval. While a link fails one way only, the broker's heartbeats still
+/// arrive at their own phase, and Lily's at theirs; with the links failed at phases spread over
+/// half an interval, most are noticed past the margin without Lily's own deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_link_is_noticed_within_two_heartbeats_of_the_last_byte() {
+    const HEARTBEAT: Duration = Duration::from_secs(4);
+    const LINKS: u32 = 8;
+    // Scheduling on a loaded machine, not any wait of Lily's: the deadline itself is exact.
+    const MARGIN: Duration = Duration::from_millis(500);
+    let broker = Broker::from_env();
+    let mut links = Vec::new();
+    for _ in 0..LINKS {
+        let proxy = Arc::new(TcpProxy::start(broker.addr()).await);
+        let url = format!(
+            "{}?heartbeat={}",
+            proxy.url(broker.url()),
+            HEARTBEAT.as_secs()
+        );
+        let queue = Broker::unique("silent");
+        // The consuming connection, by the name it gives the broker.
+        proxy.mark(Box::leak(format!("lily:{queue}:consuming").into_boxed_str()).as_bytes());
+        let router = Router::new().route("order.placed", |_: Meta| async { Ok(()) });
+        let running = start(&url, config(&queue, QueueKind::Classic), router);
+        running.wait_ready().await;
+        links.push((proxy, running));
+    }
+    let mut cuts = tokio::task::JoinSet::new();
+    for (n, (proxy, running)) in links.iter().enumerate() {
+        let (proxy, stats) = (Arc::clone(proxy), running.stats.clone());
+        let phase = HEARTBEAT / 2 * u32::try_from(n).expect("few links") / LINKS;
+        cuts.spawn(async move {
+            tokio::time::sleep(phase).await;
+            proxy.stall_to_server(true);
+            // The broker's heartbeats keep coming for an interval (it notices after two).
+            tokio::time::sleep(HEARTBEAT).await;
+            proxy.stall(true);
+            let noticed =
+                eventually_every(Duration::from_millis(10), HEARTBEAT * 4, || !stats.ready()).await;
+            let last = proxy.last_to_marked().expect("the broker sent something");
+            (n, noticed.then(|| last.elapsed()))
+        });
+    }
+    let mut late = Vec::new();
+    while let Some(cut) = cuts.join_next().await {
+        let (n, noticed) = cut.expect("a cut");
+        eprintln!("silent link {n}: noticed {noticed:?} after the last byte");
+        match noticed {
+            Some(after) if after <= HEARTBEAT * 2 + MARGIN => {}
+            _ => late.push((n, noticed)),
+        }
+    }
+    for (proxy, running) in links {
+        proxy.stall_to_server(false);
+        proxy.stall(false);
+        running.stop().await;
+    }
+    assert!(
+        late.is_empty(),
+        "noticed later than two heartbeats ({:?}) and {MARGIN:?} after the last byte: {late:?}",
+        HEARTBEAT * 2
+    );
 }
 
 /// The broker stops answering before the consumer is consuming: it hangs while connecting. A

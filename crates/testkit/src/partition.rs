@@ -2,7 +2,7 @@
 //! three-member MongoDB replica set and the host `lily` in network namespaces of their own,
 //! joined by a bridge whose rules cut links on purpose.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -298,6 +298,9 @@ impl Partitions {
 
     /// The node the client connection named `name` (its `connection_name`) is open on, by the
     /// address it was opened to (`rabbitmqctl list_connections` lists the whole cluster's).
+    /// `None` while no node lists it, or while two nodes do: a connection its client gave up
+    /// across a partition stays listed beside the new one until its node's heartbeat check
+    /// closes it.
     pub fn serving(&self, name: &str) -> Option<usize> {
         let quoted = format!("\"{name}\"");
         let out = (0..3).find_map(|n| {
@@ -312,13 +315,15 @@ impl Partitions {
                 ],
             )
         })?;
-        let host = out
+        let hosts: BTreeSet<&str> = out
             .lines()
-            .find(|line| line.contains(&quoted))?
-            .split_whitespace()
-            .next()?
-            .to_owned();
-        (0..3).find(|n| self.address(*n).split(':').next() == Some(host.as_str()))
+            .filter(|line| line.contains(&quoted))
+            .filter_map(|line| line.split_whitespace().next())
+            .collect();
+        let [host] = hosts.into_iter().collect::<Vec<_>>()[..] else {
+            return None;
+        };
+        (0..3).find(|n| self.address(*n).split(':').next() == Some(host))
     }
 
     /// Every queue's messages, ready and unacknowledged, as node `node` counts them.

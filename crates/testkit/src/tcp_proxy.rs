@@ -15,6 +15,11 @@
 //!   before any error reaches it.
 //! - [`TcpProxy::cut_when_sent`]: while set, a connection about to carry a pattern to the
 //!   server is cut before those bytes are forwarded. The server never sees the command.
+//!
+//! [`TcpProxy::stall_to_server`] stalls one direction only, as a link that fails one way does.
+//! [`TcpProxy::last_to_marked`] tells when the server's bytes last reached a client on a
+//! connection whose client sent a pattern ([`TcpProxy::mark`]), so a test can time what that
+//! client notices from the last byte it was given.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -51,6 +56,9 @@ struct Shared {
     refused: AtomicU64,
     next_id: AtomicU64,
     live: Mutex<HashMap<u64, AbortHandle>>,
+    mark: Mutex<Option<&'static [u8]>>,
+    stalled_to_server: AtomicBool,
+    last_to_marked: Mutex<Option<Instant>>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -126,7 +134,8 @@ impl TcpProxy {
     }
 
     /// While `stall` is set, nothing is forwarded either way on any connection, and nothing is
-    /// closed: bytes wait in the sockets' buffers.
+    /// closed: bytes wait in the sockets' buffers (a read already under way when it is set is
+    /// held until it is cleared).
     pub fn stall(&self, stall: bool) {
         self.shared.stalled.store(stall, Ordering::Release);
     }
@@ -185,6 +194,26 @@ impl TcpProxy {
         self.shared.cut_sends.load(Ordering::Relaxed)
     }
 
+    /// While `stall` is set, nothing from the clients is forwarded to the server (what the server
+    /// sends still is), and nothing is closed.
+    pub fn stall_to_server(&self, stall: bool) {
+        self.shared
+            .stalled_to_server
+            .store(stall, Ordering::Release);
+    }
+
+    /// Marks the connections whose client→server bytes contain `pattern` (a connection's name,
+    /// say), from the next bytes they send.
+    pub fn mark(&self, pattern: &'static [u8]) {
+        assert!(!pattern.is_empty(), "an empty pattern would match anything");
+        *lock(&self.shared.mark) = Some(pattern);
+    }
+
+    /// When bytes from the server were last written to a client on a marked connection.
+    pub fn last_to_marked(&self) -> Option<Instant> {
+        *lock(&self.shared.last_to_marked)
+    }
+
     /// Connections accepted and forwarded so far.
     pub fn accepted(&self) -> u64 {
         self.shared.accepted.load(Ordering::Relaxed)
@@ -204,6 +233,13 @@ impl Drop for TcpProxy {
 }
 
 impl Shared {
+    /// Returns once the proxy is not stalled.
+    async fn unstalled(&self) {
+        while self.stalled.load(Ordering::Acquire) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     fn refusing_now(&self) -> bool {
         if self.refusing.load(Ordering::Acquire) {
             return true;
@@ -273,6 +309,14 @@ fn rewrite(url: &str, addr: SocketAddr) -> String {
     format!("{scheme}://{auth}{at}{addr}{tail}")
 }
 
+/// What one turn of [`relay`] read.
+enum Relayed {
+    /// From the client, towards the server.
+    Up(std::io::Result<usize>),
+    /// From the server, towards the client.
+    Down(std::io::Result<usize>),
+}
+
 /// Forwards one connection until either side closes, the proxy cuts it, or its trap fires.
 async fn relay(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>, id: u64) {
     let Ok(server) = TcpStream::connect(upstream).await else {
@@ -291,25 +335,52 @@ async fn relay(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>, id:
     // swallowed until then; `silent` keeps swallowing instead of cutting at the reply.
     let mut swallow_until: Option<tokio::time::Instant> = None;
     let mut silent = false;
+    let (mut marked, mut mark_window) = (false, Vec::new());
+    // The length of a chunk in `up` read while the clients' bytes were stalled, forwarded once
+    // they are not.
+    let mut held: Option<usize> = None;
     loop {
-        if shared.stalled.load(Ordering::Acquire) {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            continue;
-        }
-        let reply_wait = async {
-            match swallow_until {
-                Some(t) => tokio::time::sleep_until(t).await,
-                None => std::future::pending().await,
+        shared.unstalled().await;
+        let to_server = !shared.stalled_to_server.load(Ordering::Acquire);
+        let event = match held {
+            Some(n) if to_server => {
+                held = None;
+                Relayed::Up(Ok(n))
+            }
+            _ => {
+                let reply_wait = async {
+                    match swallow_until {
+                        Some(t) => tokio::time::sleep_until(t).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    read = client_rx.read(&mut up), if held.is_none() => Relayed::Up(read),
+                    read = server_rx.read(&mut down) => Relayed::Down(read),
+                    // Looks again at the stall towards the server.
+                    () = tokio::time::sleep(Duration::from_millis(20)), if !to_server => {
+                        continue;
+                    }
+                    () = reply_wait => break,
+                }
             }
         };
-        tokio::select! {
-            read = client_rx.read(&mut up) => {
+        match event {
+            Relayed::Up(read) => {
                 let n = match read {
                     Ok(0) | Err(_) => break,
                     Ok(n) => n,
                 };
+                shared.unstalled().await;
+                if shared.stalled_to_server.load(Ordering::Acquire) {
+                    held = Some(n);
+                    continue;
+                }
                 if shared.cuts(&mut seen, &up[..n]) {
                     break;
+                }
+                if !marked && let Some(pattern) = *lock(&shared.mark) {
+                    marked = found(&mut mark_window, &up[..n], pattern);
                 }
                 let hit = swallow_until
                     .is_none()
@@ -325,11 +396,12 @@ async fn relay(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>, id:
                     break;
                 }
             }
-            read = server_rx.read(&mut down) => {
+            Relayed::Down(read) => {
                 let n = match read {
                     Ok(0) | Err(_) => break,
                     Ok(n) => n,
                 };
+                shared.unstalled().await;
                 if silent {
                     continue; // swallowed; the cut comes when the silence ends
                 }
@@ -339,8 +411,10 @@ async fn relay(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>, id:
                 if client_tx.write_all(&down[..n]).await.is_err() {
                     break;
                 }
+                if marked {
+                    *lock(&shared.last_to_marked) = Some(Instant::now());
+                }
             }
-            () = reply_wait => break,
         }
     }
     lock(&shared.live).remove(&id);

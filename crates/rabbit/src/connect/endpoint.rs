@@ -13,7 +13,7 @@ use tracing::debug;
 
 use super::tls::{ClientCertificate, Tls, await_verdict, verdict_wait};
 use crate::version::BrokerVersion;
-use crate::wire::{Rewrites, Sanitizing, Transport, Wire};
+use crate::wire::{Rewrites, Sanitizing, Silence, Transport, Wire};
 
 /// Where and how to connect. Not `Debug`: the URL carries credentials.
 #[derive(Clone)]
@@ -160,6 +160,8 @@ impl Endpoint {
         let tokio = async_rs::Tokio::current();
         let rewrites = Rewrites::default();
         let rewritten = rewrites.clone();
+        let silence = Silence::default();
+        let timed = silence.clone();
         let opening = Connection::connector(
             uri,
             Wire::runtime(),
@@ -189,15 +191,18 @@ impl Endpoint {
                 let stream = open().await?;
                 // A new stream: its channels and delivery tags start over.
                 rewritten.clear();
-                Ok(AsyncTcpStream::Plain(Sanitizing::new(
-                    stream,
-                    rewritten.clone(),
-                )))
+                Ok(AsyncTcpStream::Plain(
+                    Sanitizing::new(stream, rewritten.clone()).timing(timed.clone()),
+                ))
             },
             props,
         );
         match tokio::time::timeout(self.connect_timeout, opening).await {
-            Ok(result) => result.map(|connection| (connection, rewrites)),
+            Ok(result) => result.map(|connection| {
+                // Open: the broker's silence is timed from here, at the negotiated heartbeat.
+                silence.arm(connection.configuration().heartbeat());
+                (connection, rewrites)
+            }),
             Err(_) => {
                 Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out").into())
             }

@@ -34,7 +34,7 @@ use crate::sync::lock;
 
 pub use self::sanitizer::Sanitizer;
 pub use self::stream::Sanitizing;
-pub(crate) use self::stream::{Transport, Wire};
+pub(crate) use self::stream::{Silence, Transport, Wire};
 
 /// Tables and arrays nested deeper than this are cut (read as byte arrays): lapin parses
 /// nesting by recursion, and a frame can hold thousands of levels.

@@ -1,25 +1,62 @@
-//! The connection's stream with a [`Sanitizer`] on what it reads, and the reactor that lets
-//! lapin run on it.
+//! The connection's stream with a [`Sanitizer`] on what it reads and a deadline on the broker's
+//! silence, and the reactor that lets lapin run on it.
 
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use async_rs::traits::Reactor;
 use async_rs::util::RuntimeParts;
 use async_rs::{Runtime, Tokio};
 use futures_io::{AsyncRead, AsyncWrite, IoSlice, IoSliceMut};
 use lapin::tcp::AsyncTcpStream;
+use tokio::runtime::Handle;
+use tokio::time::{Instant, Sleep};
 
 use super::{Rewrites, Sanitizer};
 /// Bytes read from the stream at a time, at least.
 const READ_CHUNK: usize = 64 * 1024;
 
-/// A connection's stream with a [`Sanitizer`] on what it reads; writes pass through.
+/// How long a connection's broker may stay silent before its stream fails: twice the negotiated
+/// heartbeat, as AMQP says, set once the connection is open. Unset, silence is not timed.
+///
+/// lapin checks for a missed heartbeat only when it wakes to send one, every half interval,
+/// so on its own it notices up to half an interval late; this deadline is exact.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Silence(Arc<AtomicU64>);
+
+impl Silence {
+    /// Times silence from now on: the stream fails after two `heartbeat` intervals (in
+    /// seconds, as negotiated) without a byte from the broker; `0` turns the timing off.
+    pub(crate) fn arm(&self, heartbeat: u16) {
+        self.0
+            .store(u64::from(heartbeat) * 2_000, Ordering::Relaxed);
+    }
+
+    fn limit(&self) -> Option<Duration> {
+        match self.0.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(Duration::from_millis(ms)),
+        }
+    }
+}
+
+/// A connection's stream with a [`Sanitizer`] on what it reads and a deadline on the broker's
+/// [`Silence`]; writes pass through.
 #[derive(Debug)]
 pub struct Sanitizing<S> {
     inner: S,
     sanitizer: Sanitizer,
+    silence: Silence,
+    /// When a byte was last read from `inner`.
+    last_read: Instant,
+    /// Wakes the reader at the silence's deadline, once one is set; made on `runtime` (lapin
+    /// reads from a thread of its own, outside the runtime).
+    deadline: Option<Pin<Box<Sleep>>>,
+    runtime: Option<Handle>,
     /// Read from `inner`: `buf[..filled]`, of which `buf[..released]` is read by lapin and
     /// `buf[released..ready]` is ready for it.
     buf: Vec<u8>,
@@ -35,12 +72,24 @@ impl<S> Sanitizing<S> {
         Self {
             inner,
             sanitizer: Sanitizer::new(rewrites),
+            silence: Silence::default(),
+            last_read: Instant::now(),
+            deadline: None,
+            runtime: Handle::try_current().ok(),
             buf: Vec::new(),
             released: 0,
             ready: 0,
             filled: 0,
             eof: false,
         }
+    }
+
+    /// This stream, its reads failing once `silence` is armed and the broker is silent for
+    /// longer. Made inside a tokio runtime, whose timer the deadline uses (outside one,
+    /// silence is not timed).
+    pub(crate) fn timing(mut self, silence: Silence) -> Self {
+        self.silence = silence;
+        self
     }
 }
 
@@ -65,10 +114,11 @@ impl<S: AsyncRead + Unpin> Sanitizing<S> {
             }
             let read = Pin::new(&mut self.inner).poll_read(cx, &mut self.buf[self.filled..]);
             match read {
-                Poll::Pending => return Poll::Pending,
+                Poll::Pending => return self.poll_silence(cx),
                 Poll::Ready(Err(err)) => return Poll::Ready(Err(err)),
                 Poll::Ready(Ok(0)) => self.eof = true,
                 Poll::Ready(Ok(n)) => {
+                    self.last_read = Instant::now();
                     self.filled += n;
                     let ready = self.ready;
                     self.ready += self.sanitizer.scan(&mut self.buf[ready..self.filled]);
@@ -76,6 +126,32 @@ impl<S: AsyncRead + Unpin> Sanitizing<S> {
             }
         }
         Poll::Ready(Ok(()))
+    }
+
+    /// Nothing to read: pending until the silence's deadline, then a `TimedOut` error, which
+    /// closes the connection as a missed heartbeat would.
+    fn poll_silence(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let (Some(limit), Some(runtime)) = (self.silence.limit(), &self.runtime) else {
+            return Poll::Pending;
+        };
+        let at = self.last_read + limit;
+        let deadline = self.deadline.get_or_insert_with(|| {
+            let _entered = runtime.enter();
+            Box::pin(tokio::time::sleep_until(at))
+        });
+        if deadline.deadline() != at {
+            deadline.as_mut().reset(at);
+        }
+        match deadline.as_mut().poll(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "nothing from the broker for {} s, two heartbeat intervals",
+                    limit.as_secs()
+                ),
+            ))),
+        }
     }
 }
 
