@@ -266,3 +266,50 @@ impl Reactor for Wire {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A broker that never sends a byte.
+    struct Quiet;
+
+    impl AsyncRead for Quiet {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            _: &mut [u8],
+        ) -> Poll<io::Result<usize>> {
+            Poll::Pending
+        }
+    }
+
+    async fn read(stream: &mut Sanitizing<Quiet>) -> io::Result<usize> {
+        let mut buf = [0; 8];
+        std::future::poll_fn(|cx| Pin::new(&mut *stream).poll_read(cx, &mut buf)).await
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_broker_fails_the_read_two_heartbeats_after_its_last_byte() {
+        let silence = Silence::default();
+        let mut stream = Sanitizing::new(Quiet, Rewrites::default()).timing(silence.clone());
+        silence.arm(3);
+        let started = Instant::now();
+        let err = read(&mut stream)
+            .await
+            .expect_err("the silence ends the read");
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(started.elapsed(), Duration::from_secs(6));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn silence_is_not_timed_until_armed_or_when_heartbeats_are_off() {
+        let silence = Silence::default();
+        let mut stream = Sanitizing::new(Quiet, Rewrites::default()).timing(silence.clone());
+        let waited = tokio::time::timeout(Duration::from_secs(3600), read(&mut stream)).await;
+        assert!(waited.is_err(), "unarmed: still reading");
+        silence.arm(0);
+        let waited = tokio::time::timeout(Duration::from_secs(3600), read(&mut stream)).await;
+        assert!(waited.is_err(), "heartbeats off: still reading");
+    }
+}
