@@ -139,7 +139,8 @@ fn quorum_topology(queue: &str) -> lily::topology::Topology {
 }
 
 /// The node Lily's consuming connection is open on, waited for while it reconnects, and while
-/// a connection it gave up across a partition is still listed (two heartbeats at most).
+/// a connection it gave up across a partition is still listed (until its node's heartbeat check
+/// closes it, two or three heartbeats).
 async fn lilys_node(hosts: &Partitions, connection: &str) -> usize {
     let mut found = None;
     let within = hosts.heartbeat() * 2 + Duration::from_secs(60);

@@ -195,7 +195,8 @@ impl TcpProxy {
     }
 
     /// While `stall` is set, nothing from the clients is forwarded to the server (what the server
-    /// sends still is), and nothing is closed.
+    /// sends still is), and nothing is closed by the proxy (a side that closes while no chunk is
+    /// held still closes the connection).
     pub fn stall_to_server(&self, stall: bool) {
         self.shared
             .stalled_to_server

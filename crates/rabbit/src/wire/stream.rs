@@ -3,9 +3,9 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::{Context, Poll};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use async_rs::traits::Reactor;
@@ -13,35 +13,115 @@ use async_rs::util::RuntimeParts;
 use async_rs::{Runtime, Tokio};
 use futures_io::{AsyncRead, AsyncWrite, IoSlice, IoSliceMut};
 use lapin::tcp::AsyncTcpStream;
-use tokio::runtime::Handle;
-use tokio::time::{Instant, Sleep};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::{Rewrites, Sanitizer};
+use crate::sync::lock;
+
 /// Bytes read from the stream at a time, at least.
 const READ_CHUNK: usize = 64 * 1024;
 
 /// How long a connection's broker may stay silent before its stream fails: twice the negotiated
-/// heartbeat, as AMQP says, set once the connection is open. Unset, silence is not timed.
+/// heartbeat, as AMQP says, timed once the connection is open. Until then, silence is not timed.
 ///
 /// lapin checks for a missed heartbeat only when it wakes to send one, every half interval,
-/// so on its own it notices up to half an interval late; this deadline is exact.
+/// so on its own it notices up to half an interval late; this deadline is exact. A task on the
+/// runtime keeps it, because lapin reads from a thread of its own: the reader only notes when
+/// it read and leaves its waker.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Silence(Arc<AtomicU64>);
+pub(crate) struct Silence(Arc<Watch>);
 
-impl Silence {
-    /// Times silence from now on: the stream fails after two `heartbeat` intervals (in
-    /// seconds, as negotiated) without a byte from the broker; `0` turns the timing off.
-    pub(crate) fn arm(&self, heartbeat: u16) {
-        self.0
-            .store(u64::from(heartbeat) * 2_000, Ordering::Relaxed);
-    }
+#[derive(Debug)]
+struct Watch {
+    /// The origin of `last_read`.
+    origin: Instant,
+    /// Milliseconds from `origin` to the last byte read.
+    last_read: AtomicU64,
+    /// The silence allowed, in milliseconds, once armed.
+    limit: AtomicU64,
+    /// Set once the broker was silent for longer.
+    expired: AtomicBool,
+    /// The reader waiting for bytes, woken when the silence expires.
+    reader: Mutex<Option<Waker>>,
+    /// Ends the watch when the stream goes.
+    gone: CancellationToken,
+}
 
-    fn limit(&self) -> Option<Duration> {
-        match self.0.load(Ordering::Relaxed) {
-            0 => None,
-            ms => Some(Duration::from_millis(ms)),
+impl Default for Watch {
+    fn default() -> Self {
+        Self {
+            origin: Instant::now(),
+            last_read: AtomicU64::new(0),
+            limit: AtomicU64::new(0),
+            expired: AtomicBool::new(false),
+            reader: Mutex::new(None),
+            gone: CancellationToken::new(),
         }
     }
+}
+
+impl Silence {
+    /// Times silence from now on, on the current runtime: the stream fails after two
+    /// `heartbeat` intervals (in seconds, as negotiated) without a byte from the broker; `0`
+    /// (heartbeats off) leaves it untimed.
+    pub(crate) fn arm(&self, heartbeat: u16) {
+        if heartbeat == 0 {
+            return;
+        }
+        let limit = Duration::from_secs(u64::from(heartbeat) * 2);
+        let watch = Arc::clone(&self.0);
+        watch.limit.store(millis(limit), Ordering::Relaxed);
+        watch.read();
+        tokio::spawn(watch.keep(limit));
+    }
+}
+
+impl Watch {
+    /// Notes that a byte was read now.
+    fn read(&self) {
+        let since = millis(self.origin.elapsed());
+        self.last_read.store(since, Ordering::Relaxed);
+    }
+
+    fn last_read(&self) -> Instant {
+        self.origin + Duration::from_millis(self.last_read.load(Ordering::Relaxed))
+    }
+
+    /// Leaves the reader's waker, then says whether the silence expired (the watch sets the
+    /// flag, then wakes: one of the two sees the other).
+    fn expired(&self, reader: &Waker) -> bool {
+        {
+            let mut waiting = lock(&self.reader);
+            if !waiting.as_ref().is_some_and(|w| w.will_wake(reader)) {
+                *waiting = Some(reader.clone());
+            }
+        }
+        self.expired.load(Ordering::Acquire)
+    }
+
+    /// Sleeps until the last read's deadline, again while bytes keep coming; when one passes
+    /// without a read, marks the silence expired and wakes the reader.
+    async fn keep(self: Arc<Self>, limit: Duration) {
+        loop {
+            let deadline = self.last_read() + limit;
+            tokio::select! {
+                () = self.gone.cancelled() => return,
+                () = tokio::time::sleep_until(deadline) => {}
+            }
+            if self.last_read() + limit <= Instant::now() {
+                self.expired.store(true, Ordering::Release);
+                if let Some(reader) = lock(&self.reader).take() {
+                    reader.wake();
+                }
+                return;
+            }
+        }
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// A connection's stream with a [`Sanitizer`] on what it reads and a deadline on the broker's
@@ -51,12 +131,6 @@ pub struct Sanitizing<S> {
     inner: S,
     sanitizer: Sanitizer,
     silence: Silence,
-    /// When a byte was last read from `inner`.
-    last_read: Instant,
-    /// Wakes the reader at the silence's deadline, once one is set; made on `runtime` (lapin
-    /// reads from a thread of its own, outside the runtime).
-    deadline: Option<Pin<Box<Sleep>>>,
-    runtime: Option<Handle>,
     /// Read from `inner`: `buf[..filled]`, of which `buf[..released]` is read by lapin and
     /// `buf[released..ready]` is ready for it.
     buf: Vec<u8>,
@@ -73,9 +147,6 @@ impl<S> Sanitizing<S> {
             inner,
             sanitizer: Sanitizer::new(rewrites),
             silence: Silence::default(),
-            last_read: Instant::now(),
-            deadline: None,
-            runtime: Handle::try_current().ok(),
             buf: Vec::new(),
             released: 0,
             ready: 0,
@@ -85,11 +156,16 @@ impl<S> Sanitizing<S> {
     }
 
     /// This stream, its reads failing once `silence` is armed and the broker is silent for
-    /// longer. Made inside a tokio runtime, whose timer the deadline uses (outside one,
-    /// silence is not timed).
+    /// longer.
     pub(crate) fn timing(mut self, silence: Silence) -> Self {
         self.silence = silence;
         self
+    }
+}
+
+impl<S> Drop for Sanitizing<S> {
+    fn drop(&mut self) {
+        self.silence.0.gone.cancel();
     }
 }
 
@@ -118,7 +194,7 @@ impl<S: AsyncRead + Unpin> Sanitizing<S> {
                 Poll::Ready(Err(err)) => return Poll::Ready(Err(err)),
                 Poll::Ready(Ok(0)) => self.eof = true,
                 Poll::Ready(Ok(n)) => {
-                    self.last_read = Instant::now();
+                    self.silence.0.read();
                     self.filled += n;
                     let ready = self.ready;
                     self.ready += self.sanitizer.scan(&mut self.buf[ready..self.filled]);
@@ -130,28 +206,19 @@ impl<S: AsyncRead + Unpin> Sanitizing<S> {
 
     /// Nothing to read: pending until the silence's deadline, then a `TimedOut` error, which
     /// closes the connection as a missed heartbeat would.
-    fn poll_silence(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let (Some(limit), Some(runtime)) = (self.silence.limit(), &self.runtime) else {
+    fn poll_silence(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let watch = &self.silence.0;
+        if !watch.expired(cx.waker()) {
             return Poll::Pending;
-        };
-        let at = self.last_read + limit;
-        let deadline = self.deadline.get_or_insert_with(|| {
-            let _entered = runtime.enter();
-            Box::pin(tokio::time::sleep_until(at))
-        });
-        if deadline.deadline() != at {
-            deadline.as_mut().reset(at);
         }
-        match deadline.as_mut().poll(cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!(
-                    "nothing from the broker for {} s, two heartbeat intervals",
-                    limit.as_secs()
-                ),
-            ))),
-        }
+        let limit = Duration::from_millis(watch.limit.load(Ordering::Relaxed));
+        Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "nothing from the broker for {} s, two heartbeat intervals",
+                limit.as_secs()
+            ),
+        )))
     }
 }
 
@@ -303,13 +370,22 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn silence_is_not_timed_until_armed_or_when_heartbeats_are_off() {
+    async fn silence_is_timed_from_the_arming_also_for_a_read_already_waiting() {
         let silence = Silence::default();
         let mut stream = Sanitizing::new(Quiet, Rewrites::default()).timing(silence.clone());
-        let waited = tokio::time::timeout(Duration::from_secs(3600), read(&mut stream)).await;
-        assert!(waited.is_err(), "unarmed: still reading");
+        let reading = tokio::spawn(async move { read(&mut stream).await });
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        assert!(!reading.is_finished(), "unarmed: still reading");
         silence.arm(0);
-        let waited = tokio::time::timeout(Duration::from_secs(3600), read(&mut stream)).await;
-        assert!(waited.is_err(), "heartbeats off: still reading");
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        assert!(!reading.is_finished(), "heartbeats off: still reading");
+        let armed = Instant::now();
+        silence.arm(2);
+        let err = reading
+            .await
+            .expect("the read")
+            .expect_err("the silence ends the read");
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(armed.elapsed(), Duration::from_secs(4));
     }
 }
