@@ -125,7 +125,7 @@ fn millis(duration: Duration) -> u64 {
 }
 
 /// A connection's stream with a [`Sanitizer`] on what it reads and a deadline on the broker's
-/// [`Silence`]; writes pass through.
+/// silence (twice the negotiated heartbeat, once the connection is open); writes pass through.
 #[derive(Debug)]
 pub struct Sanitizing<S> {
     inner: S,
