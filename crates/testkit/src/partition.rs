@@ -2,7 +2,7 @@
 //! three-member MongoDB replica set and the host `lily` in network namespaces of their own,
 //! joined by a bridge whose rules cut links on purpose.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -297,10 +297,9 @@ impl Partitions {
     }
 
     /// The node the client connection named `name` (its `connection_name`) is open on, by the
-    /// address it was opened to (`rabbitmqctl list_connections` lists the whole cluster's).
-    /// `None` while no node lists it, or while two nodes do: a connection its client gave up
-    /// across a partition stays listed beside the new one until its node's heartbeat check
-    /// closes it.
+    /// address it was opened to (`rabbitmqctl list_connections` lists the whole cluster's). A
+    /// connection its client gave up across a partition stays listed until its node's heartbeat
+    /// check closes it: of several by that name, the one opened last is the client's.
     pub fn serving(&self, name: &str) -> Option<usize> {
         let quoted = format!("\"{name}\"");
         let out = (0..3).find_map(|n| {
@@ -311,18 +310,21 @@ impl Partitions {
                     "-q",
                     "--no-table-headers",
                     "host",
+                    "connected_at",
                     "client_properties",
                 ],
             )
         })?;
-        let hosts: BTreeSet<&str> = out
+        let (_, host) = out
             .lines()
             .filter(|line| line.contains(&quoted))
-            .filter_map(|line| line.split_whitespace().next())
-            .collect();
-        let [host] = hosts.into_iter().collect::<Vec<_>>()[..] else {
-            return None;
-        };
+            .filter_map(|line| {
+                let mut columns = line.split_whitespace();
+                let host = columns.next()?;
+                let opened: u64 = columns.next()?.parse().ok()?;
+                Some((opened, host))
+            })
+            .max()?;
         (0..3).find(|n| self.address(*n).split(':').next() == Some(host))
     }
 
