@@ -1,0 +1,172 @@
+//! The simplest consume loop an expert would write, outside the benchmark harness: the check
+//! that the bench's own references (`raw-batch`, the no-ack `ceiling`) are not slower than it.
+//!
+//! It declares a durable queue of its own, publishes `N` persistent 512-byte JSON orders with
+//! confirms, then times a plain loop: serde deserialization, one `multiple` ACK every
+//! `prefetch / 2` deliveries (or `--no-ack`), on a plain multi-thread tokio runtime. It prints
+//! the rate and the CPU of this process and of the broker per message.
+//!
+//! `SHAPE` says what each message carries besides `delivery_mode`:
+//! - `plain`: nothing;
+//! - `props`: `message_id`, `type`, `content_type` and `timestamp`, as Lily's publisher sets;
+//! - `headers`: those and a table of two headers, Lily's schema version and publish id;
+//! - `lily`: published by Lily's own publisher into Lily's topology, as the harness does.
+//!
+//! ```text
+//! cargo run --release -p lily-mq-bench --example minimal -- AMQP_URL [PREFETCH] [N] [--no-ack]
+//! ```
+//! The broker's CPU is read when `LILY_RABBIT_DIR` names its data directory.
+
+use std::time::Instant;
+
+use futures_core::Stream;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use lily::prelude::QueueKind;
+use lily_mq_bench::{Order, body_512, broker_pid, cpu_secs};
+
+/// The properties a message of `shape` is published with.
+fn properties(shape: &str, n: u64) -> BasicProperties {
+    let plain = BasicProperties::default().with_delivery_mode(2);
+    if shape == "plain" {
+        return plain;
+    }
+    let props = plain
+        .with_message_id(format!("m-{n}").as_str().into())
+        .with_type("order.placed".into())
+        .with_content_type("application/json".into())
+        .with_timestamp(1_796_000_000);
+    if shape == "props" {
+        return props;
+    }
+    let mut headers = FieldTable::default();
+    headers.insert("x-lily-schema-version".into(), AMQPValue::LongUInt(1));
+    let id = i64::try_from(n).unwrap_or(i64::MAX);
+    headers.insert("x-lily-publish-id".into(), AMQPValue::LongLongInt(id));
+    props.with_headers(headers)
+}
+
+/// Declares `queue` and fills it with `n` messages of `shape`, confirmed.
+async fn fill(connection: &Connection, url: &str, queue: &str, shape: &str, n: u64) {
+    if shape == "lily" {
+        let delays = lily::consumer::Policy::default().retry_delays;
+        lily_mq_bench::fresh_topology(url, queue, QueueKind::Classic, &delays).await;
+        let n = usize::try_from(n).expect("a count that fits");
+        lily_mq_bench::publish(url, queue, n, &body_512()).await;
+        return;
+    }
+    let channel = connection.create_channel().await.expect("channel");
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .queue_declare(queue.into(), durable, FieldTable::default())
+        .await
+        .expect("queue.declare");
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirm.select");
+    let body = body_512();
+    let mut sent = 0;
+    while sent < n {
+        let mut confirms = Vec::new();
+        for _ in 0..2_000.min(n - sent) {
+            let publish = channel.basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                &body,
+                properties(shape, sent),
+            );
+            confirms.push(publish.await.expect("publish"));
+            sent += 1;
+        }
+        for confirm in confirms {
+            confirm.await.expect("confirm");
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let no_ack = args.iter().any(|a| a == "--no-ack");
+    let mut args = args.into_iter().filter(|a| a != "--no-ack");
+    let url = args
+        .next()
+        .expect("usage: minimal AMQP_URL [PREFETCH] [N] [--no-ack]");
+    let prefetch: u16 = args.next().map_or(500, |a| a.parse().expect("a prefetch"));
+    let n: u64 = args.next().map_or(30_000, |a| a.parse().expect("a count"));
+    let shape = std::env::var("SHAPE").unwrap_or_else(|_| "plain".into());
+    let queue = format!("minimal-{}", std::process::id());
+    let connection = Connection::connect(&url, ConnectionProperties::default())
+        .await
+        .expect("connect");
+    fill(&connection, &url, &queue, &shape, n).await;
+
+    let channel = connection.create_channel().await.expect("channel");
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await
+        .expect("basic.qos");
+    let options = BasicConsumeOptions {
+        no_ack,
+        ..BasicConsumeOptions::default()
+    };
+    let mut consumer = channel
+        .basic_consume(
+            queue.as_str().into(),
+            "".into(),
+            options,
+            FieldTable::default(),
+        )
+        .await
+        .expect("basic.consume");
+    let broker = broker_pid();
+    let cpu = || (cpu_secs(None), broker.and_then(|p| cpu_secs(Some(p))));
+    let before = cpu();
+    let started = Instant::now();
+    let batch = u64::from((prefetch / 2).max(1));
+    let mut count = 0;
+    while count < n {
+        let next = std::future::poll_fn(|cx| std::pin::Pin::new(&mut consumer).poll_next(cx));
+        let Some(delivery) = next.await else { break };
+        let delivery = delivery.expect("a delivery");
+        let order: Order = serde_json::from_slice(&delivery.data).expect("an order");
+        std::hint::black_box(order);
+        count += 1;
+        if !no_ack && (count % batch == 0 || count == n) {
+            let multiple = BasicAckOptions { multiple: true };
+            channel
+                .basic_ack(delivery.delivery_tag, multiple)
+                .await
+                .expect("ack");
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let after = cpu();
+    #[allow(clippy::cast_precision_loss)]
+    let per = |a: Option<f64>, b: Option<f64>| {
+        a.zip(b).map_or_else(
+            || "-".into(),
+            |(a, b)| format!("{:.1}", (b - a) * 1e6 / count as f64),
+        )
+    };
+    #[allow(clippy::cast_precision_loss)]
+    let rate = count as f64 / secs;
+    println!(
+        "minimal {shape}{}: {count} in {secs:.3} s = {rate:.0} msg/s, cpu µs/msg client {} broker {}",
+        if no_ack { " no-ack" } else { "" },
+        per(before.0, after.0),
+        per(before.1, after.1),
+    );
+    let _ = channel
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await;
+}
