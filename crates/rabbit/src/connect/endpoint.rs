@@ -160,8 +160,10 @@ impl Endpoint {
         let tokio = async_rs::Tokio::current();
         let rewrites = Rewrites::default();
         let rewritten = rewrites.clone();
-        let silence = Silence::default();
-        let timed = silence.clone();
+        // The silence of the stream the connection opened on: a stream that failed early is
+        // dropped (its watch with it) and lapin asks for another.
+        let latest: Arc<Mutex<Option<Silence>>> = Arc::default();
+        let timed = Arc::clone(&latest);
         let opening = Connection::connector(
             uri,
             Wire::runtime(),
@@ -191,8 +193,10 @@ impl Endpoint {
                 let stream = open().await?;
                 // A new stream: its channels and delivery tags start over.
                 rewritten.clear();
+                let silence = Silence::default();
+                *crate::sync::lock(&timed) = Some(silence.clone());
                 Ok(AsyncTcpStream::Plain(
-                    Sanitizing::new(stream, rewritten.clone()).timing(timed.clone()),
+                    Sanitizing::new(stream, rewritten.clone()).timing(silence),
                 ))
             },
             props,
@@ -200,7 +204,9 @@ impl Endpoint {
         match tokio::time::timeout(self.connect_timeout, opening).await {
             Ok(result) => result.map(|connection| {
                 // Open: the broker's silence is timed from here, at the negotiated heartbeat.
-                silence.arm(connection.configuration().heartbeat());
+                if let Some(silence) = crate::sync::lock(&latest).take() {
+                    silence.arm(connection.configuration().heartbeat());
+                }
                 (connection, rewrites)
             }),
             Err(_) => {
