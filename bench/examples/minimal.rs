@@ -19,7 +19,6 @@
 
 use std::time::Instant;
 
-use futures_core::Stream;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -135,8 +134,9 @@ async fn main() {
     let batch = u64::from((prefetch / 2).max(1));
     let mut count = 0;
     while count < n {
-        let next = std::future::poll_fn(|cx| std::pin::Pin::new(&mut consumer).poll_next(cx));
-        let Some(delivery) = next.await else { break };
+        let Some(delivery) = lily_mq_bench::raw::next(&mut consumer).await else {
+            break;
+        };
         let delivery = delivery.expect("a delivery");
         let order: Order = serde_json::from_slice(&delivery.data).expect("an order");
         std::hint::black_box(order);

@@ -73,7 +73,7 @@ impl Silence {
         let watch = Arc::clone(&self.0);
         watch.limit.store(millis(limit), Ordering::Relaxed);
         watch.read();
-        tokio::spawn(watch.keep(limit));
+        tokio::spawn(watch.keep());
     }
 }
 
@@ -82,6 +82,10 @@ impl Watch {
     fn read(&self) {
         let since = millis(self.origin.elapsed());
         self.last_read.store(since, Ordering::Relaxed);
+    }
+
+    fn limit(&self) -> Duration {
+        Duration::from_millis(self.limit.load(Ordering::Relaxed))
     }
 
     fn last_read(&self) -> Instant {
@@ -102,7 +106,8 @@ impl Watch {
 
     /// Sleeps until the last read's deadline, again while bytes keep coming; when one passes
     /// without a read, marks the silence expired and wakes the reader.
-    async fn keep(self: Arc<Self>, limit: Duration) {
+    async fn keep(self: Arc<Self>) {
+        let limit = self.limit();
         loop {
             let deadline = self.last_read() + limit;
             tokio::select! {
@@ -211,7 +216,7 @@ impl<S: AsyncRead + Unpin> Sanitizing<S> {
         if !watch.expired(cx.waker()) {
             return Poll::Pending;
         }
-        let limit = Duration::from_millis(watch.limit.load(Ordering::Relaxed));
+        let limit = watch.limit();
         Poll::Ready(Err(io::Error::new(
             io::ErrorKind::TimedOut,
             format!(
