@@ -91,17 +91,6 @@ pub async fn next(consumer: &mut lapin::Consumer) -> Option<lapin::Result<Delive
     std::future::poll_fn(|cx| std::pin::Pin::new(&mut *consumer).poll_next(cx)).await
 }
 
-/// The consumer's next delivery within `limit`; `None` when it ended, failed or took longer.
-async fn next_within(
-    consumer: &mut lapin::Consumer,
-    limit: std::time::Duration,
-) -> Option<Delivery> {
-    match tokio::time::timeout(limit, next(consumer)).await {
-        Ok(Some(Ok(delivery))) => Some(delivery),
-        _ => None,
-    }
-}
-
 /// Cancels the consumer and closes its channel and connection.
 async fn close(connection: Connection, channel: Channel, consumer: &lapin::Consumer) {
     let _ = channel
@@ -221,29 +210,29 @@ pub async fn handoff(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64
     let bucket: ShortString = bucket.into();
     let source: Arc<str> = queue.into();
     let mut tasks = JoinSet::new();
-    let mut settled = 0;
-    let mut failed = 0;
-    let mut received = 0;
-    let limit = run_limit(n);
-    while received < n {
-        let Some(delivery) = next_within(&mut consumer, limit).await else {
-            break;
-        };
-        first.get_or_init(Instant::now);
-        received += 1;
-        let confirms = confirms.clone();
-        let bucket = bucket.clone();
-        let source = Arc::clone(&source);
-        tasks.spawn(async move {
-            hand_off_one(&confirms, bucket, delivery, &source, FAILURE_REASON).await
-        });
-        while let Some(result) = tasks.try_join_next() {
+    let (mut received, mut settled, mut failed) = (0, 0, 0);
+    // One deadline for the run, as on the success path.
+    let consumed = async {
+        while received < n {
+            let Some(Ok(delivery)) = next(&mut consumer).await else {
+                break;
+            };
+            first.get_or_init(Instant::now);
+            received += 1;
+            let (confirms, bucket, source) =
+                (confirms.clone(), bucket.clone(), Arc::clone(&source));
+            tasks.spawn(async move {
+                hand_off_one(&confirms, bucket, delivery, &source, FAILURE_REASON).await
+            });
+            while let Some(result) = tasks.try_join_next() {
+                tally(result, &mut settled, &mut failed);
+            }
+        }
+        while let Some(result) = tasks.join_next().await {
             tally(result, &mut settled, &mut failed);
         }
-    }
-    while let Some(result) = tasks.join_next().await {
-        tally(result, &mut settled, &mut failed);
-    }
+    };
+    let _ = tokio::time::timeout(run_limit(n), consumed).await;
     let elapsed = started.elapsed();
     if failed > 0 {
         eprintln!("raw handoff: {failed} handoffs failed");
@@ -309,36 +298,38 @@ pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, 
     let bucket: ShortString = bucket.into();
     let mut pending = Vec::with_capacity(batch);
     let mut received = 0;
-    let limit = run_limit(n);
-    while received < n {
-        let Some(delivery) = next_within(&mut consumer, limit).await else {
-            break;
-        };
-        first.get_or_init(Instant::now);
-        received += 1;
-        deserialize(&delivery);
-        let properties = retry_properties(&delivery, queue, FAILURE_REASON);
-        let published = confirms
-            .basic_publish(
-                "".into(),
-                bucket.clone(),
-                MANDATORY,
-                &delivery.data,
-                properties,
-            )
-            .await;
-        match published {
-            Ok(confirm) => pending.push((delivery.delivery_tag, confirm)),
-            Err(_) => {
-                let _ = delivery.acker.nack(REQUEUE).await;
+    let consumed = async {
+        while received < n {
+            let Some(Ok(delivery)) = next(&mut consumer).await else {
+                break;
+            };
+            first.get_or_init(Instant::now);
+            received += 1;
+            deserialize(&delivery);
+            let properties = retry_properties(&delivery, queue, FAILURE_REASON);
+            let published = confirms
+                .basic_publish(
+                    "".into(),
+                    bucket.clone(),
+                    MANDATORY,
+                    &delivery.data,
+                    properties,
+                )
+                .await;
+            match published {
+                Ok(confirm) => pending.push((delivery.delivery_tag, confirm)),
+                Err(_) => {
+                    let _ = delivery.acker.nack(REQUEUE).await;
+                }
+            }
+            if (pending.len() == batch || received == n)
+                && batches.send(std::mem::take(&mut pending)).await.is_err()
+            {
+                break;
             }
         }
-        if (pending.len() == batch || received == n)
-            && batches.send(std::mem::take(&mut pending)).await.is_err()
-        {
-            break;
-        }
-    }
+    };
+    let _ = tokio::time::timeout(run_limit(n), consumed).await;
     drop(batches);
     let (settled, failed) = settler.await.unwrap_or((0, n));
     let elapsed = started.elapsed();
