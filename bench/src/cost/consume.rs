@@ -12,12 +12,12 @@ use std::time::Duration;
 
 use futures_core::Stream;
 use lapin::Channel;
-use lapin::options::{BasicAckOptions, BasicQosOptions};
+use lapin::options::BasicAckOptions;
 use lily::prelude::{Consumer, ConsumerConfig, Json, QueueHandlerError, Router};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
-use super::{Contender, PREFETCH, alloc_snapshot, runtime};
+use super::{Contender, PREFETCH, alloc_snapshot, close_raw, failed, runtime};
 use crate::run::Lily;
 use crate::{Order, broker_url};
 
@@ -63,27 +63,19 @@ async fn lily(url: &str, queue: &str, n: usize) -> Result<(), String> {
 }
 
 async fn raw(url: &str, queue: &str, n: usize) -> Result<(), String> {
-    let e = |what: &'static str| move |err: lapin::Error| format!("{what}: {err}");
     let (connection, channel, mut consumer) = crate::raw::open(url, queue, PREFETCH, false).await?;
     for _ in 0..n {
-        let delivery = poll_fn(|cx| Pin::new(&mut consumer).poll_next(cx))
-            .await
+        let next = poll_fn(|cx| Pin::new(&mut consumer).poll_next(cx)).await;
+        let delivery = next
             .ok_or("the consumer ended")?
-            .map_err(e("delivery"))?;
+            .map_err(failed("delivery"))?;
         let order: Order =
             serde_json::from_slice(&delivery.data).map_err(|err| format!("json: {err}"))?;
         black_box(&order);
         handled();
-        queue_ack(&channel, delivery.delivery_tag).map_err(e("ack"))?;
+        queue_ack(&channel, delivery.delivery_tag).map_err(failed("ack"))?;
     }
-    // A round trip proves the broker processed the ACKs (Lily does the same before closing).
-    channel
-        .basic_qos(PREFETCH, BasicQosOptions::default())
-        .await
-        .map_err(e("basic.qos"))?;
-    let _ = channel.close(200, "done".into()).await;
-    let _ = connection.close(200, "done".into()).await;
-    Ok(())
+    close_raw(connection, channel, PREFETCH).await
 }
 
 /// Queues the ACK frame on `channel` (one poll of `basic_ack`) without awaiting its write; the
@@ -107,8 +99,7 @@ pub struct Counted {
 
 /// The `run` child: consumes `n` orders from `queue` on a current-thread runtime.
 pub fn child(who: Contender, n: usize, queue: &str) -> Result<Counted, String> {
-    let url = broker_url();
-    let rt = runtime(false);
+    let (url, rt) = (broker_url(), runtime(false));
     rt.block_on(async {
         match who {
             Contender::Raw => raw(&url, queue, n).await,
@@ -117,9 +108,8 @@ pub fn child(who: Contender, n: usize, queue: &str) -> Result<Counted, String> {
     })?;
     let stats = alloc_snapshot();
     drop(rt);
-    let handled = HANDLED.load(Ordering::Relaxed);
     Ok(Counted {
-        handled,
+        handled: HANDLED.load(Ordering::Relaxed),
         allocations: stats.allocations,
         reallocations: stats.reallocations,
         bytes_allocated: stats.bytes_allocated,

@@ -2,16 +2,15 @@
 //! `K` and holds every delivery (raw: lapin deliveries unACKed in a `Vec`; Lily: a handler with no
 //! argument waiting on a shared `CancellationToken`), sampling itself idle and with `K` held.
 
-use std::io::{BufRead as _, BufReader, Write as _};
-use std::process::Stdio;
+use std::io::Write as _;
 use std::time::{Duration, Instant};
 
-use lapin::options::{BasicAckOptions, BasicQosOptions};
+use lapin::options::BasicAckOptions;
 use lily::prelude::{Consumer, ConsumerConfig, Router};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
-use super::{Bench, Contender, alloc_snapshot};
+use super::{Bench, Contender, alloc_snapshot, close_raw, failed, spawn};
 use crate::run::Lily;
 use crate::{body_512, broker_url, publish};
 
@@ -51,6 +50,14 @@ pub(crate) fn announce(tag: &str, value: &impl Serialize) {
     let _ = out.flush();
 }
 
+/// Lets the process settle, samples it and tells the parent (`IDLE`): the idle sample.
+pub(crate) async fn idle() -> Mem {
+    tokio::time::sleep(SETTLE).await;
+    let idle = Mem::now();
+    announce("IDLE", &idle);
+    idle
+}
+
 /// Polls `done` until it holds, failing after `limit`.
 pub(crate) async fn wait_for(
     what: &str,
@@ -67,13 +74,9 @@ pub(crate) async fn wait_for(
     Ok(())
 }
 
-/// What a `mem` child saw: idle, and with `in_flight` deliveries held.
+/// What a `mem` child saw: idle, with deliveries held (once settled), and how many.
 #[derive(Debug, Serialize, Deserialize)]
-pub struct Sampled {
-    idle: Mem,
-    full: Mem,
-    in_flight: usize,
-}
+pub struct Sampled(Mem, Mem, usize);
 
 /// One contender's memory, per delivery held.
 #[derive(Debug, Serialize)]
@@ -83,44 +86,53 @@ pub struct Held {
     pub heap_per_delivery: f64,
 }
 
+/// Memory a delivery held, each contender's.
+#[derive(Debug, Serialize)]
+pub struct Memory {
+    pub in_flight: usize,
+    pub raw: Held,
+    pub lily: Held,
+}
+
+/// Both contenders' memory with `k` deliveries held.
+pub fn measure(b: &Bench, k: usize) -> Result<Memory, String> {
+    let (raw, lily) = (held(b, Contender::Raw, k)?, held(b, Contender::Lily, k)?);
+    let in_flight = k;
+    Ok(Memory {
+        in_flight,
+        raw,
+        lily,
+    })
+}
+
 /// Runs the `mem` child of `who` over a queue the parent fills once the child is idle.
 #[allow(clippy::cast_precision_loss)]
-pub fn measure(b: &Bench, who: Contender, k: usize) -> Result<Held, String> {
+fn held(b: &Bench, who: Contender, k: usize) -> Result<Held, String> {
     let queue = format!("lily-bench-cost-mem-{}", who.name());
     b.queue_with(&queue, 0);
-    let mut child = b.child(false, &["mem", who.name(), &k.to_string(), &queue]);
-    let mut child = child
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|e| format!("spawn mem: {e}"))?;
+    let mut command = b.child(false, &["mem", who.name(), &k.to_string(), &queue]);
+    let (mut child, lines) = spawn(&mut command, false)?;
     let mut sampled = None;
-    for line in BufReader::new(child.stdout.take().ok_or("no stdout")?)
-        .lines()
-        .map_while(Result::ok)
-    {
+    for line in lines {
         if line.starts_with("IDLE") {
             b.rt.block_on(publish(&b.url, &queue, k, &body_512()));
         }
         sampled = sampled.or_else(|| super::result::<Sampled>(&line));
     }
     let status = child.wait().map_err(|e| format!("wait: {e}"))?;
-    let s = sampled
-        .filter(|_| status.success())
-        .ok_or_else(|| format!("mem {} failed ({status})", who.name()))?;
-    let per = |full: f64, idle: f64| (full - idle) / s.in_flight as f64;
+    let failed = || format!("mem {} failed ({status})", who.name());
+    let Sampled(idle, full, in_flight) = sampled.filter(|_| status.success()).ok_or_else(failed)?;
+    let per = |full: f64, idle: f64| (full - idle) / in_flight as f64;
     let held = Held {
-        rss_idle_bytes: s.idle.rss_bytes,
-        rss_per_delivery: per(s.full.rss_bytes as f64, s.idle.rss_bytes as f64),
-        heap_per_delivery: per(s.full.heap_live_bytes as f64, s.idle.heap_live_bytes as f64),
+        rss_idle_bytes: idle.rss_bytes,
+        rss_per_delivery: per(full.rss_bytes as f64, idle.rss_bytes as f64),
+        heap_per_delivery: per(full.heap_live_bytes as f64, idle.heap_live_bytes as f64),
     };
     eprintln!("cost: memory {}: {held:?}", who.name());
     Ok(held)
 }
 
-async fn lily(url: &str, queue: &str, k: usize) -> Result<Sampled, String> {
-    let prefetch = u16::try_from(k).map_err(|_| "K must fit in a u16 prefetch")?;
+async fn lily(url: &str, queue: &str, prefetch: u16, k: usize) -> Result<Sampled, String> {
     let gate = CancellationToken::new();
     let held = gate.clone();
     let router = Router::new().route("order.placed", move || {
@@ -130,80 +142,49 @@ async fn lily(url: &str, queue: &str, k: usize) -> Result<Sampled, String> {
             Ok(())
         }
     });
-    let lily = Lily::ready(Consumer::new(
-        url,
-        ConsumerConfig::new(queue).prefetch(prefetch).concurrency(k),
-        router,
-    ))
-    .await?;
-    tokio::time::sleep(SETTLE).await;
-    let idle = Mem::now();
-    announce("IDLE", &idle);
-    wait_for("deliveries in flight", Duration::from_secs(300), || {
-        lily.stats.in_flight() >= k
-    })
-    .await?;
+    let config = ConsumerConfig::new(queue).prefetch(prefetch).concurrency(k);
+    let lily = Lily::ready(Consumer::new(url, config, router)).await?;
+    let idle = idle().await;
+    let held = || lily.stats.in_flight() >= k;
+    wait_for("deliveries in flight", Duration::from_secs(300), held).await?;
     tokio::time::sleep(SETTLE).await;
     let (full, in_flight) = (Mem::now(), lily.stats.in_flight());
     gate.cancel();
-    wait_for("ACKs", Duration::from_secs(120), || {
-        lily.stats.totals().acked >= k as u64
-    })
-    .await?;
+    let acked = || lily.stats.totals().acked >= k as u64;
+    wait_for("ACKs", Duration::from_secs(120), acked).await?;
     lily.stop().await?;
-    Ok(Sampled {
-        idle,
-        full,
-        in_flight,
-    })
+    Ok(Sampled(idle, full, in_flight))
 }
 
-async fn raw(url: &str, queue: &str, k: usize) -> Result<Sampled, String> {
-    let prefetch = u16::try_from(k).map_err(|_| "K must fit in a u16 prefetch")?;
-    let e = |what: &'static str| move |err: lapin::Error| format!("{what}: {err}");
+async fn raw(url: &str, queue: &str, prefetch: u16, k: usize) -> Result<Sampled, String> {
     let (connection, channel, mut consumer) = crate::raw::open(url, queue, prefetch, false).await?;
     let mut held = Vec::with_capacity(k);
-    tokio::time::sleep(SETTLE).await;
-    let idle = Mem::now();
-    announce("IDLE", &idle);
+    let idle = idle().await;
     while held.len() < k {
-        let next =
-            tokio::time::timeout(Duration::from_secs(300), crate::raw::next(&mut consumer)).await;
-        held.push(
-            next.map_err(|_| "timed out waiting for deliveries")?
-                .ok_or("the consumer ended")?
-                .map_err(e("delivery"))?,
-        );
+        let next = crate::raw::next(&mut consumer);
+        let next = tokio::time::timeout(Duration::from_secs(300), next).await;
+        let next = next.map_err(|_| "timed out waiting for deliveries")?;
+        let next = next.ok_or("the consumer ended")?;
+        held.push(next.map_err(failed("delivery"))?);
     }
     tokio::time::sleep(SETTLE).await;
     let (full, in_flight) = (Mem::now(), held.len());
     for delivery in held {
-        delivery
-            .acker
-            .ack(BasicAckOptions::default())
-            .await
-            .map_err(e("ack"))?;
+        let ack = delivery.acker.ack(BasicAckOptions::default());
+        ack.await.map_err(failed("ack"))?;
     }
-    channel
-        .basic_qos(prefetch, BasicQosOptions::default())
-        .await
-        .map_err(e("basic.qos"))?;
-    let _ = channel.close(200, "done".into()).await;
-    let _ = connection.close(200, "done".into()).await;
-    Ok(Sampled {
-        idle,
-        full,
-        in_flight,
-    })
+    close_raw(connection, channel, prefetch).await?;
+    Ok(Sampled(idle, full, in_flight))
 }
 
-/// The `mem` child: holds `k` deliveries of `queue`, on a multi-thread runtime.
+/// The `mem` child: holds `k` deliveries of `queue` (its prefetch), on a multi-thread runtime.
 pub fn child(who: Contender, k: usize, queue: &str) -> Result<Sampled, String> {
+    let prefetch = u16::try_from(k).map_err(|_| "K must fit in a u16 prefetch")?;
     let url = broker_url();
     super::runtime(true).block_on(async {
         match who {
-            Contender::Raw => raw(&url, queue, k).await,
-            Contender::Lily => lily(&url, queue, k).await,
+            Contender::Raw => raw(&url, queue, prefetch, k).await,
+            Contender::Lily => lily(&url, queue, prefetch, k).await,
         }
     })
 }

@@ -9,13 +9,17 @@ pub mod reader;
 pub mod report;
 pub mod shutdown;
 
-use std::io::Read as _;
-use std::path::Path;
+use std::io::{BufRead as _, BufReader};
+use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use lapin::options::BasicQosOptions;
+use lapin::{Channel, Connection};
 use lily::consumer::Policy;
 use lily::prelude::QueueKind;
+use rustix::process::{Pid, Signal, kill_process};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::runtime::Runtime;
@@ -25,6 +29,13 @@ use crate::{broker_url, fresh_topology, median, publish};
 
 /// Prefetch of the per-message cost runs (and concurrency of Lily's consumer).
 pub const PREFETCH: u16 = 50;
+/// Messages of the long and the short (subtracted) native runs.
+const N: [usize; 2] = [20_000, 2_000];
+/// The same under valgrind, and quick.
+const VALGRIND_N: [usize; 2] = [20_000, 2_000];
+const QUICK_VALGRIND_N: [usize; 2] = [5_000, 500];
+/// Deliveries held by the memory step.
+const IN_FLIGHT: usize = 10_000;
 
 /// Which consumer a child runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -35,6 +46,9 @@ pub enum Contender {
     /// Lily's `Consumer` with a `Json<Order>` handler.
     Lily,
 }
+
+/// Raw, then Lily.
+const BOTH: [Contender; 2] = [Contender::Raw, Contender::Lily];
 
 impl Contender {
     pub fn name(self) -> &'static str {
@@ -61,7 +75,23 @@ pub fn runtime(multi_thread: bool) -> Runtime {
     builder.enable_all().build().expect("tokio runtime")
 }
 
-/// What the orchestrator measures, and how much; a subcommand is one of its child processes.
+/// `what: err`, for `map_err` on lapin's results.
+fn failed(what: &'static str) -> impl Fn(lapin::Error) -> String {
+    move |err| format!("{what}: {err}")
+}
+
+/// Ends a raw consumer: a `basic.qos` round trip proves the broker processed the ACKs (Lily does
+/// the same before closing), then the channel and the connection close.
+async fn close_raw(connection: Connection, channel: Channel, prefetch: u16) -> Result<(), String> {
+    let qos = channel.basic_qos(prefetch, BasicQosOptions::default());
+    qos.await.map_err(failed("basic.qos"))?;
+    let _ = channel.close(200, "done".into()).await;
+    let _ = connection.close(200, "done".into()).await;
+    Ok(())
+}
+
+/// What the orchestrator measures (`--quick`: 5 000 and 500 messages under valgrind, 3 idle
+/// shutdowns rather than 5); a subcommand is one of its child processes.
 /// To profile by hand: `valgrind --tool=callgrind lily-bench-counting cost run lily 20000 QUEUE`
 /// on a queue holding 20 000 orders.
 #[derive(clap::Args, Debug)]
@@ -71,43 +101,10 @@ pub struct Options {
     child: Option<Child>,
     #[command(flatten)]
     common: Common,
-    /// Messages of the long native runs.
-    #[arg(long, default_value_t = 20_000)]
-    n: usize,
-    /// Messages of the short native runs (subtracted).
-    #[arg(long, default_value_t = 2_000)]
-    n0: usize,
-    /// Messages of the long runs under valgrind (quick: 5 000).
-    #[arg(
-        long,
-        default_value = "20000",
-        default_value_if("quick", "true", Some("5000"))
-    )]
-    valgrind_n: usize,
-    /// Messages of the short runs under valgrind (quick: 500).
-    #[arg(
-        long,
-        default_value = "2000",
-        default_value_if("quick", "true", Some("500"))
-    )]
-    valgrind_n0: usize,
     /// Rounds of the allocation counts (quick: 2).
     #[arg(long, default_value = "3", value_parser = crate::args::nonzero,
           default_value_if("quick", "true", Some("2")))]
     reps: usize,
-    /// Deliveries held by the memory step.
-    #[arg(long, default_value_t = 10_000)]
-    in_flight: usize,
-    /// Runs of the idle shutdown (quick: 3).
-    #[arg(long, default_value = "5", value_parser = crate::args::nonzero,
-          default_value_if("quick", "true", Some("3")))]
-    shutdown_runs: usize,
-    /// Messages of the hostile load.
-    #[arg(long, default_value_t = hostile::N, value_parser = crate::args::nonzero)]
-    hostile_n: usize,
-    /// Prefetch (and concurrency) of the hostile load.
-    #[arg(long, default_value_t = hostile::PREFETCH, value_parser = clap::value_parser!(u16).range(1..))]
-    hostile_prefetch: u16,
     /// Steps to run: allocs, instructions, reader, memory, shutdown, hostile (default: all).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -129,12 +126,7 @@ enum Child {
         queue: String,
     },
     /// Drains the hostile load from QUEUE (`hostile::child`).
-    Hostile {
-        who: Contender,
-        prefetch: u16,
-        n: usize,
-        queue: String,
-    },
+    Hostile { who: Contender, queue: String },
     /// Reads the frames of N of TOTAL deliveries through Lily's frame reader (or plainly).
     Reader {
         total: usize,
@@ -144,36 +136,19 @@ enum Child {
     },
 }
 
-/// Heap allocations a message (median of the rounds).
+/// A cost a message: raw, Lily, and Lily's layer (Lily − raw) against its target. Heap
+/// allocations count alloc + alloc_zeroed + realloc calls (the median of the rounds);
+/// instructions, every thread of the child under callgrind.
 #[derive(Debug, Serialize)]
-pub struct Allocations {
+pub struct PerMessage {
     pub n: usize,
     pub n0: usize,
-    pub rounds: usize,
-    /// alloc + alloc_zeroed + realloc calls a message: raw, Lily, Lily − raw.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rounds: Option<usize>,
     pub raw: f64,
     pub lily: f64,
     pub lily_layer: f64,
     pub met: bool,
-}
-
-/// Instructions a message under callgrind (every thread of the child).
-#[derive(Debug, Serialize)]
-pub struct Instructions {
-    pub n: usize,
-    pub n0: usize,
-    pub raw: f64,
-    pub lily: f64,
-    pub lily_layer: f64,
-    pub met: bool,
-}
-
-/// Memory a delivery held, each contender's.
-#[derive(Debug, Serialize)]
-pub struct Memory {
-    pub in_flight: usize,
-    pub raw: memory::Held,
-    pub lily: memory::Held,
 }
 
 /// Everything `cost` measured; a step that failed or did not run is absent.
@@ -182,11 +157,11 @@ pub struct Results {
     #[serde(flatten)]
     pub meta: crate::Meta,
     pub prefetch: u16,
-    pub instructions: Option<Instructions>,
+    pub instructions: Option<PerMessage>,
     /// The frame reader alone: instructions a message.
     pub reader: Option<f64>,
-    pub allocations: Option<Allocations>,
-    pub memory: Option<Memory>,
+    pub allocations: Option<PerMessage>,
+    pub memory: Option<memory::Memory>,
     pub shutdown: Option<shutdown::Idle>,
     pub hostile: Option<hostile::Hostile>,
     /// Steps that failed, and why.
@@ -204,12 +179,7 @@ pub fn main(mut options: Options) -> ExitCode {
         None => return orchestrate(options),
         Some(Child::Run { who, n, queue }) => consume::child(who, n, &queue).map(json),
         Some(Child::Mem { who, k, queue }) => memory::child(who, k, &queue).map(json),
-        Some(Child::Hostile {
-            who,
-            prefetch,
-            n,
-            queue,
-        }) => hostile::child::child(who, prefetch, n, &queue).map(json),
+        Some(Child::Hostile { who, queue }) => hostile::child::child(who, &queue).map(json),
         Some(Child::Reader { total, n, plain }) => reader::child(total, n, plain).map(json),
     };
     match result {
@@ -233,6 +203,22 @@ pub fn result<T: DeserializeOwned>(line: &str) -> Option<T> {
     serde_json::from_str(line.strip_prefix("RESULT ")?).ok()
 }
 
+/// Starts `command` talking over its stdout (and its stdin when `stdin`), its stderr ours: the
+/// child and its stdout's lines.
+fn spawn(
+    command: &mut Command,
+    stdin: bool,
+) -> Result<(std::process::Child, impl Iterator<Item = String>), String> {
+    let mut child = command
+        .stdin(if stdin { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| format!("spawn {command:?}: {e}"))?;
+    let stdout = child.stdout.take().ok_or("no stdout")?;
+    Ok((child, BufReader::new(stdout).lines().map_while(Result::ok)))
+}
+
 /// Runs `command` (a child printing `RESULT {json}`) to its end, bounded by `limit`: its result
 /// and its stderr.
 fn run_child<T: DeserializeOwned>(
@@ -240,48 +226,29 @@ fn run_child<T: DeserializeOwned>(
     limit: Duration,
 ) -> Result<(T, String), String> {
     let shown = format!("{command:?}");
-    let mut child = command
+    let child = command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| format!("spawn {shown}: {e}"))?;
-    let read = |mut pipe: Box<dyn std::io::Read + Send>| {
-        std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = pipe.read_to_string(&mut text);
-            text
-        })
+    let (pid, (tx, rx)) = (Pid::from_child(&child), mpsc::channel());
+    std::thread::spawn(move || tx.send(child.wait_with_output()));
+    let Ok(output) = rx.recv_timeout(limit) else {
+        let _ = kill_process(pid, Signal::KILL);
+        return Err(format!("{shown} did not finish within {limit:?}"));
     };
-    let out = read(Box::new(child.stdout.take().ok_or("no stdout")?));
-    let err = read(Box::new(child.stderr.take().ok_or("no stderr")?));
-    let deadline = Instant::now() + limit;
-    let status = loop {
-        if let Some(status) = child.try_wait().map_err(|e| format!("wait: {e}"))? {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(format!("{shown} did not finish within {limit:?}"));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let (out, err) = (
-        out.join().unwrap_or_default(),
-        err.join().unwrap_or_default(),
-    );
-    let tail: Vec<&str> = err.lines().rev().take(20).collect();
-    if !status.success() {
-        return Err(format!(
-            "{shown} failed ({status}):\n{}",
-            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-        ));
+    let output = output.map_err(|e| format!("wait: {e}"))?;
+    let err = String::from_utf8_lossy(&output.stderr).into_owned();
+    if !output.status.success() {
+        let lines: Vec<&str> = err.lines().collect();
+        let tail = lines[lines.len().saturating_sub(20)..].join("\n");
+        return Err(format!("{shown} failed ({}):\n{tail}", output.status));
     }
-    let value = out
+    let value = String::from_utf8_lossy(&output.stdout)
         .lines()
-        .find_map(result)
-        .ok_or_else(|| format!("{shown} printed no RESULT line"))?;
+        .find_map(result);
+    let value = value.ok_or_else(|| format!("{shown} printed no RESULT line"))?;
     Ok((value, err))
 }
 
@@ -303,129 +270,115 @@ fn per_message(big: f64, small: f64, n: usize, n0: usize) -> f64 {
 pub struct Bench {
     rt: Runtime,
     url: String,
-    exe: std::path::PathBuf,
+    exe: PathBuf,
     options: Options,
 }
 
 impl Bench {
+    fn valgrind_n(&self) -> [usize; 2] {
+        if self.options.common.quick {
+            QUICK_VALGRIND_N
+        } else {
+            VALGRIND_N
+        }
+    }
+
     /// A fresh classic queue (Lily's topology) holding `n` 512-byte orders.
     fn queue_with(&self, queue: &str, n: usize) {
         self.rt.block_on(async {
-            fresh_topology(
-                &self.url,
-                queue,
-                QueueKind::Classic,
-                &Policy::default().retry_delays,
-            )
-            .await;
+            let retry = Policy::default().retry_delays;
+            fresh_topology(&self.url, queue, QueueKind::Classic, &retry).await;
             publish(&self.url, queue, n, &crate::body_512()).await;
         });
     }
 
     /// This program as `cost CHILD ARGS…`, under valgrind's callgrind when asked.
     fn child(&self, callgrind: bool, args: &[&str]) -> Command {
-        let mut command = Command::new(if callgrind {
-            Path::new("valgrind")
-        } else {
-            &self.exe
-        });
+        let mut command = Command::new(&self.exe);
         if callgrind {
-            command
-                .args(["--tool=callgrind", "--callgrind-out-file=/dev/null"])
-                .arg(&self.exe);
+            command = Command::new("valgrind");
+            command.args(["--tool=callgrind", "--callgrind-out-file=/dev/null"]);
+            command.arg(&self.exe);
         }
-        command
-            .env("LILY_AMQP_URL", &self.url)
-            .arg("cost")
-            .args(args);
+        command.env("LILY_AMQP_URL", &self.url);
+        command.arg("cost").args(args);
         command
     }
 
-    /// One consume run of `who` over `n` orders: its allocations, or its instructions.
+    /// One consume run of `who` over `n` orders: what it counted, and its stderr.
     fn consume(
         &self,
         who: Contender,
         n: usize,
         callgrind: bool,
-    ) -> Result<(consume::Counted, f64), String> {
+    ) -> Result<(consume::Counted, String), String> {
         let queue = format!("lily-bench-cost-{}", who.name());
         self.queue_with(&queue, n);
         let limit = Duration::from_secs(if callgrind { 1800 } else { 300 });
-        let (counted, stderr): (consume::Counted, _) = run_child(
-            self.child(callgrind, &["run", who.name(), &n.to_string(), &queue]),
-            limit,
-        )?;
+        let args = ["run", who.name(), &n.to_string(), &queue];
+        let (counted, stderr): (consume::Counted, _) =
+            run_child(self.child(callgrind, &args), limit)?;
         if counted.handled != n {
             return Err(format!("{} handled {} of {n}", who.name(), counted.handled));
         }
-        let instructions = if callgrind {
-            collected(&stderr)?
-        } else {
-            f64::NAN
-        };
-        Ok((counted, instructions))
+        Ok((counted, stderr))
+    }
+}
+
+/// Lily's layer over raw, judged against `target`.
+fn layer(
+    [n, n0]: [usize; 2],
+    rounds: Option<usize>,
+    [raw, lily]: [f64; 2],
+    target: f64,
+) -> PerMessage {
+    PerMessage {
+        n,
+        n0,
+        rounds,
+        raw,
+        lily,
+        lily_layer: lily - raw,
+        met: lily - raw <= target,
     }
 }
 
 /// Heap allocations a message, native runs.
 #[allow(clippy::cast_precision_loss)]
-fn allocations(b: &Bench) -> Result<Allocations, String> {
-    let (n, n0) = (b.options.n, b.options.n0);
+fn allocations(b: &Bench) -> Result<PerMessage, String> {
+    let [n, n0] = N;
+    let calls = |who, n| -> Result<f64, String> {
+        let counted = b.consume(who, n, false)?.0;
+        Ok((counted.allocations + counted.reallocations) as f64)
+    };
     let mut rounds = [Vec::new(), Vec::new()];
-    for round in 0..b.options.reps {
-        for (who, per) in [Contender::Raw, Contender::Lily]
-            .into_iter()
-            .zip(&mut rounds)
-        {
-            let calls = |c: consume::Counted| (c.allocations + c.reallocations) as f64;
-            let (big, small) = (b.consume(who, n, false)?.0, b.consume(who, n0, false)?.0);
-            per.push(per_message(calls(big), calls(small), n, n0));
-            eprintln!(
-                "cost: allocations round {}: {} {:.2} a message",
-                round + 1,
-                who.name(),
-                per.last().unwrap_or(&f64::NAN)
-            );
+    for round in 1..=b.options.reps {
+        for (who, per) in BOTH.into_iter().zip(&mut rounds) {
+            let x = per_message(calls(who, n)?, calls(who, n0)?, n, n0);
+            let name = who.name();
+            eprintln!("cost: allocations round {round}: {name} {x:.2} a message");
+            per.push(x);
         }
     }
-    let [raw, lily] = rounds.map(|mut r| median(&mut r));
-    Ok(Allocations {
-        n,
-        n0,
-        rounds: b.options.reps,
-        raw,
-        lily,
-        lily_layer: lily - raw,
-        met: lily - raw <= TARGET_ALLOCATIONS,
-    })
+    let medians = rounds.map(|mut r| median(&mut r));
+    Ok(layer(N, Some(b.options.reps), medians, TARGET_ALLOCATIONS))
 }
 
 /// Instructions a message under callgrind, on tokio's current-thread runtime.
-fn instructions(b: &Bench) -> Result<Instructions, String> {
-    let (n, n0) = (b.options.valgrind_n, b.options.valgrind_n0);
+fn instructions(b: &Bench) -> Result<PerMessage, String> {
+    let [n, n0] = b.valgrind_n();
     let per = |who| -> Result<f64, String> {
-        Ok(per_message(
-            b.consume(who, n, true)?.1,
-            b.consume(who, n0, true)?.1,
-            n,
-            n0,
-        ))
+        let run = |n| collected(&b.consume(who, n, true)?.1);
+        Ok(per_message(run(n)?, run(n0)?, n, n0))
     };
-    let (raw, lily) = (per(Contender::Raw)?, per(Contender::Lily)?);
-    Ok(Instructions {
-        n,
-        n0,
-        raw,
-        lily,
-        lily_layer: lily - raw,
-        met: lily - raw <= TARGET_INSTRUCTIONS,
-    })
+    let both = [per(Contender::Raw)?, per(Contender::Lily)?];
+    Ok(layer([n, n0], None, both, TARGET_INSTRUCTIONS))
 }
 
 /// Instructions a message of Lily's frame reader alone, under callgrind: the frames of N or N0
 /// deliveries read through it, minus the same frames read plainly.
 fn reader_instructions(b: &Bench) -> Result<f64, String> {
-    let (n, n0) = (b.options.valgrind_n, b.options.valgrind_n0);
+    let [n, n0] = b.valgrind_n();
     let run = |k: usize, plain: bool| -> Result<f64, String> {
         let (k, total) = (k.to_string(), n.to_string());
         let mut args = vec!["reader", total.as_str(), k.as_str()];
@@ -436,17 +389,6 @@ fn reader_instructions(b: &Bench) -> Result<f64, String> {
     };
     let through = per_message(run(n, false)?, run(n0, false)?, n, n0);
     Ok(through - per_message(run(n, true)?, run(n0, true)?, n, n0))
-}
-
-/// Memory a delivery in flight.
-fn memory(b: &Bench) -> Result<Memory, String> {
-    let k = b.options.in_flight;
-    let held = |who: Contender| memory::measure(b, who, k);
-    Ok(Memory {
-        in_flight: k,
-        raw: held(Contender::Raw)?,
-        lily: held(Contender::Lily)?,
-    })
 }
 
 /// Runs step `name` when `--only` names it (or is empty); its failure goes to `errors`.
@@ -466,10 +408,6 @@ fn step<T>(
 }
 
 fn orchestrate(options: Options) -> ExitCode {
-    if options.n <= options.n0 || options.valgrind_n <= options.valgrind_n0 {
-        eprintln!("cost: N must be larger than N0");
-        return ExitCode::from(2);
-    }
     let url = broker_url();
     let meta = crate::Meta::new("cost", &url, vec![crate::METHOD.into()]);
     let b = Bench {
@@ -483,9 +421,9 @@ fn orchestrate(options: Options) -> ExitCode {
     let instructions = step(only, e, "instructions", || instructions(&b));
     let reader = step(only, e, "reader", || reader_instructions(&b));
     let allocations = step(only, e, "allocs", || allocations(&b));
-    let memory = step(only, e, "memory", || memory(&b));
+    let memory = step(only, e, "memory", || memory::measure(&b, IN_FLIGHT));
     let shutdown = step(only, e, "shutdown", || {
-        shutdown::measure(&b.rt, &b.url, b.options.shutdown_runs)
+        shutdown::measure(&b.rt, &b.url, if b.options.common.quick { 3 } else { 5 })
     });
     let hostile = step(only, e, "hostile", || hostile::measure(&b));
     // The hostile load states a bound: over it, or a message missing, fails the run.
@@ -504,13 +442,8 @@ fn orchestrate(options: Options) -> ExitCode {
         errors,
     };
     r.meta.finish(started);
-    crate::report::write(
-        &b.options.common.out,
-        "cost",
-        &r,
-        &report::markdown(&r),
-        None,
-    );
+    let markdown = report::markdown(&r);
+    crate::report::write(&b.options.common.out, "cost", &r, &markdown, None);
     if r.errors.is_empty() {
         ExitCode::SUCCESS
     } else {

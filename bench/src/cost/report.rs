@@ -33,59 +33,15 @@ pub fn markdown(r: &Results) -> String {
     }
     if let Some(h) = &r.hostile {
         let (raw, lily) = (&h.raw, &h.lily);
-        let pair = |f: fn(&hostile::Run) -> String| [f(raw), f(lily), dash()];
-        let row = |label: String, values: [String; 3], target: String, ok: Option<bool>| {
-            [label]
-                .into_iter()
-                .chain(values)
-                .chain([target, ok.map_or_else(dash, met)])
-        };
-        table.row(row(
-            format!(
-                "hostile load, {} msgs at prefetch {}: peak RSS (VmHWM), MiB",
-                h.n, h.prefetch
-            ),
-            pair(|r| mib(r.hwm_bytes)),
-            format!("<= {}", mib(lily.bound_bytes)),
-            Some(lily.hwm_bytes <= lily.bound_bytes),
-        ));
-        table.row(row(
-            "  idle RSS, MiB".into(),
-            pair(|r| mib(r.rss_idle_bytes)),
-            dash(),
-            None,
-        ));
-        table.row(row(
-            format!("  bound: {}, MiB", h.bound_formula),
-            pair(|r| mib(r.bound_bytes)),
-            dash(),
-            None,
-        ));
-        table.row(row(
-            "  peak / bound".into(),
-            pair(|r| format!("{:.2}", r.peak_over_bound)),
-            "<= 1".into(),
-            Some(lily.peak_over_bound <= 1.0),
-        ));
-        table.row(row(
-            "  drain of the full queue, msg/s".into(),
-            pair(|r| rate(r.msgs_per_s)),
-            dash(),
-            None,
-        ));
         let all = raw.settled == raw.sent && lily.settled == lily.sent;
-        table.row(row(
-            "  messages settled, checked by id from outside".into(),
-            pair(|r| format!("{}/{}", r.settled, r.sent)),
-            "all".into(),
-            Some(all),
-        ));
-        table.row(row(
-            "  of which not where their class says (Lily)".into(),
-            [dash(), lily.unexpected.to_string(), dash()],
-            dash(),
-            None,
-        ));
+        let settled = |r: &hostile::Run| format!("{}/{}", r.settled, r.sent);
+        row!(table; format!("hostile load, {} msgs at prefetch {}: peak RSS (VmHWM), MiB", h.n, h.prefetch), mib(raw.hwm_bytes), mib(lily.hwm_bytes), dash(), format!("<= {}", mib(lily.bound_bytes)), met(lily.hwm_bytes <= lily.bound_bytes));
+        row!(table; "  idle RSS, MiB", mib(raw.rss_idle_bytes), mib(lily.rss_idle_bytes), dash(), dash(), dash());
+        row!(table; format!("  bound: {}, MiB", h.bound_formula), mib(raw.bound_bytes), mib(lily.bound_bytes), dash(), dash(), dash());
+        row!(table; "  peak / bound", format!("{:.2}", raw.peak_over_bound), format!("{:.2}", lily.peak_over_bound), dash(), "<= 1", met(lily.peak_over_bound <= 1.0));
+        row!(table; "  drain of the full queue, msg/s", rate(raw.msgs_per_s), rate(lily.msgs_per_s), dash(), dash(), dash());
+        row!(table; "  messages settled, checked by id from outside", settled(raw), settled(lily), dash(), "all", met(all));
+        row!(table; "  of which not where their class says (Lily)", dash(), lily.unexpected, dash(), dash(), dash());
     }
     for error in &r.errors {
         table.row([error.as_str(), "error", "-", "-", "-", "-"]);

@@ -2,7 +2,7 @@
 //! SIGTERM [`SETTLE`] after its log says `consuming`, to the process's exit.
 
 use std::io::{BufRead as _, BufReader, Read as _};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -16,26 +16,8 @@ use tokio::runtime::Runtime;
 
 use crate::{fresh_topology, median};
 
-/// The binary under test, next to this one.
-pub const SUBJECT: &str = "k8s-shutdown";
-
 /// Time between `consuming` in the log and SIGTERM.
 pub const SETTLE: Duration = Duration::from_millis(300);
-
-/// Where `k8s-shutdown` should be: beside the running executable (`target/release/`).
-pub fn subject() -> Result<PathBuf, String> {
-    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
-    let path = exe.with_file_name(SUBJECT);
-    if path.is_file() {
-        Ok(path)
-    } else {
-        Err(format!(
-            "{} not found: build it first with `cargo build --release -p \
-             lily-mq-example-k8s-shutdown` (scripts/bench.sh builds it)",
-            path.display()
-        ))
-    }
-}
 
 /// One SIGTERM-to-exit measurement: milliseconds, and whether it exited 0 with a clean report.
 fn once(rt: &Runtime, url: &str, exe: &Path, queue: &str) -> Result<(f64, bool), String> {
@@ -56,18 +38,15 @@ fn once(rt: &Runtime, url: &str, exe: &Path, queue: &str) -> Result<(f64, bool),
         .map_err(|e| format!("spawn {}: {e}", exe.display()))?;
     let pid = Pid::from_child(&child);
     let mut stdout = child.stdout.take().ok_or("no stdout")?;
-    let stderr = child.stderr.take().ok_or("no stderr")?;
+    let stderr = BufReader::new(child.stderr.take().ok_or("no stderr")?);
     let out_reader = std::thread::spawn(move || {
         let mut text = String::new();
         let _ = stdout.read_to_string(&mut text);
         text
     });
     let (line_tx, line_rx) = mpsc::channel::<String>();
-    let err_reader = std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = line_tx.send(line);
-        }
-    });
+    let lines = stderr.lines().map_while(Result::ok);
+    let err_reader = std::thread::spawn(move || lines.map(|l| line_tx.send(l)).for_each(drop));
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut log = Vec::new();
     while !log.last().is_some_and(|l: &String| l.contains("consuming")) {
@@ -97,12 +76,9 @@ fn once(rt: &Runtime, url: &str, exe: &Path, queue: &str) -> Result<(f64, bool),
     let _ = done_tx.send(());
     let _ = watchdog.join();
     let _ = err_reader.join();
-    let report: Value =
-        serde_json::from_str(out_reader.join().unwrap_or_default().trim()).unwrap_or(Value::Null);
-    Ok((
-        latency.as_secs_f64() * 1e3,
-        status.success() && report["clean"] == true,
-    ))
+    let report = serde_json::from_str(out_reader.join().unwrap_or_default().trim());
+    let clean = report.is_ok_and(|r: Value| r["clean"] == true);
+    Ok((latency.as_secs_f64() * 1e3, status.success() && clean))
 }
 
 /// The idle service's shutdowns.
@@ -116,7 +92,15 @@ pub struct Idle {
 
 /// `runs` measurements of the idle service.
 pub fn measure(rt: &Runtime, url: &str, runs: usize) -> Result<Idle, String> {
-    let exe = subject()?;
+    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+    let exe = exe.with_file_name("k8s-shutdown");
+    if !exe.is_file() {
+        return Err(format!(
+            "{} not found: build it first with `cargo build --release -p \
+             lily-mq-example-k8s-shutdown` (scripts/bench.sh builds it)",
+            exe.display()
+        ));
+    }
     let mut latencies = Vec::new();
     let mut all_exits_clean = true;
     for i in 0..runs {

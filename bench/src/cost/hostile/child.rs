@@ -10,7 +10,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use lapin::options::BasicQosOptions;
 use lily::prelude::{
     Consumer, ConsumerConfig, HandlerResult, Meta, QueueHandlerError, Router, State,
 };
@@ -19,10 +18,10 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::messages::{Class, KIND, Load, index};
-use super::{limits, policy};
-use crate::cost::Contender;
+use super::{N, PREFETCH, limits, policy};
 use crate::cost::consume::queue_ack;
-use crate::cost::memory::{Mem, SETTLE, announce, wait_for};
+use crate::cost::memory::{Mem, announce, idle, wait_for};
+use crate::cost::{Contender, close_raw, failed};
 use crate::run::Lily;
 
 /// What the child reports.
@@ -41,6 +40,7 @@ pub struct Report {
 }
 
 /// What the handler saw, by message index.
+#[derive(Default)]
 struct Tally {
     /// Opened once the window is full.
     gate: CancellationToken,
@@ -54,12 +54,11 @@ struct Tally {
 impl Tally {
     fn new(n: usize) -> Self {
         let zeros = || (0..n).map(|_| AtomicU32::new(0)).collect();
+        let (ok, attempt) = (zeros(), zeros());
         Self {
-            gate: CancellationToken::new(),
-            opened: std::sync::OnceLock::new(),
-            ok: zeros(),
-            attempt: zeros(),
-            last_us: AtomicU64::new(0),
+            ok,
+            attempt,
+            ..Self::default()
         }
     }
 
@@ -72,10 +71,8 @@ impl Tally {
     /// index.
     fn call(&self, message_id: &str, body: &[u8]) -> Result<usize, &'static str> {
         let elapsed = self.opened.get().map_or(0, |at| at.elapsed().as_micros());
-        self.last_us.fetch_max(
-            u64::try_from(elapsed).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
+        let elapsed = u64::try_from(elapsed).unwrap_or(u64::MAX);
+        self.last_us.fetch_max(elapsed, Ordering::Relaxed);
         let load: Load = serde_json::from_slice(body).map_err(|_| "undecodable body")?;
         if load.id != message_id || load.pad.is_empty() {
             return Err("body of another message");
@@ -143,60 +140,48 @@ async fn expect(commands: &mut mpsc::UnboundedReceiver<String>, what: &str) -> R
     }
 }
 
-async fn lily(url: &str, queue: &str, prefetch: u16, n: usize) -> Result<Report, String> {
+async fn lily(url: &str, queue: &str) -> Result<Report, String> {
     let mut commands = commands();
-    let tally = Arc::new(Tally::new(n));
+    let tally = Arc::new(Tally::new(N));
     let router = Router::new()
         .route(KIND, handle)
         .with_state(Arc::clone(&tally));
-    let window = usize::from(prefetch);
+    let window = usize::from(PREFETCH);
     // The gated window waits for the whole publish: no timeout may fire meanwhile.
     let config = ConsumerConfig::new(queue)
-        .prefetch(prefetch)
+        .prefetch(PREFETCH)
         .concurrency(window)
         .limits(limits())
         .policy(policy())
         .handler_timeout(Duration::from_secs(900));
     let lily = Lily::ready(Consumer::new(url, config, router)).await?;
-    tokio::time::sleep(SETTLE).await;
-    let idle = Mem::now();
-    announce("IDLE", &idle);
+    let idle = idle().await;
     expect(&mut commands, "GO").await?;
-    wait_for("a full window", Duration::from_secs(300), || {
-        lily.stats.in_flight() >= window
-    })
-    .await?;
+    let full = || lily.stats.in_flight() >= window;
+    wait_for("a full window", Duration::from_secs(300), full).await?;
     let full = Mem::now();
     tally.open();
     announce("FULL", &full);
     expect(&mut commands, "STOP").await?;
-    wait_for("the last deliveries", Duration::from_secs(60), || {
-        lily.stats.in_flight() == 0
-    })
-    .await?;
+    let settled = || lily.stats.in_flight() == 0;
+    wait_for("the last deliveries", Duration::from_secs(60), settled).await?;
     let settled = Mem::now();
     lily.stop().await?;
     Ok(tally.report(idle, full, settled))
 }
 
-async fn raw(url: &str, queue: &str, prefetch: u16, n: usize) -> Result<Report, String> {
+async fn raw(url: &str, queue: &str) -> Result<Report, String> {
     let mut commands = commands();
-    let e = |what: &'static str| move |err: lapin::Error| format!("{what}: {err}");
-    let (connection, channel, mut consumer) = crate::raw::open(url, queue, prefetch, false).await?;
-    let tally = Tally::new(n);
-    tokio::time::sleep(SETTLE).await;
-    let idle = Mem::now();
-    announce("IDLE", &idle);
-    let window = usize::from(prefetch);
+    let (connection, channel, mut consumer) = crate::raw::open(url, queue, PREFETCH, false).await?;
+    let tally = Tally::new(N);
+    let idle = idle().await;
+    let window = usize::from(PREFETCH);
     let (mut held, mut go, mut full, mut settled) = (Vec::with_capacity(window), false, None, None);
     let process = |delivery: lapin::message::Delivery| -> Result<(), String> {
-        let id = delivery
-            .properties
-            .message_id()
-            .as_ref()
-            .map_or("", |s| s.as_str());
+        let id = delivery.properties.message_id().as_ref();
+        let id = id.map_or("", |s| s.as_str());
         tally.success(tally.call(id, &delivery.data)?, 1);
-        queue_ack(&channel, delivery.delivery_tag).map_err(e("ack"))
+        queue_ack(&channel, delivery.delivery_tag).map_err(failed("ack"))
     };
     while settled.is_none() {
         tokio::select! {
@@ -206,7 +191,7 @@ async fn raw(url: &str, queue: &str, prefetch: u16, n: usize) -> Result<Report, 
                 other => return Err(format!("unexpected command {other:?}")),
             },
             next = crate::raw::next(&mut consumer) => {
-                let delivery = next.ok_or("the consumer ended")?.map_err(e("delivery"))?;
+                let delivery = next.ok_or("the consumer ended")?.map_err(failed("delivery"))?;
                 if full.is_some() {
                     process(delivery)?;
                 } else {
@@ -221,23 +206,17 @@ async fn raw(url: &str, queue: &str, prefetch: u16, n: usize) -> Result<Report, 
             held.drain(..).try_for_each(process)?;
         }
     }
-    // A round trip proves the broker processed the ACKs.
-    channel
-        .basic_qos(prefetch, BasicQosOptions::default())
-        .await
-        .map_err(e("basic.qos"))?;
-    let _ = channel.close(200, "done".into()).await;
-    let _ = connection.close(200, "done".into()).await;
+    close_raw(connection, channel, PREFETCH).await?;
     Ok(tally.report(idle, full.unwrap_or_default(), settled.unwrap_or_default()))
 }
 
 /// The `hostile` child.
-pub fn child(who: Contender, prefetch: u16, n: usize, queue: &str) -> Result<Report, String> {
+pub fn child(who: Contender, queue: &str) -> Result<Report, String> {
     let url = crate::broker_url();
     crate::cost::runtime(true).block_on(async {
         match who {
-            Contender::Raw => raw(&url, queue, prefetch, n).await,
-            Contender::Lily => lily(&url, queue, prefetch, n).await,
+            Contender::Raw => raw(&url, queue).await,
+            Contender::Lily => lily(&url, queue).await,
         }
     })
 }

@@ -5,8 +5,8 @@
 pub mod child;
 pub mod messages;
 
-use std::io::{BufRead as _, BufReader, Write as _};
-use std::process::{ChildStdin, Stdio};
+use std::io::Write as _;
+use std::process::ChildStdin;
 use std::time::{Duration, Instant};
 
 use lapin::options::ConfirmSelectOptions;
@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use self::child::Report;
 use self::messages::{Class, Expected, index, message};
-use super::{Bench, Contender};
+use super::{Bench, Contender, failed, spawn};
 use crate::fresh_topology;
 
 /// Messages a run.
@@ -66,7 +66,7 @@ pub struct Hostile {
 }
 
 /// One contender's run: its memory against the bound, its drain, and the evidence by id.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Default, Serialize)]
 pub struct Run {
     pub rss_idle_bytes: u64,
     /// The peak: `VmHWM`, or a sampled `VmRSS` where the kernel's lazily folded counters put
@@ -87,16 +87,7 @@ pub struct Run {
 
 /// The hostile-load measurement: Lily, then raw lapin at the same prefetch.
 pub(super) fn measure(b: &Bench) -> Result<Hostile, String> {
-    let (n, prefetch) = (b.options.hostile_n, b.options.hostile_prefetch);
-    if n < 2 * usize::from(prefetch) {
-        return Err(format!(
-            "--hostile-n {n} cannot fill a window of {prefetch} and keep the queue full: give at least twice the prefetch"
-        ));
-    }
-    let (lily, raw) = (
-        run(b, Contender::Lily, prefetch, n)?,
-        run(b, Contender::Raw, prefetch, n)?,
-    );
+    let (lily, raw) = (run(b, Contender::Lily)?, run(b, Contender::Raw)?);
     let mut failures = Vec::new();
     for (who, r) in [("lily", &lily), ("raw", &raw)] {
         if r.missing + r.unsettled > 0 {
@@ -112,13 +103,12 @@ pub(super) fn measure(b: &Bench) -> Result<Hostile, String> {
             lily.hwm_bytes, lily.bound_bytes
         ));
     }
-    let bound_formula = format!(
-        "idle RSS + connections x {LAPIN_FRAME_BUFFERS} x frame_max + prefetch x {COPIES} x (max_body_bytes + max_header_bytes)"
-    );
     Ok(Hostile {
-        n,
-        prefetch,
-        bound_formula,
+        n: N,
+        prefetch: PREFETCH,
+        bound_formula: format!(
+            "idle RSS + connections x {LAPIN_FRAME_BUFFERS} x frame_max + prefetch x {COPIES} x (max_body_bytes + max_header_bytes)"
+        ),
         lily,
         raw,
         met: failures.is_empty(),
@@ -129,36 +119,15 @@ pub(super) fn measure(b: &Bench) -> Result<Hostile, String> {
 /// One contender: a fresh topology, the child started and idle, the load published, the window
 /// filled, the queue drained until quiet, then every queue drained by id.
 #[allow(clippy::cast_precision_loss)]
-fn run(b: &Bench, who: Contender, prefetch: u16, n: usize) -> Result<Run, String> {
+fn run(b: &Bench, who: Contender) -> Result<Run, String> {
     let queue = format!("lily-bench-cost-hostile-{}", who.name());
-    let topology = b.rt.block_on(fresh_topology(
-        &b.url,
-        &queue,
-        QueueKind::Classic,
-        &policy().retry_delays,
-    ));
-    let mut command = b.child(
-        false,
-        &[
-            "hostile",
-            who.name(),
-            &prefetch.to_string(),
-            &n.to_string(),
-            &queue,
-        ],
-    );
-    let mut child = command
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|e| format!("spawn hostile: {e}"))?;
-    let (mut stdin, stdout) = (
-        child.stdin.take().ok_or("no stdin")?,
-        child.stdout.take().ok_or("no stdout")?,
-    );
-    let mut lines = BufReader::new(stdout).lines().map_while(Result::ok);
-    let driven = drive(b, &mut stdin, &mut lines, &topology, n);
+    let retry = policy().retry_delays;
+    let topology =
+        b.rt.block_on(fresh_topology(&b.url, &queue, QueueKind::Classic, &retry));
+    let mut command = b.child(false, &["hostile", who.name(), &queue]);
+    let (mut child, mut lines) = spawn(&mut command, true)?;
+    let mut stdin = child.stdin.take().ok_or("no stdin")?;
+    let driven = drive(b, &mut stdin, &mut lines, &topology);
     if driven.is_err() {
         let _ = child.kill();
     }
@@ -167,32 +136,29 @@ fn run(b: &Bench, who: Contender, prefetch: u16, n: usize) -> Result<Run, String
     if !status.success() {
         return Err(format!("hostile {} exited with {status}", who.name()));
     }
-    let limits = limits();
-    let connections = if who == Contender::Lily { 2 } else { 1 };
+    let (limits, connections) = (limits(), if who == Contender::Lily { 2 } else { 1 });
     let idle = report.idle.rss_bytes;
     let bound = idle
         + connections * LAPIN_FRAME_BUFFERS * frame_max
-        + u64::from(prefetch) * COPIES * (limits.max_body_bytes + limits.max_header_bytes) as u64;
-    let hwm = [
+        + u64::from(PREFETCH) * COPIES * (limits.max_body_bytes + limits.max_header_bytes) as u64;
+    let samples = [
         report.exit.hwm_bytes,
         report.full.rss_bytes,
         report.settled.rss_bytes,
-    ]
-    .into_iter()
-    .max()
-    .unwrap_or(0);
+    ];
+    let hwm = samples.into_iter().max().unwrap_or(0);
     let client = b.rt.block_on(Client::connect(&b.url));
-    let mut r = b.rt.block_on(evidence(&client, &topology, &report, who));
-    (
-        r.rss_idle_bytes,
-        r.hwm_bytes,
-        r.bound_bytes,
-        r.peak_over_bound,
-    ) = (idle, hwm, bound, hwm as f64 / bound as f64);
-    r.msgs_per_s = n as f64 / report.drain_secs;
+    let r = Run {
+        rss_idle_bytes: idle,
+        hwm_bytes: hwm,
+        bound_bytes: bound,
+        peak_over_bound: hwm as f64 / bound as f64,
+        msgs_per_s: N as f64 / report.drain_secs,
+        ..b.rt.block_on(evidence(&client, &topology, &report, who))
+    };
     let mib = |bytes: u64| bytes as f64 / 1_048_576.0;
     eprintln!(
-        "cost: hostile {}: idle {:.1} MiB, peak {:.1} MiB, bound {:.1} MiB, {:.0} msg/s, settled {}/{n}, unexpected {}",
+        "cost: hostile {}: idle {:.1} MiB, peak {:.1} MiB, bound {:.1} MiB, {:.0} msg/s, settled {}/{N}, unexpected {}",
         who.name(),
         mib(idle),
         mib(hwm),
@@ -210,7 +176,6 @@ fn drive(
     stdin: &mut ChildStdin,
     lines: &mut impl Iterator<Item = String>,
     topology: &Topology,
-    n: usize,
 ) -> Result<(Report, u64), String> {
     let mut wait = |tag: &str| {
         lines
@@ -223,7 +188,7 @@ fn drive(
             .map_err(|e| format!("write {command}: {e}"))
     };
     wait("IDLE")?;
-    let frame_max = b.rt.block_on(publish(&b.url, topology.queue(), n))?;
+    let frame_max = b.rt.block_on(publish(&b.url, topology.queue()))?;
     tell("GO")?;
     wait("FULL")?;
     let client = b.rt.block_on(Client::connect(&b.url));
@@ -232,18 +197,11 @@ fn drive(
     let (started, mut quiet_since) = (Instant::now(), None);
     while quiet_since.is_none_or(|q: Instant| q.elapsed() < QUIET) {
         std::thread::sleep(Duration::from_millis(200));
-        let depth: u32 = b.rt.block_on(async {
-            let mut depth = 0;
-            for lane in &lanes {
-                depth += client.depth(lane).await;
-            }
-            depth
-        });
-        quiet_since = if depth == 0 {
-            quiet_since.or(Some(Instant::now()))
-        } else {
-            None
-        };
+        let mut depth = 0;
+        for lane in &lanes {
+            depth += b.rt.block_on(client.depth(lane));
+        }
+        quiet_since = (depth == 0).then(|| quiet_since.unwrap_or_else(Instant::now));
         if started.elapsed() > Duration::from_secs(900) {
             return Err(format!(
                 "the queues did not empty within 900 s ({depth} ready)"
@@ -257,38 +215,25 @@ fn drive(
     Ok((report, frame_max))
 }
 
-/// Publishes the `n` messages to `queue` with confirms, 256 awaiting theirs at once; the
+/// Publishes the `N` messages to `queue` with confirms, 256 awaiting theirs at once; the
 /// negotiated `frame_max`.
-async fn publish(url: &str, queue: &str, n: usize) -> Result<u64, String> {
-    let e = |what: &'static str| move |err: lapin::Error| format!("{what}: {err}");
-    let connection = Connection::connect(url, ConnectionProperties::default())
-        .await
-        .map_err(e("connect"))?;
-    let channel = connection.create_channel().await.map_err(e("channel"))?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(e("confirm.select"))?;
+async fn publish(url: &str, queue: &str) -> Result<u64, String> {
+    let connection = Connection::connect(url, ConnectionProperties::default()).await;
+    let connection = connection.map_err(failed("connect"))?;
+    let channel = connection.create_channel().await;
+    let channel = channel.map_err(failed("channel"))?;
+    let select = channel.confirm_select(ConfirmSelectOptions::default());
+    select.await.map_err(failed("confirm.select"))?;
     let (limits, mut pending) = (limits(), std::collections::VecDeque::new());
     let confirmed = |i: usize, confirmation: lapin::Result<Confirmation>| match confirmation {
         Ok(Confirmation::Ack(None)) => Ok(()),
         other => Err(format!("publish of message {i} not confirmed: {other:?}")),
     };
-    for i in 0..n {
-        let (_, body, properties) = message(i, n, &limits);
-        pending.push_back((
-            i,
-            channel
-                .basic_publish(
-                    "".into(),
-                    queue.into(),
-                    crate::raw::MANDATORY,
-                    &body,
-                    properties,
-                )
-                .await
-                .map_err(e("publish"))?,
-        ));
+    for i in 0..N {
+        let (_, body, properties) = message(i, N, &limits);
+        let (exchange, options) = ("".into(), crate::raw::MANDATORY);
+        let publish = channel.basic_publish(exchange, queue.into(), options, &body, properties);
+        pending.push_back((i, publish.await.map_err(failed("publish"))?));
         if pending.len() >= 256
             && let Some((i, confirm)) = pending.pop_front()
         {
@@ -309,15 +254,13 @@ async fn publish(url: &str, queue: &str, n: usize) -> Result<u64, String> {
 async fn evidence(client: &Client, topology: &Topology, report: &Report, who: Contender) -> Run {
     let n = report.ok.len();
     // Where each id ended: handled on an attempt, dead-lettered with a kind, or left.
-    let mut found: Vec<Vec<Option<Expected>>> = (0..n)
-        .map(|i| {
-            vec![
-                Some(Expected::Handled {
-                    attempt: report.attempt[i]
-                });
-                report.ok[i] as usize
-            ]
+    let handled = |i: usize| {
+        Some(Expected::Handled {
+            attempt: report.attempt[i],
         })
+    };
+    let mut found: Vec<Vec<_>> = (0..n)
+        .map(|i| vec![handled(i); report.ok[i] as usize])
         .collect();
     let mut lanes = vec![topology.queue().to_owned(), topology.parking_queue()];
     lanes.extend(topology.buckets().map(|(name, _)| name.to_owned()));
@@ -326,30 +269,17 @@ async fn evidence(client: &Client, topology: &Topology, report: &Report, who: Co
     for (lane, queue) in lanes.iter().enumerate() {
         while let Some(message) = client.take(queue, Duration::ZERO).await {
             let properties = &message.delivery.properties;
-            let Some(i) = properties
-                .message_id()
-                .as_ref()
-                .and_then(|id| index(id.as_str()))
-                .filter(|&i| i < n)
-            else {
+            let id = properties.message_id().as_ref();
+            let Some(i) = id.and_then(|id| index(id.as_str())).filter(|&i| i < n) else {
                 continue;
             };
-            found[i].push(
-                (lane == dlq).then(|| Expected::DeadLettered(messages::failure_kind(properties))),
-            );
+            let kind = || Expected::DeadLettered(messages::failure_kind(properties));
+            found[i].push((lane == dlq).then(kind));
         }
     }
     let mut r = Run {
-        rss_idle_bytes: 0,
-        hwm_bytes: 0,
-        bound_bytes: 0,
-        peak_over_bound: 0.0,
-        msgs_per_s: 0.0,
         sent: n,
-        settled: 0,
-        missing: 0,
-        unsettled: 0,
-        unexpected: 0,
+        ..Run::default()
     };
     for (i, places) in found.iter().enumerate() {
         match places.as_slice() {
