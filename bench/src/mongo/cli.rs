@@ -11,7 +11,7 @@ use crate::mongo::{
     self, Case, CaseResult, Contender, ContenderResult, Counters, Load, Results, Run, db, lily_run,
     raw,
 };
-use crate::report::{self, fixed, rate};
+use crate::report::{self, rate};
 use crate::run::backlog;
 use crate::throughput::CpuMeter;
 use crate::{broker_url, cpu_secs};
@@ -24,7 +24,7 @@ const QUEUE: &str = "lily-bench-mongo";
 pub struct Args {
     #[command(flatten)]
     common: Common,
-    /// Messages of the scope case (quick: 5 000).
+    /// Messages of the scope and outbox cases (quick: 5 000).
     #[arg(short = 'n', long, default_value = "20000", value_parser = crate::args::count,
           default_value_if("quick", "true", Some("5000")))]
     messages: u64,
@@ -36,17 +36,7 @@ pub struct Args {
     #[arg(short, long, default_value = "3", value_parser = clap::value_parser!(u32).range(1..),
           default_value_if("quick", "true", Some("2")))]
     reps: u32,
-    /// Concurrency of the scope case.
-    #[arg(long, default_value_t = 32, value_parser = crate::args::nonzero)]
-    concurrency: usize,
-    /// Concurrency of the hot-keys case.
-    #[arg(long, default_value_t = 8, value_parser = crate::args::nonzero)]
-    hot_concurrency: usize,
-    /// Prefetch of every case (default: twice its concurrency).
-    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
-    prefetch: Option<u16>,
-    /// Cases: scope, hot, outbox (the outbox case runs as many messages as the scope case, at
-    /// its concurrency).
+    /// Cases: scope, hot, outbox (concurrency 32, hot keys 8; prefetch twice that).
     #[arg(
         long,
         value_enum,
@@ -64,18 +54,19 @@ pub struct Args {
     contenders: Vec<Contender>,
 }
 
-/// One run: fresh database and topology holding `load.n` messages, the contender timed, the
-/// outcome checked by message id.
+/// One run, on a client of its own (no run inherits another's pool): fresh database and topology
+/// holding `load.n` messages, the contender timed, the outcome checked by message id.
 async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
-    let client = db::client(mongo_url)
+    let client = &db::client(mongo_url)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let database = db::fresh(&client, load.case).await;
+    let database = db::fresh(client, load.case).await;
+    let retry_delays = &Policy::default().retry_delays;
     let topology = backlog(
         load.url,
         load.queue,
         QueueKind::Classic,
-        &Policy::default().retry_delays,
+        retry_delays,
         load.n,
     )
     .await;
@@ -92,7 +83,7 @@ async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
     } else {
         Some(lily_run::scope(client.clone(), who, &counters).await)
     };
-    let ops_before = db::Ops::read(&client).await;
+    let ops_before = db::Ops::read(client).await;
     let mongod = db::mongod_pid();
     let mongod_before = mongod.and_then(|p| cpu_secs(Some(p)));
     let cpu = CpuMeter::start();
@@ -107,15 +98,15 @@ async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
         _ => None,
     };
     let mongod_ops_per_msg = ops_before
-        .zip(db::Ops::read(&client).await)
+        .zip(db::Ops::read(client).await)
         .map(|(b, a)| b.per_message(&a, load.n));
     let check = db::check(load.url, &database, &topology, load.case, who, load.n).await;
     sample.left_in_queue = check.work_queue_ready;
-    let published_ms = match (load.case, who) {
-        (Case::Outbox, who) if who.is_raw() => {
+    let published_ms = match load.case {
+        Case::Outbox if who.is_raw() => {
             mongo::percentiles_ms(&mut counters.published_us.lock().expect("latencies"))
         }
-        (Case::Outbox, _) => mongo::percentiles_ms(&mut db::staged_to_sent_us(&database).await),
+        Case::Outbox => mongo::percentiles_ms(&mut db::staged_to_sent_us(&database).await),
         _ => None,
     };
     Run {
@@ -149,18 +140,15 @@ pub async fn run(args: Args) {
     let total = Instant::now();
     for &case in &args.cases {
         let (n, concurrency) = match case {
-            Case::Scope | Case::Outbox => (args.messages, args.concurrency),
-            Case::HotKeys => (args.hot_messages, args.hot_concurrency),
+            Case::Scope | Case::Outbox => (args.messages, 32),
+            Case::HotKeys => (args.hot_messages, 8),
         };
-        let prefetch = args
-            .prefetch
-            .unwrap_or_else(|| u16::try_from(concurrency * 2).unwrap_or(u16::MAX));
         let load = Load {
             url: &url,
             queue: QUEUE,
             case,
             concurrency,
-            prefetch,
+            prefetch: 2 * concurrency as u16,
             n,
         };
         let mut runs: Vec<(Contender, Vec<Run>)> =
@@ -171,27 +159,20 @@ pub async fn run(args: Args) {
                 let slot = (k + rep) % runs.len();
                 let who = runs[slot].0;
                 let r = run_once(&mongo_url, &load, who).await;
-                let (s, o) = (&r.sample, &r.observed);
                 let checked = if r.check.passed {
                     "verified".to_owned()
                 } else {
                     format!("CHECK FAILED: {:?}", r.check)
                 };
+                let (s, rep, reps, secs) = (&r.sample, rep + 1, args.reps, total.elapsed());
                 eprintln!(
-                    "  {} N {n} rep {}/{} {:<14} {:>7} msgs/s ({}/{} settled) tries/msg {:.2} conflicts/msg {:.2} cpu µs/msg client {} mongod {} broker {} {checked} [{:.0} s]",
+                    "  {} N {n} rep {rep}/{reps} {:<14} {:>7} msgs/s ({}/{} settled) {checked} [{:.0} s]",
                     case.name(),
-                    rep + 1,
-                    args.reps,
                     who.name(),
                     rate(s.msgs_per_sec),
                     s.settled,
                     s.expected,
-                    Counters::per(&o.attempts, n),
-                    Counters::per(&o.conflicts, n),
-                    fixed(s.client_cpu_us_per_msg, 0),
-                    fixed(r.mongod_cpu_us_per_msg, 0),
-                    fixed(s.broker_cpu_us_per_msg, 0),
-                    total.elapsed().as_secs_f64()
+                    secs.as_secs_f64()
                 );
                 runs[slot].1.push(r);
             }
@@ -200,17 +181,11 @@ pub async fn run(args: Args) {
             .into_iter()
             .map(|(who, runs)| ContenderResult::new(who, runs))
             .collect();
-        results
-            .cases
-            .push(CaseResult::new(case, n, concurrency, prefetch, contenders));
+        let prefetch = load.prefetch;
+        let case = CaseResult::new(case, n, concurrency, prefetch, contenders);
+        results.cases.push(case);
     }
     results.meta.finish(total);
-    let chart = report::mongo_chart(&results);
-    report::write(
-        &args.common.out,
-        "mongo",
-        &results,
-        &report::mongo(&results),
-        Some(&chart),
-    );
+    let (markdown, chart) = (report::mongo(&results), report::mongo_chart(&results));
+    report::write(&args.common.out, "mongo", &results, &markdown, Some(&chart));
 }

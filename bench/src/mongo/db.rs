@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use futures_util::TryStreamExt;
 use lily::topology::Topology;
 use lily_mq_testkit::Client as Inspector;
 use mongodb::bson::{Bson, Document, doc};
@@ -32,10 +33,7 @@ pub async fn client(url: &str) -> Result<Client, String> {
     let client = Client::with_uri_str(url)
         .await
         .map_err(|e| format!("LILY_MONGO_URL is not a usable MongoDB URL ({})", kind(&e)))?;
-    let hello = client
-        .database("admin")
-        .run_command(doc! { "hello": 1 })
-        .await;
+    let hello = admin(&client, doc! { "hello": 1 }).await;
     let hello = hello.map_err(|e| format!("MongoDB did not answer `hello` ({})", kind(&e)))?;
     if hello.get_str("setName").is_err() {
         return Err("MongoDB is not a replica set member: transactions need one (scripts/mongod.sh starts one)".into());
@@ -43,13 +41,13 @@ pub async fn client(url: &str) -> Result<Client, String> {
     Ok(client)
 }
 
+async fn admin(client: &Client, command: Document) -> mongodb::error::Result<Document> {
+    client.database("admin").run_command(command).await
+}
+
 /// The server's version, from `buildInfo`.
 pub async fn server_version(client: &Client) -> String {
-    let info = client
-        .database("admin")
-        .run_command(doc! { "buildInfo": 1 })
-        .await
-        .ok();
+    let info = admin(client, doc! { "buildInfo": 1 }).await.ok();
     info.and_then(|i| Some(format!("MongoDB {}", i.get_str("version").ok()?)))
         .unwrap_or_else(|| "MongoDB (version unknown)".into())
 }
@@ -105,43 +103,34 @@ pub struct Ops {
 }
 
 impl Ops {
+    /// Each counter from `f`, given its name in `opcounters` and its getter.
+    pub fn from_fn(mut f: impl FnMut(&str, fn(&Self) -> f64) -> f64) -> Self {
+        Self {
+            insert: f("insert", |o| o.insert),
+            query: f("query", |o| o.query),
+            update: f("update", |o| o.update),
+            delete: f("delete", |o| o.delete),
+            getmore: f("getmore", |o| o.getmore),
+            command: f("command", |o| o.command),
+        }
+    }
+
     /// The counters now, or `None` when `serverStatus` is refused.
     #[allow(clippy::cast_precision_loss)]
     pub async fn read(client: &Client) -> Option<Self> {
-        let status = client
-            .database("admin")
-            .run_command(doc! { "serverStatus": 1 })
-            .await
-            .ok()?;
+        let status = admin(client, doc! { "serverStatus": 1 }).await.ok()?;
         let counters = status.get_document("opcounters").ok()?;
-        let get = |name| match counters.get(name) {
+        Some(Self::from_fn(|name, _| match counters.get(name) {
             Some(Bson::Int64(v)) => *v as f64,
             Some(Bson::Int32(v)) => f64::from(*v),
             _ => 0.0,
-        };
-        Some(Self {
-            insert: get("insert"),
-            query: get("query"),
-            update: get("update"),
-            delete: get("delete"),
-            getmore: get("getmore"),
-            command: get("command"),
-        })
+        }))
     }
 
     /// `(after - self) / n`: operations a message over a run.
     #[allow(clippy::cast_precision_loss)]
     pub fn per_message(&self, after: &Self, n: u64) -> Self {
-        let per = |b: f64, a: f64| ((a - b) / n.max(1) as f64 * 100.0).round() / 100.0;
-        let (s, a) = (self, after);
-        Self {
-            insert: per(s.insert, a.insert),
-            query: per(s.query, a.query),
-            update: per(s.update, a.update),
-            delete: per(s.delete, a.delete),
-            getmore: per(s.getmore, a.getmore),
-            command: per(s.command, a.command),
-        }
+        Self::from_fn(|_, get| ((get(after) - get(self)) / n.max(1) as f64 * 100.0).round() / 100.0)
     }
 
     pub fn total(&self) -> f64 {
@@ -199,6 +188,7 @@ pub async fn check(
     who: Contender,
     n: u64,
 ) -> Check {
+    let mut c = Check::default();
     let mut bad = Vec::new();
     let (inbox, lily) = if who.is_raw() {
         (RAW_INBOX, false)
@@ -207,118 +197,100 @@ pub async fn check(
     };
     let (effects, strays_e) = tally(&ids(database, EFFECTS, false).await, n, &mut bad);
     let (inbox, strays_i) = tally(&ids(database, inbox, lily).await, n, &mut bad);
-    let count = |name: &'static str| async move {
-        database
-            .collection::<Document>(name)
-            .count_documents(doc! {})
-            .await
-            .ok()
-    };
-    let lease_documents = match who {
-        Contender::LilyLease => Some(
+    (c.effects, c.inbox, c.strays) = (effects, inbox, strays_e + strays_i);
+    if who == Contender::LilyLease {
+        let count = |name: &'static str| async move {
+            let documents = database.collection::<Document>(name);
+            documents.count_documents(doc! {}).await.unwrap_or(u64::MAX)
+        };
+        c.lease_documents = Some(
             count("lily_leases")
                 .await
-                .unwrap_or(u64::MAX)
-                .saturating_add(count("lily_fences").await.unwrap_or(u64::MAX)),
-        ),
-        _ => None,
-    };
-    let counters_exact = match case {
-        Case::HotKeys => Some(counters(database, n).await),
-        Case::Scope | Case::Outbox => None,
-    };
+                .saturating_add(count("lily_fences").await),
+        );
+    }
+    if case == Case::HotKeys {
+        c.counters_exact = Some(counters(database, n).await);
+    }
     let inspector = Inspector::connect(url).await;
-    // The outbox case: each message's event in its queue exactly once.
-    let events = match case {
-        Case::Outbox => {
-            let found: BTreeMap<String, u64> = inspector
-                .drain_ids(EVENTS)
-                .await
-                .into_iter()
-                .map(|(id, copies)| {
-                    (
-                        id.strip_suffix(".event").unwrap_or("-").to_owned(),
-                        copies as u64,
-                    )
-                })
-                .collect();
-            let (once, strays) = tally(&found, n, &mut bad);
-            Some(once).filter(|_| strays == 0)
-        }
-        _ => None,
-    };
+    if case == Case::Outbox {
+        // Each message's event in its queue exactly once.
+        let found: BTreeMap<String, u64> = inspector
+            .drain_ids(EVENTS)
+            .await
+            .into_iter()
+            .map(|(id, copies)| {
+                (
+                    id.strip_suffix(".event").unwrap_or("-").to_owned(),
+                    copies as u64,
+                )
+            })
+            .collect();
+        let (once, strays) = tally(&found, n, &mut bad);
+        c.events = Some(once).filter(|_| strays == 0);
+    }
     let mut drained = |ids: BTreeMap<String, usize>| {
         bad.extend(ids.keys().cloned());
         ids.values().map(|&c| c as u64).sum::<u64>()
     };
-    let dead_lettered = drained(inspector.drain_ids(&topology.dead_letter_queue()).await);
-    let parked = drained(inspector.drain_ids(&topology.parking_queue()).await);
-    let mut in_retry_buckets = 0;
+    c.dead_lettered = drained(inspector.drain_ids(&topology.dead_letter_queue()).await);
+    c.parked = drained(inspector.drain_ids(&topology.parking_queue()).await);
     for (bucket, _) in topology.buckets() {
-        in_retry_buckets += u64::from(depth(url, bucket).await.unwrap_or(0));
+        c.in_retry_buckets += u64::from(depth(url, bucket).await.unwrap_or(0));
     }
-    let work_queue_ready = depth(url, topology.queue()).await;
+    c.work_queue_ready = depth(url, topology.queue()).await;
     bad.truncate(10);
-    let passed = effects == n
-        && inbox == n
-        && strays_e + strays_i == 0
-        && counters_exact != Some(false)
-        && work_queue_ready == Some(0)
-        && dead_lettered + parked + in_retry_buckets == 0
-        && lease_documents.is_none_or(|d| d == 0)
-        && (case != Case::Outbox || events == Some(n));
-    Check {
-        passed,
-        effects,
-        inbox,
-        strays: strays_e + strays_i,
-        counters_exact,
-        work_queue_ready,
-        dead_lettered,
-        parked,
-        in_retry_buckets,
-        lease_documents,
-        events,
-        sample_ids: bad,
-    }
+    c.sample_ids = bad;
+    c.passed = c.effects == n
+        && c.inbox == n
+        && c.strays == 0
+        && c.counters_exact != Some(false)
+        && c.work_queue_ready == Some(0)
+        && c.dead_lettered + c.parked + c.in_retry_buckets == 0
+        && c.lease_documents.is_none_or(|d| d == 0)
+        && (case != Case::Outbox || c.events == Some(n));
+    c
+}
+
+/// The documents of `collection` matching `filter`, with the fields of `projection` (all when
+/// it is empty).
+async fn documents(
+    database: &Database,
+    collection: &str,
+    filter: Document,
+    projection: Document,
+) -> Vec<Document> {
+    let read = |e: mongodb::error::Error| -> ! { panic!("read {collection}: {}", kind(&e)) };
+    let cursor = database
+        .collection::<Document>(collection)
+        .find(filter)
+        .projection(projection)
+        .await
+        .unwrap_or_else(|e| read(e));
+    cursor.try_collect().await.unwrap_or_else(|e| read(e))
 }
 
 /// Each outbox record's time from its staging to its sent mark, in µs (the database's clock,
 /// at millisecond resolution).
 pub async fn staged_to_sent_us(database: &Database) -> Vec<u64> {
-    let mut cursor = database
-        .collection::<Document>("lily_outbox")
-        .find(doc! { "state": "sent" })
-        .projection(doc! { "staged_at": 1, "sent_at": 1 })
-        .await
-        .expect("read the outbox");
-    let mut us = Vec::new();
-    while cursor.advance().await.expect("read the outbox") {
-        let record: Document = cursor.deserialize_current().expect("a record parses");
-        if let (Ok(staged), Ok(sent)) = (
-            record.get_datetime("staged_at"),
-            record.get_datetime("sent_at"),
-        ) {
-            let ms = sent.timestamp_millis() - staged.timestamp_millis();
-            us.push(u64::try_from(ms).unwrap_or(0) * 1000);
-        }
-    }
-    us
+    let (sent, times) = (
+        doc! { "state": "sent" },
+        doc! { "staged_at": 1, "sent_at": 1 },
+    );
+    let records = documents(database, "lily_outbox", sent, times).await;
+    let at = |record: &Document, field| record.get_datetime(field).map(|t| t.timestamp_millis());
+    records
+        .iter()
+        .filter_map(|r| Some(at(r, "sent_at").ok()? - at(r, "staged_at").ok()?))
+        .map(|ms| u64::try_from(ms).unwrap_or(0) * 1000)
+        .collect()
 }
 
 /// How often each message id occurs in `collection`'s `_id`s (Lily's inbox keys them
 /// `{c: consumer, m: message id}`).
 async fn ids(database: &Database, collection: &str, lily: bool) -> BTreeMap<String, u64> {
-    let read = |e: mongodb::error::Error| -> ! { panic!("read {collection}: {}", kind(&e)) };
-    let mut cursor = database
-        .collection::<Document>(collection)
-        .find(doc! {})
-        .projection(doc! { "_id": 1 })
-        .await
-        .unwrap_or_else(|e| read(e));
     let mut found = BTreeMap::new();
-    while cursor.advance().await.unwrap_or_else(|e| read(e)) {
-        let document: Document = cursor.deserialize_current().expect("a document parses");
+    for document in documents(database, collection, doc! {}, doc! { "_id": 1 }).await {
         let key = match document.get("_id") {
             Some(Bson::String(id)) if !lily => Some(id.clone()),
             Some(Bson::Document(key)) if lily && key.get_str("c") == Ok(CONSUMER) => {
@@ -354,23 +326,14 @@ fn tally(found: &BTreeMap<String, u64>, n: u64, bad: &mut Vec<String>) -> (u64, 
 
 /// Whether counter `k` holds exactly the messages `i` with `hot_key(i) == k`, for every `k`.
 async fn counters(database: &Database, n: u64) -> bool {
-    let mut cursor = database
-        .collection::<Document>(COUNTERS)
-        .find(doc! {})
-        .await
-        .expect("read counters");
-    let mut keys = 0;
-    while cursor.advance().await.expect("read counters") {
-        let document: Document = cursor.deserialize_current().expect("a counter parses");
-        let (Ok(key), Ok(count)) = (document.get_i64("_id"), document.get_i64("n")) else {
-            return false;
-        };
-        keys += 1;
-        if usize::try_from(count) != Ok((0..n).filter(|&i| hot_key(i) == key).count()) {
-            return false;
-        }
-    }
-    keys == HOT_KEYS
+    let counters = documents(database, COUNTERS, doc! {}, doc! {}).await;
+    counters.len() == HOT_KEYS as usize
+        && counters.iter().all(|counter| {
+            let (Ok(key), Ok(count)) = (counter.get_i64("_id"), counter.get_i64("n")) else {
+                return false;
+            };
+            usize::try_from(count) == Ok((0..n).filter(|&i| hot_key(i) == key).count())
+        })
 }
 
 #[cfg(test)]

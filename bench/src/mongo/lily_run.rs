@@ -1,9 +1,6 @@
-//! The Lily contenders: a handler doing the raw contender's effect writes through `MongoTx`, in
-//! the transaction Lily's `MongoScope` opens (with the inbox record) and commits before the ACK.
-//! A write conflict (`TransientTransactionError`) becomes `QueueHandlerError::transient`, so
-//! Lily runs the whole scope again in-process with backoff; anything else is retryable. In the
-//! outbox case the handler also stages the event, and the consumer's own relay publishes it: the
-//! run ends when every message is ACKed and every event is in its queue.
+//! The Lily contenders: the raw contender's effect writes in a handler, through `MongoTx`, in the
+//! transaction Lily's `MongoScope` opens (with the inbox record) and commits before the ACK; in
+//! the outbox case the handler also stages the event and the consumer's own relay publishes it.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -43,20 +40,14 @@ pub async fn scope(client: Client, who: Contender, counters: &Arc<Counters>) -> 
 
 /// Consumes until Lily's ledger counts `n` ACKs (or the run limit passes).
 pub async fn consume(load: &Load<'_>, scope: MongoScope, counters: Arc<Counters>) -> Sample {
-    let Load {
-        url,
-        queue,
-        case,
-        concurrency,
-        prefetch,
-        n,
-    } = *load;
+    let (url, case, n) = (load.url, load.case, load.n);
     let router = Router::new().route(
         "order.placed",
         move |Json(order): Json<Order>, meta: Meta, tx: MongoTx, outbox: Outbox| {
             let counters = Arc::clone(&counters);
             async move {
                 Counters::bump(&counters.attempts);
+                // A write conflict is transient: Lily runs the whole scope again, in-process.
                 effect(&tx, &meta, &order, case).await.map_err(|err| {
                     if err.contains_label(TRANSIENT_TRANSACTION_ERROR) {
                         Counters::bump(&counters.conflicts);
@@ -79,20 +70,17 @@ pub async fn consume(load: &Load<'_>, scope: MongoScope, counters: Arc<Counters>
             }
         },
     );
-    let config = ConsumerConfig::new(queue)
+    let config = ConsumerConfig::new(load.queue)
         .queue_kind(QueueKind::Classic)
-        .prefetch(prefetch)
-        .concurrency(concurrency)
+        .prefetch(load.prefetch)
+        .concurrency(load.concurrency)
         .policy(Policy::default());
     let started = Instant::now();
     let lily = Lily::start(Consumer::new(url, config, router).scope(scope));
-    let limit = run_limit(n);
-    while lily.stats.totals().acked < n && started.elapsed() < limit && !lily.finished() {
-        tokio::time::sleep(POLL).await;
-    }
-    // The relay publishes after the commits: the run ends with the last event in its queue.
-    while case == Case::Outbox
-        && crate::depth(url, EVENTS).await.unwrap_or(0) < u32::try_from(n).unwrap_or(u32::MAX)
+    let (limit, events) = (run_limit(n), u32::try_from(n).unwrap_or(u32::MAX));
+    // The relay publishes after the commits: the outbox case ends with the last event queued.
+    while !(lily.stats.totals().acked >= n
+        && (case != Case::Outbox || crate::depth(url, EVENTS).await.unwrap_or(0) >= events))
         && started.elapsed() < limit
         && !lily.finished()
     {

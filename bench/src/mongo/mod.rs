@@ -88,6 +88,11 @@ impl Contender {
             Self::LilyLease => "Lily (lease)",
         }
     }
+
+    /// The hand-written consumer (`raw` or its A/A twin).
+    pub fn is_raw(self) -> bool {
+        matches!(self, Self::Raw | Self::RawAgain)
+    }
 }
 
 /// The 50th and 99th percentiles of `us`, in ms.
@@ -99,13 +104,6 @@ pub fn percentiles_ms(us: &mut [u64]) -> Option<(f64, f64)> {
     us.sort_unstable();
     let at = |q: f64| us[((us.len() - 1) as f64 * q).round() as usize] as f64 / 1000.0;
     Some((at(0.5), at(0.99)))
-}
-
-impl Contender {
-    /// The hand-written consumer (`raw` or its A/A twin).
-    pub fn is_raw(self) -> bool {
-        matches!(self, Self::Raw | Self::RawAgain)
-    }
 }
 
 /// What one run consumes, and how.
@@ -152,12 +150,6 @@ pub struct Counters {
 impl Counters {
     pub fn bump(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// `counter` a message of `n`.
-    #[allow(clippy::cast_precision_loss)]
-    pub fn per(counter: &AtomicU64, n: u64) -> f64 {
-        counter.load(Ordering::Relaxed) as f64 / n.max(1) as f64
     }
 }
 
@@ -214,7 +206,6 @@ pub struct ContenderResult {
     /// Valid messages found in the DLQ or the parking lane, all runs together (must be 0).
     pub dead_lettered_or_parked: u64,
     pub all_verified: bool,
-    pub all_complete: bool,
     /// Median CPU µs a message: this process, the broker's VM, mongod; mongod's operations.
     pub client_cpu_us_per_msg: Option<f64>,
     pub broker_cpu_us_per_msg: Option<f64>,
@@ -228,17 +219,17 @@ pub struct ContenderResult {
 }
 
 impl ContenderResult {
+    #[allow(clippy::cast_precision_loss)]
     pub fn new(contender: Contender, runs: Vec<Run>) -> Self {
         let med = |f: &dyn Fn(&Run) -> Option<f64>| {
             let mut v: Vec<f64> = runs.iter().filter_map(f).collect();
             (!v.is_empty()).then(|| median(&mut v))
         };
         let per = |f: fn(&Counters) -> &AtomicU64| {
-            med(&|r| Some(Counters::per(f(&r.observed), r.sample.expected))).unwrap_or(f64::NAN)
+            let n = |r: &Run| r.sample.expected.max(1) as f64;
+            med(&|r| Some(f(&r.observed).load(Ordering::Relaxed) as f64 / n(r))).unwrap_or(f64::NAN)
         };
-        let ops =
-            |f: fn(&Ops) -> f64| med(&|r| r.mongod_ops_per_msg.as_ref().map(f)).unwrap_or(f64::NAN);
-        let insert = med(&|r| r.mongod_ops_per_msg.map(|o| o.insert));
+        let ops = |f: fn(&Ops) -> f64| med(&|r| r.mongod_ops_per_msg.as_ref().map(f));
         Self {
             contender,
             median_msgs_per_sec: med(&|r| Some(r.sample.msgs_per_sec)).unwrap_or(f64::NAN),
@@ -253,18 +244,11 @@ impl ContenderResult {
                 .map(|r| r.check.dead_lettered + r.check.parked)
                 .sum(),
             all_verified: runs.iter().all(|r| r.check.passed),
-            all_complete: runs.iter().all(|r| r.sample.complete),
             client_cpu_us_per_msg: med(&|r| r.sample.client_cpu_us_per_msg),
             broker_cpu_us_per_msg: med(&|r| r.sample.broker_cpu_us_per_msg),
             mongod_cpu_us_per_msg: med(&|r| r.mongod_cpu_us_per_msg),
-            mongod_ops_per_msg: insert.map(|insert| Ops {
-                insert,
-                query: ops(|o| o.query),
-                update: ops(|o| o.update),
-                delete: ops(|o| o.delete),
-                getmore: ops(|o| o.getmore),
-                command: ops(|o| o.command),
-            }),
+            mongod_ops_per_msg: ops(|o| o.insert)
+                .map(|_| Ops::from_fn(|_, get| ops(get).unwrap_or(f64::NAN))),
             published_p50_ms: med(&|r| r.published_ms.map(|p| p.0)),
             published_p99_ms: med(&|r| r.published_ms.map(|p| p.1)),
             runs,
@@ -273,8 +257,8 @@ impl ContenderResult {
 }
 
 impl CaseResult {
-    /// Adds each Lily contender's ratio to the raw one, when it ran; the target is the default
-    /// scope's in the scope and outbox cases (the lease guards effects outside the database, which raw does not).
+    /// Adds each contender's ratio to the raw one, when it ran; the target is the default scope's
+    /// in the scope and outbox cases (the lease guards effects outside the database; raw does not).
     pub fn new(
         case: Case,
         messages_per_run: u64,
@@ -282,38 +266,36 @@ impl CaseResult {
         prefetch: u16,
         mut contenders: Vec<ContenderResult>,
     ) -> Self {
-        let raw = contenders
-            .iter()
-            .find(|c| c.contender == Contender::Raw)
-            .map(|c| {
-                let rates: Vec<f64> = c.runs.iter().map(|r| r.sample.msgs_per_sec).collect();
-                (c.median_msgs_per_sec, rates)
-            });
+        let raw = contenders.iter().find(|c| c.contender == Contender::Raw);
+        let raw: Option<(f64, Vec<f64>)> = raw.map(|c| {
+            let rates = c.runs.iter().map(|r| r.sample.msgs_per_sec).collect();
+            (c.median_msgs_per_sec, rates)
+        });
         for c in contenders
             .iter_mut()
             .filter(|c| c.contender != Contender::Raw)
         {
-            c.over_raw = raw.as_ref().map(|(r, _)| c.median_msgs_per_sec / r);
-            c.over_raw_range = raw.as_ref().and_then(|(_, rates)| {
-                let ratios: Vec<f64> = c
-                    .runs
-                    .iter()
-                    .zip(rates)
-                    .map(|(run, raw)| run.sample.msgs_per_sec / raw)
-                    .collect();
-                let low = ratios.iter().copied().reduce(f64::min)?;
-                let high = ratios.iter().copied().reduce(f64::max)?;
-                Some((low, high))
-            });
+            let Some((median, rates)) = &raw else {
+                break;
+            };
+            let over_raw = c.median_msgs_per_sec / median;
+            c.over_raw = Some(over_raw);
+            let mut ratios = c
+                .runs
+                .iter()
+                .zip(rates)
+                .map(|(run, raw)| run.sample.msgs_per_sec / raw);
+            c.over_raw_range = ratios
+                .next()
+                .map(|first| ratios.fold((first, first), |(l, h), r| (l.min(r), h.max(r))));
             if case != Case::HotKeys && c.contender == Contender::Lily {
                 // Met as the performance issue counts it: over at least five interleaved
                 // repetitions, the median at least 0.97 of the target and the repetitions'
                 // range reaching it (two identical contenders reach a median of 1.0 only half
                 // the time).
-                c.over_raw_target = c.over_raw.map(|_| TARGET);
-                c.over_raw_met = c.over_raw.zip(c.over_raw_range).map(|(median, (_, high))| {
-                    c.runs.len() >= 5 && median >= 0.97 * TARGET && high >= TARGET
-                });
+                let reached = c.over_raw_range.is_some_and(|(_, high)| high >= TARGET);
+                c.over_raw_target = Some(TARGET);
+                c.over_raw_met = Some(c.runs.len() >= 5 && over_raw >= 0.97 * TARGET && reached);
             }
         }
         Self {

@@ -1,11 +1,6 @@
 //! The raw contender: lapin + the mongodb driver, a transactional-inbox consumer written by hand
-//! as the driver's documentation describes it: a task a delivery (at most `concurrency`), one
-//! transaction each (inbox record, effect, hot keys' `$inc`), the whole transaction again on a
-//! `TransientTransactionError`, the commit again on `UnknownTransactionCommitResult`, then the
-//! ACK; otherwise, or past Lily's 10 s budget, a NACK with requeue. In the outbox case the event
-//! is published after the commit, mandatory and persistent, on a confirm channel of the same
-//! connection, and the ACK waits for its confirm (a crash in between loses the event: what the
-//! outbox is for). Method: `bench/README.md`.
+//! as the driver's documentation describes it; in the outbox case the event is published after
+//! the commit, on a confirm channel (what the outbox is for). Method: `bench/README.md`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,8 +28,7 @@ use crate::mongo::{
 };
 use crate::run::{Sample, run_limit};
 
-/// How long one delivery may spend on its transaction before it is NACKed (Lily's default
-/// settlement budget).
+/// How long one delivery may spend before it is NACKed (Lily's default settlement budget).
 const BUDGET: Duration = Duration::from_secs(10);
 
 /// The collections a task writes.
@@ -48,78 +42,63 @@ struct Store {
     events: Option<Channel>,
 }
 
-/// Consumes until `n` messages are committed and ACKed (or the run limit passes).
+/// Consumes until `n` messages are committed and ACKed (or the run limit passes): a task a
+/// delivery, at most `concurrency`.
 ///
 /// # Panics
 /// When the broker refuses the connection, the channel, the QoS or the consumer.
 pub async fn consume(load: &Load<'_>, client: Client, counters: Arc<Counters>) -> Sample {
-    let Load {
-        url,
-        queue,
-        case,
-        concurrency,
-        prefetch,
-        n,
-    } = *load;
-    let database = client.database(DATABASE);
+    let (database, n) = (client.database(DATABASE), load.n);
     let started = Instant::now();
     let deadline = tokio::time::Instant::now() + run_limit(n);
-    let (connection, channel, mut consumer) = crate::raw::open(url, queue, prefetch, false)
-        .await
-        .expect("consume");
-    let events = match case {
-        Case::Outbox => {
-            let events = connection.create_channel().await.expect("events channel");
-            events
-                .confirm_select(ConfirmSelectOptions::default())
-                .await
-                .expect("confirm select");
-            Some(events)
-        }
-        _ => None,
-    };
+    let (connection, channel, mut consumer) =
+        crate::raw::open(load.url, load.queue, load.prefetch, false)
+            .await
+            .expect("consume");
+    let mut events = None;
+    if load.case == Case::Outbox {
+        let channel = connection.create_channel().await.expect("events channel");
+        let confirms = channel.confirm_select(ConfirmSelectOptions::default());
+        confirms.await.expect("confirm select");
+        events = Some(channel);
+    }
     let store = Arc::new(Store {
         inbox: database.collection(RAW_INBOX),
         effects: database.collection(EFFECTS),
         counters: database.collection(COUNTERS),
         client,
-        case,
+        case: load.case,
         events,
     });
-    let permits = Arc::new(Semaphore::new(concurrency));
+    let permits = Arc::new(Semaphore::new(load.concurrency));
     let acked = Arc::new(AtomicU64::new(0));
     let done = CancellationToken::new();
     let mut tasks = JoinSet::new();
-    loop {
-        let permit = tokio::select! {
-            permit = Arc::clone(&permits).acquire_owned() => permit.expect("semaphore open"),
-            () = done.cancelled() => break,
-            () = tokio::time::sleep_until(deadline) => break,
-        };
-        let delivery = tokio::select! {
-            delivery = crate::raw::next(&mut consumer) => match delivery {
-                Some(Ok(delivery)) => delivery,
-                _ => break,
-            },
-            () = done.cancelled() => break,
-            () = tokio::time::sleep_until(deadline) => break,
-        };
-        let (store, counters, acked, done) = (
-            Arc::clone(&store),
-            Arc::clone(&counters),
-            Arc::clone(&acked),
-            done.clone(),
-        );
-        tasks.spawn(async move {
-            if handle(&store, &counters, delivery).await
-                && acked.fetch_add(1, Ordering::Relaxed) + 1 >= n
-            {
-                done.cancel();
-            }
-            drop(permit);
-        });
-        while tasks.try_join_next().is_some() {}
-    }
+    let feed = async {
+        loop {
+            let permit = Arc::clone(&permits).acquire_owned().await;
+            let permit = permit.expect("semaphore open");
+            let Some(Ok(delivery)) = crate::raw::next(&mut consumer).await else {
+                break;
+            };
+            let (store, counters, acked, done) = (
+                Arc::clone(&store),
+                Arc::clone(&counters),
+                Arc::clone(&acked),
+                done.clone(),
+            );
+            tasks.spawn(async move {
+                if handle(&store, &counters, delivery).await
+                    && acked.fetch_add(1, Ordering::Relaxed) + 1 >= n
+                {
+                    done.cancel();
+                }
+                drop(permit);
+            });
+            while tasks.try_join_next().is_some() {}
+        }
+    };
+    let _ = tokio::time::timeout_at(deadline, done.run_until_cancelled(feed)).await;
     let elapsed = started.elapsed();
     let settled = acked.load(Ordering::Relaxed);
     // Nothing is left running after `n` ACKs but deliveries beyond them (none in a clean run).
@@ -133,7 +112,8 @@ pub async fn consume(load: &Load<'_>, client: Client, counters: Arc<Counters>) -
     Sample::new(settled, n, elapsed)
 }
 
-/// One delivery: the transaction, then ACK (`true` when the ACK was written) or NACK.
+/// One delivery: the transaction (and the event), then the ACK (`true` when written); on any
+/// other failure, or past [`BUDGET`], a NACK with requeue.
 async fn handle(store: &Store, counters: &Counters, delivery: lapin::message::Delivery) -> bool {
     let id = delivery
         .properties
@@ -143,13 +123,7 @@ async fn handle(store: &Store, counters: &Counters, delivery: lapin::message::De
     let order = serde_json::from_slice::<Order>(&delivery.data);
     let (Some(id), Ok(order)) = (id, order) else {
         // Not one of ours: a careful user dead-letters it (the queue's DLX takes it).
-        let _ = delivery
-            .acker
-            .nack(BasicNackOptions {
-                multiple: false,
-                requeue: false,
-            })
-            .await;
+        let _ = delivery.acker.nack(BasicNackOptions::default()).await;
         return false;
     };
     let settled = async {
@@ -174,11 +148,10 @@ async fn handle(store: &Store, counters: &Counters, delivery: lapin::message::De
     }
 }
 
-/// What the writes of one transaction attempt found.
+/// What the writes of one transaction attempt found: the message processed before, or the
+/// inbox record and effects written (commit next).
 enum Written {
-    /// The inbox already holds the message: processed before.
     Duplicate,
-    /// Inbox record and effects written; commit next.
     Ready,
 }
 
@@ -266,22 +239,19 @@ async fn transaction(
     }
 }
 
+/// The inbox record, the effect and the hot keys' `$inc`, in `session`'s transaction.
 async fn writes(
     store: &Store,
     session: &mut ClientSession,
     id: &str,
     order: &Order,
 ) -> Result<Written, Error> {
-    match store
-        .inbox
-        .insert_one(doc! { "_id": id })
-        .session(&mut *session)
-        .await
-    {
-        Ok(_) => {}
-        Err(err) if is_duplicate_key(&err) => return Ok(Written::Duplicate),
-        Err(err) => return Err(err),
+    let inbox = store.inbox.insert_one(doc! { "_id": id });
+    let inbox = inbox.session(&mut *session).await;
+    if inbox.as_ref().is_err_and(is_duplicate_key) {
+        return Ok(Written::Duplicate);
     }
+    inbox?;
     store
         .effects
         .insert_one(doc! { "_id": id, "sku": &order.sku, "quantity": i64::from(order.quantity) })
