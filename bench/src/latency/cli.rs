@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 use crate::args::Common;
 use crate::latency::run::{self, Setup};
 use crate::latency::timer::{self, Sinks};
-use crate::latency::{Case, Contender, LOADS, MaxRate, Path, Results, SUSTAIN_STEP, SUSTAIN_TRIES};
+use crate::latency::{
+    Case, Contender, LOADS, MaxRate, Path, Results, Run, SUSTAIN_STEP, SUSTAIN_TRIES,
+};
 use crate::{body_512, broker_url, report};
 
 /// Settlement latency of Lily against raw-batch.
@@ -59,20 +61,9 @@ pub async fn run(args: Args) {
         args.warmup < args.secs,
         "--warmup must be shorter than --secs"
     );
-    let lily = Sinks::default();
-    timer::install(lily.clone());
+    let sinks = Sinks::default();
+    timer::install(sinks.clone());
     let url = broker_url();
-    let (run, warmup) = (
-        Duration::from_secs_f64(args.secs),
-        Duration::from_secs_f64(args.warmup),
-    );
-    let setup = Setup {
-        url: url.clone(),
-        body: body_512().into(),
-        run,
-        warmup,
-        lily,
-    };
     let mut notes = vec![crate::METHOD.to_owned()];
     if let Some(rate) = args.max_rate {
         notes.push(format!(
@@ -81,126 +72,119 @@ pub async fn run(args: Args) {
     }
     let mut results = Results {
         meta: crate::Meta::new("latency", &url, notes),
-        max_rate_messages: if args.max_rate.is_some() {
-            0
-        } else {
-            args.messages
-        },
+        max_rate_messages: args.max_rate.map_or(args.messages, |_| 0),
         run_secs: args.secs,
         warmup_secs: args.warmup,
         cases: Vec::new(),
     };
-    let total = Instant::now();
-    let mut order = 0;
+    let started = Instant::now();
+    // Who runs first alternates round by round, across cases too.
+    let mut turn = [Contender::RawBatch, Contender::Lily];
     for &path in &args.paths {
         for &prefetch in &args.prefetches {
+            let setup = Setup {
+                url: url.clone(),
+                body: body_512().into(),
+                path,
+                prefetch,
+                run: Duration::from_secs_f64(args.secs),
+                warmup: Duration::from_secs_f64(args.warmup),
+                sinks: sinks.clone(),
+                started,
+            };
             let max_rate = match args.max_rate {
                 Some(used) => MaxRate {
                     used,
                     ..MaxRate::default()
                 },
-                None => max_rate(&setup, &args, path, prefetch, &total).await,
+                None => max_rate(&setup, args.messages).await,
             };
             for load in LOADS {
                 let target = (max_rate.used * load).round().max(1.0);
                 let mut rounds = Vec::new();
                 for round in 1..=args.reps {
-                    let mut who = [Contender::RawBatch, Contender::Lily];
-                    if order % 2 == 1 {
-                        who.reverse();
-                    }
-                    order += 1;
+                    let what = format!(
+                        "{:.0}% ({target:.0}/s) round {round}/{}",
+                        load * 100.0,
+                        args.reps
+                    );
                     let mut runs = Vec::new();
-                    for contender in who {
-                        let r = run::paced(&setup, contender, path, prefetch, target).await;
-                        let copies = r.copy_confirms.map_or_else(String::new, |c| {
-                            format!(
-                                " (copy to confirm: p50 {:.2} p99 {:.2} ms)",
-                                ms(c.p50_us),
-                                ms(c.p99_us)
-                            )
-                        });
-                        let (l, incomplete) =
-                            (r.latency, if r.complete { "" } else { " (INCOMPLETE)" });
-                        eprintln!(
-                            "  {} prefetch {prefetch} {:.0}% ({target:.0}/s) round {round}/{} {:<9} settled {:>7.0}/s p50 {:.2} p99 {:.2} p99.9 {:.2} ms{copies}{incomplete} [{:.0} s]",
-                            path.name(),
-                            load * 100.0,
-                            args.reps,
-                            contender.name(),
-                            r.settled_per_sec,
-                            ms(l.p50_us),
-                            ms(l.p99_us),
-                            ms(l.p999_us),
-                            total.elapsed().as_secs_f64()
-                        );
-                        runs.push(r);
+                    for who in turn {
+                        runs.push(paced(&setup, who, target, &what).await);
                     }
-                    if who[0] == Contender::Lily {
-                        runs.reverse();
-                    }
+                    turn.reverse();
+                    runs.sort_by_key(|r| r.contender);
                     rounds.push(Case::new(path, prefetch, load, max_rate, runs[0], runs[1]));
                 }
                 results.cases.push(Case::median(rounds));
             }
         }
     }
-    results.meta.finish(total);
-    let chart = report::latency_chart(&results);
-    report::write(
-        &args.common.out,
-        "latency",
-        &results,
-        &report::latency(&results),
-        Some(&chart),
-    );
+    results.meta.finish(started);
+    let (md, chart) = (report::latency(&results), report::latency_chart(&results));
+    report::write(&args.common.out, "latency", &results, &md, Some(&chart));
 }
 
-/// The maximum rate of `path` at `prefetch`: each contender's drain rate with nothing
+/// A progress line on stderr: the case, `what`, and the seconds since the benchmark started.
+fn progress(setup: &Setup, what: &str) {
+    let (path, secs) = (setup.path.name(), setup.started.elapsed().as_secs_f64());
+    eprintln!("  {path} prefetch {} {what} [{secs:.0} s]", setup.prefetch);
+}
+
+/// `who` under the paced load at `rate`, with its progress line after `what`.
+async fn paced(setup: &Setup, who: Contender, rate: f64, what: &str) -> Run {
+    let r = run::paced(setup, who, rate).await;
+    let copies = r.copy_confirms.map_or_else(String::new, |c| {
+        format!(
+            " (copy to confirm: p50 {:.2} p99 {:.2} ms)",
+            ms(c.p50_us),
+            ms(c.p99_us)
+        )
+    });
+    let flag = match (r.complete, r.sustained()) {
+        (false, _) => " (INCOMPLETE)",
+        (true, false) => " (not sustained)",
+        (true, true) => "",
+    };
+    let l = r.latency;
+    progress(
+        setup,
+        &format!(
+            "{what} {:<9} published {:>7.0}/s settled {:>7.0}/s p50 {:.2} p99 {:.2} p99.9 {:.2} ms{copies}{flag}",
+            who.name(),
+            r.publish_rate,
+            r.settled_per_sec,
+            ms(l.p50_us),
+            ms(l.p99_us),
+            ms(l.p999_us),
+        ),
+    );
+    r
+}
+
+/// The maximum rate of the setup's path and prefetch: each contender's drain rate with nothing
 /// publishing, then what each settles while the paced publisher offers the higher of the two
 /// (in runs of half a case's length: that rate only says where the search starts), then the
 /// first rate from the lower of those down that both sustain.
-async fn max_rate(
-    setup: &Setup,
-    args: &Args,
-    path: Path,
-    prefetch: u16,
-    total: &Instant,
-) -> MaxRate {
-    let (lily, raw) = (Contender::Lily, Contender::RawBatch);
-    let elapsed = || total.elapsed().as_secs_f64();
+async fn max_rate(setup: &Setup, messages: u64) -> MaxRate {
+    let who = [Contender::Lily, Contender::RawBatch];
     let mut drained = [0.0; 2];
-    for (slot, who) in drained.iter_mut().zip([lily, raw]) {
-        let s = run::drain_rate(setup, who, path, prefetch, args.messages).await;
-        eprintln!(
-            "  drain rate {} prefetch {prefetch} {:<9} {:>8.0} msgs/s, complete {} [{:.0} s]",
-            path.name(),
-            who.name(),
-            s.msgs_per_sec,
-            s.complete,
-            elapsed()
-        );
-        *slot = s.msgs_per_sec;
+    for (rate, who) in drained.iter_mut().zip(who) {
+        let s = run::drain_rate(setup, who, messages).await;
+        *rate = s.msgs_per_sec;
+        let what = format!("drain rate {:<9} {rate:>8.0} msgs/s", who.name());
+        progress(setup, &format!("{what}, complete {}", s.complete));
     }
     let offered = drained[0].max(drained[1]).round().max(1.0);
     let overload = Setup {
         run: setup.run / 2,
         warmup: setup.warmup / 2,
-        body: setup.body.clone(),
-        url: setup.url.clone(),
-        lily: setup.lily.clone(),
+        ..setup.clone()
     };
     let mut loaded = [0.0; 2];
-    for (slot, who) in loaded.iter_mut().zip([lily, raw]) {
-        let r = run::paced(&overload, who, path, prefetch, offered).await;
-        eprintln!(
-            "  max rate {} prefetch {prefetch} {:<9} {:>8.0} msgs/s settled with {offered:.0}/s offered [{:.0} s]",
-            path.name(),
-            who.name(),
-            r.settled_per_sec,
-            elapsed()
-        );
-        *slot = r.settled_per_sec;
+    for (rate, who) in loaded.iter_mut().zip(who) {
+        let what = format!("max rate ({offered:.0}/s offered)");
+        *rate = paced(&overload, who, offered, &what).await.settled_per_sec;
     }
     let under_load = loaded[0].min(loaded[1]).round().max(1.0);
     // From `under_load` × SUSTAIN_STEP down by that factor, each rate checked in runs as long as
@@ -210,17 +194,9 @@ async fn max_rate(
     while !sustained && tries < SUSTAIN_TRIES {
         tries += 1;
         used = (used * SUSTAIN_STEP).round().max(1.0);
-        for who in [lily, raw] {
-            let r = run::paced(setup, who, path, prefetch, used).await;
-            sustained = r.sustained();
-            eprintln!(
-                "  sustained {} prefetch {prefetch} {:<9} at {used:.0}/s: {sustained} (published {:.0}/s, settled {:.0}/s) [{:.0} s]",
-                path.name(),
-                who.name(),
-                r.publish_rate,
-                r.settled_per_sec,
-                elapsed()
-            );
+        for who in who {
+            let what = format!("sustained at {used:.0}/s?");
+            sustained = paced(setup, who, used, &what).await.sustained();
             if !sustained {
                 break;
             }

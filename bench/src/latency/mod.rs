@@ -12,26 +12,21 @@ pub use crate::throughput::Path;
 
 /// The target: Lily's p99 at most raw-batch's p99 plus this, in ms.
 pub const P99_MARGIN_MS: f64 = 2.0;
-
 /// The fractions of the maximum rate the runs publish at.
 pub const LOADS: [f64; 2] = [0.5, 0.9];
-
 /// A consumer kept up (a publisher reached its target) at this share of the publish (target) rate.
 pub const KEPT_UP: f64 = 0.95;
-
 /// A rate is sustained when the publisher reaches this share of it and the contender settles this
 /// share of what was published (why the maximum rate must be sustained: `bench/README.md`).
 pub const SUSTAINED: f64 = 0.99;
-
 /// Each rate checked for the maximum is the one before (first: the lower rate settled under
-/// overload) times this.
+/// overload) times this; at most [`SUSTAIN_TRIES`] rates are checked, the last used even if not
+/// sustained.
 pub const SUSTAIN_STEP: f64 = 0.9;
-
-/// Rates checked at most, the last one used even if not sustained.
 pub const SUSTAIN_TRIES: u32 = 4;
 
 /// Who consumes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Contender {
     /// The hand-tuned raw lapin consumer of [`raw_batch`].
@@ -71,37 +66,24 @@ impl Latencies {
     /// Nearest-rank percentiles of `values` (µs).
     pub fn of(mut values: Vec<u32>) -> Self {
         values.sort_unstable();
-        let n = values.len();
-        if n == 0 {
+        let Some(&max_us) = values.last() else {
             return Self::default();
-        }
-        let rank = |q: f64| {
-            #[allow(
-                clippy::cast_possible_truncation,
-                clippy::cast_sign_loss,
-                clippy::cast_precision_loss
-            )]
-            let r = (q * n as f64).ceil() as usize;
-            values[r.clamp(1, n) - 1]
         };
-        #[allow(clippy::cast_precision_loss)]
-        let mean_us = values.iter().map(|&v| f64::from(v)).sum::<f64>() / n as f64;
+        let n = values.len();
+        let rank = |q: f64| values[((q * n as f64).ceil() as usize).clamp(1, n) - 1];
         let mut histogram = [0; HISTOGRAM_MS.len() + 1];
         for &v in &values {
-            let slot = HISTOGRAM_MS
-                .iter()
-                .position(|&ms| v <= ms * 1000)
-                .unwrap_or(HISTOGRAM_MS.len());
-            histogram[slot] += 1;
+            let slot = HISTOGRAM_MS.iter().position(|&ms| v <= ms * 1000);
+            histogram[slot.unwrap_or(HISTOGRAM_MS.len())] += 1;
         }
         Self {
-            histogram,
             samples: n,
             p50_us: rank(0.5),
             p99_us: rank(0.99),
             p999_us: rank(0.999),
-            max_us: values[n - 1],
-            mean_us,
+            max_us,
+            mean_us: values.iter().map(|&v| f64::from(v)).sum::<f64>() / n as f64,
+            histogram,
         }
     }
 }
@@ -226,12 +208,10 @@ impl Case {
     ///
     /// # Panics
     /// When `rounds` is empty.
-    pub fn median(rounds: Vec<Self>) -> Self {
-        let diffs: Vec<f64> = rounds.iter().map(|case| case.p99_diff_ms).collect();
-        let mut order: Vec<usize> = (0..rounds.len()).collect();
-        order.sort_by(|&a, &b| diffs[a].total_cmp(&diffs[b]));
-        let middle = order[(order.len() - 1) / 2];
-        let mut case = rounds.into_iter().nth(middle).expect("at least one round");
+    pub fn median(mut rounds: Vec<Self>) -> Self {
+        let diffs = rounds.iter().map(|case| case.p99_diff_ms).collect();
+        rounds.sort_by(|a, b| a.p99_diff_ms.total_cmp(&b.p99_diff_ms));
+        let mut case = rounds.swap_remove((rounds.len() - 1) / 2);
         case.rounds_p99_diff_ms = diffs;
         case
     }

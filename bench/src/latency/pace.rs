@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lapin::options::ConfirmSelectOptions;
 use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
 use tokio::sync::mpsc;
 use tokio::time::MissedTickBehavior;
@@ -27,7 +26,7 @@ pub struct Paced {
 }
 
 /// Publishes `rate` messages a second of `body` to `queue` for `duration`, with ids
-/// `{prefix}-{i}`, stamping each one's publish time in `sent_at`, and waits for every confirm.
+/// `p-{i}`, stamping each one's publish time in `sent_at`, and waits for every confirm.
 ///
 /// # Panics
 /// When the publisher cannot connect.
@@ -37,17 +36,12 @@ pub async fn publish_paced(
     rate: f64,
     duration: Duration,
     body: Arc<[u8]>,
-    prefix: &str,
     sent_at: &Sent,
 ) -> Paced {
     let connection = Connection::connect(url, ConnectionProperties::default())
         .await
         .expect("connect the paced publisher");
-    let channel = connection.create_channel().await.expect("channel");
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .expect("confirm.select");
+    let channel = crate::raw::confirm_channel(&connection).await;
     let (confirms, mut pending) = mpsc::unbounded_channel::<lapin::PublisherConfirm>();
     let awaiting = tokio::spawn(async move {
         let mut unconfirmed = 0;
@@ -66,13 +60,12 @@ pub async fn publish_paced(
     loop {
         ticks.tick().await;
         let elapsed = started.elapsed().min(duration);
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let due = (rate * elapsed.as_secs_f64()) as u64;
         let publishes: Vec<_> = (sent..due)
             .map(|i| {
                 sent_at.stamp(i);
                 let properties = BasicProperties::default()
-                    .with_message_id(format!("{prefix}-{i}").into())
+                    .with_message_id(format!("p-{i}").into())
                     .with_type("order.placed".into())
                     .with_content_type("application/json".into())
                     .with_delivery_mode(2);

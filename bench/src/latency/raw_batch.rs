@@ -12,19 +12,15 @@ use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
 use futures_core::Stream;
-use lapin::Acker;
 use lapin::message::Delivery;
-use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
-};
-
-use lapin::types::{FieldTable, ShortString};
-use lapin::{Channel, Confirmation, Connection, ConnectionProperties, PublisherConfirm};
+use lapin::options::{BasicAckOptions, BasicCancelOptions};
+use lapin::types::ShortString;
+use lapin::{Acker, Channel, Confirmation, Connection, PublisherConfirm};
 use tokio_util::sync::CancellationToken;
 
 use crate::Order;
-use crate::latency::timer::Sink;
-use crate::raw::{next, retry_properties};
+use crate::latency::timer::Sinks;
+use crate::raw::{MANDATORY, REQUEUE, confirm_channel, next, retry_properties};
 use crate::run::FAILURE_REASON;
 
 /// Counters a run reads while `raw-batch` consumes.
@@ -34,12 +30,9 @@ pub struct Counters {
     pub settled: AtomicU64,
     /// Deliveries NACKed (their copy failed) or whose ACK failed.
     pub failed: AtomicU64,
-    /// Handoff path: each copy from its publish written to its confirm seen, keyed by the
-    /// former.
-    pub copies: Sink,
 }
 
-/// An open `raw-batch` consumer.
+/// An open `raw-batch` consumer, recording settlements and copies in its [`Sinks`].
 pub struct RawBatch {
     connection: Connection,
     channel: Channel,
@@ -48,15 +41,18 @@ pub struct RawBatch {
     handoff: Option<(Channel, ShortString)>,
     queue: String,
     threshold: usize,
+    sinks: Sinks,
+    pub counters: Arc<Counters>,
 }
 
 struct Pending {
     acker: Acker,
     /// When the message was published: its latency's start.
     received: Instant,
-    /// The copy's confirm (handoff path) and when its publish was written; `None` when its
-    /// publish already failed.
+    /// The copy's confirm (handoff path) and when its publish was written.
     confirm: Option<(PublisherConfirm, Instant)>,
+    /// Whether the copy, if any, was published (and, once the flush awaited it, confirmed).
+    copied: bool,
 }
 
 impl RawBatch {
@@ -64,35 +60,20 @@ impl RawBatch {
     ///
     /// # Panics
     /// When the broker cannot be reached or refuses the consumer.
-    pub async fn open(url: &str, queue: &str, bucket: Option<&str>, prefetch: u16) -> Self {
-        let connection = Connection::connect(url, ConnectionProperties::default())
+    pub async fn open(
+        url: &str,
+        queue: &str,
+        bucket: Option<&str>,
+        prefetch: u16,
+        sinks: Sinks,
+    ) -> Self {
+        let (connection, channel, consumer) = crate::raw::open(url, queue, prefetch, false)
             .await
-            .expect("connect");
-        let channel = connection.create_channel().await.expect("channel");
-        channel
-            .basic_qos(prefetch, BasicQosOptions::default())
-            .await
-            .expect("basic.qos");
+            .unwrap_or_else(|err| panic!("{err}"));
         let handoff = match bucket {
-            Some(bucket) => {
-                let confirms = connection.create_channel().await.expect("channel");
-                confirms
-                    .confirm_select(ConfirmSelectOptions::default())
-                    .await
-                    .expect("confirm.select");
-                Some((confirms, bucket.into()))
-            }
+            Some(bucket) => Some((confirm_channel(&connection).await, bucket.into())),
             None => None,
         };
-        let consumer = channel
-            .basic_consume(
-                queue.into(),
-                "".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .expect("basic.consume");
         Self {
             connection,
             channel,
@@ -100,12 +81,14 @@ impl RawBatch {
             handoff,
             queue: queue.to_owned(),
             threshold: usize::from((prefetch / 2).max(1)),
+            sinks,
+            counters: Arc::default(),
         }
     }
 
-    /// Consumes until `stop` is cancelled (checked whenever no batch is open), recording each
-    /// settled delivery in `sink` and `counters`; then cancels the consumer and closes.
-    pub async fn run(mut self, stop: CancellationToken, sink: Arc<Sink>, counters: Arc<Counters>) {
+    /// Consumes until `stop` is cancelled (checked whenever no batch is open); then cancels the
+    /// consumer and closes.
+    pub async fn run(mut self, stop: CancellationToken) {
         let mut batch: Vec<Pending> = Vec::with_capacity(self.threshold);
         loop {
             let next = if batch.is_empty() {
@@ -118,111 +101,84 @@ impl RawBatch {
                 match ready_now(&mut self.consumer) {
                     Poll::Ready(next) => next,
                     Poll::Pending => {
-                        self.flush(&mut batch, &sink, &counters).await;
+                        self.flush(&mut batch).await;
                         continue;
                     }
                 }
             };
             let Some(Ok(delivery)) = next else { break };
-            let pending = self.take(delivery, &sink).await;
-            batch.push(pending);
+            batch.push(self.take(delivery).await);
             if batch.len() >= self.threshold {
-                self.flush(&mut batch, &sink, &counters).await;
+                self.flush(&mut batch).await;
             }
         }
-        self.flush(&mut batch, &sink, &counters).await;
+        self.flush(&mut batch).await;
         let _ = self
             .channel
             .basic_cancel(self.consumer.tag(), BasicCancelOptions::default())
             .await;
-        if let Some((confirms, _)) = &self.handoff {
-            let _ = confirms.close(200, "done".into()).await;
-        }
-        let _ = self.channel.close(200, "done".into()).await;
         let _ = self.connection.close(200, "done".into()).await;
     }
 
     /// Deserializes `delivery` and, on the handoff path, publishes its copy.
-    async fn take(&self, delivery: Delivery, sink: &Sink) -> Pending {
+    async fn take(&self, delivery: Delivery) -> Pending {
         let id = delivery.properties.message_id().as_ref();
-        let received = id.map_or_else(Instant::now, |id| sink.start_of(id.as_str()));
+        let received = id.map_or_else(Instant::now, |id| self.sinks.settled.start_of(id.as_str()));
         let order: Order = serde_json::from_slice(&delivery.data).expect("order");
         std::hint::black_box(order);
-        let confirm = match &self.handoff {
-            Some((confirms, bucket)) => {
-                let properties = retry_properties(&delivery, &self.queue, FAILURE_REASON);
-                confirms
-                    .basic_publish(
-                        "".into(),
-                        bucket.clone(),
-                        crate::raw::MANDATORY,
-                        &delivery.data,
-                        properties,
-                    )
-                    .await
-                    .ok()
-                    .map(|confirm| (confirm, Instant::now()))
-            }
-            None => None,
-        };
+        let (mut confirm, mut copied) = (None, true);
+        if let Some((confirms, bucket)) = &self.handoff {
+            let properties = retry_properties(&delivery, &self.queue, FAILURE_REASON);
+            let publish = confirms.basic_publish(
+                "".into(),
+                bucket.clone(),
+                MANDATORY,
+                &delivery.data,
+                properties,
+            );
+            confirm = publish.await.ok().map(|confirm| (confirm, Instant::now()));
+            copied = confirm.is_some();
+        }
         Pending {
             acker: delivery.acker,
             received,
             confirm,
+            copied,
         }
     }
 
     /// Settles the batch: one `multiple` ACK when every copy (if any) was confirmed.
-    async fn flush(&self, batch: &mut Vec<Pending>, sink: &Sink, counters: &Counters) {
-        if batch.is_empty() {
-            return;
-        }
-        let mut confirmed = vec![true; batch.len()];
-        if self.handoff.is_some() {
-            for (ok, pending) in confirmed.iter_mut().zip(batch.iter_mut()) {
-                *ok = match pending.confirm.take() {
-                    Some((confirm, written)) => {
-                        let confirmed = confirm.await;
-                        counters.copies.push(written);
-                        matches!(confirmed, Ok(Confirmation::Ack(None)))
-                    }
-                    None => false,
-                };
+    async fn flush(&self, batch: &mut Vec<Pending>) {
+        for pending in batch.iter_mut() {
+            if let Some((confirm, written)) = pending.confirm.take() {
+                let confirmed = confirm.await;
+                self.sinks.copies.push(written, Instant::now());
+                pending.copied = matches!(confirmed, Ok(Confirmation::Ack(None)));
             }
         }
-        let n = batch.len() as u64;
-        if let (true, Some(last)) = (confirmed.iter().all(|ok| *ok), batch.last()) {
-            let acked = last
-                .acker
-                .ack(BasicAckOptions { multiple: true })
-                .await
-                .is_ok_and(|written| written);
+        let Counters { settled, failed } = &*self.counters;
+        if let (true, Some(last)) = (batch.iter().all(|p| p.copied), batch.last()) {
+            let multiple = BasicAckOptions { multiple: true };
+            let acked = last.acker.ack(multiple).await.is_ok_and(|written| written);
             let done = Instant::now();
             if acked {
                 for pending in batch.iter() {
-                    sink.push_at(pending.received, done);
+                    self.sinks.settled.push(pending.received, done);
                 }
-                counters.settled.fetch_add(n, Ordering::Relaxed);
-            } else {
-                counters.failed.fetch_add(n, Ordering::Relaxed);
             }
+            let counter = if acked { settled } else { failed };
+            counter.fetch_add(batch.len() as u64, Ordering::Relaxed);
         } else {
-            for (ok, pending) in confirmed.iter().zip(batch.iter()) {
-                if *ok {
-                    let acked = pending
-                        .acker
-                        .ack(BasicAckOptions::default())
-                        .await
-                        .is_ok_and(|written| written);
-                    if acked {
-                        sink.push(pending.received);
-                        counters.settled.fetch_add(1, Ordering::Relaxed);
-                        continue;
-                    }
-                } else {
-                    let _ = pending.acker.nack(crate::raw::REQUEUE).await;
+            for pending in batch.iter() {
+                let single = BasicAckOptions::default();
+                let acked = pending.copied && pending.acker.ack(single).await.is_ok_and(|ok| ok);
+                if acked {
+                    self.sinks.settled.push(pending.received, Instant::now());
+                } else if !pending.copied {
+                    let _ = pending.acker.nack(REQUEUE).await;
                 }
-                counters.failed.fetch_add(1, Ordering::Relaxed);
+                let counter = if acked { settled } else { failed };
+                counter.fetch_add(1, Ordering::Relaxed);
             }
         }
         batch.clear();
@@ -231,6 +187,5 @@ impl RawBatch {
 
 /// The next delivery if one is ready right now, without waiting.
 fn ready_now(consumer: &mut lapin::Consumer) -> Poll<Option<lapin::Result<Delivery>>> {
-    let mut cx = Context::from_waker(Waker::noop());
-    Pin::new(consumer).poll_next(&mut cx)
+    Pin::new(consumer).poll_next(&mut Context::from_waker(Waker::noop()))
 }

@@ -4,16 +4,16 @@
 //! `handoff` span from its opening to its close (the copy's wait for its confirm).
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tracing::field::{Field, Visit};
-
 use tracing::level_filters::LevelFilter;
-use tracing::subscriber::Interest;
 use tracing::{Metadata, Subscriber, span};
 use tracing_subscriber::Layer;
-use tracing_subscriber::layer::{Context, Filter, SubscriberExt as _};
+use tracing_subscriber::filter::filter_fn;
+use tracing_subscriber::layer::{Context, SubscriberExt as _};
 use tracing_subscriber::registry::LookupSpan;
 
 /// Settlement latencies: when each message was published and how long it took to settle, in µs.
@@ -39,19 +39,12 @@ impl Sink {
             .unwrap_or_else(Instant::now)
     }
 
-    /// Records one delivery whose clock started at `started` and that was settled now.
-    pub fn push(&self, started: Instant) {
-        self.push_at(started, Instant::now());
-    }
-
     /// Records one delivery whose clock started at `started` and that was settled at `settled`.
-    pub fn push_at(&self, started: Instant, settled: Instant) {
+    pub fn push(&self, started: Instant, settled: Instant) {
         let us = u32::try_from(settled.saturating_duration_since(started).as_micros())
             .unwrap_or(u32::MAX);
-        self.records
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push((started, us));
+        let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        records.push((started, us));
     }
 
     /// Takes every record so far, leaving the sink empty.
@@ -60,29 +53,29 @@ impl Sink {
     }
 }
 
-/// When the paced publisher published each message, by the index in its id `{prefix}-{i}`.
+/// When the paced publisher published each message, by the index in its id `p-{i}`.
 #[derive(Debug)]
 pub struct Sent {
     base: Instant,
     /// µs since `base`, plus one (zero: not published).
-    at: Vec<std::sync::atomic::AtomicU64>,
+    at: Vec<AtomicU64>,
 }
 
 impl Sent {
     /// Room for `capacity` messages; later ones are not stamped.
     pub fn new(capacity: usize) -> Self {
+        let at = (0..capacity).map(|_| AtomicU64::default()).collect();
         Self {
             base: Instant::now(),
-            at: (0..capacity).map(|_| Default::default()).collect(),
+            at,
         }
     }
 
     /// Message `i` is being published now.
     pub fn stamp(&self, i: u64) {
-        let slot = usize::try_from(i).ok().and_then(|i| self.at.get(i));
-        if let Some(slot) = slot {
+        if let Some(slot) = usize::try_from(i).ok().and_then(|i| self.at.get(i)) {
             let us = u64::try_from(self.base.elapsed().as_micros()).unwrap_or(u64::MAX - 1);
-            slot.store(us + 1, std::sync::atomic::Ordering::Relaxed);
+            slot.store(us + 1, Ordering::Relaxed);
         }
     }
 
@@ -92,18 +85,18 @@ impl Sent {
         let us = self
             .at
             .get(i.parse::<usize>().ok()?)?
-            .load(std::sync::atomic::Ordering::Relaxed);
-        let us = us.checked_sub(1)?;
-        Some(self.base + std::time::Duration::from_micros(us))
+            .load(Ordering::Relaxed);
+        Some(self.base + Duration::from_micros(us.checked_sub(1)?))
     }
 }
 
-/// Where the timing layer writes.
+/// Where the timing layer and raw-batch write.
 #[derive(Clone, Debug, Default)]
 pub struct Sinks {
-    /// Publish → settlement (the `delivery` span's close).
+    /// Publish → settlement (the `delivery` span's close, raw-batch's covering ACK).
     pub settled: Arc<Sink>,
-    /// A `handoff` span's opening → its close, keyed by its opening.
+    /// Each copy's wait for its confirm (a `handoff` span; raw-batch's publish written to its
+    /// confirm seen), keyed by its start.
     pub copies: Arc<Sink>,
 }
 
@@ -112,84 +105,45 @@ pub struct Sinks {
 /// # Panics
 /// When a global subscriber is already set.
 pub fn install(sinks: Sinks) {
-    let subscriber =
-        tracing_subscriber::registry().with(DeliveryTimer { sinks }.with_filter(OnlyTimed));
-    tracing::subscriber::set_global_default(subscriber).expect("install the timing subscriber");
-}
-
-/// Whether `meta` is one of Lily's `delivery` and `handoff` spans.
-fn is_timed(meta: &Metadata<'_>) -> bool {
-    meta.is_span()
-        && matches!(meta.name(), "delivery" | "handoff")
-        && meta.target().starts_with("lily_mq_rabbit")
-}
-
-/// The per-layer filter: Lily's `delivery` and `handoff` spans only.
-struct OnlyTimed;
-
-impl<S> Filter<S> for OnlyTimed {
-    fn enabled(&self, meta: &Metadata<'_>, _: &Context<'_, S>) -> bool {
-        is_timed(meta)
-    }
-
-    fn callsite_enabled(&self, meta: &'static Metadata<'static>) -> Interest {
-        if is_timed(meta) {
-            Interest::always()
-        } else {
-            Interest::never()
-        }
-    }
-
-    fn max_level_hint(&self) -> Option<LevelFilter> {
-        Some(LevelFilter::INFO)
-    }
+    let only_timed = filter_fn(|meta: &Metadata<'_>| {
+        meta.is_span()
+            && matches!(meta.name(), "delivery" | "handoff")
+            && meta.target().starts_with("lily_mq_rabbit")
+    });
+    let layer = DeliveryTimer(sinks).with_filter(only_timed.with_max_level_hint(LevelFilter::INFO));
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(layer))
+        .expect("install the timing subscriber");
 }
 
 /// When the span's clock started: its delivery's publish, or a `handoff` span's opening.
-struct Opened {
-    at: Instant,
-    copy: bool,
-}
+struct Opened(Instant);
 
 /// Looks the span's `message_id` field up in the sink's publish times, without copying it.
-struct PublishedAt<'a> {
-    sink: &'a Sink,
-    at: Option<Instant>,
-}
+struct PublishedAt<'a>(&'a Sink, Option<Instant>);
 
 impl Visit for PublishedAt<'_> {
     fn record_str(&mut self, field: &Field, value: &str) {
         if field.name() == "message_id" {
-            self.at = Some(self.sink.start_of(value));
+            self.1 = Some(self.0.start_of(value));
         }
     }
 
     fn record_debug(&mut self, _: &Field, _: &dyn fmt::Debug) {}
 }
 
-struct DeliveryTimer {
-    sinks: Sinks,
-}
+/// The timing layer.
+struct DeliveryTimer(Sinks);
 
 impl<S> Layer<S> for DeliveryTimer
 where
     S: Subscriber + for<'a> LookupSpan<'a>,
 {
     fn on_new_span(&self, attrs: &span::Attributes<'_>, id: &span::Id, ctx: Context<'_, S>) {
-        let opened = if attrs.metadata().name() == "handoff" {
-            Opened {
-                at: Instant::now(),
-                copy: true,
-            }
-        } else {
-            let mut published = PublishedAt {
-                sink: &self.sinks.settled,
-                at: None,
-            };
+        let mut published = PublishedAt(&self.0.settled, None);
+        if attrs.metadata().name() != "handoff" {
             attrs.record(&mut published);
-            let at = published.at.unwrap_or_else(Instant::now);
-            Opened { at, copy: false }
-        };
+        }
+        let opened = Opened(published.1.unwrap_or_else(Instant::now));
         if let Some(span) = ctx.span(id) {
             span.extensions_mut().insert(opened);
         }
@@ -198,14 +152,15 @@ where
     fn on_close(&self, id: span::Id, ctx: Context<'_, S>) {
         let closed = Instant::now();
         if let Some(span) = ctx.span(&id)
-            && let Some(opened) = span.extensions().get::<Opened>()
+            && let Some(Opened(opened)) = span.extensions().get::<Opened>()
         {
-            let sink = if opened.copy {
-                &self.sinks.copies
+            let copy = span.name() == "handoff";
+            let sink = if copy {
+                &self.0.copies
             } else {
-                &self.sinks.settled
+                &self.0.settled
             };
-            sink.push_at(opened.at, closed);
+            sink.push(*opened, closed);
         }
     }
 }
