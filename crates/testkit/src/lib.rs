@@ -418,10 +418,11 @@ impl Client {
     }
 
     /// How many times each `message_id` occurs in the ready messages of `queue`, which it
-    /// drains. A message without an id counts under `""`.
+    /// drains. A message without an id counts under `""`. Only the ids are kept: a process that
+    /// drains a large queue does not hold every body at once (and keep that memory after).
     pub async fn drain_ids(&self, queue: &str) -> BTreeMap<String, usize> {
         let mut ids = BTreeMap::new();
-        for message in self.drain(queue).await {
+        while let Some(message) = self.take(queue, Duration::ZERO).await {
             let id = message
                 .delivery
                 .properties
