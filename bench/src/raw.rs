@@ -91,6 +91,22 @@ pub async fn next(consumer: &mut lapin::Consumer) -> Option<lapin::Result<Delive
     std::future::poll_fn(|cx| std::pin::Pin::new(&mut *consumer).poll_next(cx)).await
 }
 
+/// A run's next delivery while fewer than `n` were received: counted, the first one stamped.
+async fn take(
+    consumer: &mut lapin::Consumer,
+    received: &mut u64,
+    n: u64,
+    first: &FirstDelivery,
+) -> Option<Delivery> {
+    if *received >= n {
+        return None;
+    }
+    let delivery = next(consumer).await?.ok()?;
+    first.get_or_init(Instant::now);
+    *received += 1;
+    Some(delivery)
+}
+
 /// Cancels the consumer and closes its channel and connection.
 async fn close(connection: Connection, channel: Channel, consumer: &lapin::Consumer) {
     let _ = channel
@@ -125,12 +141,7 @@ pub async fn success(url: &str, queue: &str, prefetch: u16, n: u64, settle: Sett
     // One deadline for the whole run, not a timer a delivery: a timer armed at every wait is a
     // cost the simplest loop does not pay (raw-batch ran at 0.90 of it with one, 1.11 without).
     let drained = async {
-        while received < n {
-            let Some(Ok(delivery)) = next(&mut consumer).await else {
-                break;
-            };
-            first.get_or_init(Instant::now);
-            received += 1;
+        while let Some(delivery) = take(&mut consumer, &mut received, n, &first).await {
             deserialize(&delivery);
             match settle {
                 Settle::Each => {
@@ -213,12 +224,7 @@ pub async fn handoff(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64
     let (mut received, mut settled, mut failed) = (0, 0, 0);
     // One deadline for the run, as on the success path.
     let consumed = async {
-        while received < n {
-            let Some(Ok(delivery)) = next(&mut consumer).await else {
-                break;
-            };
-            first.get_or_init(Instant::now);
-            received += 1;
+        while let Some(delivery) = take(&mut consumer, &mut received, n, &first).await {
             let (confirms, bucket, source) =
                 (confirms.clone(), bucket.clone(), Arc::clone(&source));
             tasks.spawn(async move {
@@ -299,12 +305,7 @@ pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, 
     let mut pending = Vec::with_capacity(batch);
     let mut received = 0;
     let consumed = async {
-        while received < n {
-            let Some(Ok(delivery)) = next(&mut consumer).await else {
-                break;
-            };
-            first.get_or_init(Instant::now);
-            received += 1;
+        while let Some(delivery) = take(&mut consumer, &mut received, n, &first).await {
             deserialize(&delivery);
             let properties = retry_properties(&delivery, queue, FAILURE_REASON);
             let published = confirms
