@@ -92,8 +92,10 @@ async fn close_raw(connection: Connection, channel: Channel, prefetch: u16) -> R
 
 /// What the orchestrator measures (`--quick`: 5 000 and 500 messages under valgrind, 3 idle
 /// shutdowns rather than 5); a subcommand is one of its child processes.
-/// To profile by hand: `valgrind --tool=callgrind lily-bench-counting cost run lily 20000 QUEUE`
-/// on a queue holding 20 000 orders.
+/// To profile: `LILY_BENCH_CALLGRIND_DIR=DIR` keeps each callgrind run's profile as
+/// `DIR/callgrind.<pid>` (its command line inside names the step) for `callgrind_annotate`;
+/// `LILY_BENCH_WRAP` runs the other children under a command, e.g.
+/// `perf stat -x, --append -o FILE --`.
 #[derive(clap::Args, Debug)]
 #[command(args_conflicts_with_subcommands = true)]
 pub struct Options {
@@ -297,8 +299,16 @@ impl Bench {
         let mut command = Command::new(&self.exe);
         if callgrind {
             command = Command::new("valgrind");
-            command.args(["--tool=callgrind", "--callgrind-out-file=/dev/null"]);
+            let out = std::env::var("LILY_BENCH_CALLGRIND_DIR")
+                .map_or_else(|_| "/dev/null".into(), |dir| format!("{dir}/callgrind.%p"));
+            command.args(["--tool=callgrind", &format!("--callgrind-out-file={out}")]);
             command.arg(&self.exe);
+        } else if let Ok(wrap) = std::env::var("LILY_BENCH_WRAP") {
+            let mut words = wrap.split_whitespace();
+            if let Some(program) = words.next() {
+                command = Command::new(program);
+                command.args(words).arg(&self.exe);
+            }
         }
         command.env("LILY_AMQP_URL", &self.url);
         command.arg("cost").args(args);
