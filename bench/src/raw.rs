@@ -45,6 +45,11 @@ pub enum Settle {
     NoAck,
 }
 
+/// `what: err`, for `map_err` on lapin's results.
+pub fn failed(what: &'static str) -> impl Fn(lapin::Error) -> String {
+    move |err| format!("{what}: {err}")
+}
+
 /// Connects, sets `basic.qos(prefetch)` and starts consuming `queue` (with `no_ack` if asked).
 pub async fn open(
     url: &str,
@@ -52,15 +57,17 @@ pub async fn open(
     prefetch: u16,
     no_ack: bool,
 ) -> Result<(Connection, Channel, lapin::Consumer), String> {
-    let e = |what: &'static str| move |err: lapin::Error| format!("{what}: {err}");
     let connection = Connection::connect(url, ConnectionProperties::default())
         .await
-        .map_err(e("connect"))?;
-    let channel = connection.create_channel().await.map_err(e("channel"))?;
+        .map_err(failed("connect"))?;
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(failed("channel"))?;
     channel
         .basic_qos(prefetch, BasicQosOptions::default())
         .await
-        .map_err(e("basic.qos"))?;
+        .map_err(failed("basic.qos"))?;
     let options = BasicConsumeOptions {
         no_ack,
         ..BasicConsumeOptions::default()
@@ -68,7 +75,7 @@ pub async fn open(
     let consumer = channel
         .basic_consume(queue.into(), "".into(), options, FieldTable::default())
         .await
-        .map_err(e("basic.consume"))?;
+        .map_err(failed("basic.consume"))?;
     Ok((connection, channel, consumer))
 }
 

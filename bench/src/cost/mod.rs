@@ -25,6 +25,8 @@ use serde::de::DeserializeOwned;
 use tokio::runtime::Runtime;
 
 use crate::args::Common;
+/// The children's lapin errors read as the raw contenders' do.
+pub(crate) use crate::raw::failed;
 use crate::{broker_url, fresh_topology, median, publish};
 
 /// Prefetch of the per-message cost runs (and concurrency of Lily's consumer).
@@ -73,11 +75,6 @@ pub fn runtime(multi_thread: bool) -> Runtime {
         tokio::runtime::Builder::new_current_thread()
     };
     builder.enable_all().build().expect("tokio runtime")
-}
-
-/// `what: err`, for `map_err` on lapin's results.
-fn failed(what: &'static str) -> impl Fn(lapin::Error) -> String {
-    move |err| format!("{what}: {err}")
 }
 
 /// Ends a raw consumer: a `basic.qos` round trip proves the broker processed the ACKs (Lily does
