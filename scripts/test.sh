@@ -8,13 +8,16 @@
 # three-node 3.10 cluster, a three-member MongoDB replica set and the test's process on hosts in
 # network namespaces of their own (scripts/partition.sh, root). It also packages the
 # crates meant for the registry and builds and runs an application outside the workspace
-# against those packages (outside/, tests/outside.rs).
+# against those packages (outside/, tests/outside.rs). Last, the CPU regression gate
+# (scripts/regress.sh) and a short fuzzing run of each target.
 #
 #   LILY_TEST_VERSIONS="3.10"   run against one version only (a quicker loop; CI runs both)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 command -v cargo >/dev/null || { echo "lily: cargo not found; install Rust with rustup" >&2; exit 1; }
+# Each phase's start, in minutes since the run began: where a slow run spent its time.
+phase() { printf 'lily: [%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*" >&2; }
 if command -v rustup >/dev/null; then
   rustup component add rustfmt clippy >/dev/null 2>&1 || true
 fi
@@ -92,7 +95,8 @@ start_servers() (
 # The partition tests' hosts: a three-node RabbitMQ 3.10 cluster, a three-member replica set and
 # the test's process in network namespaces of their own (scripts/partition.sh; root).
 PARTITION_DIR="$PWD/target/lily-test-partition"
-trap 'for v in $VERSIONS; do stop_servers "$v"; done; scripts/partition.sh down "$PARTITION_DIR" || true' EXIT
+REGRESS_BUILD=""
+trap 'for v in $VERSIONS; do stop_servers "$v"; done; scripts/partition.sh down "$PARTITION_DIR" || true; [ -z "$REGRESS_BUILD" ] || kill "$REGRESS_BUILD" 2>/dev/null || true' EXIT
 for v in $VERSIONS; do
   stop_servers "$v"
   rm -rf "$(dir_of "$v")"
@@ -101,6 +105,7 @@ done
 rm -rf "$TLS_DIR"
 # nftables, the 3.10 broker and mongod for the partition hosts, before the servers below start
 # (apt takes one installer at a time).
+phase "installing and starting the servers"
 scripts/partition.sh install
 # A throwaway local CA for the brokers' and mongod's TLS listeners.
 scripts/tls.sh "$TLS_DIR"
@@ -137,6 +142,7 @@ for v in $VERSIONS; do
 done
 unset LILY_MONGOD_AUTH LILY_MONGOD_TLS_DIR LILY_MONGOD_TXN_LIFETIME_S
 
+phase "fmt, clippy, docs and the book"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # The transport alone, without the features the workspace turns on (otel, testing, health).
@@ -145,6 +151,7 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --quie
 # The guide (docs/, an mdBook). Its code samples are a workspace member, docs/samples, built
 # by clippy above and tested with the rest.
 scripts/book.sh
+phase "the facade's features, the packages and the test build"
 # The facade builds with no feature, each feature alone, and all of them.
 for feature in "" health mongo testing otel logging "health mongo testing otel logging"; do
   cargo check -p lily-mq --quiet --no-default-features --features "$feature"
@@ -173,6 +180,7 @@ for v in $VERSIONS; do
   grep '^lily: ' "target/lily-test-start-$v.log" >&2 || true
 done
 
+phase "the tests on RabbitMQ ${VERSIONS// / and }"
 # The first version runs everything; each other version, side by side with it, runs every
 # integration test (the broker-facing ones; the unit tests and doctests need no broker).
 first=${VERSIONS%% *}
@@ -196,6 +204,10 @@ for v in "${!RUNNING[@]}"; do
 done
 [ "$status" -eq 0 ] || exit "$status"
 
+phase "the partition tests"
+# Meanwhile the CPU regression gate builds, on what the partition tests leave idle.
+nice -n 19 cargo build --profile gate --quiet --locked -p lily-mq-regress >target/lily-regress-build.log 2>&1 &
+REGRESS_BUILD=$!
 # Partitions (about 5 minutes, on RabbitMQ 3.10 and mongod 6.0 with lowered timers: net_ticktime
 # 10 s, the broker's heartbeat 5 s, electionTimeoutMillis 1 s): the cluster, the replica set and
 # Lily cut apart on purpose, every confirmed order checked by id. The long runs, with the
@@ -209,4 +221,16 @@ LILY_PARTITION_DIR="$PARTITION_DIR" cargo test -p lily-mq-e2e --test partition -
 
 # A short coverage-guided fuzzing run of each target (cargo-afl, installed when missing): the
 # seed corpora replay as regression tests, then AFL++ explores; any crash fails the suite.
+# The CPU regression gate (about a minute): Lily's instructions, CPU time and context switches
+# a message over a hand-written lapin consumer, against regress/baseline.json.
+phase "the CPU regression gate"
+if ! wait "$REGRESS_BUILD"; then
+  echo "lily: the CPU regression gate did not build:" >&2
+  cat target/lily-regress-build.log >&2
+  exit 1
+fi
+scripts/regress.sh
+
+phase "fuzzing"
 scripts/fuzz.sh "${LILY_FUZZ_SECONDS:-15}"
+phase "done"

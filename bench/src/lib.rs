@@ -25,7 +25,7 @@ use lapin::{Connection, ConnectionProperties};
 use lily::prelude::{QueueKind, TopologyMode};
 use lily::publish::{Destination, Outgoing, Publisher};
 use lily::topology::Topology;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 /// The broker named by `LILY_AMQP_URL` (set by `scripts/bench.sh`).
 ///
@@ -36,28 +36,12 @@ pub fn broker_url() -> String {
         .expect("LILY_AMQP_URL is unset: run the benchmarks through scripts/bench.sh")
 }
 
-/// The payload every benchmark message carries: a 512-byte JSON order.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Order {
-    pub order_id: String,
-    pub sku: String,
-    pub quantity: u32,
-    pub note: String,
-}
+/// The payload every benchmark message carries: a 512-byte JSON order (the regression gate's).
+pub use lily_mq_regress::consume::Order;
 
 /// A 512-byte JSON body.
 pub fn body_512() -> Vec<u8> {
-    let mut order = Order {
-        order_id: "order-000000001".into(),
-        sku: "SKU-42".into(),
-        quantity: 3,
-        note: String::new(),
-    };
-    let base = serde_json::to_vec(&order).expect("json").len();
-    order.note = "x".repeat(512 - base);
-    let body = serde_json::to_vec(&order).expect("json");
-    assert_eq!(body.len(), 512);
-    body
+    Order::body()
 }
 
 /// Queue type as text for reports.

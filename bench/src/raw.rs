@@ -9,13 +9,11 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
-    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+    BasicAckOptions, BasicCancelOptions, BasicNackOptions, BasicPublishOptions,
+    ConfirmSelectOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{
-    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, PublisherConfirm,
-};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, PublisherConfirm};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -45,39 +43,9 @@ pub enum Settle {
     NoAck,
 }
 
-/// `what: err`, for `map_err` on lapin's results.
-pub fn failed(what: &'static str) -> impl Fn(lapin::Error) -> String {
-    move |err| format!("{what}: {err}")
-}
-
-/// Connects, sets `basic.qos(prefetch)` and starts consuming `queue` (with `no_ack` if asked).
-pub async fn open(
-    url: &str,
-    queue: &str,
-    prefetch: u16,
-    no_ack: bool,
-) -> Result<(Connection, Channel, lapin::Consumer), String> {
-    let connection = Connection::connect(url, ConnectionProperties::default())
-        .await
-        .map_err(failed("connect"))?;
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(failed("channel"))?;
-    channel
-        .basic_qos(prefetch, BasicQosOptions::default())
-        .await
-        .map_err(failed("basic.qos"))?;
-    let options = BasicConsumeOptions {
-        no_ack,
-        ..BasicConsumeOptions::default()
-    };
-    let consumer = channel
-        .basic_consume(queue.into(), "".into(), options, FieldTable::default())
-        .await
-        .map_err(failed("basic.consume"))?;
-    Ok((connection, channel, consumer))
-}
+/// `what: err`, and the connect-qos-consume opening, shared with the regression gate's
+/// hand-written consumer.
+pub use lily_mq_regress::consume::{failed, open};
 
 /// A channel in confirm mode on `connection`.
 ///

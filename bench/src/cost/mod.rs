@@ -30,7 +30,7 @@ pub(crate) use crate::raw::failed;
 use crate::{broker_url, fresh_topology, median, publish};
 
 /// Prefetch of the per-message cost runs (and concurrency of Lily's consumer).
-pub const PREFETCH: u16 = 50;
+pub const PREFETCH: u16 = lily_mq_regress::consume::PREFETCH;
 /// Messages of the long and the short (subtracted) native runs.
 const N: [usize; 2] = [20_000, 2_000];
 /// The same under valgrind, and quick.

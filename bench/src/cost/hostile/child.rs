@@ -19,10 +19,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::messages::{Class, KIND, Load, index};
 use super::{N, PREFETCH, limits, policy};
-use crate::cost::consume::queue_ack;
 use crate::cost::memory::{Mem, announce, idle, wait_for};
 use crate::cost::{Contender, close_raw, failed};
 use crate::run::Lily;
+use lily_mq_regress::consume::queue_ack;
 
 /// What the child reports.
 #[derive(Debug, Serialize, Deserialize)]
