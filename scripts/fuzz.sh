@@ -14,7 +14,9 @@
 # Replay one with the instrumented binary: target/fuzz/release/<target> < <path>. Hangs are
 # reported, not failed on: on a loaded machine AFL++ may count a slow run as one.
 #
-# Environment: FUZZ_NICE (nice level of the fuzzer, default 0).
+# Environment: FUZZ_NICE (nice level of the fuzzer, default 0); FUZZ_BUILD_ONLY=1 stops once
+# cargo-afl, AFL++ and the targets are built (the test command builds them while its partition
+# tests run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -56,6 +58,7 @@ build_args=()
 for t in "${TARGETS[@]}"; do build_args+=(--bin "$t"); done
 echo "fuzz: building ${TARGETS[*]} (cargo afl build --release)"
 (cd fuzz && cargo afl build --release --locked "${build_args[@]}")
+[ "${FUZZ_BUILD_ONLY:-0}" = 1 ] && exit 0
 
 # Headless, time-bounded, and indifferent to the machine: a core_pattern that pipes to a
 # handler, a CPU governor, cores busy with other work, running as root.

@@ -95,8 +95,8 @@ start_servers() (
 # The partition tests' hosts: a three-node RabbitMQ 3.10 cluster, a three-member replica set and
 # the test's process in network namespaces of their own (scripts/partition.sh; root).
 PARTITION_DIR="$PWD/target/lily-test-partition"
-REGRESS_BUILD=""
-trap 'for v in $VERSIONS; do stop_servers "$v"; done; scripts/partition.sh down "$PARTITION_DIR" || true; [ -z "$REGRESS_BUILD" ] || kill "$REGRESS_BUILD" 2>/dev/null || true' EXIT
+BUILDS=""
+trap 'for v in $VERSIONS; do stop_servers "$v"; done; scripts/partition.sh down "$PARTITION_DIR" || true; [ -z "$BUILDS" ] || kill "$BUILDS" 2>/dev/null || true' EXIT
 for v in $VERSIONS; do
   stop_servers "$v"
   rm -rf "$(dir_of "$v")"
@@ -205,9 +205,11 @@ done
 [ "$status" -eq 0 ] || exit "$status"
 
 phase "the partition tests"
-# Meanwhile the CPU regression gate builds, on what the partition tests leave idle.
-nice -n 19 cargo build --profile gate --quiet --locked -p lily-mq-regress >target/lily-regress-build.log 2>&1 &
-REGRESS_BUILD=$!
+# Meanwhile, on the cores the partition tests leave idle, the CPU regression gate builds, then
+# cargo-afl, AFL++ and the fuzzing targets.
+(nice -n 19 cargo build --profile gate --quiet --locked -p lily-mq-regress &&
+  FUZZ_BUILD_ONLY=1 FUZZ_NICE=19 nice -n 19 scripts/fuzz.sh) >target/lily-test-builds.log 2>&1 &
+BUILDS=$!
 # Partitions (about 5 minutes, on RabbitMQ 3.10 and mongod 6.0 with lowered timers: net_ticktime
 # 10 s, the broker's heartbeat 5 s, electionTimeoutMillis 1 s): the cluster, the replica set and
 # Lily cut apart on purpose, every confirmed order checked by id. The long runs, with the
@@ -217,18 +219,21 @@ if ! wait "$PARTITION_HOSTS"; then
   cat target/lily-test-partition.log >&2
   exit 1
 fi
-LILY_PARTITION_DIR="$PARTITION_DIR" cargo test -p lily-mq-e2e --test partition -- --ignored
+# Selected from the whole workspace, so that it links against the build above: `-p` would
+# resolve other features and build its dependencies again.
+LILY_PARTITION_DIR="$PARTITION_DIR" cargo test --workspace --test partition -- --ignored
 
 # A short coverage-guided fuzzing run of each target (cargo-afl, installed when missing): the
 # seed corpora replay as regression tests, then AFL++ explores; any crash fails the suite.
 # The CPU regression gate (about a minute): Lily's instructions, CPU time and context switches
 # a message over a hand-written lapin consumer, against regress/baseline.json.
 phase "the CPU regression gate"
-if ! wait "$REGRESS_BUILD"; then
-  echo "lily: the CPU regression gate did not build:" >&2
-  cat target/lily-regress-build.log >&2
+if ! wait "$BUILDS"; then
+  echo "lily: the CPU regression gate or the fuzzing targets did not build:" >&2
+  tail -n 60 target/lily-test-builds.log >&2
   exit 1
 fi
+BUILDS=""
 scripts/regress.sh
 
 phase "fuzzing"

@@ -2,12 +2,14 @@
 """Where Lily's layer goes, instruction by instruction.
 
 Reads the four profiles `lily-bench cost --only instructions` leaves in a directory when
-`LILY_BENCH_CALLGRIND_DIR` names it (raw and Lily, a long and a short run each), and prints each
+`LILY_BENCH_CALLGRIND_DIR` names it, or the regression gate's with `lily-regress
+--callgrind-dir DIR` (raw and Lily, a long and a short run each), and prints each
 part of the program's instructions a message, raw against Lily, largest difference first: the
 short run is subtracted from the long one, so the start and the close cancel out.
 
     LILY_BENCH_CALLGRIND_DIR=/tmp/cg scripts/bench.sh cost --quick --only instructions
     bench/tools/callgrind_layers.py /tmp/cg
+    scripts/regress.sh --rounds 1 --callgrind-dir /tmp/gate; bench/tools/callgrind_layers.py /tmp/gate
 
 Each function's own instructions (not those of what it calls) count once, in the first part
 whose pattern matches its name.
@@ -37,7 +39,7 @@ PARTS = [
     ("tokio", r"tokio::"),
     ("serde", r"serde"),
     ("futures, event-listener", r"futures|event_listener|core::future"),
-    ("the benchmark's own code", r"lily_mq_bench"),
+    ("the benchmark's own code", r"lily_mq_bench|lily_mq_regress"),
 ]
 LINE = re.compile(r"\s*([\d,]+) \([ \d.]+%\)\s+(.*)$")
 
@@ -68,8 +70,9 @@ def main(directory):
     runs = {}
     for profile in pathlib.Path(directory).glob("callgrind.*[0-9]"):
         command = next(l for l in profile.open() if l.startswith("cmd:")).split()
-        if "run" in command:
-            who, n = command[command.index("run") + 1 : command.index("run") + 3]
+        verb = next((v for v in ("run", "consume") if v in command), None)
+        if verb:
+            who, n = command[command.index(verb) + 1 : command.index(verb) + 3]
             runs[(who, int(n))] = functions(profile)
     per_message = {}
     for who in ("raw", "lily"):

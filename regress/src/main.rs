@@ -45,8 +45,12 @@ struct Cli {
     #[arg(long, conflicts_with = "record")]
     aa: bool,
     /// Interleaved rounds of the `perf stat` runs.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 7)]
     rounds: usize,
+    /// Keep each callgrind profile as `DIR/callgrind.<pid>`, for
+    /// `bench/tools/callgrind_layers.py DIR` (where Lily's layer goes, part by part).
+    #[arg(long, value_name = "DIR")]
+    callgrind_dir: Option<PathBuf>,
     /// The baseline file.
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/baseline.json"))]
     baseline: PathBuf,
@@ -149,11 +153,82 @@ fn main() -> ExitCode {
 }
 
 /// Measures, compares with (or records) the baseline; whether every figure is within its limit.
+/// A figure over its limit is measured once more, and fails the gate only if it is over again:
+/// a shared machine can slow one measurement as a whole, never two in a row by chance alike.
 fn gate(cli: &Cli) -> Result<bool, String> {
     let text = std::fs::read_to_string(&cli.baseline)
         .map_err(|err| format!("{}: {err}", cli.baseline.display()))?;
     let mut baseline: Baseline =
         serde_json::from_str(&text).map_err(|err| format!("{}: {err}", cli.baseline.display()))?;
+    let mut over = [true; 3];
+    for attempt in 0..2 {
+        let started = Instant::now();
+        let figures = measure(cli)?;
+        println!(
+            "lily-regress: what Lily adds a message over a hand-written lapin consumer, on a \
+             scripted peer (prefetch {}; {} s)",
+            consume::PREFETCH,
+            started.elapsed().as_secs()
+        );
+        println!(
+            "{:<18} {:>10} {:>10} {:>10} {:>20} {:>10} {:>10}",
+            "a message", "raw", "Lily", "layer", "(rounds' range)", "baseline", "limit"
+        );
+        let gated = [
+            &mut baseline.instructions,
+            &mut baseline.task_clock_ns,
+            &mut baseline.context_switches,
+        ];
+        for ((measured, gated), over) in figures.iter().zip(gated).zip(&mut over) {
+            let layer = measured.layer();
+            let limit = gated.layer + gated.threshold;
+            *over &= !cli.record && layer > limit;
+            let verdict = match (cli.record, *over) {
+                (true, _) => "recorded",
+                (false, true) => "OVER",
+                (false, false) => "ok",
+            };
+            if cli.record {
+                gated.layer = layer;
+            }
+            let (low, high) = range(&measured.round_layers());
+            println!(
+                "{:<18} {:>10.2} {:>10.2} {:>10.2} {:>20} {:>10.2} {:>10.2}  {verdict}",
+                measured.name,
+                measured.per_message(0),
+                measured.per_message(1),
+                layer,
+                format!("{low:.2}–{high:.2}"),
+                gated.layer,
+                limit,
+            );
+        }
+        if !over.contains(&true) {
+            break;
+        }
+        if attempt == 0 {
+            println!("lily-regress: over its limit; measuring once more before failing");
+        }
+    }
+    if cli.record {
+        write_baseline(&cli.baseline, &baseline)?;
+        println!(
+            "lily-regress: baselines written to {}",
+            cli.baseline.display()
+        );
+    } else if over.contains(&true) {
+        println!(
+            "lily-regress: Lily's layer grew past its limit twice. Find what a message now costs \
+             more (docs/src/performance.md, \"Where Lily's layer goes\"), or, if the cost is \
+             meant, record a new baseline with `scripts/regress.sh --record` and say why in \
+             CHANGELOG.md."
+        );
+    }
+    Ok(!over.contains(&true))
+}
+
+/// One measurement of the three figures: instructions, task-clock, context switches.
+fn measure(cli: &Cli) -> Result<[Measured; 3], String> {
     let peers = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -183,16 +258,16 @@ fn gate(cli: &Cli) -> Result<bool, String> {
         Ok(stderr)
     };
 
-    let started = Instant::now();
     let measured = if cli.aa { Who::Raw } else { Who::Lily };
     let mut instructions = Measured::new("instructions", CALLGRIND_N);
     for (first, who) in [(true, Who::Raw), (false, measured)] {
+        let out = cli.callgrind_dir.as_ref().map_or_else(
+            || "/dev/null".to_owned(),
+            |dir| format!("{}/callgrind.%p", dir.display()),
+        );
+        let out = format!("--callgrind-out-file={out}");
         let [big, small] = CALLGRIND_N.map(|n| {
-            let callgrind = [
-                "valgrind",
-                "--tool=callgrind",
-                "--callgrind-out-file=/dev/null",
-            ];
+            let callgrind = ["valgrind", "--tool=callgrind", &out];
             run(&callgrind, who, n).and_then(|stderr| collected(&stderr))
         });
         instructions.push(first, [big?, small?]);
@@ -228,60 +303,7 @@ fn gate(cli: &Cli) -> Result<bool, String> {
         }
     }
     let _ = std::fs::remove_file(&counts);
-
-    println!(
-        "lily-regress: what Lily adds a message over a hand-written lapin consumer, on a scripted \
-         peer (prefetch {}; {} s)",
-        consume::PREFETCH,
-        started.elapsed().as_secs()
-    );
-    println!(
-        "{:<18} {:>10} {:>10} {:>10} {:>20} {:>10} {:>10}",
-        "a message", "raw", "Lily", "layer", "(rounds' range)", "baseline", "limit"
-    );
-    let mut within = true;
-    for (measured, gated) in [
-        (&instructions, &mut baseline.instructions),
-        (&clock, &mut baseline.task_clock_ns),
-        (&switches, &mut baseline.context_switches),
-    ] {
-        let layer = measured.layer();
-        let limit = gated.layer + gated.threshold;
-        let verdict = if cli.record {
-            gated.layer = layer;
-            "recorded"
-        } else if layer > limit {
-            within = false;
-            "GREW"
-        } else {
-            "ok"
-        };
-        let (low, high) = range(&measured.round_layers());
-        println!(
-            "{:<18} {:>10.2} {:>10.2} {:>10.2} {:>20} {:>10.2} {:>10.2}  {verdict}",
-            measured.name,
-            measured.per_message(0),
-            measured.per_message(1),
-            layer,
-            format!("{low:.2}–{high:.2}"),
-            gated.layer,
-            limit,
-        );
-    }
-    if cli.record {
-        write_baseline(&cli.baseline, &baseline)?;
-        println!(
-            "lily-regress: baselines written to {}",
-            cli.baseline.display()
-        );
-    } else if !within {
-        println!(
-            "lily-regress: Lily's layer grew past its limit. Find what a message now costs more \
-             (docs/performance.md, \"Where Lily's layer goes\"), or, if the cost is meant, record \
-             a new baseline with `scripts/regress.sh --record` and say why in CHANGELOG.md."
-        );
-    }
-    Ok(within)
+    Ok([instructions, clock, switches])
 }
 
 /// Runs a child to its end; its stderr, or why it failed.
