@@ -3,7 +3,8 @@
 # consumer (instructions under valgrind's callgrind; task-clock and context switches from
 # `perf stat`), against the baseline recorded in regress/baseline.json. No broker is needed: a
 # scripted AMQP peer serves the same workload the same way on every run. Installs valgrind and
-# perf (Debian's linux-perf) when missing; builds the gate (the `gate` profile: release without debug info). About a minute once built.
+# perf (Debian's linux-perf) when missing and builds the gate (cargo's `gate` profile: release
+# without debug info). About 20 s once built, twice that when a figure is measured again.
 #
 #   scripts/regress.sh            measure and compare; exits non-zero when a layer grew
 #   scripts/regress.sh --record   measure and write the baselines (say why in CHANGELOG.md)

@@ -223,10 +223,8 @@ fi
 # resolve other features and build its dependencies again.
 LILY_PARTITION_DIR="$PARTITION_DIR" cargo test --workspace --test partition -- --ignored
 
-# A short coverage-guided fuzzing run of each target (cargo-afl, installed when missing): the
-# seed corpora replay as regression tests, then AFL++ explores; any crash fails the suite.
-# The CPU regression gate (about a minute): Lily's instructions, CPU time and context switches
-# a message over a hand-written lapin consumer, against regress/baseline.json.
+# The CPU regression gate (about 20 s): Lily's instructions, CPU time and context switches a
+# message over a hand-written lapin consumer, against regress/baseline.json.
 phase "the CPU regression gate"
 if ! wait "$BUILDS"; then
   echo "lily: the CPU regression gate or the fuzzing targets did not build:" >&2
@@ -236,6 +234,8 @@ fi
 BUILDS=""
 scripts/regress.sh
 
+# A short coverage-guided fuzzing run of each target (cargo-afl, installed when missing): the
+# seed corpora replay as regression tests, then AFL++ explores; any crash fails the suite.
 phase "fuzzing"
 scripts/fuzz.sh "${LILY_FUZZ_SECONDS:-15}"
 phase "done"
