@@ -1,9 +1,9 @@
 //! `lily-regress`: the CPU regression gate of the test command.
 //!
 //! A hand-written lapin consumer and Lily's consumer drain the same fixed workload from a
-//! scripted peer ([`peer`]), each in a child process, and the gate fails when Lily's layer (what
-//! Lily spends a message above the hand-written consumer) has grown past the recorded baseline
-//! by more than that figure's threshold:
+//! scripted peer ([`lily_mq_regress::peer`]), each in a child process, and the gate fails when
+//! Lily's layer (what Lily spends a message above the hand-written consumer) has grown past the
+//! recorded baseline by more than that figure's threshold:
 //!
 //! - instructions a message, every thread of the child, under valgrind's callgrind;
 //! - task-clock and context switches a message, from `perf stat`, from the least count of each
