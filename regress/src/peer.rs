@@ -106,7 +106,7 @@ struct Consuming {
     id: u16,
     tag: String,
     prefetch: u16,
-    /// Delivery tags handed out on this channel, the next one last.
+    /// The last delivery tag handed out on this channel (tags count per channel, from 1).
     next_tag: u64,
     /// Delivery tags not yet settled, ascending.
     unsettled: Vec<u64>,
