@@ -16,6 +16,7 @@
 //! `regress/baseline.json`; `--record` rewrites the baselines (never the thresholds), to be done
 //! on purpose with the reason in the CHANGELOG.
 
+use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -23,6 +24,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use serde::{Deserialize, Serialize};
 
+use lily_mq_regress::collected;
 use lily_mq_regress::consume::{self, Who};
 use lily_mq_regress::peer::Peer;
 
@@ -308,36 +310,38 @@ fn measure(cli: &Cli) -> Result<[Measured; 3], String> {
     Ok([instructions, clock, switches])
 }
 
-/// Runs a child to its end; its stderr, or why it failed.
+/// Runs a child to its end; its stderr, or why it failed. The stderr is read as it comes, so a
+/// child that writes much of it cannot block on a full pipe.
 fn finish(mut command: Command) -> Result<String, String> {
     let mut child = command
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|err| format!("{command:?}: {err}"))?;
+    let mut pipe = child.stderr.take().expect("stderr is piped");
+    let reader = std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = pipe.read_to_end(&mut bytes);
+        String::from_utf8_lossy(&bytes).into_owned()
+    });
     let deadline = Instant::now() + CHILD_LIMIT;
-    while child.try_wait().map_err(|err| err.to_string())?.is_none() {
+    let status = loop {
+        if let Some(status) = child.try_wait().map_err(|err| err.to_string())? {
+            break status;
+        }
         if Instant::now() > deadline {
             let _ = child.kill();
+            let _ = child.wait();
             return Err(format!("{command:?} took over {} s", CHILD_LIMIT.as_secs()));
         }
         std::thread::sleep(Duration::from_millis(20));
-    }
-    let output = child.wait_with_output().map_err(|err| err.to_string())?;
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    if output.status.success() {
+    };
+    let stderr = reader.join().unwrap_or_default();
+    if status.success() {
         Ok(stderr)
     } else {
-        Err(format!("{command:?} failed ({}):\n{stderr}", output.status))
+        Err(format!("{command:?} failed ({status}):\n{stderr}"))
     }
-}
-
-/// The instructions callgrind collected, from its report on stderr.
-fn collected(stderr: &str) -> Result<f64, String> {
-    let total = stderr
-        .lines()
-        .find_map(|l| l.split("Collected :").nth(1)?.trim().parse().ok());
-    total.ok_or_else(|| "no `Collected` line in valgrind's output".into())
 }
 
 /// Task-clock in nanoseconds and context switches, from `perf stat -x,` output at `path`.

@@ -31,8 +31,6 @@ pub struct Tally {
     pub acked: u64,
     /// Deliveries NACKed or rejected.
     pub refused: u64,
-    /// Connections opened, the broker-version probe's among them.
-    pub connections: u64,
 }
 
 /// The backlog every consumer of the peer shares, and what became of it.
@@ -127,7 +125,6 @@ struct Connection {
 async fn serve(mut stream: TcpStream, backlog: Shared) -> io::Result<()> {
     let mut header = [0u8; 8];
     stream.read_exact(&mut header).await?;
-    lock(&backlog).tally.connections += 1;
     let mut out = Vec::with_capacity(1 << 16);
     push(&mut out, 0, AMQPClass::Connection(start()));
     stream.write_all(&out).await?;

@@ -19,6 +19,7 @@ use lapin::options::BasicQosOptions;
 use lapin::{Channel, Connection};
 use lily::consumer::Policy;
 use lily::prelude::QueueKind;
+use lily_mq_regress::collected;
 use rustix::process::{Pid, Signal, kill_process};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -249,14 +250,6 @@ fn run_child<T: DeserializeOwned>(
         .find_map(result);
     let value = value.ok_or_else(|| format!("{shown} printed no RESULT line"))?;
     Ok((value, err))
-}
-
-/// The instructions valgrind's callgrind collected over a child's run, from its stderr.
-fn collected(stderr: &str) -> Result<f64, String> {
-    let total = stderr
-        .lines()
-        .find_map(|l| l.split("Collected :").nth(1)?.trim().parse().ok());
-    total.ok_or_else(|| "no `Collected` line in valgrind's output".into())
 }
 
 /// `(big - small) / (n - n0)`: a run's per-message cost, its fixed costs cancelled.
