@@ -262,6 +262,9 @@ fn measure(cli: &Cli) -> Result<[Measured; 3], String> {
         Ok(stderr)
     };
 
+    if let Some(dir) = &cli.callgrind_dir {
+        std::fs::create_dir_all(dir).map_err(|err| format!("{}: {err}", dir.display()))?;
+    }
     let measured = if cli.aa { Who::Raw } else { Who::Lily };
     let mut instructions = Measured::new("instructions", CALLGRIND_N);
     for (first, who) in [(true, Who::Raw), (false, measured)] {

@@ -449,7 +449,7 @@ fn make_utf8(bytes: &mut [u8]) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(in crate::wire) mod tests {
     use amq_protocol::frame::{AMQPContentHeader, AMQPFrame, WriteContext, gen_frame, parse_frame};
     use amq_protocol::protocol::{AMQPClass, basic, channel};
     use lapin::types::{AMQPValue, FieldArray, FieldTable};
@@ -458,7 +458,7 @@ mod tests {
 
     use super::*;
 
-    fn encode(frames: &[AMQPFrame]) -> Vec<u8> {
+    pub(in crate::wire) fn encode(frames: &[AMQPFrame]) -> Vec<u8> {
         let mut wire = Vec::new();
         for frame in frames {
             wire = gen_frame(frame)(WriteContext::from(wire))
@@ -495,14 +495,14 @@ mod tests {
         ]
     }
 
-    fn message(channel: u16, tag: u64, properties: basic::AMQPProperties) -> Vec<AMQPFrame> {
+    pub(in crate::wire) fn message(channel: u16, tag: u64, properties: basic::AMQPProperties) -> Vec<AMQPFrame> {
         let mut frames = vec![deliver(channel, tag, "orders")];
         frames.extend(header(channel, properties, br#"{"order":1}"#));
         frames
     }
 
     /// Replaces the six bytes of `marker` with bytes that are not UTF-8.
-    fn poison(wire: &mut [u8], marker: &str) {
+    pub(in crate::wire) fn poison(wire: &mut [u8], marker: &str) {
         let at = wire
             .windows(marker.len())
             .position(|w| w == marker.as_bytes())
@@ -513,7 +513,7 @@ mod tests {
 
     /// Runs `wire` through a sanitizer in pieces of `piece` bytes (all at once when 0) and
     /// returns what lapin would read.
-    fn sanitize(wire: &[u8], piece: usize, rewrites: &Rewrites) -> Vec<u8> {
+    pub(in crate::wire) fn sanitize(wire: &[u8], piece: usize, rewrites: &Rewrites) -> Vec<u8> {
         let mut sanitizer = Sanitizer::new(rewrites.clone());
         let mut pending: Vec<u8> = Vec::new();
         let mut out = Vec::new();
@@ -538,7 +538,7 @@ mod tests {
         frames
     }
 
-    fn valid_traffic() -> Vec<AMQPFrame> {
+    pub(in crate::wire) fn valid_traffic() -> Vec<AMQPFrame> {
         let mut headers = FieldTable::default();
         headers.insert("x-café".into(), AMQPValue::LongString("naïve".into()));
         let mut inner = FieldTable::default();

@@ -131,19 +131,28 @@ fn millis(duration: Duration) -> u64 {
 
 /// A connection's stream with a [`Sanitizer`] on what it reads and a deadline on the broker's
 /// silence (twice the negotiated heartbeat, once the connection is open); writes pass through.
+///
+/// Reads go straight into the reader's buffer and are rewritten there: only the start of a
+/// frame still arriving at the end of a read is kept back here, and given first, ahead of the
+/// next read. A frame kept back that outgrows the reader's buffer is gathered here whole.
 #[derive(Debug)]
 pub struct Sanitizing<S> {
     inner: S,
     sanitizer: Sanitizer,
     silence: Silence,
-    /// Read from `inner`: `buf[..filled]`, of which `buf[..released]` is read by lapin and
-    /// `buf[released..ready]` is ready for it.
+    /// Read from `inner` and not yet read by lapin: `buf[start..ready]` is scanned and ready for
+    /// it, `buf[ready..end]` is part of a frame still arriving.
     buf: Vec<u8>,
-    released: usize,
+    start: usize,
     ready: usize,
-    filled: usize,
+    end: usize,
     eof: bool,
 }
+
+/// A frame still arriving is passed on through the reader's buffer while this many of its bytes
+/// are kept back at most; a longer one is gathered here, so that a frame arriving in many small
+/// reads is not copied again on each.
+const KEPT_IN_PASSING: usize = 1024;
 
 impl<S> Sanitizing<S> {
     /// `inner` with a sanitizer on what is read from it, recording into `rewrites`.
@@ -153,9 +162,9 @@ impl<S> Sanitizing<S> {
             sanitizer: Sanitizer::new(rewrites),
             silence: Silence::default(),
             buf: Vec::new(),
-            released: 0,
+            start: 0,
             ready: 0,
-            filled: 0,
+            end: 0,
             eof: false,
         }
     }
@@ -175,38 +184,82 @@ impl<S> Drop for Sanitizing<S> {
 }
 
 impl<S: AsyncRead + Unpin> Sanitizing<S> {
-    /// Reads from `inner` until some bytes are ready (or the stream ended).
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        while self.ready == self.released {
+    /// Fills `out` with bytes ready for lapin: those kept here first, else a read from `inner`
+    /// rewritten in `out` itself.
+    fn poll_sanitized(&mut self, cx: &mut Context<'_>, out: &mut [u8]) -> Poll<io::Result<usize>> {
+        loop {
+            if self.start < self.ready {
+                let n = out.len().min(self.ready - self.start);
+                out[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
+                self.start += n;
+                return Poll::Ready(Ok(n));
+            }
             if self.eof {
                 // A frame cut short by the end passes as it is: lapin sees the same end.
-                self.ready = self.filled;
-                return Poll::Ready(Ok(()));
+                if self.ready == self.end {
+                    return Poll::Ready(Ok(0));
+                }
+                self.ready = self.end;
+                continue;
             }
-            if self.released > 0 {
-                self.buf.copy_within(self.released..self.filled, 0);
-                self.filled -= self.released;
-                self.ready -= self.released;
-                self.released = 0;
+            let kept = self.end - self.start;
+            if kept < out.len() && kept <= KEPT_IN_PASSING {
+                out[..kept].copy_from_slice(&self.buf[self.start..self.end]);
+                let read = Pin::new(&mut self.inner).poll_read(cx, &mut out[kept..]);
+                let Some(n) = std::task::ready!(self.poll_inner(cx, read))? else {
+                    continue;
+                };
+                let filled = kept + n;
+                let ready = self.sanitizer.scan(&mut out[..filled]);
+                let arriving = filled - ready;
+                if self.buf.len() < arriving {
+                    self.buf.resize(arriving.max(KEPT_IN_PASSING), 0);
+                }
+                self.buf[..arriving].copy_from_slice(&out[ready..filled]);
+                (self.start, self.ready, self.end) = (0, 0, arriving);
+                if ready > 0 {
+                    return Poll::Ready(Ok(ready));
+                }
+                continue;
             }
-            if self.buf.len() - self.filled < READ_CHUNK / 4 {
-                let len = (self.filled + READ_CHUNK).max(self.buf.len() * 2);
+            // A long frame still arriving: gathered here until it is whole.
+            if self.start > 0 {
+                self.buf.copy_within(self.start..self.end, 0);
+                (self.ready, self.end) = (self.ready - self.start, self.end - self.start);
+                self.start = 0;
+            }
+            if self.buf.len() - self.end < READ_CHUNK / 4 {
+                let len = (self.end + READ_CHUNK).max(self.buf.len() * 2);
                 self.buf.resize(len, 0);
             }
-            let read = Pin::new(&mut self.inner).poll_read(cx, &mut self.buf[self.filled..]);
-            match read {
-                Poll::Pending => return self.poll_silence(cx),
-                Poll::Ready(Err(err)) => return Poll::Ready(Err(err)),
-                Poll::Ready(Ok(0)) => self.eof = true,
-                Poll::Ready(Ok(n)) => {
-                    self.silence.0.read();
-                    self.filled += n;
-                    let ready = self.ready;
-                    self.ready += self.sanitizer.scan(&mut self.buf[ready..self.filled]);
-                }
+            let read = Pin::new(&mut self.inner).poll_read(cx, &mut self.buf[self.end..]);
+            if let Some(n) = std::task::ready!(self.poll_inner(cx, read))? {
+                self.end += n;
+                let ready = self.ready;
+                self.ready += self.sanitizer.scan(&mut self.buf[ready..self.end]);
             }
         }
-        Poll::Ready(Ok(()))
+    }
+
+    /// What a read from `inner` came to: `Some(n)` bytes; `None` at the end of the stream
+    /// (noted); pending, or a `TimedOut` error once the broker was silent for too long.
+    fn poll_inner(
+        &mut self,
+        cx: &mut Context<'_>,
+        read: Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<Option<usize>>> {
+        match read {
+            Poll::Pending => self.poll_silence(cx).map_ok(|()| None),
+            Poll::Ready(Err(err)) => Poll::Ready(Err(err)),
+            Poll::Ready(Ok(0)) => {
+                self.eof = true;
+                Poll::Ready(Ok(None))
+            }
+            Poll::Ready(Ok(n)) => {
+                self.silence.0.read();
+                Poll::Ready(Ok(Some(n)))
+            }
+        }
     }
 
     /// Nothing to read: pending until the silence's deadline, then a `TimedOut` error, which
@@ -233,29 +286,22 @@ impl<S: AsyncRead + Unpin> AsyncRead for Sanitizing<S> {
         cx: &mut Context<'_>,
         out: &mut [u8],
     ) -> Poll<io::Result<usize>> {
-        self.poll_read_vectored(cx, &mut [IoSliceMut::new(out)])
+        if out.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        self.get_mut().poll_sanitized(cx, out)
     }
 
+    /// Reads into the first buffer that has room only: a frame is scanned where it lies, whole.
     fn poll_read_vectored(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         outs: &mut [IoSliceMut<'_>],
     ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        if outs.iter().all(|out| out.is_empty()) {
-            return Poll::Ready(Ok(0));
+        match outs.iter_mut().find(|out| !out.is_empty()) {
+            Some(out) => self.get_mut().poll_sanitized(cx, out),
+            None => Poll::Ready(Ok(0)),
         }
-        if let Err(err) = std::task::ready!(this.poll_ready(cx)) {
-            return Poll::Ready(Err(err));
-        }
-        let mut copied = 0;
-        for out in outs {
-            let n = out.len().min(this.ready - this.released);
-            out[..n].copy_from_slice(&this.buf[this.released..this.released + n]);
-            this.released += n;
-            copied += n;
-        }
-        Poll::Ready(Ok(copied))
     }
 }
 
@@ -341,7 +387,91 @@ impl Reactor for Wire {
 
 #[cfg(test)]
 mod tests {
+    use amq_protocol::protocol::basic::AMQPProperties;
+    use lapin::types::{AMQPValue, FieldTable};
+
+    use super::super::sanitizer::tests::{encode, message, poison, sanitize, valid_traffic};
     use super::*;
+
+    /// A broker whose bytes arrive in reads of `sizes`, in turn.
+    struct Trickle {
+        wire: Vec<u8>,
+        sizes: Vec<usize>,
+        reads: usize,
+    }
+
+    impl AsyncRead for Trickle {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            out: &mut [u8],
+        ) -> Poll<io::Result<usize>> {
+            let size = self.sizes[self.reads % self.sizes.len()];
+            let n = size.min(out.len()).min(self.wire.len());
+            out[..n].copy_from_slice(&self.wire[..n]);
+            self.wire.drain(..n);
+            self.reads += 1;
+            Poll::Ready(Ok(n))
+        }
+    }
+
+    /// What lapin reads from `wire` arriving in reads of `sizes`, when it reads into a buffer
+    /// of `room` bytes at a time, offered (as lapin's ring buffer does) after an empty slice.
+    fn read_through(wire: &[u8], sizes: &[usize], room: usize) -> Vec<u8> {
+        let broker = Trickle {
+            wire: wire.to_vec(),
+            sizes: sizes.to_vec(),
+            reads: 0,
+        };
+        let mut stream = Sanitizing::new(broker, Rewrites::default());
+        let mut cx = Context::from_waker(Waker::noop());
+        let (mut read, mut room) = (Vec::new(), vec![0; room]);
+        loop {
+            let outs = &mut [IoSliceMut::new(&mut []), IoSliceMut::new(&mut room)];
+            match Pin::new(&mut stream).poll_read_vectored(&mut cx, outs) {
+                Poll::Ready(Ok(0)) => return read,
+                Poll::Ready(Ok(n)) => read.extend_from_slice(&room[..n]),
+                other => panic!("a read from a broker that always has bytes: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn what_lapin_reads_is_the_rewritten_stream_however_reads_and_room_fall() {
+        let mut long = FieldTable::default();
+        long.insert("note".into(), AMQPValue::LongString("#BAD3#".repeat(900).into()));
+        let mut frames = valid_traffic();
+        frames.extend(message(
+            5,
+            2,
+            AMQPProperties::default().with_message_id("#BAD1#".into()),
+        ));
+        frames.extend(message(5, 3, AMQPProperties::default().with_headers(long)));
+        frames.extend(valid_traffic());
+        let mut wire = encode(&frames);
+        for marker in ["#BAD1#", "#BAD3#"] {
+            poison(&mut wire, marker);
+        }
+        let rewritten = sanitize(&wire, 0, &Rewrites::default());
+        assert_ne!(rewritten, wire, "the stream holds frames to rewrite");
+        for sizes in [&[1][..], &[3, 7], &[13, 64], &[4096], &[100_000]] {
+            for room in [1, 8, 100, 2000, 8192, 1 << 20] {
+                assert!(
+                    read_through(&wire, sizes, room) == rewritten,
+                    "reads of {sizes:?}, room for {room}: not the rewritten stream"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_frame_cut_short_by_the_end_passes_as_it_is() {
+        let wire = encode(&valid_traffic());
+        let cut = &wire[..wire.len() - 5];
+        for room in [3, 4096] {
+            assert!(read_through(cut, &[64], room) == cut, "room for {room}");
+        }
+    }
 
     /// A broker that never sends a byte.
     struct Quiet;
