@@ -193,7 +193,8 @@ fn gate(cli: &Cli) -> Result<bool, String> {
                 (false, false) => "ok",
             };
             if cli.record {
-                gated.layer = layer;
+                // Hundredths: finer is noise.
+                gated.layer = (layer * 100.0).round() / 100.0;
             }
             let (low, high) = range(&measured.round_layers());
             println!(
