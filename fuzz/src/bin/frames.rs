@@ -10,10 +10,17 @@
 //!   and unchanged in the output;
 //! - rewriting is idempotent: the output, rewritten again, is unchanged;
 //! - valid input passes unchanged: when amq-protocol's own parser reads the whole input, the
-//!   only bytes rewritten are tables or arrays nested past the cap, turned into byte arrays.
+//!   only bytes rewritten are tables or arrays nested past the cap, turned into byte arrays;
+//! - the stream lapin reads (`Sanitizing`, which rewrites in the reader's own buffer and keeps
+//!   back a frame still arriving) gives the same bytes, the broker's reads and the reader's room
+//!   both of sizes the first byte chooses.
+
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
 
 use amq_protocol::frame::parse_frame;
-use lily_mq_rabbit::testing::{Rewrites, Sanitizer};
+use futures_io::AsyncRead;
+use lily_mq_rabbit::testing::{Rewrites, Sanitizer, Sanitizing};
 
 fn main() {
     lily_mq_fuzz::run(check);
@@ -42,6 +49,51 @@ fn rewrite(stream: &[u8], pattern: u8) -> Vec<u8> {
     }
     // The stream ended: what is left is a frame cut short, passed as it is.
     out.extend(pending);
+    out
+}
+
+/// A broker whose bytes arrive in reads of `sizes`, in turn.
+struct Broker {
+    rest: Vec<u8>,
+    sizes: [usize; 2],
+    reads: usize,
+}
+
+impl AsyncRead for Broker {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+        out: &mut [u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let size = self.sizes[self.reads % 2];
+        let n = size.min(out.len()).min(self.rest.len());
+        out[..n].copy_from_slice(&self.rest[..n]);
+        self.rest.drain(..n);
+        self.reads += 1;
+        Poll::Ready(Ok(n))
+    }
+}
+
+/// What lapin reads through a `Sanitizing` stream from `stream`, which arrives in reads of
+/// sizes from `pattern`, when its room for each read is of other sizes from `pattern`.
+fn read_through(stream: &[u8], pattern: u8) -> Vec<u8> {
+    let broker = Broker {
+        rest: stream.to_vec(),
+        sizes: [usize::from(pattern & 0x0f) * 5 + 1, 4096],
+        reads: 0,
+    };
+    let rooms = [usize::from(pattern >> 4) * 3 + 1, 64 * 1024];
+    let mut sanitizing = Sanitizing::new(broker, Rewrites::default());
+    let mut cx = Context::from_waker(Waker::noop());
+    let (mut out, mut room) = (Vec::new(), vec![0; rooms[1]]);
+    for turn in 0.. {
+        let room = &mut room[..rooms[turn % 2]];
+        match Pin::new(&mut sanitizing).poll_read(&mut cx, room) {
+            Poll::Ready(Ok(0)) => break,
+            Poll::Ready(Ok(n)) => out.extend_from_slice(&room[..n]),
+            other => panic!("a read from a broker that always has bytes: {other:?}"),
+        }
+    }
     out
 }
 
@@ -87,6 +139,10 @@ fn check(data: &[u8]) {
         rewrite(&out, pattern),
         out,
         "a second rewrite changed the output"
+    );
+    assert!(
+        read_through(stream, pattern) == out,
+        "what lapin reads is not the rewritten stream"
     );
 
     let mut rest = stream;
