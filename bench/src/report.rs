@@ -88,12 +88,20 @@ pub fn spread(runs: &[f64]) -> String {
     format!(" [{lo:.3}–{hi:.3}]")
 }
 
-/// `(≥ 1.00 ok)` or `(≥ 1.00 MISS)` for `value` against `target`.
-fn verdict(value: f64, target: Option<f64>) -> String {
-    match target {
-        Some(t) if value >= t => format!(" (≥ {t:.2} ok)"),
-        Some(t) => format!(" (≥ {t:.2} MISS)"),
-        None => String::new(),
+/// ` (≥ 1.00 met)`, ` (≥ 1.00 MISSED)` or ` (≥ 1.00: fewer than 5 reps)` for a ratio against
+/// `target` judged `met` by [`throughput::meets`]; `floor` for `≥`, else `≤`.
+fn verdict(target: Option<f64>, met: Option<bool>, floor: bool) -> String {
+    let Some(t) = target else {
+        return String::new();
+    };
+    let sign = if floor { '≥' } else { '≤' };
+    match met {
+        Some(true) => format!(" ({sign} {t:.2} met)"),
+        Some(false) => format!(" ({sign} {t:.2} MISSED)"),
+        None => format!(
+            " ({sign} {t:.2}: fewer than {} reps)",
+            throughput::RULE_REPS
+        ),
     }
 }
 
@@ -131,8 +139,10 @@ fn subtitle(meta: &Meta, what: &str) -> String {
 pub fn throughput(r: &throughput::Results) -> String {
     use throughput::{Contender, Path};
     let conditions = format!(
-        "{} messages a run, persistent; {} repetition(s), contenders taking turns run by run, in reverse order every other repetition; medians, [lowest–highest] of the repetitions' ratios",
-        r.messages_per_run, r.repetitions
+        "{} messages a run, persistent; {} repetition(s), contenders taking turns run by run, in reverse order every other repetition; medians, [lowest–highest] of the repetitions' ratios; a target is met when, over at least {} repetitions, the median is within 3 % of it and the range reaches it; raw-batch again / raw-batch is the A/A ratio of the same run",
+        r.messages_per_run,
+        r.repetitions,
+        throughput::RULE_REPS
     );
     let mut out = opening("Throughput", &r.meta, &conditions);
     for path in [Path::Success, Path::Handoff] {
@@ -144,11 +154,12 @@ pub fn throughput(r: &throughput::Results) -> String {
         let others: Vec<Contender> = who
             .iter()
             .copied()
-            .filter(|&w| w != Contender::Lily)
+            .filter(|&w| !matches!(w, Contender::Lily | Contender::RawBatchAgain))
             .collect();
         if cases.is_empty() {
             continue;
         }
+        let aa = cases.iter().any(|c| c.aa.is_some());
         let head = |units: &[&str], ratios: bool| {
             let mut head = String::from("path|queue|prefetch");
             for unit in units {
@@ -159,6 +170,9 @@ pub fn throughput(r: &throughput::Results) -> String {
                 others
                     .iter()
                     .for_each(|w| head += &format!("|Lily / {}", w.name()));
+            }
+            if aa {
+                head += "|A/A: raw-batch again / raw-batch";
             }
             head
         };
@@ -187,8 +201,8 @@ pub fn throughput(r: &throughput::Results) -> String {
                         runs.map(|x| x.median_msgs_per_sec)
                     })
                 });
-                let ratios = others.iter().map(|&w| {
-                    let Some(x) = c.ratio(w) else {
+                let cell = |x: Option<&throughput::Ratio>| {
+                    let Some(x) = x else {
                         return "-".into();
                     };
                     let (value, runs) = if steady {
@@ -198,11 +212,23 @@ pub fn throughput(r: &throughput::Results) -> String {
                     };
                     value.map_or_else(
                         || "-".into(),
-                        |v| format!("{v:.3}{}{}", verdict(v, x.target), spread(runs)),
+                        |v| {
+                            let met = x.target.and_then(|t| throughput::meets(v, runs, t, true));
+                            format!("{v:.3}{}{}", verdict(x.target, met, true), spread(runs))
+                        },
                     )
-                });
+                };
+                let ratios = others.iter().map(|&w| cell(c.ratio(w)));
+                let aa = aa.then(|| cell(c.aa.as_ref()));
                 let flag = (!c.all_runs_complete).then(|| "incomplete runs!".to_owned());
-                table.row(key(c).into_iter().chain(rates).chain(ratios).chain(flag));
+                table.row(
+                    key(c)
+                        .into_iter()
+                        .chain(rates)
+                        .chain(ratios)
+                        .chain(aa)
+                        .chain(flag),
+                );
             }
             out += &table.end();
         }
@@ -211,7 +237,11 @@ pub fn throughput(r: &throughput::Results) -> String {
             "CPU per message, {} path (median µs, connect to close; client = this process, broker = the Erlang VM):\n",
             path.name()
         );
-        let mut table = Table::new(&head(&["client", "broker"], false), 2);
+        let cpu_head = format!(
+            "{}|Lily / raw-batch client|A/A client",
+            head(&["client", "broker"], false)
+        );
+        let mut table = Table::new(&cpu_head, 2);
         for c in &cases {
             let client = who
                 .iter()
@@ -219,7 +249,22 @@ pub fn throughput(r: &throughput::Results) -> String {
             let broker = who
                 .iter()
                 .map(|&w| fixed(c.runs(w).and_then(|x| x.broker_cpu_us_per_msg), 1));
-            table.row(key(c).into_iter().chain(client).chain(broker));
+            let cpu = |x: Option<&throughput::Ratio>, target| {
+                x.and_then(|x| {
+                    let v = x.cpu?;
+                    Some(format!(
+                        "{v:.3}{}{}",
+                        verdict(target, x.cpu_met, false),
+                        spread(&x.cpu_runs)
+                    ))
+                })
+                .unwrap_or_else(|| "-".into())
+            };
+            let ratios = [
+                cpu(c.ratio(Contender::RawBatch), Some(throughput::CPU_TARGET)),
+                cpu(c.aa.as_ref(), None),
+            ];
+            table.row(key(c).into_iter().chain(client).chain(broker).chain(ratios));
         }
         out += &table.end();
     }
@@ -270,6 +315,7 @@ pub fn throughput_chart(r: &throughput::Results) -> String {
         let cases: Vec<_> = r.cases.iter().filter(|c| c.path == path).collect();
         let who: Vec<Contender> = Contender::ALL
             .into_iter()
+            .filter(|&w| w != Contender::RawBatchAgain)
             .filter(|&w| cases.iter().any(|c| c.runs(w).is_some()))
             .collect();
         let names: Vec<&str> = who.iter().map(|w| w.name()).collect();

@@ -42,11 +42,18 @@ impl Path {
                 Contender::RawBatch,
                 Contender::Ceiling,
                 Contender::Lily,
+                Contender::RawBatchAgain,
                 Contender::Raw,
                 Contender::Peer,
             ],
             (Self::Success, true) => &[Contender::RawBatch, Contender::Ceiling, Contender::Lily],
-            (Self::Handoff, _) => &[Contender::RawBatch, Contender::Raw, Contender::Lily],
+            (Self::Handoff, false) => &[
+                Contender::RawBatch,
+                Contender::Raw,
+                Contender::Lily,
+                Contender::RawBatchAgain,
+            ],
+            (Self::Handoff, true) => &[Contender::RawBatch, Contender::Raw, Contender::Lily],
         }
     }
 
@@ -54,7 +61,7 @@ impl Path {
     pub fn runs(self, who: Contender) -> bool {
         match self {
             Self::Success => true,
-            Self::Handoff => matches!(who, Contender::Raw | Contender::RawBatch | Contender::Lily),
+            Self::Handoff => !matches!(who, Contender::Ceiling | Contender::Peer),
         }
     }
 
@@ -66,13 +73,11 @@ impl Path {
         }
     }
 
-    /// What Lily must reach against `over` on this path, if that contender is a bar.
+    /// What Lily must reach against `over` on this path, if that contender is a bar: raw-batch
+    /// only. The no-ack ceiling is the node's reference, not a bar: the broker's settling work
+    /// alone keeps any consumer that settles well below it.
     pub fn target(self, over: Contender) -> Option<f64> {
-        match (self, over) {
-            (_, Contender::RawBatch) => Some(1.0),
-            (Self::Success, Contender::Ceiling) => Some(0.8),
-            _ => None,
-        }
+        (over == Contender::RawBatch).then_some(1.0)
     }
 }
 
@@ -92,12 +97,15 @@ pub enum Contender {
     Lily,
     /// ruststream-lapin.
     Peer,
+    /// Raw-batch again, for the A/A ratio: what two identical contenders give in this run.
+    RawBatchAgain,
 }
 
 impl Contender {
-    pub const ALL: [Self; 5] = [
+    pub const ALL: [Self; 6] = [
         Self::Raw,
         Self::RawBatch,
+        Self::RawBatchAgain,
         Self::Ceiling,
         Self::Lily,
         Self::Peer,
@@ -110,6 +118,7 @@ impl Contender {
             Self::Ceiling => "ceiling (no-ack)",
             Self::Lily => "Lily",
             Self::Peer => "ruststream-lapin",
+            Self::RawBatchAgain => "raw-batch again",
         }
     }
 
@@ -121,7 +130,7 @@ impl Contender {
         use crate::raw::Settle;
         match self {
             Self::Raw => Settle::Each,
-            Self::RawBatch => Settle::Batch,
+            Self::RawBatch | Self::RawBatchAgain => Settle::Batch,
             Self::Ceiling => Settle::NoAck,
             Self::Lily | Self::Peer => unreachable!("{} is not raw lapin", self.name()),
         }
@@ -215,6 +224,7 @@ pub struct Ratio {
     pub over: Contender,
     pub value: f64,
     pub target: Option<f64>,
+    /// By [`meets`]; `None` without a target or with fewer than [`RULE_REPS`] repetitions.
     pub met: Option<bool>,
     /// Lily's rate over the other's in each repetition (the two ran one after the other): the
     /// spread of `value`.
@@ -222,6 +232,61 @@ pub struct Ratio {
     /// The same over the steady rates (from each one's first delivery on), if both have them.
     pub steady: Option<f64>,
     pub steady_runs: Vec<f64>,
+    /// Lily's client CPU a message over the other's: the median of the repetitions' ratios,
+    /// then each repetition's.
+    pub cpu: Option<f64>,
+    pub cpu_runs: Vec<f64>,
+    /// Against raw-batch, by [`meets`]: CPU a message at most [`CPU_TARGET`] times raw-batch's.
+    pub cpu_met: Option<bool>,
+}
+
+impl Ratio {
+    /// `numerator`'s runs over `over`'s, with `target` judged by [`meets`].
+    fn new(numerator: &Runs, over: &Runs, target: Option<f64>, cpu_target: Option<f64>) -> Self {
+        let value = numerator.median_msgs_per_sec / over.median_msgs_per_sec;
+        let runs = paired(&numerator.samples, &over.samples, |s| Some(s.msgs_per_sec));
+        let cpu_runs = paired(&numerator.samples, &over.samples, |s| {
+            s.client_cpu_us_per_msg
+        });
+        let cpu = (!cpu_runs.is_empty()).then(|| median(&mut cpu_runs.clone()));
+        Self {
+            over: over.contender,
+            value,
+            met: target.and_then(|t| meets(value, &runs, t, true)),
+            target,
+            runs,
+            steady: numerator
+                .median_steady_msgs_per_sec
+                .zip(over.median_steady_msgs_per_sec)
+                .map(|(l, o)| l / o),
+            steady_runs: paired(&numerator.samples, &over.samples, |s| s.steady_msgs_per_sec),
+            cpu_met: cpu
+                .zip(cpu_target)
+                .and_then(|(cpu, t)| meets(cpu, &cpu_runs, t, false)),
+            cpu,
+            cpu_runs,
+        }
+    }
+}
+
+/// The fewest repetitions a ratio is judged on.
+pub const RULE_REPS: usize = 5;
+
+/// Lily's client CPU a message, at most, over raw-batch's.
+pub const CPU_TARGET: f64 = 1.10;
+
+/// Whether a ratio meets its target by the project's rule: two identical contenders give a
+/// median at or above 1.0 only half the time, so over at least [`RULE_REPS`] repetitions the
+/// median must be within 3 % of the target and the repetitions' range must reach it. `floor`:
+/// the target is a least value (a rate), else a most (CPU). `None` with fewer repetitions.
+pub fn meets(median: f64, runs: &[f64], target: f64, floor: bool) -> Option<bool> {
+    (runs.len() >= RULE_REPS).then(|| {
+        if floor {
+            median >= target * 0.97 && runs.iter().any(|&r| r >= target)
+        } else {
+            median <= target * 1.03 && runs.iter().any(|&r| r <= target)
+        }
+    })
 }
 
 /// Each repetition's `lily / other` of `rate`, where both have it.
@@ -239,8 +304,10 @@ pub struct CaseResult {
     pub queue_type: &'static str,
     pub prefetch: u16,
     pub runs: Vec<Runs>,
-    /// Lily / each other contender.
+    /// Lily / each other contender (but raw-batch again).
     pub lily_over: Vec<Ratio>,
+    /// Raw-batch again / raw-batch: the A/A ratio, the spread two identical contenders give.
+    pub aa: Option<Ratio>,
     pub all_runs_complete: bool,
 }
 
@@ -281,34 +348,26 @@ impl CaseResult {
             .find(|r| r.contender == Contender::Lily)
             .map(|lily| {
                 runs.iter()
-                    .filter(|r| r.contender != Contender::Lily)
+                    .filter(|r| !matches!(r.contender, Contender::Lily | Contender::RawBatchAgain))
                     .map(|r| {
-                        let value = lily.median_msgs_per_sec / r.median_msgs_per_sec;
-                        let target = path.target(r.contender);
-                        Ratio {
-                            over: r.contender,
-                            value,
-                            target,
-                            met: target.map(|t| value >= t),
-                            runs: paired(&lily.samples, &r.samples, |s| Some(s.msgs_per_sec)),
-                            steady: lily
-                                .median_steady_msgs_per_sec
-                                .zip(r.median_steady_msgs_per_sec)
-                                .map(|(l, o)| l / o),
-                            steady_runs: paired(&lily.samples, &r.samples, |s| {
-                                s.steady_msgs_per_sec
-                            }),
-                        }
+                        let cpu = (r.contender == Contender::RawBatch).then_some(CPU_TARGET);
+                        Ratio::new(lily, r, path.target(r.contender), cpu)
                     })
                     .collect()
             })
             .unwrap_or_default();
+        let aa = runs
+            .iter()
+            .find(|r| r.contender == Contender::RawBatchAgain)
+            .zip(runs.iter().find(|r| r.contender == Contender::RawBatch))
+            .map(|(again, batch)| Ratio::new(again, batch, None, None));
         Self {
             path,
             queue_type,
             prefetch,
             runs,
             lily_over,
+            aa,
             all_runs_complete,
         }
     }

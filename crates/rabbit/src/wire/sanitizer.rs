@@ -495,7 +495,11 @@ pub(in crate::wire) mod tests {
         ]
     }
 
-    pub(in crate::wire) fn message(channel: u16, tag: u64, properties: basic::AMQPProperties) -> Vec<AMQPFrame> {
+    pub(in crate::wire) fn message(
+        channel: u16,
+        tag: u64,
+        properties: basic::AMQPProperties,
+    ) -> Vec<AMQPFrame> {
         let mut frames = vec![deliver(channel, tag, "orders")];
         frames.extend(header(channel, properties, br#"{"order":1}"#));
         frames

@@ -439,7 +439,10 @@ mod tests {
     #[test]
     fn what_lapin_reads_is_the_rewritten_stream_however_reads_and_room_fall() {
         let mut long = FieldTable::default();
-        long.insert("note".into(), AMQPValue::LongString("#BAD3#".repeat(900).into()));
+        long.insert(
+            "note".into(),
+            AMQPValue::LongString("#BAD3#".repeat(900).into()),
+        );
         let mut frames = valid_traffic();
         frames.extend(message(
             5,
