@@ -171,7 +171,7 @@ pub fn throughput(r: &throughput::Results) -> String {
                     .iter()
                     .for_each(|w| head += &format!("|Lily / {}", w.name()));
             }
-            if aa {
+            if ratios && aa {
                 head += "|A/A: raw-batch again / raw-batch";
             }
             head
@@ -261,7 +261,10 @@ pub fn throughput(r: &throughput::Results) -> String {
                 .unwrap_or_else(|| "-".into())
             };
             let ratios = [
-                cpu(c.ratio(Contender::RawBatch), Some(throughput::CPU_TARGET)),
+                cpu(
+                    c.ratio(Contender::RawBatch),
+                    (path == Path::Success).then_some(throughput::CPU_TARGET),
+                ),
                 cpu(c.aa.as_ref(), None),
             ];
             table.row(key(c).into_iter().chain(client).chain(broker).chain(ratios));

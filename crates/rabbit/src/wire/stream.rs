@@ -134,7 +134,8 @@ fn millis(duration: Duration) -> u64 {
 ///
 /// Reads go straight into the reader's buffer and are rewritten there: only the start of a
 /// frame still arriving at the end of a read is kept back here, and given first, ahead of the
-/// next read. A frame kept back that outgrows the reader's buffer is gathered here whole.
+/// next read. A frame kept back that grows past 1 KiB, or past the room the
+/// reader offers, is gathered here whole instead.
 #[derive(Debug)]
 pub struct Sanitizing<S> {
     inner: S,
