@@ -281,6 +281,16 @@ impl Client {
     /// Publishes a JSON message of type `kind` with id `id` to `queue` through Lily's
     /// [`Publisher`] and asserts that it was confirmed.
     pub async fn send(&self, queue: &str, kind: &str, id: &str, body: &[u8]) {
+        let published = self.try_send(queue, kind, id, body).await;
+        assert_eq!(
+            published,
+            Published::Confirmed,
+            "test publish of {id} to {queue}"
+        );
+    }
+
+    /// Publishes as [`Client::send`] does and returns what the broker said.
+    pub async fn try_send(&self, queue: &str, kind: &str, id: &str, body: &[u8]) -> Published {
         let publisher = self
             .publisher
             .get_or_init(|| async {
@@ -291,12 +301,7 @@ impl Client {
             })
             .await;
         let message = Outgoing::bytes(kind, id, "application/json", body.to_vec());
-        let published = publisher.publish(&Destination::queue(queue), message).await;
-        assert_eq!(
-            published,
-            Published::Confirmed,
-            "test publish of {id} to {queue}"
-        );
+        publisher.publish(&Destination::queue(queue), message).await
     }
 
     /// Publishes to `queue` through the default exchange, with exactly `properties`, and waits
