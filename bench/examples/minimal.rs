@@ -21,12 +21,15 @@ use std::time::Instant;
 
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use lily::prelude::QueueKind;
-use lily_mq_bench::{Order, body_512, broker_pid, cpu_secs};
+use lily_mq_bench::raw::next;
+use lily_mq_bench::report::fixed;
+use lily_mq_bench::run::Sample;
+use lily_mq_bench::{CpuMeter, Order};
 
 /// The properties a message of `shape` is published with.
 fn properties(shape: &str, n: u64) -> BasicProperties {
@@ -55,36 +58,24 @@ async fn fill(connection: &Connection, url: &str, queue: &str, shape: &str, n: u
         let delays = lily::consumer::Policy::default().retry_delays;
         lily_mq_bench::fresh_topology(url, queue, QueueKind::Classic, &delays).await;
         let n = usize::try_from(n).expect("a count that fits");
-        lily_mq_bench::publish(url, queue, n, &body_512()).await;
+        lily_mq_bench::publish(url, queue, n).await;
         return;
     }
-    let channel = connection.create_channel().await.expect("channel");
+    let channel = lily_mq_bench::raw::confirm_channel(connection).await;
     let durable = QueueDeclareOptions {
         durable: true,
         ..QueueDeclareOptions::default()
     };
-    channel
-        .queue_declare(queue.into(), durable, FieldTable::default())
-        .await
-        .expect("queue.declare");
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .expect("confirm.select");
-    let body = body_512();
-    let mut sent = 0;
-    while sent < n {
+    let declared = channel.queue_declare(queue.into(), durable, FieldTable::default());
+    declared.await.expect("queue.declare");
+    let body = Order::body();
+    for window in (0..n).collect::<Vec<_>>().chunks(2_000) {
         let mut confirms = Vec::new();
-        for _ in 0..2_000.min(n - sent) {
-            let publish = channel.basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions::default(),
-                &body,
-                properties(shape, sent),
-            );
+        for &i in window {
+            let (options, properties) = (BasicPublishOptions::default(), properties(shape, i));
+            let publish =
+                channel.basic_publish("".into(), queue.into(), options, &body, properties);
             confirms.push(publish.await.expect("publish"));
-            sent += 1;
         }
         for confirm in confirms {
             confirm.await.expect("confirm");
@@ -110,31 +101,24 @@ async fn main() {
     fill(&connection, &url, &queue, &shape, n).await;
 
     let channel = connection.create_channel().await.expect("channel");
-    channel
-        .basic_qos(prefetch, BasicQosOptions::default())
-        .await
-        .expect("basic.qos");
+    let qos = channel.basic_qos(prefetch, BasicQosOptions::default());
+    qos.await.expect("basic.qos");
     let options = BasicConsumeOptions {
         no_ack,
         ..BasicConsumeOptions::default()
     };
-    let mut consumer = channel
-        .basic_consume(
-            queue.as_str().into(),
-            "".into(),
-            options,
-            FieldTable::default(),
-        )
-        .await
-        .expect("basic.consume");
-    let broker = broker_pid();
-    let cpu = || (cpu_secs(None), broker.and_then(|p| cpu_secs(Some(p))));
-    let before = cpu();
-    let started = Instant::now();
+    let consume = channel.basic_consume(
+        queue.as_str().into(),
+        "".into(),
+        options,
+        FieldTable::default(),
+    );
+    let mut consumer = consume.await.expect("basic.consume");
+    let (cpu, started) = (CpuMeter::start(), Instant::now());
     let batch = u64::from((prefetch / 2).max(1));
     let mut count = 0;
     while count < n {
-        let Some(delivery) = lily_mq_bench::raw::next(&mut consumer).await else {
+        let Some(delivery) = next(&mut consumer).await else {
             break;
         };
         let delivery = delivery.expect("a delivery");
@@ -142,31 +126,20 @@ async fn main() {
         std::hint::black_box(order);
         count += 1;
         if !no_ack && (count % batch == 0 || count == n) {
-            let multiple = BasicAckOptions { multiple: true };
-            channel
-                .basic_ack(delivery.delivery_tag, multiple)
-                .await
-                .expect("ack");
+            let ack = channel.basic_ack(delivery.delivery_tag, BasicAckOptions { multiple: true });
+            ack.await.expect("ack");
         }
     }
-    let secs = started.elapsed().as_secs_f64();
-    let after = cpu();
-    #[allow(clippy::cast_precision_loss)]
-    let per = |a: Option<f64>, b: Option<f64>| {
-        a.zip(b).map_or_else(
-            || "-".into(),
-            |(a, b)| format!("{:.1}", (b - a) * 1e6 / count as f64),
-        )
-    };
-    #[allow(clippy::cast_precision_loss)]
-    let rate = count as f64 / secs;
+    let mut run = Sample::new(count, n, started.elapsed());
+    cpu.stop(&mut run);
+    let no_ack = if no_ack { " no-ack" } else { "" };
     println!(
-        "minimal {shape}{}: {count} in {secs:.3} s = {rate:.0} msg/s, cpu µs/msg client {} broker {}",
-        if no_ack { " no-ack" } else { "" },
-        per(before.0, after.0),
-        per(before.1, after.1),
+        "minimal {shape}{no_ack}: {count} in {:.3} s = {:.0} msg/s, cpu µs/msg client {} broker {}",
+        run.secs,
+        run.msgs_per_sec,
+        fixed(run.client_cpu_us_per_msg, 1),
+        fixed(run.broker_cpu_us_per_msg, 1),
     );
-    let _ = channel
-        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-        .await;
+    let delete = channel.queue_delete(queue.as_str().into(), QueueDeleteOptions::default());
+    let _ = delete.await;
 }

@@ -11,7 +11,6 @@ pub mod cluster;
 pub mod cost;
 pub mod latency;
 pub mod mongo;
-pub mod number;
 pub mod raw;
 pub mod report;
 pub mod run;
@@ -39,11 +38,6 @@ pub fn broker_url() -> String {
 /// The payload every benchmark message carries: a 512-byte JSON order (the regression gate's).
 pub use lily_mq_regress::consume::Order;
 
-/// A 512-byte JSON body.
-pub fn body_512() -> Vec<u8> {
-    Order::body()
-}
-
 /// Queue type as text for reports.
 pub fn kind_name(kind: QueueKind) -> &'static str {
     match kind {
@@ -63,11 +57,12 @@ pub async fn fresh_topology(
     kind: QueueKind,
     retry: &[Duration],
 ) -> Topology {
-    let mut tries = 0;
-    loop {
-        tries += 1;
-        match try_fresh_topology(url, queue, kind, retry).await {
-            Ok(topology) => return topology,
+    // As the consumer declares it, with its default delivery limit.
+    let topology = Topology::new(queue, kind, retry)
+        .delivery_limit(lily::consumer::ConsumerConfig::new(queue).delivery_limit);
+    for tries in 1.. {
+        match redeclare(url, &topology).await {
+            Ok(()) => break,
             Err(err) if tries < 5 => {
                 eprintln!("bench: fresh topology for {queue} failed ({err}); retrying");
                 tokio::time::sleep(Duration::from_secs(2)).await;
@@ -75,53 +70,36 @@ pub async fn fresh_topology(
             Err(err) => panic!("declare topology for {queue}: {err}"),
         }
     }
+    topology
 }
 
-async fn try_fresh_topology(
-    url: &str,
-    queue: &str,
-    kind: QueueKind,
-    retry: &[Duration],
-) -> Result<Topology, String> {
-    let connection = Connection::connect(url, ConnectionProperties::default())
-        .await
-        .map_err(|e| format!("connect: {e}"))?;
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(|e| format!("channel: {e}"))?;
-    // As the consumer declares it, with its default delivery limit.
-    let topology = Topology::new(queue, kind, retry)
-        .delivery_limit(lily::consumer::ConsumerConfig::new(queue).delivery_limit);
-    let mut names = vec![
-        queue.to_owned(),
-        topology.dead_letter_queue(),
-        topology.parking_queue(),
-    ];
-    names.extend(topology.buckets().map(|(n, _)| n.to_owned()));
+async fn redeclare(url: &str, topology: &Topology) -> Result<(), Box<dyn std::error::Error>> {
+    let connection = Connection::connect(url, ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    let (dlq, parking) = (topology.dead_letter_queue(), topology.parking_queue());
+    let mut names = vec![topology.queue(), &dlq, &parking];
+    names.extend(topology.buckets().map(|(name, _)| name));
     for name in names {
         let _ = channel
-            .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+            .queue_delete(name.into(), QueueDeleteOptions::default())
             .await;
     }
-    let declared = topology
-        .apply(&channel, TopologyMode::Declare)
-        .await
-        .map_err(|e| format!("declare: {e}"));
+    let declared = topology.apply(&channel, TopologyMode::Declare).await;
     let _ = connection.close(200, "declared".into()).await;
-    declared.map(|_| topology)
+    declared?;
+    Ok(())
 }
 
-/// Publishes `n` persistent copies of `body` (type `order.placed`, a message id each) through
+/// Publishes `n` persistent 512-byte orders (type `order.placed`, a message id each) through
 /// [`Publisher`], in windows of 2 000 publishes in flight.
 ///
 /// # Panics
 /// When a publish is not confirmed.
-pub async fn publish(url: &str, queue: &str, n: usize, body: &[u8]) {
+pub async fn publish(url: &str, queue: &str, n: usize) {
     let publisher = Publisher::connect(url)
         .await
         .expect("connect the publisher");
-    let to = Destination::queue(queue);
+    let (to, body) = (Destination::queue(queue), Order::body());
     for window in (0..n).collect::<Vec<_>>().chunks(2000) {
         let messages = window.iter().map(|i| {
             Outgoing::bytes(
@@ -176,11 +154,7 @@ pub fn median(values: &mut [f64]) -> f64 {
     if n == 0 {
         return f64::NAN;
     }
-    if n % 2 == 1 {
-        values[n / 2]
-    } else {
-        (values[n / 2 - 1] + values[n / 2]) / 2.0
-    }
+    (values[(n - 1) / 2] + values[n / 2]) / 2.0
 }
 
 /// The note every report ends with: where its method is written down.
@@ -212,7 +186,7 @@ impl Meta {
             benchmark,
             broker: broker_version(url),
             broker_url: redact(url),
-            message_bytes: body_512().len(),
+            message_bytes: Order::body().len(),
             cpus: std::thread::available_parallelism().map_or(1, usize::from),
             started_at_unix: now.map_or(0, |d| d.as_secs()),
             lily_revision: revision(),
@@ -235,77 +209,106 @@ impl Meta {
 pub fn broker_version(url: &str) -> String {
     let url = url.to_owned();
     // Asked on a thread of its own: `Meta::new` is called from synchronous and async code.
-    let announced = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .ok()?;
-        runtime
-            .block_on(lily::topology::broker_version(&url, None))
-            .ok()
-            .flatten()
-    })
-    .join()
-    .ok()
-    .flatten();
-    let erts = broker_pid()
-        .and_then(|pid| std::fs::read_link(format!("/proc/{pid}/exe")).ok())
-        .and_then(|exe| {
-            exe.components().find_map(|part| {
-                let part = part.as_os_str().to_string_lossy();
-                part.strip_prefix("erts-").map(str::to_owned)
-            })
-        })
-        .map_or_else(String::new, |v| format!(", erts {v}"));
-    match announced {
-        Some(version) => format!("RabbitMQ {version}{erts}"),
-        None => format!("RabbitMQ (version not announced){erts}"),
+    let asked = std::thread::spawn(move || {
+        let announced = runtime(false).block_on(lily::topology::broker_version(&url, None));
+        announced.ok().flatten()
+    });
+    let version = asked.join().ok().flatten();
+    let version = version.map_or_else(|| "(version not announced)".into(), |v| v.to_string());
+    // The VM's executable is `…/erts-<version>/bin/beam.smp`.
+    let exe = pid_in("LILY_RABBIT_DIR", "rabbit.pid")
+        .and_then(|pid| std::fs::read_link(format!("/proc/{pid}/exe")).ok());
+    let exe = exe
+        .map(|exe| exe.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    match exe.split('/').find_map(|part| part.strip_prefix("erts-")) {
+        Some(erts) => format!("RabbitMQ {version}, erts {erts}"),
+        None => format!("RabbitMQ {version}"),
     }
+}
+
+/// A tokio runtime: current-thread (repeatable counts) or multi-thread.
+pub fn runtime(multi_thread: bool) -> tokio::runtime::Runtime {
+    let mut builder = if multi_thread {
+        tokio::runtime::Builder::new_multi_thread()
+    } else {
+        tokio::runtime::Builder::new_current_thread()
+    };
+    builder.enable_all().build().expect("tokio runtime")
 }
 
 /// User + system CPU seconds of a process, all threads included (those that ended too). This
 /// one's (`None`) from its CPU clock, to the nanosecond; another's from `/proc`, in the kernel's
 /// ticks of 10 ms, so a figure over a short run is coarse.
+#[allow(clippy::cast_precision_loss)]
 pub fn cpu_secs(pid: Option<u32>) -> Option<f64> {
     let Some(pid) = pid else {
         let now = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
-        #[allow(clippy::cast_precision_loss)]
         return Some(now.tv_sec as f64 + now.tv_nsec as f64 / 1e9);
     };
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command name (which may hold spaces): state is field 3, utime 14, stime 15.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let fields: Vec<&str> = stat[stat.rfind(')')? + 2..].split_whitespace().collect();
     let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    #[allow(clippy::cast_precision_loss)]
     Some(ticks as f64 / 100.0) // USER_HZ is 100 on Linux
 }
 
-/// The broker's Erlang VM, from the pid file `scripts/rabbitmq.sh` keeps in `LILY_RABBIT_DIR`.
-pub fn broker_pid() -> Option<u32> {
-    let dir = std::env::var_os("LILY_RABBIT_DIR")?;
-    let pid = std::fs::read_to_string(std::path::Path::new(&dir).join("rabbit.pid")).ok()?;
+/// The pid in the file `file` of the directory named by the environment variable `var`: the
+/// broker's VM (`LILY_RABBIT_DIR`, `rabbit.pid`, kept by `scripts/rabbitmq.sh`) or mongod
+/// (`LILY_MONGO_DIR`, `mongod.pid`, kept by `scripts/mongod.sh`).
+pub fn pid_in(var: &str, file: &str) -> Option<u32> {
+    let dir = std::env::var_os(var)?;
+    let pid = std::fs::read_to_string(std::path::Path::new(&dir).join(file)).ok()?;
     pid.trim().parse().ok()
+}
+
+/// The broker's Erlang VM.
+pub fn broker_pid() -> Option<u32> {
+    pid_in("LILY_RABBIT_DIR", "rabbit.pid")
+}
+
+/// CPU spent by this process, the broker and (when `LILY_MONGO_DIR` names its directory) mongod
+/// while a contender ran.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuMeter([(Option<u32>, Option<f64>); 3]);
+
+impl CpuMeter {
+    pub fn start() -> Self {
+        let pids = [None, broker_pid(), pid_in("LILY_MONGO_DIR", "mongod.pid")];
+        Self(pids.map(|pid| (pid, cpu_secs(pid))))
+    }
+
+    /// Adds the CPU µs per settled message of this process and the broker to `sample`; returns
+    /// mongod's.
+    #[allow(clippy::cast_precision_loss)]
+    pub fn stop(self, sample: &mut run::Sample) -> Option<f64> {
+        let [client, broker, mongod] = self.0.map(|(pid, before)| {
+            let spent = cpu_secs(pid)
+                .zip(before)
+                .map(|(after, before)| after - before);
+            spent
+                .filter(|_| sample.settled > 0)
+                .map(|s| s * 1e6 / sample.settled as f64)
+        });
+        (sample.client_cpu_us_per_msg, sample.broker_cpu_us_per_msg) = (client, broker);
+        mongod
+    }
 }
 
 /// The 1-minute load average.
 pub fn load_average() -> Option<f64> {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
+    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+    text.split_whitespace().next()?.parse().ok()
 }
 
 /// `git describe --always --dirty` of the working tree, or `unknown`.
 pub fn revision() -> String {
-    std::process::Command::new("git")
+    let described = std::process::Command::new("git")
         .args(["describe", "--always", "--dirty"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .output();
+    let described = described.ok().filter(|o| o.status.success());
+    let described = described.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
+    described
         .filter(|r| !r.is_empty())
         .unwrap_or_else(|| "unknown".into())
 }

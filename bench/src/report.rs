@@ -9,8 +9,7 @@ use serde::Serialize;
 
 use crate::chart::Chart;
 use crate::latency::{self, HISTOGRAM_MS, Latencies};
-pub use crate::number::{group, rate};
-use crate::{Meta, mongo, storm, throughput};
+use crate::{Meta, cost, mongo, storm, throughput};
 
 /// Prints `markdown` and writes `<name>.json`, `<name>.md` and, when given, `<name>.svg` into
 /// `out`, saying where.
@@ -21,12 +20,11 @@ pub fn write(out: &Path, name: &str, results: &impl Serialize, markdown: &str, s
     println!("\n{markdown}");
     std::fs::create_dir_all(out).expect("create the output directory");
     let json = serde_json::to_string_pretty(results).expect("json") + "\n";
-    let files = [
+    for (ext, text) in [
         ("json", Some(json.as_str())),
         ("md", Some(markdown)),
         ("svg", svg),
-    ];
-    for (ext, text) in files {
+    ] {
         let Some(text) = text else { continue };
         let file = out.join(format!("{name}.{ext}"));
         std::fs::write(&file, text).expect("write results");
@@ -69,13 +67,34 @@ impl Table {
     }
 }
 
+/// `12 345`: a rate rounded, thousands apart; `-` when not finite or absent.
+pub fn rate(value: impl Into<Option<f64>>) -> String {
+    match value.into() {
+        Some(v) if v.is_finite() => group(&format!("{v:.0}")),
+        _ => "-".into(),
+    }
+}
+
+/// `12345.6` → `12 345.6`.
+pub fn group(text: &str) -> String {
+    let (sign, rest) = text.strip_prefix('-').map_or(("", text), |r| ("-", r));
+    let (int, frac) = rest.split_once('.').map_or((rest, ""), |(i, f)| (i, f));
+    let mut out = String::from(sign);
+    for (i, c) in int.chars().enumerate() {
+        if i > 0 && (int.len() - i).is_multiple_of(3) {
+            out.push(' ');
+        }
+        out.push(c);
+    }
+    if !frac.is_empty() {
+        out = format!("{out}.{frac}");
+    }
+    out
+}
+
 /// `value` with `digits` decimals, or `-`.
 pub fn fixed(value: Option<f64>, digits: usize) -> String {
     value.map_or_else(|| "-".into(), |v| format!("{v:.digits$}"))
-}
-
-fn opt_rate(value: Option<f64>) -> String {
-    value.map_or_else(|| "-".into(), rate)
 }
 
 /// ` [0.931–1.024]`: the lowest and highest of the repetitions' ratios, with two or more.
@@ -108,10 +127,7 @@ fn verdict(target: Option<f64>, met: Option<bool>, floor: bool) -> String {
 /// The lines every report opens with: its title, the broker, `conditions`, and the revision,
 /// load and duration.
 pub fn opening(title: &str, meta: &Meta, conditions: &str) -> String {
-    let (start, end) = (
-        fixed(meta.load_average[0], 2),
-        fixed(meta.load_average[1], 2),
-    );
+    let [start, end] = meta.load_average.map(|load| fixed(load, 2));
     format!(
         "# {title}\n\nBroker: {} on {}  \n{conditions}; {} CPU(s)  \nLily {}; load average {start} \
          at start, {end} at end; {:.0} s\n\n",
@@ -119,11 +135,12 @@ pub fn opening(title: &str, meta: &Meta, conditions: &str) -> String {
     )
 }
 
-/// The notes, one bullet each.
-pub fn notes(out: &mut String, notes: &[String]) {
-    for note in notes {
+/// `out` and the notes, one bullet each.
+fn with_notes(mut out: String, meta: &Meta) -> String {
+    for note in &meta.notes {
         let _ = writeln!(out, "- {note}");
     }
+    out
 }
 
 /// The chart's subtitle: broker, message and revision.
@@ -137,7 +154,7 @@ fn subtitle(meta: &Meta, what: &str) -> String {
 /// The throughput report: per path the rates and Lily's ratios, the steady rates and the CPU a
 /// message; then each contender's start.
 pub fn throughput(r: &throughput::Results) -> String {
-    use throughput::{Contender, Path};
+    use throughput::{CaseResult, Contender, Path, Ratio};
     let conditions = format!(
         "{} messages a run, persistent; {} repetition(s), contenders taking turns run by run, in reverse order every other repetition; medians, [lowest–highest] of the repetitions' ratios; a target is met when, over at least {} repetitions, the median is within 3 % of it and the range reaches it; raw-batch again / raw-batch is the A/A ratio of the same run",
         r.messages_per_run,
@@ -147,36 +164,31 @@ pub fn throughput(r: &throughput::Results) -> String {
     let mut out = opening("Throughput", &r.meta, &conditions);
     for path in [Path::Success, Path::Handoff] {
         let cases: Vec<_> = r.cases.iter().filter(|c| c.path == path).collect();
+        if cases.is_empty() {
+            continue;
+        }
         let who: Vec<Contender> = Contender::ALL
             .into_iter()
             .filter(|&w| cases.iter().any(|c| c.runs(w).is_some()))
             .collect();
-        let others: Vec<Contender> = who
+        let others = who
             .iter()
-            .copied()
-            .filter(|&w| !matches!(w, Contender::Lily | Contender::RawBatchAgain))
-            .collect();
-        if cases.is_empty() {
-            continue;
-        }
+            .filter(|w| !matches!(w, Contender::Lily | Contender::RawBatchAgain));
         let aa = cases.iter().any(|c| c.aa.is_some());
-        let head = |units: &[&str], ratios: bool| {
-            let mut head = String::from("path|queue|prefetch");
-            for unit in units {
-                who.iter()
-                    .for_each(|w| head += &format!("|{} {unit}", w.name()));
-            }
-            if ratios {
-                others
-                    .iter()
-                    .for_each(|w| head += &format!("|Lily / {}", w.name()));
-            }
-            if ratios && aa {
-                head += "|A/A: raw-batch again / raw-batch";
-            }
-            head
+        let head = |units: &[&str]| {
+            let cells = units
+                .iter()
+                .flat_map(|u| who.iter().map(move |w| format!("|{} {u}", w.name())));
+            "path|queue|prefetch".to_owned() + &cells.collect::<String>()
         };
-        let key = |c: &throughput::CaseResult| {
+        let mut ratios: String = others
+            .clone()
+            .map(|w| format!("|Lily / {}", w.name()))
+            .collect();
+        if aa {
+            ratios += "|A/A: raw-batch again / raw-batch";
+        }
+        let key = |c: &CaseResult| {
             [
                 c.path.name().to_owned(),
                 c.queue_type.to_owned(),
@@ -191,44 +203,33 @@ pub fn throughput(r: &throughput::Results) -> String {
                     path.name()
                 );
             }
-            let mut table = Table::new(&head(&["msg/s"], true), 2);
+            let mut table = Table::new(&(head(&["msg/s"]) + &ratios), 2);
             for c in &cases {
                 let rates = who.iter().map(|&w| {
                     let runs = c.runs(w);
-                    opt_rate(if steady {
+                    rate(if steady {
                         runs.and_then(|x| x.median_steady_msgs_per_sec)
                     } else {
                         runs.map(|x| x.median_msgs_per_sec)
                     })
                 });
-                let cell = |x: Option<&throughput::Ratio>| {
-                    let Some(x) = x else {
-                        return "-".into();
-                    };
-                    let (value, runs) = if steady {
+                let cell = |x: Option<&Ratio>| {
+                    let Some(x) = x else { return "-".into() };
+                    let (v, runs) = if steady {
                         (x.steady, &x.steady_runs)
                     } else {
                         (Some(x.value), &x.runs)
                     };
-                    value.map_or_else(
-                        || "-".into(),
-                        |v| {
-                            let met = x.target.and_then(|t| throughput::meets(v, runs, t, true));
-                            format!("{v:.3}{}{}", verdict(x.target, met, true), spread(runs))
-                        },
-                    )
+                    let met = v
+                        .zip(x.target)
+                        .and_then(|(v, t)| throughput::meets(v, runs, t, true));
+                    ratio(v, runs, x.target, met, true)
                 };
-                let ratios = others.iter().map(|&w| cell(c.ratio(w)));
+                let ratios = others.clone().map(|&w| cell(c.ratio(w)));
                 let aa = aa.then(|| cell(c.aa.as_ref()));
                 let flag = (!c.all_runs_complete).then(|| "incomplete runs!".to_owned());
-                table.row(
-                    key(c)
-                        .into_iter()
-                        .chain(rates)
-                        .chain(ratios)
-                        .chain(aa)
-                        .chain(flag),
-                );
+                let cells = key(c).into_iter().chain(rates).chain(ratios);
+                table.row(cells.chain(aa).chain(flag));
             }
             out += &table.end();
         }
@@ -237,10 +238,7 @@ pub fn throughput(r: &throughput::Results) -> String {
             "CPU per message, {} path (median µs, connect to close; client = this process, broker = the Erlang VM):\n",
             path.name()
         );
-        let cpu_head = format!(
-            "{}|Lily / raw-batch client|A/A client",
-            head(&["client", "broker"], false)
-        );
+        let cpu_head = head(&["client", "broker"]) + "|Lily / raw-batch client|A/A client";
         let mut table = Table::new(&cpu_head, 2);
         for c in &cases {
             let client = who
@@ -249,22 +247,15 @@ pub fn throughput(r: &throughput::Results) -> String {
             let broker = who
                 .iter()
                 .map(|&w| fixed(c.runs(w).and_then(|x| x.broker_cpu_us_per_msg), 1));
-            let cpu = |x: Option<&throughput::Ratio>, target| {
-                x.and_then(|x| {
-                    let v = x.cpu?;
-                    Some(format!(
-                        "{v:.3}{}{}",
-                        verdict(target, x.cpu_met, false),
-                        spread(&x.cpu_runs)
-                    ))
-                })
-                .unwrap_or_else(|| "-".into())
+            let cpu = |x: Option<&Ratio>, target| {
+                x.map_or_else(
+                    || "-".into(),
+                    |x| ratio(x.cpu, &x.cpu_runs, target, x.cpu_met, false),
+                )
             };
+            let target = (path == Path::Success).then_some(throughput::CPU_TARGET);
             let ratios = [
-                cpu(
-                    c.ratio(Contender::RawBatch),
-                    (path == Path::Success).then_some(throughput::CPU_TARGET),
-                ),
+                cpu(c.ratio(Contender::RawBatch), target),
                 cpu(c.aa.as_ref(), None),
             ];
             table.row(key(c).into_iter().chain(client).chain(broker).chain(ratios));
@@ -287,25 +278,38 @@ pub fn throughput(r: &throughput::Results) -> String {
         kinds.dedup();
         for kind in kinds {
             let median = |w| {
-                r.starts
+                let start = r
+                    .starts
                     .iter()
-                    .find(|s| s.queue_type == kind && s.contender == w)
-                    .map(|s| s.median_ms)
+                    .find(|s| s.queue_type == kind && s.contender == w);
+                start.map(|s| s.median_ms)
             };
             let over = median(Contender::Lily)
                 .zip(median(Contender::RawBatch))
                 .map(|(l, b)| l - b);
+            let medians = who.iter().map(|&w| fixed(median(w), 1));
             table.row(
                 [kind.to_owned()]
                     .into_iter()
-                    .chain(who.iter().map(|&w| fixed(median(w), 1)))
+                    .chain(medians)
                     .chain([fixed(over, 1)]),
             );
         }
         out += &table.end();
     }
-    notes(&mut out, &r.meta.notes);
-    out
+    with_notes(out, &r.meta)
+}
+
+/// `1.023 (≥ 1.00 met) [0.931–1.024]`: a ratio, its verdict and its spread; `-` without one.
+fn ratio(
+    value: Option<f64>,
+    runs: &[f64],
+    target: Option<f64>,
+    met: Option<bool>,
+    floor: bool,
+) -> String {
+    let verdict = |v| format!("{v:.3}{}{}", verdict(target, met, floor), spread(runs));
+    value.map_or_else(|| "-".into(), verdict)
 }
 
 /// The throughput chart: a panel per path, a group per queue type × prefetch, a bar per
@@ -325,20 +329,13 @@ pub fn throughput_chart(r: &throughput::Results) -> String {
         let groups: Vec<_> = cases
             .iter()
             .map(|c| {
-                (
-                    format!("{} {}", c.queue_type, c.prefetch),
-                    who.iter().map(|&w| c.median(w)).collect(),
-                )
+                let label = format!("{} {}", c.queue_type, c.prefetch);
+                (label, who.iter().map(|&w| c.median(w)).collect())
             })
             .collect();
         if !cases.is_empty() {
-            chart.bars(
-                &format!("{} path", path.name()),
-                "msg/s",
-                &names,
-                &groups,
-                false,
-            );
+            let title = format!("{} path", path.name());
+            chart.bars(&title, "msg/s", &names, &groups, false);
         }
     }
     chart.finish()
@@ -352,15 +349,12 @@ fn ms(us: u32) -> String {
 /// Share of `latencies` over `bound` ms (one of [`HISTOGRAM_MS`]), in %.
 #[allow(clippy::cast_precision_loss)]
 fn over(latencies: &Latencies, bound: u32) -> String {
-    let slot = HISTOGRAM_MS
+    let slot = HISTOGRAM_MS.iter().position(|&ms| ms == bound);
+    let over: usize = latencies.histogram[slot.map_or(HISTOGRAM_MS.len(), |i| i + 1)..]
         .iter()
-        .position(|&ms| ms == bound)
-        .map_or(HISTOGRAM_MS.len(), |i| i + 1);
-    let over: usize = latencies.histogram[slot..].iter().sum();
-    format!(
-        "{:.2} %",
-        100.0 * over as f64 / latencies.samples.max(1) as f64
-    )
+        .sum();
+    let share = 100.0 * over as f64 / latencies.samples.max(1) as f64;
+    format!("{share:.2} %")
 }
 
 /// `yes`, or what went wrong in a paced run.
@@ -387,25 +381,20 @@ pub fn latency(r: &latency::Results) -> String {
         "{}-byte JSON, persistent, classic queue; paced runs of {:.0} s, the first {:.0} s not timed",
         r.meta.message_bytes, r.run_secs, r.warmup_secs
     );
-    let mut out = opening(
-        "Settlement latency: Lily and raw-batch",
-        &r.meta,
-        &conditions,
-    );
+    let title = "Settlement latency: Lily and raw-batch";
+    let mut out = opening(title, &r.meta, &conditions);
     let head = "path|prefetch|load|target msg/s|published msg/s|contender|settled msg/s|p50 ms|p99 ms|p99.9 ms|> 100 ms|kept up|p99 Lily − raw-batch (target)";
     let mut table = Table::new(head, 2);
     let load = |c: &latency::Case| format!("{:.0} %", c.load * 100.0);
     for c in &r.cases {
-        let rounds = match c.rounds_p99_diff_ms.as_slice() {
-            [_] | [] => String::new(),
-            all => format!(
-                ", median of {}: {}",
-                all.len(),
-                all.iter()
-                    .map(|d| format!("{d:+.2}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
+        let diffs: Vec<String> = c
+            .rounds_p99_diff_ms
+            .iter()
+            .map(|d| format!("{d:+.2}"))
+            .collect();
+        let rounds = match diffs.len() {
+            0 | 1 => String::new(),
+            n => format!(", median of {n}: {}", diffs.join(", ")),
         };
         let met = if c.met { "met" } else { "MISSED" };
         let diff = format!(
@@ -420,10 +409,8 @@ pub fn latency(r: &latency::Results) -> String {
     out += &table.end();
     if r.cases.iter().any(|c| c.lily.copy_confirms.is_some()) {
         out += "Handoff path, each copy from its publish to its confirm (Lily: its `handoff` span, from the copy built to its verdict; raw-batch: from its publish written to its confirm seen at the flush that awaits it), beside the settlement's p99:\n\n";
-        let mut table = Table::new(
-            "path|prefetch|load|contender|copy p50 ms|copy p99 ms|copy p99.9 ms|copies > 50 ms|settled p99 ms",
-            1,
-        );
+        let head = "path|prefetch|load|contender|copy p50 ms|copy p99 ms|copy p99.9 ms|copies > 50 ms|settled p99 ms";
+        let mut table = Table::new(head, 1);
         for c in &r.cases {
             for run in [&c.raw_batch, &c.lily] {
                 if let Some(l) = &run.copy_confirms {
@@ -434,16 +421,14 @@ pub fn latency(r: &latency::Results) -> String {
         out += &table.end();
     }
     out += "Maximum rates (msg/s; drained with nothing publishing, settled while the higher drain rate was offered, and the rate used: the first from 90 % of the lower down that both sustained):\n\n";
-    let mut table = Table::new(
-        "path|prefetch|Lily drained|raw-batch drained|offered|Lily settled under load|raw-batch settled under load|used",
-        1,
-    );
+    let head = "path|prefetch|Lily drained|raw-batch drained|offered|Lily settled under load|raw-batch settled under load|used";
+    let mut table = Table::new(head, 1);
     let mut seen = Vec::new();
-    for c in r.cases.iter().filter(|c| {
-        let new = !seen.contains(&(c.path, c.prefetch));
+    for c in &r.cases {
+        if seen.contains(&(c.path, c.prefetch)) {
+            continue;
+        }
         seen.push((c.path, c.prefetch));
-        new
-    }) {
         let m = &c.max_rate;
         let how = match (m.tries, m.sustained) {
             (Some(tries), Some(true)) => format!(" (sustained; rates checked: {tries})"),
@@ -456,18 +441,15 @@ pub fn latency(r: &latency::Results) -> String {
             m.offered,
             m.lily_loaded,
             m.raw_batch_loaded,
-        ]
-        .map(opt_rate);
+        ];
         table.row(
             [c.path.name().into(), c.prefetch.to_string()]
                 .into_iter()
-                .chain(rates)
+                .chain(rates.map(rate))
                 .chain([format!("{}{how}", rate(m.used))]),
         );
     }
-    out += &table.end();
-    notes(&mut out, &r.meta.notes);
-    out
+    with_notes(out + &table.end(), &r.meta)
 }
 
 /// The latency chart: a panel per path, a group per prefetch × load, p50 and p99 of each
@@ -483,22 +465,17 @@ pub fn latency_chart(r: &latency::Results) -> String {
             .filter(|c| c.path == path)
             .map(|c| {
                 let (b, l) = (&c.raw_batch.latency, &c.lily.latency);
-                let values =
-                    [b.p50_us, b.p99_us, l.p50_us, l.p99_us].map(|us| Some(f64::from(us) / 1000.0));
+                let values = [b.p50_us, b.p99_us, l.p50_us, l.p99_us];
+                let label = format!("prefetch {}, {:.0} %", c.prefetch, c.load * 100.0);
                 (
-                    format!("prefetch {}, {:.0} %", c.prefetch, c.load * 100.0),
-                    values.to_vec(),
+                    label,
+                    values.map(|us| Some(f64::from(us) / 1000.0)).to_vec(),
                 )
             })
             .collect();
         if !groups.is_empty() {
-            chart.bars(
-                &format!("{} path", path.name()),
-                "ms, log scale",
-                &series,
-                &groups,
-                true,
-            );
+            let title = format!("{} path", path.name());
+            chart.bars(&title, "ms, log scale", &series, &groups, true);
         }
     }
     chart.finish()
@@ -510,11 +487,8 @@ pub fn storm(r: &storm::Results) -> String {
         "Population {} × {}-byte JSON, classic queue, retry bucket {:.0} s, prefetch {}; {} s a contender, warm-up {} s",
         r.population, r.meta.message_bytes, r.retry_delay_secs, r.prefetch, r.secs, r.warmup_secs
     );
-    let mut out = opening(
-        "Failure storm: 100 % retryable failures",
-        &r.meta,
-        &conditions,
-    );
+    let title = "Failure storm: 100 % retryable failures";
+    let mut out = opening(title, &r.meta, &conditions);
     let head = "contender|mean handoffs/s|first window /s|last window /s|last/first|RSS after warm-up MiB|max MiB|end MiB|slope MiB/min|failed|ids: missing, duplicates, strangers|DLQ, parking|ids ok";
     let mut table = Table::new(head, 1);
     let opt = |v: Option<u32>| v.map_or_else(|| "?".into(), |v| v.to_string());
@@ -529,8 +503,7 @@ pub fn storm(r: &storm::Results) -> String {
     for t in r.runs.iter().filter_map(|run| run.lily_totals.as_ref()) {
         let _ = writeln!(out, "- Lily's totals: {t:?}");
     }
-    notes(&mut out, &r.meta.notes);
-    out
+    with_notes(out, &r.meta)
 }
 
 /// The storm chart: handoffs a second and RSS over time, a line per contender.
@@ -542,26 +515,21 @@ pub fn storm_chart(r: &storm::Results) -> String {
     );
     let mut chart = Chart::new("Failure storm over time", &subtitle(&r.meta, &what));
     let series = |y: fn(&storm::Second) -> f64| -> Vec<(&str, Vec<(f64, f64)>)> {
+        let points =
+            |run: &storm::StormRun| run.series.iter().map(|s| (f64::from(s.t), y(s))).collect();
         r.runs
             .iter()
-            .map(|run| {
-                (
-                    run.contender.name(),
-                    run.series.iter().map(|s| (f64::from(s.t), y(s))).collect(),
-                )
-            })
+            .map(|run| (run.contender.name(), points(run)))
             .collect()
     };
+    let handoffs = series(|s| s.handoffs as f64);
     chart.lines(
         "Handoffs a second",
         "handoffs/s over the run's seconds",
-        &series(|s| s.handoffs as f64),
+        &handoffs,
     );
-    chart.lines(
-        "This process's RSS",
-        "MiB over the run's seconds",
-        &series(|s| s.rss_bytes as f64 / 1_048_576.0),
-    );
+    let rss = series(|s| s.rss_bytes as f64 / 1_048_576.0);
+    chart.lines("This process's RSS", "MiB over the run's seconds", &rss);
     chart.finish()
 }
 
@@ -571,14 +539,12 @@ pub fn mongo(r: &mongo::Results) -> String {
         "Database: {} on {}  \nQueue: {}; {}-byte JSON orders, persistent, pre-published; {} repetition(s) alternating the contenders; medians",
         r.mongodb, r.mongodb_url, r.queue_type, r.meta.message_bytes, r.repetitions
     );
-    let mut out = opening(
-        "The Mongo scope against a driver transaction",
-        &r.meta,
-        &conditions,
-    );
+    let title = "The Mongo scope against a driver transaction";
+    let mut out = opening(title, &r.meta, &conditions);
     let head = "case|N|concurrency|prefetch|contender|msgs/s|/ raw|runs' range|target|tries/msg|conflicts/msg|DLQ + parked|verified|client µs/msg|mongod µs/msg|broker µs/msg|mongod ops/msg";
     let mut table = Table::new(head, 1);
     let mut ops = Table::new("case|contender|insert|update|query|delete|command", 2);
+    let mut published = Table::new("case|contender|published p50 ms|published p99 ms", 2);
     for case in &r.cases {
         for c in &case.contenders {
             let target = match (c.over_raw_target, c.over_raw_met) {
@@ -587,33 +553,27 @@ pub fn mongo(r: &mongo::Results) -> String {
                 }
                 _ => "-".into(),
             };
-            row!(table; case.case.name(), case.messages_per_run, case.concurrency, case.prefetch, c.contender.name(), rate(c.median_msgs_per_sec), fixed(c.over_raw, 3), c.over_raw_range.map_or_else(|| "-".into(), |(l, h)| format!("{l:.3}–{h:.3}")), target, format!("{:.3}", c.attempts_per_msg), format!("{:.3}", c.conflicts_per_msg), c.dead_lettered_or_parked, (if c.all_verified { "yes" } else { "**no**" }), fixed(c.client_cpu_us_per_msg, 1), fixed(c.mongod_cpu_us_per_msg, 1), fixed(c.broker_cpu_us_per_msg, 1), fixed(c.mongod_ops_per_msg.map(|o| o.total()), 2));
+            let range = c
+                .over_raw_range
+                .map_or_else(|| "-".into(), |(l, h)| format!("{l:.3}–{h:.3}"));
+            row!(table; case.case.name(), case.messages_per_run, case.concurrency, case.prefetch, c.contender.name(), rate(c.median_msgs_per_sec), fixed(c.over_raw, 3), range, target, format!("{:.3}", c.attempts_per_msg), format!("{:.3}", c.conflicts_per_msg), c.dead_lettered_or_parked, (if c.all_verified { "yes" } else { "**no**" }), fixed(c.client_cpu_us_per_msg, 1), fixed(c.mongod_cpu_us_per_msg, 1), fixed(c.broker_cpu_us_per_msg, 1), fixed(c.mongod_ops_per_msg.map(|o| o.total()), 2));
             if let Some(o) = &c.mongod_ops_per_msg {
-                let values =
-                    [o.insert, o.update, o.query, o.delete, o.command].map(|v| format!("{v:.2}"));
-                ops.row(
-                    [case.case.name().into(), c.contender.name().into()]
-                        .into_iter()
-                        .chain(values),
-                );
+                let values = [o.insert, o.update, o.query, o.delete, o.command];
+                let names = [case.case.name().into(), c.contender.name().into()];
+                ops.row(names.into_iter().chain(values.map(|v| format!("{v:.2}"))));
+            }
+            if case.case == mongo::Case::Outbox {
+                row!(published; case.case.name(), c.contender.name(), fixed(c.published_p50_ms, 1), fixed(c.published_p99_ms, 1));
             }
         }
     }
     out += &table.end();
-    let mut published = Table::new("case|contender|published p50 ms|published p99 ms", 2);
-    for case in r.cases.iter().filter(|c| c.case == mongo::Case::Outbox) {
-        for c in &case.contenders {
-            row!(published; case.case.name(), c.contender.name(), fixed(c.published_p50_ms, 1), fixed(c.published_p99_ms, 1));
-        }
-    }
     if r.cases.iter().any(|c| c.case == mongo::Case::Outbox) {
         out += "The outbox case's events, from the commit's start to the confirm (raw: published after the commit) or from staging to the sent mark (Lily: the relay; the database's clock, millisecond resolution); medians of each run's percentiles:\n\n";
         out += &published.end();
     }
     out += "mongod operations per message (median; `serverStatus.opcounters` over the run):\n\n";
-    out += &ops.end();
-    notes(&mut out, &r.meta.notes);
-    out
+    with_notes(out + &ops.end(), &r.meta)
 }
 
 /// The Mongo chart: a group per case, a bar per contender.
@@ -637,23 +597,65 @@ pub fn mongo_chart(r: &mongo::Results) -> String {
                     .find(|c| c.contender == w)
                     .map(|c| c.median_msgs_per_sec)
             };
-            (
-                format!("{}, concurrency {}", case.case.name(), case.concurrency),
-                who.iter().map(|&w| rate(w)).collect(),
-            )
+            let label = format!("{}, concurrency {}", case.case.name(), case.concurrency);
+            (label, who.iter().map(|&w| rate(w)).collect())
         })
         .collect();
     chart.bars("Messages a second", "msg/s", &names, &groups, false);
     chart.finish()
 }
 
-/// MiB with one decimal.
-#[allow(clippy::cast_precision_loss)]
-pub fn mib(bytes: u64) -> String {
-    format!("{:.1}", bytes as f64 / 1_048_576.0)
-}
-
-/// `yes` or `NO`.
-pub fn met(ok: bool) -> String {
-    (if ok { "yes" } else { "NO" }).into()
+/// The cost report: a row a measure (raw lapin, Lily, Lily's layer, target, met).
+pub fn cost(r: &cost::Results) -> String {
+    let mut table = Table::new("measure|raw lapin|Lily|Lily's layer|target|met", 1);
+    let dash = || "-".to_owned();
+    let num = |v: f64, digits: usize| group(&format!("{v:.digits$}"));
+    let met = |ok: bool| if ok { "yes" } else { "NO" }.to_owned();
+    #[allow(clippy::cast_precision_loss)]
+    let mib = |bytes: u64| format!("{:.1}", bytes as f64 / 1_048_576.0);
+    if let Some(i) = &r.instructions {
+        row!(table; format!("instructions / message (callgrind, N={})", i.n), num(i.raw, 0), num(i.lily, 0), num(i.lily_layer, 0), "<= 8 000", met(i.met));
+    }
+    if let Some(per) = r.reader {
+        // Its share of Lily's whole cost a message, when the instructions ran too.
+        let share = r.instructions.as_ref().map(|i| per / i.lily);
+        let target = share.map_or_else(
+            || "< 5 % of Lily".into(),
+            |x| format!("< 5 % of Lily: {:.1} %", x * 100.0),
+        );
+        row!(table; "  of it, the frame reader (wire.rs), instructions / message", dash(), num(per, 0), dash(), target, share.map_or_else(dash, |x| met(x < 0.05)));
+    }
+    if let Some(a) = &r.allocations {
+        row!(table; format!("heap allocations / message (alloc+realloc, N={})", a.n), num(a.raw, 2), num(a.lily, 2), num(a.lily_layer, 2), "<= 10", met(a.met));
+    }
+    if let Some(m) = &r.memory {
+        let layer = m.lily.rss_per_delivery - m.raw.rss_per_delivery;
+        row!(table; format!("RSS bytes per in-flight delivery ({} held)", m.in_flight), num(m.raw.rss_per_delivery, 0), num(m.lily.rss_per_delivery, 0), num(layer, 0), dash(), dash());
+    }
+    if let Some(d) = &r.shutdown {
+        row!(table; format!("shutdown, idle: SIGTERM to exit, ms (median of {})", d.runs), dash(), num(d.median_ms, 1), dash(), "< 200", met(d.met));
+    }
+    if let Some(h) = &r.hostile {
+        let (raw, lily) = (&h.raw, &h.lily);
+        let all = raw.settled == raw.sent && lily.settled == lily.sent;
+        let settled = |r: &cost::hostile::Run| format!("{}/{}", r.settled, r.sent);
+        row!(table; format!("hostile load, {} msgs at prefetch {}: peak RSS (VmHWM), MiB", h.n, h.prefetch), mib(raw.hwm_bytes), mib(lily.hwm_bytes), dash(), format!("<= {}", mib(lily.bound_bytes)), met(lily.hwm_bytes <= lily.bound_bytes));
+        row!(table; "  idle RSS, MiB", mib(raw.rss_idle_bytes), mib(lily.rss_idle_bytes), dash(), dash(), dash());
+        row!(table; format!("  bound: {}, MiB", h.bound_formula), mib(raw.bound_bytes), mib(lily.bound_bytes), dash(), dash(), dash());
+        row!(table; "  peak / bound", format!("{:.2}", raw.peak_over_bound), format!("{:.2}", lily.peak_over_bound), dash(), "<= 1", met(lily.peak_over_bound <= 1.0));
+        row!(table; "  drain of the full queue, msg/s", rate(raw.msgs_per_s), rate(lily.msgs_per_s), dash(), dash(), dash());
+        row!(table; "  messages settled, checked by id from outside", settled(raw), settled(lily), dash(), "all", met(all));
+        row!(table; "  of which not where their class says (Lily)", dash(), lily.unexpected, dash(), dash(), dash());
+    }
+    for error in &r.errors {
+        table.row([error.as_str(), "error", "-", "-", "-", "-"]);
+    }
+    let conditions = format!(
+        "classic queues, {}-byte persistent JSON messages; prefetch {}, tokio current-thread runtime for the per-message cost; Lily's layer = Lily − a hand-written lapin consumer that deserializes and ACKs each message as Lily does",
+        r.meta.message_bytes, r.prefetch
+    );
+    with_notes(
+        opening("Cost", &r.meta, &conditions) + &table.end(),
+        &r.meta,
+    )
 }

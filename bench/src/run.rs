@@ -44,7 +44,7 @@ pub async fn backlog(
 ) -> Topology {
     let topology = fresh_topology(url, queue, kind, delays).await;
     let n = usize::try_from(n).expect("message count fits usize");
-    publish(url, queue, n, &crate::body_512()).await;
+    publish(url, queue, n).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     topology
 }
@@ -136,7 +136,7 @@ pub fn unexpected(t: &Totals) -> u64 {
 }
 
 /// One measured run.
-#[derive(Clone, Copy, Debug, Serialize)]
+#[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct Sample {
     /// Messages settled when the clock stopped, of `expected`.
     pub settled: u64,
@@ -160,21 +160,14 @@ impl Sample {
     #[allow(clippy::cast_precision_loss)]
     pub fn new(settled: u64, expected: u64, elapsed: Duration) -> Self {
         let secs = elapsed.as_secs_f64();
+        let rate = settled as f64 / secs;
         Self {
             settled,
             expected,
             secs,
-            msgs_per_sec: if secs > 0.0 {
-                settled as f64 / secs
-            } else {
-                0.0
-            },
+            msgs_per_sec: if rate.is_finite() { rate } else { 0.0 },
             complete: settled >= expected,
-            client_cpu_us_per_msg: None,
-            broker_cpu_us_per_msg: None,
-            left_in_queue: None,
-            first_delivery_secs: None,
-            steady_msgs_per_sec: None,
+            ..Self::default()
         }
     }
 

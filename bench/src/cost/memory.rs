@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Bench, Contender, alloc_snapshot, close_raw, failed, spawn};
 use crate::run::Lily;
-use crate::{body_512, broker_url, publish};
+use crate::{broker_url, publish};
 
 /// How long to let the process settle before a sample.
 pub(crate) const SETTLE: Duration = Duration::from_millis(500);
@@ -115,7 +115,7 @@ fn held(b: &Bench, who: Contender, k: usize) -> Result<Held, String> {
     let mut sampled = None;
     for line in lines {
         if line.starts_with("IDLE") {
-            b.rt.block_on(publish(&b.url, &queue, k, &body_512()));
+            b.rt.block_on(publish(&b.url, &queue, k));
         }
         sampled = sampled.or_else(|| super::result::<Sampled>(&line));
     }

@@ -6,7 +6,6 @@ pub mod consume;
 pub mod hostile;
 pub mod memory;
 pub mod reader;
-pub mod report;
 pub mod shutdown;
 
 use std::io::{BufRead as _, BufReader};
@@ -280,7 +279,7 @@ impl Bench {
         self.rt.block_on(async {
             let retry = Policy::default().retry_delays;
             fresh_topology(&self.url, queue, QueueKind::Classic, &retry).await;
-            publish(&self.url, queue, n, &crate::body_512()).await;
+            publish(&self.url, queue, n).await;
         });
     }
 
@@ -442,7 +441,7 @@ fn orchestrate(options: Options) -> ExitCode {
         errors,
     };
     r.meta.finish(started);
-    let markdown = report::markdown(&r);
+    let markdown = crate::report::cost(&r);
     crate::report::write(&b.options.common.out, "cost", &r, &markdown, None);
     if r.errors.is_empty() {
         ExitCode::SUCCESS

@@ -9,7 +9,7 @@ use crate::latency::timer::{self, Sinks};
 use crate::latency::{
     Case, Contender, LOADS, MaxRate, Path, Results, Run, SUSTAIN_STEP, SUSTAIN_TRIES,
 };
-use crate::{body_512, broker_url, report};
+use crate::{Order, broker_url, report};
 
 /// Settlement latency of Lily against raw-batch.
 #[derive(clap::Args, Debug)]
@@ -84,7 +84,7 @@ pub async fn run(args: Args) {
         for &prefetch in &args.prefetches {
             let setup = Setup {
                 url: url.clone(),
-                body: body_512().into(),
+                body: Order::body().into(),
                 path,
                 prefetch,
                 run: Duration::from_secs_f64(args.secs),

@@ -13,8 +13,7 @@ use crate::mongo::{
 };
 use crate::report::{self, rate};
 use crate::run::backlog;
-use crate::throughput::CpuMeter;
-use crate::{broker_url, cpu_secs};
+use crate::{CpuMeter, broker_url};
 
 const QUEUE: &str = "lily-bench-mongo";
 
@@ -84,19 +83,12 @@ async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
         Some(lily_run::scope(client.clone(), who, &counters).await)
     };
     let ops_before = db::Ops::read(client).await;
-    let mongod = db::mongod_pid();
-    let mongod_before = mongod.and_then(|p| cpu_secs(Some(p)));
     let cpu = CpuMeter::start();
     let mut sample = match scope {
         None => raw::consume(load, client.clone(), Arc::clone(&counters)).await,
         Some(scope) => lily_run::consume(load, scope, Arc::clone(&counters)).await,
     };
-    cpu.stop(&mut sample);
-    #[allow(clippy::cast_precision_loss)]
-    let mongod_cpu_us_per_msg = match (mongod_before, mongod.and_then(|p| cpu_secs(Some(p)))) {
-        (Some(b), Some(a)) if sample.settled > 0 => Some((a - b) * 1e6 / sample.settled as f64),
-        _ => None,
-    };
+    let mongod_cpu_us_per_msg = cpu.stop(&mut sample);
     let mongod_ops_per_msg = ops_before
         .zip(db::Ops::read(client).await)
         .map(|(b, a)| b.per_message(&a, load.n));

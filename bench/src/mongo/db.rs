@@ -138,16 +138,6 @@ impl Ops {
     }
 }
 
-/// mongod's pid, from `LILY_MONGO_DIR/mongod.pid` (kept by `scripts/mongod.sh`).
-pub fn mongod_pid() -> Option<u32> {
-    let dir = std::env::var_os("LILY_MONGO_DIR")?;
-    std::fs::read_to_string(std::path::Path::new(&dir).join("mongod.pid"))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
-}
-
 /// What was found after one run, by message id.
 #[derive(Debug, Default, Serialize)]
 pub struct Check {

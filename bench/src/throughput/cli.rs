@@ -7,8 +7,8 @@ use lily::prelude::QueueKind;
 
 use crate::args::Common;
 use crate::run::{Sample, backlog, in_turn};
-use crate::throughput::{CaseResult, Contender, CpuMeter, Path, Results, Start, lily_run, peer};
-use crate::{broker_url, depth, kind_name, raw, report};
+use crate::throughput::{CaseResult, Contender, Path, Results, Start, lily_run, peer};
+use crate::{CpuMeter, broker_url, depth, kind_name, raw, report};
 
 /// Throughput of Lily against raw lapin contenders, taking turns run by run.
 #[derive(clap::Args, Debug)]

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::median;
 use crate::run::Sample;
-use crate::{cpu_secs, median};
 
 pub mod cli;
 pub mod lily_run;
@@ -134,37 +134,6 @@ impl Contender {
             Self::Ceiling => Settle::NoAck,
             Self::Lily | Self::Peer => unreachable!("{} is not raw lapin", self.name()),
         }
-    }
-}
-
-/// CPU spent by this process and the broker while a contender ran.
-#[derive(Clone, Copy, Debug)]
-pub struct CpuMeter {
-    client: Option<f64>,
-    broker: Option<f64>,
-    broker_pid: Option<u32>,
-}
-
-impl CpuMeter {
-    pub fn start() -> Self {
-        let broker_pid = crate::broker_pid();
-        Self {
-            client: cpu_secs(None),
-            broker: broker_pid.and_then(|p| cpu_secs(Some(p))),
-            broker_pid,
-        }
-    }
-
-    /// Adds CPU microseconds per settled message to `sample`.
-    pub fn stop(self, sample: &mut Sample) {
-        #[allow(clippy::cast_precision_loss)]
-        let per = |before: Option<f64>, after: Option<f64>| match (before, after) {
-            (Some(b), Some(a)) if sample.settled > 0 => Some((a - b) * 1e6 / sample.settled as f64),
-            _ => None,
-        };
-        sample.client_cpu_us_per_msg = per(self.client, cpu_secs(None));
-        sample.broker_cpu_us_per_msg =
-            per(self.broker, self.broker_pid.and_then(|p| cpu_secs(Some(p))));
     }
 }
 
