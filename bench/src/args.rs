@@ -14,9 +14,9 @@ pub struct Common {
 }
 
 /// A count above zero; `_` separators allowed.
-pub fn count(text: &str) -> Result<u64, String> {
+pub fn count<T: std::str::FromStr + PartialOrd + Default>(text: &str) -> Result<T, String> {
     match text.replace('_', "").parse() {
-        Ok(n) if n > 0 => Ok(n),
+        Ok(n) if n > T::default() => Ok(n),
         _ => Err(format!("not a count above zero: {text}")),
     }
 }
@@ -35,13 +35,5 @@ pub fn queue_kind(text: &str) -> Result<QueueKind, String> {
         "classic" => Ok(QueueKind::Classic),
         "quorum" => Ok(QueueKind::Quorum),
         other => Err(format!("unknown queue type {other}")),
-    }
-}
-
-/// A `usize` above zero; `_` separators allowed.
-pub fn nonzero(text: &str) -> Result<usize, String> {
-    match text.replace('_', "").parse() {
-        Ok(n) if n > 0 => Ok(n),
-        _ => Err(format!("not a count above zero: {text}")),
     }
 }

@@ -18,7 +18,7 @@ pub struct Args {
     #[command(flatten)]
     common: Common,
     /// Messages per run (quick: 20 000).
-    #[arg(short = 'n', long, default_value = "50000", value_parser = crate::args::count,
+    #[arg(short = 'n', long, default_value = "50000", value_parser = crate::args::count::<u64>,
           default_value_if("quick", "true", Some("20000")))]
     messages: u64,
     /// Repetitions of each case (quick: 2).

@@ -2,14 +2,12 @@
 //! a delivery in flight, shutdown latency and the hostile load, each measured in a child process
 //! of `lily-bench-counting`. Method: `bench/README.md`.
 
-pub mod consume;
 pub mod hostile;
 pub mod memory;
 pub mod reader;
 pub mod shutdown;
 
 use std::io::{BufRead as _, BufReader};
-use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -19,25 +17,29 @@ use lapin::{Channel, Connection};
 use lily::consumer::Policy;
 use lily::prelude::QueueKind;
 use lily_mq_regress::collected;
+use lily_mq_regress::consume::{Who, drain, handled};
 use rustix::process::{Pid, Signal, kill_process};
-use serde::Serialize;
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 use tokio::runtime::Runtime;
 
 use crate::args::Common;
 /// The children's lapin errors read as the raw contenders' do.
 pub(crate) use crate::raw::failed;
-use crate::{broker_url, fresh_topology, median, publish};
+use crate::{broker_url, fresh_topology, median, publish, runtime};
 
 /// Prefetch of the per-message cost runs (and concurrency of Lily's consumer).
 pub const PREFETCH: u16 = lily_mq_regress::consume::PREFETCH;
-/// Messages of the long and the short (subtracted) native runs.
+/// Messages of the long and the short (subtracted) runs, native and under valgrind; quick
+/// under valgrind.
 const N: [usize; 2] = [20_000, 2_000];
-/// The same under valgrind, and quick.
-const VALGRIND_N: [usize; 2] = [20_000, 2_000];
 const QUICK_VALGRIND_N: [usize; 2] = [5_000, 500];
 /// Deliveries held by the memory step.
 const IN_FLIGHT: usize = 10_000;
+/// Targets of Lily's layer: instructions and heap allocations a message; the idle shutdown in ms.
+pub const TARGET_INSTRUCTIONS: f64 = 8000.0;
+pub const TARGET_ALLOCATIONS: f64 = 10.0;
+pub const TARGET_IDLE_SHUTDOWN_MS: f64 = 200.0;
 
 /// Which consumer a child runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -48,9 +50,6 @@ pub enum Contender {
     /// Lily's `Consumer` with a `Json<Order>` handler.
     Lily,
 }
-
-/// Raw, then Lily.
-const BOTH: [Contender; 2] = [Contender::Raw, Contender::Lily];
 
 impl Contender {
     pub fn name(self) -> &'static str {
@@ -67,16 +66,6 @@ pub fn alloc_snapshot() -> stats_alloc::Stats {
     stats_alloc::INSTRUMENTED_SYSTEM.stats()
 }
 
-/// A tokio runtime: current-thread (repeatable counts) or multi-thread.
-pub fn runtime(multi_thread: bool) -> Runtime {
-    let mut builder = if multi_thread {
-        tokio::runtime::Builder::new_multi_thread()
-    } else {
-        tokio::runtime::Builder::new_current_thread()
-    };
-    builder.enable_all().build().expect("tokio runtime")
-}
-
 /// Ends a raw consumer: a `basic.qos` round trip proves the broker processed the ACKs (Lily does
 /// the same before closing), then the channel and the connection close.
 async fn close_raw(connection: Connection, channel: Channel, prefetch: u16) -> Result<(), String> {
@@ -87,12 +76,8 @@ async fn close_raw(connection: Connection, channel: Channel, prefetch: u16) -> R
     Ok(())
 }
 
-/// What the orchestrator measures (`--quick`: 5 000 and 500 messages under valgrind, 3 idle
-/// shutdowns rather than 5); a subcommand is one of its child processes.
-/// To profile: `LILY_BENCH_CALLGRIND_DIR=DIR` keeps each callgrind run's profile as
-/// `DIR/callgrind.<pid>` (its command line inside names the step) for `callgrind_annotate`;
-/// `LILY_BENCH_WRAP` runs the other children under a command, e.g.
-/// `perf stat -x, --append -o FILE --`.
+/// What the orchestrator measures; a subcommand is one of its child processes. To profile:
+/// `LILY_BENCH_CALLGRIND_DIR` and `LILY_BENCH_WRAP` (`bench/README.md`).
 #[derive(clap::Args, Debug)]
 #[command(args_conflicts_with_subcommands = true)]
 pub struct Options {
@@ -101,7 +86,7 @@ pub struct Options {
     #[command(flatten)]
     common: Common,
     /// Rounds of the allocation counts (quick: 2).
-    #[arg(long, default_value = "3", value_parser = crate::args::nonzero,
+    #[arg(long, default_value = "3", value_parser = crate::args::count::<usize>,
           default_value_if("quick", "true", Some("2")))]
     reps: usize,
     /// Steps to run: allocs, instructions, reader, memory, shutdown, hostile (default: all).
@@ -150,6 +135,21 @@ pub struct PerMessage {
     pub met: bool,
 }
 
+impl PerMessage {
+    /// Lily's layer over raw, judged against `target`.
+    fn new([n, n0]: [usize; 2], rounds: Option<usize>, [raw, lily]: [f64; 2], target: f64) -> Self {
+        Self {
+            n,
+            n0,
+            rounds,
+            raw,
+            lily,
+            lily_layer: lily - raw,
+            met: lily - raw <= target,
+        }
+    }
+}
+
 /// Everything `cost` measured; a step that failed or did not run is absent.
 #[derive(Debug, Serialize)]
 pub struct Results {
@@ -167,30 +167,52 @@ pub struct Results {
     pub errors: Vec<String>,
 }
 
-/// Targets of Lily's layer: instructions and heap allocations a message; the idle shutdown in ms.
-pub const TARGET_INSTRUCTIONS: f64 = 8000.0;
-pub const TARGET_ALLOCATIONS: f64 = 10.0;
-pub const TARGET_IDLE_SHUTDOWN_MS: f64 = 200.0;
+/// What a `run` child counted over its whole process.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Counted {
+    pub handled: usize,
+    pub allocations: usize,
+    pub reallocations: usize,
+    pub bytes_allocated: usize,
+}
+
+/// The `run` child: consumes exactly `n` pre-published orders with the regression gate's raw
+/// lapin or Lily consumer on a current-thread runtime, closes, and counts the whole process.
+fn consume_child(who: Contender, n: usize, queue: &str) -> Result<Counted, String> {
+    let (url, rt) = (broker_url(), runtime(false));
+    let who = if who == Contender::Raw {
+        Who::Raw
+    } else {
+        Who::Lily
+    };
+    rt.block_on(drain(who, &url, queue, n as u64))?;
+    let stats = alloc_snapshot();
+    drop(rt);
+    Ok(Counted {
+        handled: usize::try_from(handled()).expect("a count fits usize"),
+        allocations: stats.allocations,
+        reallocations: stats.reallocations,
+        bytes_allocated: stats.bytes_allocated,
+    })
+}
 
 /// Entry point of `lily-bench cost` (in `lily-bench-counting`).
 pub fn main(mut options: Options) -> ExitCode {
     let result = match options.child.take() {
         None => return orchestrate(options),
-        Some(Child::Run { who, n, queue }) => consume::child(who, n, &queue).map(json),
+        Some(Child::Run { who, n, queue }) => consume_child(who, n, &queue).map(json),
         Some(Child::Mem { who, k, queue }) => memory::child(who, k, &queue).map(json),
         Some(Child::Hostile { who, queue }) => hostile::child::child(who, &queue).map(json),
         Some(Child::Reader { total, n, plain }) => reader::child(total, n, plain).map(json),
     };
     match result {
-        Ok(value) => {
-            println!("RESULT {value}");
-            ExitCode::SUCCESS
-        }
+        Ok(value) => println!("RESULT {value}"),
         Err(err) => {
             eprintln!("cost child: {err}");
-            ExitCode::FAILURE
+            return ExitCode::FAILURE;
         }
     }
+    ExitCode::SUCCESS
 }
 
 fn json(value: impl Serialize) -> String {
@@ -244,16 +266,17 @@ fn run_child<T: DeserializeOwned>(
         let tail = lines[lines.len().saturating_sub(20)..].join("\n");
         return Err(format!("{shown} failed ({}):\n{tail}", output.status));
     }
-    let value = String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .find_map(result);
-    let value = value.ok_or_else(|| format!("{shown} printed no RESULT line"))?;
-    Ok((value, err))
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let value = stdout.lines().find_map(result);
+    Ok((
+        value.ok_or_else(|| format!("{shown} printed no RESULT line"))?,
+        err,
+    ))
 }
 
 /// `(big - small) / (n - n0)`: a run's per-message cost, its fixed costs cancelled.
 #[allow(clippy::cast_precision_loss)]
-fn per_message(big: f64, small: f64, n: usize, n0: usize) -> f64 {
+fn per_message(big: f64, small: f64, [n, n0]: [usize; 2]) -> f64 {
     (big - small) / (n - n0) as f64
 }
 
@@ -261,7 +284,6 @@ fn per_message(big: f64, small: f64, n: usize, n0: usize) -> f64 {
 pub struct Bench {
     rt: Runtime,
     url: String,
-    exe: PathBuf,
     options: Options,
 }
 
@@ -270,7 +292,7 @@ impl Bench {
         if self.options.common.quick {
             QUICK_VALGRIND_N
         } else {
-            VALGRIND_N
+            N
         }
     }
 
@@ -283,23 +305,22 @@ impl Bench {
         });
     }
 
-    /// This program as `cost CHILD ARGS…`, under valgrind's callgrind when asked.
+    /// This program as `cost CHILD ARGS…`, under valgrind's callgrind when asked, else under
+    /// `LILY_BENCH_WRAP` when set; callgrind's profile goes to `LILY_BENCH_CALLGRIND_DIR`.
     fn child(&self, callgrind: bool, args: &[&str]) -> Command {
-        let mut command = Command::new(&self.exe);
-        if callgrind {
-            command = Command::new("valgrind");
+        let exe = std::env::current_exe().expect("current_exe");
+        let mut words: Vec<String> = if callgrind {
             let out = std::env::var("LILY_BENCH_CALLGRIND_DIR")
                 .map_or_else(|_| "/dev/null".into(), |dir| format!("{dir}/callgrind.%p"));
-            command.args(["--tool=callgrind", &format!("--callgrind-out-file={out}")]);
-            command.arg(&self.exe);
-        } else if let Ok(wrap) = std::env::var("LILY_BENCH_WRAP") {
-            let mut words = wrap.split_whitespace();
-            if let Some(program) = words.next() {
-                command = Command::new(program);
-                command.args(words).arg(&self.exe);
-            }
-        }
-        command.env("LILY_AMQP_URL", &self.url);
+            let out = format!("--callgrind-out-file={out}");
+            vec!["valgrind".into(), "--tool=callgrind".into(), out]
+        } else {
+            let wrap = std::env::var("LILY_BENCH_WRAP").unwrap_or_default();
+            wrap.split_whitespace().map(str::to_owned).collect()
+        };
+        words.push(exe.to_string_lossy().into_owned());
+        let mut command = Command::new(&words[0]);
+        command.args(&words[1..]).env("LILY_AMQP_URL", &self.url);
         command.arg("cost").args(args);
         command
     }
@@ -310,13 +331,12 @@ impl Bench {
         who: Contender,
         n: usize,
         callgrind: bool,
-    ) -> Result<(consume::Counted, String), String> {
+    ) -> Result<(Counted, String), String> {
         let queue = format!("lily-bench-cost-{}", who.name());
         self.queue_with(&queue, n);
         let limit = Duration::from_secs(if callgrind { 1800 } else { 300 });
         let args = ["run", who.name(), &n.to_string(), &queue];
-        let (counted, stderr): (consume::Counted, _) =
-            run_child(self.child(callgrind, &args), limit)?;
+        let (counted, stderr): (Counted, _) = run_child(self.child(callgrind, &args), limit)?;
         if counted.handled != n {
             return Err(format!("{} handled {} of {n}", who.name(), counted.handled));
         }
@@ -324,70 +344,63 @@ impl Bench {
     }
 }
 
-/// Lily's layer over raw, judged against `target`.
-fn layer(
-    [n, n0]: [usize; 2],
-    rounds: Option<usize>,
-    [raw, lily]: [f64; 2],
-    target: f64,
-) -> PerMessage {
-    PerMessage {
-        n,
-        n0,
-        rounds,
-        raw,
-        lily,
-        lily_layer: lily - raw,
-        met: lily - raw <= target,
-    }
-}
-
 /// Heap allocations a message, native runs.
 #[allow(clippy::cast_precision_loss)]
 fn allocations(b: &Bench) -> Result<PerMessage, String> {
-    let [n, n0] = N;
     let calls = |who, n| -> Result<f64, String> {
         let counted = b.consume(who, n, false)?.0;
         Ok((counted.allocations + counted.reallocations) as f64)
     };
     let mut rounds = [Vec::new(), Vec::new()];
     for round in 1..=b.options.reps {
-        for (who, per) in BOTH.into_iter().zip(&mut rounds) {
-            let x = per_message(calls(who, n)?, calls(who, n0)?, n, n0);
-            let name = who.name();
-            eprintln!("cost: allocations round {round}: {name} {x:.2} a message");
+        for (who, per) in [Contender::Raw, Contender::Lily]
+            .into_iter()
+            .zip(&mut rounds)
+        {
+            let x = per_message(calls(who, N[0])?, calls(who, N[1])?, N);
+            eprintln!(
+                "cost: allocations round {round}: {} {x:.2} a message",
+                who.name()
+            );
             per.push(x);
         }
     }
     let medians = rounds.map(|mut r| median(&mut r));
-    Ok(layer(N, Some(b.options.reps), medians, TARGET_ALLOCATIONS))
+    Ok(PerMessage::new(
+        N,
+        Some(b.options.reps),
+        medians,
+        TARGET_ALLOCATIONS,
+    ))
 }
 
 /// Instructions a message under callgrind, on tokio's current-thread runtime.
 fn instructions(b: &Bench) -> Result<PerMessage, String> {
-    let [n, n0] = b.valgrind_n();
+    let n = b.valgrind_n();
     let per = |who| -> Result<f64, String> {
         let run = |n| collected(&b.consume(who, n, true)?.1);
-        Ok(per_message(run(n)?, run(n0)?, n, n0))
+        Ok(per_message(run(n[0])?, run(n[1])?, n))
     };
     let both = [per(Contender::Raw)?, per(Contender::Lily)?];
-    Ok(layer([n, n0], None, both, TARGET_INSTRUCTIONS))
+    Ok(PerMessage::new(n, None, both, TARGET_INSTRUCTIONS))
 }
 
 /// Instructions a message of Lily's frame reader alone, under callgrind: the frames of N or N0
 /// deliveries read through it, minus the same frames read plainly.
 fn reader_instructions(b: &Bench) -> Result<f64, String> {
-    let [n, n0] = b.valgrind_n();
-    let run = |k: usize, plain: bool| -> Result<f64, String> {
-        let (k, total) = (k.to_string(), n.to_string());
-        let mut args = vec!["reader", total.as_str(), k.as_str()];
-        args.extend(plain.then_some("--plain"));
-        let (_, stderr): (serde_json::Value, _) =
-            run_child(b.child(true, &args), Duration::from_secs(600))?;
-        collected(&stderr)
+    let n = b.valgrind_n();
+    let per = |plain: bool| -> Result<f64, String> {
+        let run = |k: usize| -> Result<f64, String> {
+            let (k, total) = (k.to_string(), n[0].to_string());
+            let mut args = vec!["reader", total.as_str(), k.as_str()];
+            args.extend(plain.then_some("--plain"));
+            let (_, stderr): (serde_json::Value, _) =
+                run_child(b.child(true, &args), Duration::from_secs(600))?;
+            collected(&stderr)
+        };
+        Ok(per_message(run(n[0])?, run(n[1])?, n))
     };
-    let through = per_message(run(n, false)?, run(n0, false)?, n, n0);
-    Ok(through - per_message(run(n, true)?, run(n0, true)?, n, n0))
+    Ok(per(false)? - per(true)?)
 }
 
 /// Runs step `name` when `--only` names it (or is empty); its failure goes to `errors`.
@@ -412,34 +425,30 @@ fn orchestrate(options: Options) -> ExitCode {
     let b = Bench {
         rt: runtime(true),
         url,
-        exe: std::env::current_exe().expect("current_exe"),
         options,
     };
-    let (mut errors, started) = (Vec::new(), Instant::now());
-    let (only, e) = (&b.options.only, &mut errors);
-    let instructions = step(only, e, "instructions", || instructions(&b));
-    let reader = step(only, e, "reader", || reader_instructions(&b));
-    let allocations = step(only, e, "allocs", || allocations(&b));
-    let memory = step(only, e, "memory", || memory::measure(&b, IN_FLIGHT));
-    let shutdown = step(only, e, "shutdown", || {
-        shutdown::measure(&b.rt, &b.url, if b.options.common.quick { 3 } else { 5 })
-    });
-    let hostile = step(only, e, "hostile", || hostile::measure(&b));
-    // The hostile load states a bound: over it, or a message missing, fails the run.
-    if let Some(h) = hostile.as_ref().filter(|h| !h.met) {
-        errors.push(format!("hostile: {}", h.failures.join("; ")));
-    }
+    let (mut errors, started, only) = (Vec::new(), Instant::now(), &b.options.only);
+    let idle_runs = if b.options.common.quick { 3 } else { 5 };
     let mut r = Results {
         meta,
         prefetch: PREFETCH,
-        instructions,
-        reader,
-        allocations,
-        memory,
-        shutdown,
-        hostile,
-        errors,
+        instructions: step(only, &mut errors, "instructions", || instructions(&b)),
+        reader: step(only, &mut errors, "reader", || reader_instructions(&b)),
+        allocations: step(only, &mut errors, "allocs", || allocations(&b)),
+        memory: step(only, &mut errors, "memory", || {
+            memory::measure(&b, IN_FLIGHT)
+        }),
+        shutdown: step(only, &mut errors, "shutdown", || {
+            shutdown::measure(&b.rt, &b.url, idle_runs)
+        }),
+        hostile: step(only, &mut errors, "hostile", || hostile::measure(&b)),
+        errors: Vec::new(),
     };
+    r.errors = errors;
+    // The hostile load states a bound: over it, or a message missing, fails the run.
+    if let Some(h) = r.hostile.as_ref().filter(|h| !h.met) {
+        r.errors.push(format!("hostile: {}", h.failures.join("; ")));
+    }
     r.meta.finish(started);
     let markdown = crate::report::cost(&r);
     crate::report::write(&b.options.common.out, "cost", &r, &markdown, None);

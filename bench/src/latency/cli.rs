@@ -38,7 +38,7 @@ pub struct Args {
           default_value_if("quick", "true", Some("2")))]
     warmup: f64,
     /// Messages of each drain-rate run (quick: 20 000).
-    #[arg(short = 'n', long, default_value = "60000", value_parser = crate::args::count,
+    #[arg(short = 'n', long, default_value = "60000", value_parser = crate::args::count::<u64>,
           default_value_if("quick", "true", Some("20000")))]
     messages: u64,
     /// The maximum rate of every case, instead of measuring it.

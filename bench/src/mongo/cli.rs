@@ -24,11 +24,11 @@ pub struct Args {
     #[command(flatten)]
     common: Common,
     /// Messages of the scope and outbox cases (quick: 5 000).
-    #[arg(short = 'n', long, default_value = "20000", value_parser = crate::args::count,
+    #[arg(short = 'n', long, default_value = "20000", value_parser = crate::args::count::<u64>,
           default_value_if("quick", "true", Some("5000")))]
     messages: u64,
     /// Messages of the hot-keys case (quick: 2 000).
-    #[arg(long, default_value = "5000", value_parser = crate::args::count,
+    #[arg(long, default_value = "5000", value_parser = crate::args::count::<u64>,
           default_value_if("quick", "true", Some("2000")))]
     hot_messages: u64,
     /// Repetitions (quick: 2).

@@ -28,7 +28,7 @@ pub struct Args {
           default_value_if("quick", "true", Some("45")))]
     secs: u32,
     /// Messages published up front.
-    #[arg(short = 'n', long, default_value = "40000", value_parser = crate::args::count)]
+    #[arg(short = 'n', long, default_value = "40000", value_parser = crate::args::count::<u64>)]
     population: u64,
     /// Prefetch (and Lily's concurrency).
     #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u16).range(1..))]
