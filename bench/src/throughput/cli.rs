@@ -6,9 +6,11 @@ use std::time::Instant;
 use lily::prelude::QueueKind;
 
 use crate::args::Common;
+use crate::raw::{self, Settle};
+use crate::report::{fixed, rate};
 use crate::run::{Sample, backlog, in_turn};
 use crate::throughput::{CaseResult, Contender, Path, Results, Start, lily_run, peer};
-use crate::{CpuMeter, broker_url, depth, kind_name, raw, report};
+use crate::{CpuMeter, broker_url, depth, kind_name, median};
 
 /// Throughput of Lily against raw lapin contenders, taking turns run by run.
 #[derive(clap::Args, Debug)]
@@ -48,15 +50,18 @@ pub struct Args {
 }
 
 impl Args {
-    /// Who runs `path`, in order: the ones named, or the path's defaults.
+    /// Who runs `path`, in order: the ones named that can (the handoff path has no ceiling and
+    /// no peer), or the path's defaults.
     fn contenders(&self, path: Path) -> Vec<Contender> {
         if self.contenders.is_empty() {
             return path.contenders(self.common.quick).to_vec();
         }
+        let runs =
+            |who| path == Path::Success || !matches!(who, Contender::Ceiling | Contender::Peer);
         self.contenders
             .iter()
             .copied()
-            .filter(|&who| path.runs(who))
+            .filter(|&who| runs(who))
             .collect()
     }
 }
@@ -78,7 +83,13 @@ pub async fn run_once(
     let mut sample = match (path, who) {
         (_, Contender::Lily) => lily_run::run(url, &queue, kind, prefetch, n, path).await,
         (_, Contender::Peer) => peer::success(url, &queue, kind, prefetch, n).await,
-        (Path::Success, _) => raw::success(url, &queue, prefetch, n, who.settle()).await,
+        (Path::Success, Contender::Raw) => {
+            raw::success(url, &queue, prefetch, n, Settle::Each).await
+        }
+        (Path::Success, Contender::Ceiling) => {
+            raw::success(url, &queue, prefetch, n, Settle::NoAck).await
+        }
+        (Path::Success, _) => raw::success(url, &queue, prefetch, n, Settle::Batch).await,
         (Path::Handoff, Contender::Raw) => raw::handoff(url, &queue, &bucket, prefetch, n).await,
         (Path::Handoff, _) => raw::handoff_batch(url, &queue, &bucket, prefetch, n).await,
     };
@@ -116,9 +127,11 @@ pub async fn run(args: Args) {
     for &path in &args.paths {
         for &kind in &args.kinds {
             for &prefetch in &args.prefetches {
-                let who = args.contenders(path);
-                let mut samples: Vec<(Contender, Vec<Sample>)> =
-                    who.iter().map(|&w| (w, Vec::new())).collect();
+                let mut samples: Vec<(Contender, Vec<Sample>)> = args
+                    .contenders(path)
+                    .into_iter()
+                    .map(|w| (w, Vec::new()))
+                    .collect();
                 for rep in 1..=args.reps {
                     for at in in_turn(samples.len(), rep) {
                         let who = samples[at].0;
@@ -129,19 +142,18 @@ pub async fn run(args: Args) {
                             kind_name(kind),
                             args.reps,
                             who.name(),
-                            report::rate(s.msgs_per_sec),
+                            rate(s.msgs_per_sec),
                             s.secs,
                             if s.complete { "" } else { ", INCOMPLETE" },
-                            report::fixed(s.client_cpu_us_per_msg, 1),
-                            report::fixed(s.broker_cpu_us_per_msg, 1),
+                            fixed(s.client_cpu_us_per_msg, 1),
+                            fixed(s.broker_cpu_us_per_msg, 1),
                             total.elapsed().as_secs_f64(),
                         );
                         samples[at].1.push(s);
                     }
                 }
-                results
-                    .cases
-                    .push(CaseResult::new(path, kind_name(kind), prefetch, samples));
+                let case = CaseResult::new(path, kind_name(kind), prefetch, samples);
+                results.cases.push(case);
             }
         }
     }
@@ -152,35 +164,33 @@ pub async fn run(args: Args) {
             let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); who.len()];
             for rep in 1..=args.start_reps {
                 for at in in_turn(who.len(), rep) {
-                    samples[at]
-                        .push(run_once(&url, Path::Success, kind, prefetch, who[at], 1).await);
+                    let s = run_once(&url, Path::Success, kind, prefetch, who[at], 1).await;
+                    samples[at].push(s);
                 }
             }
-            for (&who, runs) in who
-                .iter()
-                .zip(&samples)
-                .filter(|(_, runs)| !runs.is_empty())
-            {
-                let start = Start::new(kind_name(kind), who, runs);
+            for (&contender, runs) in who.iter().zip(&samples).filter(|(_, r)| !r.is_empty()) {
+                let ms: Vec<f64> = runs.iter().map(|s| s.secs * 1000.0).collect();
+                let median_ms = median(&mut ms.clone());
                 eprintln!(
-                    "  start {} {:<16} {:.1} ms (median of {})",
+                    "  start {} {:<16} {median_ms:.1} ms (median of {})",
                     kind_name(kind),
-                    who.name(),
-                    start.median_ms,
+                    contender.name(),
                     runs.len()
                 );
-                results.starts.push(start);
+                results.starts.push(Start {
+                    queue_type: kind_name(kind),
+                    contender,
+                    ms,
+                    median_ms,
+                });
             }
         }
     }
     for who in Contender::ALL {
-        let left: Vec<u32> = results
-            .cases
-            .iter()
-            .filter_map(|c| c.runs(who))
+        let runs = results.cases.iter().filter_map(|c| c.runs(who));
+        let left: Vec<u32> = runs
             .flat_map(|r| &r.samples)
-            .filter_map(|s| s.left_in_queue)
-            .filter(|&l| l > 0)
+            .filter_map(|s| s.left_in_queue.filter(|&l| l > 0))
             .collect();
         if !left.is_empty() {
             results.meta.notes.push(format!(
@@ -190,11 +200,15 @@ pub async fn run(args: Args) {
         }
     }
     results.meta.finish(total);
-    report::write(
+    let (markdown, chart) = (
+        crate::report::throughput(&results),
+        crate::report::throughput_chart(&results),
+    );
+    crate::report::write(
         &args.common.out,
         "throughput",
         &results,
-        &report::throughput(&results),
-        Some(&report::throughput_chart(&results)),
+        &markdown,
+        Some(&chart),
     );
 }

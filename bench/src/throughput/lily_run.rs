@@ -37,20 +37,21 @@ pub fn consumer(
             Ok(())
         }
     });
+    let policy = if fails {
+        handoff_policy()
+    } else {
+        Policy::default()
+    };
     let config = ConsumerConfig::new(queue)
         .queue_kind(kind)
-        .prefetch(prefetch)
-        .concurrency(usize::from(prefetch))
-        .policy(if fails {
-            handoff_policy()
-        } else {
-            Policy::default()
-        });
+        .prefetch(prefetch);
+    let config = config.concurrency(usize::from(prefetch)).policy(policy);
     lily::consumer::Consumer::new(url, config, router)
 }
 
 /// What the handler tells the run: its first delivery, and when it has been called for every
 /// message, so the run need not poll Lily's totals until then.
+#[derive(Default)]
 pub struct Progress {
     first: FirstDelivery,
     calls: AtomicU64,
@@ -80,20 +81,12 @@ pub async fn run(
     path: Path,
 ) -> Sample {
     let progress = Arc::new(Progress {
-        first: FirstDelivery::new(),
-        calls: AtomicU64::new(0),
         target: n,
-        all_called: Notify::new(),
+        ..Progress::default()
     });
     let started = Instant::now();
-    let lily = Lily::start(consumer(
-        url,
-        queue,
-        kind,
-        prefetch,
-        path,
-        Some(Arc::clone(&progress)),
-    ));
+    let watched = Some(Arc::clone(&progress));
+    let lily = Lily::start(consumer(url, queue, kind, prefetch, path, watched));
     let limit = run_limit(n);
     while started.elapsed() < limit && !lily.finished() {
         tokio::select! {

@@ -15,6 +15,10 @@ pub mod peer;
 
 /// How often a run polls a contender's settled count (Lily's totals, the peer's counter).
 pub const POLL: Duration = Duration::from_millis(1);
+/// The fewest repetitions a ratio is judged on.
+pub const RULE_REPS: usize = 5;
+/// Lily's client CPU a message, at most, over raw-batch's.
+pub const CPU_TARGET: f64 = 1.10;
 
 /// Which path a case measures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
@@ -37,31 +41,12 @@ impl Path {
     /// The contenders a case runs by default, the bars first; a quick run leaves out the old
     /// success-path baselines (raw lapin awaiting each ACK, ruststream-lapin).
     pub fn contenders(self, quick: bool) -> &'static [Contender] {
+        use Contender::{Ceiling, Lily, Peer, Raw, RawBatch, RawBatchAgain};
         match (self, quick) {
-            (Self::Success, false) => &[
-                Contender::RawBatch,
-                Contender::Ceiling,
-                Contender::Lily,
-                Contender::RawBatchAgain,
-                Contender::Raw,
-                Contender::Peer,
-            ],
-            (Self::Success, true) => &[Contender::RawBatch, Contender::Ceiling, Contender::Lily],
-            (Self::Handoff, false) => &[
-                Contender::RawBatch,
-                Contender::Raw,
-                Contender::Lily,
-                Contender::RawBatchAgain,
-            ],
-            (Self::Handoff, true) => &[Contender::RawBatch, Contender::Raw, Contender::Lily],
-        }
-    }
-
-    /// Whether `who` can run this path.
-    pub fn runs(self, who: Contender) -> bool {
-        match self {
-            Self::Success => true,
-            Self::Handoff => !matches!(who, Contender::Ceiling | Contender::Peer),
+            (Self::Success, false) => &[RawBatch, Ceiling, Lily, RawBatchAgain, Raw, Peer],
+            (Self::Success, true) => &[RawBatch, Ceiling, Lily],
+            (Self::Handoff, false) => &[RawBatch, Raw, Lily, RawBatchAgain],
+            (Self::Handoff, true) => &[RawBatch, Raw, Lily],
         }
     }
 
@@ -71,13 +56,6 @@ impl Path {
             Self::Success => lily::consumer::Policy::default().retry_delays,
             Self::Handoff => vec![crate::run::HANDOFF_DELAY],
         }
-    }
-
-    /// What Lily must reach against `over` on this path, if that contender is a bar: raw-batch
-    /// only. The no-ack ceiling is the node's reference, not a bar: the broker's settling work
-    /// alone keeps any consumer that settles well below it.
-    pub fn target(self, over: Contender) -> Option<f64> {
-        (over == Contender::RawBatch).then_some(1.0)
     }
 }
 
@@ -121,26 +99,11 @@ impl Contender {
             Self::RawBatchAgain => "raw-batch again",
         }
     }
-
-    /// How a raw lapin contender settles on the success path.
-    ///
-    /// # Panics
-    /// For Lily and ruststream-lapin.
-    pub fn settle(self) -> crate::raw::Settle {
-        use crate::raw::Settle;
-        match self {
-            Self::Raw => Settle::Each,
-            Self::RawBatch | Self::RawBatchAgain => Settle::Batch,
-            Self::Ceiling => Settle::NoAck,
-            Self::Lily | Self::Peer => unreachable!("{} is not raw lapin", self.name()),
-        }
-    }
 }
 
 /// Everything one benchmark run measured.
 #[derive(Debug, Serialize)]
 pub struct Results {
-    /// The run's conditions.
     #[serde(flatten)]
     pub meta: crate::Meta,
     pub messages_per_run: u64,
@@ -160,30 +123,15 @@ pub struct Start {
     pub median_ms: f64,
 }
 
-impl Start {
-    pub fn new(queue_type: &'static str, contender: Contender, samples: &[Sample]) -> Self {
-        let ms: Vec<f64> = samples.iter().map(|s| s.secs * 1000.0).collect();
-        let median_ms = median(&mut ms.clone());
-        Self {
-            queue_type,
-            contender,
-            ms,
-            median_ms,
-        }
-    }
-}
-
-/// One contender's runs in a case and their medians.
+/// One contender's runs in a case and their medians (CPU: µs a message, client = this process,
+/// every thread; broker = the Erlang VM; steady: from the first delivery on).
 #[derive(Debug, Serialize)]
 pub struct Runs {
     pub contender: Contender,
     pub samples: Vec<Sample>,
     pub median_msgs_per_sec: f64,
-    /// Median client CPU µs per message (this process, every thread).
     pub client_cpu_us_per_msg: Option<f64>,
-    /// Median broker CPU µs per message (the Erlang VM).
     pub broker_cpu_us_per_msg: Option<f64>,
-    /// Median steady rate: messages over the time from the first delivery on.
     pub median_steady_msgs_per_sec: Option<f64>,
 }
 
@@ -213,11 +161,16 @@ pub struct Ratio {
 impl Ratio {
     /// `numerator`'s runs over `over`'s, with `target` judged by [`meets`].
     fn new(numerator: &Runs, over: &Runs, target: Option<f64>, cpu_target: Option<f64>) -> Self {
+        // Each repetition's `numerator / over` of a rate, where both have it.
+        let paired = |rate: fn(&Sample) -> Option<f64>| -> Vec<f64> {
+            let pairs = numerator.samples.iter().zip(&over.samples);
+            pairs
+                .filter_map(|(l, o)| Some(rate(l)? / rate(o)?))
+                .collect()
+        };
         let value = numerator.median_msgs_per_sec / over.median_msgs_per_sec;
-        let runs = paired(&numerator.samples, &over.samples, |s| Some(s.msgs_per_sec));
-        let cpu_runs = paired(&numerator.samples, &over.samples, |s| {
-            s.client_cpu_us_per_msg
-        });
+        let runs = paired(|s| Some(s.msgs_per_sec));
+        let cpu_runs = paired(|s| s.client_cpu_us_per_msg);
         let cpu = (!cpu_runs.is_empty()).then(|| median(&mut cpu_runs.clone()));
         Self {
             over: over.contender,
@@ -229,7 +182,7 @@ impl Ratio {
                 .median_steady_msgs_per_sec
                 .zip(over.median_steady_msgs_per_sec)
                 .map(|(l, o)| l / o),
-            steady_runs: paired(&numerator.samples, &over.samples, |s| s.steady_msgs_per_sec),
+            steady_runs: paired(|s| s.steady_msgs_per_sec),
             cpu_met: cpu
                 .zip(cpu_target)
                 .and_then(|(cpu, t)| meets(cpu, &cpu_runs, t, false)),
@@ -238,12 +191,6 @@ impl Ratio {
         }
     }
 }
-
-/// The fewest repetitions a ratio is judged on.
-pub const RULE_REPS: usize = 5;
-
-/// Lily's client CPU a message, at most, over raw-batch's.
-pub const CPU_TARGET: f64 = 1.10;
 
 /// Whether a ratio meets its target by the project's rule: two identical contenders give a
 /// median at or above 1.0 only half the time, so over at least [`RULE_REPS`] repetitions the
@@ -257,14 +204,6 @@ pub fn meets(median: f64, runs: &[f64], target: f64, floor: bool) -> Option<bool
             median <= target * 1.03 && runs.iter().any(|&r| r <= target)
         }
     })
-}
-
-/// Each repetition's `lily / other` of `rate`, where both have it.
-fn paired(lily: &[Sample], other: &[Sample], rate: impl Fn(&Sample) -> Option<f64>) -> Vec<f64> {
-    lily.iter()
-        .zip(other)
-        .filter_map(|(l, o)| Some(rate(l)? / rate(o)?))
-        .collect()
 }
 
 /// One path × queue type × prefetch, all its runs and their medians.
@@ -288,49 +227,41 @@ impl CaseResult {
         prefetch: u16,
         samples: Vec<(Contender, Vec<Sample>)>,
     ) -> Self {
-        let med = |v: &mut Vec<f64>| (!v.is_empty()).then(|| median(v));
         let runs: Vec<Runs> = samples
             .into_iter()
             .filter(|(_, s)| !s.is_empty())
-            .map(|(contender, samples)| Runs {
-                contender,
-                median_msgs_per_sec: median(
-                    &mut samples.iter().map(|x| x.msgs_per_sec).collect::<Vec<_>>(),
-                ),
-                client_cpu_us_per_msg: med(&mut samples
-                    .iter()
-                    .filter_map(|x| x.client_cpu_us_per_msg)
-                    .collect()),
-                broker_cpu_us_per_msg: med(&mut samples
-                    .iter()
-                    .filter_map(|x| x.broker_cpu_us_per_msg)
-                    .collect()),
-                median_steady_msgs_per_sec: med(&mut samples
-                    .iter()
-                    .filter_map(|x| x.steady_msgs_per_sec)
-                    .collect()),
-                samples,
+            .map(|(contender, samples)| {
+                let med = |f: fn(&Sample) -> Option<f64>| {
+                    let mut v: Vec<f64> = samples.iter().filter_map(f).collect();
+                    (!v.is_empty()).then(|| median(&mut v))
+                };
+                Runs {
+                    contender,
+                    median_msgs_per_sec: med(|x| Some(x.msgs_per_sec)).unwrap_or(f64::NAN),
+                    client_cpu_us_per_msg: med(|x| x.client_cpu_us_per_msg),
+                    broker_cpu_us_per_msg: med(|x| x.broker_cpu_us_per_msg),
+                    median_steady_msgs_per_sec: med(|x| x.steady_msgs_per_sec),
+                    samples,
+                }
             })
             .collect();
         let all_runs_complete = runs.iter().flat_map(|r| &r.samples).all(|s| s.complete);
-        let lily_over = runs
-            .iter()
-            .find(|r| r.contender == Contender::Lily)
-            .map(|lily| {
-                runs.iter()
-                    .filter(|r| !matches!(r.contender, Contender::Lily | Contender::RawBatchAgain))
-                    .map(|r| {
-                        let cpu = (path == Path::Success && r.contender == Contender::RawBatch)
-                            .then_some(CPU_TARGET);
-                        Ratio::new(lily, r, path.target(r.contender), cpu)
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        let aa = runs
-            .iter()
-            .find(|r| r.contender == Contender::RawBatchAgain)
-            .zip(runs.iter().find(|r| r.contender == Contender::RawBatch))
+        let find = |who| runs.iter().find(|r| r.contender == who);
+        // Lily must reach raw-batch's rate; the no-ack ceiling is the node's reference, not a
+        // bar: the broker's settling work alone keeps any consumer that settles well below it.
+        let lily_over = find(Contender::Lily).map_or_else(Vec::new, |lily| {
+            let others = runs
+                .iter()
+                .filter(|r| !matches!(r.contender, Contender::Lily | Contender::RawBatchAgain));
+            let ratio = |r: &Runs| {
+                let bar = r.contender == Contender::RawBatch;
+                let cpu = (bar && path == Path::Success).then_some(CPU_TARGET);
+                Ratio::new(lily, r, bar.then_some(1.0), cpu)
+            };
+            others.map(ratio).collect()
+        });
+        let aa = find(Contender::RawBatchAgain)
+            .zip(find(Contender::RawBatch))
             .map(|(again, batch)| Ratio::new(again, batch, None, None));
         Self {
             path,

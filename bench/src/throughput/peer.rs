@@ -54,10 +54,7 @@ pub async fn success(url: &str, queue: &str, kind: QueueKind, prefetch: u16, n: 
     let started = Instant::now();
     let running = app.start().await.expect("peer starts");
     let limit = crate::run::run_limit(n);
-    loop {
-        if HANDLED.load(Ordering::Relaxed) >= n || started.elapsed() > limit {
-            break;
-        }
+    while HANDLED.load(Ordering::Relaxed) < n && started.elapsed() <= limit {
         tokio::time::sleep(POLL).await;
     }
     let elapsed = started.elapsed();
