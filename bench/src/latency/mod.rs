@@ -17,37 +17,33 @@ pub const LOADS: [f64; 2] = [0.5, 0.9];
 /// A consumer kept up (a publisher reached its target) at this share of the publish (target) rate.
 pub const KEPT_UP: f64 = 0.95;
 /// A rate is sustained when the publisher reaches this share of it and the contender settles this
-/// share of what was published (why the maximum rate must be sustained: `bench/README.md`).
+/// share of what was published.
 pub const SUSTAINED: f64 = 0.99;
-/// Each rate checked for the maximum is the one before (first: the lower rate settled under
-/// overload) times this; at most [`SUSTAIN_TRIES`] rates are checked, the last used even if not
-/// sustained.
+/// The search for the maximum rate: each rate this times the one before, at most this many.
 pub const SUSTAIN_STEP: f64 = 0.9;
 pub const SUSTAIN_TRIES: u32 = 4;
 
-/// Who consumes.
+/// Who consumes: the hand-tuned raw lapin consumer of [`raw_batch`], or Lily.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Contender {
-    /// The hand-tuned raw lapin consumer of [`raw_batch`].
     RawBatch,
-    /// Lily.
     Lily,
 }
 
 impl Contender {
     pub fn name(self) -> &'static str {
-        match self {
-            Self::RawBatch => "raw-batch",
-            Self::Lily => "Lily",
+        if self == Self::Lily {
+            "Lily"
+        } else {
+            "raw-batch"
         }
     }
 }
 
-/// Percentiles of a run's settlement latencies.
+/// Percentiles of a run's settlement latencies (`samples`: deliveries timed).
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct Latencies {
-    /// Deliveries timed.
     pub samples: usize,
     pub p50_us: u32,
     pub p99_us: u32,
@@ -93,10 +89,10 @@ impl Latencies {
 pub struct Run {
     pub contender: Contender,
     pub target_rate: f64,
-    /// Messages the paced publisher published, and how many of them were not confirmed.
+    /// Messages the paced publisher published, and how many of them were not confirmed;
+    /// `published / publishing seconds`.
     pub published: u64,
     pub unconfirmed: u64,
-    /// `published / publishing seconds`.
     pub publish_rate: f64,
     /// `publish_rate ≥ KEPT_UP × target_rate`: the load was what the case names.
     pub publisher_reached_target: bool,
@@ -104,9 +100,9 @@ pub struct Run {
     pub settled_per_sec: f64,
     /// `settled_per_sec ≥ KEPT_UP × publish_rate`: the consumer kept up with the load.
     pub kept_up: bool,
-    /// Seconds from the end of publishing until every published message was settled.
+    /// Seconds from the end of publishing until every published message was settled, and
+    /// whether every one was.
     pub drain_secs: f64,
-    /// Every published message was settled.
     pub complete: bool,
     /// Deliveries that ended otherwise (raw-batch: NACKed or ACK failed; Lily: requeued,
     /// dead-lettered, parked or unresolved).
@@ -129,27 +125,20 @@ impl Run {
     }
 }
 
-/// The maximum rate a case's target is a fraction of.
+/// The maximum rate a case's target is a fraction of (msg/s; how it is searched: `cli`'s
+/// `max_rate`): each contender's drain rate with nothing publishing, the load then `offered`,
+/// what each settled under it, the lower of the two (`under_load`), the rates checked from
+/// there (`tries`), whether both sustained the last, and the rate `used` (or `--max-rate`).
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct MaxRate {
-    /// Lily's drain rate (msgs/s) with nothing publishing, when measured.
     pub lily: Option<f64>,
-    /// raw-batch's drain rate with nothing publishing, when measured.
     pub raw_batch: Option<f64>,
-    /// The load offered while the rates under load were measured: the higher drain rate.
     pub offered: Option<f64>,
-    /// What Lily settled per second with the publisher offering [`Self::offered`].
     pub lily_loaded: Option<f64>,
-    /// What raw-batch settled per second with the publisher offering [`Self::offered`].
     pub raw_batch_loaded: Option<f64>,
-    /// The lower of the two rates under load, where the search for a sustained rate starts.
     pub under_load: Option<f64>,
-    /// Rates checked: from [`Self::under_load`] times [`SUSTAIN_STEP`] down by that factor
-    /// until both contenders sustained one ([`SUSTAINED`]), at most [`SUSTAIN_TRIES`].
     pub tries: Option<u32>,
-    /// Whether both contenders sustained [`Self::used`] (false: the tries ran out first).
     pub sustained: Option<bool>,
-    /// The rate used: the last rate checked, or `--max-rate`.
     pub used: f64,
 }
 
@@ -165,13 +154,11 @@ pub struct Case {
     pub target_rate: f64,
     pub raw_batch: Run,
     pub lily: Run,
-    /// Lily's p99 minus raw-batch's, in ms; with repetitions, the median round's.
+    /// Lily's p99 minus raw-batch's, in ms: the median round's, and every round's in the order
+    /// they ran; met when at most [`P99_MARGIN_MS`].
     pub p99_diff_ms: f64,
-    /// Lily's p99 minus raw-batch's in every round, in the order they ran.
     pub rounds_p99_diff_ms: Vec<f64>,
-    /// [`P99_MARGIN_MS`].
     pub p99_margin_ms: f64,
-    /// `p99_diff_ms ≤ p99_margin_ms`.
     pub met: bool,
 }
 
@@ -220,7 +207,6 @@ impl Case {
 /// Everything one benchmark run measured.
 #[derive(Debug, Serialize)]
 pub struct Results {
-    /// The run's conditions.
     #[serde(flatten)]
     pub meta: crate::Meta,
     /// Messages each drain-rate measurement published (0 with `--max-rate`).
