@@ -1,7 +1,6 @@
 //! The hand-written lapin contenders: what a user writes without a framework. One consume
-//! loop for the success path, parameterised by how it settles ([`Settle`]); the handoff path
-//! pipelined ([`handoff`], also the storm's [`storm`]) or batched ([`handoff_batch`]). Their
-//! retry copies carry Lily's eight failure headers ([`retry_properties`]).
+//! loop for the success path ([`Settle`]); the handoff path pipelined ([`handoff`], also the
+//! storm's) or batched ([`handoff_batch`]), the copies with Lily's failure headers.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -47,16 +46,11 @@ pub enum Settle {
 /// hand-written consumer.
 pub use lily_mq_regress::consume::{failed, open};
 
-/// A channel in confirm mode on `connection`.
-///
-/// # Panics
-/// When the broker refuses it.
+/// A channel in confirm mode on `connection` (panics when the broker refuses it).
 pub async fn confirm_channel(connection: &Connection) -> Channel {
     let confirms = connection.create_channel().await.expect("channel");
-    confirms
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .expect("confirm.select");
+    let select = confirms.confirm_select(ConfirmSelectOptions::default());
+    select.await.expect("confirm.select");
     confirms
 }
 
@@ -83,10 +77,9 @@ async fn take(
 }
 
 /// Cancels the consumer and closes its channel and connection.
-async fn close(connection: Connection, channel: Channel, consumer: &lapin::Consumer) {
-    let _ = channel
-        .basic_cancel(consumer.tag(), BasicCancelOptions::default())
-        .await;
+pub async fn close(connection: Connection, channel: Channel, consumer: &lapin::Consumer) {
+    let cancel = channel.basic_cancel(consumer.tag(), BasicCancelOptions::default());
+    let _ = cancel.await;
     let _ = channel.close(200, "done".into()).await;
     let _ = connection.close(200, "done".into()).await;
 }
@@ -97,21 +90,15 @@ fn deserialize(delivery: &Delivery) {
     std::hint::black_box(order);
 }
 
-/// Consumes `n` messages on the success path, settling them as `settle` says.
-///
-/// # Panics
-/// When the broker cannot be reached, or an awaited ACK fails.
+/// Consumes `n` messages on the success path, settling them as `settle` says (panics when the
+/// broker cannot be reached, or an awaited ACK fails).
 pub async fn success(url: &str, queue: &str, prefetch: u16, n: u64, settle: Settle) -> Sample {
     let started = Instant::now();
     let first = FirstDelivery::new();
     let no_ack = settle == Settle::NoAck;
     let (connection, channel, mut consumer) =
         open(url, queue, prefetch, no_ack).await.expect("consume");
-    let batch = if settle == Settle::Batch {
-        u64::from((prefetch / 2).max(1))
-    } else {
-        1
-    };
+    let batch = u64::from((prefetch / 2).max(1));
     let (mut received, mut settled) = (0, 0);
     // One deadline for the whole run, not a timer a delivery: a timer armed at every wait is a
     // cost the simplest loop does not pay (raw-batch ran at 0.90 of it with one, 1.11 without).
@@ -120,19 +107,14 @@ pub async fn success(url: &str, queue: &str, prefetch: u16, n: u64, settle: Sett
             deserialize(&delivery);
             match settle {
                 Settle::Each => {
-                    delivery
-                        .acker
-                        .ack(BasicAckOptions::default())
-                        .await
-                        .expect("ack");
+                    let ack = delivery.acker.ack(BasicAckOptions::default());
+                    ack.await.expect("ack");
                     settled += 1;
                 }
                 Settle::Batch if received - settled == batch || received == n => {
                     let multiple = BasicAckOptions { multiple: true };
-                    channel
-                        .basic_ack(delivery.delivery_tag, multiple)
-                        .await
-                        .expect("ack");
+                    let ack = channel.basic_ack(delivery.delivery_tag, multiple);
+                    ack.await.expect("ack");
                     settled = received;
                 }
                 Settle::NoAck => settled += 1,
@@ -146,80 +128,83 @@ pub async fn success(url: &str, queue: &str, prefetch: u16, n: u64, settle: Sett
     Sample::new(settled, n, elapsed).first_seen(started, &first)
 }
 
-fn tally(result: Result<bool, tokio::task::JoinError>, settled: &mut u64, failed: &mut u64) {
-    match result {
-        Ok(true) => *settled += 1,
-        _ => *failed += 1,
-    }
+/// What the pipelined handoff counts.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Copies confirmed and originals ACKed.
+    pub handoffs: AtomicU64,
+    /// Copies not confirmed (original NACKed) or ACKs that failed.
+    pub failed: AtomicU64,
 }
 
-/// Deserializes `delivery`, publishes its retry copy to `bucket` (mandatory, persistent, Lily's
-/// failure headers) on `confirms`, awaits that copy's own confirm (a returned copy fails), then
-/// ACKs; a failed copy's original is NACKed and requeued. True when the ACK was written.
-pub async fn hand_off_one(
-    confirms: &Channel,
-    bucket: ShortString,
+/// The pipelined handoff of one delivery, on a task of its own: deserializes it, publishes its
+/// retry copy to `bucket` (mandatory, persistent, Lily's failure headers) on `confirms`, awaits
+/// that copy's own confirm (a returned copy fails), then ACKs; a failed copy's original is
+/// NACKed and requeued. Confirms pipeline across the deliveries in flight (up to the prefetch).
+fn hand_off(
+    tasks: &mut JoinSet<()>,
+    (confirms, bucket, source): &(Channel, ShortString, Arc<str>),
     delivery: Delivery,
-    source: &str,
-    reason: &str,
-) -> bool {
-    deserialize(&delivery);
-    let properties = retry_properties(&delivery, source, reason);
-    let confirmed = async {
-        confirms
-            .basic_publish("".into(), bucket, MANDATORY, &delivery.data, properties)
-            .await?
-            .await
-    }
-    .await;
-    if matches!(confirmed, Ok(Confirmation::Ack(None))) {
-        return delivery
-            .acker
-            .ack(BasicAckOptions::default())
-            .await
-            .is_ok_and(|written| written);
-    }
-    let _ = delivery.acker.nack(REQUEUE).await;
-    false
+    reason: &'static str,
+    counters: &Arc<Counters>,
+) {
+    let (confirms, bucket) = (confirms.clone(), bucket.clone());
+    let (source, counters) = (Arc::clone(source), Arc::clone(counters));
+    tasks.spawn(async move {
+        deserialize(&delivery);
+        let properties = retry_properties(&delivery, &source, reason);
+        let confirmed = async {
+            let options = MANDATORY;
+            let publish =
+                confirms.basic_publish("".into(), bucket, options, &delivery.data, properties);
+            publish.await?.await
+        };
+        let done = if matches!(confirmed.await, Ok(Confirmation::Ack(None))) {
+            let ack = delivery.acker.ack(BasicAckOptions::default());
+            ack.await.is_ok_and(|written| written)
+        } else {
+            let _ = delivery.acker.nack(REQUEUE).await;
+            false
+        };
+        let counter = if done {
+            &counters.handoffs
+        } else {
+            &counters.failed
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    });
+    while tasks.try_join_next().is_some() {}
 }
 
-/// Consumes `n` messages, each failing once: per delivery a task deserializes, publishes the
-/// retry copy to `bucket` (mandatory, persistent, Lily's failure headers) on the one confirm
-/// channel, awaits its own confirm (a returned message is a failure) and then ACKs. Confirms
-/// pipeline across the deliveries in flight (up to `prefetch`).
+/// Consumes `n` messages, each failing once, handed off pipelined ([`hand_off`]).
 pub async fn handoff(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64) -> Sample {
     let started = Instant::now();
     let first = FirstDelivery::new();
     let (connection, channel, mut consumer) =
         open(url, queue, prefetch, false).await.expect("consume");
-    let confirms = confirm_channel(&connection).await;
-    let bucket: ShortString = bucket.into();
-    let source: Arc<str> = queue.into();
-    let mut tasks = JoinSet::new();
-    let (mut received, mut settled, mut failed) = (0, 0, 0);
+    let to = (
+        confirm_channel(&connection).await,
+        bucket.into(),
+        queue.into(),
+    );
+    let (mut tasks, counters) = (JoinSet::new(), Arc::default());
+    let mut received = 0;
     // One deadline for the run, as on the success path.
     let consumed = async {
         while let Some(delivery) = take(&mut consumer, &mut received, n, &first).await {
-            let (confirms, bucket, source) =
-                (confirms.clone(), bucket.clone(), Arc::clone(&source));
-            tasks.spawn(async move {
-                hand_off_one(&confirms, bucket, delivery, &source, FAILURE_REASON).await
-            });
-            while let Some(result) = tasks.try_join_next() {
-                tally(result, &mut settled, &mut failed);
-            }
+            hand_off(&mut tasks, &to, delivery, FAILURE_REASON, &counters);
         }
-        while let Some(result) = tasks.join_next().await {
-            tally(result, &mut settled, &mut failed);
-        }
+        while tasks.join_next().await.is_some() {}
     };
     let _ = tokio::time::timeout(run_limit(n), consumed).await;
     let elapsed = started.elapsed();
+    let failed = counters.failed.load(Ordering::Relaxed);
     if failed > 0 {
         eprintln!("raw handoff: {failed} handoffs failed");
     }
-    let _ = confirms.close(200, "done".into()).await;
+    let _ = to.0.close(200, "done".into()).await;
     close(connection, channel, &consumer).await;
+    let settled = counters.handoffs.load(Ordering::Relaxed);
     Sample::new(settled, n, elapsed).first_seen(started, &first)
 }
 
@@ -317,33 +302,23 @@ pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, 
     Sample::new(settled, n, elapsed).first_seen(started, &first)
 }
 
-/// What the storm's raw contender counts.
-#[derive(Debug, Default)]
-pub struct Counters {
-    /// Copies confirmed and originals ACKed.
-    pub handoffs: AtomicU64,
-    /// Copies not confirmed (original NACKed) or ACKs that failed.
-    pub failed: AtomicU64,
-}
-
-/// The storm: [`handoff`]'s algorithm until `stop` is cancelled, handing every delivery off to
-/// `bucket`; then cancels the consumer, lets the tasks in flight finish and closes.
-///
-/// # Panics
-/// When the broker cannot be reached or refuses the consumer.
+/// The storm: [`hand_off`] for every delivery until `stop` is cancelled; then cancels the
+/// consumer, lets the tasks in flight finish and closes (panics when the broker cannot be
+/// reached or refuses the consumer).
 pub async fn storm(
     url: String,
-    queue: String,
-    bucket: String,
+    (queue, bucket): (String, String),
     prefetch: u16,
     counters: Arc<Counters>,
     stop: CancellationToken,
 ) {
     let (connection, channel, mut consumer) =
         open(&url, &queue, prefetch, false).await.expect("consume");
-    let confirms = confirm_channel(&connection).await;
-    let bucket: ShortString = bucket.as_str().into();
-    let source: Arc<str> = queue.as_str().into();
+    let to = (
+        confirm_channel(&connection).await,
+        bucket.into(),
+        queue.into(),
+    );
     let mut tasks = JoinSet::new();
     loop {
         let next = tokio::select! {
@@ -352,31 +327,18 @@ pub async fn storm(
             next = next(&mut consumer) => next,
         };
         let Some(Ok(delivery)) = next else { break };
-        let (confirms, bucket, source) = (confirms.clone(), bucket.clone(), Arc::clone(&source));
-        let counters = Arc::clone(&counters);
-        tasks.spawn(async move {
-            let done = hand_off_one(
-                &confirms,
-                bucket,
-                delivery,
-                &source,
-                crate::run::STORM_REASON,
-            )
-            .await;
-            let counter = if done {
-                &counters.handoffs
-            } else {
-                &counters.failed
-            };
-            counter.fetch_add(1, Ordering::Relaxed);
-        });
-        while tasks.try_join_next().is_some() {}
+        hand_off(
+            &mut tasks,
+            &to,
+            delivery,
+            crate::run::STORM_REASON,
+            &counters,
+        );
     }
-    let _ = channel
-        .basic_cancel(consumer.tag(), BasicCancelOptions::default())
-        .await;
+    let cancel = channel.basic_cancel(consumer.tag(), BasicCancelOptions::default());
+    let _ = cancel.await;
     while tasks.join_next().await.is_some() {}
-    let _ = confirms.close(200, "done".into()).await;
+    let _ = to.0.close(200, "done".into()).await;
     let _ = channel.close(200, "done".into()).await;
     let _ = connection.close(200, "done".into()).await;
 }

@@ -2,6 +2,7 @@
 //! drained and counted by message id, every id of the population exactly once, and the DLQ and
 //! the parking lane empty.
 
+use lily::topology::Topology;
 use lily_mq_testkit::Client;
 use serde::Serialize;
 
@@ -23,28 +24,21 @@ pub struct Check {
     pub ok: bool,
 }
 
-/// Drains `work` and `bucket`, reads the depths of `dlq` and `parking`, and checks the ids
-/// `m-0 … m-{population − 1}`.
-pub async fn check(
-    url: &str,
-    work: &str,
-    bucket: &str,
-    dlq: &str,
-    parking: &str,
-    population: u64,
-) -> Check {
+/// Drains the work queue and the bucket of `topology`, reads the depths of its DLQ and parking
+/// lane, and checks the ids `m-0 … m-{population − 1}`.
+pub async fn check(url: &str, topology: &Topology, population: u64) -> Check {
     let client = Client::connect(url).await;
-    let mut ids = client.drain_ids(bucket).await;
+    let mut ids = client
+        .drain_ids(topology.bucket(0).expect("a retry bucket"))
+        .await;
     let in_bucket = ids.values().sum::<usize>() as u64;
     let mut in_work_queue = 0;
-    for (id, count) in client.drain_ids(work).await {
+    for (id, count) in client.drain_ids(topology.queue()).await {
         in_work_queue += count as u64;
         *ids.entry(id).or_insert(0) += count;
     }
-    let (in_dead_letter_queue, in_parking) = (
-        crate::depth(url, dlq).await,
-        crate::depth(url, parking).await,
-    );
+    let in_dead_letter_queue = crate::depth(url, &topology.dead_letter_queue()).await;
+    let in_parking = crate::depth(url, &topology.parking_queue()).await;
     let (mut missing, mut duplicates) = (0, 0);
     for i in 0..population {
         match ids.remove(&format!("m-{i}")) {

@@ -45,13 +45,10 @@ fn lily_consumer(url: &str, prefetch: u16) -> Consumer {
         std::hint::black_box(o);
         Err::<(), _>(QueueHandlerError::retryable(REASON))
     });
-    let policy = Policy::default()
-        .max_attempts(MAX_ATTEMPTS)
-        .retry_delays([RETRY_DELAY]);
-    let config = ConsumerConfig::new(QUEUE)
-        .prefetch(prefetch)
-        .concurrency(usize::from(prefetch))
-        .policy(policy);
+    let policy = Policy::default().max_attempts(MAX_ATTEMPTS);
+    let config = ConsumerConfig::new(QUEUE).prefetch(prefetch);
+    let config = config.concurrency(usize::from(prefetch));
+    let config = config.policy(policy.retry_delays([RETRY_DELAY]));
     Consumer::new(url, config, router)
 }
 
@@ -63,21 +60,17 @@ async fn storm(url: &str, args: &Args, who: Contender) -> StormRun {
         QueueKind::Classic,
         &[RETRY_DELAY],
         args.population,
-    )
-    .await;
+    );
+    let topology = topology.await;
     let bucket = topology.bucket(0).expect("a retry bucket").to_owned();
     let (series, failed, lily_totals) = match who {
         Contender::Raw => {
             let counters = Arc::new(raw::Counters::default());
             let stop = CancellationToken::new();
-            let task = tokio::spawn(raw::storm(
-                url.to_owned(),
-                QUEUE.to_owned(),
-                bucket.clone(),
-                args.prefetch,
-                Arc::clone(&counters),
-                stop.clone(),
-            ));
+            let queues = (QUEUE.to_owned(), bucket.clone());
+            let counted = Arc::clone(&counters);
+            let storm = raw::storm(url.to_owned(), queues, args.prefetch, counted, stop.clone());
+            let task = tokio::spawn(storm);
             let series = sample(url, QUEUE, args.secs, || {
                 counters.handoffs.load(Ordering::Relaxed)
             })
@@ -97,15 +90,7 @@ async fn storm(url: &str, args: &Args, who: Contender) -> StormRun {
     };
     // Let every copy in the bucket come back before counting.
     tokio::time::sleep(RETRY_DELAY + Duration::from_millis(1500)).await;
-    let check = check::check(
-        url,
-        QUEUE,
-        &bucket,
-        &topology.dead_letter_queue(),
-        &topology.parking_queue(),
-        args.population,
-    )
-    .await;
+    let check = check::check(url, &topology, args.population).await;
     StormRun {
         contender: who,
         secs: args.secs,
@@ -152,18 +137,14 @@ pub async fn run(args: Args) {
         results.runs.push(run);
     }
     let mean = |who| {
-        results
-            .runs
-            .iter()
-            .find(|r| r.contender == who)
-            .map(|r| r.summary.mean_rate)
+        let run = results.runs.iter().find(|r| r.contender == who);
+        run.map(|r| r.summary.mean_rate)
     };
     results.lily_over_raw = mean(Contender::Lily)
         .zip(mean(Contender::Raw))
         .map(|(l, r)| l / r);
     results.meta.finish(total);
-    let chart = report::storm_chart(&results);
-    let markdown = report::storm(&results);
+    let (markdown, chart) = (report::storm(&results), report::storm_chart(&results));
     report::write(&args.common.out, "storm", &results, &markdown, Some(&chart));
     println!("total {:.0} s", total.elapsed().as_secs_f64());
 }

@@ -32,37 +32,32 @@ pub enum Contender {
 
 impl Contender {
     pub fn name(self) -> &'static str {
-        match self {
-            Self::Raw => "raw lapin",
-            Self::Lily => "Lily",
+        if self == Self::Lily {
+            "Lily"
+        } else {
+            "raw lapin"
         }
     }
 }
 
-/// One second of a run.
+/// Second `t` since the contender started: handoffs completed (copy confirmed, original ACKed)
+/// during it, and at its end this process's `VmRSS` and the work queue's ready messages.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct Second {
-    /// Seconds since the contender started.
     pub t: u32,
-    /// Handoffs completed (copy confirmed, original ACKed) during that second.
     pub handoffs: u64,
-    /// `VmRSS` of this process at the end of the second.
     pub rss_bytes: u64,
-    /// Ready messages in the work queue at the end of the second.
     pub ready: Option<u32>,
 }
 
-/// What a run's series says.
+/// What a run's series says: mean handoffs/s after the warm-up, over all of it and over its
+/// first and last windows (60 s, or less in a short run), and `last_rate / first_rate`.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct Summary {
-    /// Mean handoffs/s after the warm-up.
     pub mean_rate: f64,
-    /// Length of the first and last windows compared (60 s, or less in a short run).
     pub window_secs: u32,
-    /// Mean handoffs/s in the first window after the warm-up, and in the last window.
     pub first_rate: f64,
     pub last_rate: f64,
-    /// `last_rate / first_rate`.
     pub flatness: f64,
     /// `VmRSS` at the end of the warm-up, the largest sampled, and the last, in MiB.
     pub rss_start_mib: f64,
@@ -81,24 +76,18 @@ impl Summary {
     #[allow(clippy::cast_precision_loss)]
     pub fn of(series: &[Second], warmup: u32) -> Self {
         let after: Vec<&Second> = series.iter().filter(|s| s.t > warmup).collect();
-        let mean = |xs: &[&Second]| {
-            if xs.is_empty() {
-                f64::NAN
-            } else {
-                xs.iter().map(|s| s.handoffs as f64).sum::<f64>() / xs.len() as f64
-            }
-        };
-        let span = u32::try_from(after.len()).unwrap_or(u32::MAX);
-        let window = (span / 2).clamp(1, 60);
+        // NaN when empty.
+        let mean =
+            |xs: &[&Second]| xs.iter().map(|s| s.handoffs as f64).sum::<f64>() / xs.len() as f64;
+        let window = (u32::try_from(after.len()).unwrap_or(u32::MAX) / 2).clamp(1, 60);
         let w = window as usize;
-        let first = &after[..w.min(after.len())];
-        let last = &after[after.len().saturating_sub(w)..];
-        let (first_rate, last_rate) = (mean(first), mean(last));
+        let first_rate = mean(&after[..w.min(after.len())]);
+        let last_rate = mean(&after[after.len().saturating_sub(w)..]);
         let start = series
             .iter()
             .find(|s| s.t == warmup)
-            .or_else(|| series.first())
-            .map_or(0, |s| s.rss_bytes);
+            .or_else(|| series.first());
+        let start = start.map_or(0, |s| s.rss_bytes);
         let points: Vec<(f64, f64)> = after
             .iter()
             .map(|s| (f64::from(s.t) / 60.0, s.rss_bytes as f64 / MIB))
@@ -136,9 +125,8 @@ fn slope(points: &[(f64, f64)]) -> f64 {
 /// of `queue` (read on a connection of its own).
 pub async fn sample(url: &str, queue: &str, secs: u32, count: impl Fn() -> u64) -> Vec<Second> {
     use lapin::{Connection, ConnectionProperties};
-    let connection = Connection::connect(url, ConnectionProperties::default())
-        .await
-        .ok();
+    let connection = Connection::connect(url, ConnectionProperties::default()).await;
+    let connection = connection.ok();
     let channel = match &connection {
         Some(c) => c.create_channel().await.ok(),
         None => None,
@@ -189,7 +177,6 @@ pub struct StormRun {
 /// Everything one storm measured.
 #[derive(Debug, Serialize)]
 pub struct Results {
-    /// The run's conditions.
     #[serde(flatten)]
     pub meta: crate::Meta,
     pub population: u64,
