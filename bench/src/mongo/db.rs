@@ -30,9 +30,9 @@ pub fn redact(url: &str) -> String {
 /// A client for `url`, checked to be on a replica set (transactions need one). The errors name
 /// neither the URL nor the driver's text (which may quote it).
 pub async fn client(url: &str) -> Result<Client, String> {
-    let client = Client::with_uri_str(url)
-        .await
-        .map_err(|e| format!("LILY_MONGO_URL is not a usable MongoDB URL ({})", kind(&e)))?;
+    let client = Client::with_uri_str(url).await;
+    let client =
+        client.map_err(|e| format!("LILY_MONGO_URL is not a usable MongoDB URL ({})", kind(&e)))?;
     let hello = admin(&client, doc! { "hello": 1 }).await;
     let hello = hello.map_err(|e| format!("MongoDB did not answer `hello` ({})", kind(&e)))?;
     if hello.get_str("setName").is_err() {
@@ -58,18 +58,16 @@ pub async fn fresh(client: &Client, case: Case) -> Database {
     let database = client.database(DATABASE);
     database.drop().await.expect("drop the benchmark database");
     for name in [EFFECTS, RAW_INBOX, COUNTERS]
-        .into_iter()
-        .chain(LILY_COLLECTIONS)
+        .iter()
+        .chain(&LILY_COLLECTIONS)
     {
-        database
-            .create_collection(name)
-            .await
-            .unwrap_or_else(|e| panic!("create collection {name}: {}", kind(&e)));
+        let created = database.create_collection(*name).await;
+        created.unwrap_or_else(|e| panic!("create collection {name}: {}", kind(&e)));
     }
     if case == Case::HotKeys {
         let counters = (0..HOT_KEYS).map(|k| doc! { "_id": hot_key(k), "n": 0_i64 });
-        database
-            .collection::<Document>(COUNTERS)
+        let collection = database.collection::<Document>(COUNTERS);
+        collection
             .insert_many(counters)
             .await
             .expect("seed the counters");
@@ -90,7 +88,8 @@ pub fn kind(err: &mongodb::error::Error) -> String {
     }
 }
 
-/// mongod's operation counters (`serverStatus.opcounters`, transactions' included).
+/// mongod's operation counters (`serverStatus.opcounters`, transactions' included; `command`:
+/// commits, aborts, `findAndModify`, `hello`s, …).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Ops {
     pub insert: f64,
@@ -98,7 +97,6 @@ pub struct Ops {
     pub update: f64,
     pub delete: f64,
     pub getmore: f64,
-    /// Commits, aborts, `findAndModify`, `hello`s, …
     pub command: f64,
 }
 
@@ -166,10 +164,8 @@ pub struct Check {
     pub sample_ids: Vec<String>,
 }
 
-/// Checks the run of `who` over `n` messages.
-///
-/// # Panics
-/// When the database or the broker cannot be read.
+/// Checks the run of `who` over `n` messages (panics when the database or the broker cannot be
+/// read).
 pub async fn check(
     url: &str,
     database: &Database,
@@ -180,24 +176,21 @@ pub async fn check(
 ) -> Check {
     let mut c = Check::default();
     let mut bad = Vec::new();
-    let (inbox, lily) = if who.is_raw() {
-        (RAW_INBOX, false)
+    let inbox = if who.is_raw() {
+        RAW_INBOX
     } else {
-        ("lily_inbox", true)
+        "lily_inbox"
     };
     let (effects, strays_e) = tally(&ids(database, EFFECTS, false).await, n, &mut bad);
-    let (inbox, strays_i) = tally(&ids(database, inbox, lily).await, n, &mut bad);
+    let (inbox, strays_i) = tally(&ids(database, inbox, !who.is_raw()).await, n, &mut bad);
     (c.effects, c.inbox, c.strays) = (effects, inbox, strays_e + strays_i);
     if who == Contender::LilyLease {
         let count = |name: &'static str| async move {
             let documents = database.collection::<Document>(name);
             documents.count_documents(doc! {}).await.unwrap_or(u64::MAX)
         };
-        c.lease_documents = Some(
-            count("lily_leases")
-                .await
-                .saturating_add(count("lily_fences").await),
-        );
+        let (leases, fences) = (count("lily_leases").await, count("lily_fences").await);
+        c.lease_documents = Some(leases.saturating_add(fences));
     }
     if case == Case::HotKeys {
         c.counters_exact = Some(counters(database, n).await);
@@ -205,16 +198,10 @@ pub async fn check(
     let inspector = Inspector::connect(url).await;
     if case == Case::Outbox {
         // Each message's event in its queue exactly once.
-        let found: BTreeMap<String, u64> = inspector
-            .drain_ids(EVENTS)
-            .await
-            .into_iter()
-            .map(|(id, copies)| {
-                (
-                    id.strip_suffix(".event").unwrap_or("-").to_owned(),
-                    copies as u64,
-                )
-            })
+        let events = inspector.drain_ids(EVENTS).await.into_iter();
+        let message = |id: &str| id.strip_suffix(".event").unwrap_or("-").to_owned();
+        let found = events
+            .map(|(id, copies)| (message(&id), copies as u64))
             .collect();
         let (once, strays) = tally(&found, n, &mut bad);
         c.events = Some(once).filter(|_| strays == 0);
@@ -251,23 +238,17 @@ async fn documents(
     projection: Document,
 ) -> Vec<Document> {
     let read = |e: mongodb::error::Error| -> ! { panic!("read {collection}: {}", kind(&e)) };
-    let cursor = database
-        .collection::<Document>(collection)
-        .find(filter)
-        .projection(projection)
-        .await
-        .unwrap_or_else(|e| read(e));
+    let documents = database.collection::<Document>(collection);
+    let found = documents.find(filter).projection(projection).await;
+    let cursor = found.unwrap_or_else(|e| read(e));
     cursor.try_collect().await.unwrap_or_else(|e| read(e))
 }
 
 /// Each outbox record's time from its staging to its sent mark, in µs (the database's clock,
 /// at millisecond resolution).
 pub async fn staged_to_sent_us(database: &Database) -> Vec<u64> {
-    let (sent, times) = (
-        doc! { "state": "sent" },
-        doc! { "staged_at": 1, "sent_at": 1 },
-    );
-    let records = documents(database, "lily_outbox", sent, times).await;
+    let times = doc! { "staged_at": 1, "sent_at": 1 };
+    let records = documents(database, "lily_outbox", doc! { "state": "sent" }, times).await;
     let at = |record: &Document, field| record.get_datetime(field).map(|t| t.timestamp_millis());
     records
         .iter()

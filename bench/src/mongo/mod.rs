@@ -98,12 +98,9 @@ impl Contender {
 /// The 50th and 99th percentiles of `us`, in ms.
 #[allow(clippy::cast_precision_loss)]
 pub fn percentiles_ms(us: &mut [u64]) -> Option<(f64, f64)> {
-    if us.is_empty() {
-        return None;
-    }
     us.sort_unstable();
     let at = |q: f64| us[((us.len() - 1) as f64 * q).round() as usize] as f64 / 1000.0;
-    Some((at(0.5), at(0.99)))
+    (!us.is_empty()).then(|| (at(0.5), at(0.99)))
 }
 
 /// What one run consumes, and how.
@@ -190,13 +187,14 @@ pub struct CaseResult {
     pub contenders: Vec<ContenderResult>,
 }
 
-/// One contender in one case: medians, Lily's ratio to raw and the checks of every run.
+/// One contender in one case: medians, Lily's ratio to raw (`over_raw_range`: the lowest and
+/// highest of each repetition's ratio to the raw run of the same repetition) and the checks of
+/// every run.
 #[derive(Debug, Serialize)]
 pub struct ContenderResult {
     pub contender: Contender,
     pub median_msgs_per_sec: f64,
     pub over_raw: Option<f64>,
-    /// Each repetition's ratio to the raw run of the same repetition, lowest and highest.
     pub over_raw_range: Option<(f64, f64)>,
     pub over_raw_target: Option<f64>,
     pub over_raw_met: Option<bool>,
@@ -271,31 +269,31 @@ impl CaseResult {
             let rates = c.runs.iter().map(|r| r.sample.msgs_per_sec).collect();
             (c.median_msgs_per_sec, rates)
         });
-        for c in contenders
-            .iter_mut()
-            .filter(|c| c.contender != Contender::Raw)
-        {
-            let Some((median, rates)) = &raw else {
-                break;
-            };
-            let over_raw = c.median_msgs_per_sec / median;
-            c.over_raw = Some(over_raw);
-            let mut ratios = c
-                .runs
-                .iter()
-                .zip(rates)
-                .map(|(run, raw)| run.sample.msgs_per_sec / raw);
-            c.over_raw_range = ratios
-                .next()
-                .map(|first| ratios.fold((first, first), |(l, h), r| (l.min(r), h.max(r))));
-            if case != Case::HotKeys && c.contender == Contender::Lily {
-                // Met as the performance issue counts it: over at least five interleaved
-                // repetitions, the median at least 0.97 of the target and the repetitions'
-                // range reaching it (two identical contenders reach a median of 1.0 only half
-                // the time).
-                let reached = c.over_raw_range.is_some_and(|(_, high)| high >= TARGET);
-                c.over_raw_target = Some(TARGET);
-                c.over_raw_met = Some(c.runs.len() >= 5 && over_raw >= 0.97 * TARGET && reached);
+        if let Some((median, rates)) = &raw {
+            for c in contenders
+                .iter_mut()
+                .filter(|c| c.contender != Contender::Raw)
+            {
+                let over_raw = c.median_msgs_per_sec / median;
+                c.over_raw = Some(over_raw);
+                let mut ratios = c
+                    .runs
+                    .iter()
+                    .zip(rates)
+                    .map(|(run, raw)| run.sample.msgs_per_sec / raw);
+                c.over_raw_range = ratios
+                    .next()
+                    .map(|first| ratios.fold((first, first), |(l, h), r| (l.min(r), h.max(r))));
+                if case != Case::HotKeys && c.contender == Contender::Lily {
+                    // Met as the performance issue counts it: over at least five interleaved
+                    // repetitions, the median at least 0.97 of the target and the repetitions'
+                    // range reaching it (two identical contenders reach a median of 1.0 only half
+                    // the time).
+                    let reached = c.over_raw_range.is_some_and(|(_, high)| high >= TARGET);
+                    c.over_raw_target = Some(TARGET);
+                    c.over_raw_met =
+                        Some(c.runs.len() >= 5 && over_raw >= 0.97 * TARGET && reached);
+                }
             }
         }
         Self {
