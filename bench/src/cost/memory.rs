@@ -96,10 +96,10 @@ pub struct Memory {
 
 /// Both contenders' memory with `k` deliveries held.
 pub fn measure(b: &Bench, k: usize) -> Result<Memory, String> {
-    let (raw, lily) = (held(b, Contender::Raw, k)?, held(b, Contender::Lily, k)?);
-    let in_flight = k;
+    let raw = held(b, Contender::Raw, k)?;
+    let lily = held(b, Contender::Lily, k)?;
     Ok(Memory {
-        in_flight,
+        in_flight: k,
         raw,
         lily,
     })
@@ -120,8 +120,9 @@ fn held(b: &Bench, who: Contender, k: usize) -> Result<Held, String> {
         sampled = sampled.or_else(|| super::result::<Sampled>(&line));
     }
     let status = child.wait().map_err(|e| format!("wait: {e}"))?;
-    let failed = || format!("mem {} failed ({status})", who.name());
-    let Sampled(idle, full, in_flight) = sampled.filter(|_| status.success()).ok_or_else(failed)?;
+    let sampled = sampled.filter(|_| status.success());
+    let Sampled(idle, full, in_flight) =
+        sampled.ok_or_else(|| format!("mem {} failed ({status})", who.name()))?;
     let per = |full: f64, idle: f64| (full - idle) / in_flight as f64;
     let held = Held {
         rss_idle_bytes: idle.rss_bytes,
@@ -161,17 +162,21 @@ async fn raw(url: &str, queue: &str, prefetch: u16, k: usize) -> Result<Sampled,
     let mut held = Vec::with_capacity(k);
     let idle = idle().await;
     while held.len() < k {
-        let next = crate::raw::next(&mut consumer);
-        let next = tokio::time::timeout(Duration::from_secs(300), next).await;
-        let next = next.map_err(|_| "timed out waiting for deliveries")?;
-        let next = next.ok_or("the consumer ended")?;
-        held.push(next.map_err(failed("delivery"))?);
+        let next = tokio::time::timeout(Duration::from_secs(300), crate::raw::next(&mut consumer));
+        let next = next.await.map_err(|_| "timed out waiting for deliveries")?;
+        held.push(
+            next.ok_or("the consumer ended")?
+                .map_err(failed("delivery"))?,
+        );
     }
     tokio::time::sleep(SETTLE).await;
     let (full, in_flight) = (Mem::now(), held.len());
     for delivery in held {
-        let ack = delivery.acker.ack(BasicAckOptions::default());
-        ack.await.map_err(failed("ack"))?;
+        delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await
+            .map_err(failed("ack"))?;
     }
     close_raw(connection, channel, prefetch).await?;
     Ok(Sampled(idle, full, in_flight))
@@ -181,7 +186,7 @@ async fn raw(url: &str, queue: &str, prefetch: u16, k: usize) -> Result<Sampled,
 pub fn child(who: Contender, k: usize, queue: &str) -> Result<Sampled, String> {
     let prefetch = u16::try_from(k).map_err(|_| "K must fit in a u16 prefetch")?;
     let url = broker_url();
-    super::runtime(true).block_on(async {
+    crate::runtime(true).block_on(async {
         match who {
             Contender::Raw => raw(&url, queue, prefetch, k).await,
             Contender::Lily => lily(&url, queue, prefetch, k).await,

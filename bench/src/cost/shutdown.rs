@@ -52,11 +52,10 @@ fn once(rt: &Runtime, url: &str, exe: &Path, queue: &str) -> Result<(f64, bool),
     while !log.last().is_some_and(|l: &String| l.contains("consuming")) {
         let left = deadline.saturating_duration_since(Instant::now());
         let Ok(line) = line_rx.recv_timeout(left) else {
-            let _ = child.kill();
-            let _ = child.wait();
+            let (_, _) = (child.kill(), child.wait());
+            let log = log.join("\n");
             return Err(format!(
-                "the service did not log `consuming` within 60 s; its log:\n{}",
-                log.join("\n")
+                "the service did not log `consuming` within 60 s; its log:\n{log}"
             ));
         };
         log.push(line);
@@ -101,8 +100,7 @@ pub fn measure(rt: &Runtime, url: &str, runs: usize) -> Result<Idle, String> {
             exe.display()
         ));
     }
-    let mut latencies = Vec::new();
-    let mut all_exits_clean = true;
+    let (mut latencies, mut all_exits_clean) = (Vec::new(), true);
     for i in 0..runs {
         let (ms, clean) = once(rt, url, &exe, "lily-bench-cost-shutdown")?;
         eprintln!("cost: shutdown run {}: {ms:.1} ms, clean {clean}", i + 1);

@@ -213,7 +213,7 @@ async fn raw(url: &str, queue: &str) -> Result<Report, String> {
 /// The `hostile` child.
 pub fn child(who: Contender, queue: &str) -> Result<Report, String> {
     let url = crate::broker_url();
-    crate::cost::runtime(true).block_on(async {
+    crate::runtime(true).block_on(async {
         match who {
             Contender::Raw => raw(&url, queue).await,
             Contender::Lily => lily(&url, queue).await,
