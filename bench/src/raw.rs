@@ -176,7 +176,7 @@ fn hand_off(
     while tasks.try_join_next().is_some() {}
 }
 
-/// Consumes `n` messages, each failing once, handed off pipelined ([`hand_off`]).
+/// Consumes `n` messages, each failing once, handed off pipelined (`hand_off`).
 pub async fn handoff(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64) -> Sample {
     let started = Instant::now();
     let first = FirstDelivery::new();
@@ -302,7 +302,7 @@ pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, 
     Sample::new(settled, n, elapsed).first_seen(started, &first)
 }
 
-/// The storm: [`hand_off`] for every delivery until `stop` is cancelled; then cancels the
+/// The storm: `hand_off` for every delivery until `stop` is cancelled; then cancels the
 /// consumer, lets the tasks in flight finish and closes (panics when the broker cannot be
 /// reached or refuses the consumer).
 pub async fn storm(
