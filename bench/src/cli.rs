@@ -35,11 +35,7 @@ enum Program {
 pub fn main(counting: bool) -> ExitCode {
     let command = Cli::parse().command;
     let Program::Cost(args) = command else {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()
-            .expect("tokio runtime");
-        runtime.block_on(async {
+        crate::runtime(true).block_on(async {
             match command {
                 Program::Throughput(args) => crate::throughput::cli::run(args).await,
                 Program::Latency(args) => crate::latency::cli::run(args).await,

@@ -268,14 +268,16 @@ pub fn broker_pid() -> Option<u32> {
 }
 
 /// CPU spent by this process, the broker and (when `LILY_MONGO_DIR` names its directory) mongod
-/// while a contender ran.
+/// while a contender ran: each one's process (`Some(None)`: this one; `None`: unknown) and its
+/// CPU seconds at the start.
 #[derive(Clone, Copy, Debug)]
-pub struct CpuMeter([(Option<u32>, Option<f64>); 3]);
+pub struct CpuMeter([(Option<Option<u32>>, Option<f64>); 3]);
 
 impl CpuMeter {
     pub fn start() -> Self {
-        let pids = [None, broker_pid(), pid_in("LILY_MONGO_DIR", "mongod.pid")];
-        Self(pids.map(|pid| (pid, cpu_secs(pid))))
+        let mongod = pid_in("LILY_MONGO_DIR", "mongod.pid");
+        let who = [Some(None), broker_pid().map(Some), mongod.map(Some)];
+        Self(who.map(|pid| (pid, pid.and_then(cpu_secs))))
     }
 
     /// Adds the CPU µs per settled message of this process and the broker to `sample`; returns
@@ -283,7 +285,8 @@ impl CpuMeter {
     #[allow(clippy::cast_precision_loss)]
     pub fn stop(self, sample: &mut run::Sample) -> Option<f64> {
         let [client, broker, mongod] = self.0.map(|(pid, before)| {
-            let spent = cpu_secs(pid)
+            let spent = pid
+                .and_then(cpu_secs)
                 .zip(before)
                 .map(|(after, before)| after - before);
             spent
