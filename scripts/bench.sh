@@ -27,6 +27,16 @@ CLUSTER_PORT=${LILY_BENCH_CLUSTER_PORT:-26772}
 MONGO_DIR="$PWD/target/lily-mongod-bench"
 MONGO_PORT=${LILY_BENCH_MONGO_PORT:-27537}
 trap 'scripts/mongod.sh stop "$MONGO_DIR" || true; scripts/rabbitmq.sh cluster-stop "$CLUSTER_DIR" || true; scripts/rabbitmq.sh stop "$DIR"' EXIT
+# LILY_BENCH_HOLDING_POLICY=1: on RabbitMQ before 4.0, the node gets the policies the guide gives
+# users there (docs/src/delivery.md, "Holding queues on RabbitMQ before 4.0"): the holding
+# queues version 2 and lazy, every other queue version 2. Without it, RabbitMQ's defaults.
+if [ -n "${LILY_BENCH_HOLDING_POLICY:-}" ] && [[ "$(scripts/rabbitmq.sh version "$DIR")" == 3.* ]]; then
+  scripts/rabbitmq.sh ctl "$DIR" set_policy --apply-to queues lily-queue-version '.*' \
+    '{"queue-version":2}' >/dev/null
+  scripts/rabbitmq.sh ctl "$DIR" set_policy --apply-to queues --priority 1 lily-holding-queues \
+    '\.(retry\..+|dlq|parking)$' '{"queue-version":2,"queue-mode":"lazy"}' >/dev/null
+  echo "lily: holding queues version 2 and lazy, every other queue version 2 (by policy)"
+fi
 export LILY_AMQP_URL="amqp://guest:guest@127.0.0.1:$PORT/%2f"
 export LILY_RABBIT_DIR="$DIR"
 mkdir -p target/bench

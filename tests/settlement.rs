@@ -366,6 +366,77 @@ async fn retry_then_success(kind: QueueKind) {
     assert_eq!(client.depth(&format!("{queue}.dlq")).await, 0);
 }
 
+/// The holding-queue policy the guide gives for RabbitMQ before 4.0 (version 2, lazy: the
+/// book's "Holding queues on RabbitMQ before 4.0"), applied to a consumer's buckets while
+/// retries pass through them: every message waits in its lazy bucket, comes back when it
+/// expires and is ACKed, each id handled at attempts 1 and 2. RabbitMQ reads a bucket when its
+/// messages expire, and 3.10 before 3.10.7 could crash a lazy version-2 queue on a read
+/// (rabbitmq-server#5252). On 4.0, which has only version 2 and no lazy mode, the run is the
+/// same without the policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_come_back_through_buckets_under_the_holding_queue_policy() {
+    const N: usize = 200;
+    let calls = Calls::default();
+    let router = calls.router_succeeding_at(2, "stock service busy");
+    let (broker, queue, client, running) = common::scenario("holding-policy", router, |q| {
+        config(q, QueueKind::Classic).prefetch(50).concurrency(50)
+    })
+    .await;
+    let bucket = format!("{queue}.retry.1s");
+    let policy = format!("holding-{queue}");
+    let lazy = broker.ctl(&["-q", "version"]).starts_with("3.");
+    if lazy {
+        let pattern = format!(r"^{}\.(retry\..+|dlq|parking)$", queue.replace('.', r"\."));
+        broker.ctl(&[
+            "set_policy",
+            "--apply-to",
+            "queues",
+            &policy,
+            &pattern,
+            r#"{"queue-version":2,"queue-mode":"lazy"}"#,
+        ]);
+        let applied = eventually(WAIT, || {
+            let listing = broker.ctl(&["list_queues", "-q", "name", "policy"]);
+            listing
+                .lines()
+                .any(|line| line == format!("{bucket}\t{policy}"))
+        })
+        .await;
+        assert!(applied, "the policy reaches the bucket");
+    }
+    for i in 0..N {
+        client
+            .send(&queue, "order.placed", &format!("m-{i}"), &order(1))
+            .await;
+    }
+    running
+        .wait_for("every message back and ACKed", WAIT * 2, |t| {
+            t.acked == N as u64
+        })
+        .await;
+    common::wait_depths("nothing held", WAIT, &[(&queue, 0), (&bucket, 0)]).await;
+    let summary = running.stop().await;
+
+    let mut attempts: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+    for (id, attempt, _) in calls.all() {
+        attempts.entry(id).or_default().push(attempt);
+    }
+    let expected: BTreeMap<String, Vec<u32>> =
+        (0..N).map(|i| (format!("m-{i}"), vec![1, 2])).collect();
+    assert_eq!(attempts, expected, "each id handled at attempts 1 and 2");
+    assert_eq!(
+        (summary.totals.retried, summary.totals.acked),
+        (N as u64, N as u64)
+    );
+    assert!(summary.clean, "{:?}", summary.unresolved);
+    for lane in ["dlq", "parking", "retry.2s"] {
+        assert_eq!(client.depth(&format!("{queue}.{lane}")).await, 0, "{lane}");
+    }
+    if lazy {
+        broker.ctl(&["clear_policy", &policy]);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retryable_failure_waits_in_bucket_and_comes_back_with_next_attempt() {
     let broker = Broker::from_env();

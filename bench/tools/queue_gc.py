@@ -60,7 +60,8 @@ end.
 """
 
 ROUND = re.compile(
-    r"^\s+(\w+) prefetch (\d+) (\d+)% \((\d+)/s\) round (\d+)/(\d+) (\S+)\s+settled.*?"
+    r"^\s+(\w+) prefetch (\d+) (\d+)% \((\d+)/s\) round (\d+)/(\d+) (\S+)\s+"
+    r"(?:published\s+\d+/s\s+)?settled.*?"
     r"p99 ([\d.]+) .*?copy to confirm: p50 [\d.]+ p99 ([\d.]+)"
 )
 
