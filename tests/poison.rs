@@ -208,17 +208,13 @@ async fn failing_dlq(kind: QueueKind, fault: DlqFault) {
     let policy = format!("full-{queue}");
     match fault {
         DlqFault::Deleted => client.delete(&dlq).await,
-        DlqFault::Full => {
-            let pattern = format!("^{}$", dlq.replace('.', "\\."));
-            broker.ctl(&[
-                "set_policy",
-                "--apply-to",
-                "queues",
-                &policy,
-                &pattern,
-                r#"{"max-length":0,"overflow":"reject-publish"}"#,
-            ]);
-        }
+        DlqFault::Full => broker.set_policy(
+            &policy,
+            "queues",
+            &queue,
+            "dlq",
+            r#"{"max-length":0,"overflow":"reject-publish"}"#,
+        ),
     }
 
     let started = Instant::now();

@@ -386,15 +386,13 @@ async fn retries_come_back_through_buckets_under_the_holding_queue_policy() {
     let policy = format!("holding-{queue}");
     let lazy = broker.ctl(&["-q", "version"]).starts_with("3.");
     if lazy {
-        let pattern = format!(r"^{}\.(retry\..+|dlq|parking)$", queue.replace('.', r"\."));
-        broker.ctl(&[
-            "set_policy",
-            "--apply-to",
-            "queues",
+        broker.set_policy(
             &policy,
-            &pattern,
+            "queues",
+            &queue,
+            r"retry\..+|dlq|parking",
             r#"{"queue-version":2,"queue-mode":"lazy"}"#,
-        ]);
+        );
         let applied = eventually(WAIT, || {
             let listing = broker.ctl(&["list_queues", "-q", "name", "policy"]);
             listing

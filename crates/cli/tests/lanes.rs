@@ -1145,15 +1145,13 @@ async fn lanes_declared_before_4_0_keep_the_consumer_running_and_a_policy_lifts_
     running.stop().await;
 
     let policy = format!("lily-lanes-{queue}");
-    let pattern = format!("^{}\\.(dlq|parking)$", queue.replace('.', "\\."));
-    broker.ctl(&[
-        "set_policy",
-        "--apply-to",
-        "quorum_queues",
+    broker.set_policy(
         &policy,
-        &pattern,
+        "quorum_queues",
+        &queue,
+        "dlq|parking",
         r#"{"delivery-limit":-1}"#,
-    ]);
+    );
     for read in 1..=30 {
         let listed = exits(0, &["dlq", "list", "-q", &queue, "--json"]);
         assert_eq!(json(&listed)["messages"], N, "list {read}");

@@ -129,6 +129,31 @@ impl Broker {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// Sets policy `name` on the queues (`apply_to`: `queues`, `quorum_queues`, …) named
+    /// `queue` followed by one of the `suffixes` (a regular expression's alternatives, such as
+    /// `dlq|parking`), with `definition` (JSON).
+    ///
+    /// # Panics
+    /// When rabbitmqctl fails.
+    pub fn set_policy(
+        &self,
+        name: &str,
+        apply_to: &str,
+        queue: &str,
+        suffixes: &str,
+        definition: &str,
+    ) {
+        let pattern = format!(r"^{}\.({suffixes})$", queue.replace('.', r"\."));
+        self.ctl(&[
+            "set_policy",
+            "--apply-to",
+            apply_to,
+            name,
+            &pattern,
+            definition,
+        ]);
+    }
+
     /// A user `name` with `password` and `permissions` (configure, write, read, as
     /// `rabbitmqctl set_permissions` takes them) on the default vhost; returns its URL.
     ///
