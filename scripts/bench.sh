@@ -18,13 +18,16 @@ cd "$(dirname "$0")/.."
 what=${1:-all}
 shift || true
 PORT=${LILY_BENCH_PORT:-25692}
-DIR="$PWD/target/lily-rabbit-bench"
+# LILY_BENCH_DATA: where the private servers keep their data (two checkouts running benchmarks at
+# once need their own, besides their own ports).
+DATA=${LILY_BENCH_DATA:-$PWD/target}
+DIR="$DATA/lily-rabbit-bench"
 scripts/rabbitmq.sh stop "$DIR" || true
 rm -rf "$DIR"
 scripts/rabbitmq.sh start "$DIR" "$PORT"
-CLUSTER_DIR="$PWD/target/lily-rabbit-cluster-bench"
+CLUSTER_DIR="$DATA/lily-rabbit-cluster-bench"
 CLUSTER_PORT=${LILY_BENCH_CLUSTER_PORT:-26772}
-MONGO_DIR="$PWD/target/lily-mongod-bench"
+MONGO_DIR="$DATA/lily-mongod-bench"
 MONGO_PORT=${LILY_BENCH_MONGO_PORT:-27537}
 trap 'scripts/mongod.sh stop "$MONGO_DIR" || true; scripts/rabbitmq.sh cluster-stop "$CLUSTER_DIR" || true; scripts/rabbitmq.sh stop "$DIR"' EXIT
 # LILY_BENCH_HOLDING_POLICY=1: on RabbitMQ before 4.0, the node gets the policies the guide gives
