@@ -218,10 +218,8 @@ pub fn broker_version(url: &str) -> String {
     // The VM's executable is `…/erts-<version>/bin/beam.smp`.
     let exe = pid_in("LILY_RABBIT_DIR", "rabbit.pid")
         .and_then(|pid| std::fs::read_link(format!("/proc/{pid}/exe")).ok());
-    let exe = exe
-        .map(|exe| exe.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    match exe.split('/').find_map(|part| part.strip_prefix("erts-")) {
+    let mut parts = exe.iter().flat_map(|exe| exe.iter());
+    match parts.find_map(|part| part.to_str()?.strip_prefix("erts-")) {
         Some(erts) => format!("RabbitMQ {version}, erts {erts}"),
         None => format!("RabbitMQ {version}"),
     }
@@ -262,11 +260,6 @@ pub fn pid_in(var: &str, file: &str) -> Option<u32> {
     pid.trim().parse().ok()
 }
 
-/// The broker's Erlang VM.
-pub fn broker_pid() -> Option<u32> {
-    pid_in("LILY_RABBIT_DIR", "rabbit.pid")
-}
-
 /// CPU spent by this process, the broker and (when `LILY_MONGO_DIR` names its directory) mongod
 /// while a contender ran: each one's process (`Some(None)`: this one; `None`: unknown) and its
 /// CPU seconds at the start.
@@ -275,8 +268,9 @@ pub struct CpuMeter([(Option<Option<u32>>, Option<f64>); 3]);
 
 impl CpuMeter {
     pub fn start() -> Self {
+        let broker = pid_in("LILY_RABBIT_DIR", "rabbit.pid");
         let mongod = pid_in("LILY_MONGO_DIR", "mongod.pid");
-        let who = [Some(None), broker_pid().map(Some), mongod.map(Some)];
+        let who = [Some(None), broker.map(Some), mongod.map(Some)];
         Self(who.map(|pid| (pid, pid.and_then(cpu_secs))))
     }
 

@@ -56,9 +56,10 @@ impl Table {
     }
 
     pub fn row<S: AsRef<str>>(&mut self, cells: impl IntoIterator<Item = S>) {
-        let cells: Vec<S> = cells.into_iter().collect();
-        let cells: Vec<&str> = cells.iter().map(AsRef::as_ref).collect();
-        let _ = writeln!(self.0, "| {} |", cells.join(" | "));
+        for cell in cells {
+            let _ = write!(self.0, "| {} ", cell.as_ref());
+        }
+        self.0 += "|\n";
     }
 
     /// The table and a blank line.
