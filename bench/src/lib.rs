@@ -100,8 +100,8 @@ pub async fn publish(url: &str, queue: &str, n: usize) {
         .await
         .expect("connect the publisher");
     let (to, body) = (Destination::queue(queue), Order::body());
-    for window in (0..n).collect::<Vec<_>>().chunks(2000) {
-        let messages = window.iter().map(|i| {
+    for start in (0..n).step_by(2000) {
+        let messages = (start..n.min(start + 2000)).map(|i| {
             Outgoing::bytes(
                 "order.placed",
                 &format!("m-{i}"),

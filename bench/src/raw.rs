@@ -164,47 +164,12 @@ pub struct Counters {
     pub failed: AtomicU64,
 }
 
-/// The pipelined handoff of one delivery, on a task of its own: deserializes it, publishes its
-/// retry copy to `bucket` (mandatory, persistent, Lily's failure headers) on `confirms`, awaits
-/// that copy's own confirm (a returned copy fails), then ACKs; a failed copy's original is
-/// NACKed and requeued. Confirms pipeline across the deliveries in flight (up to the prefetch).
-fn hand_off(
-    tasks: &mut JoinSet<()>,
-    (confirms, bucket, source): &(Channel, ShortString, Arc<str>),
-    delivery: Delivery,
-    reason: &'static str,
-    counters: &Arc<Counters>,
-) {
-    let (confirms, bucket) = (confirms.clone(), bucket.clone());
-    let (source, counters) = (Arc::clone(source), Arc::clone(counters));
-    tasks.spawn(async move {
-        deserialize(&delivery);
-        let properties = retry_properties(&delivery, &source, reason);
-        let confirmed = async {
-            let options = MANDATORY;
-            let publish =
-                confirms.basic_publish("".into(), bucket, options, &delivery.data, properties);
-            publish.await?.await
-        };
-        let done = if matches!(confirmed.await, Ok(Confirmation::Ack(None))) {
-            let ack = delivery.acker.ack(BasicAckOptions::default());
-            ack.await.is_ok_and(|written| written)
-        } else {
-            let _ = delivery.acker.nack(REQUEUE).await;
-            false
-        };
-        let counter = if done {
-            &counters.handoffs
-        } else {
-            &counters.failed
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
-    });
-    while tasks.try_join_next().is_some() {}
-}
-
-/// `hand_off` for every delivery `run` takes, until `stop` (when given) is cancelled; then waits
-/// for the handoffs in flight.
+/// The pipelined handoff of every delivery `run` takes until `stop` (when given) is cancelled,
+/// each on a task of its own: deserializes it, publishes its retry copy to `bucket` (mandatory,
+/// persistent, Lily's failure headers) on a confirm channel, awaits that copy's own confirm (a
+/// returned copy fails), then ACKs; a failed copy's original is NACKed and requeued. Confirms
+/// pipeline across the deliveries in flight (up to the prefetch). Then waits for the handoffs in
+/// flight.
 async fn hand_off_all(
     run: &mut Run,
     (queue, bucket): (&str, &str),
@@ -213,7 +178,7 @@ async fn hand_off_all(
     stop: Option<&CancellationToken>,
 ) {
     let confirms = confirm_channel(&run.connection).await;
-    let to = (confirms, bucket.into(), queue.into());
+    let (bucket, source): (ShortString, Arc<str>) = (bucket.into(), queue.into());
     let mut tasks = JoinSet::new();
     loop {
         let delivery = match stop {
@@ -225,12 +190,37 @@ async fn hand_off_all(
             },
         };
         let Some(delivery) = delivery else { break };
-        hand_off(&mut tasks, &to, delivery, reason, counters);
+        let (confirms, bucket) = (confirms.clone(), bucket.clone());
+        let (source, counters) = (Arc::clone(&source), Arc::clone(counters));
+        tasks.spawn(async move {
+            deserialize(&delivery);
+            let properties = retry_properties(&delivery, &source, reason);
+            let confirmed = async {
+                let options = MANDATORY;
+                let publish =
+                    confirms.basic_publish("".into(), bucket, options, &delivery.data, properties);
+                publish.await?.await
+            };
+            let done = if matches!(confirmed.await, Ok(Confirmation::Ack(None))) {
+                let ack = delivery.acker.ack(BasicAckOptions::default());
+                ack.await.is_ok_and(|written| written)
+            } else {
+                let _ = delivery.acker.nack(REQUEUE).await;
+                false
+            };
+            let counter = if done {
+                &counters.handoffs
+            } else {
+                &counters.failed
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+        });
+        while tasks.try_join_next().is_some() {}
     }
     while tasks.join_next().await.is_some() {}
 }
 
-/// Consumes `n` messages, each failing once, handed off pipelined (`hand_off`).
+/// Consumes `n` messages, each failing once, handed off pipelined (`hand_off_all`).
 pub async fn handoff(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64) -> Sample {
     let mut run = Run::open(url, queue, prefetch, false, n).await;
     let counters = Arc::<Counters>::default();
@@ -321,7 +311,7 @@ pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, 
     sample
 }
 
-/// The storm: `hand_off` for every delivery until `stop` is cancelled; then lets the tasks in
+/// The storm: `hand_off_all` for every delivery until `stop` is cancelled; then lets the tasks in
 /// flight finish, cancels the consumer and closes (panics when the broker cannot be reached or
 /// refuses the consumer).
 pub async fn storm(
@@ -341,7 +331,8 @@ pub async fn storm(
 /// `x-lily-attempt` header, 1 when absent): the attempt is bumped, the first failure time kept
 /// when the delivery already carries one.
 pub fn retry_properties(delivery: &Delivery, source_queue: &str, reason: &str) -> BasicProperties {
-    let now = epoch_millis();
+    let now = SystemTime::now().duration_since(UNIX_EPOCH);
+    let now = now.map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
     let mut headers = delivery
         .properties
         .headers()
@@ -373,10 +364,4 @@ pub fn retry_properties(delivery: &Delivery, source_queue: &str, reason: &str) -
 
 fn long(text: &str) -> AMQPValue {
     AMQPValue::LongString(text.into())
-}
-
-fn epoch_millis() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }

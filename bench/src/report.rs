@@ -79,7 +79,7 @@ pub fn rate(value: impl Into<Option<f64>>) -> String {
 /// `12345.6` → `12 345.6`.
 pub fn group(text: &str) -> String {
     let (sign, rest) = text.strip_prefix('-').map_or(("", text), |r| ("-", r));
-    let (int, frac) = rest.split_once('.').map_or((rest, ""), |(i, f)| (i, f));
+    let int = rest.find('.').map_or(rest, |dot| &rest[..dot]);
     let mut out = String::from(sign);
     for (i, c) in int.chars().enumerate() {
         if i > 0 && (int.len() - i).is_multiple_of(3) {
@@ -87,10 +87,7 @@ pub fn group(text: &str) -> String {
         }
         out.push(c);
     }
-    if !frac.is_empty() {
-        out = format!("{out}.{frac}");
-    }
-    out
+    out + &rest[int.len()..]
 }
 
 /// `value` with `digits` decimals, or `-`.
