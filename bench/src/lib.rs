@@ -261,17 +261,17 @@ pub fn pid_in(var: &str, file: &str) -> Option<u32> {
 }
 
 /// CPU spent by this process, the broker and (when `LILY_MONGO_DIR` names its directory) mongod
-/// while a contender ran: each one's process (`Some(None)`: this one; `None`: unknown) and its
-/// CPU seconds at the start.
+/// while a contender ran: each one's pid (`None`: this one) and its CPU seconds at the start
+/// (`None`: a process not found, left unmeasured).
 #[derive(Clone, Copy, Debug)]
-pub struct CpuMeter([(Option<Option<u32>>, Option<f64>); 3]);
+pub struct CpuMeter([(Option<u32>, Option<f64>); 3]);
 
 impl CpuMeter {
     pub fn start() -> Self {
-        let broker = pid_in("LILY_RABBIT_DIR", "rabbit.pid");
-        let mongod = pid_in("LILY_MONGO_DIR", "mongod.pid");
-        let who = [Some(None), broker.map(Some), mongod.map(Some)];
-        Self(who.map(|pid| (pid, pid.and_then(cpu_secs))))
+        let other = |pid: Option<u32>| (pid, pid.and_then(|pid| cpu_secs(Some(pid))));
+        let broker = other(pid_in("LILY_RABBIT_DIR", "rabbit.pid"));
+        let mongod = other(pid_in("LILY_MONGO_DIR", "mongod.pid"));
+        Self([(None, cpu_secs(None)), broker, mongod])
     }
 
     /// Adds the CPU µs per settled message of this process and the broker to `sample`; returns
@@ -279,10 +279,7 @@ impl CpuMeter {
     #[allow(clippy::cast_precision_loss)]
     pub fn stop(self, sample: &mut run::Sample) -> Option<f64> {
         let [client, broker, mongod] = self.0.map(|(pid, before)| {
-            let spent = pid
-                .and_then(cpu_secs)
-                .zip(before)
-                .map(|(after, before)| after - before);
+            let spent = before.and_then(|before| Some(cpu_secs(pid)? - before));
             spent
                 .filter(|_| sample.settled > 0)
                 .map(|s| s * 1e6 / sample.settled as f64)
