@@ -1,5 +1,7 @@
 //! The charts the programs draw (`target/bench/<program>.svg`): panels of grouped bars
 //! (`throughput`, `latency`, `mongo`) or of lines over time (`storm`), stacked in one SVG.
+// Positions are computed from counts of panels, groups and series, far below f64's 2^53.
+#![allow(clippy::cast_precision_loss)]
 
 use std::fmt::Write as _;
 
@@ -32,10 +34,8 @@ impl Axis {
         let max = values.iter().copied().fold(1e-9, f64::max);
         if log {
             let min = values.iter().copied().fold(max, f64::min);
-            let (lo, hi) = (
-                min.log10().floor(),
-                max.log10().ceil().max(min.log10().floor() + 1.0),
-            );
+            let lo = min.log10().floor();
+            let hi = max.log10().ceil().max(lo + 1.0);
             return Self { lo, hi, log };
         }
         let step = 10f64.powf(max.log10().floor());
@@ -106,7 +106,6 @@ impl Chart {
             top + 34.0
         );
         for (i, name) in series.iter().enumerate() {
-            #[allow(clippy::cast_precision_loss)]
             let x = LEFT + 160.0 + 150.0 * i as f64;
             let _ = write!(
                 self.body,
@@ -147,20 +146,15 @@ impl Chart {
         let values = groups.iter().flat_map(|(_, v)| v.iter().flatten().copied());
         let axis = Axis::new(values, log);
         let floor = self.panel(title, series, &axis, unit);
-        #[allow(clippy::cast_precision_loss)]
-        let (group_w, bar_w) = (
-            PLOT_W / groups.len().max(1) as f64,
-            PLOT_W / groups.len().max(1) as f64 * 0.8 / series.len().max(1) as f64,
-        );
+        let group_w = PLOT_W / groups.len().max(1) as f64;
+        let bar_w = group_w * 0.8 / series.len().max(1) as f64;
         for (g, (label, values)) in groups.iter().enumerate() {
-            #[allow(clippy::cast_precision_loss)]
             let x0 = LEFT + group_w * g as f64 + group_w * 0.1;
             for (i, value) in values.iter().enumerate() {
                 let Some(value) = value.filter(|v| v.is_finite()) else {
                     continue;
                 };
                 let h = axis.height(value);
-                #[allow(clippy::cast_precision_loss)]
                 let x = x0 + bar_w * i as f64;
                 let _ = write!(
                     self.body,

@@ -1,6 +1,7 @@
 //! The `lily-bench` command line: one subcommand per benchmark program (their shared
 //! arguments are in [`crate::args`]).
 
+use std::pin::Pin;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -33,23 +34,21 @@ enum Program {
 /// process counts its heap allocations (the `lily-bench-counting` binary): `cost` always runs
 /// there, re-executing itself when it is not.
 pub fn main(counting: bool) -> ExitCode {
-    let command = Cli::parse().command;
-    let Program::Cost(args) = command else {
-        crate::runtime(true).block_on(async {
-            match command {
-                Program::Throughput(args) => crate::throughput::cli::run(args).await,
-                Program::Latency(args) => crate::latency::cli::run(args).await,
-                Program::Storm(args) => crate::storm::cli::run(args).await,
-                Program::Mongo(args) => crate::mongo::cli::run(args).await,
-                Program::Cluster(args) => crate::cluster::run(args).await,
-                Program::Cost(_) => unreachable!("cost runs below"),
-            }
-        });
-        return ExitCode::SUCCESS;
+    let program: Pin<Box<dyn Future<Output = ()>>> = match Cli::parse().command {
+        Program::Throughput(args) => Box::pin(crate::throughput::cli::run(args)),
+        Program::Latency(args) => Box::pin(crate::latency::cli::run(args)),
+        Program::Storm(args) => Box::pin(crate::storm::cli::run(args)),
+        Program::Mongo(args) => Box::pin(crate::mongo::cli::run(args)),
+        Program::Cluster(args) => Box::pin(crate::cluster::run(args)),
+        Program::Cost(args) if counting => return crate::cost::main(args),
+        Program::Cost(_) => return in_counting_binary(),
     };
-    if counting {
-        return crate::cost::main(args);
-    }
+    crate::runtime(true).block_on(program);
+    ExitCode::SUCCESS
+}
+
+/// Runs this command line again in `lily-bench-counting`, beside this executable.
+fn in_counting_binary() -> ExitCode {
     let exe = std::env::current_exe().expect("current_exe");
     let counted = exe.with_file_name("lily-bench-counting");
     match std::process::Command::new(&counted)

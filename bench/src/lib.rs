@@ -100,8 +100,8 @@ pub async fn publish(url: &str, queue: &str, n: usize) {
         .await
         .expect("connect the publisher");
     let (to, body) = (Destination::queue(queue), Order::body());
-    for window in (0..n).collect::<Vec<_>>().chunks(2000) {
-        let messages = window.iter().map(|i| {
+    for start in (0..n).step_by(2000) {
+        let messages = (start..n.min(start + 2000)).map(|i| {
             Outgoing::bytes(
                 "order.placed",
                 &format!("m-{i}"),
@@ -218,10 +218,8 @@ pub fn broker_version(url: &str) -> String {
     // The VM's executable is `…/erts-<version>/bin/beam.smp`.
     let exe = pid_in("LILY_RABBIT_DIR", "rabbit.pid")
         .and_then(|pid| std::fs::read_link(format!("/proc/{pid}/exe")).ok());
-    let exe = exe
-        .map(|exe| exe.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    match exe.split('/').find_map(|part| part.strip_prefix("erts-")) {
+    let mut parts = exe.iter().flat_map(|exe| exe.iter());
+    match parts.find_map(|part| part.to_str()?.strip_prefix("erts-")) {
         Some(erts) => format!("RabbitMQ {version}, erts {erts}"),
         None => format!("RabbitMQ {version}"),
     }
@@ -262,22 +260,18 @@ pub fn pid_in(var: &str, file: &str) -> Option<u32> {
     pid.trim().parse().ok()
 }
 
-/// The broker's Erlang VM.
-pub fn broker_pid() -> Option<u32> {
-    pid_in("LILY_RABBIT_DIR", "rabbit.pid")
-}
-
 /// CPU spent by this process, the broker and (when `LILY_MONGO_DIR` names its directory) mongod
-/// while a contender ran: each one's process (`Some(None)`: this one; `None`: unknown) and its
-/// CPU seconds at the start.
+/// while a contender ran: each one's pid (`None`: this one) and its CPU seconds at the start
+/// (`None`: a process not found, left unmeasured).
 #[derive(Clone, Copy, Debug)]
-pub struct CpuMeter([(Option<Option<u32>>, Option<f64>); 3]);
+pub struct CpuMeter([(Option<u32>, Option<f64>); 3]);
 
 impl CpuMeter {
     pub fn start() -> Self {
-        let mongod = pid_in("LILY_MONGO_DIR", "mongod.pid");
-        let who = [Some(None), broker_pid().map(Some), mongod.map(Some)];
-        Self(who.map(|pid| (pid, pid.and_then(cpu_secs))))
+        let other = |pid: Option<u32>| (pid, pid.and_then(|pid| cpu_secs(Some(pid))));
+        let broker = other(pid_in("LILY_RABBIT_DIR", "rabbit.pid"));
+        let mongod = other(pid_in("LILY_MONGO_DIR", "mongod.pid"));
+        Self([(None, cpu_secs(None)), broker, mongod])
     }
 
     /// Adds the CPU µs per settled message of this process and the broker to `sample`; returns
@@ -285,10 +279,7 @@ impl CpuMeter {
     #[allow(clippy::cast_precision_loss)]
     pub fn stop(self, sample: &mut run::Sample) -> Option<f64> {
         let [client, broker, mongod] = self.0.map(|(pid, before)| {
-            let spent = pid
-                .and_then(cpu_secs)
-                .zip(before)
-                .map(|(after, before)| after - before);
+            let spent = before.and_then(|before| Some(cpu_secs(pid)? - before));
             spent
                 .filter(|_| sample.settled > 0)
                 .map(|s| s * 1e6 / sample.settled as f64)

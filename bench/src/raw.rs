@@ -6,18 +6,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use futures_util::StreamExt as _;
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicNackOptions, BasicPublishOptions,
     ConfirmSelectOptions,
 };
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, PublisherConfirm};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::Order;
-use crate::run::{FAILURE_REASON, FirstDelivery, Sample, run_limit};
+use crate::run::{FAILURE_REASON, FirstDelivery, STORM_REASON, Sample, run_limit};
 use lily::headers as h;
 
 /// A retry copy's publish: returned, not dropped, when unroutable.
@@ -56,32 +57,64 @@ pub async fn confirm_channel(connection: &Connection) -> Channel {
 
 /// The consumer's next delivery.
 pub async fn next(consumer: &mut lapin::Consumer) -> Option<lapin::Result<Delivery>> {
-    use futures_core::Stream;
-    std::future::poll_fn(|cx| std::pin::Pin::new(&mut *consumer).poll_next(cx)).await
+    consumer.next().await
 }
 
-/// A run's next delivery while fewer than `n` were received: counted, the first one stamped.
-async fn take(
-    consumer: &mut lapin::Consumer,
-    received: &mut u64,
+/// A contender's run: its consumer (and the channel and connection under it), the deliveries
+/// received of `n`, when it started and when the first delivery reached its code.
+struct Run {
+    connection: Connection,
+    channel: Channel,
+    consumer: lapin::Consumer,
+    received: u64,
     n: u64,
-    first: &FirstDelivery,
-) -> Option<Delivery> {
-    if *received >= n {
-        return None;
-    }
-    let delivery = next(consumer).await?.ok()?;
-    first.get_or_init(Instant::now);
-    *received += 1;
-    Some(delivery)
+    started: Instant,
+    first: FirstDelivery,
 }
 
-/// Cancels the consumer and closes its channel and connection.
-pub async fn close(connection: Connection, channel: Channel, consumer: &lapin::Consumer) {
-    let cancel = channel.basic_cancel(consumer.tag(), BasicCancelOptions::default());
-    let _ = cancel.await;
-    let _ = channel.close(200, "done".into()).await;
-    let _ = connection.close(200, "done".into()).await;
+impl Run {
+    /// Starts the clock and opens the consumer (panics when the broker cannot be reached).
+    async fn open(url: &str, queue: &str, prefetch: u16, no_ack: bool, n: u64) -> Self {
+        let started = Instant::now();
+        let (connection, channel, consumer) =
+            open(url, queue, prefetch, no_ack).await.expect("consume");
+        Self {
+            connection,
+            channel,
+            consumer,
+            received: 0,
+            n,
+            started,
+            first: FirstDelivery::new(),
+        }
+    }
+
+    /// The next delivery while fewer than `n` were received: counted, the first one stamped.
+    async fn take(&mut self) -> Option<Delivery> {
+        if self.received >= self.n {
+            return None;
+        }
+        let delivery = next(&mut self.consumer).await?.ok()?;
+        self.first.get_or_init(Instant::now);
+        self.received += 1;
+        Some(delivery)
+    }
+
+    /// Stops the clock and closes; the sample of `settled` messages.
+    async fn finish(self, settled: u64) -> Sample {
+        let sample = Sample::new(settled, self.n, self.started.elapsed());
+        let sample = sample.first_seen(self.started, &self.first);
+        self.close().await;
+        sample
+    }
+
+    /// Cancels the consumer and closes its channel and connection (and the channels beside).
+    async fn close(self) {
+        let cancel = BasicCancelOptions::default();
+        let _ = self.channel.basic_cancel(self.consumer.tag(), cancel).await;
+        let _ = self.channel.close(200, "done".into()).await;
+        let _ = self.connection.close(200, "done".into()).await;
+    }
 }
 
 /// Deserializes a delivery's order, as every contender does.
@@ -93,17 +126,13 @@ fn deserialize(delivery: &Delivery) {
 /// Consumes `n` messages on the success path, settling them as `settle` says (panics when the
 /// broker cannot be reached, or an awaited ACK fails).
 pub async fn success(url: &str, queue: &str, prefetch: u16, n: u64, settle: Settle) -> Sample {
-    let started = Instant::now();
-    let first = FirstDelivery::new();
-    let no_ack = settle == Settle::NoAck;
-    let (connection, channel, mut consumer) =
-        open(url, queue, prefetch, no_ack).await.expect("consume");
+    let mut run = Run::open(url, queue, prefetch, settle == Settle::NoAck, n).await;
     let batch = u64::from((prefetch / 2).max(1));
-    let (mut received, mut settled) = (0, 0);
+    let mut settled = 0;
     // One deadline for the whole run, not a timer a delivery: a timer armed at every wait is a
     // cost the simplest loop does not pay (raw-batch ran at 0.90 of it with one, 1.11 without).
     let drained = async {
-        while let Some(delivery) = take(&mut consumer, &mut received, n, &first).await {
+        while let Some(delivery) = run.take().await {
             deserialize(&delivery);
             match settle {
                 Settle::Each => {
@@ -111,11 +140,11 @@ pub async fn success(url: &str, queue: &str, prefetch: u16, n: u64, settle: Sett
                     ack.await.expect("ack");
                     settled += 1;
                 }
-                Settle::Batch if received - settled == batch || received == n => {
+                Settle::Batch if run.received - settled == batch || run.received == n => {
                     let multiple = BasicAckOptions { multiple: true };
-                    let ack = channel.basic_ack(delivery.delivery_tag, multiple);
+                    let ack = run.channel.basic_ack(delivery.delivery_tag, multiple);
                     ack.await.expect("ack");
-                    settled = received;
+                    settled = run.received;
                 }
                 Settle::NoAck => settled += 1,
                 Settle::Batch => {}
@@ -123,9 +152,7 @@ pub async fn success(url: &str, queue: &str, prefetch: u16, n: u64, settle: Sett
         }
     };
     let _ = tokio::time::timeout(run_limit(n), drained).await;
-    let elapsed = started.elapsed();
-    close(connection, channel, &consumer).await;
-    Sample::new(settled, n, elapsed).first_seen(started, &first)
+    run.finish(settled).await
 }
 
 /// What the pipelined handoff counts.
@@ -137,75 +164,75 @@ pub struct Counters {
     pub failed: AtomicU64,
 }
 
-/// The pipelined handoff of one delivery, on a task of its own: deserializes it, publishes its
-/// retry copy to `bucket` (mandatory, persistent, Lily's failure headers) on `confirms`, awaits
-/// that copy's own confirm (a returned copy fails), then ACKs; a failed copy's original is
-/// NACKed and requeued. Confirms pipeline across the deliveries in flight (up to the prefetch).
-fn hand_off(
-    tasks: &mut JoinSet<()>,
-    (confirms, bucket, source): &(Channel, ShortString, Arc<str>),
-    delivery: Delivery,
+/// The pipelined handoff of every delivery `run` takes until `stop` (when given) is cancelled,
+/// each on a task of its own: deserializes it, publishes its retry copy to `bucket` (mandatory,
+/// persistent, Lily's failure headers) on a confirm channel, awaits that copy's own confirm (a
+/// returned copy fails), then ACKs; a failed copy's original is NACKed and requeued. Confirms
+/// pipeline across the deliveries in flight (up to the prefetch). Then waits for the handoffs in
+/// flight.
+async fn hand_off_all(
+    run: &mut Run,
+    (queue, bucket): (&str, &str),
     reason: &'static str,
     counters: &Arc<Counters>,
+    stop: Option<&CancellationToken>,
 ) {
-    let (confirms, bucket) = (confirms.clone(), bucket.clone());
-    let (source, counters) = (Arc::clone(source), Arc::clone(counters));
-    tasks.spawn(async move {
-        deserialize(&delivery);
-        let properties = retry_properties(&delivery, &source, reason);
-        let confirmed = async {
-            let options = MANDATORY;
-            let publish =
-                confirms.basic_publish("".into(), bucket, options, &delivery.data, properties);
-            publish.await?.await
+    let confirms = confirm_channel(&run.connection).await;
+    let (bucket, source): (ShortString, Arc<str>) = (bucket.into(), queue.into());
+    let mut tasks = JoinSet::new();
+    loop {
+        let delivery = match stop {
+            None => run.take().await,
+            Some(stop) => tokio::select! {
+                biased;
+                () = stop.cancelled() => None,
+                delivery = run.take() => delivery,
+            },
         };
-        let done = if matches!(confirmed.await, Ok(Confirmation::Ack(None))) {
-            let ack = delivery.acker.ack(BasicAckOptions::default());
-            ack.await.is_ok_and(|written| written)
-        } else {
-            let _ = delivery.acker.nack(REQUEUE).await;
-            false
-        };
-        let counter = if done {
-            &counters.handoffs
-        } else {
-            &counters.failed
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
-    });
-    while tasks.try_join_next().is_some() {}
+        let Some(delivery) = delivery else { break };
+        let (confirms, bucket) = (confirms.clone(), bucket.clone());
+        let (source, counters) = (Arc::clone(&source), Arc::clone(counters));
+        tasks.spawn(async move {
+            deserialize(&delivery);
+            let properties = retry_properties(&delivery, &source, reason);
+            let confirmed = async {
+                let options = MANDATORY;
+                let publish =
+                    confirms.basic_publish("".into(), bucket, options, &delivery.data, properties);
+                publish.await?.await
+            };
+            let done = if matches!(confirmed.await, Ok(Confirmation::Ack(None))) {
+                let ack = delivery.acker.ack(BasicAckOptions::default());
+                ack.await.is_ok_and(|written| written)
+            } else {
+                let _ = delivery.acker.nack(REQUEUE).await;
+                false
+            };
+            let counter = if done {
+                &counters.handoffs
+            } else {
+                &counters.failed
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+        });
+        while tasks.try_join_next().is_some() {}
+    }
+    while tasks.join_next().await.is_some() {}
 }
 
-/// Consumes `n` messages, each failing once, handed off pipelined (`hand_off`).
+/// Consumes `n` messages, each failing once, handed off pipelined (`hand_off_all`).
 pub async fn handoff(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64) -> Sample {
-    let started = Instant::now();
-    let first = FirstDelivery::new();
-    let (connection, channel, mut consumer) =
-        open(url, queue, prefetch, false).await.expect("consume");
-    let to = (
-        confirm_channel(&connection).await,
-        bucket.into(),
-        queue.into(),
-    );
-    let (mut tasks, counters) = (JoinSet::new(), Arc::default());
-    let mut received = 0;
+    let mut run = Run::open(url, queue, prefetch, false, n).await;
+    let counters = Arc::<Counters>::default();
     // One deadline for the run, as on the success path.
-    let consumed = async {
-        while let Some(delivery) = take(&mut consumer, &mut received, n, &first).await {
-            hand_off(&mut tasks, &to, delivery, FAILURE_REASON, &counters);
-        }
-        while tasks.join_next().await.is_some() {}
-    };
+    let consumed = hand_off_all(&mut run, (queue, bucket), FAILURE_REASON, &counters, None);
     let _ = tokio::time::timeout(run_limit(n), consumed).await;
-    let elapsed = started.elapsed();
+    let sample = run.finish(counters.handoffs.load(Ordering::Relaxed)).await;
     let failed = counters.failed.load(Ordering::Relaxed);
     if failed > 0 {
         eprintln!("raw handoff: {failed} handoffs failed");
     }
-    let _ = to.0.close(200, "done".into()).await;
-    close(connection, channel, &consumer).await;
-    let settled = counters.handoffs.load(Ordering::Relaxed);
-    Sample::new(settled, n, elapsed).first_seen(started, &first)
+    sample
 }
 
 /// Consumes `n` messages, each failing once, as a hand-tuned publisher batches confirms: the
@@ -215,15 +242,12 @@ pub async fn handoff(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64
 /// none was returned it ACKs the originals with one `multiple` ACK, otherwise one by one (a failed
 /// copy's original is NACKed and requeued).
 pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, n: u64) -> Sample {
-    let started = Instant::now();
-    let first = FirstDelivery::new();
-    let (connection, channel, mut consumer) =
-        open(url, queue, prefetch, false).await.expect("consume");
-    let confirms = confirm_channel(&connection).await;
+    let mut run = Run::open(url, queue, prefetch, false, n).await;
+    let confirms = confirm_channel(&run.connection).await;
     let batch = usize::from((prefetch / 2).max(1));
     let (batches, mut settle) = tokio::sync::mpsc::channel::<Vec<(u64, PublisherConfirm)>>(1);
     let settler = tokio::spawn({
-        let channel = channel.clone();
+        let channel = run.channel.clone();
         async move {
             let (mut settled, mut failed) = (0_u64, 0_u64);
             while let Some(batch) = settle.recv().await {
@@ -231,15 +255,10 @@ pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, 
                 for (tag, confirm) in batch {
                     outcomes.push((tag, matches!(confirm.await, Ok(Confirmation::Ack(None)))));
                 }
-                if outcomes.iter().all(|(_, ok)| *ok) {
-                    let Some(&(last, _)) = outcomes.last() else {
-                        continue;
-                    };
-                    if channel
-                        .basic_ack(last, BasicAckOptions { multiple: true })
-                        .await
-                        .is_ok()
-                    {
+                let all_acked = outcomes.iter().all(|(_, ok)| *ok);
+                if let Some(&(last, _)) = outcomes.last().filter(|_| all_acked) {
+                    let multiple = BasicAckOptions { multiple: true };
+                    if channel.basic_ack(last, multiple).await.is_ok() {
                         settled += outcomes.len() as u64;
                     }
                     continue;
@@ -263,27 +282,19 @@ pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, 
     });
     let bucket: ShortString = bucket.into();
     let mut pending = Vec::with_capacity(batch);
-    let mut received = 0;
     let consumed = async {
-        while let Some(delivery) = take(&mut consumer, &mut received, n, &first).await {
+        while let Some(delivery) = run.take().await {
             deserialize(&delivery);
             let properties = retry_properties(&delivery, queue, FAILURE_REASON);
-            let published = confirms
-                .basic_publish(
-                    "".into(),
-                    bucket.clone(),
-                    MANDATORY,
-                    &delivery.data,
-                    properties,
-                )
-                .await;
-            match published {
+            let (to, data) = (bucket.clone(), &delivery.data);
+            let published = confirms.basic_publish("".into(), to, MANDATORY, data, properties);
+            match published.await {
                 Ok(confirm) => pending.push((delivery.delivery_tag, confirm)),
                 Err(_) => {
                     let _ = delivery.acker.nack(REQUEUE).await;
                 }
             }
-            if (pending.len() == batch || received == n)
+            if (pending.len() == batch || run.received == n)
                 && batches.send(std::mem::take(&mut pending)).await.is_err()
             {
                 break;
@@ -293,18 +304,16 @@ pub async fn handoff_batch(url: &str, queue: &str, bucket: &str, prefetch: u16, 
     let _ = tokio::time::timeout(run_limit(n), consumed).await;
     drop(batches);
     let (settled, failed) = settler.await.unwrap_or((0, n));
-    let elapsed = started.elapsed();
+    let sample = run.finish(settled).await;
     if failed > 0 {
         eprintln!("raw-batch handoff: {failed} handoffs failed");
     }
-    let _ = confirms.close(200, "done".into()).await;
-    close(connection, channel, &consumer).await;
-    Sample::new(settled, n, elapsed).first_seen(started, &first)
+    sample
 }
 
-/// The storm: `hand_off` for every delivery until `stop` is cancelled; then cancels the
-/// consumer, lets the tasks in flight finish and closes (panics when the broker cannot be
-/// reached or refuses the consumer).
+/// The storm: `hand_off_all` for every delivery until `stop` is cancelled; then lets the tasks in
+/// flight finish, cancels the consumer and closes (panics when the broker cannot be reached or
+/// refuses the consumer).
 pub async fn storm(
     url: String,
     (queue, bucket): (String, String),
@@ -312,42 +321,18 @@ pub async fn storm(
     counters: Arc<Counters>,
     stop: CancellationToken,
 ) {
-    let (connection, channel, mut consumer) =
-        open(&url, &queue, prefetch, false).await.expect("consume");
-    let to = (
-        confirm_channel(&connection).await,
-        bucket.into(),
-        queue.into(),
-    );
-    let mut tasks = JoinSet::new();
-    loop {
-        let next = tokio::select! {
-            biased;
-            () = stop.cancelled() => break,
-            next = next(&mut consumer) => next,
-        };
-        let Some(Ok(delivery)) = next else { break };
-        hand_off(
-            &mut tasks,
-            &to,
-            delivery,
-            crate::run::STORM_REASON,
-            &counters,
-        );
-    }
-    let cancel = channel.basic_cancel(consumer.tag(), BasicCancelOptions::default());
-    let _ = cancel.await;
-    while tasks.join_next().await.is_some() {}
-    let _ = to.0.close(200, "done".into()).await;
-    let _ = channel.close(200, "done".into()).await;
-    let _ = connection.close(200, "done".into()).await;
+    let mut run = Run::open(&url, &queue, prefetch, false, u64::MAX).await;
+    let queues = (queue.as_str(), bucket.as_str());
+    hand_off_all(&mut run, queues, STORM_REASON, &counters, Some(&stop)).await;
+    run.close().await;
 }
 
 /// Properties of the retry copy of `delivery`, failed at its current attempt (the
 /// `x-lily-attempt` header, 1 when absent): the attempt is bumped, the first failure time kept
 /// when the delivery already carries one.
 pub fn retry_properties(delivery: &Delivery, source_queue: &str, reason: &str) -> BasicProperties {
-    let now = epoch_millis();
+    let now = SystemTime::now().duration_since(UNIX_EPOCH);
+    let now = now.map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
     let mut headers = delivery
         .properties
         .headers()
@@ -355,13 +340,10 @@ pub fn retry_properties(delivery: &Delivery, source_queue: &str, reason: &str) -
         .map(|t| t.inner().clone())
         .unwrap_or_default();
     let attempt = headers.get(h::ATTEMPT).and_then(h::as_u32).unwrap_or(1);
-    let first = headers
-        .get(h::FIRST_FAILURE_AT)
-        .and_then(|v| match v {
-            AMQPValue::LongLongInt(t) => Some(*t),
-            _ => None,
-        })
-        .unwrap_or(now);
+    let first = match headers.get(h::FIRST_FAILURE_AT) {
+        Some(AMQPValue::LongLongInt(t)) => *t,
+        _ => now,
+    };
     let mut put = |k: &str, v: AMQPValue| {
         headers.insert(k.into(), v);
     };
@@ -381,11 +363,5 @@ pub fn retry_properties(delivery: &Delivery, source_queue: &str, reason: &str) -
 }
 
 fn long(text: &str) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(text.as_bytes().to_vec()))
-}
-
-fn epoch_millis() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+    AMQPValue::LongString(text.into())
 }

@@ -56,9 +56,10 @@ impl Table {
     }
 
     pub fn row<S: AsRef<str>>(&mut self, cells: impl IntoIterator<Item = S>) {
-        let cells: Vec<S> = cells.into_iter().collect();
-        let cells: Vec<&str> = cells.iter().map(AsRef::as_ref).collect();
-        let _ = writeln!(self.0, "| {} |", cells.join(" | "));
+        for cell in cells {
+            let _ = write!(self.0, "| {} ", cell.as_ref());
+        }
+        self.0 += "|\n";
     }
 
     /// The table and a blank line.
@@ -78,7 +79,7 @@ pub fn rate(value: impl Into<Option<f64>>) -> String {
 /// `12345.6` → `12 345.6`.
 pub fn group(text: &str) -> String {
     let (sign, rest) = text.strip_prefix('-').map_or(("", text), |r| ("-", r));
-    let (int, frac) = rest.split_once('.').map_or((rest, ""), |(i, f)| (i, f));
+    let int = rest.find('.').map_or(rest, |dot| &rest[..dot]);
     let mut out = String::from(sign);
     for (i, c) in int.chars().enumerate() {
         if i > 0 && (int.len() - i).is_multiple_of(3) {
@@ -86,10 +87,7 @@ pub fn group(text: &str) -> String {
         }
         out.push(c);
     }
-    if !frac.is_empty() {
-        out = format!("{out}.{frac}");
-    }
-    out
+    out + &rest[int.len()..]
 }
 
 /// `value` with `digits` decimals, or `-`.
