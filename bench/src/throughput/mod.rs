@@ -59,7 +59,7 @@ impl Path {
     }
 }
 
-/// Who consumes.
+/// Who consumes, in the reports' column order (`clap::ValueEnum::value_variants`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Contender {
@@ -69,35 +69,32 @@ pub enum Contender {
     /// Hand-tuned lapin: a `multiple` ACK every prefetch/2 deliveries; on the handoff path the
     /// copies' confirms are awaited a batch at a time while the next batch is published.
     RawBatch,
+    /// Raw-batch again, for the A/A ratio: what two identical contenders give in this run.
+    RawBatchAgain,
     /// No-ack consume: the broker settles nothing, so no consumer that settles goes faster.
     Ceiling,
     /// Lily.
     Lily,
     /// ruststream-lapin.
     Peer,
-    /// Raw-batch again, for the A/A ratio: what two identical contenders give in this run.
-    RawBatchAgain,
 }
 
 impl Contender {
-    pub const ALL: [Self; 6] = [
-        Self::Raw,
-        Self::RawBatch,
-        Self::RawBatchAgain,
-        Self::Ceiling,
-        Self::Lily,
-        Self::Peer,
-    ];
-
     pub fn name(self) -> &'static str {
         match self {
             Self::Raw => "raw lapin",
             Self::RawBatch => "raw-batch",
+            Self::RawBatchAgain => "raw-batch again",
             Self::Ceiling => "ceiling (no-ack)",
             Self::Lily => "Lily",
             Self::Peer => "ruststream-lapin",
-            Self::RawBatchAgain => "raw-batch again",
         }
+    }
+
+    /// The contenders `ran` holds for, in the reports' order.
+    pub fn those(ran: impl Fn(Self) -> bool) -> Vec<Self> {
+        let all = <Self as clap::ValueEnum>::value_variants().iter().copied();
+        all.filter(|&w| ran(w)).collect()
     }
 }
 
@@ -272,11 +269,6 @@ impl CaseResult {
             aa,
             all_runs_complete,
         }
-    }
-
-    /// The median msgs/s of `who`, if it ran.
-    pub fn median(&self, who: Contender) -> Option<f64> {
-        self.runs(who).map(|r| r.median_msgs_per_sec)
     }
 
     pub fn runs(&self, who: Contender) -> Option<&Runs> {
