@@ -52,13 +52,20 @@ pub struct Args {
 
 impl Args {
     /// Who runs `path`, in order: the ones named that can (the handoff path has no ceiling and
-    /// no peer), or the path's defaults.
+    /// no peer), or the path's defaults, the bars first; a quick run leaves out the old
+    /// success-path baselines (raw lapin awaiting each ACK, ruststream-lapin).
     fn contenders(&self, path: Path) -> Vec<Contender> {
+        use Contender::{Ceiling, Lily, Peer, Raw, RawBatch, RawBatchAgain};
         if self.contenders.is_empty() {
-            return path.contenders(self.common.quick).to_vec();
+            let defaults: &[Contender] = match (path, self.common.quick) {
+                (Path::Success, false) => &[RawBatch, Ceiling, Lily, RawBatchAgain, Raw, Peer],
+                (Path::Success, true) => &[RawBatch, Ceiling, Lily],
+                (Path::Handoff, false) => &[RawBatch, Raw, Lily, RawBatchAgain],
+                (Path::Handoff, true) => &[RawBatch, Raw, Lily],
+            };
+            return defaults.to_vec();
         }
-        let runs =
-            |who| path == Path::Success || !matches!(who, Contender::Ceiling | Contender::Peer);
+        let runs = |who| path == Path::Success || !matches!(who, Ceiling | Peer);
         self.contenders
             .iter()
             .copied()

@@ -38,18 +38,6 @@ impl Path {
         }
     }
 
-    /// The contenders a case runs by default, the bars first; a quick run leaves out the old
-    /// success-path baselines (raw lapin awaiting each ACK, ruststream-lapin).
-    pub fn contenders(self, quick: bool) -> &'static [Contender] {
-        use Contender::{Ceiling, Lily, Peer, Raw, RawBatch, RawBatchAgain};
-        match (self, quick) {
-            (Self::Success, false) => &[RawBatch, Ceiling, Lily, RawBatchAgain, Raw, Peer],
-            (Self::Success, true) => &[RawBatch, Ceiling, Lily],
-            (Self::Handoff, false) => &[RawBatch, Raw, Lily, RawBatchAgain],
-            (Self::Handoff, true) => &[RawBatch, Raw, Lily],
-        }
-    }
-
     /// Retry delays of the path's topology: Lily's default policy's, or the parked bucket.
     pub fn delays(self) -> Vec<Duration> {
         match self {
