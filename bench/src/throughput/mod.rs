@@ -144,8 +144,14 @@ pub struct Ratio {
 }
 
 impl Ratio {
-    /// `numerator`'s runs over `over`'s, with `target` judged by [`meets`].
-    fn new(numerator: &Runs, over: &Runs, target: Option<f64>, cpu_target: Option<f64>) -> Self {
+    /// `numerator`'s runs over `over`'s on `path`, judged by [`meets`] where they are Lily and
+    /// raw-batch. Lily must reach raw-batch's rate, and on the success path its CPU a message; the
+    /// no-ack ceiling is the node's reference, not a bar: the broker's settling work alone keeps
+    /// any consumer that settles well below it.
+    fn new(numerator: &Runs, over: &Runs, path: Path) -> Self {
+        let bar = numerator.contender == Contender::Lily && over.contender == Contender::RawBatch;
+        let target = bar.then_some(1.0);
+        let cpu_target = (bar && path == Path::Success).then_some(CPU_TARGET);
         // Each repetition's `numerator / over` of a rate, where both have it.
         let paired = |rate: fn(&Sample) -> Option<f64>| -> Vec<f64> {
             let pairs = numerator.samples.iter().zip(&over.samples);
@@ -232,22 +238,15 @@ impl CaseResult {
             .collect();
         let all_runs_complete = runs.iter().flat_map(|r| &r.samples).all(|s| s.complete);
         let find = |who| runs.iter().find(|r| r.contender == who);
-        // Lily must reach raw-batch's rate; the no-ack ceiling is the node's reference, not a
-        // bar: the broker's settling work alone keeps any consumer that settles well below it.
         let lily_over = find(Contender::Lily).map_or_else(Vec::new, |lily| {
             let others = runs
                 .iter()
                 .filter(|r| !matches!(r.contender, Contender::Lily | Contender::RawBatchAgain));
-            let ratio = |r: &Runs| {
-                let bar = r.contender == Contender::RawBatch;
-                let cpu = (bar && path == Path::Success).then_some(CPU_TARGET);
-                Ratio::new(lily, r, bar.then_some(1.0), cpu)
-            };
-            others.map(ratio).collect()
+            others.map(|r| Ratio::new(lily, r, path)).collect()
         });
         let aa = find(Contender::RawBatchAgain)
             .zip(find(Contender::RawBatch))
-            .map(|(again, batch)| Ratio::new(again, batch, None, None));
+            .map(|(again, batch)| Ratio::new(again, batch, path));
         Self {
             path,
             queue_type,
