@@ -69,16 +69,12 @@ async fn fill(connection: &Connection, url: &str, queue: &str, shape: &str, n: u
     let declared = channel.queue_declare(queue.into(), durable, FieldTable::default());
     declared.await.expect("queue.declare");
     let body = Order::body();
-    for window in (0..n).collect::<Vec<_>>().chunks(2_000) {
-        let mut confirms = Vec::new();
-        for &i in window {
-            let (options, properties) = (BasicPublishOptions::default(), properties(shape, i));
-            let publish =
-                channel.basic_publish("".into(), queue.into(), options, &body, properties);
-            confirms.push(publish.await.expect("publish"));
-        }
-        for confirm in confirms {
-            confirm.await.expect("confirm");
+    for i in 0..n {
+        let (options, properties) = (BasicPublishOptions::default(), properties(shape, i));
+        let publish = channel.basic_publish("".into(), queue.into(), options, &body, properties);
+        publish.await.expect("publish");
+        if (i + 1) % 2_000 == 0 || i + 1 == n {
+            channel.wait_for_confirms().await.expect("confirms");
         }
     }
 }

@@ -12,23 +12,16 @@ use crate::throughput::cli::run_once;
 use crate::throughput::{Contender, Path};
 use crate::{broker_url, median};
 
-/// Lily and raw lapin on a three-node cluster (`LILY_CLUSTER_URL`) against the single node.
+/// Lily and raw lapin on a three-node cluster (`LILY_CLUSTER_URL`) against the single node:
+/// quorum queues, prefetch 50, 50 000 messages a run, 3 repetitions (quick: 20 000 and 2).
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
     common: Common,
-    /// Messages per run (quick: 20 000).
-    #[arg(short = 'n', long, default_value = "50000", value_parser = crate::args::count::<u64>,
-          default_value_if("quick", "true", Some("20000")))]
-    messages: u64,
-    /// Repetitions of each case (quick: 2).
-    #[arg(short, long, default_value = "3", value_parser = clap::value_parser!(u32).range(1..),
-          default_value_if("quick", "true", Some("2")))]
-    reps: u32,
-    /// Prefetch of every consumer.
-    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u16).range(1..))]
-    prefetch: u16,
 }
+
+/// Prefetch of every consumer.
+const PREFETCH: u16 = 50;
 
 /// One path's medians in msg/s: one node raw, Lily; cluster raw, Lily; and Lily's ratios.
 #[derive(Serialize)]
@@ -60,6 +53,11 @@ pub async fn run(args: Args) {
     let single = broker_url();
     let cluster = std::env::var("LILY_CLUSTER_URL")
         .expect("LILY_CLUSTER_URL is unset: run it through scripts/bench.sh cluster");
+    let (messages, reps) = if args.common.quick {
+        (20_000, 2)
+    } else {
+        (50_000, 3)
+    };
     let started = Instant::now();
     let mut cases = Vec::new();
     for path in [Path::Success, Path::Handoff] {
@@ -71,22 +69,14 @@ pub async fn run(args: Args) {
         ];
         let mut rates: [Vec<f64>; 4] = Default::default();
         let mut incomplete_runs = 0;
-        for rep in 1..=args.reps {
+        for rep in 1..=reps {
             for (slot, (url, who)) in turns.into_iter().enumerate() {
-                let s = run_once(
-                    url,
-                    path,
-                    QueueKind::Quorum,
-                    args.prefetch,
-                    who,
-                    args.messages,
-                )
-                .await;
+                let s = run_once(url, path, QueueKind::Quorum, PREFETCH, who, messages).await;
                 let node = if slot < 2 { "single" } else { "cluster" };
                 eprintln!(
                     "  {} rep {rep}/{} {node:<7} {:<9} {:>8.0} msgs/s ({:.2} s)",
                     path.name(),
-                    args.reps,
+                    reps,
                     who.name(),
                     s.msgs_per_sec,
                     s.secs
@@ -113,9 +103,9 @@ pub async fn run(args: Args) {
     let r = Results {
         meta,
         queue_type: "quorum",
-        prefetch: args.prefetch,
-        messages_per_run: args.messages,
-        repetitions: args.reps,
+        prefetch: PREFETCH,
+        messages_per_run: messages,
+        repetitions: reps,
         cases,
     };
     let head = "path|one node: raw|one node: Lily|cluster: raw|cluster: Lily|Lily cluster / one node|Lily / raw, cluster|Lily / raw, one node";

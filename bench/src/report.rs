@@ -165,10 +165,7 @@ pub fn throughput(r: &throughput::Results) -> String {
         if cases.is_empty() {
             continue;
         }
-        let who: Vec<Contender> = Contender::ALL
-            .into_iter()
-            .filter(|&w| cases.iter().any(|c| c.runs(w).is_some()))
-            .collect();
+        let who = Contender::those(|w| cases.iter().any(|c| c.runs(w).is_some()));
         let others = who
             .iter()
             .filter(|w| !matches!(w, Contender::Lily | Contender::RawBatchAgain));
@@ -211,17 +208,10 @@ pub fn throughput(r: &throughput::Results) -> String {
                         runs.map(|x| x.median_msgs_per_sec)
                     })
                 });
-                let cell = |x: Option<&Ratio>| {
-                    let Some(x) = x else { return "-".into() };
-                    let (v, runs) = if steady {
-                        (x.steady, &x.steady_runs)
-                    } else {
-                        (Some(x.value), &x.runs)
-                    };
-                    let met = v
-                        .zip(x.target)
-                        .and_then(|(v, t)| throughput::meets(v, runs, t, true));
-                    ratio(v, runs, x.target, met, true)
+                let cell = |x: Option<&Ratio>| match x {
+                    Some(x) if steady => ratio(x.steady, &x.steady_runs, x.target, true),
+                    Some(x) => ratio(Some(x.value), &x.runs, x.target, true),
+                    None => "-".into(),
                 };
                 let ratios = others.clone().map(|&w| cell(c.ratio(w)));
                 let aa = aa.then(|| cell(c.aa.as_ref()));
@@ -239,32 +229,23 @@ pub fn throughput(r: &throughput::Results) -> String {
         let cpu_head = head(&["client", "broker"]) + "|Lily / raw-batch client|A/A client";
         let mut table = Table::new(&cpu_head, 2);
         for c in &cases {
-            let client = who
-                .iter()
-                .map(|&w| fixed(c.runs(w).and_then(|x| x.client_cpu_us_per_msg), 1));
-            let broker = who
-                .iter()
-                .map(|&w| fixed(c.runs(w).and_then(|x| x.broker_cpu_us_per_msg), 1));
-            let cpu = |x: Option<&Ratio>, target| {
-                x.map_or_else(
-                    || "-".into(),
-                    |x| ratio(x.cpu, &x.cpu_runs, target, x.cpu_met, false),
-                )
+            let cpu = |pick: fn(&throughput::Runs) -> Option<f64>| {
+                who.iter().map(move |&w| fixed(c.runs(w).and_then(pick), 1))
             };
+            let client = cpu(|x| x.client_cpu_us_per_msg);
+            let broker = cpu(|x| x.broker_cpu_us_per_msg);
             let target = (path == Path::Success).then_some(throughput::CPU_TARGET);
             let ratios = [
-                cpu(c.ratio(Contender::RawBatch), target),
-                cpu(c.aa.as_ref(), None),
-            ];
+                (c.ratio(Contender::RawBatch), target),
+                (c.aa.as_ref(), None),
+            ]
+            .map(|(x, t)| x.map_or("-".into(), |x| ratio(x.cpu, &x.cpu_runs, t, false)));
             table.row(key(c).into_iter().chain(client).chain(broker).chain(ratios));
         }
         out += &table.end();
     }
     if let Some(first) = r.starts.first() {
-        let who: Vec<Contender> = Contender::ALL
-            .into_iter()
-            .filter(|&w| r.starts.iter().any(|s| s.contender == w))
-            .collect();
+        let who = Contender::those(|w| r.starts.iter().any(|s| s.contender == w));
         let _ = writeln!(
             out,
             "Start, success path (ms from consumer start until one waiting message is settled: connect, topology, consume; median of {}, contenders taking turns):\n",
@@ -272,42 +253,26 @@ pub fn throughput(r: &throughput::Results) -> String {
         );
         let head: String = who.iter().map(|w| format!("|{} ms", w.name())).collect();
         let mut table = Table::new(&format!("queue{head}|Lily − raw-batch ms"), 1);
-        let mut kinds: Vec<&str> = r.starts.iter().map(|s| s.queue_type).collect();
-        kinds.dedup();
-        for kind in kinds {
-            let median = |w| {
-                let start = r
-                    .starts
-                    .iter()
-                    .find(|s| s.queue_type == kind && s.contender == w);
-                start.map(|s| s.median_ms)
-            };
+        for kind in r.starts.chunk_by(|a, b| a.queue_type == b.queue_type) {
+            let median = |w| kind.iter().find(|s| s.contender == w).map(|s| s.median_ms);
             let over = median(Contender::Lily)
                 .zip(median(Contender::RawBatch))
                 .map(|(l, b)| l - b);
             let medians = who.iter().map(|&w| fixed(median(w), 1));
-            table.row(
-                [kind.to_owned()]
-                    .into_iter()
-                    .chain(medians)
-                    .chain([fixed(over, 1)]),
-            );
+            let cells = [kind[0].queue_type.to_owned()].into_iter().chain(medians);
+            table.row(cells.chain([fixed(over, 1)]));
         }
         out += &table.end();
     }
     with_notes(out, &r.meta)
 }
 
-/// `1.023 (≥ 1.00 met) [0.931–1.024]`: a ratio, its verdict and its spread; `-` without one.
-fn ratio(
-    value: Option<f64>,
-    runs: &[f64],
-    target: Option<f64>,
-    met: Option<bool>,
-    floor: bool,
-) -> String {
-    let verdict = |v| format!("{v:.3}{}{}", verdict(target, met, floor), spread(runs));
-    value.map_or_else(|| "-".into(), verdict)
+/// `1.023 (≥ 1.00 met) [0.931–1.024]`: a ratio, its verdict against `target` by
+/// [`throughput::meets`] (`floor`: at least, else at most) and its spread; `-` without one.
+fn ratio(value: Option<f64>, runs: &[f64], target: Option<f64>, floor: bool) -> String {
+    let Some(v) = value else { return "-".into() };
+    let met = target.and_then(|t| throughput::meets(v, runs, t, floor));
+    format!("{v:.3}{}{}", verdict(target, met, floor), spread(runs))
 }
 
 /// The throughput chart: a panel per path, a group per queue type × prefetch, a bar per
@@ -318,23 +283,30 @@ pub fn throughput_chart(r: &throughput::Results) -> String {
     let mut chart = Chart::new("Throughput (median msg/s)", &subtitle(&r.meta, &what));
     for path in [Path::Success, Path::Handoff] {
         let cases: Vec<_> = r.cases.iter().filter(|c| c.path == path).collect();
-        let who: Vec<Contender> = Contender::ALL
-            .into_iter()
-            .filter(|&w| w != Contender::RawBatchAgain)
-            .filter(|&w| cases.iter().any(|c| c.runs(w).is_some()))
-            .collect();
+        if cases.is_empty() {
+            continue;
+        }
+        let who = Contender::those(|w| {
+            w != Contender::RawBatchAgain && cases.iter().any(|c| c.runs(w).is_some())
+        });
         let names: Vec<&str> = who.iter().map(|w| w.name()).collect();
         let groups: Vec<_> = cases
             .iter()
             .map(|c| {
                 let label = format!("{} {}", c.queue_type, c.prefetch);
-                (label, who.iter().map(|&w| c.median(w)).collect())
+                let medians = who
+                    .iter()
+                    .map(|&w| c.runs(w).map(|x| x.median_msgs_per_sec));
+                (label, medians.collect())
             })
             .collect();
-        if !cases.is_empty() {
-            let title = format!("{} path", path.name());
-            chart.bars(&title, "msg/s", &names, &groups, false);
-        }
+        chart.bars(
+            &format!("{} path", path.name()),
+            "msg/s",
+            &names,
+            &groups,
+            false,
+        );
     }
     chart.finish()
 }

@@ -3,6 +3,7 @@
 
 use std::time::Instant;
 
+use clap::ValueEnum as _;
 use lily::prelude::QueueKind;
 
 use crate::args::Common;
@@ -51,13 +52,20 @@ pub struct Args {
 
 impl Args {
     /// Who runs `path`, in order: the ones named that can (the handoff path has no ceiling and
-    /// no peer), or the path's defaults.
+    /// no peer), or the path's defaults, the bars first; a quick run leaves out the old
+    /// success-path baselines (raw lapin awaiting each ACK, ruststream-lapin).
     fn contenders(&self, path: Path) -> Vec<Contender> {
+        use Contender::{Ceiling, Lily, Peer, Raw, RawBatch, RawBatchAgain};
         if self.contenders.is_empty() {
-            return path.contenders(self.common.quick).to_vec();
+            let defaults: &[Contender] = match (path, self.common.quick) {
+                (Path::Success, false) => &[RawBatch, Ceiling, Lily, RawBatchAgain, Raw, Peer],
+                (Path::Success, true) => &[RawBatch, Ceiling, Lily],
+                (Path::Handoff, false) => &[RawBatch, Raw, Lily, RawBatchAgain],
+                (Path::Handoff, true) => &[RawBatch, Raw, Lily],
+            };
+            return defaults.to_vec();
         }
-        let runs =
-            |who| path == Path::Success || !matches!(who, Contender::Ceiling | Contender::Peer);
+        let runs = |who| path == Path::Success || !matches!(who, Ceiling | Peer);
         self.contenders
             .iter()
             .copied()
@@ -125,23 +133,19 @@ pub async fn run(args: Args) {
     );
     let total = Instant::now();
     for &path in &args.paths {
+        let who = args.contenders(path);
         for &kind in &args.kinds {
             for &prefetch in &args.prefetches {
-                let mut samples: Vec<(Contender, Vec<Sample>)> = args
-                    .contenders(path)
-                    .into_iter()
-                    .map(|w| (w, Vec::new()))
-                    .collect();
+                let mut samples = vec![Vec::new(); who.len()];
                 for rep in 1..=args.reps {
-                    for at in in_turn(samples.len(), rep) {
-                        let who = samples[at].0;
-                        let s = run_once(&url, path, kind, prefetch, who, args.messages).await;
+                    for at in in_turn(who.len(), rep) {
+                        let s = run_once(&url, path, kind, prefetch, who[at], args.messages).await;
                         eprintln!(
                             "  {} {} prefetch {prefetch} rep {rep}/{} {:<16} {:>10} msgs/s ({:.2} s{}) cpu µs/msg client {} broker {} [{:.0} s]",
                             path.name(),
                             kind_name(kind),
                             args.reps,
-                            who.name(),
+                            who[at].name(),
                             rate(s.msgs_per_sec),
                             s.secs,
                             if s.complete { "" } else { ", INCOMPLETE" },
@@ -149,26 +153,27 @@ pub async fn run(args: Args) {
                             fixed(s.broker_cpu_us_per_msg, 1),
                             total.elapsed().as_secs_f64(),
                         );
-                        samples[at].1.push(s);
+                        samples[at].push(s);
                     }
                 }
+                let samples = who.iter().copied().zip(samples).collect();
                 let case = CaseResult::new(path, kind_name(kind), prefetch, samples);
                 results.cases.push(case);
             }
         }
     }
-    if args.paths.contains(&Path::Success) {
+    if args.paths.contains(&Path::Success) && args.start_reps > 0 {
         let prefetch = args.prefetches.first().copied().unwrap_or(50);
         let who = args.contenders(Path::Success);
         for &kind in &args.kinds {
-            let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); who.len()];
+            let mut samples = vec![Vec::new(); who.len()];
             for rep in 1..=args.start_reps {
                 for at in in_turn(who.len(), rep) {
                     let s = run_once(&url, Path::Success, kind, prefetch, who[at], 1).await;
                     samples[at].push(s);
                 }
             }
-            for (&contender, runs) in who.iter().zip(&samples).filter(|(_, r)| !r.is_empty()) {
+            for (&contender, runs) in who.iter().zip(samples) {
                 let ms: Vec<f64> = runs.iter().map(|s| s.secs * 1000.0).collect();
                 let median_ms = median(&mut ms.clone());
                 eprintln!(
@@ -186,7 +191,7 @@ pub async fn run(args: Args) {
             }
         }
     }
-    for who in Contender::ALL {
+    for &who in Contender::value_variants() {
         let runs = results.cases.iter().filter_map(|c| c.runs(who));
         let left: Vec<u32> = runs
             .flat_map(|r| &r.samples)

@@ -38,18 +38,6 @@ impl Path {
         }
     }
 
-    /// The contenders a case runs by default, the bars first; a quick run leaves out the old
-    /// success-path baselines (raw lapin awaiting each ACK, ruststream-lapin).
-    pub fn contenders(self, quick: bool) -> &'static [Contender] {
-        use Contender::{Ceiling, Lily, Peer, Raw, RawBatch, RawBatchAgain};
-        match (self, quick) {
-            (Self::Success, false) => &[RawBatch, Ceiling, Lily, RawBatchAgain, Raw, Peer],
-            (Self::Success, true) => &[RawBatch, Ceiling, Lily],
-            (Self::Handoff, false) => &[RawBatch, Raw, Lily, RawBatchAgain],
-            (Self::Handoff, true) => &[RawBatch, Raw, Lily],
-        }
-    }
-
     /// Retry delays of the path's topology: Lily's default policy's, or the parked bucket.
     pub fn delays(self) -> Vec<Duration> {
         match self {
@@ -59,7 +47,7 @@ impl Path {
     }
 }
 
-/// Who consumes.
+/// Who consumes, in the reports' column order (`clap::ValueEnum::value_variants`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Contender {
@@ -69,35 +57,32 @@ pub enum Contender {
     /// Hand-tuned lapin: a `multiple` ACK every prefetch/2 deliveries; on the handoff path the
     /// copies' confirms are awaited a batch at a time while the next batch is published.
     RawBatch,
+    /// Raw-batch again, for the A/A ratio: what two identical contenders give in this run.
+    RawBatchAgain,
     /// No-ack consume: the broker settles nothing, so no consumer that settles goes faster.
     Ceiling,
     /// Lily.
     Lily,
     /// ruststream-lapin.
     Peer,
-    /// Raw-batch again, for the A/A ratio: what two identical contenders give in this run.
-    RawBatchAgain,
 }
 
 impl Contender {
-    pub const ALL: [Self; 6] = [
-        Self::Raw,
-        Self::RawBatch,
-        Self::RawBatchAgain,
-        Self::Ceiling,
-        Self::Lily,
-        Self::Peer,
-    ];
-
     pub fn name(self) -> &'static str {
         match self {
             Self::Raw => "raw lapin",
             Self::RawBatch => "raw-batch",
+            Self::RawBatchAgain => "raw-batch again",
             Self::Ceiling => "ceiling (no-ack)",
             Self::Lily => "Lily",
             Self::Peer => "ruststream-lapin",
-            Self::RawBatchAgain => "raw-batch again",
         }
+    }
+
+    /// The contenders `ran` holds for, in the reports' order.
+    pub fn those(ran: impl Fn(Self) -> bool) -> Vec<Self> {
+        let all = <Self as clap::ValueEnum>::value_variants().iter().copied();
+        all.filter(|&w| ran(w)).collect()
     }
 }
 
@@ -159,8 +144,14 @@ pub struct Ratio {
 }
 
 impl Ratio {
-    /// `numerator`'s runs over `over`'s, with `target` judged by [`meets`].
-    fn new(numerator: &Runs, over: &Runs, target: Option<f64>, cpu_target: Option<f64>) -> Self {
+    /// `numerator`'s runs over `over`'s on `path`, judged by [`meets`] where they are Lily and
+    /// raw-batch. Lily must reach raw-batch's rate, and on the success path its CPU a message; the
+    /// no-ack ceiling is the node's reference, not a bar: the broker's settling work alone keeps
+    /// any consumer that settles well below it.
+    fn new(numerator: &Runs, over: &Runs, path: Path) -> Self {
+        let bar = numerator.contender == Contender::Lily && over.contender == Contender::RawBatch;
+        let target = bar.then_some(1.0);
+        let cpu_target = (bar && path == Path::Success).then_some(CPU_TARGET);
         // Each repetition's `numerator / over` of a rate, where both have it.
         let paired = |rate: fn(&Sample) -> Option<f64>| -> Vec<f64> {
             let pairs = numerator.samples.iter().zip(&over.samples);
@@ -247,22 +238,15 @@ impl CaseResult {
             .collect();
         let all_runs_complete = runs.iter().flat_map(|r| &r.samples).all(|s| s.complete);
         let find = |who| runs.iter().find(|r| r.contender == who);
-        // Lily must reach raw-batch's rate; the no-ack ceiling is the node's reference, not a
-        // bar: the broker's settling work alone keeps any consumer that settles well below it.
         let lily_over = find(Contender::Lily).map_or_else(Vec::new, |lily| {
             let others = runs
                 .iter()
                 .filter(|r| !matches!(r.contender, Contender::Lily | Contender::RawBatchAgain));
-            let ratio = |r: &Runs| {
-                let bar = r.contender == Contender::RawBatch;
-                let cpu = (bar && path == Path::Success).then_some(CPU_TARGET);
-                Ratio::new(lily, r, bar.then_some(1.0), cpu)
-            };
-            others.map(ratio).collect()
+            others.map(|r| Ratio::new(lily, r, path)).collect()
         });
         let aa = find(Contender::RawBatchAgain)
             .zip(find(Contender::RawBatch))
-            .map(|(again, batch)| Ratio::new(again, batch, None, None));
+            .map(|(again, batch)| Ratio::new(again, batch, path));
         Self {
             path,
             queue_type,
@@ -272,11 +256,6 @@ impl CaseResult {
             aa,
             all_runs_complete,
         }
-    }
-
-    /// The median msgs/s of `who`, if it ran.
-    pub fn median(&self, who: Contender) -> Option<f64> {
-        self.runs(who).map(|r| r.median_msgs_per_sec)
     }
 
     pub fn runs(&self, who: Contender) -> Option<&Runs> {

@@ -29,7 +29,7 @@ async fn place(order: &Order) -> HandlerOutcome {
 pub async fn success(url: &str, queue: &str, kind: QueueKind, prefetch: u16, n: u64) -> Sample {
     HANDLED.store(0, Ordering::Relaxed);
     let window = NonZeroU16::new(prefetch).expect("prefetch above zero");
-    let workers = NonZeroUsize::new(usize::from(prefetch)).expect("prefetch above zero");
+    let workers = NonZeroUsize::from(window);
     let broker = LapinBroker::new(url.to_owned()).prefetch(window);
     let name = queue.to_owned();
     let app =
