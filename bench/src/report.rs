@@ -556,9 +556,9 @@ pub fn mongo(r: &mongo::Results) -> String {
             let range = c
                 .over_raw_range
                 .map_or_else(|| "-".into(), |(l, h)| format!("{l:.3}–{h:.3}"));
-            row!(table; case.case.name(), case.messages_per_run, case.concurrency, case.prefetch, c.contender.name(), rate(c.median_msgs_per_sec), fixed(c.over_raw, 3), range, target, format!("{:.3}", c.attempts_per_msg), format!("{:.3}", c.conflicts_per_msg), c.dead_lettered_or_parked, (if c.all_verified { "yes" } else { "**no**" }), fixed(c.client_cpu_us_per_msg, 1), fixed(c.mongod_cpu_us_per_msg, 1), fixed(c.broker_cpu_us_per_msg, 1), fixed(c.mongod_ops_per_msg.map(|o| o.total()), 2));
+            row!(table; case.case.name(), case.messages_per_run, case.concurrency, case.prefetch, c.contender.name(), rate(c.median_msgs_per_sec), fixed(c.over_raw, 3), range, target, format!("{:.3}", c.attempts_per_msg), format!("{:.3}", c.conflicts_per_msg), c.dead_lettered_or_parked, (if c.all_verified { "yes" } else { "**no**" }), fixed(c.client_cpu_us_per_msg, 1), fixed(c.mongod_cpu_us_per_msg, 1), fixed(c.broker_cpu_us_per_msg, 1), fixed(c.mongod_ops_per_msg.as_ref().map(|o| o.values().sum()), 2));
             if let Some(o) = &c.mongod_ops_per_msg {
-                let values = [o.insert, o.update, o.query, o.delete, o.command];
+                let values = ["insert", "update", "query", "delete", "command"].map(|k| o[k]);
                 let names = [case.case.name().into(), c.contender.name().into()];
                 ops.row(names.into_iter().chain(values.map(|v| format!("{v:.2}"))));
             }
@@ -580,25 +580,16 @@ pub fn mongo(r: &mongo::Results) -> String {
 pub fn mongo_chart(r: &mongo::Results) -> String {
     let what = format!("{}, {} repetition(s)", r.mongodb, r.repetitions);
     let mut chart = Chart::new("The Mongo scope (median msg/s)", &subtitle(&r.meta, &what));
-    let mut who: Vec<mongo::Contender> = Vec::new();
-    for c in r.cases.iter().flat_map(|case| &case.contenders) {
-        if !who.contains(&c.contender) {
-            who.push(c.contender);
-        }
-    }
-    let names: Vec<&str> = who.iter().map(|w| w.name()).collect();
+    // Every case runs the same contenders, in the same order.
+    let first = r.cases.first().map_or(&[][..], |case| &case.contenders);
+    let names: Vec<&str> = first.iter().map(|c| c.contender.name()).collect();
     let groups: Vec<_> = r
         .cases
         .iter()
         .map(|case| {
-            let rate = |w| {
-                case.contenders
-                    .iter()
-                    .find(|c| c.contender == w)
-                    .map(|c| c.median_msgs_per_sec)
-            };
             let label = format!("{}, concurrency {}", case.case.name(), case.concurrency);
-            (label, who.iter().map(|&w| rate(w)).collect())
+            let rates = case.contenders.iter().map(|c| Some(c.median_msgs_per_sec));
+            (label, rates.collect())
         })
         .collect();
     chart.bars("Messages a second", "msg/s", &names, &groups, false);

@@ -8,8 +8,8 @@ use lily::prelude::{Policy, QueueKind};
 
 use crate::args::Common;
 use crate::mongo::{
-    self, Case, CaseResult, Contender, ContenderResult, Counters, Load, Results, Run, db, lily_run,
-    raw,
+    Case, CaseResult, Contender, ContenderResult, Counters, EVENTS, Load, Results, Run, db,
+    lily_run, percentiles_ms, raw,
 };
 use crate::report::{self, rate};
 use crate::run::backlog;
@@ -60,19 +60,12 @@ async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let database = db::fresh(client, load.case).await;
-    let retry_delays = &Policy::default().retry_delays;
-    let topology = backlog(
-        load.url,
-        load.queue,
-        QueueKind::Classic,
-        retry_delays,
-        load.n,
-    )
-    .await;
+    let delays = &Policy::default().retry_delays;
+    let topology = backlog(load.url, load.queue, QueueKind::Classic, delays, load.n).await;
     if load.case == Case::Outbox {
         let inspector = lily_mq_testkit::Client::connect(load.url).await;
-        inspector.delete(mongo::EVENTS).await;
-        inspector.declare(mongo::EVENTS, false).await;
+        inspector.delete(EVENTS).await;
+        inspector.declare(EVENTS, false).await;
         inspector.close().await;
     }
     let counters = Arc::new(Counters::default());
@@ -82,7 +75,7 @@ async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
     } else {
         Some(lily_run::scope(client.clone(), who, &counters).await)
     };
-    let ops_before = db::Ops::read(client).await;
+    let ops_before = db::ops(client).await;
     let cpu = CpuMeter::start();
     let mut sample = match scope {
         None => raw::consume(load, client.clone(), Arc::clone(&counters)).await,
@@ -90,15 +83,15 @@ async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
     };
     let mongod_cpu_us_per_msg = cpu.stop(&mut sample);
     let mongod_ops_per_msg = ops_before
-        .zip(db::Ops::read(client).await)
-        .map(|(b, a)| b.per_message(&a, load.n));
+        .zip(db::ops(client).await)
+        .map(|(before, after)| db::per_message(&before, &after, load.n));
     let check = db::check(load.url, &database, &topology, load.case, who, load.n).await;
     sample.left_in_queue = check.work_queue_ready;
     let published_ms = match load.case {
         Case::Outbox if who.is_raw() => {
-            mongo::percentiles_ms(&mut counters.published_us.lock().expect("latencies"))
+            percentiles_ms(&mut counters.published_us.lock().expect("latencies"))
         }
-        Case::Outbox => mongo::percentiles_ms(&mut db::staged_to_sent_us(&database).await),
+        Case::Outbox => percentiles_ms(&mut db::staged_to_sent_us(&database).await),
         _ => None,
     };
     Run {
@@ -113,17 +106,22 @@ async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
 
 /// Runs the benchmark.
 pub async fn run(args: Args) {
-    let exit = |e: String| -> ! {
+    let exit = |e: &str| -> ! {
         eprintln!("mongo: {e}");
         std::process::exit(2)
     };
-    let mongo_url = db::mongo_url().unwrap_or_else(|e| exit(e));
-    let mongodb =
-        db::server_version(&db::client(&mongo_url).await.unwrap_or_else(|e| exit(e))).await;
+    let mongo_url = std::env::var("LILY_MONGO_URL").unwrap_or_else(|_| {
+        exit(
+            "LILY_MONGO_URL is unset: start a single-node replica set (scripts/mongod.sh install \
+             && scripts/mongod.sh start DIR PORT) and set \
+             LILY_MONGO_URL=mongodb://127.0.0.1:PORT/?replicaSet=lily&directConnection=true",
+        )
+    });
+    let client = db::client(&mongo_url).await.unwrap_or_else(|e| exit(&e));
     let url = broker_url();
     let mut results = Results {
         meta: crate::Meta::new("mongo", &url, vec![crate::METHOD.into()]),
-        mongodb,
+        mongodb: db::server_version(&client).await,
         mongodb_url: db::redact(&mongo_url),
         queue_type: "classic",
         repetitions: args.reps,
@@ -169,13 +167,22 @@ pub async fn run(args: Args) {
                 runs[slot].1.push(r);
             }
         }
+        let raw: Vec<f64> = runs
+            .iter()
+            .find(|(who, _)| *who == Contender::Raw)
+            .map(|(_, runs)| runs.iter().map(|r| r.sample.msgs_per_sec).collect())
+            .unwrap_or_default();
         let contenders = runs
             .into_iter()
-            .map(|(who, runs)| ContenderResult::new(who, runs))
+            .map(|(who, runs)| ContenderResult::new(case, who, runs, &raw))
             .collect();
-        let prefetch = load.prefetch;
-        let case = CaseResult::new(case, n, concurrency, prefetch, contenders);
-        results.cases.push(case);
+        results.cases.push(CaseResult {
+            case,
+            messages_per_run: n,
+            concurrency,
+            prefetch: load.prefetch,
+            contenders,
+        });
     }
     results.meta.finish(total);
     let (markdown, chart) = (report::mongo(&results), report::mongo_chart(&results));
