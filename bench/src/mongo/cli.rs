@@ -8,14 +8,12 @@ use lily::prelude::{Policy, QueueKind};
 
 use crate::args::Common;
 use crate::mongo::{
-    Case, CaseResult, Contender, ContenderResult, Counters, EVENTS, Load, Results, Run, db,
+    Case, CaseResult, Contender, ContenderResult, Counters, EVENTS, Load, QUEUE, Results, Run, db,
     lily_run, percentiles_ms, raw,
 };
 use crate::report::{self, rate};
 use crate::run::backlog;
 use crate::{CpuMeter, broker_url};
-
-const QUEUE: &str = "lily-bench-mongo";
 
 /// Lily's MongoDB scope against a hand-written driver transaction. Environment: `LILY_AMQP_URL`,
 /// `LILY_MONGO_URL` (a replica set); `LILY_RABBIT_DIR` and `LILY_MONGO_DIR` add the nodes' CPU.
@@ -23,14 +21,11 @@ const QUEUE: &str = "lily-bench-mongo";
 pub struct Args {
     #[command(flatten)]
     common: Common,
-    /// Messages of the scope and outbox cases (quick: 5 000).
+    /// Messages of the scope and outbox cases (quick: 5 000; the hot-keys case: 5 000, quick
+    /// 2 000).
     #[arg(short = 'n', long, default_value = "20000", value_parser = crate::args::count::<u64>,
           default_value_if("quick", "true", Some("5000")))]
     messages: u64,
-    /// Messages of the hot-keys case (quick: 2 000).
-    #[arg(long, default_value = "5000", value_parser = crate::args::count::<u64>,
-          default_value_if("quick", "true", Some("2000")))]
-    hot_messages: u64,
     /// Repetitions (quick: 2).
     #[arg(short, long, default_value = "3", value_parser = clap::value_parser!(u32).range(1..),
           default_value_if("quick", "true", Some("2")))]
@@ -61,7 +56,7 @@ async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
         .unwrap_or_else(|e| panic!("{e}"));
     let database = db::fresh(client, load.case).await;
     let delays = &Policy::default().retry_delays;
-    let topology = backlog(load.url, load.queue, QueueKind::Classic, delays, load.n).await;
+    let topology = backlog(load.url, QUEUE, QueueKind::Classic, delays, load.n).await;
     if load.case == Case::Outbox {
         let inspector = lily_mq_testkit::Client::connect(load.url).await;
         inspector.delete(EVENTS).await;
@@ -106,18 +101,11 @@ async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
 
 /// Runs the benchmark.
 pub async fn run(args: Args) {
-    let exit = |e: &str| -> ! {
-        eprintln!("mongo: {e}");
-        std::process::exit(2)
-    };
-    let mongo_url = std::env::var("LILY_MONGO_URL").unwrap_or_else(|_| {
-        exit(
-            "LILY_MONGO_URL is unset: start a single-node replica set (scripts/mongod.sh install \
-             && scripts/mongod.sh start DIR PORT) and set \
-             LILY_MONGO_URL=mongodb://127.0.0.1:PORT/?replicaSet=lily&directConnection=true",
-        )
-    });
-    let client = db::client(&mongo_url).await.unwrap_or_else(|e| exit(&e));
+    let mongo_url = std::env::var("LILY_MONGO_URL")
+        .expect("LILY_MONGO_URL is unset: run the benchmarks through scripts/bench.sh");
+    let client = db::client(&mongo_url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let url = broker_url();
     let mut results = Results {
         meta: crate::Meta::new("mongo", &url, vec![crate::METHOD.into()]),
@@ -131,11 +119,11 @@ pub async fn run(args: Args) {
     for &case in &args.cases {
         let (n, concurrency) = match case {
             Case::Scope | Case::Outbox => (args.messages, 32),
-            Case::HotKeys => (args.hot_messages, 8),
+            Case::HotKeys if args.common.quick => (2000, 8),
+            Case::HotKeys => (5000, 8),
         };
         let load = Load {
             url: &url,
-            queue: QUEUE,
             case,
             concurrency,
             prefetch: 2 * concurrency as u16,

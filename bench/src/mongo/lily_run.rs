@@ -14,7 +14,9 @@ use lily::prelude::{
 };
 
 use crate::Order;
-use crate::mongo::{CONSUMER, Case, Contender, Counters, DATABASE, EVENTS, Load, bump, effect};
+use crate::mongo::{
+    CONSUMER, Case, Contender, Counters, DATABASE, EVENTS, Load, QUEUE, bump, effect,
+};
 use crate::run::{Lily, Sample, run_limit};
 
 /// The scope a contender runs with, on `client`, its indexes created (before the clock).
@@ -66,7 +68,7 @@ pub async fn consume(load: &Load<'_>, scope: MongoScope, counters: Arc<Counters>
             }
         },
     );
-    let config = ConsumerConfig::new(load.queue)
+    let config = ConsumerConfig::new(QUEUE)
         .queue_kind(QueueKind::Classic)
         .prefetch(load.prefetch)
         .concurrency(load.concurrency)

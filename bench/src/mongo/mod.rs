@@ -34,6 +34,8 @@ pub const LILY_COLLECTIONS: [&str; 6] = [
     "lily_outbox",
     "lily_outbox_relays",
 ];
+/// The work queue.
+pub const QUEUE: &str = "lily-bench-mongo";
 /// The outbox case's events go to this queue, one `m-{i}.event` a message.
 pub const EVENTS: &str = "lily-bench-mongo.events";
 /// The consumer name in Lily's inbox keys.
@@ -103,7 +105,6 @@ impl Contender {
 #[derive(Clone, Copy, Debug)]
 pub struct Load<'a> {
     pub url: &'a str,
-    pub queue: &'a str,
     pub case: Case,
     pub concurrency: usize,
     pub prefetch: u16,

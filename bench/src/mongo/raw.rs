@@ -19,7 +19,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::Order;
-use crate::mongo::{Case, Counters, DATABASE, EVENTS, Load, RAW_INBOX, bump, effect};
+use crate::mongo::{Case, Counters, DATABASE, EVENTS, Load, QUEUE, RAW_INBOX, bump, effect};
 use crate::raw::{MANDATORY, REQUEUE, close, confirm_channel, next, open};
 use crate::run::{Sample, run_limit};
 
@@ -33,6 +33,11 @@ struct Store {
     case: Case,
     /// The outbox case's confirm channel.
     events: Option<Channel>,
+    counters: Arc<Counters>,
+    /// Deliveries written and ACKed; `done` when `n` are.
+    acked: AtomicU64,
+    n: u64,
+    done: CancellationToken,
 }
 
 /// Consumes until `n` messages are committed and ACKed (or the run limit passes): a task a
@@ -41,10 +46,9 @@ struct Store {
 /// # Panics
 /// When the broker refuses the connection, the channel, the QoS or the consumer.
 pub async fn consume(load: &Load<'_>, client: Client, counters: Arc<Counters>) -> Sample {
-    let n = load.n;
     let started = Instant::now();
-    let deadline = tokio::time::Instant::now() + run_limit(n);
-    let (connection, channel, mut consumer) = open(load.url, load.queue, load.prefetch, false)
+    let deadline = tokio::time::Instant::now() + run_limit(load.n);
+    let (connection, channel, mut consumer) = open(load.url, QUEUE, load.prefetch, false)
         .await
         .expect("consume");
     let events = match load.case {
@@ -56,10 +60,12 @@ pub async fn consume(load: &Load<'_>, client: Client, counters: Arc<Counters>) -
         client,
         case: load.case,
         events,
+        counters,
+        acked: AtomicU64::new(0),
+        n: load.n,
+        done: CancellationToken::new(),
     });
     let permits = Arc::new(Semaphore::new(load.concurrency));
-    let acked = Arc::new(AtomicU64::new(0));
-    let done = CancellationToken::new();
     let mut tasks = JoinSet::new();
     let feed = async {
         loop {
@@ -68,36 +74,31 @@ pub async fn consume(load: &Load<'_>, client: Client, counters: Arc<Counters>) -
             let Some(Ok(delivery)) = next(&mut consumer).await else {
                 break;
             };
-            let (store, counters, acked, done) = (
-                Arc::clone(&store),
-                Arc::clone(&counters),
-                Arc::clone(&acked),
-                done.clone(),
-            );
+            let store = Arc::clone(&store);
             tasks.spawn(async move {
-                if handle(&store, &counters, delivery).await
-                    && acked.fetch_add(1, Ordering::Relaxed) + 1 >= n
+                if handle(&store, delivery).await
+                    && store.acked.fetch_add(1, Ordering::Relaxed) + 1 >= store.n
                 {
-                    done.cancel();
+                    store.done.cancel();
                 }
                 drop(permit);
             });
             while tasks.try_join_next().is_some() {}
         }
     };
-    let _ = tokio::time::timeout_at(deadline, done.run_until_cancelled(feed)).await;
+    let _ = tokio::time::timeout_at(deadline, store.done.run_until_cancelled(feed)).await;
     let elapsed = started.elapsed();
-    let settled = acked.load(Ordering::Relaxed);
+    let settled = store.acked.load(Ordering::Relaxed);
     // Nothing is left running after `n` ACKs but deliveries beyond them (none in a clean run).
     tasks.abort_all();
     while tasks.join_next().await.is_some() {}
     close(connection, channel, &consumer).await;
-    Sample::new(settled, n, elapsed)
+    Sample::new(settled, load.n, elapsed)
 }
 
 /// One delivery: the transaction (and the event), then the ACK (`true` when written); on any
 /// other failure, or past [`BUDGET`], a NACK with requeue.
-async fn handle(store: &Store, counters: &Counters, delivery: lapin::message::Delivery) -> bool {
+async fn handle(store: &Store, delivery: lapin::message::Delivery) -> bool {
     let id = delivery
         .properties
         .message_id()
@@ -110,11 +111,16 @@ async fn handle(store: &Store, counters: &Counters, delivery: lapin::message::De
         return false;
     };
     let settled = async {
-        let committed = transaction(store, counters, &id, &order).await?;
+        let committed = transaction(store, &id, &order).await?;
         if let (Some(events), Some(at)) = (&store.events, committed) {
             publish(events, &id).await?;
             let us = u64::try_from(at.elapsed().as_micros()).unwrap_or(u64::MAX);
-            counters.published_us.lock().expect("latencies").push(us);
+            store
+                .counters
+                .published_us
+                .lock()
+                .expect("latencies")
+                .push(us);
         }
         Ok::<(), Error>(())
     };
@@ -156,12 +162,8 @@ async fn publish(events: &Channel, id: &str) -> Result<(), Error> {
 /// The driver's documented pattern: the whole transaction again on a transient error, the
 /// commit again on an unknown commit result. When this call committed: the time its commit
 /// began; `None` for a duplicate.
-async fn transaction(
-    store: &Store,
-    counters: &Counters,
-    id: &str,
-    order: &Order,
-) -> Result<Option<Instant>, Error> {
+async fn transaction(store: &Store, id: &str, order: &Order) -> Result<Option<Instant>, Error> {
+    let counters = &store.counters;
     let mut session = store.client.start_session().await?;
     'transaction: loop {
         bump(&counters.attempts);
@@ -170,21 +172,18 @@ async fn transaction(
             .read_concern(ReadConcern::snapshot())
             .write_concern(WriteConcern::builder().w(Acknowledgment::Majority).build())
             .await?;
-        match writes(store, &mut session, id, order).await {
+        let written = writes(store, &mut session, id, order).await;
+        if !matches!(written, Ok(true)) {
+            let _ = session.abort_transaction().await;
+        }
+        match written {
             Ok(true) => {}
-            Ok(false) => {
-                let _ = session.abort_transaction().await;
-                return Ok(None);
-            }
+            Ok(false) => return Ok(None),
             Err(err) if err.contains_label(TRANSIENT_TRANSACTION_ERROR) => {
                 bump(&counters.conflicts);
-                let _ = session.abort_transaction().await;
                 continue 'transaction;
             }
-            Err(err) => {
-                let _ = session.abort_transaction().await;
-                return Err(err);
-            }
+            Err(err) => return Err(err),
         }
         let commit = Instant::now();
         loop {
