@@ -50,15 +50,15 @@ pub struct Args {
 
 /// One run, on a client of its own (no run inherits another's pool): fresh database and topology
 /// holding `load.n` messages, the contender timed, the outcome checked by message id.
-async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
+async fn run_once(url: &str, mongo_url: &str, load: &Load, who: Contender) -> Run {
     let client = &db::client(mongo_url)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let database = db::fresh(client, load.case).await;
     let delays = &Policy::default().retry_delays;
-    let topology = backlog(load.url, QUEUE, QueueKind::Classic, delays, load.n).await;
+    let topology = backlog(url, QUEUE, QueueKind::Classic, delays, load.n).await;
     if load.case == Case::Outbox {
-        let inspector = lily_mq_testkit::Client::connect(load.url).await;
+        let inspector = lily_mq_testkit::Client::connect(url).await;
         inspector.delete(EVENTS).await;
         inspector.declare(EVENTS, false).await;
         inspector.close().await;
@@ -73,14 +73,14 @@ async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
     let ops_before = db::ops(client).await;
     let cpu = CpuMeter::start();
     let mut sample = match scope {
-        None => raw::consume(load, client.clone(), Arc::clone(&counters)).await,
-        Some(scope) => lily_run::consume(load, scope, Arc::clone(&counters)).await,
+        None => raw::consume(url, load, client.clone(), Arc::clone(&counters)).await,
+        Some(scope) => lily_run::consume(url, load, scope, Arc::clone(&counters)).await,
     };
     let mongod_cpu_us_per_msg = cpu.stop(&mut sample);
     let mongod_ops_per_msg = ops_before
         .zip(db::ops(client).await)
         .map(|(before, after)| db::per_message(&before, &after, load.n));
-    let check = db::check(load.url, &database, &topology, load.case, who, load.n).await;
+    let check = db::check(url, &database, &topology, load.case, who, load.n).await;
     sample.left_in_queue = check.work_queue_ready;
     let published_ms = match load.case {
         Case::Outbox if who.is_raw() => {
@@ -123,7 +123,6 @@ pub async fn run(args: Args) {
             Case::HotKeys => (5000, 8),
         };
         let load = Load {
-            url: &url,
             case,
             concurrency,
             prefetch: 2 * concurrency as u16,
@@ -136,7 +135,7 @@ pub async fn run(args: Args) {
             for k in 0..runs.len() {
                 let slot = (k + rep) % runs.len();
                 let who = runs[slot].0;
-                let r = run_once(&mongo_url, &load, who).await;
+                let r = run_once(&url, &mongo_url, &load, who).await;
                 let checked = if r.check.passed {
                     "verified".to_owned()
                 } else {
@@ -164,13 +163,7 @@ pub async fn run(args: Args) {
             .into_iter()
             .map(|(who, runs)| ContenderResult::new(case, who, runs, &raw))
             .collect();
-        results.cases.push(CaseResult {
-            case,
-            messages_per_run: n,
-            concurrency,
-            prefetch: load.prefetch,
-            contenders,
-        });
+        results.cases.push(CaseResult { load, contenders });
     }
     results.meta.finish(total);
     let (markdown, chart) = (report::mongo(&results), report::mongo_chart(&results));

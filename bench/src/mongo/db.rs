@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use futures_util::TryStreamExt;
 use lily::topology::Topology;
 use lily_mq_testkit::Client as Inspector;
-use mongodb::bson::{Bson, Document, doc};
+use mongodb::bson::{Bson, Document, doc, from_bson};
 use mongodb::{Client, Database};
 use serde::Serialize;
 
@@ -91,16 +91,16 @@ pub const OPS: [&str; 6] = ["insert", "query", "update", "delete", "getmore", "c
 pub type Ops = BTreeMap<&'static str, f64>;
 
 /// mongod's operation counters now, or `None` when `serverStatus` is refused.
-#[allow(clippy::cast_precision_loss)]
 pub async fn ops(client: &Client) -> Option<Ops> {
     let status = admin(client, doc! { "serverStatus": 1 }).await.ok()?;
     let counters = status.get_document("opcounters").ok()?;
-    let count = |name| match counters.get(name) {
-        Some(Bson::Int64(v)) => *v as f64,
-        Some(Bson::Int32(v)) => f64::from(*v),
-        _ => 0.0,
-    };
-    Some(OPS.iter().map(|&name| (name, count(name))).collect())
+    // Each a 32- or 64-bit integer, read as a float.
+    let count = |name| counters.get(name).and_then(|n| from_bson(n.clone()).ok());
+    Some(
+        OPS.iter()
+            .map(|&name| (name, count(name).unwrap_or(0.0)))
+            .collect(),
+    )
 }
 
 /// `(after - before) / n`: operations a message over a run, to two decimals.

@@ -35,8 +35,8 @@ pub async fn scope(client: Client, who: Contender, counters: &Arc<Counters>) -> 
 }
 
 /// Consumes until Lily's ledger counts `n` ACKs (or the run limit passes).
-pub async fn consume(load: &Load<'_>, scope: MongoScope, counters: Arc<Counters>) -> Sample {
-    let (url, case, n) = (load.url, load.case, load.n);
+pub async fn consume(url: &str, load: &Load, scope: MongoScope, counters: Arc<Counters>) -> Sample {
+    let (case, n) = (load.case, load.n);
     let router = Router::new().route(
         "order.placed",
         move |Json(order): Json<Order>, meta: Meta, tx: MongoTx, outbox: Outbox| {

@@ -101,14 +101,14 @@ impl Contender {
     }
 }
 
-/// What one run consumes, and how.
-#[derive(Clone, Copy, Debug)]
-pub struct Load<'a> {
-    pub url: &'a str,
+/// What every run of a case consumes, and how.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Load {
     pub case: Case,
+    #[serde(rename = "messages_per_run")]
+    pub n: u64,
     pub concurrency: usize,
     pub prefetch: u16,
-    pub n: u64,
 }
 
 /// The index `i` of message id `m-{i}`.
@@ -201,10 +201,8 @@ pub struct Results {
 /// One case, every contender's runs and medians.
 #[derive(Debug, Serialize)]
 pub struct CaseResult {
-    pub case: Case,
-    pub messages_per_run: u64,
-    pub concurrency: usize,
-    pub prefetch: u16,
+    #[serde(flatten)]
+    pub load: Load,
     pub contenders: Vec<ContenderResult>,
 }
 

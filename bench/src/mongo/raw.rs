@@ -45,10 +45,10 @@ struct Store {
 ///
 /// # Panics
 /// When the broker refuses the connection, the channel, the QoS or the consumer.
-pub async fn consume(load: &Load<'_>, client: Client, counters: Arc<Counters>) -> Sample {
+pub async fn consume(url: &str, load: &Load, client: Client, counters: Arc<Counters>) -> Sample {
     let started = Instant::now();
     let deadline = tokio::time::Instant::now() + run_limit(load.n);
-    let (connection, channel, mut consumer) = open(load.url, QUEUE, load.prefetch, false)
+    let (connection, channel, mut consumer) = open(url, QUEUE, load.prefetch, false)
         .await
         .expect("consume");
     let events = match load.case {
