@@ -73,7 +73,7 @@ async fn run_once(url: &str, mongo_url: &str, load: &Load, who: Contender) -> Ru
     let ops_before = db::ops(client).await;
     let cpu = CpuMeter::start();
     let mut sample = match scope {
-        None => raw::consume(url, load, client.clone(), Arc::clone(&counters)).await,
+        None => raw::consume(url, load, database.clone(), Arc::clone(&counters)).await,
         Some(scope) => lily_run::consume(url, load, scope, Arc::clone(&counters)).await,
     };
     let mongod_cpu_us_per_msg = cpu.stop(&mut sample);

@@ -95,21 +95,16 @@ pub async fn ops(client: &Client) -> Option<Ops> {
     let status = admin(client, doc! { "serverStatus": 1 }).await.ok()?;
     let counters = status.get_document("opcounters").ok()?;
     // Each a 32- or 64-bit integer, read as a float.
-    let count = |name| counters.get(name).and_then(|n| from_bson(n.clone()).ok());
-    Some(
-        OPS.iter()
-            .map(|&name| (name, count(name).unwrap_or(0.0)))
-            .collect(),
-    )
+    let count = |name| from_bson(counters.get(name)?.clone()).ok();
+    Some(OPS.map(|name| (name, count(name).unwrap_or(0.0))).into())
 }
 
 /// `(after - before) / n`: operations a message over a run, to two decimals.
 #[allow(clippy::cast_precision_loss)]
 pub fn per_message(before: &Ops, after: &Ops, n: u64) -> Ops {
     let per = |name| (after[name] - before[name]) / n.max(1) as f64;
-    OPS.iter()
-        .map(|&name| (name, (per(name) * 100.0).round() / 100.0))
-        .collect()
+    OPS.map(|name| (name, (per(name) * 100.0).round() / 100.0))
+        .into()
 }
 
 /// What was found after one run, by message id.

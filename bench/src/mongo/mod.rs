@@ -291,14 +291,11 @@ impl ContenderResult {
             client_cpu_us_per_msg: med(&|r| r.sample.client_cpu_us_per_msg),
             broker_cpu_us_per_msg: med(&|r| r.sample.broker_cpu_us_per_msg),
             mongod_cpu_us_per_msg: med(&|r| r.mongod_cpu_us_per_msg),
-            mongod_ops_per_msg: runs
-                .iter()
-                .any(|r| r.mongod_ops_per_msg.is_some())
-                .then(|| {
-                    OPS.iter()
-                        .map(|&name| (name, ops(name).unwrap_or(f64::NAN)))
-                        .collect()
-                }),
+            // Every run's counters have every name, or the run has none.
+            mongod_ops_per_msg: OPS
+                .into_iter()
+                .map(|name| Some((name, ops(name)?)))
+                .collect(),
             published_p50_ms: med(&|r| r.published_ms.map(|p| p.0)),
             published_p99_ms: med(&|r| r.published_ms.map(|p| p.1)),
             runs,

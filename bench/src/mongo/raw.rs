@@ -13,13 +13,13 @@ use mongodb::error::{
     Error, ErrorKind, TRANSIENT_TRANSACTION_ERROR, UNKNOWN_TRANSACTION_COMMIT_RESULT, WriteFailure,
 };
 use mongodb::options::{Acknowledgment, ReadConcern, WriteConcern};
-use mongodb::{Client, ClientSession, Database};
+use mongodb::{ClientSession, Database};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::Order;
-use crate::mongo::{Case, Counters, DATABASE, EVENTS, Load, QUEUE, RAW_INBOX, bump, effect};
+use crate::mongo::{Case, Counters, EVENTS, Load, QUEUE, RAW_INBOX, bump, effect};
 use crate::raw::{MANDATORY, REQUEUE, close, confirm_channel, next, open};
 use crate::run::{Sample, run_limit};
 
@@ -28,7 +28,6 @@ const BUDGET: Duration = Duration::from_secs(10);
 
 /// What every delivery's task shares.
 struct Store {
-    client: Client,
     database: Database,
     case: Case,
     /// The outbox case's confirm channel.
@@ -45,7 +44,12 @@ struct Store {
 ///
 /// # Panics
 /// When the broker refuses the connection, the channel, the QoS or the consumer.
-pub async fn consume(url: &str, load: &Load, client: Client, counters: Arc<Counters>) -> Sample {
+pub async fn consume(
+    url: &str,
+    load: &Load,
+    database: Database,
+    counters: Arc<Counters>,
+) -> Sample {
     let started = Instant::now();
     let deadline = tokio::time::Instant::now() + run_limit(load.n);
     let (connection, channel, mut consumer) = open(url, QUEUE, load.prefetch, false)
@@ -56,8 +60,7 @@ pub async fn consume(url: &str, load: &Load, client: Client, counters: Arc<Count
         _ => None,
     };
     let store = Arc::new(Store {
-        database: client.database(DATABASE),
-        client,
+        database,
         case: load.case,
         events,
         counters,
@@ -164,7 +167,7 @@ async fn publish(events: &Channel, id: &str) -> Result<(), Error> {
 /// began; `None` for a duplicate.
 async fn transaction(store: &Store, id: &str, order: &Order) -> Result<Option<Instant>, Error> {
     let counters = &store.counters;
-    let mut session = store.client.start_session().await?;
+    let mut session = store.database.client().start_session().await?;
     'transaction: loop {
         bump(&counters.attempts);
         session
