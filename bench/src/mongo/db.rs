@@ -2,7 +2,7 @@
 //! its credentials), a database dropped and re-created for each run, mongod's counters, and the
 //! check of a run by message id, read back from the database and the broker.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use futures_util::TryStreamExt;
 use lily::topology::Topology;
@@ -14,7 +14,7 @@ use serde::Serialize;
 use crate::depth;
 use crate::mongo::{
     CONSUMER, COUNTERS, Case, Contender, DATABASE, EFFECTS, EVENTS, HOT_KEYS, LILY_COLLECTIONS,
-    RAW_INBOX, hot_key, index_of,
+    RAW_INBOX, hot_key,
 };
 
 /// `scheme://hosts/path`: no user info and no query, where a password can hide in options.
@@ -245,25 +245,21 @@ async fn ids(database: &Database, collection: &str, lily: bool) -> BTreeMap<Stri
     found
 }
 
-/// (expected ids found once, other documents); ids missing or unexpected go to `bad`.
+/// (expected ids `m-0` … found exactly once, the other documents); the first ids expected but
+/// not found once, and the first unexpected ones, go to `bad`.
 fn tally(found: &BTreeMap<String, u64>, n: u64, bad: &mut Vec<String>) -> (u64, u64) {
-    let (mut seen, mut strays) = (0, 0);
-    for (id, &count) in found {
-        match index_of(id) {
-            Some(i) if i < n && count == 1 && *id == format!("m-{i}") => seen += 1,
-            _ => {
-                strays += count;
-                bad.push(id.clone());
-            }
-        }
-    }
+    let expected: BTreeSet<String> = (0..n).map(|i| format!("m-{i}")).collect();
+    let once = |id: &&String| found.get(*id) == Some(&1);
+    bad.extend(expected.iter().filter(|id| !once(id)).take(10).cloned());
     bad.extend(
-        (0..n)
-            .map(|i| format!("m-{i}"))
-            .filter(|id| !found.contains_key(id))
-            .take(10),
+        found
+            .keys()
+            .filter(|id| !expected.contains(*id))
+            .take(10)
+            .cloned(),
     );
-    (seen, strays)
+    let seen = expected.iter().filter(once).count() as u64;
+    (seen, found.values().sum::<u64>() - seen)
 }
 
 /// Whether counter `k` holds exactly the messages `i` with `hot_key(i) == k`, for every `k`.
