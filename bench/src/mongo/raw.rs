@@ -14,7 +14,6 @@ use mongodb::error::{
 };
 use mongodb::options::{Acknowledgment, ReadConcern, WriteConcern};
 use mongodb::{ClientSession, Database};
-use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -68,25 +67,16 @@ pub async fn consume(
         n: load.n,
         done: CancellationToken::new(),
     });
-    let permits = Arc::new(Semaphore::new(load.concurrency));
     let mut tasks = JoinSet::new();
     let feed = async {
         loop {
-            let permit = Arc::clone(&permits).acquire_owned().await;
-            let permit = permit.expect("semaphore open");
+            while tasks.len() >= load.concurrency {
+                tasks.join_next().await;
+            }
             let Some(Ok(delivery)) = next(&mut consumer).await else {
                 break;
             };
-            let store = Arc::clone(&store);
-            tasks.spawn(async move {
-                if handle(&store, delivery).await
-                    && store.acked.fetch_add(1, Ordering::Relaxed) + 1 >= store.n
-                {
-                    store.done.cancel();
-                }
-                drop(permit);
-            });
-            while tasks.try_join_next().is_some() {}
+            tasks.spawn(handle(Arc::clone(&store), delivery));
         }
     };
     let _ = tokio::time::timeout_at(deadline, store.done.run_until_cancelled(feed)).await;
@@ -99,9 +89,9 @@ pub async fn consume(
     Sample::new(settled, load.n, elapsed)
 }
 
-/// One delivery: the transaction (and the event), then the ACK (`true` when written); on any
-/// other failure, or past [`BUDGET`], a NACK with requeue.
-async fn handle(store: &Store, delivery: lapin::message::Delivery) -> bool {
+/// One delivery: the transaction (and the event), then the ACK, counted; on any other failure,
+/// or past [`BUDGET`], a NACK with requeue.
+async fn handle(store: Arc<Store>, delivery: lapin::message::Delivery) {
     let id = delivery
         .properties
         .message_id()
@@ -111,30 +101,29 @@ async fn handle(store: &Store, delivery: lapin::message::Delivery) -> bool {
     let (Some(id), Ok(order)) = (id, order) else {
         // Not one of ours: a careful user dead-letters it (the queue's DLX takes it).
         let _ = delivery.acker.nack(BasicNackOptions::default()).await;
-        return false;
+        return;
     };
     let settled = async {
-        let committed = transaction(store, &id, &order).await?;
+        let committed = transaction(&store, &id, &order).await?;
         if let (Some(events), Some(at)) = (&store.events, committed) {
             publish(events, &id).await?;
             let us = u64::try_from(at.elapsed().as_micros()).unwrap_or(u64::MAX);
-            store
-                .counters
-                .published_us
-                .lock()
-                .expect("latencies")
-                .push(us);
+            let published = &store.counters.published_us;
+            published.lock().expect("latencies").push(us);
         }
         Ok::<(), Error>(())
     };
     match tokio::time::timeout(BUDGET, settled).await {
-        Ok(Ok(())) => matches!(
-            delivery.acker.ack(BasicAckOptions::default()).await,
-            Ok(true)
-        ),
+        Ok(Ok(())) => {
+            let acked = delivery.acker.ack(BasicAckOptions::default()).await;
+            if matches!(acked, Ok(true))
+                && store.acked.fetch_add(1, Ordering::Relaxed) + 1 >= store.n
+            {
+                store.done.cancel();
+            }
+        }
         Ok(Err(_)) | Err(_) => {
             let _ = delivery.acker.nack(REQUEUE).await;
-            false
         }
     }
 }
