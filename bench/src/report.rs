@@ -516,6 +516,7 @@ pub fn mongo(r: &mongo::Results) -> String {
     let mut ops = Table::new("case|contender|insert|update|query|delete|command", 2);
     let mut published = Table::new("case|contender|published p50 ms|published p99 ms", 2);
     for case in &r.cases {
+        let load = &case.load;
         for c in &case.contenders {
             let target = match (c.over_raw_target, c.over_raw_met) {
                 (Some(t), Some(met)) => {
@@ -526,19 +527,19 @@ pub fn mongo(r: &mongo::Results) -> String {
             let range = c
                 .over_raw_range
                 .map_or_else(|| "-".into(), |(l, h)| format!("{l:.3}–{h:.3}"));
-            row!(table; case.case.name(), case.messages_per_run, case.concurrency, case.prefetch, c.contender.name(), rate(c.median_msgs_per_sec), fixed(c.over_raw, 3), range, target, format!("{:.3}", c.attempts_per_msg), format!("{:.3}", c.conflicts_per_msg), c.dead_lettered_or_parked, (if c.all_verified { "yes" } else { "**no**" }), fixed(c.client_cpu_us_per_msg, 1), fixed(c.mongod_cpu_us_per_msg, 1), fixed(c.broker_cpu_us_per_msg, 1), fixed(c.mongod_ops_per_msg.map(|o| o.total()), 2));
+            row!(table; load.case.name(), load.n, load.concurrency, load.prefetch, c.contender.name(), rate(c.median_msgs_per_sec), fixed(c.over_raw, 3), range, target, format!("{:.3}", c.attempts_per_msg), format!("{:.3}", c.conflicts_per_msg), c.dead_lettered_or_parked, (if c.all_verified { "yes" } else { "**no**" }), fixed(c.client_cpu_us_per_msg, 1), fixed(c.mongod_cpu_us_per_msg, 1), fixed(c.broker_cpu_us_per_msg, 1), fixed(c.mongod_ops_per_msg.as_ref().map(|o| o.values().sum()), 2));
             if let Some(o) = &c.mongod_ops_per_msg {
-                let values = [o.insert, o.update, o.query, o.delete, o.command];
-                let names = [case.case.name().into(), c.contender.name().into()];
+                let values = ["insert", "update", "query", "delete", "command"].map(|k| o[k]);
+                let names = [load.case.name().into(), c.contender.name().into()];
                 ops.row(names.into_iter().chain(values.map(|v| format!("{v:.2}"))));
             }
-            if case.case == mongo::Case::Outbox {
-                row!(published; case.case.name(), c.contender.name(), fixed(c.published_p50_ms, 1), fixed(c.published_p99_ms, 1));
+            if load.case == mongo::Case::Outbox {
+                row!(published; load.case.name(), c.contender.name(), fixed(c.published_p50_ms, 1), fixed(c.published_p99_ms, 1));
             }
         }
     }
     out += &table.end();
-    if r.cases.iter().any(|c| c.case == mongo::Case::Outbox) {
+    if r.cases.iter().any(|c| c.load.case == mongo::Case::Outbox) {
         out += "The outbox case's events, from the commit's start to the confirm (raw: published after the commit) or from staging to the sent mark (Lily: the relay; the database's clock, millisecond resolution); medians of each run's percentiles:\n\n";
         out += &published.end();
     }
@@ -550,25 +551,17 @@ pub fn mongo(r: &mongo::Results) -> String {
 pub fn mongo_chart(r: &mongo::Results) -> String {
     let what = format!("{}, {} repetition(s)", r.mongodb, r.repetitions);
     let mut chart = Chart::new("The Mongo scope (median msg/s)", &subtitle(&r.meta, &what));
-    let mut who: Vec<mongo::Contender> = Vec::new();
-    for c in r.cases.iter().flat_map(|case| &case.contenders) {
-        if !who.contains(&c.contender) {
-            who.push(c.contender);
-        }
-    }
-    let names: Vec<&str> = who.iter().map(|w| w.name()).collect();
+    // Every case runs the same contenders, in the same order.
+    let first = r.cases.first().map_or(&[][..], |case| &case.contenders);
+    let names: Vec<&str> = first.iter().map(|c| c.contender.name()).collect();
     let groups: Vec<_> = r
         .cases
         .iter()
         .map(|case| {
-            let rate = |w| {
-                case.contenders
-                    .iter()
-                    .find(|c| c.contender == w)
-                    .map(|c| c.median_msgs_per_sec)
-            };
-            let label = format!("{}, concurrency {}", case.case.name(), case.concurrency);
-            (label, who.iter().map(|&w| rate(w)).collect())
+            let load = &case.load;
+            let label = format!("{}, concurrency {}", load.case.name(), load.concurrency);
+            let rates = case.contenders.iter().map(|c| Some(c.median_msgs_per_sec));
+            (label, rates.collect())
         })
         .collect();
     chart.bars("Messages a second", "msg/s", &names, &groups, false);

@@ -8,14 +8,12 @@ use lily::prelude::{Policy, QueueKind};
 
 use crate::args::Common;
 use crate::mongo::{
-    self, Case, CaseResult, Contender, ContenderResult, Counters, Load, Results, Run, db, lily_run,
-    raw,
+    Case, CaseResult, Contender, ContenderResult, Counters, EVENTS, Load, QUEUE, Results, Run, db,
+    lily_run, percentiles_ms, raw,
 };
 use crate::report::{self, rate};
 use crate::run::backlog;
 use crate::{CpuMeter, broker_url};
-
-const QUEUE: &str = "lily-bench-mongo";
 
 /// Lily's MongoDB scope against a hand-written driver transaction. Environment: `LILY_AMQP_URL`,
 /// `LILY_MONGO_URL` (a replica set); `LILY_RABBIT_DIR` and `LILY_MONGO_DIR` add the nodes' CPU.
@@ -23,14 +21,11 @@ const QUEUE: &str = "lily-bench-mongo";
 pub struct Args {
     #[command(flatten)]
     common: Common,
-    /// Messages of the scope and outbox cases (quick: 5 000).
+    /// Messages of the scope and outbox cases (quick: 5 000; the hot-keys case: 5 000, quick
+    /// 2 000).
     #[arg(short = 'n', long, default_value = "20000", value_parser = crate::args::count::<u64>,
           default_value_if("quick", "true", Some("5000")))]
     messages: u64,
-    /// Messages of the hot-keys case (quick: 2 000).
-    #[arg(long, default_value = "5000", value_parser = crate::args::count::<u64>,
-          default_value_if("quick", "true", Some("2000")))]
-    hot_messages: u64,
     /// Repetitions (quick: 2).
     #[arg(short, long, default_value = "3", value_parser = clap::value_parser!(u32).range(1..),
           default_value_if("quick", "true", Some("2")))]
@@ -55,24 +50,17 @@ pub struct Args {
 
 /// One run, on a client of its own (no run inherits another's pool): fresh database and topology
 /// holding `load.n` messages, the contender timed, the outcome checked by message id.
-async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
+async fn run_once(url: &str, mongo_url: &str, load: &Load, who: Contender) -> Run {
     let client = &db::client(mongo_url)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let database = db::fresh(client, load.case).await;
-    let retry_delays = &Policy::default().retry_delays;
-    let topology = backlog(
-        load.url,
-        load.queue,
-        QueueKind::Classic,
-        retry_delays,
-        load.n,
-    )
-    .await;
+    let delays = &Policy::default().retry_delays;
+    let topology = backlog(url, QUEUE, QueueKind::Classic, delays, load.n).await;
     if load.case == Case::Outbox {
-        let inspector = lily_mq_testkit::Client::connect(load.url).await;
-        inspector.delete(mongo::EVENTS).await;
-        inspector.declare(mongo::EVENTS, false).await;
+        let inspector = lily_mq_testkit::Client::connect(url).await;
+        inspector.delete(EVENTS).await;
+        inspector.declare(EVENTS, false).await;
         inspector.close().await;
     }
     let counters = Arc::new(Counters::default());
@@ -82,23 +70,23 @@ async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
     } else {
         Some(lily_run::scope(client.clone(), who, &counters).await)
     };
-    let ops_before = db::Ops::read(client).await;
+    let ops_before = db::ops(client).await;
     let cpu = CpuMeter::start();
     let mut sample = match scope {
-        None => raw::consume(load, client.clone(), Arc::clone(&counters)).await,
-        Some(scope) => lily_run::consume(load, scope, Arc::clone(&counters)).await,
+        None => raw::consume(url, load, database.clone(), Arc::clone(&counters)).await,
+        Some(scope) => lily_run::consume(url, load, scope, Arc::clone(&counters)).await,
     };
     let mongod_cpu_us_per_msg = cpu.stop(&mut sample);
     let mongod_ops_per_msg = ops_before
-        .zip(db::Ops::read(client).await)
-        .map(|(b, a)| b.per_message(&a, load.n));
-    let check = db::check(load.url, &database, &topology, load.case, who, load.n).await;
+        .zip(db::ops(client).await)
+        .map(|(before, after)| db::per_message(&before, &after, load.n));
+    let check = db::check(url, &database, &topology, load.case, who, load.n).await;
     sample.left_in_queue = check.work_queue_ready;
     let published_ms = match load.case {
         Case::Outbox if who.is_raw() => {
-            mongo::percentiles_ms(&mut counters.published_us.lock().expect("latencies"))
+            percentiles_ms(&mut counters.published_us.lock().expect("latencies"))
         }
-        Case::Outbox => mongo::percentiles_ms(&mut db::staged_to_sent_us(&database).await),
+        Case::Outbox => percentiles_ms(&mut db::staged_to_sent_us(&database).await),
         _ => None,
     };
     Run {
@@ -113,17 +101,15 @@ async fn run_once(mongo_url: &str, load: &Load<'_>, who: Contender) -> Run {
 
 /// Runs the benchmark.
 pub async fn run(args: Args) {
-    let exit = |e: String| -> ! {
-        eprintln!("mongo: {e}");
-        std::process::exit(2)
-    };
-    let mongo_url = db::mongo_url().unwrap_or_else(|e| exit(e));
-    let mongodb =
-        db::server_version(&db::client(&mongo_url).await.unwrap_or_else(|e| exit(e))).await;
+    let mongo_url = std::env::var("LILY_MONGO_URL")
+        .expect("LILY_MONGO_URL is unset: run the benchmarks through scripts/bench.sh");
+    let client = db::client(&mongo_url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let url = broker_url();
     let mut results = Results {
         meta: crate::Meta::new("mongo", &url, vec![crate::METHOD.into()]),
-        mongodb,
+        mongodb: db::server_version(&client).await,
         mongodb_url: db::redact(&mongo_url),
         queue_type: "classic",
         repetitions: args.reps,
@@ -133,11 +119,10 @@ pub async fn run(args: Args) {
     for &case in &args.cases {
         let (n, concurrency) = match case {
             Case::Scope | Case::Outbox => (args.messages, 32),
-            Case::HotKeys => (args.hot_messages, 8),
+            Case::HotKeys if args.common.quick => (2000, 8),
+            Case::HotKeys => (5000, 8),
         };
         let load = Load {
-            url: &url,
-            queue: QUEUE,
             case,
             concurrency,
             prefetch: 2 * concurrency as u16,
@@ -150,7 +135,7 @@ pub async fn run(args: Args) {
             for k in 0..runs.len() {
                 let slot = (k + rep) % runs.len();
                 let who = runs[slot].0;
-                let r = run_once(&mongo_url, &load, who).await;
+                let r = run_once(&url, &mongo_url, &load, who).await;
                 let checked = if r.check.passed {
                     "verified".to_owned()
                 } else {
@@ -169,13 +154,16 @@ pub async fn run(args: Args) {
                 runs[slot].1.push(r);
             }
         }
+        let raw: Vec<f64> = runs
+            .iter()
+            .find(|(who, _)| *who == Contender::Raw)
+            .map(|(_, runs)| runs.iter().map(|r| r.sample.msgs_per_sec).collect())
+            .unwrap_or_default();
         let contenders = runs
             .into_iter()
-            .map(|(who, runs)| ContenderResult::new(who, runs))
+            .map(|(who, runs)| ContenderResult::new(case, who, runs, &raw))
             .collect();
-        let prefetch = load.prefetch;
-        let case = CaseResult::new(case, n, concurrency, prefetch, contenders);
-        results.cases.push(case);
+        results.cases.push(CaseResult { load, contenders });
     }
     results.meta.finish(total);
     let (markdown, chart) = (report::mongo(&results), report::mongo_chart(&results));

@@ -2,25 +2,20 @@
 //! its credentials), a database dropped and re-created for each run, mongod's counters, and the
 //! check of a run by message id, read back from the database and the broker.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use futures_util::TryStreamExt;
 use lily::topology::Topology;
 use lily_mq_testkit::Client as Inspector;
-use mongodb::bson::{Bson, Document, doc};
+use mongodb::bson::{Bson, Document, doc, from_bson};
 use mongodb::{Client, Database};
 use serde::Serialize;
 
 use crate::depth;
 use crate::mongo::{
     CONSUMER, COUNTERS, Case, Contender, DATABASE, EFFECTS, EVENTS, HOT_KEYS, LILY_COLLECTIONS,
-    RAW_INBOX, hot_key, index_of,
+    RAW_INBOX, hot_key,
 };
-
-/// `LILY_MONGO_URL`, or how to start a replica set.
-pub fn mongo_url() -> Result<String, String> {
-    std::env::var("LILY_MONGO_URL").map_err(|_| "LILY_MONGO_URL is unset: start a single-node replica set (scripts/mongod.sh install && scripts/mongod.sh start DIR PORT) and set LILY_MONGO_URL=mongodb://127.0.0.1:PORT/?replicaSet=lily&directConnection=true".to_owned())
-}
 
 /// `scheme://hosts/path`: no user info and no query, where a password can hide in options.
 pub fn redact(url: &str) -> String {
@@ -88,52 +83,28 @@ pub fn kind(err: &mongodb::error::Error) -> String {
     }
 }
 
-/// mongod's operation counters (`serverStatus.opcounters`, transactions' included; `command`:
-/// commits, aborts, `findAndModify`, `hello`s, …).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
-pub struct Ops {
-    pub insert: f64,
-    pub query: f64,
-    pub update: f64,
-    pub delete: f64,
-    pub getmore: f64,
-    pub command: f64,
+/// The counters of mongod's `serverStatus.opcounters` (transactions' operations included;
+/// `command`: commits, aborts, `findAndModify`, `hello`s, …).
+pub const OPS: [&str; 6] = ["insert", "query", "update", "delete", "getmore", "command"];
+
+/// Operations by [`OPS`] name.
+pub type Ops = BTreeMap<&'static str, f64>;
+
+/// mongod's operation counters now, or `None` when `serverStatus` is refused.
+pub async fn ops(client: &Client) -> Option<Ops> {
+    let status = admin(client, doc! { "serverStatus": 1 }).await.ok()?;
+    let counters = status.get_document("opcounters").ok()?;
+    // Each a 32- or 64-bit integer, read as a float.
+    let count = |name| from_bson(counters.get(name)?.clone()).ok();
+    Some(OPS.map(|name| (name, count(name).unwrap_or(0.0))).into())
 }
 
-impl Ops {
-    /// Each counter from `f`, given its name in `opcounters` and its getter.
-    pub fn from_fn(mut f: impl FnMut(&str, fn(&Self) -> f64) -> f64) -> Self {
-        Self {
-            insert: f("insert", |o| o.insert),
-            query: f("query", |o| o.query),
-            update: f("update", |o| o.update),
-            delete: f("delete", |o| o.delete),
-            getmore: f("getmore", |o| o.getmore),
-            command: f("command", |o| o.command),
-        }
-    }
-
-    /// The counters now, or `None` when `serverStatus` is refused.
-    #[allow(clippy::cast_precision_loss)]
-    pub async fn read(client: &Client) -> Option<Self> {
-        let status = admin(client, doc! { "serverStatus": 1 }).await.ok()?;
-        let counters = status.get_document("opcounters").ok()?;
-        Some(Self::from_fn(|name, _| match counters.get(name) {
-            Some(Bson::Int64(v)) => *v as f64,
-            Some(Bson::Int32(v)) => f64::from(*v),
-            _ => 0.0,
-        }))
-    }
-
-    /// `(after - self) / n`: operations a message over a run.
-    #[allow(clippy::cast_precision_loss)]
-    pub fn per_message(&self, after: &Self, n: u64) -> Self {
-        Self::from_fn(|_, get| ((get(after) - get(self)) / n.max(1) as f64 * 100.0).round() / 100.0)
-    }
-
-    pub fn total(&self) -> f64 {
-        self.insert + self.query + self.update + self.delete + self.getmore + self.command
-    }
+/// `(after - before) / n`: operations a message over a run, to two decimals.
+#[allow(clippy::cast_precision_loss)]
+pub fn per_message(before: &Ops, after: &Ops, n: u64) -> Ops {
+    let per = |name| (after[name] - before[name]) / n.max(1) as f64;
+    OPS.map(|name| (name, (per(name) * 100.0).round() / 100.0))
+        .into()
 }
 
 /// What was found after one run, by message id.
@@ -274,25 +245,21 @@ async fn ids(database: &Database, collection: &str, lily: bool) -> BTreeMap<Stri
     found
 }
 
-/// (expected ids found once, other documents); ids missing or unexpected go to `bad`.
+/// (expected ids `m-0` … found exactly once, the other documents); the first ids expected but
+/// not found once, and the first unexpected ones, go to `bad`.
 fn tally(found: &BTreeMap<String, u64>, n: u64, bad: &mut Vec<String>) -> (u64, u64) {
-    let (mut seen, mut strays) = (0, 0);
-    for (id, &count) in found {
-        match index_of(id) {
-            Some(i) if i < n && count == 1 && *id == format!("m-{i}") => seen += 1,
-            _ => {
-                strays += count;
-                bad.push(id.clone());
-            }
-        }
-    }
+    let expected: BTreeSet<String> = (0..n).map(|i| format!("m-{i}")).collect();
+    let once = |id: &&String| found.get(*id) == Some(&1);
+    bad.extend(expected.iter().filter(|id| !once(id)).take(10).cloned());
     bad.extend(
-        (0..n)
-            .map(|i| format!("m-{i}"))
-            .filter(|id| !found.contains_key(id))
-            .take(10),
+        found
+            .keys()
+            .filter(|id| !expected.contains(*id))
+            .take(10)
+            .cloned(),
     );
-    (seen, strays)
+    let seen = expected.iter().filter(once).count() as u64;
+    (seen, found.values().sum::<u64>() - seen)
 }
 
 /// Whether counter `k` holds exactly the messages `i` with `hot_key(i) == k`, for every `k`.

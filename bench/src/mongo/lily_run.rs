@@ -3,11 +3,10 @@
 //! the outbox case the handler also stages the event and the consumer's own relay publishes it.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use lily::mongo::Outbox;
 use lily::mongo::mongodb::Client;
-use lily::mongo::mongodb::bson::{Document, doc};
 use lily::mongo::mongodb::error::TRANSIENT_TRANSACTION_ERROR;
 use lily::prelude::{
     Consumer, ConsumerConfig, Destination, Json, Meta, MongoConfig, MongoScope, MongoTx, Outgoing,
@@ -16,11 +15,9 @@ use lily::prelude::{
 
 use crate::Order;
 use crate::mongo::{
-    CONSUMER, COUNTERS, Case, Contender, Counters, DATABASE, EFFECTS, EVENTS, Load, hot_key,
-    index_of,
+    CONSUMER, Case, Contender, Counters, DATABASE, EVENTS, Load, QUEUE, bump, effect,
 };
 use crate::run::{Lily, Sample, run_limit};
-use crate::throughput::POLL;
 
 /// The scope a contender runs with, on `client`, its indexes created (before the clock).
 ///
@@ -28,8 +25,7 @@ use crate::throughput::POLL;
 /// When the database refuses the scope's indexes.
 pub async fn scope(client: Client, who: Contender, counters: &Arc<Counters>) -> MongoScope {
     let committed = Arc::clone(counters);
-    let mut config =
-        MongoConfig::new(CONSUMER).on_committed(move |_| Counters::bump(&committed.commits));
+    let mut config = MongoConfig::new(CONSUMER).on_committed(move |_| bump(&committed.commits));
     if who == Contender::LilyLease {
         config = config.with_lease();
     }
@@ -39,18 +35,20 @@ pub async fn scope(client: Client, who: Contender, counters: &Arc<Counters>) -> 
 }
 
 /// Consumes until Lily's ledger counts `n` ACKs (or the run limit passes).
-pub async fn consume(load: &Load<'_>, scope: MongoScope, counters: Arc<Counters>) -> Sample {
-    let (url, case, n) = (load.url, load.case, load.n);
+pub async fn consume(url: &str, load: &Load, scope: MongoScope, counters: Arc<Counters>) -> Sample {
+    let (case, n) = (load.case, load.n);
     let router = Router::new().route(
         "order.placed",
         move |Json(order): Json<Order>, meta: Meta, tx: MongoTx, outbox: Outbox| {
             let counters = Arc::clone(&counters);
             async move {
-                Counters::bump(&counters.attempts);
+                bump(&counters.attempts);
+                let (database, id) = (tx.database(), meta.message_id());
+                let written = effect(database, &mut *tx.session().await, id, &order, case).await;
                 // A write conflict is transient: Lily runs the whole scope again, in-process.
-                effect(&tx, &meta, &order, case).await.map_err(|err| {
+                written.map_err(|err| {
                     if err.contains_label(TRANSIENT_TRANSACTION_ERROR) {
-                        Counters::bump(&counters.conflicts);
+                        bump(&counters.conflicts);
                         QueueHandlerError::transient("effect write: transient transaction error")
                             .with_source(err)
                     } else {
@@ -60,7 +58,7 @@ pub async fn consume(load: &Load<'_>, scope: MongoScope, counters: Arc<Counters>
                 if case == Case::Outbox {
                     let event = Outgoing::bytes(
                         "order.accepted",
-                        &format!("{}.event", meta.message_id()),
+                        &format!("{id}.event"),
                         "application/json",
                         br#"{"accepted":true}"#.to_vec(),
                     );
@@ -70,7 +68,7 @@ pub async fn consume(load: &Load<'_>, scope: MongoScope, counters: Arc<Counters>
             }
         },
     );
-    let config = ConsumerConfig::new(load.queue)
+    let config = ConsumerConfig::new(QUEUE)
         .queue_kind(QueueKind::Classic)
         .prefetch(load.prefetch)
         .concurrency(load.concurrency)
@@ -84,34 +82,10 @@ pub async fn consume(load: &Load<'_>, scope: MongoScope, counters: Arc<Counters>
         && started.elapsed() < limit
         && !lily.finished()
     {
-        tokio::time::sleep(POLL).await;
+        // Lily's ledger polled every millisecond.
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let (elapsed, count) = (started.elapsed(), lily.stats.totals().acked);
     lily.stopped().await;
     Sample::new(count, n, elapsed)
-}
-
-/// The handler's writes, in the scope's transaction.
-async fn effect(
-    tx: &MongoTx,
-    meta: &Meta,
-    order: &Order,
-    case: Case,
-) -> Result<(), lily::mongo::mongodb::error::Error> {
-    let id = meta.message_id();
-    let effects = tx.database().collection::<Document>(EFFECTS);
-    let mut session = tx.session().await;
-    effects
-        .insert_one(doc! { "_id": id, "sku": &order.sku, "quantity": i64::from(order.quantity) })
-        .session(&mut *session)
-        .await?;
-    if case == Case::HotKeys {
-        let key = hot_key(index_of(id).unwrap_or(0));
-        tx.database()
-            .collection::<Document>(COUNTERS)
-            .update_one(doc! { "_id": key }, doc! { "$inc": { "n": 1_i64 } })
-            .session(&mut *session)
-            .await?;
-    }
-    Ok(())
 }

@@ -1,12 +1,16 @@
-//! The Mongo scope benchmark: cases, contenders and results. Method: `bench/README.md`.
+//! The Mongo scope benchmark: cases, contenders, the writes they share and the results. Method:
+//! `bench/README.md`.
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use mongodb::bson::{Document, doc};
+use mongodb::{ClientSession, Database};
 use serde::Serialize;
 
-use crate::median;
-use crate::mongo::db::{Check, Ops};
+use crate::mongo::db::{Check, OPS, Ops};
 use crate::run::Sample;
+use crate::{Order, median};
 
 pub mod cli;
 pub mod db;
@@ -30,6 +34,8 @@ pub const LILY_COLLECTIONS: [&str; 6] = [
     "lily_outbox",
     "lily_outbox_relays",
 ];
+/// The work queue.
+pub const QUEUE: &str = "lily-bench-mongo";
 /// The outbox case's events go to this queue, one `m-{i}.event` a message.
 pub const EVENTS: &str = "lily-bench-mongo.events";
 /// The consumer name in Lily's inbox keys.
@@ -95,23 +101,14 @@ impl Contender {
     }
 }
 
-/// The 50th and 99th percentiles of `us`, in ms.
-#[allow(clippy::cast_precision_loss)]
-pub fn percentiles_ms(us: &mut [u64]) -> Option<(f64, f64)> {
-    us.sort_unstable();
-    let at = |q: f64| us[((us.len() - 1) as f64 * q).round() as usize] as f64 / 1000.0;
-    (!us.is_empty()).then(|| (at(0.5), at(0.99)))
-}
-
-/// What one run consumes, and how.
-#[derive(Clone, Copy, Debug)]
-pub struct Load<'a> {
-    pub url: &'a str,
-    pub queue: &'a str,
+/// What every run of a case consumes, and how.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Load {
     pub case: Case,
+    #[serde(rename = "messages_per_run")]
+    pub n: u64,
     pub concurrency: usize,
     pub prefetch: u16,
-    pub n: u64,
 }
 
 /// The index `i` of message id `m-{i}`.
@@ -124,6 +121,27 @@ pub fn hot_key(index: u64) -> i64 {
     i64::try_from(index % HOT_KEYS).unwrap_or(0)
 }
 
+/// The effect of message `id` in `session`'s transaction, the same for every contender: its
+/// document in [`EFFECTS`] and, in the hot-keys case, the `$inc` of its counter.
+pub async fn effect(
+    database: &Database,
+    session: &mut ClientSession,
+    id: &str,
+    order: &Order,
+    case: Case,
+) -> mongodb::error::Result<()> {
+    let effect = doc! { "_id": id, "sku": &order.sku, "quantity": i64::from(order.quantity) };
+    let effects = database.collection::<Document>(EFFECTS);
+    effects.insert_one(effect).session(&mut *session).await?;
+    if case == Case::HotKeys {
+        let counter = doc! { "_id": hot_key(index_of(id).unwrap_or(0)) };
+        let counters = database.collection::<Document>(COUNTERS);
+        let increment = counters.update_one(counter, doc! { "$inc": { "n": 1_i64 } });
+        increment.session(session).await?;
+    }
+    Ok(())
+}
+
 /// What a contender observed of its own transactions (the claim, not the evidence: [`Check`]
 /// reads that back from the database and the broker).
 #[derive(Debug, Default, Serialize)]
@@ -133,21 +151,24 @@ pub struct Counters {
     pub attempts: AtomicU64,
     /// `TransientTransactionError`s seen (raw: anywhere; Lily: in the handler's writes).
     pub conflicts: AtomicU64,
-    /// Commits retried on `UnknownTransactionCommitResult` (raw only).
-    pub unknown_commits: AtomicU64,
     /// Commits (raw: successful commits; Lily: `MongoConfig::on_committed` calls).
     pub commits: AtomicU64,
-    /// Deliveries NACKed with requeue after a non-transient failure (raw only).
-    pub requeued: AtomicU64,
     /// The outbox case: each event's time from its transaction's commit to its confirm (raw)
     /// or from its staging to its sent mark (Lily), in µs.
-    pub published_us: std::sync::Mutex<Vec<u64>>,
+    pub published_us: Mutex<Vec<u64>>,
 }
 
-impl Counters {
-    pub fn bump(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
-    }
+/// Adds one to `counter`.
+pub fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The 50th and 99th percentiles of `us`, in ms.
+#[allow(clippy::cast_precision_loss)]
+pub fn percentiles_ms(us: &mut [u64]) -> Option<(f64, f64)> {
+    us.sort_unstable();
+    let at = |q: f64| us[((us.len() - 1) as f64 * q).round() as usize] as f64 / 1000.0;
+    (!us.is_empty()).then(|| (at(0.5), at(0.99)))
 }
 
 /// One measured run and what was checked after it.
@@ -180,14 +201,12 @@ pub struct Results {
 /// One case, every contender's runs and medians.
 #[derive(Debug, Serialize)]
 pub struct CaseResult {
-    pub case: Case,
-    pub messages_per_run: u64,
-    pub concurrency: usize,
-    pub prefetch: u16,
+    #[serde(flatten)]
+    pub load: Load,
     pub contenders: Vec<ContenderResult>,
 }
 
-/// One contender in one case: medians, Lily's ratio to raw (`over_raw_range`: the lowest and
+/// One contender in one case: medians, the ratio to raw (`over_raw_range`: the lowest and
 /// highest of each repetition's ratio to the raw run of the same repetition) and the checks of
 /// every run.
 #[derive(Debug, Serialize)]
@@ -217,8 +236,12 @@ pub struct ContenderResult {
 }
 
 impl ContenderResult {
+    /// The medians of `runs`, and their ratios to `raw`, the raw contender's rates repetition
+    /// by repetition (empty when it did not run, ignored for raw itself). The target is the
+    /// default scope's in the scope and outbox cases (the lease guards effects outside the
+    /// database; raw does not).
     #[allow(clippy::cast_precision_loss)]
-    pub fn new(contender: Contender, runs: Vec<Run>) -> Self {
+    pub fn new(case: Case, contender: Contender, runs: Vec<Run>, raw: &[f64]) -> Self {
         let med = |f: &dyn Fn(&Run) -> Option<f64>| {
             let mut v: Vec<f64> = runs.iter().filter_map(f).collect();
             (!v.is_empty()).then(|| median(&mut v))
@@ -227,14 +250,37 @@ impl ContenderResult {
             let n = |r: &Run| r.sample.expected.max(1) as f64;
             med(&|r| Some(f(&r.observed).load(Ordering::Relaxed) as f64 / n(r))).unwrap_or(f64::NAN)
         };
-        let ops = |f: fn(&Ops) -> f64| med(&|r| r.mongod_ops_per_msg.as_ref().map(f));
+        let median_msgs_per_sec = med(&|r| Some(r.sample.msgs_per_sec)).unwrap_or(f64::NAN);
+        let raw = if contender == Contender::Raw {
+            &[]
+        } else {
+            raw
+        };
+        let over_raw = (!raw.is_empty()).then(|| median_msgs_per_sec / median(&mut raw.to_vec()));
+        let ratios = runs
+            .iter()
+            .zip(raw)
+            .map(|(r, raw)| r.sample.msgs_per_sec / raw);
+        let over_raw_range = ratios.clone().reduce(f64::min).zip(ratios.reduce(f64::max));
+        let (mut over_raw_target, mut over_raw_met) = (None, None);
+        if let Some(over) =
+            over_raw.filter(|_| case != Case::HotKeys && contender == Contender::Lily)
+        {
+            // Met as the performance issue counts it: over at least five interleaved
+            // repetitions, the median at least 0.97 of the target and the repetitions' range
+            // reaching it (two identical contenders reach a median of 1.0 only half the time).
+            let reached = over_raw_range.is_some_and(|(_, high)| high >= TARGET);
+            over_raw_target = Some(TARGET);
+            over_raw_met = Some(runs.len() >= 5 && over >= 0.97 * TARGET && reached);
+        }
+        let ops = |name| med(&|r| r.mongod_ops_per_msg.as_ref()?.get(name).copied());
         Self {
             contender,
-            median_msgs_per_sec: med(&|r| Some(r.sample.msgs_per_sec)).unwrap_or(f64::NAN),
-            over_raw: None,
-            over_raw_range: None,
-            over_raw_target: None,
-            over_raw_met: None,
+            median_msgs_per_sec,
+            over_raw,
+            over_raw_range,
+            over_raw_target,
+            over_raw_met,
             attempts_per_msg: per(|c| &c.attempts),
             conflicts_per_msg: per(|c| &c.conflicts),
             dead_lettered_or_parked: runs
@@ -245,63 +291,14 @@ impl ContenderResult {
             client_cpu_us_per_msg: med(&|r| r.sample.client_cpu_us_per_msg),
             broker_cpu_us_per_msg: med(&|r| r.sample.broker_cpu_us_per_msg),
             mongod_cpu_us_per_msg: med(&|r| r.mongod_cpu_us_per_msg),
-            mongod_ops_per_msg: ops(|o| o.insert)
-                .map(|_| Ops::from_fn(|_, get| ops(get).unwrap_or(f64::NAN))),
+            // Every run's counters have every name, or the run has none.
+            mongod_ops_per_msg: OPS
+                .into_iter()
+                .map(|name| Some((name, ops(name)?)))
+                .collect(),
             published_p50_ms: med(&|r| r.published_ms.map(|p| p.0)),
             published_p99_ms: med(&|r| r.published_ms.map(|p| p.1)),
             runs,
-        }
-    }
-}
-
-impl CaseResult {
-    /// Adds each contender's ratio to the raw one, when it ran; the target is the default scope's
-    /// in the scope and outbox cases (the lease guards effects outside the database; raw does not).
-    pub fn new(
-        case: Case,
-        messages_per_run: u64,
-        concurrency: usize,
-        prefetch: u16,
-        mut contenders: Vec<ContenderResult>,
-    ) -> Self {
-        let raw = contenders.iter().find(|c| c.contender == Contender::Raw);
-        let raw: Option<(f64, Vec<f64>)> = raw.map(|c| {
-            let rates = c.runs.iter().map(|r| r.sample.msgs_per_sec).collect();
-            (c.median_msgs_per_sec, rates)
-        });
-        if let Some((median, rates)) = &raw {
-            for c in contenders
-                .iter_mut()
-                .filter(|c| c.contender != Contender::Raw)
-            {
-                let over_raw = c.median_msgs_per_sec / median;
-                c.over_raw = Some(over_raw);
-                let mut ratios = c
-                    .runs
-                    .iter()
-                    .zip(rates)
-                    .map(|(run, raw)| run.sample.msgs_per_sec / raw);
-                c.over_raw_range = ratios
-                    .next()
-                    .map(|first| ratios.fold((first, first), |(l, h), r| (l.min(r), h.max(r))));
-                if case != Case::HotKeys && c.contender == Contender::Lily {
-                    // Met as the performance issue counts it: over at least five interleaved
-                    // repetitions, the median at least 0.97 of the target and the repetitions'
-                    // range reaching it (two identical contenders reach a median of 1.0 only half
-                    // the time).
-                    let reached = c.over_raw_range.is_some_and(|(_, high)| high >= TARGET);
-                    c.over_raw_target = Some(TARGET);
-                    c.over_raw_met =
-                        Some(c.runs.len() >= 5 && over_raw >= 0.97 * TARGET && reached);
-                }
-            }
-        }
-        Self {
-            case,
-            messages_per_run,
-            concurrency,
-            prefetch,
-            contenders,
         }
     }
 }

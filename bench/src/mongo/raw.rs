@@ -6,40 +6,36 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use lapin::Confirmation;
-use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicNackOptions, BasicPublishOptions,
-    ConfirmSelectOptions,
-};
-use lapin::{BasicProperties, Channel};
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::{BasicProperties, Channel, Confirmation};
 use mongodb::bson::{Document, doc};
 use mongodb::error::{
     Error, ErrorKind, TRANSIENT_TRANSACTION_ERROR, UNKNOWN_TRANSACTION_COMMIT_RESULT, WriteFailure,
 };
 use mongodb::options::{Acknowledgment, ReadConcern, WriteConcern};
-use mongodb::{Client, ClientSession, Collection};
-use tokio::sync::Semaphore;
+use mongodb::{ClientSession, Database};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::Order;
-use crate::mongo::{
-    COUNTERS, Case, Counters, DATABASE, EFFECTS, EVENTS, Load, RAW_INBOX, hot_key, index_of,
-};
+use crate::mongo::{Case, Counters, EVENTS, Load, QUEUE, RAW_INBOX, bump, effect};
+use crate::raw::{MANDATORY, REQUEUE, close, confirm_channel, next, open};
 use crate::run::{Sample, run_limit};
 
 /// How long one delivery may spend before it is NACKed (Lily's default settlement budget).
 const BUDGET: Duration = Duration::from_secs(10);
 
-/// The collections a task writes.
+/// What every delivery's task shares.
 struct Store {
-    client: Client,
-    inbox: Collection<Document>,
-    effects: Collection<Document>,
-    counters: Collection<Document>,
+    database: Database,
     case: Case,
     /// The outbox case's confirm channel.
     events: Option<Channel>,
+    counters: Arc<Counters>,
+    /// Deliveries written and ACKed; `done` when `n` are.
+    acked: AtomicU64,
+    n: u64,
+    done: CancellationToken,
 }
 
 /// Consumes until `n` messages are committed and ACKed (or the run limit passes): a task a
@@ -47,74 +43,55 @@ struct Store {
 ///
 /// # Panics
 /// When the broker refuses the connection, the channel, the QoS or the consumer.
-pub async fn consume(load: &Load<'_>, client: Client, counters: Arc<Counters>) -> Sample {
-    let (database, n) = (client.database(DATABASE), load.n);
+pub async fn consume(
+    url: &str,
+    load: &Load,
+    database: Database,
+    counters: Arc<Counters>,
+) -> Sample {
     let started = Instant::now();
-    let deadline = tokio::time::Instant::now() + run_limit(n);
-    let (connection, channel, mut consumer) =
-        crate::raw::open(load.url, load.queue, load.prefetch, false)
-            .await
-            .expect("consume");
-    let mut events = None;
-    if load.case == Case::Outbox {
-        let channel = connection.create_channel().await.expect("events channel");
-        let confirms = channel.confirm_select(ConfirmSelectOptions::default());
-        confirms.await.expect("confirm select");
-        events = Some(channel);
-    }
+    let deadline = tokio::time::Instant::now() + run_limit(load.n);
+    let (connection, channel, mut consumer) = open(url, QUEUE, load.prefetch, false)
+        .await
+        .expect("consume");
+    let events = match load.case {
+        Case::Outbox => Some(confirm_channel(&connection).await),
+        _ => None,
+    };
     let store = Arc::new(Store {
-        inbox: database.collection(RAW_INBOX),
-        effects: database.collection(EFFECTS),
-        counters: database.collection(COUNTERS),
-        client,
+        database,
         case: load.case,
         events,
+        counters,
+        acked: AtomicU64::new(0),
+        n: load.n,
+        done: CancellationToken::new(),
     });
-    let permits = Arc::new(Semaphore::new(load.concurrency));
-    let acked = Arc::new(AtomicU64::new(0));
-    let done = CancellationToken::new();
     let mut tasks = JoinSet::new();
     let feed = async {
         loop {
-            let permit = Arc::clone(&permits).acquire_owned().await;
-            let permit = permit.expect("semaphore open");
-            let Some(Ok(delivery)) = crate::raw::next(&mut consumer).await else {
+            while tasks.len() >= load.concurrency {
+                tasks.join_next().await;
+            }
+            let Some(Ok(delivery)) = next(&mut consumer).await else {
                 break;
             };
-            let (store, counters, acked, done) = (
-                Arc::clone(&store),
-                Arc::clone(&counters),
-                Arc::clone(&acked),
-                done.clone(),
-            );
-            tasks.spawn(async move {
-                if handle(&store, &counters, delivery).await
-                    && acked.fetch_add(1, Ordering::Relaxed) + 1 >= n
-                {
-                    done.cancel();
-                }
-                drop(permit);
-            });
-            while tasks.try_join_next().is_some() {}
+            tasks.spawn(handle(Arc::clone(&store), delivery));
         }
     };
-    let _ = tokio::time::timeout_at(deadline, done.run_until_cancelled(feed)).await;
+    let _ = tokio::time::timeout_at(deadline, store.done.run_until_cancelled(feed)).await;
     let elapsed = started.elapsed();
-    let settled = acked.load(Ordering::Relaxed);
+    let settled = store.acked.load(Ordering::Relaxed);
     // Nothing is left running after `n` ACKs but deliveries beyond them (none in a clean run).
     tasks.abort_all();
     while tasks.join_next().await.is_some() {}
-    let _ = channel
-        .basic_cancel(consumer.tag(), BasicCancelOptions::default())
-        .await;
-    let _ = channel.close(200, "done".into()).await;
-    let _ = connection.close(200, "done".into()).await;
-    Sample::new(settled, n, elapsed)
+    close(connection, channel, &consumer).await;
+    Sample::new(settled, load.n, elapsed)
 }
 
-/// One delivery: the transaction (and the event), then the ACK (`true` when written); on any
-/// other failure, or past [`BUDGET`], a NACK with requeue.
-async fn handle(store: &Store, counters: &Counters, delivery: lapin::message::Delivery) -> bool {
+/// One delivery: the transaction (and the event), then the ACK, counted; on any other failure,
+/// or past [`BUDGET`], a NACK with requeue.
+async fn handle(store: Arc<Store>, delivery: lapin::message::Delivery) {
     let id = delivery
         .properties
         .message_id()
@@ -124,113 +101,92 @@ async fn handle(store: &Store, counters: &Counters, delivery: lapin::message::De
     let (Some(id), Ok(order)) = (id, order) else {
         // Not one of ours: a careful user dead-letters it (the queue's DLX takes it).
         let _ = delivery.acker.nack(BasicNackOptions::default()).await;
-        return false;
+        return;
     };
     let settled = async {
-        let committed = transaction(store, counters, &id, &order).await?;
+        let committed = transaction(&store, &id, &order).await?;
         if let (Some(events), Some(at)) = (&store.events, committed) {
             publish(events, &id).await?;
             let us = u64::try_from(at.elapsed().as_micros()).unwrap_or(u64::MAX);
-            counters.published_us.lock().expect("latencies").push(us);
+            let published = &store.counters.published_us;
+            published.lock().expect("latencies").push(us);
         }
         Ok::<(), Error>(())
     };
     match tokio::time::timeout(BUDGET, settled).await {
-        Ok(Ok(())) => matches!(
-            delivery.acker.ack(BasicAckOptions::default()).await,
-            Ok(true)
-        ),
+        Ok(Ok(())) => {
+            let acked = delivery.acker.ack(BasicAckOptions::default()).await;
+            if matches!(acked, Ok(true))
+                && store.acked.fetch_add(1, Ordering::Relaxed) + 1 >= store.n
+            {
+                store.done.cancel();
+            }
+        }
         Ok(Err(_)) | Err(_) => {
-            Counters::bump(&counters.requeued);
-            let _ = delivery.acker.nack(crate::raw::REQUEUE).await;
-            false
+            let _ = delivery.acker.nack(REQUEUE).await;
         }
     }
-}
-
-/// What the writes of one transaction attempt found: the message processed before, or the
-/// inbox record and effects written (commit next).
-enum Written {
-    Duplicate,
-    Ready,
 }
 
 /// The event of message `id`, mandatory and persistent, and its confirm; a return or a nack is
 /// an error (the delivery is requeued, and its redelivery finds the inbox record: the event is
 /// lost, as it would be in this code).
 async fn publish(events: &Channel, id: &str) -> Result<(), Error> {
-    let failed = |what: String| Error::custom(what);
     let properties = BasicProperties::default()
         .with_message_id(format!("{id}.event").into())
         .with_type("order.accepted".into())
         .with_content_type("application/json".into())
         .with_delivery_mode(2);
-    let confirm = events
-        .basic_publish(
-            "".into(),
-            EVENTS.into(),
-            BasicPublishOptions {
-                mandatory: true,
-                ..BasicPublishOptions::default()
-            },
-            br#"{"accepted":true}"#,
-            properties,
-        )
+    let body = br#"{"accepted":true}"#;
+    let confirm = match events
+        .basic_publish("".into(), EVENTS.into(), MANDATORY, body, properties)
         .await
-        .map_err(|e| failed(format!("publish: {e}")))?
-        .await
-        .map_err(|e| failed(format!("confirm: {e}")))?;
+    {
+        Ok(confirm) => confirm.await,
+        Err(err) => Err(err),
+    };
     match confirm {
-        Confirmation::Ack(None) => Ok(()),
-        other => Err(failed(format!("not confirmed: {other:?}"))),
+        Ok(Confirmation::Ack(None)) => Ok(()),
+        other => Err(Error::custom(format!("event not confirmed: {other:?}"))),
     }
 }
 
 /// The driver's documented pattern: the whole transaction again on a transient error, the
 /// commit again on an unknown commit result. When this call committed: the time its commit
 /// began; `None` for a duplicate.
-async fn transaction(
-    store: &Store,
-    counters: &Counters,
-    id: &str,
-    order: &Order,
-) -> Result<Option<Instant>, Error> {
-    let mut session = store.client.start_session().await?;
+async fn transaction(store: &Store, id: &str, order: &Order) -> Result<Option<Instant>, Error> {
+    let counters = &store.counters;
+    let mut session = store.database.client().start_session().await?;
     'transaction: loop {
-        Counters::bump(&counters.attempts);
+        bump(&counters.attempts);
         session
             .start_transaction()
             .read_concern(ReadConcern::snapshot())
             .write_concern(WriteConcern::builder().w(Acknowledgment::Majority).build())
             .await?;
-        match writes(store, &mut session, id, order).await {
-            Ok(Written::Ready) => {}
-            Ok(Written::Duplicate) => {
-                let _ = session.abort_transaction().await;
-                return Ok(None);
-            }
+        let written = writes(store, &mut session, id, order).await;
+        if !matches!(written, Ok(true)) {
+            let _ = session.abort_transaction().await;
+        }
+        match written {
+            Ok(true) => {}
+            Ok(false) => return Ok(None),
             Err(err) if err.contains_label(TRANSIENT_TRANSACTION_ERROR) => {
-                Counters::bump(&counters.conflicts);
-                let _ = session.abort_transaction().await;
+                bump(&counters.conflicts);
                 continue 'transaction;
             }
-            Err(err) => {
-                let _ = session.abort_transaction().await;
-                return Err(err);
-            }
+            Err(err) => return Err(err),
         }
         let commit = Instant::now();
         loop {
             match session.commit_transaction().await {
                 Ok(()) => {
-                    Counters::bump(&counters.commits);
+                    bump(&counters.commits);
                     return Ok(Some(commit));
                 }
-                Err(err) if err.contains_label(UNKNOWN_TRANSACTION_COMMIT_RESULT) => {
-                    Counters::bump(&counters.unknown_commits);
-                }
+                Err(err) if err.contains_label(UNKNOWN_TRANSACTION_COMMIT_RESULT) => {}
                 Err(err) if err.contains_label(TRANSIENT_TRANSACTION_ERROR) => {
-                    Counters::bump(&counters.conflicts);
+                    bump(&counters.conflicts);
                     continue 'transaction;
                 }
                 Err(err) => return Err(err),
@@ -239,33 +195,25 @@ async fn transaction(
     }
 }
 
-/// The inbox record, the effect and the hot keys' `$inc`, in `session`'s transaction.
+/// The inbox record and the effect, in `session`'s transaction: `false` when the inbox holds
+/// the message already (processed before: nothing written).
 async fn writes(
     store: &Store,
     session: &mut ClientSession,
     id: &str,
     order: &Order,
-) -> Result<Written, Error> {
-    let inbox = store.inbox.insert_one(doc! { "_id": id });
-    let inbox = inbox.session(&mut *session).await;
-    if inbox.as_ref().is_err_and(is_duplicate_key) {
-        return Ok(Written::Duplicate);
-    }
-    inbox?;
-    store
-        .effects
-        .insert_one(doc! { "_id": id, "sku": &order.sku, "quantity": i64::from(order.quantity) })
+) -> Result<bool, Error> {
+    let inbox = store.database.collection::<Document>(RAW_INBOX);
+    match inbox
+        .insert_one(doc! { "_id": id })
         .session(&mut *session)
-        .await?;
-    if store.case == Case::HotKeys {
-        let key = hot_key(index_of(id).unwrap_or(0));
-        store
-            .counters
-            .update_one(doc! { "_id": key }, doc! { "$inc": { "n": 1_i64 } })
-            .session(&mut *session)
-            .await?;
-    }
-    Ok(Written::Ready)
+        .await
+    {
+        Err(err) if is_duplicate_key(&err) => return Ok(false),
+        inserted => inserted?,
+    };
+    effect(&store.database, session, id, order, store.case).await?;
+    Ok(true)
 }
 
 /// A duplicate key write error (E11000).
