@@ -342,7 +342,7 @@ pub fn throughput_chart(r: &throughput::Results) -> String {
 }
 
 /// `1.23`: microseconds as milliseconds.
-fn ms(us: u32) -> String {
+pub fn ms(us: u32) -> String {
     format!("{:.2}", f64::from(us) / 1000.0)
 }
 

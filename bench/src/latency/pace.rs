@@ -2,14 +2,15 @@
 //! every [`TICK`] what its schedule of `rate × elapsed` owes, back to back, the confirms awaited
 //! by a task of their own).
 
-use std::sync::Arc;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
 use tokio::sync::mpsc;
 use tokio::time::MissedTickBehavior;
 
-use crate::latency::timer::Sent;
+use crate::Order;
+use crate::latency::run::QUEUE;
 
 /// How often the publisher publishes what its schedule owes.
 pub const TICK: Duration = Duration::from_millis(1);
@@ -25,18 +26,16 @@ pub struct Paced {
     pub secs: f64,
 }
 
-/// Publishes `rate` messages a second of `body` to `queue` for `duration`, with ids
-/// `p-{i}`, stamping each one's publish time in `sent_at`, and waits for every confirm.
+/// Publishes `rate` 512-byte orders a second to [`QUEUE`] for `duration`, with ids `p-{i}`,
+/// stamping each one's publish time in `sent_at[i]`, and waits for every confirm.
 ///
 /// # Panics
 /// When the publisher cannot connect.
 pub async fn publish_paced(
     url: &str,
-    queue: &str,
     rate: f64,
     duration: Duration,
-    body: Arc<[u8]>,
-    sent_at: &Sent,
+    sent_at: &[OnceLock<Instant>],
 ) -> Paced {
     let connection = Connection::connect(url, ConnectionProperties::default())
         .await
@@ -52,7 +51,11 @@ pub async fn publish_paced(
         }
         unconfirmed
     });
-    let mut failed = 0;
+    let (body, mut failed) = (Order::body(), 0);
+    let properties = BasicProperties::default()
+        .with_type("order.placed".into())
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2);
     let mut ticks = tokio::time::interval(TICK);
     ticks.set_missed_tick_behavior(MissedTickBehavior::Skip);
     let started = Instant::now();
@@ -63,19 +66,12 @@ pub async fn publish_paced(
         let due = (rate * elapsed.as_secs_f64()) as u64;
         let publishes: Vec<_> = (sent..due)
             .map(|i| {
-                sent_at.stamp(i);
-                let properties = BasicProperties::default()
-                    .with_message_id(format!("p-{i}").into())
-                    .with_type("order.placed".into())
-                    .with_content_type("application/json".into())
-                    .with_delivery_mode(2);
-                channel.basic_publish(
-                    "".into(),
-                    queue.into(),
-                    crate::raw::MANDATORY,
-                    &body,
-                    properties,
-                )
+                if let Some(slot) = usize::try_from(i).ok().and_then(|i| sent_at.get(i)) {
+                    let _ = slot.set(Instant::now());
+                }
+                let properties = properties.clone().with_message_id(format!("p-{i}").into());
+                let options = crate::raw::MANDATORY;
+                channel.basic_publish("".into(), QUEUE.into(), options, &body, properties)
             })
             .collect();
         sent = due.max(sent);

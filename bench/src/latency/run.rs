@@ -11,9 +11,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::fresh_topology;
 use crate::latency::pace::publish_paced;
-use crate::latency::raw_batch::{Counters, RawBatch};
-use crate::latency::timer::{Sent, Sink, Sinks};
-use crate::latency::{Contender, KEPT_UP, Latencies, Path, Run};
+use crate::latency::raw_batch::{self, Counters};
+use crate::latency::timer::{self, COPIES, SETTLED};
+use crate::latency::{Contender, KEPT_UP, Path, Run};
+use crate::report::ms;
 use crate::run::{Lily, Sample, backlog, run_limit, unexpected};
 use crate::throughput::lily_run;
 
@@ -27,17 +28,22 @@ const DRAIN_LIMIT: Duration = Duration::from_secs(30);
 #[derive(Clone)]
 pub struct Setup {
     pub url: String,
-    pub body: Arc<[u8]>,
     pub path: Path,
     pub prefetch: u16,
     /// Publishing time of a paced run.
     pub run: Duration,
     /// The start of a paced run whose latencies are not kept.
     pub warmup: Duration,
-    /// Where both contenders' latencies go (Lily's through the timing layer).
-    pub sinks: Sinks,
     /// When the benchmark started (progress lines say the seconds since).
     pub started: Instant,
+}
+
+impl Setup {
+    /// A progress line on stderr: the case, `what`, and the seconds since the benchmark started.
+    pub fn progress(&self, what: &str) {
+        let (path, secs) = (self.path.name(), self.started.elapsed().as_secs_f64());
+        eprintln!("  {path} prefetch {} {what} [{secs:.0} s]", self.prefetch);
+    }
 }
 
 /// A contender consuming: Lily, or raw-batch (its stop, task and counters).
@@ -58,9 +64,7 @@ impl Running {
             return Self::Lily(lily, path);
         }
         let bucket = (path == Path::Handoff).then(|| topology.bucket(0).expect("a bucket"));
-        let raw = RawBatch::open(url, QUEUE, bucket, prefetch, setup.sinks.clone()).await;
-        let (stop, counters) = (CancellationToken::new(), Arc::clone(&raw.counters));
-        let task = tokio::spawn(raw.run(stop.clone()));
+        let (stop, task, counters) = raw_batch::start(url, bucket, prefetch).await;
         Self::Raw(stop, task, counters)
     }
 
@@ -101,7 +105,7 @@ impl Running {
 
 /// The drain rate of `who`: `n` messages published first, then timed from consumer start
 /// (connect included) until all are settled.
-pub async fn drain_rate(setup: &Setup, who: Contender, n: u64) -> Sample {
+pub async fn drain_rate(setup: &Setup, who: Contender, n: u64) -> f64 {
     let delays = setup.path.delays();
     let topology = backlog(&setup.url, QUEUE, QueueKind::Classic, &delays, n).await;
     let started = Instant::now();
@@ -109,22 +113,27 @@ pub async fn drain_rate(setup: &Setup, who: Contender, n: u64) -> Sample {
     let settled = running.settle(n, started + run_limit(n)).await;
     let elapsed = started.elapsed();
     running.stop().await;
-    Sample::new(settled, n, elapsed)
+    let s = Sample::new(settled, n, elapsed);
+    let what = format!(
+        "drain rate {:<9} {:>8.0} msgs/s",
+        who.name(),
+        s.msgs_per_sec
+    );
+    setup.progress(&format!("{what}, complete {}", s.complete));
+    s.msgs_per_sec
 }
 
-/// `who` consuming while the paced publisher publishes at `rate` for the run's duration.
-pub async fn paced(setup: &Setup, who: Contender, rate: f64) -> Run {
+/// `who` consuming while the paced publisher publishes at `rate` for the run's duration, with
+/// its progress line after `what`.
+pub async fn paced(setup: &Setup, who: Contender, rate: f64, what: &str) -> Run {
     let delays = setup.path.delays();
     let topology = fresh_topology(&setup.url, QUEUE, QueueKind::Classic, &delays).await;
     let running = Running::start(setup, who, &topology).await;
-    let Sinks { settled, copies } = &setup.sinks;
-    let _ = (settled.take(), copies.take());
-    let sent = Arc::new(Sent::new((rate * setup.run.as_secs_f64()) as usize + 1));
-    settled.starts_from(Arc::clone(&sent));
+    // What the sinks hold from earlier runs started before `from`: left out below.
+    let sent = timer::expect((rate * setup.run.as_secs_f64()) as usize + 1);
     let started = Instant::now();
-    let (url, body, duration) = (setup.url.clone(), Arc::clone(&setup.body), setup.run);
-    let publisher =
-        tokio::spawn(async move { publish_paced(&url, QUEUE, rate, duration, body, &sent).await });
+    let (url, duration) = (setup.url.clone(), setup.run);
+    let publisher = tokio::spawn(async move { publish_paced(&url, rate, duration, &sent).await });
     let (from, until) = (started + setup.warmup, started + setup.run);
     tokio::time::sleep_until(from.into()).await;
     let settled_from = running.settled();
@@ -135,20 +144,13 @@ pub async fn paced(setup: &Setup, who: Contender, rate: f64) -> Run {
         .settle(paced.published, Instant::now() + DRAIN_LIMIT)
         .await;
     let drain_secs = until.elapsed().as_secs_f64();
-    let timed = |sink: &Sink| {
-        let kept = sink
-            .take()
-            .into_iter()
-            .filter(|(at, _)| (from..until).contains(at));
-        Latencies::of(kept.map(|(_, us)| us).collect())
-    };
-    let latency = timed(settled);
-    let copy_confirms = (setup.path == Path::Handoff).then(|| timed(copies));
+    let latency = SETTLED.take(from..until);
+    let copy_confirms = (setup.path == Path::Handoff).then(|| COPIES.take(from..until));
     let failed = running.stop().await;
     let window = (setup.run - setup.warmup).as_secs_f64();
     let settled_per_sec = (settled_until - settled_from) as f64 / window;
     let publish_rate = paced.published as f64 / paced.secs;
-    Run {
+    let run = Run {
         contender: who,
         target_rate: rate,
         published: paced.published,
@@ -162,5 +164,20 @@ pub async fn paced(setup: &Setup, who: Contender, rate: f64) -> Run {
         failed,
         latency,
         copy_confirms,
-    }
+    };
+    let copies = copy_confirms.map_or_else(String::new, |c| {
+        let (p50, p99) = (ms(c.p50_us), ms(c.p99_us));
+        format!(" (copy to confirm: p50 {p50} p99 {p99} ms)")
+    });
+    let flag = match (run.complete, run.sustained()) {
+        (false, _) => " (INCOMPLETE)",
+        (true, false) => " (not sustained)",
+        (true, true) => "",
+    };
+    let (l, name) = (latency, who.name());
+    let (p50, p99, p999) = (ms(l.p50_us), ms(l.p99_us), ms(l.p999_us));
+    setup.progress(&format!(
+        "{what} {name:<9} published {publish_rate:>7.0}/s settled {settled_per_sec:>7.0}/s p50 {p50} p99 {p99} p99.9 {p999} ms{copies}{flag}"
+    ));
+    run
 }
