@@ -89,9 +89,10 @@ pub async fn run(args: Args) {
                     }
                     turn.reverse();
                     runs.sort_by_key(|r| r.contender);
-                    rounds.push(Case::new(path, prefetch, load, max_rate, runs[0], runs[1]));
+                    rounds.push([runs[0], runs[1]]);
                 }
-                results.cases.push(Case::median(rounds));
+                let case = (path, prefetch, load);
+                results.cases.push(Case::median(case, max_rate, rounds));
             }
         }
     }

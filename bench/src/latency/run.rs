@@ -1,22 +1,25 @@
-//! One measurement: a contender's drain rate, or a contender under the paced load.
+//! One measurement: a contender's drain rate, or a contender under the paced load, and that
+//! load's publisher.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
 use lily::prelude::QueueKind;
 use lily::topology::Topology;
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
+use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
-use crate::fresh_topology;
-use crate::latency::pace::publish_paced;
 use crate::latency::raw_batch::{self, Counters};
 use crate::latency::timer::{self, COPIES, SETTLED};
 use crate::latency::{Contender, KEPT_UP, Path, Run};
 use crate::report::ms;
 use crate::run::{Lily, Sample, backlog, run_limit, unexpected};
 use crate::throughput::lily_run;
+use crate::{Order, fresh_topology};
 
 /// The work queue every run uses (re-created each time).
 pub const QUEUE: &str = "lily-bench-latency";
@@ -180,4 +183,92 @@ pub async fn paced(setup: &Setup, who: Contender, rate: f64, what: &str) -> Run 
         "{what} {name:<9} published {publish_rate:>7.0}/s settled {settled_per_sec:>7.0}/s p50 {p50} p99 {p99} p99.9 {p999} ms{copies}{flag}"
     ));
     run
+}
+
+/// How often the publisher publishes what its schedule owes.
+const TICK: Duration = Duration::from_millis(1);
+
+/// What the paced publisher did.
+#[derive(Clone, Copy, Debug)]
+struct Paced {
+    /// Messages published (handed to the broker).
+    published: u64,
+    /// Publishes that were not confirmed (failed, nacked or returned).
+    unconfirmed: u64,
+    /// Seconds from the first tick to the last publish.
+    secs: f64,
+}
+
+/// The load: publishes `rate` 512-byte orders a second to [`QUEUE`] for `duration`, with ids
+/// `p-{i}`, stamping each one's publish time in `sent_at[i]`, and waits for every confirm. Raw
+/// lapin on a confirm channel, as cheap as a publisher gets: every [`TICK`] what its schedule
+/// of `rate × elapsed` owes, back to back, the confirms awaited by a task of their own.
+///
+/// # Panics
+/// When the publisher cannot connect.
+async fn publish_paced(
+    url: &str,
+    rate: f64,
+    duration: Duration,
+    sent_at: &[OnceLock<Instant>],
+) -> Paced {
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .expect("connect the paced publisher");
+    let channel = crate::raw::confirm_channel(&connection).await;
+    let (confirms, mut pending) = mpsc::unbounded_channel::<lapin::PublisherConfirm>();
+    let awaiting = tokio::spawn(async move {
+        let mut unconfirmed = 0;
+        while let Some(confirm) = pending.recv().await {
+            if !matches!(confirm.await, Ok(Confirmation::Ack(None))) {
+                unconfirmed += 1;
+            }
+        }
+        unconfirmed
+    });
+    let (body, mut failed) = (Order::body(), 0);
+    let properties = BasicProperties::default()
+        .with_type("order.placed".into())
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2);
+    let mut ticks = tokio::time::interval(TICK);
+    ticks.set_missed_tick_behavior(MissedTickBehavior::Skip);
+    let started = Instant::now();
+    let mut sent = 0;
+    loop {
+        ticks.tick().await;
+        let elapsed = started.elapsed().min(duration);
+        let due = (rate * elapsed.as_secs_f64()) as usize;
+        let publishes: Vec<_> = (sent..due)
+            .map(|i| {
+                if let Some(slot) = sent_at.get(i) {
+                    let _ = slot.set(Instant::now());
+                }
+                let properties = properties.clone().with_message_id(format!("p-{i}").into());
+                let options = crate::raw::MANDATORY;
+                channel.basic_publish("".into(), QUEUE.into(), options, &body, properties)
+            })
+            .collect();
+        sent = due.max(sent);
+        for published in futures_util::future::join_all(publishes).await {
+            match published {
+                Ok(confirm) => {
+                    let _ = confirms.send(confirm);
+                }
+                Err(_) => failed += 1,
+            }
+        }
+        if elapsed >= duration {
+            break;
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    drop(confirms);
+    let unconfirmed = awaiting.await.unwrap_or(0) + failed;
+    let _ = connection.close(200, "published".into()).await;
+    Paced {
+        published: sent as u64,
+        unconfirmed,
+        secs,
+    }
 }

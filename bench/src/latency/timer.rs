@@ -85,16 +85,14 @@ pub fn install() {
         .expect("install the timing subscriber");
 }
 
-/// When the span's clock started: its delivery's publish, or a `handoff` span's opening.
+/// When the span's clock started: its delivery's publish (looked up by its `message_id` field,
+/// without copying it), or a `handoff` span's opening.
 struct Opened(Instant);
 
-/// Looks the span's `message_id` field up in the publish times, without copying it.
-struct PublishedAt(Option<Instant>);
-
-impl Visit for PublishedAt {
+impl Visit for Opened {
     fn record_str(&mut self, field: &Field, value: &str) {
         if field.name() == "message_id" {
-            self.0 = Some(published_at(value));
+            self.0 = published_at(value);
         }
     }
 
@@ -109,11 +107,10 @@ where
     S: Subscriber + for<'a> LookupSpan<'a>,
 {
     fn on_new_span(&self, attrs: &span::Attributes<'_>, id: &span::Id, ctx: Context<'_, S>) {
-        let mut published = PublishedAt(None);
+        let mut opened = Opened(Instant::now());
         if attrs.metadata().name() != "handoff" {
-            attrs.record(&mut published);
+            attrs.record(&mut opened);
         }
-        let opened = Opened(published.0.unwrap_or_else(Instant::now));
         if let Some(span) = ctx.span(id) {
             span.extensions_mut().insert(opened);
         }
