@@ -142,9 +142,9 @@ pub async fn paced(setup: &Setup, who: Contender, rate: f64, what: &str) -> Run 
     let settled_from = running.settled();
     tokio::time::sleep_until(until.into()).await;
     let settled_until = running.settled();
-    let paced = publisher.await.expect("the paced publisher");
+    let (published, unconfirmed, secs) = publisher.await.expect("the paced publisher");
     let drained = running
-        .settle(paced.published, Instant::now() + DRAIN_LIMIT)
+        .settle(published, Instant::now() + DRAIN_LIMIT)
         .await;
     let drain_secs = until.elapsed().as_secs_f64();
     let latency = SETTLED.take(from..until);
@@ -152,18 +152,18 @@ pub async fn paced(setup: &Setup, who: Contender, rate: f64, what: &str) -> Run 
     let failed = running.stop().await;
     let window = (setup.run - setup.warmup).as_secs_f64();
     let settled_per_sec = (settled_until - settled_from) as f64 / window;
-    let publish_rate = paced.published as f64 / paced.secs;
+    let publish_rate = published as f64 / secs;
     let run = Run {
         contender: who,
         target_rate: rate,
-        published: paced.published,
-        unconfirmed: paced.unconfirmed,
+        published,
+        unconfirmed,
         publish_rate,
         publisher_reached_target: publish_rate >= KEPT_UP * rate,
         settled_per_sec,
         kept_up: settled_per_sec >= KEPT_UP * publish_rate,
         drain_secs,
-        complete: drained >= paced.published,
+        complete: drained >= published,
         failed,
         latency,
         copy_confirms,
@@ -188,21 +188,12 @@ pub async fn paced(setup: &Setup, who: Contender, rate: f64, what: &str) -> Run 
 /// How often the publisher publishes what its schedule owes.
 const TICK: Duration = Duration::from_millis(1);
 
-/// What the paced publisher did.
-#[derive(Clone, Copy, Debug)]
-struct Paced {
-    /// Messages published (handed to the broker).
-    published: u64,
-    /// Publishes that were not confirmed (failed, nacked or returned).
-    unconfirmed: u64,
-    /// Seconds from the first tick to the last publish.
-    secs: f64,
-}
-
 /// The load: publishes `rate` 512-byte orders a second to [`QUEUE`] for `duration`, with ids
 /// `p-{i}`, stamping each one's publish time in `sent_at[i]`, and waits for every confirm. Raw
 /// lapin on a confirm channel, as cheap as a publisher gets: every [`TICK`] what its schedule
 /// of `rate × elapsed` owes, back to back, the confirms awaited by a task of their own.
+/// Returns the messages published (handed to the broker), the publishes not confirmed (failed,
+/// nacked or returned) and the seconds from the first tick to the last publish.
 ///
 /// # Panics
 /// When the publisher cannot connect.
@@ -211,7 +202,7 @@ async fn publish_paced(
     rate: f64,
     duration: Duration,
     sent_at: &[OnceLock<Instant>],
-) -> Paced {
+) -> (u64, u64, f64) {
     let connection = Connection::connect(url, ConnectionProperties::default())
         .await
         .expect("connect the paced publisher");
@@ -266,9 +257,5 @@ async fn publish_paced(
     drop(confirms);
     let unconfirmed = awaiting.await.unwrap_or(0) + failed;
     let _ = connection.close(200, "published".into()).await;
-    Paced {
-        published: sent as u64,
-        unconfirmed,
-        secs,
-    }
+    (sent as u64, unconfirmed, secs)
 }

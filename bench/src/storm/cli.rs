@@ -68,7 +68,7 @@ async fn storm(url: &str, secs: u32, who: Contender) -> StormRun {
     };
     // Let every copy in the bucket come back before counting.
     tokio::time::sleep(RETRY_DELAY + Duration::from_millis(1500)).await;
-    let check = check(url, &topology, POPULATION).await;
+    let check = check(url, &topology).await;
     StormRun {
         contender: who,
         secs,

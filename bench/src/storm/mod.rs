@@ -213,9 +213,9 @@ pub struct Check {
 }
 
 /// The evidence after a storm, read from outside the contender: drains the work queue and the
-/// bucket of `topology` and counts them by message id (every id `m-0 … m-{population − 1}`
+/// bucket of `topology` and counts them by message id (every id `m-0 … m-{POPULATION − 1}`
 /// exactly once), and reads the depths of its DLQ and parking lane (both empty).
-pub async fn check(url: &str, topology: &Topology, population: u64) -> Check {
+pub async fn check(url: &str, topology: &Topology) -> Check {
     let client = Client::connect(url).await;
     let mut ids = client
         .drain_ids(topology.bucket(0).expect("a retry bucket"))
@@ -229,7 +229,7 @@ pub async fn check(url: &str, topology: &Topology, population: u64) -> Check {
     let in_dead_letter_queue = crate::depth(url, &topology.dead_letter_queue()).await;
     let in_parking = crate::depth(url, &topology.parking_queue()).await;
     let (mut missing, mut duplicates) = (0, 0);
-    for i in 0..population {
+    for i in 0..POPULATION {
         match ids.remove(&format!("m-{i}")) {
             None => missing += 1,
             Some(n) => duplicates += n as u64 - 1,
@@ -240,7 +240,7 @@ pub async fn check(url: &str, topology: &Topology, population: u64) -> Check {
         && in_dead_letter_queue == Some(0)
         && in_parking == Some(0);
     Check {
-        population,
+        population: POPULATION,
         in_work_queue,
         in_bucket,
         in_dead_letter_queue,
