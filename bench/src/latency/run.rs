@@ -17,7 +17,7 @@ use crate::latency::raw_batch::{self, Counters};
 use crate::latency::timer::{self, COPIES, SETTLED};
 use crate::latency::{Contender, KEPT_UP, Path, Run};
 use crate::report::ms;
-use crate::run::{Lily, Sample, backlog, run_limit, unexpected};
+use crate::run::{Lily, backlog, run_limit, unexpected};
 use crate::throughput::lily_run;
 use crate::{Order, fresh_topology};
 
@@ -114,16 +114,11 @@ pub async fn drain_rate(setup: &Setup, who: Contender, n: u64) -> f64 {
     let started = Instant::now();
     let running = Running::start(setup, who, &topology).await;
     let settled = running.settle(n, started + run_limit(n)).await;
-    let elapsed = started.elapsed();
+    let rate = settled as f64 / started.elapsed().as_secs_f64();
     running.stop().await;
-    let s = Sample::new(settled, n, elapsed);
-    let what = format!(
-        "drain rate {:<9} {:>8.0} msgs/s",
-        who.name(),
-        s.msgs_per_sec
-    );
-    setup.progress(&format!("{what}, complete {}", s.complete));
-    s.msgs_per_sec
+    let what = format!("drain rate {:<9} {rate:>8.0} msgs/s", who.name());
+    setup.progress(&format!("{what}, complete {}", settled >= n));
+    rate
 }
 
 /// `who` consuming while the paced publisher publishes at `rate` for the run's duration, with
@@ -132,7 +127,8 @@ pub async fn paced(setup: &Setup, who: Contender, rate: f64, what: &str) -> Run 
     let delays = setup.path.delays();
     let topology = fresh_topology(&setup.url, QUEUE, QueueKind::Classic, &delays).await;
     let running = Running::start(setup, who, &topology).await;
-    // What the sinks hold from earlier runs started before `from`: left out below.
+    // The sinks still hold records of earlier runs, all started before `from`: `take` leaves
+    // them out.
     let sent = timer::expect((rate * setup.run.as_secs_f64()) as usize + 1);
     let started = Instant::now();
     let (url, duration) = (setup.url.clone(), setup.run);
