@@ -9,10 +9,10 @@ use lily::prelude::{Consumer, ConsumerConfig, Json, Policy, QueueHandlerError, Q
 use tokio_util::sync::CancellationToken;
 
 use crate::args::Common;
-use crate::run::{Lily, backlog, unexpected};
+use crate::run::{Lily, STORM_REASON, backlog, unexpected};
 use crate::storm::{
-    Contender, MAX_ATTEMPTS, POPULATION, PREFETCH, QUEUE, REASON, RETRY_DELAY, Results, StormRun,
-    Summary, check, sample,
+    Contender, MAX_ATTEMPTS, POPULATION, PREFETCH, QUEUE, RETRY_DELAY, Results, StormRun, Summary,
+    check, sample,
 };
 use crate::{Order, broker_url, raw, report};
 
@@ -31,7 +31,7 @@ pub struct Args {
 fn lily_consumer(url: &str) -> Consumer {
     let router = Router::new().route("order.placed", |Json(o): Json<Order>| async move {
         std::hint::black_box(o);
-        Err::<(), _>(QueueHandlerError::retryable(REASON))
+        Err::<(), _>(QueueHandlerError::retryable(STORM_REASON))
     });
     let policy = Policy::default().max_attempts(MAX_ATTEMPTS);
     let config = ConsumerConfig::new(QUEUE).prefetch(PREFETCH);

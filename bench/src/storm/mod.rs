@@ -16,9 +16,6 @@ pub const RETRY_DELAY: Duration = Duration::from_secs(1);
 /// The work queue (re-created for each contender).
 pub const QUEUE: &str = "lily-bench-storm";
 
-/// What each handler fails with.
-pub use crate::run::STORM_REASON as REASON;
-
 /// Lily's attempts: far more than a message cycles during a run, so nothing is dead-lettered.
 pub const MAX_ATTEMPTS: u32 = 1_000_000;
 
