@@ -91,8 +91,8 @@ pub async fn run(args: Args) {
                     runs.sort_by_key(|r| r.contender);
                     rounds.push([runs[0], runs[1]]);
                 }
-                let case = (path, prefetch, load);
-                results.cases.push(Case::median(case, max_rate, rounds));
+                let case = Case::median(path, prefetch, load, max_rate, rounds);
+                results.cases.push(case);
             }
         }
     }

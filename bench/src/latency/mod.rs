@@ -170,7 +170,9 @@ impl Case {
     /// # Panics
     /// When `rounds` is empty.
     pub fn median(
-        (path, prefetch, load): (Path, u16, f64),
+        path: Path,
+        prefetch: u16,
+        load: f64,
         max_rate: MaxRate,
         mut rounds: Vec<[Run; 2]>,
     ) -> Self {
