@@ -125,14 +125,14 @@ fn slope(points: &[(f64, f64)]) -> f64 {
 
 /// Samples every second for `secs` seconds: the growth of `count`, `VmRSS` and the ready depth
 /// of [`QUEUE`] (read on a connection of its own).
+///
+/// # Panics
+/// When the broker cannot be reached.
 pub async fn sample(url: &str, secs: u32, count: impl Fn() -> u64) -> Vec<Second> {
     use lapin::{Connection, ConnectionProperties};
     let connection = Connection::connect(url, ConnectionProperties::default()).await;
-    let connection = connection.ok();
-    let channel = match &connection {
-        Some(c) => c.create_channel().await.ok(),
-        None => None,
-    };
+    let connection = connection.expect("connect the sampler");
+    let channel = connection.create_channel().await.expect("channel");
     let started = Instant::now();
     let mut before = count();
     let mut series = Vec::with_capacity(secs as usize);
@@ -140,21 +140,15 @@ pub async fn sample(url: &str, secs: u32, count: impl Fn() -> u64) -> Vec<Second
         tokio::time::sleep_until((started + Duration::from_secs(u64::from(t))).into()).await;
         let now = count();
         let rss_bytes = crate::cost::memory::Mem::now().rss_bytes;
-        let ready = match &channel {
-            Some(channel) => crate::ready(channel, QUEUE).await,
-            None => None,
-        };
         series.push(Second {
             t,
             handoffs: now.saturating_sub(before),
             rss_bytes,
-            ready,
+            ready: crate::ready(&channel, QUEUE).await,
         });
         before = now;
     }
-    if let Some(connection) = connection {
-        let _ = connection.close(200, "sampled".into()).await;
-    }
+    let _ = connection.close(200, "sampled".into()).await;
     series
 }
 
