@@ -129,7 +129,7 @@ pub async fn paced(setup: &Setup, who: Contender, rate: f64, what: &str) -> Run 
     let running = Running::start(setup, who, &topology).await;
     // The sinks still hold records of earlier runs, all started before `from`: `take` leaves
     // them out.
-    let sent = timer::expect((rate * setup.run.as_secs_f64()) as usize + 1);
+    let sent = timer::stamp_slots((rate * setup.run.as_secs_f64()) as usize + 1);
     let started = Instant::now();
     let (url, duration) = (setup.url.clone(), setup.run);
     let publisher = tokio::spawn(async move { publish_paced(&url, rate, duration, &sent).await });
@@ -173,10 +173,14 @@ pub async fn paced(setup: &Setup, who: Contender, rate: f64, what: &str) -> Run 
         (true, false) => " (not sustained)",
         (true, true) => "",
     };
-    let (l, name) = (latency, who.name());
-    let (p50, p99, p999) = (ms(l.p50_us), ms(l.p99_us), ms(l.p999_us));
     setup.progress(&format!(
-        "{what} {name:<9} published {publish_rate:>7.0}/s settled {settled_per_sec:>7.0}/s p50 {p50} p99 {p99} p99.9 {p999} ms{copies}{flag}"
+        "{what} {:<9} published {:>7.0}/s settled {:>7.0}/s p50 {} p99 {} p99.9 {} ms{copies}{flag}",
+        who.name(),
+        publish_rate,
+        settled_per_sec,
+        ms(latency.p50_us),
+        ms(latency.p99_us),
+        ms(latency.p999_us),
     ));
     run
 }

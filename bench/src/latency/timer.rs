@@ -1,7 +1,7 @@
 //! Where latencies are kept, and how Lily is timed: a `tracing_subscriber::Layer` enabled for
 //! Lily's `delivery` and `handoff` spans only (one span a delivery, two with a handoff). A
-//! delivery is timed from its publish ([`expect`], for both contenders) to its span's close; a
-//! `handoff` span from its opening to its close (the copy's wait for its confirm).
+//! delivery is timed from its publish ([`stamp_slots`], for both contenders) to its span's
+//! close; a `handoff` span from its opening to its close (the copy's wait for its confirm).
 
 use std::fmt;
 use std::ops::Range;
@@ -53,7 +53,7 @@ impl Sink {
 
 /// Times the deliveries from now on from the publish times of the paced publisher's next `n`
 /// messages, which it stamps in the slots returned (later ones are not stamped).
-pub fn expect(n: usize) -> Arc<[OnceLock<Instant>]> {
+pub fn stamp_slots(n: usize) -> Arc<[OnceLock<Instant>]> {
     let sent: Arc<[OnceLock<Instant>]> = (0..n).map(|_| OnceLock::new()).collect();
     *lock(&SENT) = Some(Arc::clone(&sent));
     sent
