@@ -312,7 +312,7 @@ pub fn throughput_chart(r: &throughput::Results) -> String {
 }
 
 /// `1.23`: microseconds as milliseconds.
-fn ms(us: u32) -> String {
+pub fn ms(us: u32) -> String {
     format!("{:.2}", f64::from(us) / 1000.0)
 }
 
@@ -393,12 +393,8 @@ pub fn latency(r: &latency::Results) -> String {
     out += "Maximum rates (msg/s; drained with nothing publishing, settled while the higher drain rate was offered, and the rate used: the first from 90 % of the lower down that both sustained):\n\n";
     let head = "path|prefetch|Lily drained|raw-batch drained|offered|Lily settled under load|raw-batch settled under load|used";
     let mut table = Table::new(head, 1);
-    let mut seen = Vec::new();
-    for c in &r.cases {
-        if seen.contains(&(c.path, c.prefetch)) {
-            continue;
-        }
-        seen.push((c.path, c.prefetch));
+    // One row a path × prefetch: its cases share the maximum rate.
+    for c in r.cases.iter().filter(|c| c.load == latency::LOADS[0]) {
         let m = &c.max_rate;
         let how = match (m.tries, m.sustained) {
             (Some(tries), Some(true)) => format!(" (sustained; rates checked: {tries})"),

@@ -5,11 +5,9 @@ use std::time::{Duration, Instant};
 
 use crate::args::Common;
 use crate::latency::run::{self, Setup};
-use crate::latency::timer::{self, Sinks};
-use crate::latency::{
-    Case, Contender, LOADS, MaxRate, Path, Results, Run, SUSTAIN_STEP, SUSTAIN_TRIES,
-};
-use crate::{Order, broker_url, report};
+use crate::latency::timer;
+use crate::latency::{Case, Contender, LOADS, MaxRate, Path, Results, SUSTAIN_STEP, SUSTAIN_TRIES};
+use crate::{broker_url, report};
 
 /// Settlement latency of Lily against raw-batch.
 #[derive(clap::Args, Debug)]
@@ -24,23 +22,6 @@ pub struct Args {
         default_value = "success,handoff"
     )]
     paths: Vec<Path>,
-    /// Prefetch values (quick: 500).
-    #[arg(long = "prefetch", value_delimiter = ',', default_value = "500,50",
-          value_parser = clap::value_parser!(u16).range(1..),
-          default_value_if("quick", "true", Some("500")))]
-    prefetches: Vec<u16>,
-    /// Seconds a paced run publishes (quick: 8).
-    #[arg(long, default_value = "20", value_parser = crate::args::positive,
-          default_value_if("quick", "true", Some("8")))]
-    secs: f64,
-    /// Seconds of warm-up, not timed (quick: 2).
-    #[arg(long, default_value = "3", value_parser = crate::args::positive,
-          default_value_if("quick", "true", Some("2")))]
-    warmup: f64,
-    /// Messages of each drain-rate run (quick: 20 000).
-    #[arg(short = 'n', long, default_value = "60000", value_parser = crate::args::count::<u64>,
-          default_value_if("quick", "true", Some("20000")))]
-    messages: u64,
     /// The maximum rate of every case, instead of measuring it.
     #[arg(long, value_parser = crate::args::positive)]
     max_rate: Option<f64>,
@@ -50,19 +31,15 @@ pub struct Args {
     reps: u32,
 }
 
-/// `1.23`: µs as ms.
-fn ms(us: u32) -> f64 {
-    f64::from(us) / 1000.0
-}
-
-/// Runs the benchmark.
+/// Runs the benchmark: prefetch 500 and 50, paced runs of 20 s whose first 3 s are not timed,
+/// drain rates of 60 000 messages (quick: prefetch 500, 8 s, 2 s, 20 000).
 pub async fn run(args: Args) {
-    assert!(
-        args.warmup < args.secs,
-        "--warmup must be shorter than --secs"
-    );
-    let sinks = Sinks::default();
-    timer::install(sinks.clone());
+    let (prefetches, secs, warmup, messages): (&[u16], _, _, _) = if args.common.quick {
+        (&[500], 8.0, 2.0, 20_000)
+    } else {
+        (&[500, 50], 20.0, 3.0, 60_000)
+    };
+    timer::install();
     let url = broker_url();
     let mut notes = vec![crate::METHOD.to_owned()];
     if let Some(rate) = args.max_rate {
@@ -72,24 +49,22 @@ pub async fn run(args: Args) {
     }
     let mut results = Results {
         meta: crate::Meta::new("latency", &url, notes),
-        max_rate_messages: args.max_rate.map_or(args.messages, |_| 0),
-        run_secs: args.secs,
-        warmup_secs: args.warmup,
+        max_rate_messages: args.max_rate.map_or(messages, |_| 0),
+        run_secs: secs,
+        warmup_secs: warmup,
         cases: Vec::new(),
     };
     let started = Instant::now();
     // Who runs first alternates round by round, across cases too.
     let mut turn = [Contender::RawBatch, Contender::Lily];
     for &path in &args.paths {
-        for &prefetch in &args.prefetches {
+        for &prefetch in prefetches {
             let setup = Setup {
                 url: url.clone(),
-                body: Order::body().into(),
                 path,
                 prefetch,
-                run: Duration::from_secs_f64(args.secs),
-                warmup: Duration::from_secs_f64(args.warmup),
-                sinks: sinks.clone(),
+                run: Duration::from_secs_f64(secs),
+                warmup: Duration::from_secs_f64(warmup),
                 started,
             };
             let max_rate = match args.max_rate {
@@ -97,7 +72,7 @@ pub async fn run(args: Args) {
                     used,
                     ..MaxRate::default()
                 },
-                None => max_rate(&setup, args.messages).await,
+                None => max_rate(&setup, messages).await,
             };
             for load in LOADS {
                 let target = (max_rate.used * load).round().max(1.0);
@@ -110,56 +85,20 @@ pub async fn run(args: Args) {
                     );
                     let mut runs = Vec::new();
                     for who in turn {
-                        runs.push(paced(&setup, who, target, &what).await);
+                        runs.push(run::paced(&setup, who, target, &what).await);
                     }
                     turn.reverse();
                     runs.sort_by_key(|r| r.contender);
-                    rounds.push(Case::new(path, prefetch, load, max_rate, runs[0], runs[1]));
+                    rounds.push([runs[0], runs[1]]);
                 }
-                results.cases.push(Case::median(rounds));
+                let case = Case::median(path, prefetch, load, max_rate, rounds);
+                results.cases.push(case);
             }
         }
     }
     results.meta.finish(started);
     let (md, chart) = (report::latency(&results), report::latency_chart(&results));
     report::write(&args.common.out, "latency", &results, &md, Some(&chart));
-}
-
-/// A progress line on stderr: the case, `what`, and the seconds since the benchmark started.
-fn progress(setup: &Setup, what: &str) {
-    let (path, secs) = (setup.path.name(), setup.started.elapsed().as_secs_f64());
-    eprintln!("  {path} prefetch {} {what} [{secs:.0} s]", setup.prefetch);
-}
-
-/// `who` under the paced load at `rate`, with its progress line after `what`.
-async fn paced(setup: &Setup, who: Contender, rate: f64, what: &str) -> Run {
-    let r = run::paced(setup, who, rate).await;
-    let copies = r.copy_confirms.map_or_else(String::new, |c| {
-        format!(
-            " (copy to confirm: p50 {:.2} p99 {:.2} ms)",
-            ms(c.p50_us),
-            ms(c.p99_us)
-        )
-    });
-    let flag = match (r.complete, r.sustained()) {
-        (false, _) => " (INCOMPLETE)",
-        (true, false) => " (not sustained)",
-        (true, true) => "",
-    };
-    let l = r.latency;
-    progress(
-        setup,
-        &format!(
-            "{what} {:<9} published {:>7.0}/s settled {:>7.0}/s p50 {:.2} p99 {:.2} p99.9 {:.2} ms{copies}{flag}",
-            who.name(),
-            r.publish_rate,
-            r.settled_per_sec,
-            ms(l.p50_us),
-            ms(l.p99_us),
-            ms(l.p999_us),
-        ),
-    );
-    r
 }
 
 /// The maximum rate of the setup's path and prefetch: each contender's drain rate with nothing
@@ -170,10 +109,7 @@ async fn max_rate(setup: &Setup, messages: u64) -> MaxRate {
     let who = [Contender::Lily, Contender::RawBatch];
     let mut drained = [0.0; 2];
     for (rate, who) in drained.iter_mut().zip(who) {
-        let s = run::drain_rate(setup, who, messages).await;
-        *rate = s.msgs_per_sec;
-        let what = format!("drain rate {:<9} {rate:>8.0} msgs/s", who.name());
-        progress(setup, &format!("{what}, complete {}", s.complete));
+        *rate = run::drain_rate(setup, who, messages).await;
     }
     let offered = drained[0].max(drained[1]).round().max(1.0);
     let overload = Setup {
@@ -184,7 +120,9 @@ async fn max_rate(setup: &Setup, messages: u64) -> MaxRate {
     let mut loaded = [0.0; 2];
     for (rate, who) in loaded.iter_mut().zip(who) {
         let what = format!("max rate ({offered:.0}/s offered)");
-        *rate = paced(&overload, who, offered, &what).await.settled_per_sec;
+        *rate = run::paced(&overload, who, offered, &what)
+            .await
+            .settled_per_sec;
     }
     let under_load = loaded[0].min(loaded[1]).round().max(1.0);
     // From `under_load` × SUSTAIN_STEP down by that factor, each rate checked in runs as long as
@@ -196,7 +134,7 @@ async fn max_rate(setup: &Setup, messages: u64) -> MaxRate {
         used = (used * SUSTAIN_STEP).round().max(1.0);
         for who in who {
             let what = format!("sustained at {used:.0}/s?");
-            sustained = paced(setup, who, used, &what).await.sustained();
+            sustained = run::paced(setup, who, used, &what).await.sustained();
             if !sustained {
                 break;
             }

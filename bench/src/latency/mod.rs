@@ -3,7 +3,6 @@
 use serde::Serialize;
 
 pub mod cli;
-pub mod pace;
 pub mod raw_batch;
 pub mod run;
 pub mod timer;
@@ -163,16 +162,28 @@ pub struct Case {
 }
 
 impl Case {
-    pub fn new(
+    /// The case of `rounds` (raw-batch's run and Lily's in each): the round whose p99
+    /// difference is the median (the lower one of an even count), with every round's
+    /// difference: a stall of tens of milliseconds lands in whichever contender's run it falls,
+    /// so one round cannot decide a 2 ms bar.
+    ///
+    /// # Panics
+    /// When `rounds` is empty.
+    pub fn median(
         path: Path,
         prefetch: u16,
         load: f64,
         max_rate: MaxRate,
-        raw_batch: Run,
-        lily: Run,
+        mut rounds: Vec<[Run; 2]>,
     ) -> Self {
-        let p99_diff_ms =
-            (f64::from(lily.latency.p99_us) - f64::from(raw_batch.latency.p99_us)) / 1000.0;
+        let diff = |[raw_batch, lily]: &[Run; 2]| {
+            (f64::from(lily.latency.p99_us) - f64::from(raw_batch.latency.p99_us)) / 1000.0
+        };
+        let rounds_p99_diff_ms = rounds.iter().map(diff).collect();
+        rounds.sort_by(|a, b| diff(a).total_cmp(&diff(b)));
+        let median = rounds[(rounds.len() - 1) / 2];
+        let [raw_batch, lily] = median;
+        let p99_diff_ms = diff(&median);
         Self {
             path,
             queue_type: "classic",
@@ -183,24 +194,10 @@ impl Case {
             raw_batch,
             lily,
             p99_diff_ms,
-            rounds_p99_diff_ms: vec![p99_diff_ms],
+            rounds_p99_diff_ms,
             p99_margin_ms: P99_MARGIN_MS,
             met: p99_diff_ms <= P99_MARGIN_MS,
         }
-    }
-
-    /// The round whose p99 difference is the median (the lower one of an even count), with
-    /// every round's difference: a stall of tens of milliseconds lands in whichever
-    /// contender's run it falls, so one round cannot decide a 2 ms bar.
-    ///
-    /// # Panics
-    /// When `rounds` is empty.
-    pub fn median(mut rounds: Vec<Self>) -> Self {
-        let diffs = rounds.iter().map(|case| case.p99_diff_ms).collect();
-        rounds.sort_by(|a, b| a.p99_diff_ms.total_cmp(&b.p99_diff_ms));
-        let mut case = rounds.swap_remove((rounds.len() - 1) / 2);
-        case.rounds_p99_diff_ms = diffs;
-        case
     }
 }
 

@@ -9,9 +9,10 @@ use lily::prelude::{Consumer, ConsumerConfig, Json, Policy, QueueHandlerError, Q
 use tokio_util::sync::CancellationToken;
 
 use crate::args::Common;
-use crate::run::{Lily, backlog, unexpected};
+use crate::run::{Lily, STORM_REASON, backlog, unexpected};
 use crate::storm::{
-    Contender, MAX_ATTEMPTS, QUEUE, REASON, RETRY_DELAY, Results, StormRun, Summary, check, sample,
+    Contender, MAX_ATTEMPTS, POPULATION, PREFETCH, QUEUE, RETRY_DELAY, Results, StormRun, Summary,
+    check, sample,
 };
 use crate::{Order, broker_url, raw, report};
 
@@ -23,77 +24,54 @@ const WARMUP: u32 = 10;
 pub struct Args {
     #[command(flatten)]
     common: Common,
-    /// Seconds each contender consumes, above the warm-up (quick: 45).
-    #[arg(long, default_value = "300", value_parser = clap::value_parser!(u32).range(i64::from(WARMUP) + 2..),
-          default_value_if("quick", "true", Some("45")))]
-    secs: u32,
-    /// Messages published up front.
-    #[arg(short = 'n', long, default_value = "40000", value_parser = crate::args::count::<u64>)]
-    population: u64,
-    /// Prefetch (and Lily's concurrency).
-    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u16).range(1..))]
-    prefetch: u16,
-    /// Who runs, in order.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "raw,lily")]
-    contenders: Vec<Contender>,
 }
 
 /// A consumer of `queue` (prefetch = concurrency) whose handler deserializes the order and
 /// fails retryably, with attempts enough never to dead-letter during the run.
-fn lily_consumer(url: &str, prefetch: u16) -> Consumer {
+fn lily_consumer(url: &str) -> Consumer {
     let router = Router::new().route("order.placed", |Json(o): Json<Order>| async move {
         std::hint::black_box(o);
-        Err::<(), _>(QueueHandlerError::retryable(REASON))
+        Err::<(), _>(QueueHandlerError::retryable(STORM_REASON))
     });
     let policy = Policy::default().max_attempts(MAX_ATTEMPTS);
-    let config = ConsumerConfig::new(QUEUE).prefetch(prefetch);
-    let config = config.concurrency(usize::from(prefetch));
+    let config = ConsumerConfig::new(QUEUE).prefetch(PREFETCH);
+    let config = config.concurrency(usize::from(PREFETCH));
     let config = config.policy(policy.retry_delays([RETRY_DELAY]));
     Consumer::new(url, config, router)
 }
 
-/// One contender's storm on a fresh topology.
-async fn storm(url: &str, args: &Args, who: Contender) -> StormRun {
-    let topology = backlog(
-        url,
-        QUEUE,
-        QueueKind::Classic,
-        &[RETRY_DELAY],
-        args.population,
-    );
-    let topology = topology.await;
+/// One contender's storm of `secs` seconds on a fresh topology.
+async fn storm(url: &str, secs: u32, who: Contender) -> StormRun {
+    let delays = [RETRY_DELAY];
+    let topology = backlog(url, QUEUE, QueueKind::Classic, &delays, POPULATION).await;
     let bucket = topology.bucket(0).expect("a retry bucket").to_owned();
     let (series, failed, lily_totals) = match who {
         Contender::Raw => {
             let counters = Arc::new(raw::Counters::default());
             let stop = CancellationToken::new();
-            let queues = (QUEUE.to_owned(), bucket.clone());
-            let counted = Arc::clone(&counters);
-            let storm = raw::storm(url.to_owned(), queues, args.prefetch, counted, stop.clone());
+            let (queues, counted) = ((QUEUE.to_owned(), bucket), Arc::clone(&counters));
+            let storm = raw::storm(url.to_owned(), queues, PREFETCH, counted, stop.clone());
             let task = tokio::spawn(storm);
-            let series = sample(url, QUEUE, args.secs, || {
-                counters.handoffs.load(Ordering::Relaxed)
-            })
-            .await;
+            let series = sample(url, secs, || counters.handoffs.load(Ordering::Relaxed)).await;
             stop.cancel();
             let _ = task.await;
             (series, counters.failed.load(Ordering::Relaxed), None)
         }
         Contender::Lily => {
-            let lily = Lily::ready(lily_consumer(url, args.prefetch))
+            let lily = Lily::ready(lily_consumer(url))
                 .await
                 .unwrap_or_else(|e| panic!("{e}"));
-            let series = sample(url, QUEUE, args.secs, || lily.stats.totals().retried).await;
+            let series = sample(url, secs, || lily.stats.totals().retried).await;
             let totals = lily.stopped().await;
             (series, unexpected(&totals), Some(totals))
         }
     };
     // Let every copy in the bucket come back before counting.
     tokio::time::sleep(RETRY_DELAY + Duration::from_millis(1500)).await;
-    let check = check::check(url, &topology, args.population).await;
+    let check = check(url, &topology).await;
     StormRun {
         contender: who,
-        secs: args.secs,
+        secs,
         handoffs: series.iter().map(|s| s.handoffs).sum(),
         failed,
         summary: Summary::of(&series, WARMUP),
@@ -103,26 +81,23 @@ async fn storm(url: &str, args: &Args, who: Contender) -> StormRun {
     }
 }
 
-/// Runs the benchmark.
+/// Runs the benchmark: raw lapin, then Lily, each for 300 s (quick: 45).
 pub async fn run(args: Args) {
+    let secs = if args.common.quick { 45 } else { 300 };
     let url = broker_url();
     let mut results = Results {
         meta: crate::Meta::new("storm", &url, vec![crate::METHOD.into()]),
-        population: args.population,
-        prefetch: args.prefetch,
+        population: POPULATION,
+        prefetch: PREFETCH,
         retry_delay_secs: RETRY_DELAY.as_secs_f64(),
-        secs: args.secs,
+        secs,
         warmup_secs: WARMUP,
         runs: Vec::new(),
         lily_over_raw: None,
     };
-    println!(
-        "Lily failure storm: {}; {} messages, {} s a contender",
-        results.meta.broker, args.population, args.secs
-    );
     let total = Instant::now();
-    for &who in &args.contenders {
-        let run = storm(&url, &args, who).await;
+    for who in [Contender::Raw, Contender::Lily] {
+        let run = storm(&url, secs, who).await;
         eprintln!(
             "  {}: mean {:.0} handoffs/s, flatness {:.3}, RSS {:.1} → {:.1} MiB ({:+.2} MiB/min), ids {} [{:.0} s elapsed]",
             who.name(),
@@ -136,15 +111,9 @@ pub async fn run(args: Args) {
         );
         results.runs.push(run);
     }
-    let mean = |who| {
-        let run = results.runs.iter().find(|r| r.contender == who);
-        run.map(|r| r.summary.mean_rate)
-    };
-    results.lily_over_raw = mean(Contender::Lily)
-        .zip(mean(Contender::Raw))
-        .map(|(l, r)| l / r);
+    let [raw, lily] = [0, 1].map(|i| results.runs[i].summary.mean_rate);
+    results.lily_over_raw = Some(lily / raw);
     results.meta.finish(total);
     let (markdown, chart) = (report::storm(&results), report::storm_chart(&results));
     report::write(&args.common.out, "storm", &results, &markdown, Some(&chart));
-    println!("total {:.0} s", total.elapsed().as_secs_f64());
 }

@@ -1,11 +1,13 @@
-//! The failure-storm benchmark: its contenders, samples and summary. Method: `bench/README.md`.
+//! The failure-storm benchmark: its contenders, samples, summary and the check by id after
+//! each. Method: `bench/README.md`.
 
 use std::time::{Duration, Instant};
 
 use lily::consumer::Totals;
+use lily::topology::Topology;
+use lily_mq_testkit::Client;
 use serde::Serialize;
 
-pub mod check;
 pub mod cli;
 
 /// The bucket's delay: short, so copies come back.
@@ -14,14 +16,17 @@ pub const RETRY_DELAY: Duration = Duration::from_secs(1);
 /// The work queue (re-created for each contender).
 pub const QUEUE: &str = "lily-bench-storm";
 
-/// What each handler fails with.
-pub use crate::run::STORM_REASON as REASON;
-
 /// Lily's attempts: far more than a message cycles during a run, so nothing is dead-lettered.
 pub const MAX_ATTEMPTS: u32 = 1_000_000;
 
+/// Messages published up front.
+pub const POPULATION: u64 = 40_000;
+
+/// Prefetch (and Lily's concurrency).
+pub const PREFETCH: u16 = 500;
+
 /// Who runs the storm.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Contender {
     /// Hand-written lapin, pipelined confirms (a task per delivery).
@@ -75,26 +80,23 @@ impl Summary {
     /// Summarises `series`, whose first `warmup` seconds are the warm-up.
     #[allow(clippy::cast_precision_loss)]
     pub fn of(series: &[Second], warmup: u32) -> Self {
-        let after: Vec<&Second> = series.iter().filter(|s| s.t > warmup).collect();
+        // Second `t` is `series[t - 1]`.
+        let after = &series[series.len().min(warmup as usize)..];
         // NaN when empty.
         let mean =
-            |xs: &[&Second]| xs.iter().map(|s| s.handoffs as f64).sum::<f64>() / xs.len() as f64;
-        let window = (u32::try_from(after.len()).unwrap_or(u32::MAX) / 2).clamp(1, 60);
-        let w = window as usize;
+            |xs: &[Second]| xs.iter().map(|s| s.handoffs as f64).sum::<f64>() / xs.len() as f64;
+        let w = (after.len() / 2).clamp(1, 60);
         let first_rate = mean(&after[..w.min(after.len())]);
         let last_rate = mean(&after[after.len().saturating_sub(w)..]);
-        let start = series
-            .iter()
-            .find(|s| s.t == warmup)
-            .or_else(|| series.first());
+        let start = series.get(warmup as usize - 1).or_else(|| series.first());
         let start = start.map_or(0, |s| s.rss_bytes);
         let points: Vec<(f64, f64)> = after
             .iter()
             .map(|s| (f64::from(s.t) / 60.0, s.rss_bytes as f64 / MIB))
             .collect();
         Self {
-            mean_rate: mean(&after),
-            window_secs: window,
+            mean_rate: mean(after),
+            window_secs: w as u32,
             first_rate,
             last_rate,
             flatness: last_rate / first_rate,
@@ -122,15 +124,15 @@ fn slope(points: &[(f64, f64)]) -> f64 {
 }
 
 /// Samples every second for `secs` seconds: the growth of `count`, `VmRSS` and the ready depth
-/// of `queue` (read on a connection of its own).
-pub async fn sample(url: &str, queue: &str, secs: u32, count: impl Fn() -> u64) -> Vec<Second> {
+/// of [`QUEUE`] (read on a connection of its own).
+///
+/// # Panics
+/// When the broker cannot be reached.
+pub async fn sample(url: &str, secs: u32, count: impl Fn() -> u64) -> Vec<Second> {
     use lapin::{Connection, ConnectionProperties};
     let connection = Connection::connect(url, ConnectionProperties::default()).await;
-    let connection = connection.ok();
-    let channel = match &connection {
-        Some(c) => c.create_channel().await.ok(),
-        None => None,
-    };
+    let connection = connection.expect("connect the sampler");
+    let channel = connection.create_channel().await.expect("channel");
     let started = Instant::now();
     let mut before = count();
     let mut series = Vec::with_capacity(secs as usize);
@@ -138,21 +140,15 @@ pub async fn sample(url: &str, queue: &str, secs: u32, count: impl Fn() -> u64) 
         tokio::time::sleep_until((started + Duration::from_secs(u64::from(t))).into()).await;
         let now = count();
         let rss_bytes = crate::cost::memory::Mem::now().rss_bytes;
-        let ready = match &channel {
-            Some(channel) => crate::ready(channel, queue).await,
-            None => None,
-        };
         series.push(Second {
             t,
             handoffs: now.saturating_sub(before),
             rss_bytes,
-            ready,
+            ready: crate::ready(&channel, QUEUE).await,
         });
         before = now;
     }
-    if let Some(connection) = connection {
-        let _ = connection.close(200, "sampled".into()).await;
-    }
+    let _ = connection.close(200, "sampled".into()).await;
     series
 }
 
@@ -167,7 +163,7 @@ pub struct StormRun {
     /// dead-lettered, parked, unresolved).
     pub failed: u64,
     pub summary: Summary,
-    pub check: check::Check,
+    pub check: Check,
     /// Lily's totals after shutdown.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lily_totals: Option<Totals>,
@@ -187,4 +183,62 @@ pub struct Results {
     pub runs: Vec<StormRun>,
     /// Lily's mean rate over raw's.
     pub lily_over_raw: Option<f64>,
+}
+
+/// What the queues held after a contender stopped.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Check {
+    pub population: u64,
+    /// Messages found in the work queue and in the bucket.
+    pub in_work_queue: u64,
+    pub in_bucket: u64,
+    /// Ready messages in the DLQ and the parking lane (not drained).
+    pub in_dead_letter_queue: Option<u32>,
+    pub in_parking: Option<u32>,
+    /// Population ids found nowhere; extra copies of population ids; ids not in it.
+    pub missing: u64,
+    pub duplicates: u64,
+    pub strangers: u64,
+    /// Every id exactly once, nothing else, DLQ and parking empty.
+    pub ok: bool,
+}
+
+/// The evidence after a storm, read from outside the contender: drains the work queue and the
+/// bucket of `topology` and counts them by message id (every id `m-0 … m-{POPULATION − 1}`
+/// exactly once), and reads the depths of its DLQ and parking lane (both empty).
+pub async fn check(url: &str, topology: &Topology) -> Check {
+    let client = Client::connect(url).await;
+    let mut ids = client
+        .drain_ids(topology.bucket(0).expect("a retry bucket"))
+        .await;
+    let in_bucket = ids.values().sum::<usize>() as u64;
+    let mut in_work_queue = 0;
+    for (id, count) in client.drain_ids(topology.queue()).await {
+        in_work_queue += count as u64;
+        *ids.entry(id).or_insert(0) += count;
+    }
+    let in_dead_letter_queue = crate::depth(url, &topology.dead_letter_queue()).await;
+    let in_parking = crate::depth(url, &topology.parking_queue()).await;
+    let (mut missing, mut duplicates) = (0, 0);
+    for i in 0..POPULATION {
+        match ids.remove(&format!("m-{i}")) {
+            None => missing += 1,
+            Some(n) => duplicates += n as u64 - 1,
+        }
+    }
+    let strangers = ids.values().sum::<usize>() as u64;
+    let ok = missing + duplicates + strangers == 0
+        && in_dead_letter_queue == Some(0)
+        && in_parking == Some(0);
+    Check {
+        population: POPULATION,
+        in_work_queue,
+        in_bucket,
+        in_dead_letter_queue,
+        in_parking,
+        missing,
+        duplicates,
+        strangers,
+        ok,
+    }
 }
