@@ -110,11 +110,16 @@ impl Run {
 
     /// Cancels the consumer and closes its channel and connection (and the channels beside).
     async fn close(self) {
-        let cancel = BasicCancelOptions::default();
-        let _ = self.channel.basic_cancel(self.consumer.tag(), cancel).await;
-        let _ = self.channel.close(200, "done".into()).await;
-        let _ = self.connection.close(200, "done".into()).await;
+        close(self.connection, self.channel, &self.consumer).await;
     }
+}
+
+/// Cancels `consumer`, then closes its channel and connection (errors ignored: the run is over).
+pub async fn close(connection: Connection, channel: Channel, consumer: &lapin::Consumer) {
+    let cancel = channel.basic_cancel(consumer.tag(), BasicCancelOptions::default());
+    let _ = cancel.await;
+    let _ = channel.close(200, "done".into()).await;
+    let _ = connection.close(200, "done".into()).await;
 }
 
 /// Deserializes a delivery's order, as every contender does.
