@@ -2,7 +2,6 @@
 //! `K` and holds every delivery (raw: lapin deliveries unACKed in a `Vec`; Lily: a handler with no
 //! argument waiting on a shared `CancellationToken`), sampling itself idle and with `K` held.
 
-use std::io::Write as _;
 use std::time::{Duration, Instant};
 
 use lapin::options::BasicAckOptions;
@@ -10,9 +9,10 @@ use lily::prelude::{Consumer, ConsumerConfig, Router};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
-use super::{Bench, Contender, alloc_snapshot, close_raw, failed, spawn};
+use super::{Bench, close_raw, failed, spawn};
+use crate::publish;
 use crate::run::Lily;
-use crate::{broker_url, publish};
+use lily_mq_regress::consume::Who;
 
 /// How long to let the process settle before a sample.
 pub(crate) const SETTLE: Duration = Duration::from_millis(500);
@@ -34,7 +34,7 @@ impl Mem {
                 .find_map(|l| l.strip_prefix(key)?.split_whitespace().next()?.parse().ok());
             value.unwrap_or(0) * 1024
         };
-        let heap = alloc_snapshot();
+        let heap = stats_alloc::INSTRUMENTED_SYSTEM.stats();
         Self {
             rss_bytes: kb("VmRSS:"),
             hwm_bytes: kb("VmHWM:"),
@@ -43,18 +43,11 @@ impl Mem {
     }
 }
 
-/// Prints `TAG {json}` for the parent.
-pub(crate) fn announce(tag: &str, value: &impl Serialize) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{tag} {}", serde_json::to_string(value).expect("json"));
-    let _ = out.flush();
-}
-
 /// Lets the process settle, samples it and tells the parent (`IDLE`): the idle sample.
 pub(crate) async fn idle() -> Mem {
     tokio::time::sleep(SETTLE).await;
     let idle = Mem::now();
-    announce("IDLE", &idle);
+    println!("IDLE");
     idle
 }
 
@@ -96,18 +89,16 @@ pub struct Memory {
 
 /// Both contenders' memory with `k` deliveries held.
 pub fn measure(b: &Bench, k: usize) -> Result<Memory, String> {
-    let raw = held(b, Contender::Raw, k)?;
-    let lily = held(b, Contender::Lily, k)?;
     Ok(Memory {
         in_flight: k,
-        raw,
-        lily,
+        raw: held(b, Who::Raw, k)?,
+        lily: held(b, Who::Lily, k)?,
     })
 }
 
 /// Runs the `mem` child of `who` over a queue the parent fills once the child is idle.
 #[allow(clippy::cast_precision_loss)]
-fn held(b: &Bench, who: Contender, k: usize) -> Result<Held, String> {
+fn held(b: &Bench, who: Who, k: usize) -> Result<Held, String> {
     let queue = format!("lily-bench-cost-mem-{}", who.name());
     b.queue_with(&queue, 0);
     let mut command = b.child(false, &["mem", who.name(), &k.to_string(), &queue]);
@@ -183,13 +174,12 @@ async fn raw(url: &str, queue: &str, prefetch: u16, k: usize) -> Result<Sampled,
 }
 
 /// The `mem` child: holds `k` deliveries of `queue` (its prefetch), on a multi-thread runtime.
-pub fn child(who: Contender, k: usize, queue: &str) -> Result<Sampled, String> {
+pub fn child(who: Who, k: usize, url: &str, queue: &str) -> Result<Sampled, String> {
     let prefetch = u16::try_from(k).map_err(|_| "K must fit in a u16 prefetch")?;
-    let url = broker_url();
     crate::runtime(true).block_on(async {
         match who {
-            Contender::Raw => raw(&url, queue, prefetch, k).await,
-            Contender::Lily => lily(&url, queue, prefetch, k).await,
+            Who::Raw => raw(url, queue, prefetch, k).await,
+            Who::Lily => lily(url, queue, prefetch, k).await,
         }
     })
 }

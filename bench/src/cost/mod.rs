@@ -19,8 +19,8 @@ use lily::prelude::QueueKind;
 use lily_mq_regress::collected;
 use lily_mq_regress::consume::{Who, drain, handled};
 use rustix::process::{Pid, Signal, kill_process};
+use serde::Serialize;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
 use tokio::runtime::Runtime;
 
 use crate::args::Common;
@@ -28,8 +28,6 @@ use crate::args::Common;
 pub(crate) use crate::raw::failed;
 use crate::{broker_url, fresh_topology, median, publish, runtime};
 
-/// Prefetch of the per-message cost runs (and concurrency of Lily's consumer).
-pub const PREFETCH: u16 = lily_mq_regress::consume::PREFETCH;
 /// Messages of the long and the short (subtracted) runs, native and under valgrind; quick
 /// under valgrind.
 const N: [usize; 2] = [20_000, 2_000];
@@ -40,31 +38,6 @@ const IN_FLIGHT: usize = 10_000;
 pub const TARGET_INSTRUCTIONS: f64 = 8000.0;
 pub const TARGET_ALLOCATIONS: f64 = 10.0;
 pub const TARGET_IDLE_SHUTDOWN_MS: f64 = 200.0;
-
-/// Which consumer a child runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Contender {
-    /// A hand-written lapin consumer that deserializes and ACKs each message the way Lily does
-    /// (`Channel::basic_ack`, the frame queued, its write not awaited): the baseline.
-    Raw,
-    /// Lily's `Consumer` with a `Json<Order>` handler.
-    Lily,
-}
-
-impl Contender {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Raw => "raw",
-            Self::Lily => "lily",
-        }
-    }
-}
-
-/// The counting allocator's totals so far (zero unless the binary counts, as
-/// `lily-bench-counting` does).
-pub fn alloc_snapshot() -> stats_alloc::Stats {
-    stats_alloc::INSTRUMENTED_SYSTEM.stats()
-}
 
 /// Ends a raw consumer: a `basic.qos` round trip proves the broker processed the ACKs (Lily does
 /// the same before closing), then the channel and the connection close.
@@ -94,23 +67,30 @@ pub struct Options {
     only: Vec<String>,
 }
 
-/// The child processes; each prints `RESULT {json}`.
+/// The child processes, each running the regression gate's raw lapin or Lily consumer (`WHO`);
+/// each prints `RESULT {json}`.
 #[derive(clap::Subcommand, Debug)]
 enum Child {
-    /// Consumes N orders from QUEUE; its allocations.
+    /// Consumes N orders from QUEUE; its handled count and heap allocation calls.
     Run {
-        who: Contender,
-        n: usize,
+        #[arg(ignore_case = true)]
+        who: Who,
+        n: u64,
         queue: String,
     },
     /// Holds K deliveries from QUEUE (the parent publishes once it prints `IDLE`); its memory.
     Mem {
-        who: Contender,
+        #[arg(ignore_case = true)]
+        who: Who,
         k: usize,
         queue: String,
     },
     /// Drains the hostile load from QUEUE (`hostile::child`).
-    Hostile { who: Contender, queue: String },
+    Hostile {
+        #[arg(ignore_case = true)]
+        who: Who,
+        queue: String,
+    },
     /// Reads the frames of N of TOTAL deliveries through Lily's frame reader (or plainly).
     Reader {
         total: usize,
@@ -167,42 +147,21 @@ pub struct Results {
     pub errors: Vec<String>,
 }
 
-/// What a `run` child counted over its whole process.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct Counted {
-    pub handled: usize,
-    pub allocations: usize,
-    pub reallocations: usize,
-    pub bytes_allocated: usize,
-}
-
-/// The `run` child: consumes exactly `n` pre-published orders with the regression gate's raw
-/// lapin or Lily consumer on a current-thread runtime, closes, and counts the whole process.
-fn consume_child(who: Contender, n: usize, queue: &str) -> Result<Counted, String> {
-    let (url, rt) = (broker_url(), runtime(false));
-    let who = if who == Contender::Raw {
-        Who::Raw
-    } else {
-        Who::Lily
-    };
-    rt.block_on(drain(who, &url, queue, n as u64))?;
-    let stats = alloc_snapshot();
-    drop(rt);
-    Ok(Counted {
-        handled: usize::try_from(handled()).expect("a count fits usize"),
-        allocations: stats.allocations,
-        reallocations: stats.reallocations,
-        bytes_allocated: stats.bytes_allocated,
-    })
-}
-
 /// Entry point of `lily-bench cost` (in `lily-bench-counting`).
 pub fn main(mut options: Options) -> ExitCode {
+    let url = broker_url();
     let result = match options.child.take() {
         None => return orchestrate(options),
-        Some(Child::Run { who, n, queue }) => consume_child(who, n, &queue).map(json),
-        Some(Child::Mem { who, k, queue }) => memory::child(who, k, &queue).map(json),
-        Some(Child::Hostile { who, queue }) => hostile::child::child(who, &queue).map(json),
+        // The `run` child consumes exactly `n` pre-published orders on a current-thread runtime,
+        // closes, and counts the whole process.
+        Some(Child::Run { who, n, queue }) => runtime(false)
+            .block_on(drain(who, &url, &queue, n))
+            .map(|()| {
+                let stats = stats_alloc::INSTRUMENTED_SYSTEM.stats();
+                json((handled(), stats.allocations + stats.reallocations))
+            }),
+        Some(Child::Mem { who, k, queue }) => memory::child(who, k, &url, &queue).map(json),
+        Some(Child::Hostile { who, queue }) => hostile::child::child(who, &url, &queue).map(json),
         Some(Child::Reader { total, n, plain }) => reader::child(total, n, plain).map(json),
     };
     match result {
@@ -266,18 +225,20 @@ fn run_child<T: DeserializeOwned>(
         let tail = lines[lines.len().saturating_sub(20)..].join("\n");
         return Err(format!("{shown} failed ({}):\n{tail}", output.status));
     }
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let value = stdout.lines().find_map(result);
-    Ok((
-        value.ok_or_else(|| format!("{shown} printed no RESULT line"))?,
-        err,
-    ))
+    let value = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .find_map(result);
+    Ok((value.ok_or(format!("{shown} printed no RESULT line"))?, err))
 }
 
-/// `(big - small) / (n - n0)`: a run's per-message cost, its fixed costs cancelled.
+/// `(run(N) - run(N0)) / (N - N0)`: a run's per-message cost, its fixed costs cancelled.
 #[allow(clippy::cast_precision_loss)]
-fn per_message(big: f64, small: f64, [n, n0]: [usize; 2]) -> f64 {
-    (big - small) / (n - n0) as f64
+fn per_message(
+    [n, n0]: [usize; 2],
+    mut run: impl FnMut(usize) -> Result<f64, String>,
+) -> Result<f64, String> {
+    let big = run(n)?;
+    Ok((big - run(n0)?) / (n - n0) as f64)
 }
 
 /// Everything the orchestrator shares with its steps.
@@ -288,14 +249,6 @@ pub struct Bench {
 }
 
 impl Bench {
-    fn valgrind_n(&self) -> [usize; 2] {
-        if self.options.common.quick {
-            QUICK_VALGRIND_N
-        } else {
-            N
-        }
-    }
-
     /// A fresh classic queue (Lily's topology) holding `n` 512-byte orders.
     fn queue_with(&self, queue: &str, n: usize) {
         self.rt.block_on(async {
@@ -325,39 +278,37 @@ impl Bench {
         command
     }
 
-    /// One consume run of `who` over `n` orders: what it counted, and its stderr.
-    fn consume(
-        &self,
-        who: Contender,
-        n: usize,
-        callgrind: bool,
-    ) -> Result<(Counted, String), String> {
+    /// Messages of the runs under callgrind.
+    fn valgrind_n(&self) -> [usize; 2] {
+        if self.options.common.quick {
+            QUICK_VALGRIND_N
+        } else {
+            N
+        }
+    }
+
+    /// One `run` child of `who` over `n` orders: its heap allocation calls, and its stderr.
+    fn consume(&self, who: Who, n: usize, callgrind: bool) -> Result<(f64, String), String> {
         let queue = format!("lily-bench-cost-{}", who.name());
         self.queue_with(&queue, n);
         let limit = Duration::from_secs(if callgrind { 1800 } else { 300 });
         let args = ["run", who.name(), &n.to_string(), &queue];
-        let (counted, stderr): (Counted, _) = run_child(self.child(callgrind, &args), limit)?;
-        if counted.handled != n {
-            return Err(format!("{} handled {} of {n}", who.name(), counted.handled));
+        let ((handled, calls), stderr): ((usize, usize), _) =
+            run_child(self.child(callgrind, &args), limit)?;
+        if handled != n {
+            return Err(format!("{} handled {handled} of {n}", who.name()));
         }
-        Ok((counted, stderr))
+        #[allow(clippy::cast_precision_loss)]
+        Ok((calls as f64, stderr))
     }
 }
 
-/// Heap allocations a message, native runs.
-#[allow(clippy::cast_precision_loss)]
+/// Heap allocations a message, native runs: the median of `--reps` rounds.
 fn allocations(b: &Bench) -> Result<PerMessage, String> {
-    let calls = |who, n| -> Result<f64, String> {
-        let counted = b.consume(who, n, false)?.0;
-        Ok((counted.allocations + counted.reallocations) as f64)
-    };
     let mut rounds = [Vec::new(), Vec::new()];
     for round in 1..=b.options.reps {
-        for (who, per) in [Contender::Raw, Contender::Lily]
-            .into_iter()
-            .zip(&mut rounds)
-        {
-            let x = per_message(calls(who, N[0])?, calls(who, N[1])?, N);
+        for (who, per) in [Who::Raw, Who::Lily].into_iter().zip(&mut rounds) {
+            let x = per_message(N, |n| Ok(b.consume(who, n, false)?.0))?;
             eprintln!(
                 "cost: allocations round {round}: {} {x:.2} a message",
                 who.name()
@@ -366,22 +317,15 @@ fn allocations(b: &Bench) -> Result<PerMessage, String> {
         }
     }
     let medians = rounds.map(|mut r| median(&mut r));
-    Ok(PerMessage::new(
-        N,
-        Some(b.options.reps),
-        medians,
-        TARGET_ALLOCATIONS,
-    ))
+    let reps = Some(b.options.reps);
+    Ok(PerMessage::new(N, reps, medians, TARGET_ALLOCATIONS))
 }
 
 /// Instructions a message under callgrind, on tokio's current-thread runtime.
 fn instructions(b: &Bench) -> Result<PerMessage, String> {
     let n = b.valgrind_n();
-    let per = |who| -> Result<f64, String> {
-        let run = |n| collected(&b.consume(who, n, true)?.1);
-        Ok(per_message(run(n[0])?, run(n[1])?, n))
-    };
-    let both = [per(Contender::Raw)?, per(Contender::Lily)?];
+    let per = |who| per_message(n, |k| collected(&b.consume(who, k, true)?.1));
+    let both = [per(Who::Raw)?, per(Who::Lily)?];
     Ok(PerMessage::new(n, None, both, TARGET_INSTRUCTIONS))
 }
 
@@ -389,16 +333,16 @@ fn instructions(b: &Bench) -> Result<PerMessage, String> {
 /// deliveries read through it, minus the same frames read plainly.
 fn reader_instructions(b: &Bench) -> Result<f64, String> {
     let n = b.valgrind_n();
-    let per = |plain: bool| -> Result<f64, String> {
-        let run = |k: usize| -> Result<f64, String> {
-            let (k, total) = (k.to_string(), n[0].to_string());
-            let mut args = vec!["reader", total.as_str(), k.as_str()];
+    let total = n[0].to_string();
+    let per = |plain: bool| {
+        per_message(n, |k| {
+            let k = k.to_string();
+            let mut args = vec!["reader", &total, &k];
             args.extend(plain.then_some("--plain"));
-            let (_, stderr): (serde_json::Value, _) =
-                run_child(b.child(true, &args), Duration::from_secs(600))?;
+            let limit = Duration::from_secs(600);
+            let (_, stderr): (usize, _) = run_child(b.child(true, &args), limit)?;
             collected(&stderr)
-        };
-        Ok(per_message(run(n[0])?, run(n[1])?, n))
+        })
     };
     Ok(per(false)? - per(true)?)
 }
@@ -431,7 +375,7 @@ fn orchestrate(options: Options) -> ExitCode {
     let idle_runs = if b.options.common.quick { 3 } else { 5 };
     let mut r = Results {
         meta,
-        prefetch: PREFETCH,
+        prefetch: lily_mq_regress::consume::PREFETCH,
         instructions: step(only, &mut errors, "instructions", || instructions(&b)),
         reader: step(only, &mut errors, "reader", || reader_instructions(&b)),
         allocations: step(only, &mut errors, "allocs", || allocations(&b)),

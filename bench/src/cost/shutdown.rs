@@ -37,16 +37,16 @@ fn once(rt: &Runtime, url: &str, exe: &Path, queue: &str) -> Result<(f64, bool),
         .spawn()
         .map_err(|e| format!("spawn {}: {e}", exe.display()))?;
     let pid = Pid::from_child(&child);
-    let mut stdout = child.stdout.take().ok_or("no stdout")?;
-    let stderr = BufReader::new(child.stderr.take().ok_or("no stderr")?);
-    let out_reader = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stdout.read_to_string(&mut text);
-        text
-    });
+    // Its log, read on a thread of its own to its end, so that the service never blocks on it.
     let (line_tx, line_rx) = mpsc::channel::<String>();
-    let lines = stderr.lines().map_while(Result::ok);
-    let err_reader = std::thread::spawn(move || lines.map(|l| line_tx.send(l)).for_each(drop));
+    let stderr = BufReader::new(child.stderr.take().ok_or("no stderr")?);
+    std::thread::spawn(move || {
+        stderr
+            .lines()
+            .map_while(Result::ok)
+            .map(|l| line_tx.send(l))
+            .for_each(drop)
+    });
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut log = Vec::new();
     while !log.last().is_some_and(|l: &String| l.contains("consuming")) {
@@ -63,7 +63,7 @@ fn once(rt: &Runtime, url: &str, exe: &Path, queue: &str) -> Result<(f64, bool),
     std::thread::sleep(SETTLE);
     // A watchdog: past 60 s the process is killed.
     let (done_tx, done_rx) = mpsc::channel::<()>();
-    let watchdog = std::thread::spawn(move || {
+    std::thread::spawn(move || {
         if done_rx.recv_timeout(Duration::from_secs(60)).is_err() {
             let _ = kill_process(pid, Signal::KILL);
         }
@@ -73,10 +73,13 @@ fn once(rt: &Runtime, url: &str, exe: &Path, queue: &str) -> Result<(f64, bool),
     let status = child.wait().map_err(|e| format!("wait: {e}"))?;
     let latency = t0.elapsed();
     let _ = done_tx.send(());
-    let _ = watchdog.join();
-    let _ = err_reader.join();
-    let report = serde_json::from_str(out_reader.join().unwrap_or_default().trim());
-    let clean = report.is_ok_and(|r: Value| r["clean"] == true);
+    // Its shutdown report, printed on stdout as it exits.
+    let mut report = String::new();
+    let _ = child
+        .stdout
+        .take()
+        .map(|mut out| out.read_to_string(&mut report));
+    let clean = serde_json::from_str(report.trim()).is_ok_and(|r: Value| r["clean"] == true);
     Ok((latency.as_secs_f64() * 1e3, status.success() && clean))
 }
 

@@ -17,9 +17,11 @@ use lily::topology::Topology;
 use lily_mq_testkit::Client;
 use serde::Serialize;
 
+use lily_mq_regress::consume::Who;
+
 use self::child::Report;
 use self::messages::{Class, Expected, index, message};
-use super::{Bench, Contender, failed, spawn};
+use super::{Bench, failed, spawn};
 use crate::fresh_topology;
 
 /// Messages a run.
@@ -87,7 +89,7 @@ pub struct Run {
 
 /// The hostile-load measurement: Lily, then raw lapin at the same prefetch.
 pub(super) fn measure(b: &Bench) -> Result<Hostile, String> {
-    let (lily, raw) = (run(b, Contender::Lily)?, run(b, Contender::Raw)?);
+    let (lily, raw) = (run(b, Who::Lily)?, run(b, Who::Raw)?);
     let mut failures = Vec::new();
     for (who, r) in [("lily", &lily), ("raw", &raw)] {
         if r.missing + r.unsettled > 0 {
@@ -119,7 +121,7 @@ pub(super) fn measure(b: &Bench) -> Result<Hostile, String> {
 /// One contender: a fresh topology, the child started and idle, the load published, the window
 /// filled, the queue drained until quiet, then every queue drained by id.
 #[allow(clippy::cast_precision_loss)]
-fn run(b: &Bench, who: Contender) -> Result<Run, String> {
+fn run(b: &Bench, who: Who) -> Result<Run, String> {
     let queue = format!("lily-bench-cost-hostile-{}", who.name());
     let retry = policy().retry_delays;
     let topology =
@@ -136,17 +138,11 @@ fn run(b: &Bench, who: Contender) -> Result<Run, String> {
     if !status.success() {
         return Err(format!("hostile {} exited with {status}", who.name()));
     }
-    let (limits, connections) = (limits(), if who == Contender::Lily { 2 } else { 1 });
-    let idle = report.idle.rss_bytes;
+    let (limits, connections) = (limits(), if who == Who::Lily { 2 } else { 1 });
+    let (idle, hwm) = (report.idle_rss_bytes, report.peak_rss_bytes);
     let bound = idle
         + connections * LAPIN_FRAME_BUFFERS * frame_max
         + u64::from(PREFETCH) * COPIES * (limits.max_body_bytes + limits.max_header_bytes) as u64;
-    let samples = [
-        report.exit.hwm_bytes,
-        report.full.rss_bytes,
-        report.settled.rss_bytes,
-    ];
-    let hwm = samples.into_iter().max().unwrap_or(0);
     let client = b.rt.block_on(Client::connect(&b.url));
     let r = Run {
         rss_idle_bytes: idle,
@@ -251,7 +247,7 @@ async fn publish(url: &str, queue: &str) -> Result<u64, String> {
 /// Drains every queue of `topology` by message id (bodies measured, never printed) and judges
 /// each id: the handler's record of its successes, each DLQ copy's failure kind, and anything
 /// left in the other queues.
-async fn evidence(client: &Client, topology: &Topology, report: &Report, who: Contender) -> Run {
+async fn evidence(client: &Client, topology: &Topology, report: &Report, who: Who) -> Run {
     let n = report.ok.len();
     // Where each id ended: handled on an attempt, dead-lettered with a kind, or left.
     let handled = |i: usize| {
@@ -288,7 +284,7 @@ async fn evidence(client: &Client, topology: &Topology, report: &Report, who: Co
             [Some(place)] => {
                 r.settled += 1;
                 let class = Class::of(i, n);
-                r.unexpected += usize::from(who == Contender::Lily && *place != class.expected());
+                r.unexpected += usize::from(who == Who::Lily && *place != class.expected());
             }
             _ => r.unexpected += 1,
         }
