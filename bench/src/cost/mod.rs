@@ -107,8 +107,6 @@ enum Child {
 pub struct PerMessage {
     pub n: usize,
     pub n0: usize,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub rounds: Option<usize>,
     pub raw: f64,
     pub lily: f64,
     pub lily_layer: f64,
@@ -117,11 +115,10 @@ pub struct PerMessage {
 
 impl PerMessage {
     /// Lily's layer over raw, judged against `target`.
-    fn new([n, n0]: [usize; 2], rounds: Option<usize>, [raw, lily]: [f64; 2], target: f64) -> Self {
+    fn new([n, n0]: [usize; 2], [raw, lily]: [f64; 2], target: f64) -> Self {
         Self {
             n,
             n0,
-            rounds,
             raw,
             lily,
             lily_layer: lily - raw,
@@ -183,14 +180,13 @@ pub fn result<T: DeserializeOwned>(line: &str) -> Option<T> {
     serde_json::from_str(line.strip_prefix("RESULT ")?).ok()
 }
 
-/// Starts `command` talking over its stdout (and its stdin when `stdin`), its stderr ours: the
-/// child and its stdout's lines.
+/// Starts `command` talking over its stdin and stdout, its stderr ours: the child and its
+/// stdout's lines.
 fn spawn(
     command: &mut Command,
-    stdin: bool,
 ) -> Result<(std::process::Child, impl Iterator<Item = String>), String> {
     let mut child = command
-        .stdin(if stdin { Stdio::piped() } else { Stdio::null() })
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -317,8 +313,7 @@ fn allocations(b: &Bench) -> Result<PerMessage, String> {
         }
     }
     let medians = rounds.map(|mut r| median(&mut r));
-    let reps = Some(b.options.reps);
-    Ok(PerMessage::new(N, reps, medians, TARGET_ALLOCATIONS))
+    Ok(PerMessage::new(N, medians, TARGET_ALLOCATIONS))
 }
 
 /// Instructions a message under callgrind, on tokio's current-thread runtime.
@@ -326,7 +321,7 @@ fn instructions(b: &Bench) -> Result<PerMessage, String> {
     let n = b.valgrind_n();
     let per = |who| per_message(n, |k| collected(&b.consume(who, k, true)?.1));
     let both = [per(Who::Raw)?, per(Who::Lily)?];
-    Ok(PerMessage::new(n, None, both, TARGET_INSTRUCTIONS))
+    Ok(PerMessage::new(n, both, TARGET_INSTRUCTIONS))
 }
 
 /// Instructions a message of Lily's frame reader alone, under callgrind: the frames of N or N0

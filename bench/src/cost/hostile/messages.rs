@@ -44,7 +44,7 @@ pub enum Class {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Expected {
     /// The handler succeeded on this attempt.
-    Handled { attempt: u32 },
+    Handled(u32),
     /// In the DLQ, with this `x-lily-failure-kind` (`broker-rejected` for the broker's own
     /// dead-lettering of a reject, which carries `x-death` instead).
     DeadLettered(&'static str),
@@ -70,8 +70,8 @@ impl Class {
     /// What Lily should make of it.
     pub fn expected(self) -> Expected {
         match self {
-            Self::Succeeds => Expected::Handled { attempt: 1 },
-            Self::Retried => Expected::Handled { attempt: 2 },
+            Self::Succeeds => Expected::Handled(1),
+            Self::Retried => Expected::Handled(2),
             Self::Permanent => Expected::DeadLettered("permanent"),
             Self::Oversized => Expected::DeadLettered("broker-rejected"),
             Self::TooManyHeaders | Self::ValueTooLong | Self::HeadersTooLarge | Self::TooDeep => {

@@ -9,7 +9,6 @@ use std::io::Write as _;
 use std::process::ChildStdin;
 use std::time::{Duration, Instant};
 
-use lapin::options::ConfirmSelectOptions;
 use lapin::{Confirmation, Connection, ConnectionProperties};
 use lily::consumer::{Limits, Policy};
 use lily::prelude::QueueKind;
@@ -127,7 +126,7 @@ fn run(b: &Bench, who: Who) -> Result<Run, String> {
     let topology =
         b.rt.block_on(fresh_topology(&b.url, &queue, QueueKind::Classic, &retry));
     let mut command = b.child(false, &["hostile", who.name(), &queue]);
-    let (mut child, mut lines) = spawn(&mut command, true)?;
+    let (mut child, mut lines) = spawn(&mut command)?;
     let mut stdin = child.stdin.take().ok_or("no stdin")?;
     let driven = drive(b, &mut stdin, &mut lines, &topology);
     if driven.is_err() {
@@ -216,10 +215,7 @@ fn drive(
 async fn publish(url: &str, queue: &str) -> Result<u64, String> {
     let connection = Connection::connect(url, ConnectionProperties::default()).await;
     let connection = connection.map_err(failed("connect"))?;
-    let channel = connection.create_channel().await;
-    let channel = channel.map_err(failed("channel"))?;
-    let select = channel.confirm_select(ConfirmSelectOptions::default());
-    select.await.map_err(failed("confirm.select"))?;
+    let channel = crate::raw::confirm_channel(&connection).await;
     let (limits, mut pending) = (limits(), std::collections::VecDeque::new());
     let confirmed = |i: usize, confirmation: lapin::Result<Confirmation>| match confirmation {
         Ok(Confirmation::Ack(None)) => Ok(()),
@@ -249,28 +245,26 @@ async fn publish(url: &str, queue: &str) -> Result<u64, String> {
 /// left in the other queues.
 async fn evidence(client: &Client, topology: &Topology, report: &Report, who: Who) -> Run {
     let n = report.ok.len();
-    // Where each id ended: handled on an attempt, dead-lettered with a kind, or left.
-    let handled = |i: usize| {
-        Some(Expected::Handled {
-            attempt: report.attempt[i],
-        })
-    };
+    // Where each id ended: handled on an attempt (as often as the handler's record says),
+    // dead-lettered with a kind, or left in another queue (`None`).
+    let handled = |i: usize| Some(Expected::Handled(report.attempt[i]));
     let mut found: Vec<Vec<_>> = (0..n)
         .map(|i| vec![handled(i); report.ok[i] as usize])
         .collect();
     let mut lanes = vec![topology.queue().to_owned(), topology.parking_queue()];
     lanes.extend(topology.buckets().map(|(name, _)| name.to_owned()));
     lanes.push(topology.dead_letter_queue());
-    let dlq = lanes.len() - 1;
     for (lane, queue) in lanes.iter().enumerate() {
         while let Some(message) = client.take(queue, Duration::ZERO).await {
             let properties = &message.delivery.properties;
-            let id = properties.message_id().as_ref();
-            let Some(i) = id.and_then(|id| index(id.as_str())).filter(|&i| i < n) else {
-                continue;
-            };
-            let kind = || Expected::DeadLettered(messages::failure_kind(properties));
-            found[i].push((lane == dlq).then(kind));
+            let i = properties
+                .message_id()
+                .as_ref()
+                .and_then(|id| index(id.as_str()));
+            if let Some(places) = i.and_then(|i| found.get_mut(i)) {
+                let kind = || Expected::DeadLettered(messages::failure_kind(properties));
+                places.push((lane == lanes.len() - 1).then(kind));
+            }
         }
     }
     let mut r = Run {
