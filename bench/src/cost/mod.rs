@@ -242,6 +242,8 @@ pub struct Bench {
     rt: Runtime,
     url: String,
     options: Options,
+    /// Messages of the runs under callgrind.
+    valgrind_n: [usize; 2],
 }
 
 impl Bench {
@@ -272,15 +274,6 @@ impl Bench {
         command.args(&words[1..]).env("LILY_AMQP_URL", &self.url);
         command.arg("cost").args(args);
         command
-    }
-
-    /// Messages of the runs under callgrind.
-    fn valgrind_n(&self) -> [usize; 2] {
-        if self.options.common.quick {
-            QUICK_VALGRIND_N
-        } else {
-            N
-        }
     }
 
     /// One `run` child of `who` over `n` orders: its heap allocation calls, and its stderr.
@@ -318,7 +311,7 @@ fn allocations(b: &Bench) -> Result<PerMessage, String> {
 
 /// Instructions a message under callgrind, on tokio's current-thread runtime.
 fn instructions(b: &Bench) -> Result<PerMessage, String> {
-    let n = b.valgrind_n();
+    let n = b.valgrind_n;
     let per = |who| per_message(n, |k| collected(&b.consume(who, k, true)?.1));
     let both = [per(Who::Raw)?, per(Who::Lily)?];
     Ok(PerMessage::new(n, both, TARGET_INSTRUCTIONS))
@@ -327,7 +320,7 @@ fn instructions(b: &Bench) -> Result<PerMessage, String> {
 /// Instructions a message of Lily's frame reader alone, under callgrind: the frames of N or N0
 /// deliveries read through it, minus the same frames read plainly.
 fn reader_instructions(b: &Bench) -> Result<f64, String> {
-    let n = b.valgrind_n();
+    let n = b.valgrind_n;
     let total = n[0].to_string();
     let per = |plain: bool| {
         per_message(n, |k| {
@@ -361,13 +354,15 @@ fn step<T>(
 fn orchestrate(options: Options) -> ExitCode {
     let url = broker_url();
     let meta = crate::Meta::new("cost", &url, vec![crate::METHOD.into()]);
+    let quick = options.common.quick;
     let b = Bench {
         rt: runtime(true),
         url,
         options,
+        valgrind_n: if quick { QUICK_VALGRIND_N } else { N },
     };
     let (mut errors, started, only) = (Vec::new(), Instant::now(), &b.options.only);
-    let idle_runs = if b.options.common.quick { 3 } else { 5 };
+    let idle_runs = if quick { 3 } else { 5 };
     let mut r = Results {
         meta,
         prefetch: lily_mq_regress::consume::PREFETCH,

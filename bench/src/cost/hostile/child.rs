@@ -5,7 +5,6 @@
 //! decode every body and check its id; Lily then fails or succeeds by the message's class, raw,
 //! with no gate, ACKs every message. Method: `bench/README.md`.
 
-use std::io::BufRead as _;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -122,10 +121,8 @@ async fn handle(meta: Meta, State(tally): State<Arc<Tally>>) -> HandlerResult {
 fn commands() -> mpsc::UnboundedReceiver<String> {
     let (tx, rx) = mpsc::unbounded_channel();
     std::thread::spawn(move || {
-        for line in std::io::stdin().lock().lines().map_while(Result::ok) {
-            if tx.send(line.trim().to_owned()).is_err() {
-                break;
-            }
+        for line in std::io::stdin().lines().map_while(Result::ok) {
+            let _ = tx.send(line.trim().to_owned());
         }
     });
     rx
