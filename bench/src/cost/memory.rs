@@ -94,9 +94,10 @@ pub fn measure(b: &Bench, k: usize) -> Result<Memory, String> {
 
 /// Runs the `mem` child of `who` over a queue the parent fills once the child is idle.
 fn held(b: &Bench, who: Who, k: usize) -> Result<Held, String> {
-    let queue = format!("lily-bench-cost-mem-{}", who.name());
+    let name = who.name().to_lowercase();
+    let queue = format!("lily-bench-cost-mem-{name}");
     b.queue_with(&queue, 0);
-    let mut command = b.child(false, &["mem", who.name(), &k.to_string(), &queue]);
+    let mut command = b.child(false, &["mem", &name, &k.to_string(), &queue]);
     let (mut child, lines) = spawn(&mut command)?;
     let mut held = None;
     for line in lines {
@@ -107,8 +108,8 @@ fn held(b: &Bench, who: Who, k: usize) -> Result<Held, String> {
     }
     let status = child.wait().map_err(|e| format!("wait: {e}"))?;
     let held = held.filter(|_| status.success());
-    let held = held.ok_or_else(|| format!("mem {} failed ({status})", who.name()))?;
-    eprintln!("cost: memory {}: {held:?}", who.name());
+    let held = held.ok_or_else(|| format!("mem {name} failed ({status})"))?;
+    eprintln!("cost: memory {name}: {held:?}");
     Ok(held)
 }
 

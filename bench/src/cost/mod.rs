@@ -72,25 +72,11 @@ pub struct Options {
 #[derive(clap::Subcommand, Debug)]
 enum Child {
     /// Consumes N orders from QUEUE; its handled count and heap allocation calls.
-    Run {
-        #[arg(ignore_case = true)]
-        who: Who,
-        n: u64,
-        queue: String,
-    },
+    Run { who: Who, n: u64, queue: String },
     /// Holds K deliveries from QUEUE (the parent publishes once it prints `IDLE`); its memory.
-    Mem {
-        #[arg(ignore_case = true)]
-        who: Who,
-        k: usize,
-        queue: String,
-    },
+    Mem { who: Who, k: usize, queue: String },
     /// Drains the hostile load from QUEUE (`hostile::child`).
-    Hostile {
-        #[arg(ignore_case = true)]
-        who: Who,
-        queue: String,
-    },
+    Hostile { who: Who, queue: String },
     /// Reads the frames of N of TOTAL deliveries through Lily's frame reader (or plainly).
     Reader {
         total: usize,
@@ -278,14 +264,15 @@ impl Bench {
 
     /// One `run` child of `who` over `n` orders: its heap allocation calls, and its stderr.
     fn consume(&self, who: Who, n: usize, callgrind: bool) -> Result<(f64, String), String> {
-        let queue = format!("lily-bench-cost-{}", who.name());
+        let name = who.name().to_lowercase();
+        let queue = format!("lily-bench-cost-{name}");
         self.queue_with(&queue, n);
         let limit = Duration::from_secs(if callgrind { 1800 } else { 300 });
-        let args = ["run", who.name(), &n.to_string(), &queue];
+        let args = ["run", &name, &n.to_string(), &queue];
         let ((handled, calls), stderr): ((usize, usize), _) =
             run_child(self.child(callgrind, &args), limit)?;
         if handled != n {
-            return Err(format!("{} handled {handled} of {n}", who.name()));
+            return Err(format!("{name} handled {handled} of {n}"));
         }
         #[allow(clippy::cast_precision_loss)]
         Ok((calls as f64, stderr))

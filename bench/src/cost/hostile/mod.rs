@@ -121,11 +121,12 @@ pub(super) fn measure(b: &Bench) -> Result<Hostile, String> {
 /// filled, the queue drained until quiet, then every queue drained by id.
 #[allow(clippy::cast_precision_loss)]
 fn run(b: &Bench, who: Who) -> Result<Run, String> {
-    let queue = format!("lily-bench-cost-hostile-{}", who.name());
+    let name = who.name().to_lowercase();
+    let queue = format!("lily-bench-cost-hostile-{name}");
     let retry = policy().retry_delays;
     let topology =
         b.rt.block_on(fresh_topology(&b.url, &queue, QueueKind::Classic, &retry));
-    let mut command = b.child(false, &["hostile", who.name(), &queue]);
+    let mut command = b.child(false, &["hostile", &name, &queue]);
     let (mut child, mut lines) = spawn(&mut command)?;
     let mut stdin = child.stdin.take().ok_or("no stdin")?;
     let driven = drive(b, &mut stdin, &mut lines, &topology);
@@ -135,7 +136,7 @@ fn run(b: &Bench, who: Who) -> Result<Run, String> {
     let status = child.wait().map_err(|e| format!("wait: {e}"))?;
     let (report, frame_max) = driven?;
     if !status.success() {
-        return Err(format!("hostile {} exited with {status}", who.name()));
+        return Err(format!("hostile {name} exited with {status}"));
     }
     let (limits, connections) = (limits(), if who == Who::Lily { 2 } else { 1 });
     let (idle, hwm) = (report.idle_rss_bytes, report.peak_rss_bytes);
@@ -151,7 +152,7 @@ fn run(b: &Bench, who: Who) -> Result<Run, String> {
         msgs_per_s: N as f64 / report.drain_secs,
         ..b.rt.block_on(evidence(&client, &topology, &report, who))
     };
-    eprintln!("cost: hostile {}: {r:?}", who.name());
+    eprintln!("cost: hostile {name}: {r:?}");
     Ok(r)
 }
 
