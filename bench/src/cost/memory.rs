@@ -4,7 +4,6 @@
 
 use std::time::{Duration, Instant};
 
-use lapin::options::BasicAckOptions;
 use lily::prelude::{Consumer, ConsumerConfig, Router};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
@@ -12,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use super::{Bench, close_raw, failed, spawn};
 use crate::publish;
 use crate::run::Lily;
-use lily_mq_regress::consume::Who;
+use lily_mq_regress::consume::{Who, queue_ack};
 
 /// How long to let the process settle before a sample.
 pub(crate) const SETTLE: Duration = Duration::from_millis(500);
@@ -152,11 +151,7 @@ async fn raw(url: &str, queue: &str, prefetch: u16, k: usize) -> Result<[Mem; 2]
     tokio::time::sleep(SETTLE).await;
     let full = Mem::now();
     for delivery in held {
-        delivery
-            .acker
-            .ack(BasicAckOptions::default())
-            .await
-            .map_err(failed("ack"))?;
+        queue_ack(&channel, delivery.delivery_tag).map_err(failed("ack"))?;
     }
     close_raw(connection, channel, prefetch).await?;
     Ok([idle, full])

@@ -28,8 +28,6 @@ pub const N: usize = 10_000;
 /// Prefetch (and concurrency): over three times the top of the 100–300 range RabbitMQ's guide
 /// recommends and 20 times Lily's default; the bound is linear in it.
 pub const PREFETCH: u16 = 1_000;
-/// `max_body_bytes` in force: 64 KiB, so 10 000 messages stay within a shared machine's disk.
-pub const MAX_BODY_BYTES: usize = 64 * 1024;
 /// Copies of one delivery the bound allows at once: the delivery and its decoded payload or
 /// handoff copy.
 const COPIES: u64 = 2;
@@ -39,10 +37,11 @@ const LAPIN_FRAME_BUFFERS: u64 = 2 * 32;
 /// delay, so a copy waiting in its bucket is seen there).
 const QUIET: Duration = Duration::from_millis(1_500);
 
-/// The limits in force: Lily's defaults with `max_body_bytes` at 64 KiB.
+/// The limits in force: Lily's defaults with `max_body_bytes` at 64 KiB, so 10 000 messages stay
+/// within a shared machine's disk.
 pub fn limits() -> Limits {
     let mut limits = Limits::default();
-    limits.max_body_bytes = MAX_BODY_BYTES;
+    limits.max_body_bytes = 64 * 1024;
     limits
 }
 
