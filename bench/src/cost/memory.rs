@@ -2,23 +2,22 @@
 //! `K` and holds every delivery (raw: lapin deliveries unACKed in a `Vec`; Lily: a handler with no
 //! argument waiting on a shared `CancellationToken`), sampling itself idle and with `K` held.
 
-use std::io::Write as _;
 use std::time::{Duration, Instant};
 
-use lapin::options::BasicAckOptions;
 use lily::prelude::{Consumer, ConsumerConfig, Router};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
-use super::{Bench, Contender, alloc_snapshot, close_raw, failed, spawn};
+use super::{Bench, close_raw, failed, spawn};
+use crate::publish;
 use crate::run::Lily;
-use crate::{broker_url, publish};
+use lily_mq_regress::consume::{Who, queue_ack};
 
 /// How long to let the process settle before a sample.
 pub(crate) const SETTLE: Duration = Duration::from_millis(500);
 
 /// A memory sample of this process: `VmRSS`, `VmHWM` and the live heap.
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Mem {
     pub rss_bytes: u64,
     pub hwm_bytes: u64,
@@ -34,7 +33,7 @@ impl Mem {
                 .find_map(|l| l.strip_prefix(key)?.split_whitespace().next()?.parse().ok());
             value.unwrap_or(0) * 1024
         };
-        let heap = alloc_snapshot();
+        let heap = stats_alloc::INSTRUMENTED_SYSTEM.stats();
         Self {
             rss_bytes: kb("VmRSS:"),
             hwm_bytes: kb("VmHWM:"),
@@ -43,18 +42,11 @@ impl Mem {
     }
 }
 
-/// Prints `TAG {json}` for the parent.
-pub(crate) fn announce(tag: &str, value: &impl Serialize) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{tag} {}", serde_json::to_string(value).expect("json"));
-    let _ = out.flush();
-}
-
 /// Lets the process settle, samples it and tells the parent (`IDLE`): the idle sample.
 pub(crate) async fn idle() -> Mem {
     tokio::time::sleep(SETTLE).await;
     let idle = Mem::now();
-    announce("IDLE", &idle);
+    println!("IDLE");
     idle
 }
 
@@ -74,12 +66,8 @@ pub(crate) async fn wait_for(
     Ok(())
 }
 
-/// What a `mem` child saw: idle, with deliveries held (once settled), and how many.
+/// One contender's memory, per delivery held: what its `mem` child measured.
 #[derive(Debug, Serialize, Deserialize)]
-pub struct Sampled(Mem, Mem, usize);
-
-/// One contender's memory, per delivery held.
-#[derive(Debug, Serialize)]
 pub struct Held {
     pub rss_idle_bytes: u64,
     pub rss_per_delivery: f64,
@@ -96,44 +84,35 @@ pub struct Memory {
 
 /// Both contenders' memory with `k` deliveries held.
 pub fn measure(b: &Bench, k: usize) -> Result<Memory, String> {
-    let raw = held(b, Contender::Raw, k)?;
-    let lily = held(b, Contender::Lily, k)?;
     Ok(Memory {
         in_flight: k,
-        raw,
-        lily,
+        raw: held(b, Who::Raw, k)?,
+        lily: held(b, Who::Lily, k)?,
     })
 }
 
 /// Runs the `mem` child of `who` over a queue the parent fills once the child is idle.
-#[allow(clippy::cast_precision_loss)]
-fn held(b: &Bench, who: Contender, k: usize) -> Result<Held, String> {
-    let queue = format!("lily-bench-cost-mem-{}", who.name());
+fn held(b: &Bench, who: Who, k: usize) -> Result<Held, String> {
+    let name = who.name().to_lowercase();
+    let queue = format!("lily-bench-cost-mem-{name}");
     b.queue_with(&queue, 0);
-    let mut command = b.child(false, &["mem", who.name(), &k.to_string(), &queue]);
-    let (mut child, lines) = spawn(&mut command, false)?;
-    let mut sampled = None;
+    let mut command = b.child(false, &["mem", &name, &k.to_string(), &queue]);
+    let (mut child, lines) = spawn(&mut command)?;
+    let mut held = None;
     for line in lines {
         if line.starts_with("IDLE") {
             b.rt.block_on(publish(&b.url, &queue, k));
         }
-        sampled = sampled.or_else(|| super::result::<Sampled>(&line));
+        held = held.or_else(|| super::result::<Held>(&line));
     }
     let status = child.wait().map_err(|e| format!("wait: {e}"))?;
-    let sampled = sampled.filter(|_| status.success());
-    let Sampled(idle, full, in_flight) =
-        sampled.ok_or_else(|| format!("mem {} failed ({status})", who.name()))?;
-    let per = |full: f64, idle: f64| (full - idle) / in_flight as f64;
-    let held = Held {
-        rss_idle_bytes: idle.rss_bytes,
-        rss_per_delivery: per(full.rss_bytes as f64, idle.rss_bytes as f64),
-        heap_per_delivery: per(full.heap_live_bytes as f64, idle.heap_live_bytes as f64),
-    };
-    eprintln!("cost: memory {}: {held:?}", who.name());
+    let held = held.filter(|_| status.success());
+    let held = held.ok_or_else(|| format!("mem {name} failed ({status})"))?;
+    eprintln!("cost: memory {name}: {held:?}");
     Ok(held)
 }
 
-async fn lily(url: &str, queue: &str, prefetch: u16, k: usize) -> Result<Sampled, String> {
+async fn lily(url: &str, queue: &str, prefetch: u16, k: usize) -> Result<[Mem; 2], String> {
     let gate = CancellationToken::new();
     let held = gate.clone();
     let router = Router::new().route("order.placed", move || {
@@ -149,15 +128,15 @@ async fn lily(url: &str, queue: &str, prefetch: u16, k: usize) -> Result<Sampled
     let held = || lily.stats.in_flight() >= k;
     wait_for("deliveries in flight", Duration::from_secs(300), held).await?;
     tokio::time::sleep(SETTLE).await;
-    let (full, in_flight) = (Mem::now(), lily.stats.in_flight());
+    let full = Mem::now();
     gate.cancel();
     let acked = || lily.stats.totals().acked >= k as u64;
     wait_for("ACKs", Duration::from_secs(120), acked).await?;
     lily.stop().await?;
-    Ok(Sampled(idle, full, in_flight))
+    Ok([idle, full])
 }
 
-async fn raw(url: &str, queue: &str, prefetch: u16, k: usize) -> Result<Sampled, String> {
+async fn raw(url: &str, queue: &str, prefetch: u16, k: usize) -> Result<[Mem; 2], String> {
     let (connection, channel, mut consumer) = crate::raw::open(url, queue, prefetch, false).await?;
     let mut held = Vec::with_capacity(k);
     let idle = idle().await;
@@ -170,26 +149,29 @@ async fn raw(url: &str, queue: &str, prefetch: u16, k: usize) -> Result<Sampled,
         );
     }
     tokio::time::sleep(SETTLE).await;
-    let (full, in_flight) = (Mem::now(), held.len());
+    let full = Mem::now();
     for delivery in held {
-        delivery
-            .acker
-            .ack(BasicAckOptions::default())
-            .await
-            .map_err(failed("ack"))?;
+        queue_ack(&channel, delivery.delivery_tag).map_err(failed("ack"))?;
     }
     close_raw(connection, channel, prefetch).await?;
-    Ok(Sampled(idle, full, in_flight))
+    Ok([idle, full])
 }
 
-/// The `mem` child: holds `k` deliveries of `queue` (its prefetch), on a multi-thread runtime.
-pub fn child(who: Contender, k: usize, queue: &str) -> Result<Sampled, String> {
+/// The `mem` child: holds `k` deliveries of `queue` (its prefetch), on a multi-thread runtime;
+/// the difference of its samples over them.
+#[allow(clippy::cast_precision_loss)]
+pub fn child(who: Who, k: usize, url: &str, queue: &str) -> Result<Held, String> {
     let prefetch = u16::try_from(k).map_err(|_| "K must fit in a u16 prefetch")?;
-    let url = broker_url();
-    crate::runtime(true).block_on(async {
+    let [idle, full] = crate::runtime(true).block_on(async {
         match who {
-            Contender::Raw => raw(&url, queue, prefetch, k).await,
-            Contender::Lily => lily(&url, queue, prefetch, k).await,
+            Who::Raw => raw(url, queue, prefetch, k).await,
+            Who::Lily => lily(url, queue, prefetch, k).await,
         }
+    })?;
+    let per = |full: f64, idle: f64| (full - idle) / k as f64;
+    Ok(Held {
+        rss_idle_bytes: idle.rss_bytes,
+        rss_per_delivery: per(full.rss_bytes as f64, idle.rss_bytes as f64),
+        heap_per_delivery: per(full.heap_live_bytes as f64, idle.heap_live_bytes as f64),
     })
 }

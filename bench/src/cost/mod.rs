@@ -19,8 +19,8 @@ use lily::prelude::QueueKind;
 use lily_mq_regress::collected;
 use lily_mq_regress::consume::{Who, drain, handled};
 use rustix::process::{Pid, Signal, kill_process};
+use serde::Serialize;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
 use tokio::runtime::Runtime;
 
 use crate::args::Common;
@@ -28,8 +28,6 @@ use crate::args::Common;
 pub(crate) use crate::raw::failed;
 use crate::{broker_url, fresh_topology, median, publish, runtime};
 
-/// Prefetch of the per-message cost runs (and concurrency of Lily's consumer).
-pub const PREFETCH: u16 = lily_mq_regress::consume::PREFETCH;
 /// Messages of the long and the short (subtracted) runs, native and under valgrind; quick
 /// under valgrind.
 const N: [usize; 2] = [20_000, 2_000];
@@ -40,31 +38,6 @@ const IN_FLIGHT: usize = 10_000;
 pub const TARGET_INSTRUCTIONS: f64 = 8000.0;
 pub const TARGET_ALLOCATIONS: f64 = 10.0;
 pub const TARGET_IDLE_SHUTDOWN_MS: f64 = 200.0;
-
-/// Which consumer a child runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Contender {
-    /// A hand-written lapin consumer that deserializes and ACKs each message the way Lily does
-    /// (`Channel::basic_ack`, the frame queued, its write not awaited): the baseline.
-    Raw,
-    /// Lily's `Consumer` with a `Json<Order>` handler.
-    Lily,
-}
-
-impl Contender {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Raw => "raw",
-            Self::Lily => "lily",
-        }
-    }
-}
-
-/// The counting allocator's totals so far (zero unless the binary counts, as
-/// `lily-bench-counting` does).
-pub fn alloc_snapshot() -> stats_alloc::Stats {
-    stats_alloc::INSTRUMENTED_SYSTEM.stats()
-}
 
 /// Ends a raw consumer: a `basic.qos` round trip proves the broker processed the ACKs (Lily does
 /// the same before closing), then the channel and the connection close.
@@ -94,23 +67,16 @@ pub struct Options {
     only: Vec<String>,
 }
 
-/// The child processes; each prints `RESULT {json}`.
+/// The child processes, each running the regression gate's raw lapin or Lily consumer (`WHO`);
+/// each prints `RESULT {json}`.
 #[derive(clap::Subcommand, Debug)]
 enum Child {
-    /// Consumes N orders from QUEUE; its allocations.
-    Run {
-        who: Contender,
-        n: usize,
-        queue: String,
-    },
+    /// Consumes N orders from QUEUE; its handled count and heap allocation calls.
+    Run { who: Who, n: u64, queue: String },
     /// Holds K deliveries from QUEUE (the parent publishes once it prints `IDLE`); its memory.
-    Mem {
-        who: Contender,
-        k: usize,
-        queue: String,
-    },
+    Mem { who: Who, k: usize, queue: String },
     /// Drains the hostile load from QUEUE (`hostile::child`).
-    Hostile { who: Contender, queue: String },
+    Hostile { who: Who, queue: String },
     /// Reads the frames of N of TOTAL deliveries through Lily's frame reader (or plainly).
     Reader {
         total: usize,
@@ -127,8 +93,6 @@ enum Child {
 pub struct PerMessage {
     pub n: usize,
     pub n0: usize,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub rounds: Option<usize>,
     pub raw: f64,
     pub lily: f64,
     pub lily_layer: f64,
@@ -137,11 +101,10 @@ pub struct PerMessage {
 
 impl PerMessage {
     /// Lily's layer over raw, judged against `target`.
-    fn new([n, n0]: [usize; 2], rounds: Option<usize>, [raw, lily]: [f64; 2], target: f64) -> Self {
+    fn new([n, n0]: [usize; 2], [raw, lily]: [f64; 2], target: f64) -> Self {
         Self {
             n,
             n0,
-            rounds,
             raw,
             lily,
             lily_layer: lily - raw,
@@ -167,42 +130,21 @@ pub struct Results {
     pub errors: Vec<String>,
 }
 
-/// What a `run` child counted over its whole process.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct Counted {
-    pub handled: usize,
-    pub allocations: usize,
-    pub reallocations: usize,
-    pub bytes_allocated: usize,
-}
-
-/// The `run` child: consumes exactly `n` pre-published orders with the regression gate's raw
-/// lapin or Lily consumer on a current-thread runtime, closes, and counts the whole process.
-fn consume_child(who: Contender, n: usize, queue: &str) -> Result<Counted, String> {
-    let (url, rt) = (broker_url(), runtime(false));
-    let who = if who == Contender::Raw {
-        Who::Raw
-    } else {
-        Who::Lily
-    };
-    rt.block_on(drain(who, &url, queue, n as u64))?;
-    let stats = alloc_snapshot();
-    drop(rt);
-    Ok(Counted {
-        handled: usize::try_from(handled()).expect("a count fits usize"),
-        allocations: stats.allocations,
-        reallocations: stats.reallocations,
-        bytes_allocated: stats.bytes_allocated,
-    })
-}
-
 /// Entry point of `lily-bench cost` (in `lily-bench-counting`).
 pub fn main(mut options: Options) -> ExitCode {
+    let url = broker_url();
     let result = match options.child.take() {
         None => return orchestrate(options),
-        Some(Child::Run { who, n, queue }) => consume_child(who, n, &queue).map(json),
-        Some(Child::Mem { who, k, queue }) => memory::child(who, k, &queue).map(json),
-        Some(Child::Hostile { who, queue }) => hostile::child::child(who, &queue).map(json),
+        // The `run` child consumes exactly `n` pre-published orders on a current-thread runtime,
+        // closes, and counts the whole process.
+        Some(Child::Run { who, n, queue }) => runtime(false)
+            .block_on(drain(who, &url, &queue, n))
+            .map(|()| {
+                let stats = stats_alloc::INSTRUMENTED_SYSTEM.stats();
+                json((handled(), stats.allocations + stats.reallocations))
+            }),
+        Some(Child::Mem { who, k, queue }) => memory::child(who, k, &url, &queue).map(json),
+        Some(Child::Hostile { who, queue }) => hostile::child::child(who, &url, &queue).map(json),
         Some(Child::Reader { total, n, plain }) => reader::child(total, n, plain).map(json),
     };
     match result {
@@ -224,14 +166,13 @@ pub fn result<T: DeserializeOwned>(line: &str) -> Option<T> {
     serde_json::from_str(line.strip_prefix("RESULT ")?).ok()
 }
 
-/// Starts `command` talking over its stdout (and its stdin when `stdin`), its stderr ours: the
-/// child and its stdout's lines.
+/// Starts `command` talking over its stdin and stdout, its stderr ours: the child and its
+/// stdout's lines.
 fn spawn(
     command: &mut Command,
-    stdin: bool,
 ) -> Result<(std::process::Child, impl Iterator<Item = String>), String> {
     let mut child = command
-        .stdin(if stdin { Stdio::piped() } else { Stdio::null() })
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -266,18 +207,20 @@ fn run_child<T: DeserializeOwned>(
         let tail = lines[lines.len().saturating_sub(20)..].join("\n");
         return Err(format!("{shown} failed ({}):\n{tail}", output.status));
     }
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let value = stdout.lines().find_map(result);
-    Ok((
-        value.ok_or_else(|| format!("{shown} printed no RESULT line"))?,
-        err,
-    ))
+    let value = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .find_map(result);
+    Ok((value.ok_or(format!("{shown} printed no RESULT line"))?, err))
 }
 
-/// `(big - small) / (n - n0)`: a run's per-message cost, its fixed costs cancelled.
+/// `(run(N) - run(N0)) / (N - N0)`: a run's per-message cost, its fixed costs cancelled.
 #[allow(clippy::cast_precision_loss)]
-fn per_message(big: f64, small: f64, [n, n0]: [usize; 2]) -> f64 {
-    (big - small) / (n - n0) as f64
+fn per_message(
+    [n, n0]: [usize; 2],
+    mut run: impl FnMut(usize) -> Result<f64, String>,
+) -> Result<f64, String> {
+    let big = run(n)?;
+    Ok((big - run(n0)?) / (n - n0) as f64)
 }
 
 /// Everything the orchestrator shares with its steps.
@@ -285,17 +228,11 @@ pub struct Bench {
     rt: Runtime,
     url: String,
     options: Options,
+    /// Messages of the runs under callgrind.
+    valgrind_n: [usize; 2],
 }
 
 impl Bench {
-    fn valgrind_n(&self) -> [usize; 2] {
-        if self.options.common.quick {
-            QUICK_VALGRIND_N
-        } else {
-            N
-        }
-    }
-
     /// A fresh classic queue (Lily's topology) holding `n` 512-byte orders.
     fn queue_with(&self, queue: &str, n: usize) {
         self.rt.block_on(async {
@@ -325,39 +262,29 @@ impl Bench {
         command
     }
 
-    /// One consume run of `who` over `n` orders: what it counted, and its stderr.
-    fn consume(
-        &self,
-        who: Contender,
-        n: usize,
-        callgrind: bool,
-    ) -> Result<(Counted, String), String> {
-        let queue = format!("lily-bench-cost-{}", who.name());
+    /// One `run` child of `who` over `n` orders: its heap allocation calls, and its stderr.
+    fn consume(&self, who: Who, n: usize, callgrind: bool) -> Result<(f64, String), String> {
+        let name = who.name().to_lowercase();
+        let queue = format!("lily-bench-cost-{name}");
         self.queue_with(&queue, n);
         let limit = Duration::from_secs(if callgrind { 1800 } else { 300 });
-        let args = ["run", who.name(), &n.to_string(), &queue];
-        let (counted, stderr): (Counted, _) = run_child(self.child(callgrind, &args), limit)?;
-        if counted.handled != n {
-            return Err(format!("{} handled {} of {n}", who.name(), counted.handled));
+        let args = ["run", &name, &n.to_string(), &queue];
+        let ((handled, calls), stderr): ((usize, usize), _) =
+            run_child(self.child(callgrind, &args), limit)?;
+        if handled != n {
+            return Err(format!("{name} handled {handled} of {n}"));
         }
-        Ok((counted, stderr))
+        #[allow(clippy::cast_precision_loss)]
+        Ok((calls as f64, stderr))
     }
 }
 
-/// Heap allocations a message, native runs.
-#[allow(clippy::cast_precision_loss)]
+/// Heap allocations a message, native runs: the median of `--reps` rounds.
 fn allocations(b: &Bench) -> Result<PerMessage, String> {
-    let calls = |who, n| -> Result<f64, String> {
-        let counted = b.consume(who, n, false)?.0;
-        Ok((counted.allocations + counted.reallocations) as f64)
-    };
     let mut rounds = [Vec::new(), Vec::new()];
     for round in 1..=b.options.reps {
-        for (who, per) in [Contender::Raw, Contender::Lily]
-            .into_iter()
-            .zip(&mut rounds)
-        {
-            let x = per_message(calls(who, N[0])?, calls(who, N[1])?, N);
+        for (who, per) in [Who::Raw, Who::Lily].into_iter().zip(&mut rounds) {
+            let x = per_message(N, |n| Ok(b.consume(who, n, false)?.0))?;
             eprintln!(
                 "cost: allocations round {round}: {} {x:.2} a message",
                 who.name()
@@ -366,39 +293,31 @@ fn allocations(b: &Bench) -> Result<PerMessage, String> {
         }
     }
     let medians = rounds.map(|mut r| median(&mut r));
-    Ok(PerMessage::new(
-        N,
-        Some(b.options.reps),
-        medians,
-        TARGET_ALLOCATIONS,
-    ))
+    Ok(PerMessage::new(N, medians, TARGET_ALLOCATIONS))
 }
 
 /// Instructions a message under callgrind, on tokio's current-thread runtime.
 fn instructions(b: &Bench) -> Result<PerMessage, String> {
-    let n = b.valgrind_n();
-    let per = |who| -> Result<f64, String> {
-        let run = |n| collected(&b.consume(who, n, true)?.1);
-        Ok(per_message(run(n[0])?, run(n[1])?, n))
-    };
-    let both = [per(Contender::Raw)?, per(Contender::Lily)?];
-    Ok(PerMessage::new(n, None, both, TARGET_INSTRUCTIONS))
+    let n = b.valgrind_n;
+    let per = |who| per_message(n, |k| collected(&b.consume(who, k, true)?.1));
+    let both = [per(Who::Raw)?, per(Who::Lily)?];
+    Ok(PerMessage::new(n, both, TARGET_INSTRUCTIONS))
 }
 
 /// Instructions a message of Lily's frame reader alone, under callgrind: the frames of N or N0
 /// deliveries read through it, minus the same frames read plainly.
 fn reader_instructions(b: &Bench) -> Result<f64, String> {
-    let n = b.valgrind_n();
-    let per = |plain: bool| -> Result<f64, String> {
-        let run = |k: usize| -> Result<f64, String> {
-            let (k, total) = (k.to_string(), n[0].to_string());
-            let mut args = vec!["reader", total.as_str(), k.as_str()];
+    let n = b.valgrind_n;
+    let total = n[0].to_string();
+    let per = |plain: bool| {
+        per_message(n, |k| {
+            let k = k.to_string();
+            let mut args = vec!["reader", &total, &k];
             args.extend(plain.then_some("--plain"));
-            let (_, stderr): (serde_json::Value, _) =
-                run_child(b.child(true, &args), Duration::from_secs(600))?;
+            let limit = Duration::from_secs(600);
+            let (_, stderr): (usize, _) = run_child(b.child(true, &args), limit)?;
             collected(&stderr)
-        };
-        Ok(per_message(run(n[0])?, run(n[1])?, n))
+        })
     };
     Ok(per(false)? - per(true)?)
 }
@@ -422,16 +341,18 @@ fn step<T>(
 fn orchestrate(options: Options) -> ExitCode {
     let url = broker_url();
     let meta = crate::Meta::new("cost", &url, vec![crate::METHOD.into()]);
+    let quick = options.common.quick;
     let b = Bench {
         rt: runtime(true),
         url,
         options,
+        valgrind_n: if quick { QUICK_VALGRIND_N } else { N },
     };
     let (mut errors, started, only) = (Vec::new(), Instant::now(), &b.options.only);
-    let idle_runs = if b.options.common.quick { 3 } else { 5 };
+    let idle_runs = if quick { 3 } else { 5 };
     let mut r = Results {
         meta,
-        prefetch: PREFETCH,
+        prefetch: lily_mq_regress::consume::PREFETCH,
         instructions: step(only, &mut errors, "instructions", || instructions(&b)),
         reader: step(only, &mut errors, "reader", || reader_instructions(&b)),
         allocations: step(only, &mut errors, "allocs", || allocations(&b)),

@@ -3,9 +3,8 @@
 //! I/O loop reads, or plainly (the baseline, subtracted). Every run builds the frames of `total`
 //! deliveries, so the difference of two runs is the reading alone.
 
-use futures_util::io::{AsyncReadExt, Cursor};
+use futures_util::io::{AsyncRead, BufReader, Cursor, copy_buf, sink};
 use lily::testing::{Rewrites, Sanitizing};
-use serde_json::{Value, json};
 
 /// The frames of delivery `tag`.
 fn delivery(out: &mut Vec<u8>, tag: u64) {
@@ -52,41 +51,30 @@ fn delivery(out: &mut Vec<u8>, tag: u64) {
 }
 
 /// The `reader` child: builds the frames of `total` deliveries, reads those of the first `n`
-/// (through the rewriter unless `plain`).
-pub fn child(total: usize, n: usize, plain: bool) -> Result<Value, String> {
-    let mut wire = Vec::new();
-    let mut ends = Vec::with_capacity(total);
-    for tag in 1..=total as u64 {
-        delivery(&mut wire, tag);
-        ends.push(wire.len());
+/// (through the rewriter unless `plain`) in 128 KiB reads; the bytes read.
+pub fn child(total: usize, n: usize, plain: bool) -> Result<u64, String> {
+    let (mut wire, mut len) = (Vec::new(), 0);
+    for tag in 1..=total {
+        delivery(&mut wire, tag as u64);
+        if tag == n {
+            len = wire.len();
+        }
     }
-    let len = if n == 0 { 0 } else { ends[n - 1] };
     wire.truncate(len);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .map_err(|e| e.to_string())?;
-    let read = runtime.block_on(async {
+    let read = crate::runtime(false).block_on(async {
         if plain {
             read_all(Cursor::new(wire)).await
         } else {
             read_all(Sanitizing::new(Cursor::new(wire), Rewrites::default())).await
         }
-    })?;
-    if read != len {
-        return Err(format!("read {read} of {len} bytes"));
+    });
+    match read {
+        Ok(read) if read == len as u64 => Ok(read),
+        other => Err(format!("read {other:?} of {len} bytes")),
     }
-    Ok(json!({ "handled": n, "bytes": read }))
 }
 
-/// Reads `stream` to its end in 128 KiB reads; the bytes read.
-async fn read_all(mut stream: impl futures_util::io::AsyncRead + Unpin) -> Result<usize, String> {
-    let mut buf = vec![0u8; 128 * 1024];
-    let mut read = 0;
-    loop {
-        match stream.read(&mut buf).await {
-            Ok(0) => return Ok(read),
-            Ok(k) => read += k,
-            Err(e) => return Err(e.to_string()),
-        }
-    }
+/// Reads `stream` to its end in 128 KiB reads, as lapin's I/O loop reads; the bytes read.
+async fn read_all(stream: impl AsyncRead + Unpin) -> std::io::Result<u64> {
+    copy_buf(BufReader::with_capacity(128 * 1024, stream), &mut sink()).await
 }

@@ -36,47 +36,41 @@ fn once(rt: &Runtime, url: &str, exe: &Path, queue: &str) -> Result<(f64, bool),
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| format!("spawn {}: {e}", exe.display()))?;
-    let pid = Pid::from_child(&child);
-    let mut stdout = child.stdout.take().ok_or("no stdout")?;
-    let stderr = BufReader::new(child.stderr.take().ok_or("no stderr")?);
-    let out_reader = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stdout.read_to_string(&mut text);
-        text
+    // A watchdog: past two minutes (to `consuming`, then to its exit) the service is killed,
+    // as it is at once when this returns early.
+    let (pid, (done_tx, done_rx)) = (Pid::from_child(&child), mpsc::channel::<()>());
+    std::thread::spawn(move || {
+        if done_rx.recv_timeout(Duration::from_secs(120)).is_err() {
+            let _ = kill_process(pid, Signal::KILL);
+        }
     });
-    let (line_tx, line_rx) = mpsc::channel::<String>();
-    let lines = stderr.lines().map_while(Result::ok);
-    let err_reader = std::thread::spawn(move || lines.map(|l| line_tx.send(l)).for_each(drop));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut log = Vec::new();
+    let stderr = BufReader::new(child.stderr.take().ok_or("no stderr")?);
+    let (mut lines, mut log) = (stderr.lines().map_while(Result::ok), Vec::new());
     while !log.last().is_some_and(|l: &String| l.contains("consuming")) {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let Ok(line) = line_rx.recv_timeout(left) else {
-            let (_, _) = (child.kill(), child.wait());
+        let Some(line) = lines.next() else {
+            drop(done_tx);
+            let _ = child.wait();
             let log = log.join("\n");
             return Err(format!(
-                "the service did not log `consuming` within 60 s; its log:\n{log}"
+                "the service ended before `consuming`; its log:\n{log}"
             ));
         };
         log.push(line);
     }
+    // The rest of its log, read to its end so that the service never blocks on it.
+    std::thread::spawn(move || lines.for_each(drop));
     std::thread::sleep(SETTLE);
-    // A watchdog: past 60 s the process is killed.
-    let (done_tx, done_rx) = mpsc::channel::<()>();
-    let watchdog = std::thread::spawn(move || {
-        if done_rx.recv_timeout(Duration::from_secs(60)).is_err() {
-            let _ = kill_process(pid, Signal::KILL);
-        }
-    });
     let t0 = Instant::now();
     kill_process(pid, Signal::TERM).map_err(|e| format!("kill -TERM: {e}"))?;
     let status = child.wait().map_err(|e| format!("wait: {e}"))?;
     let latency = t0.elapsed();
     let _ = done_tx.send(());
-    let _ = watchdog.join();
-    let _ = err_reader.join();
-    let report = serde_json::from_str(out_reader.join().unwrap_or_default().trim());
-    let clean = report.is_ok_and(|r: Value| r["clean"] == true);
+    // Its shutdown report, printed on stdout as it exits.
+    let mut report = String::new();
+    if let Some(mut out) = child.stdout.take() {
+        let _ = out.read_to_string(&mut report);
+    }
+    let clean = serde_json::from_str(report.trim()).is_ok_and(|r: Value| r["clean"] == true);
     Ok((latency.as_secs_f64() * 1e3, status.success() && clean))
 }
 

@@ -5,33 +5,31 @@
 //! decode every body and check its id; Lily then fails or succeeds by the message's class, raw,
 //! with no gate, ACKs every message. Method: `bench/README.md`.
 
-use std::io::BufRead as _;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use lily::prelude::{
     Consumer, ConsumerConfig, HandlerResult, Meta, QueueHandlerError, Router, State,
 };
+use lily_mq_regress::consume::{Who, queue_ack};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::messages::{Class, KIND, Load, index};
 use super::{N, PREFETCH, limits, policy};
-use crate::cost::memory::{Mem, announce, idle, wait_for};
-use crate::cost::{Contender, close_raw, failed};
+use crate::cost::memory::{Mem, idle, wait_for};
+use crate::cost::{close_raw, failed};
 use crate::run::Lily;
-use lily_mq_regress::consume::queue_ack;
 
 /// What the child reports.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Report {
-    pub idle: Mem,
-    /// With the window full, once drained (still connected), and at exit.
-    pub full: Mem,
-    pub settled: Mem,
-    pub exit: Mem,
+    pub idle_rss_bytes: u64,
+    /// The peak: `VmHWM` at exit, or the `VmRSS` sampled with the window full or once drained
+    /// (still connected), where the kernel's lazily folded counters put that a few pages higher.
+    pub peak_rss_bytes: u64,
     /// Successful handler calls per message, and the attempt of the latest.
     pub ok: Vec<u32>,
     pub attempt: Vec<u32>,
@@ -44,7 +42,7 @@ pub struct Report {
 struct Tally {
     /// Opened once the window is full.
     gate: CancellationToken,
-    opened: std::sync::OnceLock<Instant>,
+    opened: OnceLock<Instant>,
     ok: Vec<AtomicU32>,
     attempt: Vec<AtomicU32>,
     /// µs from the opening to the latest handler call.
@@ -91,11 +89,10 @@ impl Tally {
         let read = |v: &[AtomicU32]| v.iter().map(|a| a.load(Ordering::Relaxed)).collect();
         #[allow(clippy::cast_precision_loss)]
         let drain_secs = self.last_us.load(Ordering::Relaxed) as f64 / 1e6;
+        let samples = [Mem::now().hwm_bytes, full.rss_bytes, settled.rss_bytes];
         Report {
-            idle,
-            full,
-            settled,
-            exit: Mem::now(),
+            idle_rss_bytes: idle.rss_bytes,
+            peak_rss_bytes: samples.into_iter().max().unwrap_or(0),
             ok: read(&self.ok),
             attempt: read(&self.attempt),
             drain_secs,
@@ -124,10 +121,8 @@ async fn handle(meta: Meta, State(tally): State<Arc<Tally>>) -> HandlerResult {
 fn commands() -> mpsc::UnboundedReceiver<String> {
     let (tx, rx) = mpsc::unbounded_channel();
     std::thread::spawn(move || {
-        for line in std::io::stdin().lock().lines().map_while(Result::ok) {
-            if tx.send(line.trim().to_owned()).is_err() {
-                break;
-            }
+        for line in std::io::stdin().lines().map_while(Result::ok) {
+            let _ = tx.send(line.trim().to_owned());
         }
     });
     rx
@@ -161,7 +156,7 @@ async fn lily(url: &str, queue: &str) -> Result<Report, String> {
     wait_for("a full window", Duration::from_secs(300), full).await?;
     let full = Mem::now();
     tally.open();
-    announce("FULL", &full);
+    println!("FULL");
     expect(&mut commands, "STOP").await?;
     let settled = || lily.stats.in_flight() == 0;
     wait_for("the last deliveries", Duration::from_secs(60), settled).await?;
@@ -202,7 +197,7 @@ async fn raw(url: &str, queue: &str) -> Result<Report, String> {
         if go && full.is_none() && held.len() >= window {
             full = Some(Mem::now());
             tally.open();
-            announce("FULL", &full);
+            println!("FULL");
             held.drain(..).try_for_each(process)?;
         }
     }
@@ -211,12 +206,11 @@ async fn raw(url: &str, queue: &str) -> Result<Report, String> {
 }
 
 /// The `hostile` child.
-pub fn child(who: Contender, queue: &str) -> Result<Report, String> {
-    let url = crate::broker_url();
+pub fn child(who: Who, url: &str, queue: &str) -> Result<Report, String> {
     crate::runtime(true).block_on(async {
         match who {
-            Contender::Raw => raw(&url, queue).await,
-            Contender::Lily => lily(&url, queue).await,
+            Who::Raw => raw(url, queue).await,
+            Who::Lily => lily(url, queue).await,
         }
     })
 }

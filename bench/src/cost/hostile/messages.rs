@@ -44,7 +44,7 @@ pub enum Class {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Expected {
     /// The handler succeeded on this attempt.
-    Handled { attempt: u32 },
+    Handled(u32),
     /// In the DLQ, with this `x-lily-failure-kind` (`broker-rejected` for the broker's own
     /// dead-lettering of a reject, which carries `x-death` instead).
     DeadLettered(&'static str),
@@ -70,8 +70,8 @@ impl Class {
     /// What Lily should make of it.
     pub fn expected(self) -> Expected {
         match self {
-            Self::Succeeds => Expected::Handled { attempt: 1 },
-            Self::Retried => Expected::Handled { attempt: 2 },
+            Self::Succeeds => Expected::Handled(1),
+            Self::Retried => Expected::Handled(2),
             Self::Permanent => Expected::DeadLettered("permanent"),
             Self::Oversized => Expected::DeadLettered("broker-rejected"),
             Self::TooManyHeaders | Self::ValueTooLong | Self::HeadersTooLarge | Self::TooDeep => {
@@ -107,10 +107,6 @@ pub fn body(i: usize, len: usize) -> Vec<u8> {
     format!("{head}{}\"}}", "x".repeat(pad)).into_bytes()
 }
 
-fn long(len: usize) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(vec![b'v'; len]))
-}
-
 fn key(j: usize) -> String {
     format!("{KEY_PREFIX}{j:02}")
 }
@@ -122,65 +118,46 @@ fn key(j: usize) -> String {
 fn under_limits(limits: &Limits) -> Vec<(String, usize)> {
     let entries = limits.max_headers - 1;
     let mut keys: Vec<String> = (0..entries).map(key).collect();
-    let long_key = limits.max_header_key_len - 1;
-    keys[0] = format!("{}{}", keys[0], "k".repeat(long_key - keys[0].len()));
+    let long_key = "k".repeat(limits.max_header_key_len - 1 - keys[0].len());
+    keys[0] += &long_key;
     let big = limits.max_header_value_len - 6;
     let key_bytes: usize = keys.iter().map(String::len).sum();
-    let target = limits.max_header_bytes - HEADER_MARGIN;
-    let small_total = target
+    let small_total = (limits.max_header_bytes - HEADER_MARGIN)
         .checked_sub(key_bytes + BIG_VALUES * big)
         .expect("limits too tight for the hostile headers");
-    let smalls = entries - BIG_VALUES;
-    keys.into_iter()
-        .enumerate()
-        .map(|(j, key)| {
-            let len = if j < BIG_VALUES {
-                big
-            } else {
-                // Spread `small_total` over the small values, the remainder on the last.
-                let each = small_total / smalls;
-                if j == entries - 1 {
-                    small_total - each * (smalls - 1)
-                } else {
-                    each
-                }
-            };
-            (key, len)
-        })
-        .collect()
+    // `small_total` spread over the small values, the remainder on the last.
+    let each = small_total / (entries - BIG_VALUES);
+    let mut spec: Vec<(String, usize)> = keys.into_iter().map(|key| (key, each)).collect();
+    spec[..BIG_VALUES]
+        .iter_mut()
+        .for_each(|(_, len)| *len = big);
+    spec[entries - 1].1 += small_total - each * (entries - BIG_VALUES);
+    spec
 }
 
-/// The headers of a message of `class`.
+/// The headers of a message of `class`: string values of `v`s, named and sized by its spec.
 pub fn headers(class: Class, limits: &Limits) -> FieldTable {
     let mut spec = under_limits(limits);
     match class {
         Class::Succeeds | Class::Retried | Class::Permanent | Class::Oversized => {}
-        Class::TooManyHeaders => {
-            spec = (0..=limits.max_headers).map(|j| (key(j), 8)).collect();
-        }
+        Class::TooManyHeaders => spec = (0..=limits.max_headers).map(|j| (key(j), 8)).collect(),
         Class::ValueTooLong => spec[0].1 = limits.max_header_value_len + 1,
-        Class::HeadersTooLarge => {
-            let last = spec.len() - 1;
-            spec[last].1 += HEADER_MARGIN + 1;
-        }
-        Class::TooDeep => {
-            let mut table = FieldTable::default();
-            for (key, len) in spec.iter().take(BIG_VALUES) {
-                table.insert(key.as_str().into(), long(*len));
-            }
-            let mut nested = AMQPValue::LongUInt(1);
-            for _ in 0..limits.max_header_depth {
-                let mut inner = FieldTable::default();
-                inner.insert("a".into(), nested);
-                nested = AMQPValue::FieldTable(inner);
-            }
-            table.insert(format!("{KEY_PREFIX}deep").as_str().into(), nested);
-            return table;
-        }
+        Class::HeadersTooLarge => spec[limits.max_headers - 2].1 += HEADER_MARGIN + 1,
+        Class::TooDeep => spec.truncate(BIG_VALUES),
     }
     let mut table = FieldTable::default();
     for (key, len) in spec {
-        table.insert(key.as_str().into(), long(len));
+        let value = AMQPValue::LongString(LongString::from(vec![b'v'; len]));
+        table.insert(key.as_str().into(), value);
+    }
+    if class == Class::TooDeep {
+        let mut nested = AMQPValue::LongUInt(1);
+        for _ in 0..limits.max_header_depth {
+            let mut inner = FieldTable::default();
+            inner.insert("a".into(), nested);
+            nested = AMQPValue::FieldTable(inner);
+        }
+        table.insert(format!("{KEY_PREFIX}deep").as_str().into(), nested);
     }
     table
 }
@@ -223,12 +200,10 @@ mod tests {
 
     use super::*;
 
-    fn limits() -> Limits {
-        super::super::limits()
-    }
-
-    fn verdict(i: usize) -> (Class, Result<(), String>) {
-        let limits = limits();
+    /// The class of message `i` of 10 000, and the gate's verdict on it: `None` when it passes,
+    /// else the reason it gives.
+    fn verdict(i: usize) -> (Class, Option<String>) {
+        let limits = super::super::limits();
         let (class, body, properties) = message(i, 10_000, &limits);
         let view = PropertiesView {
             message_id: properties.message_id().as_ref().map(|s| s.as_str()),
@@ -238,67 +213,58 @@ mod tests {
             not_utf8: None,
             key: None,
         };
-        let result = inspect(&view, body.len(), &limits)
-            .map(|_| ())
-            .map_err(|rejection| match rejection {
-                GateRejection::Oversized { .. } => "oversized".to_owned(),
-                GateRejection::Invalid(reason) => reason.as_str().to_owned(),
-            });
-        (class, result)
-    }
-
-    /// The gate's own byte count: keys plus string values.
-    fn header_bytes(table: &FieldTable) -> usize {
-        let value = |v: &AMQPValue| v.as_long_string().map_or(0, LongString::len);
-        table
-            .inner()
-            .iter()
-            .map(|(k, v)| k.as_str().len() + value(v))
-            .sum()
+        let refused = inspect(&view, body.len(), &limits).err();
+        let reason = refused.map(|rejection| match rejection {
+            GateRejection::Oversized { .. } => "oversized".to_owned(),
+            GateRejection::Invalid(reason) => reason.as_str().to_owned(),
+        });
+        (class, reason)
     }
 
     #[test]
-    fn messages_under_the_limits_pass_the_gate_just_under_each_bound() {
-        let limits = limits();
-        let classes = [Class::Retried, Class::Succeeds, Class::Permanent];
-        for (i, class) in [11, 15, 5].into_iter().zip(classes) {
-            assert_eq!(verdict(i), (class, Ok(())));
+    fn each_class_passes_the_gate_or_breaks_exactly_its_own_limit() {
+        let cases = [
+            (10, Class::Retried, None),
+            (1_914, Class::Retried, None),
+            (2_010, Class::Succeeds, None),
+            (15, Class::Succeeds, None),
+            (5, Class::Permanent, None),
+            (100, Class::Oversized, Some("oversized")),
+            (101, Class::TooManyHeaders, Some("too many headers")),
+            (102, Class::ValueTooLong, Some("header value too long")),
+            (
+                103,
+                Class::HeadersTooLarge,
+                Some("headers too large in total"),
+            ),
+            (104, Class::TooDeep, Some("headers nested too deeply")),
+        ];
+        for (i, class, reason) in cases {
+            assert_eq!(verdict(i), (class, reason.map(str::to_owned)));
         }
+    }
+
+    #[test]
+    fn messages_under_the_limits_sit_just_under_each_bound() {
+        let limits = super::super::limits();
         let table = headers(Class::Succeeds, &limits);
         assert_eq!(table.inner().len(), limits.max_headers - 1);
+        // The gate's own byte count: keys plus string values.
+        let value = |v: &AMQPValue| v.as_long_string().map_or(0, LongString::len);
+        let bytes = table
+            .inner()
+            .iter()
+            .map(|(k, v)| k.as_str().len() + value(v));
         assert_eq!(
-            header_bytes(&table),
+            bytes.sum::<usize>(),
             limits.max_header_bytes - HEADER_MARGIN
         );
         let longest_key = table.inner().keys().map(|k| k.as_str().len()).max();
         assert_eq!(longest_key, Some(limits.max_header_key_len - 1));
-        let (_, body, _) = message(42, 10_000, &limits);
-        assert_eq!(body.len(), limits.max_body_bytes - BODY_MARGIN);
-        let load: Load = serde_json::from_slice(&body).expect("a JSON load");
-        assert_eq!(load.id, "h-00042");
-    }
-
-    #[test]
-    fn each_hostile_class_breaks_exactly_its_own_limit() {
-        let cases = [
-            (100, Class::Oversized, "oversized"),
-            (101, Class::TooManyHeaders, "too many headers"),
-            (102, Class::ValueTooLong, "header value too long"),
-            (103, Class::HeadersTooLarge, "headers too large in total"),
-            (104, Class::TooDeep, "headers nested too deeply"),
-        ];
-        for (i, class, reason) in cases {
-            assert_eq!(verdict(i), (class, Err(reason.to_owned())));
-        }
-        let (_, body, _) = message(100, 10_000, &limits());
-        assert_eq!(body.len(), limits().max_body_bytes + 1);
-    }
-
-    #[test]
-    fn retried_messages_are_only_among_the_first_fifth() {
-        assert_eq!(Class::of(10, 10_000), Class::Retried);
-        assert_eq!(Class::of(1_914, 10_000), Class::Retried);
-        assert_eq!(Class::of(2_010, 10_000), Class::Succeeds);
-        assert_eq!(index(&id(7)), Some(7));
+        let body = |i| message(i, 10_000, &limits).1;
+        assert_eq!(body(100).len(), limits.max_body_bytes + 1);
+        assert_eq!(body(42).len(), limits.max_body_bytes - BODY_MARGIN);
+        let load: Load = serde_json::from_slice(&body(42)).expect("a JSON load");
+        assert_eq!((load.id.as_str(), index(&load.id)), ("h-00042", Some(42)));
     }
 }

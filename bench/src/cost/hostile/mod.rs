@@ -9,7 +9,6 @@ use std::io::Write as _;
 use std::process::ChildStdin;
 use std::time::{Duration, Instant};
 
-use lapin::options::ConfirmSelectOptions;
 use lapin::{Confirmation, Connection, ConnectionProperties};
 use lily::consumer::{Limits, Policy};
 use lily::prelude::QueueKind;
@@ -17,9 +16,11 @@ use lily::topology::Topology;
 use lily_mq_testkit::Client;
 use serde::Serialize;
 
+use lily_mq_regress::consume::Who;
+
 use self::child::Report;
 use self::messages::{Class, Expected, index, message};
-use super::{Bench, Contender, failed, spawn};
+use super::{Bench, failed, spawn};
 use crate::fresh_topology;
 
 /// Messages a run.
@@ -27,8 +28,6 @@ pub const N: usize = 10_000;
 /// Prefetch (and concurrency): over three times the top of the 100–300 range RabbitMQ's guide
 /// recommends and 20 times Lily's default; the bound is linear in it.
 pub const PREFETCH: u16 = 1_000;
-/// `max_body_bytes` in force: 64 KiB, so 10 000 messages stay within a shared machine's disk.
-pub const MAX_BODY_BYTES: usize = 64 * 1024;
 /// Copies of one delivery the bound allows at once: the delivery and its decoded payload or
 /// handoff copy.
 const COPIES: u64 = 2;
@@ -38,10 +37,11 @@ const LAPIN_FRAME_BUFFERS: u64 = 2 * 32;
 /// delay, so a copy waiting in its bucket is seen there).
 const QUIET: Duration = Duration::from_millis(1_500);
 
-/// The limits in force: Lily's defaults with `max_body_bytes` at 64 KiB.
+/// The limits in force: Lily's defaults with `max_body_bytes` at 64 KiB, so 10 000 messages stay
+/// within a shared machine's disk.
 pub fn limits() -> Limits {
     let mut limits = Limits::default();
-    limits.max_body_bytes = MAX_BODY_BYTES;
+    limits.max_body_bytes = 64 * 1024;
     limits
 }
 
@@ -87,7 +87,7 @@ pub struct Run {
 
 /// The hostile-load measurement: Lily, then raw lapin at the same prefetch.
 pub(super) fn measure(b: &Bench) -> Result<Hostile, String> {
-    let (lily, raw) = (run(b, Contender::Lily)?, run(b, Contender::Raw)?);
+    let (lily, raw) = (run(b, Who::Lily)?, run(b, Who::Raw)?);
     let mut failures = Vec::new();
     for (who, r) in [("lily", &lily), ("raw", &raw)] {
         if r.missing + r.unsettled > 0 {
@@ -119,13 +119,14 @@ pub(super) fn measure(b: &Bench) -> Result<Hostile, String> {
 /// One contender: a fresh topology, the child started and idle, the load published, the window
 /// filled, the queue drained until quiet, then every queue drained by id.
 #[allow(clippy::cast_precision_loss)]
-fn run(b: &Bench, who: Contender) -> Result<Run, String> {
-    let queue = format!("lily-bench-cost-hostile-{}", who.name());
+fn run(b: &Bench, who: Who) -> Result<Run, String> {
+    let name = who.name().to_lowercase();
+    let queue = format!("lily-bench-cost-hostile-{name}");
     let retry = policy().retry_delays;
     let topology =
         b.rt.block_on(fresh_topology(&b.url, &queue, QueueKind::Classic, &retry));
-    let mut command = b.child(false, &["hostile", who.name(), &queue]);
-    let (mut child, mut lines) = spawn(&mut command, true)?;
+    let mut command = b.child(false, &["hostile", &name, &queue]);
+    let (mut child, mut lines) = spawn(&mut command)?;
     let mut stdin = child.stdin.take().ok_or("no stdin")?;
     let driven = drive(b, &mut stdin, &mut lines, &topology);
     if driven.is_err() {
@@ -134,19 +135,13 @@ fn run(b: &Bench, who: Contender) -> Result<Run, String> {
     let status = child.wait().map_err(|e| format!("wait: {e}"))?;
     let (report, frame_max) = driven?;
     if !status.success() {
-        return Err(format!("hostile {} exited with {status}", who.name()));
+        return Err(format!("hostile {name} exited with {status}"));
     }
-    let (limits, connections) = (limits(), if who == Contender::Lily { 2 } else { 1 });
-    let idle = report.idle.rss_bytes;
+    let (limits, connections) = (limits(), if who == Who::Lily { 2 } else { 1 });
+    let (idle, hwm) = (report.idle_rss_bytes, report.peak_rss_bytes);
     let bound = idle
         + connections * LAPIN_FRAME_BUFFERS * frame_max
         + u64::from(PREFETCH) * COPIES * (limits.max_body_bytes + limits.max_header_bytes) as u64;
-    let samples = [
-        report.exit.hwm_bytes,
-        report.full.rss_bytes,
-        report.settled.rss_bytes,
-    ];
-    let hwm = samples.into_iter().max().unwrap_or(0);
     let client = b.rt.block_on(Client::connect(&b.url));
     let r = Run {
         rss_idle_bytes: idle,
@@ -156,17 +151,7 @@ fn run(b: &Bench, who: Contender) -> Result<Run, String> {
         msgs_per_s: N as f64 / report.drain_secs,
         ..b.rt.block_on(evidence(&client, &topology, &report, who))
     };
-    let mib = |bytes: u64| bytes as f64 / 1_048_576.0;
-    eprintln!(
-        "cost: hostile {}: idle {:.1} MiB, peak {:.1} MiB, bound {:.1} MiB, {:.0} msg/s, settled {}/{N}, unexpected {}",
-        who.name(),
-        mib(idle),
-        mib(hwm),
-        mib(bound),
-        r.msgs_per_s,
-        r.settled,
-        r.unexpected
-    );
+    eprintln!("cost: hostile {name}: {r:?}");
     Ok(r)
 }
 
@@ -220,10 +205,7 @@ fn drive(
 async fn publish(url: &str, queue: &str) -> Result<u64, String> {
     let connection = Connection::connect(url, ConnectionProperties::default()).await;
     let connection = connection.map_err(failed("connect"))?;
-    let channel = connection.create_channel().await;
-    let channel = channel.map_err(failed("channel"))?;
-    let select = channel.confirm_select(ConfirmSelectOptions::default());
-    select.await.map_err(failed("confirm.select"))?;
+    let channel = crate::raw::confirm_channel(&connection).await;
     let (limits, mut pending) = (limits(), std::collections::VecDeque::new());
     let confirmed = |i: usize, confirmation: lapin::Result<Confirmation>| match confirmation {
         Ok(Confirmation::Ack(None)) => Ok(()),
@@ -251,30 +233,28 @@ async fn publish(url: &str, queue: &str) -> Result<u64, String> {
 /// Drains every queue of `topology` by message id (bodies measured, never printed) and judges
 /// each id: the handler's record of its successes, each DLQ copy's failure kind, and anything
 /// left in the other queues.
-async fn evidence(client: &Client, topology: &Topology, report: &Report, who: Contender) -> Run {
+async fn evidence(client: &Client, topology: &Topology, report: &Report, who: Who) -> Run {
     let n = report.ok.len();
-    // Where each id ended: handled on an attempt, dead-lettered with a kind, or left.
-    let handled = |i: usize| {
-        Some(Expected::Handled {
-            attempt: report.attempt[i],
-        })
-    };
+    // Where each id ended: handled on an attempt (as often as the handler's record says),
+    // dead-lettered with a kind, or left in another queue (`None`).
+    let handled = |i: usize| Some(Expected::Handled(report.attempt[i]));
     let mut found: Vec<Vec<_>> = (0..n)
         .map(|i| vec![handled(i); report.ok[i] as usize])
         .collect();
     let mut lanes = vec![topology.queue().to_owned(), topology.parking_queue()];
     lanes.extend(topology.buckets().map(|(name, _)| name.to_owned()));
     lanes.push(topology.dead_letter_queue());
-    let dlq = lanes.len() - 1;
     for (lane, queue) in lanes.iter().enumerate() {
         while let Some(message) = client.take(queue, Duration::ZERO).await {
             let properties = &message.delivery.properties;
-            let id = properties.message_id().as_ref();
-            let Some(i) = id.and_then(|id| index(id.as_str())).filter(|&i| i < n) else {
-                continue;
-            };
-            let kind = || Expected::DeadLettered(messages::failure_kind(properties));
-            found[i].push((lane == dlq).then(kind));
+            let i = properties
+                .message_id()
+                .as_ref()
+                .and_then(|id| index(id.as_str()));
+            if let Some(places) = i.and_then(|i| found.get_mut(i)) {
+                let kind = || Expected::DeadLettered(messages::failure_kind(properties));
+                places.push((lane == lanes.len() - 1).then(kind));
+            }
         }
     }
     let mut r = Run {
@@ -288,7 +268,7 @@ async fn evidence(client: &Client, topology: &Topology, report: &Report, who: Co
             [Some(place)] => {
                 r.settled += 1;
                 let class = Class::of(i, n);
-                r.unexpected += usize::from(who == Contender::Lily && *place != class.expected());
+                r.unexpected += usize::from(who == Who::Lily && *place != class.expected());
             }
             _ => r.unexpected += 1,
         }
