@@ -514,11 +514,9 @@ pub fn mongo(r: &mongo::Results) -> String {
     for case in &r.cases {
         let load = &case.load;
         for c in &case.contenders {
-            let target = match (c.over_raw_target, c.over_raw_met) {
-                (Some(t), Some(met)) => {
-                    format!("≥ {t:.2} ({})", if met { "met" } else { "MISSED" })
-                }
-                _ => "-".into(),
+            let target = match verdict(c.over_raw_target, c.over_raw_met, true) {
+                v if v.is_empty() => "-".to_owned(),
+                v => v.trim().to_owned(),
             };
             let range = c
                 .over_raw_range
