@@ -3,7 +3,7 @@
 //! the outbox case the handler also stages the event and the consumer's own relay publishes it.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use lily::mongo::Outbox;
 use lily::mongo::mongodb::Client;
@@ -18,6 +18,7 @@ use crate::mongo::{
     CONSUMER, Case, Contender, Counters, DATABASE, EVENTS, Load, QUEUE, bump, effect,
 };
 use crate::run::{Lily, Sample, run_limit};
+use crate::throughput::POLL;
 
 /// The scope a contender runs with, on `client`, its indexes created (before the clock).
 ///
@@ -82,8 +83,7 @@ pub async fn consume(url: &str, load: &Load, scope: MongoScope, counters: Arc<Co
         && started.elapsed() < limit
         && !lily.finished()
     {
-        // Lily's ledger polled every millisecond.
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        tokio::time::sleep(POLL).await;
     }
     let (elapsed, count) = (started.elapsed(), lily.stats.totals().acked);
     lily.stopped().await;

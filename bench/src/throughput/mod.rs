@@ -13,7 +13,8 @@ pub mod cli;
 pub mod lily_run;
 pub mod peer;
 
-/// How often a run polls a contender's settled count (Lily's totals, the peer's counter).
+/// How often a run polls a contender's settled count where a millisecond's resolution is enough:
+/// the peer's counter, the Mongo scope's ACKs (Lily's throughput run polls finer: `lily_run`).
 pub const POLL: Duration = Duration::from_millis(1);
 /// The fewest repetitions a ratio is judged on.
 pub const RULE_REPS: usize = 5;
