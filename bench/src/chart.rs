@@ -72,7 +72,7 @@ impl Axis {
 /// `12 345`, `0.5` or `1.25`: a value short enough for an axis or a bar.
 fn short(value: f64) -> String {
     match value.abs() {
-        v if v >= 100.0 => crate::report::rate(value),
+        v if v >= 100.0 => crate::group(&format!("{value:.0}")),
         v if v >= 1.0 => format!("{value:.1}"),
         _ => format!("{value:.2}"),
     }

@@ -25,7 +25,7 @@ enum Program {
     /// Lily's MongoDB scope against a hand-written driver transaction.
     Mongo(crate::mongo::cli::Args),
     /// Per-message cost, memory per delivery, shutdown latency and the hostile load.
-    Cost(crate::cost::Options),
+    Cost(crate::cost::cli::Args),
     /// Lily and raw lapin on a three-node cluster beside one node.
     Cluster(crate::cluster::Args),
 }
@@ -40,7 +40,7 @@ pub fn main(counting: bool) -> ExitCode {
         Program::Storm(args) => Box::pin(crate::storm::cli::run(args)),
         Program::Mongo(args) => Box::pin(crate::mongo::cli::run(args)),
         Program::Cluster(args) => Box::pin(crate::cluster::run(args)),
-        Program::Cost(args) if counting => return crate::cost::main(args),
+        Program::Cost(args) if counting => return crate::cost::cli::main(args),
         Program::Cost(_) => return in_counting_binary(),
     };
     crate::runtime(true).block_on(program);

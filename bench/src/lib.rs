@@ -157,6 +157,20 @@ pub fn median(values: &mut [f64]) -> f64 {
     (values[(n - 1) / 2] + values[n / 2]) / 2.0
 }
 
+/// `12345.6` → `12 345.6`: thousands apart, as the reports and charts write numbers.
+pub fn group(text: &str) -> String {
+    let (sign, rest) = text.strip_prefix('-').map_or(("", text), |r| ("-", r));
+    let int = rest.find('.').map_or(rest, |dot| &rest[..dot]);
+    let mut out = String::from(sign);
+    for (i, c) in int.chars().enumerate() {
+        if i > 0 && (int.len() - i).is_multiple_of(3) {
+            out.push(' ');
+        }
+        out.push(c);
+    }
+    out + &rest[int.len()..]
+}
+
 /// The note every report ends with: where its method is written down.
 pub const METHOD: &str = "How this program measures: bench/README.md. The machine is shared: \
                           read the ratios, measured side by side, not the absolute figures.";

@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::chart::Chart;
 use crate::latency::{self, HISTOGRAM_MS, Latencies};
-use crate::{Meta, cost, mongo, storm, throughput};
+use crate::{Meta, cost, group, mongo, storm, throughput};
 
 /// Prints `markdown` and writes `<name>.json`, `<name>.md` and, when given, `<name>.svg` into
 /// `out`, saying where.
@@ -74,20 +74,6 @@ pub fn rate(value: impl Into<Option<f64>>) -> String {
         Some(v) if v.is_finite() => group(&format!("{v:.0}")),
         _ => "-".into(),
     }
-}
-
-/// `12345.6` → `12 345.6`.
-pub fn group(text: &str) -> String {
-    let (sign, rest) = text.strip_prefix('-').map_or(("", text), |r| ("-", r));
-    let int = rest.find('.').map_or(rest, |dot| &rest[..dot]);
-    let mut out = String::from(sign);
-    for (i, c) in int.chars().enumerate() {
-        if i > 0 && (int.len() - i).is_multiple_of(3) {
-            out.push(' ');
-        }
-        out.push(c);
-    }
-    out + &rest[int.len()..]
 }
 
 /// `value` with `digits` decimals, or `-`.

@@ -2,38 +2,38 @@
 //! a delivery in flight, shutdown latency and the hostile load, each measured in a child process
 //! of `lily-bench-counting`. Method: `bench/README.md`.
 
+pub mod cli;
 pub mod hostile;
 pub mod memory;
 pub mod reader;
 pub mod shutdown;
 
 use std::io::{BufRead as _, BufReader};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lapin::options::BasicQosOptions;
 use lapin::{Channel, Connection};
 use lily::consumer::Policy;
 use lily::prelude::QueueKind;
 use lily_mq_regress::collected;
-use lily_mq_regress::consume::{Who, drain, handled};
+use lily_mq_regress::consume::Who;
 use rustix::process::{Pid, Signal, kill_process};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::runtime::Runtime;
 
-use crate::args::Common;
 /// The children's lapin errors read as the raw contenders' do.
 pub(crate) use crate::raw::failed;
-use crate::{broker_url, fresh_topology, median, publish, runtime};
+use crate::{fresh_topology, median, publish};
 
 /// Messages of the long and the short (subtracted) runs, native and under valgrind; quick
 /// under valgrind.
-const N: [usize; 2] = [20_000, 2_000];
-const QUICK_VALGRIND_N: [usize; 2] = [5_000, 500];
+pub const N: [usize; 2] = [20_000, 2_000];
+pub const QUICK_VALGRIND_N: [usize; 2] = [5_000, 500];
 /// Deliveries held by the memory step.
-const IN_FLIGHT: usize = 10_000;
+pub const IN_FLIGHT: usize = 10_000;
 /// Targets of Lily's layer: instructions and heap allocations a message; the idle shutdown in ms.
 pub const TARGET_INSTRUCTIONS: f64 = 8000.0;
 pub const TARGET_ALLOCATIONS: f64 = 10.0;
@@ -47,43 +47,6 @@ async fn close_raw(connection: Connection, channel: Channel, prefetch: u16) -> R
     let _ = channel.close(200, "done".into()).await;
     let _ = connection.close(200, "done".into()).await;
     Ok(())
-}
-
-/// What the orchestrator measures; a subcommand is one of its child processes. To profile:
-/// `LILY_BENCH_CALLGRIND_DIR` and `LILY_BENCH_WRAP` (`bench/README.md`).
-#[derive(clap::Args, Debug)]
-#[command(args_conflicts_with_subcommands = true)]
-pub struct Options {
-    #[command(subcommand)]
-    child: Option<Child>,
-    #[command(flatten)]
-    common: Common,
-    /// Rounds of the allocation counts (quick: 2).
-    #[arg(long, default_value = "3", value_parser = crate::args::count::<usize>,
-          default_value_if("quick", "true", Some("2")))]
-    reps: usize,
-    /// Steps to run: allocs, instructions, reader, memory, shutdown, hostile (default: all).
-    #[arg(long, value_delimiter = ',')]
-    only: Vec<String>,
-}
-
-/// The child processes, each running the regression gate's raw lapin or Lily consumer (`WHO`);
-/// each prints `RESULT {json}`.
-#[derive(clap::Subcommand, Debug)]
-enum Child {
-    /// Consumes N orders from QUEUE; its handled count and heap allocation calls.
-    Run { who: Who, n: u64, queue: String },
-    /// Holds K deliveries from QUEUE (the parent publishes once it prints `IDLE`); its memory.
-    Mem { who: Who, k: usize, queue: String },
-    /// Drains the hostile load from QUEUE (`hostile::child`).
-    Hostile { who: Who, queue: String },
-    /// Reads the frames of N of TOTAL deliveries through Lily's frame reader (or plainly).
-    Reader {
-        total: usize,
-        n: usize,
-        #[arg(long)]
-        plain: bool,
-    },
 }
 
 /// A cost a message: raw, Lily, and Lily's layer (Lily − raw) against its target. Heap
@@ -128,37 +91,6 @@ pub struct Results {
     pub hostile: Option<hostile::Hostile>,
     /// Steps that failed, and why.
     pub errors: Vec<String>,
-}
-
-/// Entry point of `lily-bench cost` (in `lily-bench-counting`).
-pub fn main(mut options: Options) -> ExitCode {
-    let url = broker_url();
-    let result = match options.child.take() {
-        None => return orchestrate(options),
-        // The `run` child consumes exactly `n` pre-published orders on a current-thread runtime,
-        // closes, and counts the whole process.
-        Some(Child::Run { who, n, queue }) => runtime(false)
-            .block_on(drain(who, &url, &queue, n))
-            .map(|()| {
-                let stats = stats_alloc::INSTRUMENTED_SYSTEM.stats();
-                json((handled(), stats.allocations + stats.reallocations))
-            }),
-        Some(Child::Mem { who, k, queue }) => memory::child(who, k, &url, &queue).map(json),
-        Some(Child::Hostile { who, queue }) => hostile::child::child(who, &url, &queue).map(json),
-        Some(Child::Reader { total, n, plain }) => reader::child(total, n, plain).map(json),
-    };
-    match result {
-        Ok(value) => println!("RESULT {value}"),
-        Err(err) => {
-            eprintln!("cost child: {err}");
-            return ExitCode::FAILURE;
-        }
-    }
-    ExitCode::SUCCESS
-}
-
-fn json(value: impl Serialize) -> String {
-    serde_json::to_string(&value).expect("json")
 }
 
 /// The value of a child's `RESULT` line.
@@ -225,11 +157,12 @@ fn per_message(
 
 /// Everything the orchestrator shares with its steps.
 pub struct Bench {
-    rt: Runtime,
-    url: String,
-    options: Options,
+    pub rt: Runtime,
+    pub url: String,
+    /// Rounds of the allocation counts.
+    pub reps: usize,
     /// Messages of the runs under callgrind.
-    valgrind_n: [usize; 2],
+    pub valgrind_n: [usize; 2],
 }
 
 impl Bench {
@@ -280,9 +213,9 @@ impl Bench {
 }
 
 /// Heap allocations a message, native runs: the median of `--reps` rounds.
-fn allocations(b: &Bench) -> Result<PerMessage, String> {
+pub fn allocations(b: &Bench) -> Result<PerMessage, String> {
     let mut rounds = [Vec::new(), Vec::new()];
-    for round in 1..=b.options.reps {
+    for round in 1..=b.reps {
         for (who, per) in [Who::Raw, Who::Lily].into_iter().zip(&mut rounds) {
             let x = per_message(N, |n| Ok(b.consume(who, n, false)?.0))?;
             eprintln!(
@@ -297,7 +230,7 @@ fn allocations(b: &Bench) -> Result<PerMessage, String> {
 }
 
 /// Instructions a message under callgrind, on tokio's current-thread runtime.
-fn instructions(b: &Bench) -> Result<PerMessage, String> {
+pub fn instructions(b: &Bench) -> Result<PerMessage, String> {
     let n = b.valgrind_n;
     let per = |who| per_message(n, |k| collected(&b.consume(who, k, true)?.1));
     let both = [per(Who::Raw)?, per(Who::Lily)?];
@@ -306,7 +239,7 @@ fn instructions(b: &Bench) -> Result<PerMessage, String> {
 
 /// Instructions a message of Lily's frame reader alone, under callgrind: the frames of N or N0
 /// deliveries read through it, minus the same frames read plainly.
-fn reader_instructions(b: &Bench) -> Result<f64, String> {
+pub fn reader_instructions(b: &Bench) -> Result<f64, String> {
     let n = b.valgrind_n;
     let total = n[0].to_string();
     let per = |plain: bool| {
@@ -320,62 +253,4 @@ fn reader_instructions(b: &Bench) -> Result<f64, String> {
         })
     };
     Ok(per(false)? - per(true)?)
-}
-
-/// Runs step `name` when `--only` names it (or is empty); its failure goes to `errors`.
-fn step<T>(
-    only: &[String],
-    errors: &mut Vec<String>,
-    name: &str,
-    run: impl FnOnce() -> Result<T, String>,
-) -> Option<T> {
-    if !only.is_empty() && !only.iter().any(|w| w == name) {
-        return None;
-    }
-    eprintln!("cost: measuring {name}");
-    run()
-        .map_err(|err| errors.push(format!("{name}: {err}")))
-        .ok()
-}
-
-fn orchestrate(options: Options) -> ExitCode {
-    let url = broker_url();
-    let meta = crate::Meta::new("cost", &url, vec![crate::METHOD.into()]);
-    let quick = options.common.quick;
-    let b = Bench {
-        rt: runtime(true),
-        url,
-        options,
-        valgrind_n: if quick { QUICK_VALGRIND_N } else { N },
-    };
-    let (mut errors, started, only) = (Vec::new(), Instant::now(), &b.options.only);
-    let idle_runs = if quick { 3 } else { 5 };
-    let mut r = Results {
-        meta,
-        prefetch: lily_mq_regress::consume::PREFETCH,
-        instructions: step(only, &mut errors, "instructions", || instructions(&b)),
-        reader: step(only, &mut errors, "reader", || reader_instructions(&b)),
-        allocations: step(only, &mut errors, "allocs", || allocations(&b)),
-        memory: step(only, &mut errors, "memory", || {
-            memory::measure(&b, IN_FLIGHT)
-        }),
-        shutdown: step(only, &mut errors, "shutdown", || {
-            shutdown::measure(&b.rt, &b.url, idle_runs)
-        }),
-        hostile: step(only, &mut errors, "hostile", || hostile::measure(&b)),
-        errors: Vec::new(),
-    };
-    r.errors = errors;
-    // The hostile load states a bound: over it, or a message missing, fails the run.
-    if let Some(h) = r.hostile.as_ref().filter(|h| !h.met) {
-        r.errors.push(format!("hostile: {}", h.failures.join("; ")));
-    }
-    r.meta.finish(started);
-    let markdown = crate::report::cost(&r);
-    crate::report::write(&b.options.common.out, "cost", &r, &markdown, None);
-    if r.errors.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
 }

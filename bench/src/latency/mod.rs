@@ -9,6 +9,8 @@ pub mod timer;
 
 pub use crate::throughput::Path;
 
+/// The work queue every run uses (re-created each time).
+pub const QUEUE: &str = "lily-bench-latency";
 /// The target: Lily's p99 at most raw-batch's p99 plus this, in ms.
 pub const P99_MARGIN_MS: f64 = 2.0;
 /// The fractions of the maximum rate the runs publish at.

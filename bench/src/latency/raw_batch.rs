@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::Order;
-use crate::latency::run::QUEUE;
+use crate::latency::QUEUE;
 use crate::latency::timer::{COPIES, SETTLED, published_at};
 use crate::raw::{MANDATORY, REQUEUE, close, confirm_channel, next, open, retry_properties};
 use crate::run::FAILURE_REASON;

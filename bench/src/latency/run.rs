@@ -15,14 +15,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::latency::raw_batch::{self, Counters};
 use crate::latency::timer::{self, COPIES, SETTLED};
-use crate::latency::{Contender, KEPT_UP, Path, Run};
+use crate::latency::{Contender, KEPT_UP, Path, QUEUE, Run};
 use crate::report::ms;
 use crate::run::{Lily, backlog, run_limit, unexpected};
 use crate::throughput::lily_run;
 use crate::{Order, fresh_topology};
-
-/// The work queue every run uses (re-created each time).
-pub const QUEUE: &str = "lily-bench-latency";
 
 /// How long a run waits, after publishing stopped, for the backlog to be settled.
 const DRAIN_LIMIT: Duration = Duration::from_secs(30);

@@ -73,6 +73,15 @@ pub use tx::{MongoTx, handler_error};
 
 pub use mongodb;
 
+/// Majority writes and majority reads, for every collection of Lily's own.
+fn majority() -> mongodb::options::CollectionOptions {
+    use mongodb::options::{Acknowledgment, CollectionOptions, ReadConcern, WriteConcern};
+    CollectionOptions::builder()
+        .write_concern(WriteConcern::builder().w(Acknowledgment::Majority).build())
+        .read_concern(ReadConcern::majority())
+        .build()
+}
+
 /// Locks `mutex`, taking the data back if a holder panicked: what it guards stays valid
 /// between statements.
 fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {

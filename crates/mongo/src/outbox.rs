@@ -114,9 +114,7 @@ impl OutboxStore {
     /// scope's [`MongoConfig::collection_prefix`](crate::MongoConfig::collection_prefix) says
     /// otherwise): for tools that inspect it, like `lily outbox`. Reads and writes at majority.
     pub fn of(database: &Database, prefix: &str) -> Self {
-        Self::new(
-            database.collection_with_options(&format!("{prefix}outbox"), crate::scope::majority()),
-        )
+        Self::new(database.collection_with_options(&format!("{prefix}outbox"), crate::majority()))
     }
 
     /// How many records are in each state, the oldest staged one's age, and the failed ones

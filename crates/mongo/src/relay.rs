@@ -136,6 +136,14 @@ pub struct Relay {
     known: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
+/// What a relay works on: a scope's outbox, the relays' leases, and the notice of this
+/// process's commits that staged.
+pub(crate) struct Source {
+    pub(crate) outbox: Collection<Document>,
+    pub(crate) relays: Collection<Document>,
+    pub(crate) staged: Arc<tokio::sync::Notify>,
+}
+
 /// The outcome of one staged message's publish.
 enum Verdict {
     Sent,
@@ -146,16 +154,16 @@ enum Verdict {
 }
 
 impl Relay {
-    /// A relay of `scope`'s outbox, publishing through `publisher`.
-    pub fn new(scope: &crate::MongoScope, publisher: Arc<Publisher>, config: RelayConfig) -> Self {
-        let (outbox, relays) = scope.outbox_collections();
+    /// A relay of `source`, publishing through `publisher` (a user's comes from
+    /// [`Relay::new`], beside the scope).
+    pub(crate) fn of(source: Source, publisher: Arc<Publisher>, config: RelayConfig) -> Self {
         Self {
-            outbox,
-            relays,
+            outbox: source.outbox,
+            relays: source.relays,
             publisher,
             config,
             owner: crate::lease::owner_token(),
-            staged: scope.staged(),
+            staged: source.staged,
             known: std::sync::Mutex::default(),
         }
     }
@@ -529,7 +537,7 @@ const FINAL_WAIT: Duration = Duration::from_secs(2);
 
 /// A scope's relay before it has a publisher: the consumer lends one when it starts it.
 pub(crate) struct ScopeRelay {
-    pub(crate) scope: crate::MongoScope,
+    pub(crate) source: Source,
     pub(crate) config: RelayConfig,
 }
 
@@ -547,7 +555,7 @@ impl OutboxRelay for ScopeRelay {
                     ..OutboxReport::default()
                 };
             };
-            Relay::new(&self.scope, publisher, self.config)
+            Relay::of(self.source, publisher, self.config)
                 .run(stop)
                 .await
         })

@@ -5,11 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lily_mq_core::{Begin, BoxFuture, Meta, OutboxRelay, Reason, Resources, TransactionalScope};
+use lily_mq_rabbit::Publisher;
 use mongodb::bson::{Document, doc};
 use mongodb::error::TRANSIENT_TRANSACTION_ERROR;
-use mongodb::options::{
-    Acknowledgment, CollectionOptions, IndexOptions, ReadConcern, WriteConcern,
-};
+use mongodb::options::{Acknowledgment, IndexOptions, ReadConcern, WriteConcern};
 use mongodb::{Client, Collection, Database, IndexModel};
 use tokio::sync::Mutex;
 use tracing::debug;
@@ -19,7 +18,7 @@ use crate::deferrals::Deferrals;
 use crate::inbox;
 use crate::lease::{self, Refused, is_duplicate_key};
 use crate::observer::CommitObserver;
-use crate::relay::RelayConfig;
+use crate::relay::{Relay, RelayConfig, ScopeRelay, Source};
 use crate::tx::{MongoTransaction, TxState, code_of};
 
 /// Settings of the MongoDB scope.
@@ -163,14 +162,6 @@ struct Inner {
     abandoned: Arc<lease::Abandoned>,
 }
 
-/// Majority writes and majority reads, for every collection of Lily's own.
-pub(crate) fn majority() -> CollectionOptions {
-    CollectionOptions::builder()
-        .write_concern(WriteConcern::builder().w(Acknowledgment::Majority).build())
-        .read_concern(ReadConcern::majority())
-        .build()
-}
-
 /// The most handling marks remembered at once (one per delivery being handled, removed when it
 /// ends); past it, they are forgotten (their marks then count as deaths, which only errs on
 /// the side of stopping a message sooner).
@@ -212,7 +203,7 @@ impl MongoScope {
         // by a primary alone can be rolled back when that primary loses its term.
         let collection = |suffix: &str| {
             let name = format!("{}{suffix}", config.collection_prefix);
-            database.collection_with_options::<Document>(&name, majority())
+            database.collection_with_options::<Document>(&name, crate::majority())
         };
         let inbox = collection("inbox");
         let leases = collection("leases");
@@ -270,14 +261,13 @@ impl MongoScope {
         crate::OutboxStore::new(self.0.outbox.clone())
     }
 
-    /// The outbox and the relays' leases.
-    pub(crate) fn outbox_collections(&self) -> (Collection<Document>, Collection<Document>) {
-        (self.0.outbox.clone(), self.0.relays.clone())
-    }
-
-    /// Told when a delivery's transaction that staged a message committed.
-    pub(crate) fn staged(&self) -> Arc<tokio::sync::Notify> {
-        Arc::clone(&self.0.staged)
+    /// What the scope's relays work on.
+    fn relay_source(&self) -> Source {
+        Source {
+            outbox: self.0.outbox.clone(),
+            relays: self.0.relays.clone(),
+            staged: Arc::clone(&self.0.staged),
+        }
     }
 
     async fn open(&self, meta: &Meta) -> Begin {
@@ -458,6 +448,13 @@ impl MongoScope {
     }
 }
 
+impl Relay {
+    /// A relay of `scope`'s outbox, publishing through `publisher`.
+    pub fn new(scope: &MongoScope, publisher: Arc<Publisher>, config: RelayConfig) -> Self {
+        Self::of(scope.relay_source(), publisher, config)
+    }
+}
+
 impl TransactionalScope for MongoScope {
     fn begin<'a>(&'a self, meta: &'a Meta, deadline: Duration) -> BoxFuture<'a, Begin> {
         Box::pin(async move {
@@ -474,8 +471,8 @@ impl TransactionalScope for MongoScope {
     /// The outbox relay, unless [`MongoConfig::without_relay`].
     fn relay(&self) -> Option<Box<dyn OutboxRelay>> {
         let config = self.0.config.relay.clone()?;
-        Some(Box::new(crate::relay::ScopeRelay {
-            scope: self.clone(),
+        Some(Box::new(ScopeRelay {
+            source: self.relay_source(),
             config,
         }))
     }
